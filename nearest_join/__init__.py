@@ -1,0 +1,25 @@
+"""nearest_join: a fast, exact distributed nearest-neighbour join for Apache Spark.
+
+``from nearest_join import nearest_by_join`` is the public entry (Spark's ``nearestByJoin``
+contract). The Spark layer is imported lazily so that ``nearest_join.kernels`` works on
+machines without pyspark (GPU executors under test, benchmarks).
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "nearest_by_join": "nearest_join.join",
+    "explain_nearest_join": "nearest_join.join",
+    "JoinPlan": "nearest_join.planner",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nearest_join' has no attribute {name!r}")
