@@ -1,0 +1,45 @@
+# Two commands do all set-up on a fresh machine:
+#   make run   - create .venv if needed, install, run the demo job (local-mode Spark)
+#   make test  - create/update .venv with the test dependencies, run the test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU build of torch lies on this machine's disk; a plain `torch` would pull a multi-GB
+# CUDA build. triton is only used here through TRITON_INTERPRET=1 (kernel tests on the CPU).
+TORCH_CPU := torch==2.13.0
+TRITON := triton==3.6.0
+
+.PHONY: run test check-java bench-cpu bench-spark clean
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	@touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml Makefile
+	$(PIP) install -q $(TORCH_CPU) $(TRITON)
+	$(PIP) install -q -e '.[dev]'
+	@touch $@
+
+check-java:
+	@command -v java >/dev/null 2>&1 || { echo "Java 17+ is required by pyspark 4.x. Install it, e.g.: sudo apt-get install -y openjdk-17-jre-headless" >&2; exit 1; }
+	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
+	  if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then echo "Java 17+ is required by pyspark 4.x (found: $$v). Install it, e.g.: sudo apt-get install -y openjdk-17-jre-headless" >&2; exit 1; fi
+
+run: $(VENV)/.installed check-java
+	PYSPARK_PYTHON=$(abspath $(PY)) $(VENV)/bin/nearest-join demo
+
+test: $(VENV)/.installed-dev check-java
+	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) -m pytest -q
+
+bench-cpu: $(VENV)/.installed-dev
+	$(PY) benchmarks/cpu_kernel.py
+
+bench-spark: $(VENV)/.installed-dev check-java
+	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) benchmarks/spark_join.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
