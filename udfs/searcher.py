@@ -1,0 +1,88 @@
+"""Per-task search set-up: choose the backend and device once, then search block after block.
+
+A Spark task builds one :class:`BlockSearcher` (device choice, thread share, JIT warm-up) and
+streams its blocks through it. The GPU searcher (``udfs.gpu``) keeps the current target block
+resident on the device, keyed by ``target_key``, so that many query blocks against the same
+target block copy it once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from nearest_join.kernels import knn
+
+logger = logging.getLogger(__name__)
+
+
+def task_cpus() -> int:
+    """This task's share of cores: ``spark.task.cpus`` inside Spark, else the usable cores.
+
+    ``NEAREST_JOIN_THREADS`` overrides both (benchmarks, or a user who knows better).
+    """
+    forced = os.environ.get("NEAREST_JOIN_THREADS")
+    if forced:
+        return max(1, int(forced))
+    try:
+        from pyspark import TaskContext  # only present inside Spark
+
+        ctx = TaskContext.get()
+        if ctx is not None:
+            return max(1, int(ctx.cpus()))
+    except ImportError:
+        pass
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    """Plain, picklable search settings the driver captures in the executor closure."""
+
+    k: int
+    metric: str
+    backend: str = "auto"       # "auto" | "cpu" | "gpu" | "reference"
+    precision: str = "fp32"     # GPU only: "fp32" | "tf32" | "bf16" (results stay exact)
+
+
+class BlockSearcher:
+    """CPU (or reference) searcher: a thin wrapper over :func:`nearest_join.kernels.knn`."""
+
+    def __init__(self, settings: SearchSettings, threads: int | None = None):
+        self.settings = settings
+        self.threads = threads or task_cpus()
+        self.backend = "cpu" if settings.backend in ("auto", "gpu") else settings.backend
+        self.device = "cpu"
+
+    def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
+               target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
+        s = self.settings
+        backend = self.backend
+        if backend == "cpu":
+            # Fall back to the dispatcher's choice when numba is unusable on this executor.
+            backend = "auto"
+        return knn(query_vectors, target_vectors, s.k, s.metric, backend=backend,
+                   threads=self.threads)
+
+
+def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
+    """The searcher for this task: the GPU Spark assigned to it when there is one, else CPU.
+
+    ``backend="gpu"`` without a usable GPU is an error; ``"auto"`` falls back to the CPU
+    without configuration.
+    """
+    if settings.backend in ("auto", "gpu"):
+        try:
+            from udfs.gpu import gpu_searcher_or_none
+        except ImportError as exc:
+            if settings.backend == "gpu":
+                raise RuntimeError(f"backend 'gpu' requested but the GPU path cannot load: {exc}")
+        else:
+            searcher = gpu_searcher_or_none(settings)
+            if searcher is not None:
+                return searcher
+            if settings.backend == "gpu":
+                raise RuntimeError("backend 'gpu' requested but this executor has no usable CUDA device")
+    return BlockSearcher(settings)
