@@ -1,0 +1,31 @@
+"""Internal column names and bit layouts, in one place (driver and executors share them).
+
+Packed DataFrames hold only these columns (user columns travel inside the blobs), so they can
+never collide with user column names. Output columns get positional internal names and are
+renamed to the user's names (duplicates allowed, as in Spark) by the driver.
+"""
+BLOCK_ID = "__nj_block_id"
+BLOB = "__nj_blob"
+Q_BLOCK_ID = "__nj_q_block_id"
+Q_BLOB = "__nj_q_blob"
+T_BLOCK_ID = "__nj_t_block_id"
+T_BLOB = "__nj_t_blob"
+PARTIAL = "__nj_partial"
+
+# Inside a partial blob: per (query row, rank) slot.
+SLOT_VALUE = "__nj_value"
+SLOT_KEY = "__nj_key"
+
+# block_id = partition << PARTITION_SHIFT | sequence number within the partition's task.
+# A target row's global key = block_id << ROW_BITS | row within the block: it orders target
+# rows for the tie rule (lower key wins) and fits in int64: 19 + 20 + 24 = 63 bits.
+PARTITION_BITS = 19
+SEQUENCE_BITS = 20
+ROW_BITS = 24
+MAX_BLOCK_ROWS = (1 << ROW_BITS) - 1
+EMPTY_BLOCK_ID = -1  # the always-present empty target block (LEFT OUTER with no targets)
+
+
+def output_name(position: int) -> str:
+    """Positional internal name of output column ``position``."""
+    return f"__nj_out_{position}"

@@ -1,0 +1,124 @@
+"""Arrow vector columns -> dense numpy matrices, as Spark's vector functions see them.
+
+Accepted Arrow layouts (what Spark sends for the supported column types):
+``list<float>`` / ``list<double>`` (``array<float>`` / ``array<double>``, also large and
+fixed-size lists) and the struct behind pyspark.ml's ``VectorUDT``
+(``type`` 1 = dense ``values``; 0 = sparse ``size``/``indices``/``values``).
+A NULL vector or a NULL element becomes NaN, which the kernels treat as "never matches".
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+
+class VectorDimensionError(ValueError):
+    """A vector whose length differs from the join's dimension (Spark: VECTOR_DIMENSION_MISMATCH)."""
+
+
+def _as_array(column) -> pa.Array:
+    if isinstance(column, pa.ChunkedArray):
+        return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    return column
+
+
+def vector_dtype(arrow_type: pa.DataType) -> np.dtype:
+    """numpy dtype of the decoded matrix: float32 for float elements, float64 otherwise."""
+    if pa.types.is_struct(arrow_type):
+        return np.dtype(np.float64)
+    value_type = arrow_type.value_type
+    return np.dtype(np.float32) if pa.types.is_float32(value_type) else np.dtype(np.float64)
+
+
+def _mismatch(column: str, found: int, expected: int, expected_from: str) -> VectorDimensionError:
+    return VectorDimensionError(
+        f"[VECTOR_DIMENSION_MISMATCH] Vectors must have the same dimension, but column "
+        f"`{column}` has a vector of dimension {found} and {expected_from} has dimension {expected}."
+    )
+
+
+def decode_vectors(column, dimension: int | None, *, label: str = "vector",
+                   expected_from: str = "the other side") -> np.ndarray:
+    """Decode one Arrow vector column into an (n, dimension) float matrix.
+
+    Parameters
+    ----------
+    column : pyarrow Array or ChunkedArray
+    dimension : int or None
+        Expected length of every non-NULL vector; None takes the first non-NULL vector's.
+    label : str
+        The user's column name, for errors.
+    expected_from : str
+        Where ``dimension`` came from, for errors (e.g. "target column `w`").
+
+    Raises
+    ------
+    VectorDimensionError
+        A non-NULL vector of another length (a ragged row).
+    """
+    arr = _as_array(column)
+    n = len(arr)
+    if pa.types.is_struct(arr.type):
+        return _decode_ml_vectors(arr, dimension, label, expected_from)
+    dtype = vector_dtype(arr.type)
+    if pa.types.is_fixed_size_list(arr.type):
+        lengths = np.full(n, arr.type.list_size, dtype=np.int64)
+    else:
+        lengths = pc.list_value_length(arr).fill_null(-1).to_numpy(zero_copy_only=False)
+    valid = lengths >= 0
+    if not pa.types.is_fixed_size_list(arr.type) and arr.null_count:
+        valid &= arr.is_valid().to_numpy(zero_copy_only=False)
+    present = lengths[valid]
+    if dimension is None:
+        dimension = int(present[0]) if present.size else 0
+        expected_from = f"the first vector of `{label}`"
+    bad = np.flatnonzero(present != dimension)
+    if bad.size:
+        raise _mismatch(label, int(present[bad[0]]), dimension, expected_from)
+    flat = arr.flatten()  # honours slicing and skips NULL lists
+    if flat.null_count:
+        flat = flat.fill_null(np.nan)
+    values = flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False)
+    if valid.all():
+        return values.reshape(n, dimension)
+    out = np.full((n, dimension), np.nan, dtype=dtype)
+    out[valid] = values.reshape(-1, dimension)
+    return out
+
+
+def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> np.ndarray:
+    n = len(arr)
+    valid = arr.is_valid().to_numpy(zero_copy_only=False)
+    kinds = arr.field("type").fill_null(-1).to_numpy(zero_copy_only=False)
+    sizes = arr.field("size").fill_null(-1).to_numpy(zero_copy_only=False)
+    values = arr.field("values")
+    value_lengths = pc.list_value_length(values).fill_null(0).to_numpy(zero_copy_only=False)
+    lengths = np.where(kinds == 1, value_lengths, sizes)
+    present = lengths[valid]
+    if dimension is None:
+        dimension = int(present[0]) if present.size else 0
+        expected_from = f"the first vector of `{label}`"
+    bad = np.flatnonzero(present != dimension)
+    if bad.size:
+        raise _mismatch(label, int(present[bad[0]]), dimension, expected_from)
+    out = np.full((n, dimension), np.nan, dtype=np.float64)
+    rows = np.flatnonzero(valid)
+    if rows.size == 0:
+        return out
+    flat_values = values.flatten().to_numpy(zero_copy_only=False)
+    offsets = values.offsets.to_numpy()[: n + 1]
+    offsets = offsets - offsets[0]  # flatten() is relative to the slice
+    dense = rows[kinds[rows] == 1]
+    for row in dense:  # row-wise: dense ml vectors are rare at scale; keeps the logic obvious
+        out[row] = flat_values[offsets[row]: offsets[row + 1]]
+    sparse = rows[kinds[rows] == 0]
+    if sparse.size:
+        indices = arr.field("indices")
+        flat_idx = indices.flatten().to_numpy(zero_copy_only=False)
+        idx_off = indices.offsets.to_numpy()[: n + 1]
+        idx_off = idx_off - idx_off[0]
+        for row in sparse:
+            out[row] = 0.0
+            out[row, flat_idx[idx_off[row]: idx_off[row + 1]]] = flat_values[offsets[row]: offsets[row + 1]]
+    return out
