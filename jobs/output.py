@@ -1,0 +1,195 @@
+"""Atomic publication of a job's output directory on a local (or shared POSIX) filesystem.
+
+Spark writes the Parquet files into a hidden staging directory beside the final path
+(``.NAME.nj-staging-<run>``, same parent, so the same filesystem and renames are atomic).
+The run summary ``_nearest_join_summary.json`` and ``_SUCCESS`` are added inside it, the files
+are flushed to disk, and only then does the staging directory take the final name:
+
+* no previous output: one ``rename(staging, final)``;
+* a previous output: ``renameat2(RENAME_EXCHANGE)`` swaps the two directories in one step
+  (Linux >= 3.15), then the old one, now under the staging name, is deleted. Where the
+  exchange is unsupported, two renames are used: final -> ``.NAME.nj-previous-<run>``, then
+  staging -> final; a run killed between them leaves the previous output under that name and
+  the next run puts it back (see :func:`_recover`).
+
+So readers of the final path see the old table or the new one, never a mix, and a run that
+fails or is killed leaves the old table as it was. Hidden names (leading dot) keep staging
+directories out of Spark's and Hive's directory listings.
+
+One run at a time may write a given output: an exclusive ``flock`` on ``.NAME.nj-lock``
+(released by the kernel even when the process is killed) makes a second run fail fast.
+
+Object stores (S3, GCS, ABFS) have no atomic directory rename: this module refuses them (the
+spec check does). There, publish through a table format (Delta Lake, Iceberg) or an S3A
+committer and a pointer that readers follow, swapped once the write is complete.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import json
+import logging
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .spec import SUMMARY_FILE
+
+logger = logging.getLogger(__name__)
+
+SUCCESS_FILE = "_SUCCESS"
+_STAGING = ".nj-staging-"
+_PREVIOUS = ".nj-previous-"
+
+
+class OutputBusyError(RuntimeError):
+    """Another run holds the lock of this output path."""
+
+
+def _sibling(final: Path, kind: str, run_id: str = "") -> Path:
+    return final.parent / f".{final.name}{kind}{run_id}"
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _libc_renameat2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        return libc.renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28, or not Linux
+        return None
+
+
+_RENAMEAT2 = _libc_renameat2()
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths; False where the kernel or filesystem cannot."""
+    if _RENAMEAT2 is None:
+        return False
+    rc = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
+
+
+def replace_directory(staging: Path, final: Path) -> None:
+    """Make the complete directory ``staging`` appear at ``final`` in one step.
+
+    An existing ``final`` is replaced (and deleted afterwards); see the module notes for what
+    a reader or a killed process can observe.
+    """
+    staging, final = Path(staging), Path(final)
+    if not os.path.lexists(final):
+        os.rename(staging, final)
+    elif _exchange(staging, final):
+        shutil.rmtree(staging)  # now holds the previous output
+    else:
+        previous = _sibling(final, _PREVIOUS, uuid.uuid4().hex[:12])
+        os.rename(final, previous)
+        os.rename(staging, final)
+        shutil.rmtree(previous)
+    _fsync_path(final.parent)
+
+
+def _recover(final: Path) -> None:
+    """Tidy what killed runs left beside ``final``; called with the lock held.
+
+    Staging directories of killed runs are deleted (they were never visible). A previous
+    output parked by a two-rename swap is put back when the final path is missing (the run
+    died between the two renames), else deleted.
+    """
+    for leftover in sorted(final.parent.glob(f".{final.name}{_STAGING}*")):
+        logger.warning("removing %s, left by an interrupted run", leftover)
+        shutil.rmtree(leftover, ignore_errors=True)
+    parked = sorted(final.parent.glob(f".{final.name}{_PREVIOUS}*"), key=os.path.getmtime)
+    for leftover in parked:
+        if not os.path.lexists(final):
+            logger.warning("restoring %s to %s, left by an interrupted run", leftover, final)
+            os.rename(leftover, final)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+class StagedOutput:
+    """Context manager: lock the output, hand out a staging path, publish or discard.
+
+    Examples
+    --------
+    >>> with StagedOutput("/data/similar_items") as staged:  # doctest: +SKIP
+    ...     df.write.parquet(str(staged.staging))
+    ...     staged.publish({"output_rows": 42})
+
+    Leaving the block without :meth:`publish` (an exception) deletes the staging directory;
+    the final path is untouched.
+    """
+
+    def __init__(self, final: str | os.PathLike, *, replace: bool = True):
+        self.final = Path(final)
+        self.replace = replace
+        self.run_id = uuid.uuid4().hex[:12]
+        self.staging = _sibling(self.final, _STAGING, self.run_id)
+        self.lock_path = _sibling(self.final, ".nj-lock")
+        self._lock_fd: int | None = None
+        self.published = False
+
+    def __enter__(self) -> "StagedOutput":
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputBusyError(
+                f"another nearest-join run is writing {self.final} (it holds {self.lock_path}); "
+                "wait for it to finish, then re-run"
+            ) from None
+        self._lock_fd = fd
+        _recover(self.final)
+        return self
+
+    def publish(self, summary: dict[str, Any]) -> Path:
+        """Add the summary and ``_SUCCESS`` to the staging directory and move it into place."""
+        if os.path.lexists(self.final) and not self.replace:
+            raise FileExistsError(f"{self.final} appeared while this run was writing it")
+        self.staging.mkdir(exist_ok=True)  # an empty result may not create it
+        summary_path = self.staging / SUMMARY_FILE
+        summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        (self.staging / SUCCESS_FILE).touch()
+        for path in (summary_path, self.staging / SUCCESS_FILE, self.staging):
+            _fsync_path(path)
+        replace_directory(self.staging, self.final)
+        self.published = True
+        return self.final
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if not self.published and os.path.lexists(self.staging):
+                shutil.rmtree(self.staging, ignore_errors=True)
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+
+def data_files(directory: Path) -> list[Path]:
+    """The data files under ``directory`` (not ``_``/``.`` files, not checksums)."""
+    return sorted(
+        p for p in Path(directory).rglob("*")
+        if p.is_file() and not p.name.startswith(("_", "."))
+    )

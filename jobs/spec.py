@@ -1,0 +1,567 @@
+"""Job specs: one YAML file describes one nearest-neighbour join, validated before anything runs.
+
+A spec names the query and target inputs (Parquet), the vector columns, the ranking (metric, k,
+mode, join type), the output (path, partitioning, write mode) and the Spark settings. Every
+problem is reported as a :class:`SpecError` naming the key (``join.k``, ``query.path``), so the
+CLI can exit with status 2 before it reads or writes any data.
+
+The YAML is read with a safe loader (no Python objects, no code) that also refuses duplicate
+keys, which a plain ``yaml.safe_load`` would silently resolve to the last one.
+
+Spark settings come in layers, later ones win: the profile named by ``spark_profile`` (a file
+in ``conf/``, ``local`` by default), the spec's ``spark`` mapping, then ``--set spark.KEY=VALUE``.
+
+Relative paths are resolved against the current working directory (as ``spark-submit`` does),
+so a cron line should ``cd`` to the project first or the spec should use absolute paths.
+"""
+from __future__ import annotations
+
+import copy
+import difflib
+import fnmatch
+import glob
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import yaml
+
+__all__ = [
+    "SpecError",
+    "InputSpec",
+    "JoinSpec",
+    "OutputSpec",
+    "JobSpec",
+    "K_MIN",
+    "K_MAX",
+    "WRITE_MODES",
+    "SUMMARY_FILE",
+    "load_spec",
+    "parse_spec",
+    "parse_override",
+    "apply_overrides",
+    "check_paths",
+    "redact_settings",
+    "conf_dir",
+]
+
+K_MIN, K_MAX = 1, 100_000
+WRITE_MODES = ("overwrite", "error-if-exists")
+# Written by jobs.output beside the Parquet files; its presence marks a directory as ours.
+SUMMARY_FILE = "_nearest_join_summary.json"
+
+_REQUIRED = object()
+
+# The accepted keys and their defaults. Unknown keys are errors (a typo such as ``join.kk``
+# must not silently fall back to a default).
+_SIDE_KEYS: dict[str, Any] = {
+    "path": _REQUIRED,     # Parquet file, directory or glob, or a list of them
+    "vector": _REQUIRED,   # the vector column
+    "where": None,         # Spark SQL filter applied before the join
+    "columns": None,       # columns to keep (the vector column is always kept); None = all
+    "prefix": "",          # prepended to every column name of this side in the output
+}
+_JOIN_KEYS: dict[str, Any] = {
+    "metric": _REQUIRED,
+    "k": 1,
+    "mode": "exact",
+    "direction": None,
+    "join_type": "inner",
+    "distance_col": None,
+    "backend": "auto",
+    "broadcast_limit_bytes": None,
+    "query_block_rows": None,
+    "target_block_rows": None,
+}
+_OUTPUT_KEYS: dict[str, Any] = {
+    "path": _REQUIRED,
+    "mode": "error-if-exists",
+    "partition_by": [],
+    "num_files": None,
+    "include_vectors": False,
+}
+_TOP_KEYS = ("name", "query", "target", "join", "output", "spark_profile", "spark")
+
+# Spark settings whose names suggest credentials are never logged or written to the summary.
+_SECRET_NAME = re.compile(r"password|secret|token|key", re.IGNORECASE)
+REDACTED = "*********(redacted)"
+
+
+class SpecError(ValueError):
+    """A bad job spec or input; ``key`` names the spec key (``join.k``) or the file."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        self.message = message
+        super().__init__(f"{key}: {message}")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One side of the join: where to read it and which columns to use."""
+
+    side: str                         # "query" or "target", the spec key
+    paths: tuple[str, ...]            # absolute for local paths; URIs unchanged
+    vector: str
+    where: str | None
+    columns: tuple[str, ...] | None
+    prefix: str
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """The arguments of :func:`nearest_join.nearest_by_join`."""
+
+    metric: str
+    k: int
+    mode: str
+    direction: str | None
+    join_type: str
+    distance_col: str | None
+    backend: str
+    broadcast_limit_bytes: int | None
+    query_block_rows: int | None
+    target_block_rows: int | None
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    path: str                         # absolute local path
+    mode: str                         # "overwrite" | "error-if-exists"
+    partition_by: tuple[str, ...]
+    num_files: int | None
+    include_vectors: bool
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    source: str                       # the spec file, for messages and the summary
+    query: InputSpec
+    target: InputSpec
+    join: JoinSpec
+    output: OutputSpec
+    spark_profile: str
+    spark_settings: dict[str, str]    # profile + spec + overrides; may hold secrets
+    document: dict[str, Any]          # the spec after overrides (may hold secrets)
+
+    def redacted_document(self) -> dict[str, Any]:
+        """The spec as written, with secret-looking Spark settings masked."""
+        doc = copy.deepcopy(self.document)
+        if isinstance(doc.get("spark"), dict):
+            doc["spark"] = redact_settings(doc["spark"])
+        return doc
+
+
+def redact_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Mask the values of settings whose names contain password, secret, token or key."""
+    return {k: (REDACTED if _SECRET_NAME.search(str(k)) else v) for k, v in settings.items()}
+
+
+def conf_dir() -> Path:
+    """Where the Spark profiles (``local.yaml``...) live.
+
+    ``NEAREST_JOIN_CONF_DIR`` if set, else ``conf/`` of the source checkout this package was
+    installed from (``pip install -e .``), else ``./conf``.
+    """
+    env = os.environ.get("NEAREST_JOIN_CONF_DIR")
+    if env:
+        return Path(env)
+    beside = Path(__file__).resolve().parent.parent / "conf"
+    return beside if beside.is_dir() else Path("conf").resolve()
+
+
+# -- YAML ------------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys instead of keeping the last one."""
+
+
+def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep=False):
+    loader.flatten_mapping(node)
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise SpecError(
+                str(key),
+                f"duplicate key at line {key_node.start_mark.line + 1} "
+                f"(first at line {seen[key] + 1}); keep one",
+            )
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
+)
+
+
+def _load_yaml(path: Path, key: str) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(key, f"file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise SpecError(key, f"cannot read {str(path)!r}: {exc.strerror}") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(key, f"{str(path)!r} is not valid YAML{at}: {problem}") from None
+
+
+# -- --set overrides ---------------------------------------------------------------------------
+
+
+def _split_key(key: str) -> tuple[str, ...]:
+    # Spark setting names contain dots themselves: everything after "spark." is one key.
+    if key.startswith("spark."):
+        return ("spark", key[len("spark."):])
+    parts = tuple(key.split("."))
+    if not key or any(not p for p in parts):
+        raise SpecError("--set", f"bad key {key!r}: expected dotted names such as join.k")
+    return parts
+
+
+def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
+    """Parse ``--set key=value``: a dotted key and a YAML scalar (or flow list) value.
+
+    >>> parse_override("join.k=5")
+    (('join', 'k'), 5)
+    >>> parse_override("spark.spark.sql.shuffle.partitions=8")
+    (('spark', 'spark.sql.shuffle.partitions'), 8)
+    >>> parse_override("query.where=id % 2 = 0")
+    (('query', 'where'), 'id % 2 = 0')
+    """
+    if "=" not in text:
+        raise SpecError("--set", f"expected KEY=VALUE, got {text!r}")
+    key, raw = text.split("=", 1)
+    path = _split_key(key.strip())
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw  # not YAML (e.g. starts with '%' or '@'): take the text as it is
+    if isinstance(value, dict):
+        raise SpecError(key, "--set takes a scalar or a [list]; set one dotted key per value")
+    return path, value
+
+
+def apply_overrides(document: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Return a copy of ``document`` with every ``--set key=value`` applied in order."""
+    result = copy.deepcopy(document)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = result
+        for depth, name in enumerate(path[:-1]):
+            child = node.get(name)
+            if child is None:
+                child = node[name] = {}
+            if not isinstance(child, dict):
+                where = ".".join(path[: depth + 1])
+                raise SpecError(".".join(path), f"cannot set it: {where} is not a mapping")
+            node = child
+        node[path[-1]] = value
+    return result
+
+
+# -- validation --------------------------------------------------------------------------------
+
+
+def _check_known(section: dict, known, prefix: str) -> None:
+    for key in section:
+        if key not in known:
+            hint = difflib.get_close_matches(str(key), [str(k) for k in known], n=1)
+            did = f"; did you mean {prefix}{hint[0]}?" if hint else ""
+            raise SpecError(
+                f"{prefix}{key}", f"unknown key (known: {', '.join(map(str, known))}){did}"
+            )
+
+
+def _mapping(value: Any, key: str) -> dict:
+    if not isinstance(value, dict):
+        raise SpecError(key, f"expected a mapping, got {_describe(value)}")
+    return value
+
+
+def _section(document: dict, name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    if name not in document or document[name] is None:
+        raise SpecError(name, "missing (required section)")
+    section = _mapping(document[name], name)
+    _check_known(section, schema, f"{name}.")
+    values = {}
+    for key, default in schema.items():
+        value = section.get(key, None if default is _REQUIRED else default)
+        if value is None and default is _REQUIRED:
+            raise SpecError(f"{name}.{key}", "missing (required)")
+        values[key] = value
+    return values
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _text(value: Any, key: str, *, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise SpecError(key, f"expected a non-empty string, got {_describe(value)}")
+    return value
+
+
+def _integer(value: Any, key: str, *, low: int, high: int | None = None,
+             optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(key, f"expected an integer, got {_describe(value)}")
+    if value < low or (high is not None and value > high):
+        bound = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise SpecError(key, f"must be {bound}, got {value}")
+    return value
+
+
+def _names(value: Any, key: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise SpecError(key, f"expected a list of column names, got {_describe(value)}")
+    if len(set(value)) != len(value):
+        raise SpecError(key, f"lists a column twice: {value}")
+    return tuple(value)
+
+
+def is_local(path: str) -> bool:
+    """True for plain paths and ``file:`` URIs (what the atomic writer can rename)."""
+    return urlparse(path).scheme in ("", "file")
+
+
+def local_path(path: str) -> str:
+    """The absolute filesystem path of a plain path or a ``file:`` URI."""
+    parsed = urlparse(path)
+    raw = parsed.path if parsed.scheme == "file" else path
+    return os.path.abspath(os.path.expanduser(raw))
+
+
+def _input(values: dict[str, Any], side: str) -> InputSpec:
+    paths = values["path"]
+    if isinstance(paths, str):
+        paths = [paths]
+    if not isinstance(paths, list) or not paths or not all(
+        isinstance(p, str) and p.strip() for p in paths
+    ):
+        raise SpecError(f"{side}.path", f"expected a path or a list of paths, got {_describe(paths)}")
+    columns = values["columns"]
+    return InputSpec(
+        side=side,
+        paths=tuple(local_path(p) if is_local(p) else p for p in paths),
+        vector=_text(values["vector"], f"{side}.vector"),
+        where=_text(values["where"], f"{side}.where", optional=True),
+        columns=None if columns is None else _names(columns, f"{side}.columns"),
+        prefix=_prefix(values["prefix"], f"{side}.prefix"),
+    )
+
+
+def _prefix(value: Any, key: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise SpecError(key, f"expected a string, got {_describe(value)}")
+    return value
+
+
+def _join(values: dict[str, Any]) -> JoinSpec:
+    from nearest_join.kernels import METRICS  # pure numpy; the library's list of metrics
+
+    metric = values["metric"]
+    if not isinstance(metric, str) or metric not in METRICS:
+        raise SpecError("join.metric", f"unknown metric {metric!r}; expected one of {sorted(METRICS)}")
+    return JoinSpec(
+        metric=metric,
+        k=_integer(values["k"], "join.k", low=K_MIN, high=K_MAX),
+        mode=_text(values["mode"], "join.mode"),
+        direction=_text(values["direction"], "join.direction", optional=True),
+        join_type=_text(values["join_type"], "join.join_type"),
+        distance_col=_text(values["distance_col"], "join.distance_col", optional=True),
+        backend=_text(values["backend"], "join.backend"),
+        broadcast_limit_bytes=_integer(
+            values["broadcast_limit_bytes"], "join.broadcast_limit_bytes", low=0, optional=True
+        ),
+        query_block_rows=_integer(
+            values["query_block_rows"], "join.query_block_rows", low=1, optional=True
+        ),
+        target_block_rows=_integer(
+            values["target_block_rows"], "join.target_block_rows", low=1, optional=True
+        ),
+    )
+
+
+def _output(values: dict[str, Any]) -> OutputSpec:
+    path = _text(values["path"], "output.path")
+    if not is_local(path):
+        raise SpecError(
+            "output.path",
+            f"{path!r} is not a local filesystem path; the atomic writer renames directories, "
+            "which object stores cannot do atomically (see README, Batch jobs)",
+        )
+    mode = values["mode"]
+    if mode not in WRITE_MODES:
+        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {mode!r}")
+    include_vectors = values["include_vectors"]
+    if not isinstance(include_vectors, bool):
+        raise SpecError("output.include_vectors", f"expected true or false, got {_describe(include_vectors)}")
+    return OutputSpec(
+        path=local_path(path),
+        mode=mode,
+        partition_by=_names(values["partition_by"] or [], "output.partition_by"),
+        num_files=_integer(values["num_files"], "output.num_files", low=1, optional=True),
+        include_vectors=include_vectors,
+    )
+
+
+def _spark_settings(value: Any, key: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    settings = _mapping(value, key)
+    result = {}
+    for name, setting in settings.items():
+        if not isinstance(name, str) or not (name == "master" or name.startswith("spark.")):
+            raise SpecError(f"{key}.{name}", "Spark settings are 'master' or names starting with 'spark.'")
+        if isinstance(setting, (dict, list)) or setting is None:
+            raise SpecError(f"{key}.{name}", f"expected a scalar value, got {_describe(setting)}")
+        # Spark wants strings; YAML booleans must become Spark's lower-case spelling.
+        result[name] = str(setting).lower() if isinstance(setting, bool) else str(setting)
+    return result
+
+
+def _profile(name: Any) -> tuple[str, dict[str, str]]:
+    name = _text(name, "spark_profile")
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        path = Path(name).expanduser()
+    else:
+        path = conf_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise SpecError(
+            "spark_profile",
+            f"profile {name!r} not found at {str(path)!r}; use local, cluster-cpu, cluster-gpu, "
+            "a path to a YAML file, or set NEAREST_JOIN_CONF_DIR",
+        )
+    document = _load_yaml(path, "spark_profile")
+    return name, _spark_settings(document, f"spark_profile {name}")
+
+
+def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
+    """Validate a parsed YAML document and return the :class:`JobSpec` it describes.
+
+    Raises
+    ------
+    SpecError
+        Naming the first bad key; nothing is read or written.
+    """
+    if not isinstance(document, dict):
+        raise SpecError(source, f"a job spec is a YAML mapping, got {_describe(document)}")
+    _check_known(document, _TOP_KEYS, "")
+    query = _input(_section(document, "query", _SIDE_KEYS), "query")
+    target = _input(_section(document, "target", _SIDE_KEYS), "target")
+    join = _join(_section(document, "join", _JOIN_KEYS))
+    output = _output(_section(document, "output", _OUTPUT_KEYS))
+    profile, settings = _profile(document.get("spark_profile") or "local")
+    settings.update(_spark_settings(document.get("spark"), "spark"))
+    name = document.get("name") or Path(source).stem
+    if not isinstance(name, str):
+        raise SpecError("name", f"expected a string, got {_describe(name)}")
+    return JobSpec(
+        name=name, source=source, query=query, target=target, join=join, output=output,
+        spark_profile=profile, spark_settings=settings, document=document,
+    )
+
+
+def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> JobSpec:
+    """Read the spec file at ``path``, apply ``--set`` overrides, validate.
+
+    Examples
+    --------
+    >>> spec = load_spec("conf/demo.yaml", ["join.k=3"])  # doctest: +SKIP
+    >>> spec.join.k  # doctest: +SKIP
+    3
+    """
+    source = str(path)
+    document = _load_yaml(Path(path), source)
+    if document is None:
+        raise SpecError(source, "the file is empty")
+    if not isinstance(document, dict):
+        raise SpecError(source, f"a job spec is a YAML mapping, got {_describe(document)}")
+    return parse_spec(apply_overrides(document, list(overrides or [])), source)
+
+
+# -- filesystem checks (before Spark starts) ---------------------------------------------------
+
+
+def _has_magic(path: str) -> bool:
+    return glob.has_magic(path)
+
+
+def _related(a: Path, b: Path) -> bool:
+    return a == b or a in b.parents or b in a.parents
+
+
+def check_paths(spec: JobSpec) -> None:
+    """Check what can be checked on the local filesystem before Spark starts.
+
+    Local inputs exist (or their globs match something); the output is neither an input nor
+    inside one nor around one, and is not matched by an input glob (the next run would read
+    its own output); an existing output may be replaced only in ``overwrite`` mode and only if
+    nearest-join wrote it. Non-local inputs (``s3a://``, ``hdfs://``) are checked by Spark.
+    """
+    output = Path(spec.output.path)
+    for side in (spec.query, spec.target):
+        for pattern in side.paths:
+            if not is_local(pattern):
+                continue
+            matches = [Path(m) for m in glob.glob(pattern)] if _has_magic(pattern) else (
+                [Path(pattern)] if os.path.exists(pattern) else []
+            )
+            if not matches:
+                what = "no file or directory matches" if _has_magic(pattern) else "does not exist:"
+                raise SpecError(f"{side.side}.path", f"{what} {pattern!r}")
+            clash = next((m for m in matches if _related(output, m)), None)
+            matched = _has_magic(pattern) and any(
+                fnmatch.fnmatch(str(p), pattern) for p in (output, *output.parents)
+            )
+            if clash is not None or matched:
+                raise SpecError(
+                    "output.path",
+                    f"{str(output)!r} overlaps the {side.side} input {str(clash or pattern)!r}; "
+                    "write the output somewhere that is neither an input nor inside or around one",
+                )
+    check_output_target(spec.output)
+
+
+def check_output_target(output: OutputSpec) -> None:
+    """Refuse an existing output unless the mode allows replacing it and we wrote it."""
+    path = Path(output.path)
+    if not os.path.lexists(path):
+        return
+    if not path.is_dir() or path.is_symlink():
+        raise SpecError(
+            "output.path", f"{str(path)!r} exists and is not a directory; choose another path"
+        )
+    if output.mode == "error-if-exists":
+        raise SpecError(
+            "output.path",
+            f"{str(path)!r} already exists and output.mode is 'error-if-exists'; delete it, "
+            "choose another output.path or set output.mode: overwrite",
+        )
+    if any(path.iterdir()) and not (path / SUMMARY_FILE).is_file():
+        raise SpecError(
+            "output.path",
+            f"{str(path)!r} exists and was not written by nearest-join (no {SUMMARY_FILE}); "
+            "refusing to replace it. Delete it yourself or choose another output.path",
+        )
