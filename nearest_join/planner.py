@@ -1,0 +1,184 @@
+"""The planner: broadcast or blocked (and, later, IVF), with block sizes, made visible.
+
+The decision needs four cheap facts, gathered by small Spark jobs: the row counts of both
+sides and the vector dimension of each (the first non-NULL vector). Everything else is
+arithmetic on configuration:
+
+* ``broadcast`` when the target's vectors fit under the broadcast limit
+  (``spark.nearestJoin.broadcastLimitBytes``, default 1 GiB): target blocks are broadcast
+  once to every executor and query blocks stream through them in a single pass.
+* ``blocked`` otherwise: every (query block, target block) pair is its own task, and the
+  partial top-k results are merged per query block. Block sizes come from the per-task memory
+  budget (``spark.nearestJoin.taskMemoryBytes``, default: executor memory over its cores,
+  halved), so memory per task is bounded by configuration, not by table size.
+
+A third plan (IVF for ``mode="approx"``) plugs in as another value of :class:`JoinPlan.plan`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import asdict, dataclass
+
+from udfs.columns import MAX_BLOCK_ROWS
+
+GiB = 1 << 30
+MiB = 1 << 20
+DEFAULT_BROADCAST_LIMIT = 1 * GiB
+# Target blocks of the broadcast plan: small enough for Arrow batches and binary values
+# (2 GiB), large enough that per-block overheads vanish.
+BROADCAST_TARGET_BLOCK_BYTES = 64 * MiB
+CONF_PREFIX = "spark.nearestJoin."
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """Spark-style sizes: ``"512m"``, ``"4g"``, ``"1024"`` (bytes)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"expected a size such as '512m' or '4g', got {text!r}")
+    unit = {"": 1, "k": 1 << 10, "m": MiB, "g": GiB, "t": 1 << 40}[match.group(2).lower()]
+    return int(float(match.group(1)) * unit)
+
+
+@dataclass
+class JoinPlan:
+    """What the join will do and why. ``str(plan)`` explains it; ``to_dict()`` is JSON-safe."""
+
+    plan: str                      # "broadcast" | "blocked" | "spark"
+    reason: str
+    metric: str | None
+    k: int
+    mode: str
+    join_type: str
+    query_column: str | None
+    target_column: str | None
+    dimension: int | None
+    query_rows: int | None
+    target_rows: int | None
+    target_bytes: int | None
+    broadcast_limit_bytes: int
+    task_memory_bytes: int
+    cores: int
+    query_block_rows: int | None
+    target_block_rows: int | None
+    query_blocks: int | None
+    target_blocks: int | None
+    query_partitions: int | None
+    target_partitions: int | None
+    backend: str
+    distance_col: str | None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [f"nearest_by_join plan: {self.plan} ({self.reason})"]
+        if self.plan != "spark":
+            lines += [
+                f"  ranking: {self.metric} of query.{self.query_column} vs target.{self.target_column}, "
+                f"k={self.k}, mode={self.mode}, join={self.join_type}, d={self.dimension}",
+                f"  query: {self.query_rows} rows in {self.query_blocks} blocks of <= {self.query_block_rows} rows "
+                f"({self.query_partitions} partitions)",
+                f"  target: {self.target_rows} rows, {self.target_bytes} vector bytes "
+                f"(broadcast limit {self.broadcast_limit_bytes}) in {self.target_blocks} blocks of "
+                f"<= {self.target_block_rows} rows ({self.target_partitions} partitions)",
+                f"  executors: {self.cores} cores, task memory budget {self.task_memory_bytes} bytes, "
+                f"backend {self.backend}",
+            ]
+        return "\n".join(lines)
+
+
+def _conf(spark, key: str, default=None):
+    try:
+        value = spark.conf.get(key, None)
+    except Exception:  # some Connect servers refuse unknown keys
+        value = None
+    return default if value is None else value
+
+
+def cluster_cores(spark) -> int:
+    """Cores available to tasks, from configuration alone (no SparkContext: works on Connect)."""
+    forced = _conf(spark, CONF_PREFIX + "parallelism")
+    if forced:
+        return max(1, int(forced))
+    master = str(_conf(spark, "spark.master", "local[*]"))
+    task_cpus = int(_conf(spark, "spark.task.cpus", 1))
+    match = re.match(r"local\[(\d+|\*)", master)
+    if match:
+        n = (os.cpu_count() or 1) if match.group(1) == "*" else int(match.group(1))
+        return max(1, n // task_cpus)
+    if master == "local":
+        return 1
+    match = re.match(r"local-cluster\[(\d+),\s*(\d+)", master)
+    if match:
+        return max(1, int(match.group(1)) * int(match.group(2)) // task_cpus)
+    instances = int(_conf(spark, "spark.executor.instances", 2))
+    cores = int(_conf(spark, "spark.executor.cores", 1))
+    return max(1, instances * cores // task_cpus)
+
+
+def task_memory_bytes(spark) -> int:
+    """Memory one task may spend on its blocks: configured, or executor memory per core / 2."""
+    forced = _conf(spark, CONF_PREFIX + "taskMemoryBytes")
+    if forced:
+        return parse_bytes(forced)
+    master = str(_conf(spark, "spark.master", ""))
+    key = "spark.driver.memory" if master.startswith("local[") or master == "local" else "spark.executor.memory"
+    memory = parse_bytes(_conf(spark, key, "1g"))
+    cores = int(_conf(spark, "spark.executor.cores", 1)) if key == "spark.executor.memory" else 1
+    return int(min(max(memory // max(cores, 1) // 2, 64 * MiB), 4 * GiB))
+
+
+def broadcast_limit(spark, override: int | None) -> int:
+    if override is not None:
+        return int(override)
+    return parse_bytes(_conf(spark, CONF_PREFIX + "broadcastLimitBytes", DEFAULT_BROADCAST_LIMIT))
+
+
+def _clamp_rows(rows: float) -> int:
+    return int(min(max(1, rows), MAX_BLOCK_ROWS))
+
+
+def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_col, backend: str,
+                dimension: int | None, itemsize: int, query_rows: int, target_rows: int,
+                broadcast_limit_bytes: int | None = None, query_block_rows: int | None = None,
+                target_block_rows: int | None = None) -> JoinPlan:
+    """Pick the plan and block sizes from the sizes and configuration."""
+    cores = cluster_cores(spark)
+    budget = task_memory_bytes(spark)
+    limit = broadcast_limit(spark, broadcast_limit_bytes)
+    d = max(dimension or 1, 1)
+    row_bytes = d * itemsize
+    target_bytes = target_rows * row_bytes
+    # Per query row a task holds its vector plus k slots of state (value, key, payload ref).
+    query_row_bytes = row_bytes + k * 16
+    memory_q_rows = budget // 4 // query_row_bytes
+    if target_bytes <= limit:
+        plan, reason = "broadcast", f"target vectors {target_bytes} B <= broadcast limit {limit} B"
+        # Enough query blocks to keep every core busy (2 per core for balance).
+        q_rows = query_block_rows or _clamp_rows(min(memory_q_rows, math.ceil(query_rows / (2 * cores)) or 1))
+        t_rows = target_block_rows or _clamp_rows(BROADCAST_TARGET_BLOCK_BYTES // row_bytes)
+    else:
+        plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
+        q_rows = query_block_rows or _clamp_rows(memory_q_rows)
+        t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
+    q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0
+    t_blocks = math.ceil(target_rows / t_rows) if target_rows else 0
+    if plan == "broadcast":
+        q_parts, t_parts = max(1, min(q_blocks, 4 * cores)), None
+    else:
+        q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)
+    return JoinPlan(
+        plan=plan, reason=reason, metric=ranking.metric, k=k, mode=mode, join_type=join_type,
+        query_column=ranking.query_column, target_column=ranking.target_column,
+        dimension=dimension, query_rows=query_rows, target_rows=target_rows,
+        target_bytes=target_bytes, broadcast_limit_bytes=limit, task_memory_bytes=budget,
+        cores=cores, query_block_rows=q_rows, target_block_rows=t_rows, query_blocks=q_blocks,
+        target_blocks=t_blocks, query_partitions=q_parts, target_partitions=t_parts,
+        backend=backend, distance_col=distance_col,
+    )
