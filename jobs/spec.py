@@ -72,6 +72,7 @@ _JOIN_KEYS: dict[str, Any] = {
     "join_type": "inner",
     "distance_col": None,
     "backend": "auto",
+    "precision": "fp32",
     "broadcast_limit_bytes": None,
     "query_block_rows": None,
     "target_block_rows": None,
@@ -122,6 +123,7 @@ class JoinSpec:
     join_type: str
     distance_col: str | None
     backend: str
+    precision: str
     broadcast_limit_bytes: int | None
     query_block_rows: int | None
     target_block_rows: int | None
@@ -391,6 +393,7 @@ def _join(values: dict[str, Any]) -> JoinSpec:
         join_type=_text(values["join_type"], "join.join_type"),
         distance_col=_text(values["distance_col"], "join.distance_col", optional=True),
         backend=_text(values["backend"], "join.backend"),
+        precision=_text(values["precision"], "join.precision"),
         broadcast_limit_bytes=_integer(
             values["broadcast_limit_bytes"], "join.broadcast_limit_bytes", low=0, optional=True
         ),

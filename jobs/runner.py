@@ -1,0 +1,402 @@
+"""Run a job spec: read -> plan -> search+merge -> write -> commit, with a summary.
+
+The runner holds no join logic: it reads the inputs the spec names, asks
+:func:`nearest_join.explain_nearest_join` for the plan and :func:`nearest_join.nearest_by_join`
+for the result, and hands the result to :class:`jobs.output.StagedOutput`. Every phase is
+logged with its row counts and time. Problems with the spec or the inputs become
+:class:`~jobs.spec.SpecError` (exit status 2) before anything is written.
+
+Search and merge run in one Spark job (the merge is the shuffle stage after the partial
+top-k of each block), so they are timed together as ``search+merge``. The joined rows are
+persisted once so that counting them and writing them do not run the search twice.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .output import StagedOutput, data_files
+from .spec import JobSpec, SpecError, check_output_target, check_paths, redact_settings
+
+logger = logging.getLogger(__name__)
+
+# Internal bookkeeping column: identifies query rows so that queries left without a
+# candidate can be counted for inner joins too. Dropped before writing.
+QUERY_ROW_ID = "_nearest_join_query_row"
+
+# Library error conditions -> the spec key a user should change.
+_CONDITION_KEYS = {
+    "NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE": "join.k",
+    "NEAREST_BY_JOIN.UNSUPPORTED_MODE": "join.mode",
+    "NEAREST_BY_JOIN.UNSUPPORTED_DIRECTION": "join.direction",
+    "NEAREST_BY_JOIN.DIRECTION_CONTRADICTS_METRIC": "join.direction",
+    "NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE": "join.join_type",
+    "VECTOR_DIMENSION_MISMATCH": "query.vector/target.vector",
+}
+# Argument names in the library's own ValueError/TypeError messages -> spec keys.
+_ARGUMENT_KEYS = {"backend": "join.backend", "precision": "join.precision",
+                  "distance_col": "join.distance_col", "direction": "join.direction"}
+
+
+# -- Spark session ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def spark_session(settings: dict[str, str], *, app_name: str, use_master: bool = True,
+                  show_progress: bool = True) -> Iterator[Any]:
+    """The active SparkSession with ``settings`` applied, or a new one built from them.
+
+    With a session already running (tests, notebooks, an orchestrator), the settings Spark lets
+    a running session change are applied for the duration of the block and then restored; the
+    others are logged as ignored. Otherwise a session is built (``master`` only when
+    ``use_master``: under ``spark-submit`` its ``--master`` wins) and stopped afterwards.
+    """
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        restore: dict[str, str | None] = {}
+        for name, value in settings.items():
+            if name != "master" and active.conf.isModifiable(name):
+                restore[name] = active.conf.get(name, None)
+                active.conf.set(name, value)
+            else:
+                logger.info("Spark setting %s not applied: the session is already running", name)
+        try:
+            yield active
+        finally:
+            for name, value in restore.items():
+                if value is None:
+                    active.conf.unset(name)
+                else:
+                    active.conf.set(name, value)
+        return
+
+    builder = SparkSession.builder.appName(app_name)
+    master = settings.get("master")
+    if master and use_master:
+        builder = builder.master(master)
+        if master.startswith("local"):
+            # Local-mode Python workers must use this interpreter (numpy, pyarrow, the
+            # library), not whatever `python3` is first on PATH under cron.
+            os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    elif master:
+        logger.info("spark.master from the spec not applied: spark-submit's --master wins")
+    for name, value in settings.items():
+        if name != "master":
+            builder = builder.config(name, value)
+    if show_progress and "spark.ui.showConsoleProgress" not in settings:
+        builder = builder.config("spark.ui.showConsoleProgress", "true")
+    logger.info("starting Spark with %s", redact_settings(settings))
+    session = builder.getOrCreate()
+    try:
+        yield session
+    finally:
+        session.stop()
+
+
+# -- phases ---------------------------------------------------------------------------------
+
+
+class _Phases:
+    """Times named phases and logs each one's outcome."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[dict[str, Any]]:
+        logger.info("%s: started", name)
+        facts: dict[str, Any] = {}
+        start = time.perf_counter()
+        yield facts
+        self.seconds[name] = round(time.perf_counter() - start, 3)
+        details = ", ".join(f"{k} {_fmt(v)}" for k, v in facts.items())
+        logger.info("%s: done in %.2f s%s", name, self.seconds[name], f" ({details})" if details else "")
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
+@dataclass
+class Prepared:
+    """The inputs as the library will see them, and the plan it chose."""
+
+    query: Any          # pyspark DataFrame, renamed, with QUERY_ROW_ID
+    target: Any
+    query_rows: int
+    target_rows: int
+    query_vector: str   # output names of the vector columns
+    target_vector: str
+    plan: Any           # nearest_join JoinPlan
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _read_side(spark, side) -> Any:
+    """Read one input, filter, select and prefix its columns; errors name the spec key."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    try:
+        df = spark.read.parquet(*side.paths)
+    except AnalysisException as exc:
+        raise SpecError(f"{side.side}.path", f"cannot read Parquet: {_first_line(exc)}") from None
+    if side.vector not in df.columns:
+        raise SpecError(
+            f"{side.side}.vector",
+            f"column {side.vector!r} not found in {', '.join(side.paths)}; columns: {df.columns}",
+        )
+    _check_vector_type(df, side)
+    if side.where:
+        try:
+            df = df.where(side.where)
+        except AnalysisException as exc:
+            raise SpecError(f"{side.side}.where", _first_line(exc)) from None
+    if side.columns is not None:
+        missing = [c for c in side.columns if c not in df.columns]
+        if missing:
+            raise SpecError(
+                f"{side.side}.columns",
+                f"column(s) {missing} not found in {', '.join(side.paths)}; columns: {df.columns}",
+            )
+        keep = list(side.columns) + ([side.vector] if side.vector not in side.columns else [])
+        df = df.select(*keep)
+    if side.prefix:
+        df = df.select(*[F.col(f"`{c}`").alias(side.prefix + c) for c in df.columns])
+    return df
+
+
+def _check_vector_type(df, side) -> None:
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+    dtype = df.schema[side.vector].dataType
+    ok = isinstance(dtype, VectorUDT) or (
+        isinstance(dtype, ArrayType) and isinstance(dtype.elementType, (FloatType, DoubleType))
+    )
+    if not ok:
+        raise SpecError(
+            f"{side.side}.vector",
+            f"column {side.vector!r} has type {dtype.simpleString()}; expected array<float>, "
+            "array<double> or an ML vector (VectorUDT)",
+        )
+
+
+def _check_output_columns(spec: JobSpec, query, target) -> None:
+    seen: dict[str, str] = {}
+    extra = [(spec.join.distance_col, "join.distance_col")] if spec.join.distance_col else []
+    names = [(c, "query.columns") for c in query.columns] + [
+        (c, "target.columns") for c in target.columns
+    ] + extra
+    for name, key in names:
+        if name in seen:
+            raise SpecError(
+                key,
+                f"output column {name!r} is also produced by {seen[name]}; give one side a "
+                "prefix (e.g. target.prefix: target_) or select fewer columns",
+            )
+        seen[name] = key
+    for name in spec.output.partition_by:
+        if name not in seen:
+            raise SpecError(
+                "output.partition_by",
+                f"column {name!r} is not in the output; output columns: {list(seen)}",
+            )
+
+
+def _library_arguments(spec: JobSpec, query_vector: str, target_vector: str) -> tuple[tuple, dict]:
+    join = spec.join
+    return (join.metric, join.k, join.mode, join.direction), dict(
+        vectors=(query_vector, target_vector),
+        join_type=join.join_type,
+        distance_col=join.distance_col,
+        backend=join.backend,
+        precision=join.precision,
+        broadcast_limit_bytes=join.broadcast_limit_bytes,
+        query_block_rows=join.query_block_rows,
+        target_block_rows=join.target_block_rows,
+    )
+
+
+def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
+    """Validate paths, read both inputs, check columns, and plan. Writes nothing."""
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    from nearest_join import explain_nearest_join
+    from nearest_join.errors import NearestByJoinError
+
+    phases = phases or _Phases()
+    check_paths(spec)
+    with phases("read") as facts:
+        query = _read_side(spark, spec.query)
+        target = _read_side(spark, spec.target)
+        if QUERY_ROW_ID in query.columns or QUERY_ROW_ID in target.columns:
+            raise SpecError("query.columns", f"column name {QUERY_ROW_ID!r} is reserved")
+        _check_output_columns(spec, query, target)
+        query = query.withColumn(QUERY_ROW_ID, F.monotonically_increasing_id())
+        facts["query rows"] = query_rows = query.count()
+        facts["target rows"] = target_rows = target.count()
+    query_vector = spec.query.prefix + spec.query.vector
+    target_vector = spec.target.prefix + spec.target.vector
+    args, kwargs = _library_arguments(spec, query_vector, target_vector)
+    with phases("plan") as facts:
+        try:
+            plan = explain_nearest_join(query, target, *args, **kwargs)
+        except NearestByJoinError as exc:
+            raise SpecError(_CONDITION_KEYS.get(exc.getCondition(), "join"), str(exc)) from None
+        except (TypeError, ValueError, AnalysisException) as exc:
+            text = _first_line(exc)
+            argument = text.split(":", 1)[0]
+            key = _CONDITION_KEYS["VECTOR_DIMENSION_MISMATCH"] if (
+                "VECTOR_DIMENSION_MISMATCH" in str(exc)) else _ARGUMENT_KEYS.get(argument, "join")
+            raise SpecError(key, text) from None
+        described = plan.to_dict()
+        facts["plan"] = described.get("plan")
+        facts["backend"] = described.get("backend")
+    return Prepared(query, target, query_rows, target_rows, query_vector, target_vector, plan)
+
+
+def write_parquet(df, path: str, partition_by: tuple[str, ...], num_files: int | None) -> None:
+    """Write ``df`` as Parquet into the (new) directory ``path``."""
+    if num_files:
+        df = df.repartition(num_files, *partition_by) if partition_by else df.repartition(num_files)
+    writer = df.write.mode("errorifexists")
+    if partition_by:
+        writer = writer.partitionBy(*partition_by)
+    writer.parquet(path)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def run_job(spec: JobSpec, spark) -> dict[str, Any]:
+    """Run ``spec`` on ``spark`` and publish its output atomically; return the run summary.
+
+    Raises
+    ------
+    SpecError
+        Bad spec or input (before anything is written), or a ragged vector found while
+        searching (nothing is published).
+    jobs.output.OutputBusyError
+        Another run is writing the same output path.
+    """
+    from pyspark import StorageLevel
+    from pyspark.sql import functions as F
+
+    import nearest_join
+    from nearest_join import nearest_by_join
+
+    started_at, start = _now(), time.perf_counter()
+    phases = _Phases()
+    prepared = prepare(spec, spark, phases)
+    args, kwargs = _library_arguments(spec, prepared.query_vector, prepared.target_vector)
+    joined = nearest_by_join(prepared.query, prepared.target, *args, **kwargs)
+    joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        with phases("search+merge") as facts:
+            try:
+                counts = joined.agg(
+                    F.count(F.lit(1)).alias("rows"),
+                    F.countDistinct(
+                        F.when(F.col(f"`{prepared.target_vector}`").isNotNull(), F.col(QUERY_ROW_ID))
+                    ).alias("matched"),
+                ).first()
+            except Exception as exc:  # a ragged row surfaces as a failed Spark job
+                if "VECTOR_DIMENSION_MISMATCH" in str(exc):
+                    raise SpecError(
+                        _CONDITION_KEYS["VECTOR_DIMENSION_MISMATCH"],
+                        "a row's vector has another dimension than the rest "
+                        "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
+                        "query.where: size(vec) = 64",
+                    ) from exc
+                raise
+            facts["output rows"] = output_rows = int(counts["rows"])
+            facts["queries without candidates"] = unmatched = prepared.query_rows - int(counts["matched"])
+        drop = [QUERY_ROW_ID]
+        if not spec.output.include_vectors:
+            drop += [prepared.query_vector, prepared.target_vector]
+        result = joined.drop(*drop)
+
+        with StagedOutput(spec.output.path, replace=spec.output.mode == "overwrite") as staged:
+            # Re-check under the lock: another process may have created the output since.
+            check_output_target(spec.output)
+            with phases("write") as facts:
+                write_parquet(result, str(staged.staging), spec.output.partition_by,
+                              spec.output.num_files)
+                facts["files"] = files = len(data_files(staged.staging))
+            search_s = phases.seconds["search+merge"]
+            pairs = prepared.query_rows * prepared.target_rows
+            plan = prepared.plan.to_dict()
+            summary = {
+                "job": spec.name,
+                "spec_file": spec.source,
+                "nearest_join_version": nearest_join.__version__,
+                "status": "succeeded",
+                "started_at": started_at,
+                "finished_at": _now(),
+                "input_rows": {"query": prepared.query_rows, "target": prepared.target_rows},
+                "output_rows": output_rows,
+                "queries_without_candidates": unmatched,
+                "plan": plan,
+                "backend": plan.get("backend"),
+                "wall_time_s": round(time.perf_counter() - start, 3),
+                "phases_s": dict(phases.seconds),
+                "pairs": pairs,
+                "pairs_per_s": round(pairs / search_s, 1) if search_s > 0 else None,
+                "output": {
+                    "path": spec.output.path,
+                    "files": files,
+                    "partition_by": list(spec.output.partition_by),
+                    "mode": spec.output.mode,
+                },
+                "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},
+                "spark_settings": redact_settings(spec.spark_settings),
+                "spec": spec.redacted_document(),
+            }
+            with phases("commit"):
+                staged.publish(summary)
+    finally:
+        joined.unpersist()
+    return summary
+
+
+def explain_job(spec: JobSpec, spark) -> Prepared:
+    """Everything a run does before searching: the plan, without running the join."""
+    return prepare(spec, spark)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The one-screen summary the CLI prints at the end of a run."""
+    rows = summary["input_rows"]
+    plan = summary["plan"]
+    phases = " | ".join(f"{k} {v:.2f} s" for k, v in summary["phases_s"].items())
+    rate = summary["pairs_per_s"]
+    rate_text = f"{rate / 1e6:,.1f} M pairs/s" if rate is not None else "n/a"
+    lines = [
+        f"nearest-join: job {summary['job']!r} {summary['status']} in {summary['wall_time_s']:.1f} s",
+        f"  query        {rows['query']:,} rows  <- {', '.join(summary['inputs']['query'])}",
+        f"  target       {rows['target']:,} rows  <- {', '.join(summary['inputs']['target'])}",
+        f"  plan         {plan.get('plan')} | backend {summary['backend']} | metric "
+        f"{plan.get('metric')} | k {plan.get('k')} | mode {plan.get('mode')} | "
+        f"join {plan.get('join_type')}",
+        f"  output       {summary['output_rows']:,} rows in {summary['output']['files']} files"
+        f"  -> {summary['output']['path']}",
+        f"  no candidate {summary['queries_without_candidates']:,} query rows",
+        f"  throughput   {summary['pairs']:,} pairs scored, {rate_text} (search+merge)",
+        f"  phases       {phases}",
+        f"  summary      {os.path.join(summary['output']['path'], '_nearest_join_summary.json')}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,332 @@
+"""``nearest-join`` end to end, in process, on the test suite's local SparkSession.
+
+Inputs are Parquet files written here with pyarrow; results are compared with the float64
+reference kernel. The data are well separated (checked below), so the (query id, target id)
+pairs must match exactly.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from jobs import runner
+from jobs.cli import main
+from jobs.spec import REDACTED, SUMMARY_FILE
+from nearest_join.kernels import knn
+
+QUERY_ROWS, TARGET_ROWS, DIM = 40, 400, 8
+NAN_QUERY = 1017  # this query row has a NaN element: it can never have a candidate
+
+
+def _vectors(values: list[list[float]] | np.ndarray, value_type=pa.float32()) -> pa.Array:
+    return pa.array([list(map(float, v)) if value_type != pa.int32() else list(map(int, v))
+                     for v in values], type=pa.list_(value_type))
+
+
+def _write(directory: Path, columns: dict[str, pa.Array], files: int = 2) -> None:
+    directory.mkdir(parents=True)
+    table = pa.table(columns)
+    bounds = np.linspace(0, table.num_rows, files + 1).astype(int)
+    for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+        pq.write_table(table.slice(lo, hi - lo), directory / f"part-{i}.parquet")
+
+
+class Job:
+    """Test inputs on disk and a spec that reads them."""
+
+    def __init__(self, base: Path):
+        rng = np.random.default_rng(7)
+        self.base = base
+        self.query = rng.normal(size=(QUERY_ROWS, DIM)).astype(np.float32)
+        self.query[NAN_QUERY - 1000, 3] = np.nan
+        self.target = rng.normal(size=(TARGET_ROWS, DIM)).astype(np.float32)
+        self.query_ids = np.arange(1000, 1000 + QUERY_ROWS)
+        self.target_ids = np.arange(5000, 5000 + TARGET_ROWS)
+        _write(base / "in" / "query", {
+            "id": pa.array(self.query_ids, pa.int64()),
+            "vec": _vectors(self.query),
+        })
+        _write(base / "in" / "target", {
+            "id": pa.array(self.target_ids, pa.int64()),
+            "label": pa.array([f"t{i}" for i in self.target_ids]),
+            "vec": _vectors(self.target),
+            "ivec": _vectors(np.round(self.target * 10), pa.int32()),
+        })
+        self.spec = base / "job.yaml"
+        self.write_spec(self.document())
+
+    def document(self) -> dict:
+        return {
+            "name": "test-job",
+            "query": {"path": str(self.base / "in" / "query"), "vector": "vec"},
+            "target": {"path": str(self.base / "in" / "target"), "vector": "vec",
+                       "columns": ["id", "label"], "prefix": "t_"},
+            "join": {"metric": "l2", "k": 5, "distance_col": "distance"},
+            "output": {"path": str(self.base / "unused")},
+        }
+
+    def write_spec(self, document: dict) -> Path:
+        self.spec.write_text(yaml.safe_dump(document))
+        return self.spec
+
+    def reference(self, k: int) -> dict[int, list[tuple[int, float]]]:
+        """query id -> [(target id, distance)] nearest first, from the float64 oracle."""
+        values, indices = knn(self.query.astype(np.float64), self.target.astype(np.float64),
+                              k + 1, "l2", backend="reference")
+        expected = {}
+        for row, qid in enumerate(self.query_ids):
+            found = indices[row] >= 0
+            # Near-ties would make the pairs ambiguous; this data has none (checked, not assumed).
+            if found.all():
+                assert values[row, k] - values[row, k - 1] > 1e-4, f"near-tie for query {qid}"
+            expected[int(qid)] = [(int(self.target_ids[i]), float(v))
+                                  for i, v in zip(indices[row, :k], values[row, :k]) if i >= 0]
+        return expected
+
+
+@pytest.fixture
+def job(tmp_path, spark):  # spark: the suite's session must be active for main() to use it
+    return Job(tmp_path)
+
+
+def _read(path: Path) -> dict[int, list[tuple[int | None, float | None]]]:
+    rows = pq.read_table(path).to_pylist()
+    result: dict[int, list] = {}
+    for row in rows:
+        result.setdefault(row["id"], []).append((row["t_id"], row["distance"]))
+    return {q: sorted(v, key=lambda p: (p[1] is None, p[1])) for q, v in result.items()}
+
+
+def _summary(path: Path) -> dict:
+    return json.loads((path / SUMMARY_FILE).read_text())
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("join_type,plan_sets", [
+    ("inner", []),
+    ("left_outer", ["join.broadcast_limit_bytes=0", "join.target_block_rows=64",
+                    "join.query_block_rows=16"]),
+], ids=["inner-broadcast", "left_outer-blocked"])
+def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
+    out = job.base / "out"
+    sets = [f"output.path={out}", "join.k=3", f"join.join_type={join_type}",
+            "spark.spark.hadoop.fs.s3a.secret.key=hunter2", *plan_sets]
+    code = main(["run", str(job.spec), *[a for s in sets for a in ("--set", s)]])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+
+    # --set won over the spec: k=3 (the spec says 5), and the output went to `out`.
+    got = _read(out)
+    expected = job.reference(3)
+    for qid, pairs in expected.items():
+        if qid == NAN_QUERY:
+            continue
+        assert [t for t, _ in got[qid]] == [t for t, _ in pairs], f"query {qid}"
+        # float32 search vs float64 oracle; compare squared distances (what the kernel ranks)
+        np.testing.assert_allclose([d * d for _, d in got[qid]], [d * d for _, d in pairs],
+                                   rtol=1e-4, atol=1e-5)
+    if join_type == "inner":
+        assert NAN_QUERY not in got
+        assert sum(map(len, got.values())) == 3 * (QUERY_ROWS - 1)
+    else:
+        assert got[NAN_QUERY] == [(None, None)]
+        assert sum(map(len, got.values())) == 3 * (QUERY_ROWS - 1) + 1
+    # vectors are left out of the output unless output.include_vectors
+    assert pq.read_schema(next(out.glob("part-*.parquet"))).names == ["id", "t_id", "t_label", "distance"]
+
+    summary = _summary(out)
+    assert summary["status"] == "succeeded"
+    assert summary["input_rows"] == {"query": QUERY_ROWS, "target": TARGET_ROWS}
+    assert summary["output_rows"] == sum(map(len, got.values()))
+    assert summary["queries_without_candidates"] == 1
+    assert summary["plan"]["plan"] == ("broadcast" if join_type == "inner" else "blocked")
+    assert summary["plan"]["k"] == 3
+    assert summary["backend"] == summary["plan"]["backend"]
+    assert summary["pairs"] == QUERY_ROWS * TARGET_ROWS and summary["pairs_per_s"] > 0
+    assert set(summary["phases_s"]) == {"read", "plan", "search+merge", "write"}
+    assert summary["wall_time_s"] >= sum(summary["phases_s"].values()) - 1e-3
+    assert (out / "_SUCCESS").is_file()
+    # Secrets never reach the summary, the log or the screen.
+    assert summary["spark_settings"]["spark.hadoop.fs.s3a.secret.key"] == REDACTED
+    assert summary["spec"]["spark"]["spark.hadoop.fs.s3a.secret.key"] == REDACTED
+    assert "hunter2" not in (out / SUMMARY_FILE).read_text()
+    assert "hunter2" not in captured.out + captured.err
+    # The log names every phase with its counts; the screen ends with the summary.
+    for phase in ("read: done", "plan: done", "search+merge: done", "write: done", "commit: done"):
+        assert phase in captured.err
+    assert f"query rows {QUERY_ROWS}" in captured.err
+    assert "queries without candidates 1" in captured.err
+    assert "nearest-join: job 'test-job' succeeded" in captured.out
+    assert f"{summary['output_rows']:,} rows in" in captured.out
+
+
+def test_rerun_gives_the_same_result_and_partitioning_works(job, capsys):
+    out = job.base / "out"
+    sets = [f"output.path={out}", "output.mode=overwrite", "output.partition_by=[t_label]",
+            "output.num_files=1", "query.where=id < 1010", "query.columns=[id]"]
+    argv = ["run", str(job.spec), *[a for s in sets for a in ("--set", s)]]
+    assert main(argv) == 0, capsys.readouterr().err
+    first = pq.read_table(out).to_pandas().sort_values(["id", "distance"]).reset_index(drop=True)
+    first_summary = _summary(out)
+    assert main(argv) == 0, capsys.readouterr().err
+    second = pq.read_table(out).to_pandas().sort_values(["id", "distance"]).reset_index(drop=True)
+    assert first.equals(second)
+    assert sorted(first["id"].unique()) == list(range(1000, 1010))  # the where filter applied
+    assert len(first) == 10 * 5
+    labels = {p.name for p in out.iterdir() if p.is_dir()}
+    assert labels == {f"t_label={v}" for v in first["t_label"].astype(str)}
+    assert _summary(out)["started_at"] >= first_summary["started_at"]
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".out.")] == [".out.nj-lock"]
+
+
+def test_explain_prints_the_plan_and_runs_nothing(job, capsys):
+    out = job.base / "out"
+    code = main(["explain", str(job.spec), "--set", f"output.path={out}"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert f"query   {QUERY_ROWS} rows" in captured.out
+    assert f"target  {TARGET_ROWS} rows" in captured.out
+    assert "nearest_by_join plan: broadcast" in captured.out
+    assert "k=5, mode=exact, join=inner, d=8" in captured.out
+    assert not out.exists() and not list(job.base.glob(".out*"))
+
+    assert main(["explain", str(job.spec), "--json", "--set", "join.broadcast_limit_bytes=0"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["plan"] == "blocked"
+    assert (plan["query_rows"], plan["target_rows"], plan["dimension"], plan["k"]) == (
+        QUERY_ROWS, TARGET_ROWS, DIM, 5)
+    assert plan["metric"] == "l2" and plan["join_type"] == "inner"
+
+
+def test_error_if_exists_keeps_the_first_output(job, capsys):
+    out = job.base / "out"
+    argv = ["run", str(job.spec), "--set", f"output.path={out}"]
+    assert main(argv) == 0, capsys.readouterr().err
+    before = _files(out)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"output.path: '{out}' already exists and output.mode is 'error-if-exists'" in err
+    assert "nothing was written" in err
+    assert _files(out) == before
+
+
+def _document_with(job, change):
+    document = job.document()
+    change(document)
+    return document
+
+
+BAD_SPECS = [
+    ("missing key", lambda d: d["join"].pop("metric"), "join.metric: missing (required)"),
+    ("unknown metric", lambda d: d["join"].update(metric="manhattan"),
+     "join.metric: unknown metric 'manhattan'; expected one of"),
+    ("missing input path", lambda d: d["query"].update(path="/nonexistent/query"),
+     "query.path: does not exist: '/nonexistent/query'"),
+    ("wrong vector type", lambda d: d["target"].update(vector="ivec"),
+     "target.vector: column 'ivec' has type array<int>; expected array<float>, array<double>"),
+    ("missing vector column", lambda d: d["query"].update(vector="embedding"),
+     "query.vector: column 'embedding' not found"),
+    ("missing payload column", lambda d: d["target"].update(columns=["id", "colour"]),
+     "target.columns: column(s) ['colour'] not found"),
+    ("bad filter", lambda d: d["query"].update(where="nosuchcol > 1"), "query.where: "),
+    ("duplicate output column", lambda d: d["target"].update(prefix=""),
+     "target.columns: output column 'id' is also produced by query.columns"),
+    ("bad join type", lambda d: d["join"].update(join_type="full_outer"),
+     "join.join_type: [NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE] Invalid nearest-by join. "
+     "Unsupported nearest-by join type full_outer"),
+    ("bad backend", lambda d: d["join"].update(backend="tpu"), "join.backend: backend: expected one of"),
+]
+
+
+@pytest.mark.parametrize("change,message", [b[1:] for b in BAD_SPECS], ids=[b[0] for b in BAD_SPECS])
+def test_bad_spec_exits_2_and_writes_nothing(job, capsys, change, message):
+    out = job.base / "out"
+    document = _document_with(job, change)
+    document["output"]["path"] = str(out)
+    job.write_spec(document)
+    before = sorted(p.name for p in job.base.iterdir())
+    assert main(["run", str(job.spec)]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "nothing was written" in err
+    assert sorted(p.name for p in job.base.iterdir()) == before  # no output, staging or lock
+
+
+def test_ragged_vector_exits_2_and_publishes_nothing(job, capsys):
+    ragged = job.base / "in" / "ragged"
+    _write(ragged, {"id": pa.array([1, 2, 3], pa.int64()),
+                    "vec": _vectors([[0.0] * DIM, [1.0] * (DIM - 1), [2.0] * DIM])}, files=1)
+    out = job.base / "out"
+    code = main(["run", str(job.spec), "--set", f"output.path={out}",
+                 "--set", f"target.path={ragged}", "--set", "target.columns=null"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "query.vector/target.vector: a row's vector has another dimension" in err
+    assert not out.exists() and not [p for p in job.base.iterdir() if p.name.startswith(".out.nj-staging")]
+
+
+def test_a_run_that_dies_while_writing_leaves_the_old_output(job, capsys, monkeypatch):
+    out = job.base / "out"
+    argv = ["run", str(job.spec), "--set", f"output.path={out}", "--set", "output.mode=overwrite"]
+    assert main(argv) == 0, capsys.readouterr().err
+    before = _files(out)
+
+    real_write = runner.write_parquet
+
+    def write_then_die(df, path, partition_by, num_files):
+        real_write(df, path, partition_by, num_files)  # part files are in staging now...
+        assert list(Path(path).glob("part-*.parquet"))
+        raise OSError(28, "No space left on device (simulated)")  # ...and the run dies
+
+    monkeypatch.setattr(runner, "write_parquet", write_then_die)
+    assert main([*argv, "--set", "join.k=2"]) == 1
+    err = capsys.readouterr().err
+    assert "nearest-join: failed: OSError" in err
+    assert f"the previous output at {out}, if any, is untouched" in err
+    assert _files(out) == before  # byte for byte: same part files, same summary
+    assert sorted(p.name for p in job.base.iterdir() if p.name.startswith(".out")) == [".out.nj-lock"]
+
+
+def test_demo_runs_and_reuses_its_data(tmp_path, spark, capsys):
+    data, out = tmp_path / "data", tmp_path / "out"
+    argv = ["demo", "--data-dir", str(data), "--query-rows", "30", "--target-rows", "300",
+            "--dimension", "16", "--set", f"output.path={out}"]
+    assert main(argv) == 0, capsys.readouterr().err
+    captured = capsys.readouterr()
+    summary = _summary(out)
+    assert summary["input_rows"] == {"query": 30, "target": 300}
+    assert summary["output_rows"] == 30 * 5 and summary["queries_without_candidates"] == 0
+    assert "nearest-join: job 'demo' succeeded" in captured.out
+    assert "M pairs/s" in captured.out
+    assert "first 10 output rows" in captured.out
+    table = pq.read_table(out).to_pandas()
+    assert list(table.columns) == ["id", "name", "target_id", "target_name", "distance"]
+    # The demo result is right too: query 0's neighbours, from the generated vectors.
+    query = np.stack(pq.read_table(data / "query").to_pandas().sort_values("id")["vec"])
+    target = np.stack(pq.read_table(data / "target").to_pandas().sort_values("id")["vec"])
+    _, indices = knn(query[:1].astype(np.float64), target.astype(np.float64), 5, "l2",
+                     backend="reference")
+    got = table[table["id"] == 0].sort_values("distance")["target_id"].tolist()
+    assert got == indices[0].tolist()
+
+    stamp = (data / "_demo_manifest.json").stat().st_mtime_ns
+    assert main(argv) == 0
+    assert (data / "_demo_manifest.json").stat().st_mtime_ns == stamp  # data reused, not rebuilt
+
+
+def test_usage_errors(capsys):
+    assert main([]) == 2
+    assert main(["run"]) == 2
+    assert "usage: nearest-join" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    assert "explain" in capsys.readouterr().out
