@@ -19,7 +19,6 @@ from pyspark.sql.types import (ArrayType, BinaryType, DoubleType, FloatType, Lon
 from udfs import blocks
 from udfs import columns as C
 from udfs.searcher import SearchSettings
-from udfs.vectors import decode_vectors
 
 from .errors import NearestByJoinError
 from .planner import JoinPlan, choose_plan, cluster_cores, task_memory_bytes, broadcast_limit
@@ -87,13 +86,14 @@ def _vector_itemsize(df: DataFrame, name: str, side: str) -> int:
     )
 
 
-def _first_dimension(df: DataFrame, name: str) -> int | None:
-    """Length of the first non-NULL vector (a limit-1 job), or None when there is none."""
+def _side_facts(df: DataFrame, name: str) -> tuple[int, int | None]:
+    """Row count and the length of one non-NULL vector (None if there is none): one job."""
     col = df[name] if df.columns.count(name) == 1 else F.col(name)
-    table = df.select(col.alias("v")).where(F.col("v").isNotNull()).limit(1).toArrow()
-    if table.num_rows == 0:
-        return None
-    return int(decode_vectors(table.column(0), None, label=name).shape[1])
+    row = df.agg(F.count(F.lit(1)).alias("n"), F.first(col, ignorenulls=True).alias("v")).collect()[0]
+    vector = row["v"]
+    if vector is None:
+        return int(row["n"]), None
+    return int(row["n"]), int(vector.size if hasattr(vector, "size") else len(vector))
 
 
 def _check_direction(ranking: Ranking, direction: str | None) -> str:
@@ -143,8 +143,8 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     direction = _check_direction(parsed, direction)
     q_item = _vector_itemsize(query, parsed.query_column, "query")
     t_item = _vector_itemsize(target, parsed.target_column, "target")
-    q_dim = _first_dimension(query, parsed.query_column)
-    t_dim = _first_dimension(target, parsed.target_column)
+    q_rows, q_dim = _side_facts(query, parsed.query_column)
+    t_rows, t_dim = _side_facts(target, parsed.target_column)
     if q_dim is not None and t_dim is not None and q_dim != t_dim:
         raise NearestByJoinError(
             "VECTOR_DIMENSION_MISMATCH", function=parsed.source, left=q_dim, right=t_dim,
@@ -154,7 +154,7 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     plan = choose_plan(
         spark=spark, ranking=parsed, k=num_results, mode=mode, join_type=join,
         distance_col=distance_col, backend=backend, dimension=dimension,
-        itemsize=max(q_item, t_item), query_rows=query.count(), target_rows=target.count(),
+        itemsize=max(q_item, t_item), query_rows=q_rows, target_rows=t_rows,
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
         target_block_rows=target_block_rows)
     if mode == "approx":
@@ -171,7 +171,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
                          target_block_rows: int | None = None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
-    Runs only the small jobs the planner needs (row counts, the first vector of each side).
+    Runs only the small jobs the planner needs (one per side: row count and one vector).
     """
     plan, _, _ = _prepare(query, target, ranking, num_results, mode, direction, vectors,
                           join_type, distance_col, backend, precision, broadcast_limit_bytes,

@@ -1,0 +1,141 @@
+"""nearest_by_join against the float64 reference at larger sizes, for every plan."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pyspark.sql import functions as F
+
+from nearest_join import explain_nearest_join, nearest_by_join
+
+from .helpers import assert_same_neighbours, group_rows, reference_pairs
+
+NQ, NT, D, K = 300, 2_000, 33, 10
+PLANS = {
+    "broadcast": {},
+    "blocked": dict(broadcast_limit_bytes=0, query_block_rows=70, target_block_rows=450),
+}
+
+
+@pytest.fixture(scope="module")
+def data(spark):
+    rng = np.random.default_rng(11)
+    Q = rng.standard_normal((NQ, D)).astype(np.float32)
+    T = rng.standard_normal((NT, D)).astype(np.float32)
+    q = spark.createDataFrame([(i, Q[i].tolist()) for i in range(NQ)], "qid int, qv array<float>")
+    t = spark.createDataFrame([(i, f"name{i}", T[i].tolist()) for i in range(NT)],
+                              "tid int, name string, tv array<float>")
+    return Q, T, q.repartition(3).cache(), t.repartition(4).cache()
+
+
+def _check(rows, Q, T, k, metric, descending):
+    ours = group_rows(rows, lambda r: r["qid"], lambda r: r["tid"], lambda r: float(r["d"]))
+    ref = reference_pairs(Q, T, k, metric, list(range(len(Q))), list(range(len(T))))
+    assert_same_neighbours(ours, ref, descending)
+
+
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "inner_product"])
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_plan_matches_reference(spark, data, plan, metric):
+    Q, T, q, t = data
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "16")  # many batches
+    try:
+        out = nearest_by_join(q, t, metric, K, vectors=("qv", "tv"), distance_col="d", **PLANS[plan])
+        assert explain_nearest_join(q, t, metric, K, vectors=("qv", "tv"), **PLANS[plan]).plan == plan
+        rows = out.collect()
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert len(rows) == NQ * K
+    _check(rows, Q, T, K, metric, descending=metric in ("cosine", "inner_product"))
+
+
+def test_plans_agree_exactly(data):
+    Q, T, q, t = data
+    results = {}
+    for plan, options in PLANS.items():
+        rows = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), 5, distance_col="d",
+                               **options).collect()
+        results[plan] = sorted((r["qid"], r["tid"], r["d"]) for r in rows)
+    assert results["broadcast"] == results["blocked"]
+
+
+def test_payload_follows_its_vector_through_a_nondeterministic_source(spark, data):
+    """Target rows from a union + repartition (row order differs between evaluations):
+    every output row's payload must belong to the vector that was ranked."""
+    Q, T, q, _ = data
+    half = NT // 2
+    t1 = spark.createDataFrame([(i, T[i].tolist()) for i in range(half)], "tid int, tv array<float>")
+    t2 = spark.createDataFrame([(i, T[i].tolist()) for i in range(half, NT)], "tid int, tv array<float>")
+    shuffled = t1.union(t2).repartition(5)
+    for options in PLANS.values():
+        rows = nearest_by_join(q, shuffled, F.vector_l2_distance(q.qv, shuffled.tv), 3,
+                               distance_col="d", **options).collect()
+        assert len(rows) == NQ * 3
+        for r in rows:
+            np.testing.assert_array_equal(np.asarray(r["tv"], np.float32), T[r["tid"]])
+            expected = np.linalg.norm(Q[r["qid"]].astype(np.float64) - T[r["tid"]])
+            assert abs(r["d"] - expected) <= 1e-4 * max(1.0, expected)
+        _check(rows, Q, T, 3, "l2", descending=False)
+
+
+def test_array_double_and_vector_udt(spark):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(3)
+    Q = rng.standard_normal((20, 5))
+    T = rng.standard_normal((50, 5))
+    q = spark.createDataFrame([(i, Vectors.dense(Q[i])) for i in range(20)], ["qid", "qv"])
+    rows_t = [(i, T[i].tolist()) for i in range(50)]
+    t = spark.createDataFrame(rows_t, "tid int, tv array<double>")
+    out = nearest_by_join(q, t, "cosine", 4, vectors=("qv", "tv"), distance_col="d")
+    assert type(out.schema["qv"].dataType).__name__ == "VectorUDT"
+    rows = out.collect()
+    _check(rows, Q, T, 4, "cosine", descending=True)
+    assert all(isinstance(r["qv"], type(Vectors.dense([1.0]))) for r in rows)
+    # sparse ml vectors are densified
+    qs = spark.createDataFrame([(0, Vectors.sparse(5, [1, 3], [Q[0][1], Q[0][3]]))], ["qid", "qv"])
+    sparse_q = np.zeros((1, 5))
+    sparse_q[0, [1, 3]] = Q[0][[1, 3]]
+    _check(nearest_by_join(qs, t, "l2", 3, vectors=("qv", "tv"), distance_col="d").collect(),
+           sparse_q, T, 3, "l2", descending=False)
+
+
+def test_same_column_names_on_both_sides(spark):
+    q = spark.createDataFrame([(1, "q", [0.0, 0.0])], "id int, name string, v array<float>")
+    t = spark.createDataFrame([(7, "a", [1.0, 0.0]), (8, "b", [3.0, 4.0])], "id int, name string, v array<float>")
+    out = nearest_by_join(q, t, F.vector_l2_distance(t.v, q.v), 2, distance_col="id")
+    assert out.columns == ["id", "name", "v", "id", "name", "v", "id"]
+    assert sorted(tuple(r) for r in out.collect()) == [
+        (1, "q", [0.0, 0.0], 7, "a", [1.0, 0.0], 1.0),
+        (1, "q", [0.0, 0.0], 8, "b", [3.0, 4.0], 5.0),
+    ]
+
+
+def test_non_vector_ranking_falls_back_to_spark(spark, caplog):
+    users = spark.createDataFrame([(1, 10.0), (2, 20.0), (3, 30.0)], ["user_id", "score"])
+    products = spark.createDataFrame([("A", 11.0), ("B", 22.0), ("C", 5.0)], ["product", "pscore"])
+    with caplog.at_level("WARNING", logger="nearest_join.join"):
+        out = nearest_by_join(users, products, -F.abs(users.score - products.pscore), 1,
+                              "exact", "similarity")
+    assert "Spark's own nearestByJoin" in caplog.text
+    assert sorted((r["user_id"], r["product"]) for r in out.collect()) == [(1, "A"), (2, "B"), (3, "B")]
+    plan = explain_nearest_join(users, products, -F.abs(users.score - products.pscore), 1,
+                                "exact", "similarity")
+    assert plan.plan == "spark"
+
+
+def test_explain_reports_plan_and_blocks(data):
+    _, _, q, t = data
+    plan = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), 7)
+    d = plan.to_dict()
+    assert (d["plan"], d["query_rows"], d["target_rows"], d["dimension"], d["k"]) == ("broadcast", NQ, NT, D, 7)
+    assert d["target_bytes"] == NT * D * 4
+    assert d["query_blocks"] >= 2  # enough blocks to use both cores
+    blocked = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), 7, broadcast_limit_bytes=1000)
+    assert blocked.plan == "blocked" and "broadcast limit 1000" in blocked.reason
+    assert "blocked" in str(blocked) and str(NT) in str(blocked)
+
+
+def test_approx_mode_returns_exact_results(data):
+    Q, T, q, t = data
+    rows = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), 3, "approx", distance_col="d").collect()
+    _check(rows, Q, T, 3, "l2", descending=False)
