@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 import traceback
 
@@ -177,16 +178,30 @@ def main(argv: list[str] | None = None, *, submitted: bool = False) -> int:
         return EXIT_FAILED
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         traceback.print_exc(file=sys.stderr)
-        first = (str(exc).strip().splitlines() or [""])[0]
         where = f" at {args.output_path}" if args.output_path else ""
+        print(f"nearest-join: failed: {_cause(exc)}", file=sys.stderr)
+        if "ModuleNotFoundError" in str(exc):
+            print("nearest-join: the Spark workers' Python cannot import the package: install "
+                  "nearest-join in the executors' Python environment (or ship it with "
+                  "--py-files / --archives) and set spark.pyspark.python to it.", file=sys.stderr)
         print(
-            f"nearest-join: failed: {type(exc).__name__}: {first}\n"
             f"nearest-join: the previous output{where}, if any, is untouched. Fix the cause "
             "shown above (see the Spark log for executor errors) and re-run the same "
             "command; re-running is safe.",
             file=sys.stderr,
         )
         return EXIT_FAILED
+
+
+_ERROR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Exit)): ")
+
+
+def _cause(exc: BaseException) -> str:
+    """One line: the innermost ``SomethingError: message`` of a (Python worker) traceback."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    inner = [line for line in lines if _ERROR_LINE.match(line)]
+    text = inner[-1] if inner else (lines[0] if lines else "")
+    return f"{type(exc).__name__}: {text}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -93,7 +93,8 @@ def spark_session(settings: dict[str, str], *, app_name: str, use_master: bool =
             builder = builder.config(name, value)
     if show_progress and "spark.ui.showConsoleProgress" not in settings:
         builder = builder.config("spark.ui.showConsoleProgress", "true")
-    logger.info("starting Spark with %s", redact_settings(settings))
+    applied = {k: v for k, v in settings.items() if k != "master" or use_master}
+    logger.info("starting Spark with %s", redact_settings(applied))
     session = builder.getOrCreate()
     try:
         yield session

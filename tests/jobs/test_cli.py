@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from jobs import runner
-from jobs.cli import main
+from jobs.cli import _cause, main
 from jobs.spec import REDACTED, SUMMARY_FILE
 from nearest_join.kernels import knn
 
@@ -170,12 +170,16 @@ def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
     assert f"{summary['output_rows']:,} rows in" in captured.out
 
 
-def test_rerun_gives_the_same_result_and_partitioning_works(job, capsys):
+def test_rerun_gives_the_same_result_and_partitioning_works(job, spark, capsys):
     out = job.base / "out"
     sets = [f"output.path={out}", "output.mode=overwrite", "output.partition_by=[t_label]",
-            "output.num_files=1", "query.where=id < 1010", "query.columns=[id]"]
+            "output.num_files=1", "query.where=id < 1010", "query.columns=[id]",
+            "spark.spark.sql.shuffle.partitions=3"]
     argv = ["run", str(job.spec), *[a for s in sets for a in ("--set", s)]]
+    partitions = spark.conf.get("spark.sql.shuffle.partitions")
     assert main(argv) == 0, capsys.readouterr().err
+    # The job's settings applied to the running session only while the job ran.
+    assert spark.conf.get("spark.sql.shuffle.partitions") == partitions != "3"
     first = pq.read_table(out).to_pandas().sort_values(["id", "distance"]).reset_index(drop=True)
     first_summary = _summary(out)
     assert main(argv) == 0, capsys.readouterr().err
@@ -330,3 +334,11 @@ def test_usage_errors(capsys):
     assert "usage: nearest-join" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "explain" in capsys.readouterr().out
+
+
+def test_failure_line_names_the_innermost_error():
+    worker = RuntimeError("An exception was thrown from the Python worker:\nTraceback (most recent "
+                          "call last):\n  File \"worker.py\", line 1\nModuleNotFoundError: No "
+                          "module named 'udfs'\n\tat org.apache.spark.Foo(Foo.scala:1)")
+    assert _cause(worker) == "RuntimeError: ModuleNotFoundError: No module named 'udfs'"
+    assert _cause(OSError("disk full")) == "OSError: disk full"
