@@ -294,8 +294,13 @@ def test_profiles_load(inputs, profile):
         assert not any(k.startswith("spark.rapids") for k in spec.spark_settings)
 
 
-def test_gpu_discovery_script_lists_visible_devices():
+@pytest.mark.parametrize("visible,addresses", [
+    ("2,3", '"0","1"'),            # CUDA renumbers the visible devices: ordinals 0 and 1
+    ("GPU-a1b2,GPU-c3d4", '"0","1"'),
+    ("", ""),                      # set but empty: no GPU for this executor
+])
+def test_gpu_discovery_script_prints_cuda_ordinals(visible, addresses):
     script = ROOT / "conf" / "gpu_discovery.sh"
     done = subprocess.run([str(script)], capture_output=True, text=True,
-                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,3"}, check=True)
-    assert done.stdout.strip() == '{"name":"gpu","addresses":["0","3"]}'
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}, check=True)
+    assert done.stdout.strip() == '{"name":"gpu","addresses":[%s]}' % addresses
