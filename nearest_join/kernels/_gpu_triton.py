@@ -1,0 +1,235 @@
+"""The fused Triton kernel: tiled dot products folded into per-query candidate lists on chip.
+
+One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
+one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes
+the ``BLOCK_M x BLOCK_N`` dot products with ``tl.dot`` (IEEE float32 FMA, tf32 or bf16 tensor
+cores), turns them into keys ``bias_t - alpha * dot`` (smaller is better, see
+``_gpu_torch``) and never writes the tile to memory:
+
+* **Threshold test.** Each query keeps ``thr``, the ``n_cand``-th best key known so far.
+  One row minimum per tile and one compare per query reject the tile when no key beats its
+  row's threshold; this is the common case once the lists have filled (the number of
+  insertions per query grows only with ``n_cand * log(nt / n_cand)``).
+* **Survivors** (keys below ``thr``) are packed with their target index into one int64
+  (order-preserving float bits << 32 | index: sorting the int64 sorts by key, then by the
+  lower index, the tie rule) and appended to the query's slice of a small candidate buffer
+  (``CAP`` slots per query and split, in global memory but private to the program, so it
+  stays in L1/L2). Positions come from a row-wise prefix sum; no atomics.
+* **Selection.** When a query's buffer could overflow, and once at the end, the program
+  reduces each buffer to its ``n_cand`` best with a bitonic top-k (``tl.topk``) and lowers
+  the threshold to the new ``n_cand``-th key.
+
+Memory traffic per program: the target tiles (shared through L2 by the programs that scan
+them at the same time), one query tile per d-chunk, and the candidate buffer. Splits of the
+target range produce ``n_splits`` lists per query; the host merges them by sorting the
+packed keys (same tie rule as :func:`nearest_join.kernels.merge_topk`).
+
+Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._gpu_torch import PreparedSide, key_alpha
+
+BLOCK_N = 128
+# Packed "no candidate": key +inf (0x7F800000) and index 0x7FFFFFFF; sorts after every real one.
+EMPTY = 0x7F8000007FFFFFFF
+MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
+# Largest candidate list the kernel keeps (the selection sorts BLOCK_M x CAP int64 in registers).
+MAX_CANDIDATES = 1024
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    cap: int
+    num_warps: int
+    num_stages: int = 3
+
+
+def tile_config(n_cand: int, d: int) -> TileConfig:
+    """Tile shapes by list width: the selection's BLOCK_M x CAP int64 registers bound BLOCK_M.
+
+    CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
+    """
+    if n_cand <= 64:
+        return TileConfig(64, BLOCK_N, 256, 8)
+    if n_cand <= 256:
+        return TileConfig(32, BLOCK_N, 512, 8)
+    if n_cand <= 512:
+        return TileConfig(16, BLOCK_N, 1024, 8)
+    return TileConfig(16, BLOCK_N, 2048, 16)
+
+
+@triton.jit
+def _pack(key, index):
+    # Order-preserving int32 image of the float (negatives flipped), then the index below it.
+    bits = key.to(tl.int32, bitcast=True)
+    mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (mono.to(tl.int64) << 32) | index.to(tl.int64)
+
+
+@triton.jit
+def _unpack_key(packed):
+    mono = (packed >> 32).to(tl.int32)
+    bits = mono ^ ((mono >> 31) & 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _select(buf_ptr, row_base, count, N_CAND: tl.constexpr, CAP: tl.constexpr):
+    """Reduce each row's buffer to its N_CAND best (sorted), return (count, threshold)."""
+    # Every warp's appends must be visible before any warp reads the buffer back.
+    tl.debug_barrier()
+    slots = tl.arange(0, CAP)
+    ptrs = buf_ptr + row_base[:, None] + slots[None, :]
+    packed = tl.load(ptrs, mask=slots[None, :] < count[:, None], other=EMPTY)
+    # topk keeps the largest: complement the keys (an order-reversing bijection on int64).
+    best = ~tl.topk(~packed, N_CAND)
+    tl.debug_barrier()  # all reads done before the buffer's head is overwritten
+    tl.store(buf_ptr + row_base[:, None] + tl.arange(0, N_CAND)[None, :], best)
+    worst = tl.max(best, axis=1)
+    new_count = tl.full(count.shape, N_CAND, tl.int32)
+    return new_count, _unpack_key(worst)
+
+
+@triton.jit
+def _fused_candidates_kernel(
+    q_ptr, t_ptr, bias_ptr, buf_ptr,
+    nq, nt, d, tiles_per_split, stride_q, stride_t,
+    ALPHA: tl.constexpr, N_CAND: tl.constexpr, CAP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < nq
+    # This program's buffer: BLOCK_M rows of CAP packed candidates.
+    row_base = (rows.to(tl.int64) * n_splits + pid_s) * CAP
+    t_start = pid_s * tiles_per_split * BLOCK_N
+    # Padding rows get -inf: no key is ever below it, so they store nothing.
+    thr = tl.where(row_ok, float("inf"), float("-inf"))
+    count = tl.zeros([BLOCK_M], dtype=tl.int32)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    for tile in range(0, tiles_per_split):
+        n0 = t_start + tile * BLOCK_N
+        if n0 < nt:  # the last split may be shorter
+            cols = n0 + offs_n
+            col_ok = cols < nt
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for d0 in range(0, d, BLOCK_D):
+                dd = d0 + offs_d
+                a = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_q + dd[None, :],
+                            mask=row_ok[:, None] & (dd[None, :] < d), other=0.0)
+                b = tl.load(t_ptr + cols[None, :].to(tl.int64) * stride_t + dd[:, None],
+                            mask=col_ok[None, :] & (dd[:, None] < d), other=0.0)
+                if DOT_UPCAST:  # the interpreter's tl.dot misreads bf16; the upcast is exact
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            # bias = +inf past the end: those keys are +inf and never pass a threshold.
+            bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("inf"))
+            key = bias[None, :] - ALPHA * acc
+            row_min = tl.min(key, axis=1)
+            if tl.max((row_min < thr).to(tl.int32), axis=0) > 0:
+                survive = key < thr[:, None]
+                n_new = tl.sum(survive.to(tl.int32), axis=1)
+                if tl.max(count + n_new, axis=0) > CAP:
+                    count, thr = _select(buf_ptr, row_base, count, N_CAND, CAP)
+                    thr = tl.where(row_ok, thr, float("-inf"))
+                    survive = key < thr[:, None]
+                    n_new = tl.sum(survive.to(tl.int32), axis=1)
+                pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
+                packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
+                tl.store(buf_ptr + row_base[:, None] + pos, packed, mask=survive)
+                count += n_new
+    _select(buf_ptr, row_base, count, N_CAND, CAP)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def split_count(nq: int, nt: int, block_m: int, num_sms: int) -> int:
+    """Target splits: enough programs for two waves when the queries alone give fewer."""
+    q_tiles = max(1, math.ceil(nq / block_m))
+    wanted = math.ceil(2 * num_sms / q_tiles)
+    most = max(1, math.ceil(nt / (BLOCK_N * 8)))   # keep >= 8 tiles per split
+    return max(1, min(wanted, most))
+
+
+def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed candidates -> (keys float32, indices int64 with -1 for empty)."""
+    mono = (packed >> 32).to(torch.int32)
+    bits = mono ^ ((mono >> 31) & 0x7FFFFFFF)
+    keys = bits.view(torch.float32)
+    index = packed & 0xFFFFFFFF
+    empty = packed == EMPTY
+    return torch.where(empty, math.inf, keys), torch.where(empty, -1, index)
+
+
+def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
+                      *, config: TileConfig | None = None, splits: int | None = None,
+                      buffer_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n_cand`` best approximate keys per query from the fused kernel.
+
+    Same contract as :func:`_gpu_torch.torch_candidates`: keys float32 (m, n_cand) ascending
+    (+inf empty), indices int64 (-1 empty); ties resolved to the lower index.
+    ``buffer_bytes`` bounds the candidate buffer: queries run in chunks that fit it.
+    """
+    if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
+        raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
+    m, nt, d = queries.rows, targets.rows, queries.dim
+    device = queries.exact.device
+    if nt > MAX_TARGETS:
+        raise ValueError(f"targets: at most {MAX_TARGETS} rows per block, got {nt}")
+    keys_out = torch.full((m, n_cand), math.inf, dtype=torch.float32, device=device)
+    idx_out = torch.full((m, n_cand), -1, dtype=torch.int64, device=device)
+    if m == 0 or nt == 0:
+        return keys_out, idx_out
+    cfg = config or tile_config(n_cand, d)
+    if cfg.cap < n_cand + cfg.block_n:
+        raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
+    block_d = min(128, max(16, triton.next_power_of_2(d)))
+    precision = queries.precision
+    input_precision = "ieee" if precision == "fp32" else "tf32"
+    q_op, t_op = queries.operand, targets.operand
+    n_splits = splits or split_count(m, nt, cfg.block_m, _num_sms(device))
+    per_split = math.ceil(math.ceil(nt / n_splits) / cfg.block_n) * cfg.block_n
+    n_splits = math.ceil(nt / per_split)
+    rows_per_launch = max(cfg.block_m, (buffer_bytes // (8 * cfg.cap * n_splits)) // cfg.block_m * cfg.block_m)
+    alpha = key_alpha(queries.metric)
+    for r0 in range(0, m, rows_per_launch):
+        r1 = min(m, r0 + rows_per_launch)
+        rows = r1 - r0
+        grid_m = math.ceil(rows / cfg.block_m)
+        buf = torch.empty((grid_m * cfg.block_m, n_splits, cfg.cap), dtype=torch.int64, device=device)
+        q_chunk = q_op[r0:r1]
+        _fused_candidates_kernel[(grid_m, n_splits)](
+            q_chunk, t_op, targets.bias, buf,
+            rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0),
+            ALPHA=alpha, N_CAND=n_cand, CAP=cfg.cap,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        lists = buf[:rows, :, :n_cand].reshape(rows, n_splits * n_cand)
+        if n_splits > 1:
+            # Merge the splits' sorted lists: sorting packed keys sorts by (key, index).
+            lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values
+        k_vals, k_idx = unpack(lists)
+        keys_out[r0:r1] = k_vals
+        idx_out[r0:r1] = k_idx
+    return keys_out, idx_out

@@ -1,0 +1,286 @@
+"""The ``gpu`` backend: exact top-k on a CUDA device, fused Triton kernel or torch fallback.
+
+Two implementations share one pipeline (``_gpu_torch``): a low-precision candidate pass,
+then an exact float32 re-rank whose candidate list is proven complete by an error bound:
+
+* ``triton`` (preferred): the fused kernel of ``_gpu_triton`` keeps each distance tile on
+  chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
+  capability 8.0 or newer, and a candidate list of at most ``MAX_CANDIDATES`` (1024)
+  entries: k up to 1024 in fp32, 819 in tf32, 512 in bf16.
+* ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
+
+``precision`` picks the operands of the candidate pass: ``"fp32"`` (IEEE float32, no
+tensor-core rounding; the default), ``"tf32"`` or ``"bf16"`` (tensor cores). Results are
+exact float32 results in every precision; the precision only changes the speed.
+
+:func:`knn_torch` takes torch tensors (CUDA or CPU) and keeps the results on their device;
+``knn(..., backend="gpu")`` takes numpy arrays and goes through :data:`BACKEND`.
+:func:`prepare_targets` / :func:`search_prepared` let a caller keep a target block resident
+on the device across many query batches (``udfs.gpu``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._common import Metric, resolve_metric
+
+logger = logging.getLogger(__name__)
+
+try:  # optional dependency: `import nearest_join` must never need torch
+    import torch
+except ImportError as _exc:  # pragma: no cover - exercised only without torch
+    torch = None
+    _TORCH_ERROR = f"torch is not installed ({_exc})"
+else:
+    _TORCH_ERROR = None
+
+PRECISIONS = ("fp32", "tf32", "bf16")
+IMPLEMENTATIONS = ("auto", "triton", "torch")
+
+# Value tolerances of the exact results against the float64 reference, per float32 value:
+# l2 family relative to the squared distance (difference form), similarities relative to
+# |q||t| (cosine: 1). gamma_{d+2}(2^-24) per the bound in _gpu_torch, times 4 for the slack of
+# the float64 reference's own expansion.
+def value_tolerance(d: int) -> float:
+    n_u = (d + 2) * 2.0 ** -24
+    return 4 * n_u / (1 - n_u)
+
+
+def _check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
+    return precision
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_refusal(device) -> str | None:
+    """Why the fused kernel cannot run on ``device`` (a torch.device), or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not installed ({exc})"
+    if device.type != "cuda":
+        return None if _interpreting() else f"device {device} is not CUDA (set TRITON_INTERPRET=1 to interpret)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"compute capability {major}.{minor} < 8.0 (tf32/bf16 tl.dot)"
+    return None
+
+
+@dataclass
+class PreparedTargets:
+    """A target block ready for search: operands, norms and bound terms on one device."""
+
+    side: object          # _gpu_torch.PreparedSide
+    stats: object         # _gpu_torch.TargetStats
+    rankable: object      # bool tensor (nt,): rows that can rank
+    rows: object          # int64 tensor of rankable row numbers, or None when all are
+
+    @property
+    def metric(self) -> str:
+        return self.side.metric
+
+    @property
+    def precision(self) -> str:
+        return self.side.precision
+
+
+def rankable_mask(x, metric: str):
+    """Device-side twin of :func:`_common.rankable_rows`: finite, and non-zero for cosine."""
+    ok = torch.isfinite(x).all(dim=1)
+    if metric == "cosine":
+        ok &= (x != 0).any(dim=1)
+    return ok
+
+
+def prepare_targets(targets, metric: str, precision: str = "fp32") -> PreparedTargets:
+    """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls."""
+    from ._gpu_torch import TargetStats, prepare_side
+
+    m = resolve_metric(metric).name
+    _check_precision(precision)
+    ok = rankable_mask(targets, m)
+    rows = None if bool(ok.all()) else ok.nonzero().flatten()
+    side = prepare_side(targets if rows is None else targets[rows], m, precision)
+    return PreparedTargets(side, TargetStats.of(side), ok, rows)
+
+
+def choose_implementation(k: int, precision: str, device, impl: str = "auto") -> tuple[str, str]:
+    """(implementation, reason): the fused kernel when it can run this call, else torch."""
+    from ._gpu_torch import candidate_width
+
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"impl: expected one of {list(IMPLEMENTATIONS)}, got {impl!r}")
+    if impl == "torch":
+        return "torch", "requested"
+    refusal = triton_refusal(device)
+    if refusal is None:
+        from ._gpu_triton import MAX_CANDIDATES
+
+        width = candidate_width(k, precision)
+        if width > MAX_CANDIDATES:
+            refusal = (f"k={k} in {precision} needs {width} candidates, more than the fused "
+                       f"kernel's {MAX_CANDIDATES}")
+    if refusal is None:
+        return "triton", "fused kernel"
+    if impl == "triton":
+        raise ValueError(f"impl 'triton' cannot run: {refusal}")
+    return "torch", refusal
+
+
+def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
+                    exact: bool = True, buffer_bytes: int = 1 << 30):
+    """Top-k of every query row (a float tensor on the targets' device) against ``targets``.
+
+    Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
+    :func:`nearest_join.kernels.knn`. ``exact=False`` returns the plain low-precision search
+    (no re-rank; benchmarks only).
+    """
+    from . import _gpu_torch as gt
+
+    metric, precision = targets.metric, targets.precision
+    m = resolve_metric(metric)
+    nq = queries.shape[0]
+    device = queries.device
+    values = torch.full((nq, k), m.worst, dtype=torch.float32, device=device)
+    indices = torch.full((nq, k), -1, dtype=torch.int64, device=device)
+    q_ok = rankable_mask(queries, metric)
+    q_rows = None if bool(q_ok.all()) else q_ok.nonzero().flatten()
+    q_run = queries if q_rows is None else queries[q_rows]
+    if q_run.shape[0] == 0 or targets.side.rows == 0:
+        return values, indices
+    side = gt.prepare_side(q_run, metric, precision)
+    chosen, reason = choose_implementation(k, precision, device, impl)
+    logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
+                 side.dim, k, metric, precision, chosen, reason)
+    if chosen == "triton":
+        from ._gpu_triton import MAX_CANDIDATES, triton_candidates
+
+        def candidates(q, t, n_cand):
+            return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes)
+        max_cand = MAX_CANDIDATES
+    else:
+        candidates, max_cand = gt.torch_candidates, None
+    if exact:
+        v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
+                             stats=targets.stats)
+    else:
+        v, i = gt.approximate_topk(side, targets.side, k, candidates)
+    if targets.rows is not None:
+        i = torch.where(i >= 0, targets.rows[i.clamp(min=0)], -1)
+    if q_rows is None:
+        return v, i
+    values[q_rows] = v
+    indices[q_rows] = i
+    return values, indices
+
+
+def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "fp32",
+              *, impl: str = "auto"):
+    """Exact k nearest targets of every query row, for torch tensors (CUDA or CPU).
+
+    Parameters
+    ----------
+    queries, targets : torch.Tensor (nq, d), (nt, d), float32/float64/bfloat16, one device
+    k : int >= 1
+    metric : {"l2", "sqeuclidean", "inner_product", "cosine"}
+    precision : {"fp32", "tf32", "bf16"}
+        Operands of the candidate pass; results are exact float32 in every precision.
+    impl : {"auto", "triton", "torch"}
+        ``auto``: the fused kernel where it can run (see :func:`choose_implementation`).
+
+    Returns
+    -------
+    values : float32 tensor (nq, k), indices : int64 tensor (nq, k), on the inputs' device.
+    Same contract as :func:`nearest_join.kernels.knn` (order, ties, missing slots, rows that
+    cannot rank).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not tensors, wrong shapes or dtypes, different devices, k < 1, unknown options.
+    """
+    if torch is None:
+        raise RuntimeError(_TORCH_ERROR)
+    for name, x in (("queries", queries), ("targets", targets)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D tensor (rows, dimension), got shape {tuple(x.shape)}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating-point dtype, got {x.dtype}")
+    if queries.shape[1] != targets.shape[1]:
+        raise ValueError(f"targets: expected dimension {queries.shape[1]} (the dimension of "
+                         f"queries), got {targets.shape[1]}")
+    if queries.device != targets.device:
+        raise ValueError(f"targets: expected device {queries.device} (the queries'), got {targets.device}")
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k: expected an integer >= 1, got {k!r}")
+    prepared = prepare_targets(targets, metric, _check_precision(precision))
+    return search_prepared(queries, prepared, int(k), impl=impl)
+
+
+def cuda_device(device) -> "torch.device":
+    """``device`` option -> torch.device: an ordinal, "cuda:N", or None for the current one."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, (int, np.integer)) and not isinstance(device, bool):
+        dev = torch.device("cuda", int(device))
+    elif isinstance(device, str):
+        dev = torch.device(device)
+    else:
+        raise ValueError(f"device: expected a CUDA ordinal, 'cuda:N' or None, got {device!r}")
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected a CUDA device, got {dev}")
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if not 0 <= index < torch.cuda.device_count():
+        raise ValueError(f"device: expected an ordinal in [0, {torch.cuda.device_count()}), got {index}")
+    return torch.device("cuda", index)
+
+
+class GpuBackend:
+    """``knn(..., backend="gpu")``: numpy in, numpy out, computed on one CUDA device."""
+
+    name = "gpu"
+    devices = ("cuda",)
+    dtypes = ("float32", "float64")   # float64 input is searched in float32, like the contract's values
+    metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
+    max_k = None                      # k beyond the fused kernel's lists runs the torch path
+
+    def refuse(self, queries, targets, k, metric: Metric, **options) -> str | None:
+        _check_precision(options.get("precision", "fp32"))
+        if torch is None:
+            return _TORCH_ERROR
+        if not torch.cuda.is_available():
+            return f"no CUDA device (torch {torch.__version__})"
+        if queries.dtype not in (np.float32, np.float64):
+            return f"dtype {queries.dtype} is not float32/float64"
+        cuda_device(options.get("device"))
+        return None
+
+    def explain(self, queries, targets, k, metric, **options) -> str:
+        """Which implementation would run and why (the torch path names its reason)."""
+        dev = cuda_device(options.get("device"))
+        impl, reason = choose_implementation(k, _check_precision(options.get("precision", "fp32")), dev)
+        return f"{impl}: {reason}"
+
+    def run(self, queries, targets, k, metric: Metric, **options):
+        precision = _check_precision(options.get("precision", "fp32"))
+        dev = cuda_device(options.get("device"))
+        with torch.cuda.device(dev):
+            q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(dev, non_blocking=True)
+            t = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.float32)).to(dev, non_blocking=True)
+            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision, impl=options.get("impl", "auto"))
+            return v.cpu().numpy(), i.cpu().numpy()
+
+
+BACKEND = GpuBackend()

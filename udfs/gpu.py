@@ -1,0 +1,226 @@
+"""GPU block searcher for executors: the task's GPU, a resident target block, pipelined copies.
+
+:func:`gpu_searcher_or_none` is what :func:`udfs.searcher.open_block_searcher` calls for
+``backend="auto"`` / ``"gpu"``. It returns None when torch or a CUDA device is missing, so a
+CPU executor needs no configuration. Otherwise the searcher
+
+* uses the GPU Spark assigned to the task (``TaskContext.resources()["gpu"].addresses[0]``);
+  outside Spark, ``$NEAREST_JOIN_GPU`` (benchmarks that simulate executors), else device 0;
+* keeps the current target block resident on the device, keyed by ``target_key``, so the
+  many query blocks of a task that meet the same target block copy it once;
+* stages query batches in pinned host memory and copies batch i+1 on a side stream while
+  batch i is searched;
+* sizes its batches and candidate buffers from the device memory free when it opened.
+
+pyspark is imported lazily (the GPU benchmark machines have none).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import numpy as np
+
+from .searcher import SearchSettings
+
+logger = logging.getLogger(__name__)
+
+GPU_ENV = "NEAREST_JOIN_GPU"
+# Share of the free device memory (at open) a searcher may use for targets and batches.
+MEMORY_FRACTION = 0.7
+# Per query row, beyond its vectors: candidate buffer (<= 2048 int64 slots), keys, indices,
+# re-rank temporaries. Generous on purpose; the kernel chunks inside this budget.
+ROW_OVERHEAD_BYTES = 64 << 10
+MIN_BATCH_ROWS = 1024
+
+
+def task_gpu_address() -> str | None:
+    """The GPU address Spark assigned to this task, else ``$NEAREST_JOIN_GPU``, else None."""
+    try:
+        from pyspark import TaskContext  # only present inside Spark
+    except ImportError:
+        ctx = None
+    else:
+        ctx = TaskContext.get()
+    if ctx is not None:
+        gpu = ctx.resources().get("gpu")
+        if gpu is not None and gpu.addresses:
+            return str(gpu.addresses[0])
+    forced = os.environ.get(GPU_ENV)
+    return forced if forced else None
+
+
+def address_to_ordinal(address: str, visible: str | None = None) -> int:
+    """CUDA ordinal of a Spark GPU address.
+
+    Spark's addresses are the discovery script's ids (``nvidia-smi`` indices). When
+    ``CUDA_VISIBLE_DEVICES`` restricts this process (YARN, Kubernetes), CUDA numbers the
+    visible devices from 0: the ordinal is the address's position in that list.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    if visible:
+        items = [v.strip() for v in visible.split(",") if v.strip()]
+        if address in items:
+            return items.index(address)
+    try:
+        return int(address)
+    except ValueError:
+        raise ValueError(f"GPU address: expected an integer index, got {address!r}") from None
+
+
+def gpu_searcher_or_none(settings: SearchSettings):
+    """A :class:`GpuBlockSearcher` on this task's GPU, or None without torch / CUDA."""
+    if settings.backend not in ("auto", "gpu"):
+        return None
+    try:
+        import torch
+    except ImportError:
+        logger.debug("torch is not installed: CPU search")
+        return None
+    if not torch.cuda.is_available():
+        logger.debug("no CUDA device: CPU search")
+        return None
+    address = task_gpu_address()
+    ordinal = 0 if address is None else address_to_ordinal(address)
+    if not 0 <= ordinal < torch.cuda.device_count():
+        raise RuntimeError(f"GPU address {address!r} maps to CUDA ordinal {ordinal}, but this "
+                           f"executor sees {torch.cuda.device_count()} device(s)")
+    return GpuBlockSearcher(settings, torch.device("cuda", ordinal))
+
+
+class GpuBlockSearcher:
+    """Searches query blocks against a resident target block on one device.
+
+    Works on a CPU ``torch.device`` too (no streams, no pinning): the tests here use that.
+    """
+
+    def __init__(self, settings: SearchSettings, device, *, memory_bytes: int | None = None,
+                 batch_rows: int | None = None, impl: str = "auto"):
+        import torch
+
+        from nearest_join.kernels.gpu import _check_precision
+
+        self.settings = settings
+        self.precision = _check_precision(settings.precision)
+        self.device = torch.device(device)
+        self.backend = "gpu"
+        self.impl = impl
+        self._cuda = self.device.type == "cuda"
+        if memory_bytes is None:
+            if self._cuda:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                memory_bytes = int(free * MEMORY_FRACTION)
+            else:
+                memory_bytes = 4 << 30
+        self.memory_bytes = memory_bytes
+        self.batch_rows = batch_rows
+        self._target_key = None
+        self._targets = None
+        self._target_bytes = 0
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._pinned: dict[str, torch.Tensor] = {}
+        logger.info("GPU searcher on %s, memory budget %.1f GiB", self.device, memory_bytes / 2**30)
+
+    # ------------------------------------------------------------------ host staging
+    def _host_buffer(self, name: str, shape: tuple[int, ...], dtype) -> "torch.Tensor":
+        """A reusable (pinned on CUDA) host tensor of at least ``shape``."""
+        import torch
+
+        numel = int(np.prod(shape))
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=self._cuda)
+            self._pinned[name] = buf
+        return buf[:numel].view(shape)
+
+    def _upload(self, array: np.ndarray, name: str, stream=None) -> "torch.Tensor":
+        import torch
+
+        host = self._host_buffer(name, array.shape, torch.float32)
+        host.numpy()[...] = array      # one pass: converts float64 and packs into pinned memory
+        if stream is None:
+            return host.to(self.device, non_blocking=self._cuda)
+        with torch.cuda.stream(stream):
+            return host.to(self.device, non_blocking=True)
+
+    def _resident_targets(self, target_vectors: np.ndarray, target_key):
+        from nearest_join.kernels.gpu import prepare_targets
+
+        if target_key is not None and target_key == self._target_key and self._targets is not None:
+            return self._targets
+        self._targets = None  # free the previous block before the next one arrives
+        t = self._upload(np.asarray(target_vectors), "targets")
+        self._targets = prepare_targets(t, self.settings.metric, self.precision)
+        self._target_key = target_key
+        side = self._targets.side
+        self._target_bytes = (side.exact.numel() * 4 + side.operand.numel() * side.operand.element_size()
+                              + t.numel() * 4)
+        return self._targets
+
+    def _rows_per_batch(self, nq: int, d: int) -> int:
+        if self.batch_rows:
+            return max(1, self.batch_rows)
+        left = max(self.memory_bytes - self._target_bytes, 256 << 20)
+        per_row = 3 * d * 4 + ROW_OVERHEAD_BYTES
+        return max(MIN_BATCH_ROWS, min(nq, left // per_row))
+
+    # ------------------------------------------------------------------ search
+    def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
+               target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k of each query row against the target block: numpy in, numpy out.
+
+        Same contract as :func:`nearest_join.kernels.knn`. ``target_key`` names the target
+        block: equal keys reuse the block already on the device.
+        """
+        import torch
+
+        from nearest_join.kernels import resolve_metric
+        from nearest_join.kernels.gpu import search_prepared
+
+        k, metric = self.settings.k, resolve_metric(self.settings.metric)
+        query_vectors = np.asarray(query_vectors)
+        nq, d = query_vectors.shape
+        values = np.full((nq, k), metric.worst, np.float32)
+        indices = np.full((nq, k), -1, np.int64)
+        if nq == 0 or target_vectors.shape[0] == 0:
+            return values, indices
+        ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+        with ctx:
+            targets = self._resident_targets(target_vectors, target_key)
+            rows = self._rows_per_batch(nq, d)
+            buffer_bytes = max(64 << 20, rows * ROW_OVERHEAD_BYTES // 2)
+            starts = list(range(0, nq, rows))
+            compute = torch.cuda.current_stream(self.device) if self._cuda else None
+            # Two staging slots: batch i+1 is copied (side stream) while batch i is searched.
+            pending = self._stage(query_vectors, starts, 0)
+            for n, start in enumerate(starts):
+                stop = min(nq, start + rows)
+                q_dev, ready = pending
+                if n + 1 < len(starts):
+                    pending = self._stage(query_vectors, starts, n + 1)
+                if ready is not None:
+                    compute.wait_event(ready)
+                v, i = search_prepared(q_dev, targets, k, impl=self.impl, buffer_bytes=buffer_bytes)
+                if self._cuda:
+                    q_dev.record_stream(compute)
+                values[start:stop] = v.cpu().numpy()
+                indices[start:stop] = i.cpu().numpy()
+        return values, indices
+
+    def _stage(self, query_vectors: np.ndarray, starts: list[int], n: int):
+        """Copy batch ``n`` host -> device; returns (device tensor, event or None)."""
+        import torch
+
+        start = starts[n]
+        stop = starts[n + 1] if n + 1 < len(starts) else query_vectors.shape[0]
+        slot = f"queries{n % 2}"
+        if not self._cuda:
+            return self._upload(query_vectors[start:stop], slot), None
+        # The slot's previous copy must have finished before it is overwritten.
+        self._copy_stream.synchronize()
+        q_dev = self._upload(query_vectors[start:stop], slot, stream=self._copy_stream)
+        ready = torch.cuda.Event()
+        ready.record(self._copy_stream)
+        return q_dev, ready
+
