@@ -86,14 +86,25 @@ def _vector_itemsize(df: DataFrame, name: str, side: str) -> int:
     )
 
 
-def _side_facts(df: DataFrame, name: str) -> tuple[int, int | None]:
-    """Row count and the length of one non-NULL vector (None if there is none): one job."""
-    col = df[name] if df.columns.count(name) == 1 else F.col(name)
-    row = df.agg(F.count(F.lit(1)).alias("n"), F.first(col, ignorenulls=True).alias("v")).collect()[0]
-    vector = row["v"]
-    if vector is None:
-        return int(row["n"]), None
-    return int(row["n"]), int(vector.size if hasattr(vector, "size") else len(vector))
+def _side_facts(query: DataFrame, q_name: str, target: DataFrame, t_name: str) -> dict:
+    """Rows, one vector's length and partitions of both sides, in one small Spark job."""
+    def facts(df: DataFrame, name: str, prefix: str) -> DataFrame:
+        col = df[name] if df.columns.count(name) == 1 else F.col(name)
+        # Spark forbids the non-deterministic partition id inside an aggregate: project first.
+        projected = df.select(col.alias("v"), F.spark_partition_id().alias("p"))
+        return projected.agg(F.count(F.lit(1)).alias(prefix + "rows"),
+                             F.first("v", ignorenulls=True).alias(prefix + "vector"),
+                             (F.max("p") + 1).alias(prefix + "partitions"))
+
+    row = facts(query, q_name, "q_").crossJoin(facts(target, t_name, "t_")).collect()[0]
+    out = {}
+    for side in ("q_", "t_"):
+        vector = row[side + "vector"]
+        out[side + "rows"] = int(row[side + "rows"])
+        out[side + "partitions"] = int(row[side + "partitions"] or 0)
+        out[side + "dim"] = None if vector is None else int(
+            vector.size if hasattr(vector, "size") else len(vector))
+    return out
 
 
 def _check_direction(ranking: Ranking, direction: str | None) -> str:
@@ -143,8 +154,8 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     direction = _check_direction(parsed, direction)
     q_item = _vector_itemsize(query, parsed.query_column, "query")
     t_item = _vector_itemsize(target, parsed.target_column, "target")
-    q_rows, q_dim = _side_facts(query, parsed.query_column)
-    t_rows, t_dim = _side_facts(target, parsed.target_column)
+    facts = _side_facts(query, parsed.query_column, target, parsed.target_column)
+    q_dim, t_dim = facts["q_dim"], facts["t_dim"]
     if q_dim is not None and t_dim is not None and q_dim != t_dim:
         raise NearestByJoinError(
             "VECTOR_DIMENSION_MISMATCH", function=parsed.source, left=q_dim, right=t_dim,
@@ -154,7 +165,8 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     plan = choose_plan(
         spark=spark, ranking=parsed, k=num_results, mode=mode, join_type=join,
         distance_col=distance_col, backend=backend, dimension=dimension,
-        itemsize=max(q_item, t_item), query_rows=q_rows, target_rows=t_rows,
+        itemsize=max(q_item, t_item), query_rows=facts["q_rows"], target_rows=facts["t_rows"],
+        query_input_partitions=facts["q_partitions"],
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
         target_block_rows=target_block_rows)
     if mode == "approx":
@@ -171,7 +183,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
                          target_block_rows: int | None = None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
-    Runs only the small jobs the planner needs (one per side: row count and one vector).
+    Runs only the one small job the planner needs (row counts, partitions, one vector).
     """
     plan, _, _ = _prepare(query, target, ranking, num_results, mode, direction, vectors,
                           join_type, distance_col, backend, precision, broadcast_limit_bytes,
@@ -311,7 +323,9 @@ def _execute(query: DataFrame, target: DataFrame, ranking: Ranking, plan: JoinPl
     if plan.plan == "broadcast":
         # Round-robin spreads the query blocks over enough tasks to use every core; the
         # broadcast nested-loop join then streams each query block against all target blocks.
-        pairs = q_packed.repartition(plan.query_partitions).crossJoin(F.broadcast(t_packed))
+        if plan.query_partitions:
+            q_packed = q_packed.repartition(plan.query_partitions)
+        pairs = q_packed.crossJoin(F.broadcast(t_packed))
         joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
     elif plan.plan == "blocked":
         # The exchanges materialise the packed blocks once (shuffle files), so the cartesian

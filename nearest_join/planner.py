@@ -83,7 +83,7 @@ class JoinPlan:
                 f"  ranking: {self.metric} of query.{self.query_column} vs target.{self.target_column}, "
                 f"k={self.k}, mode={self.mode}, join={self.join_type}, d={self.dimension}",
                 f"  query: {self.query_rows} rows in {self.query_blocks} blocks of <= {self.query_block_rows} rows "
-                f"({self.query_partitions} partitions)",
+                f"({self.query_partitions or 'input'} partitions)",
                 f"  target: {self.target_rows} rows, {self.target_bytes} vector bytes "
                 f"(broadcast limit {self.broadcast_limit_bytes}) in {self.target_blocks} blocks of "
                 f"<= {self.target_block_rows} rows ({self.target_partitions} partitions)",
@@ -147,7 +147,8 @@ def _clamp_rows(rows: float) -> int:
 def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_col, backend: str,
                 dimension: int | None, itemsize: int, query_rows: int, target_rows: int,
                 broadcast_limit_bytes: int | None = None, query_block_rows: int | None = None,
-                target_block_rows: int | None = None) -> JoinPlan:
+                target_block_rows: int | None = None,
+                query_input_partitions: int | None = None) -> JoinPlan:
     """Pick the plan and block sizes from the sizes and configuration."""
     cores = cluster_cores(spark)
     budget = task_memory_bytes(spark)
@@ -170,7 +171,11 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
     q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0
     t_blocks = math.ceil(target_rows / t_rows) if target_rows else 0
     if plan == "broadcast":
-        q_parts, t_parts = max(1, min(q_blocks, 4 * cores)), None
+        # Spread the query blocks over the cores with a shuffle only when the query's own
+        # partitioning cannot keep them busy; 0 means "keep the input partitioning".
+        spread = query_input_partitions is None or query_input_partitions < cores
+        q_parts = max(1, min(q_blocks, 4 * cores)) if spread else 0
+        t_parts = None
     else:
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)
     return JoinPlan(

@@ -196,7 +196,8 @@ class TopkState:
         mine = sources < k
         flat = np.where(mine, rows * k + sources, nq * k + rows * k_other + (sources - k))
         flat = np.where(sources < 0, -1, flat).reshape(-1)
-        combined = pa.concat_tables([self.payload, other.payload])
+        # Blob round trips rename payload columns positionally; align names before concat.
+        combined = pa.concat_tables([self.payload, other.payload.rename_columns(self.payload.column_names)])
         payload = combined.take(pa.array(flat, mask=flat < 0))
         return TopkState(values, keys, payload)
 

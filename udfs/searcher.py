@@ -67,13 +67,29 @@ class BlockSearcher:
                    threads=self.threads)
 
 
+def cuda_may_exist() -> bool:
+    """A cheap look for an NVIDIA device before paying for ``import torch`` (seconds).
+
+    True when Spark assigned the task a GPU resource or the driver's device nodes exist.
+    """
+    try:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        if ctx is not None and "gpu" in (ctx.resources() or {}):
+            return True
+    except ImportError:
+        pass
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
+
+
 def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
     """The searcher for this task: the GPU Spark assigned to it when there is one, else CPU.
 
     ``backend="gpu"`` without a usable GPU is an error; ``"auto"`` falls back to the CPU
     without configuration.
     """
-    if settings.backend in ("auto", "gpu"):
+    if settings.backend == "gpu" or (settings.backend == "auto" and cuda_may_exist()):
         try:
             from udfs.gpu import gpu_searcher_or_none
         except ImportError as exc:

@@ -1,0 +1,69 @@
+"""Run by tests/join/test_connect.py in its own process: a Spark Connect session cannot share
+a process with the suite's classic session. Prints one line per case: name, OK or a reason."""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+import numpy as np  # noqa: E402
+from pyspark.sql import SparkSession  # noqa: E402
+from pyspark.sql import functions as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
+from nearest_join.errors import NearestByJoinError  # noqa: E402
+from tests.join.helpers import assert_same_neighbours, group_rows  # noqa: E402
+
+
+def main() -> int:
+    spark = SparkSession.builder.remote("local[2]").getOrCreate()
+    assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
+    rng = np.random.default_rng(5)
+    Q = rng.standard_normal((40, 6)).astype(np.float32)
+    T = rng.standard_normal((90, 6)).astype(np.float32)
+    q = spark.createDataFrame([(i, Q[i].tolist()) for i in range(40)] + [(99, None)], "qid int, v array<float>")
+    t = spark.createDataFrame([(i, T[i].tolist()) for i in range(90)], "tid int, v array<float>")
+    cases = [
+        ("l2", F.vector_l2_distance, "distance"),
+        ("cosine", F.vector_cosine_similarity, "similarity"),
+        ("inner_product", F.vector_inner_product, "similarity"),
+    ]
+    failures = 0
+    for name, fn, direction in cases:
+        for join_type in ("inner", "leftouter"):
+            for plan, options in (("broadcast", {}), ("blocked", dict(broadcast_limit_bytes=0,
+                                                                    query_block_rows=9, target_block_rows=25))):
+                case = f"{name}-{join_type}-{plan}"
+                try:
+                    ranking = fn(q.v, t.v)  # same column name on both sides: resolved by plan id
+                    assert explain_nearest_join(q, t, ranking, 3, join_type=join_type, **options).plan == plan
+                    ours = nearest_by_join(q, t, ranking, 3, join_type=join_type, distance_col="d",
+                                           **options).collect()
+                    theirs = (q.nearestByJoin(t, ranking, 3, "exact", direction, joinType=join_type)
+                              .withColumn("d", ranking).collect())
+                    key = lambda r: r["qid"]  # noqa: E731
+                    tkey = lambda r: r["tid"]  # noqa: E731
+                    val = lambda r: None if r["d"] is None else float(r["d"])  # noqa: E731
+                    assert len(ours) == len(theirs), (len(ours), len(theirs))
+                    assert_same_neighbours(group_rows(ours, key, tkey, val), group_rows(theirs, key, tkey, val),
+                                           descending=direction == "similarity")
+                    print(case, "OK", flush=True)
+                except Exception as exc:  # report every case, then fail
+                    failures += 1
+                    print(case, "FAILED", repr(exc)[:500], flush=True)
+    try:
+        nearest_by_join(q, t, F.vector_l2_distance(q.v, t.v), 0)
+        print("error-num-results FAILED: no error", flush=True)
+        failures += 1
+    except NearestByJoinError as exc:
+        ok = exc.getCondition() == "NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE"
+        print("error-num-results", "OK" if ok else f"FAILED {exc}", flush=True)
+        failures += not ok
+    spark.stop()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Reading rankings without the JVM, and the planner's arithmetic."""
+from __future__ import annotations
+
+import doctest
+
+import pytest
+from pyspark.sql import functions as F
+
+import nearest_join.join
+from nearest_join.planner import JoinPlan, choose_plan, cluster_cores, parse_bytes, task_memory_bytes
+from nearest_join.ranking import Ranking, parse_ranking
+
+
+@pytest.fixture(scope="module")
+def frames(spark):
+    q = spark.createDataFrame([(1, [1.0], [1.0])], "id int, v array<float>, a array<float>")
+    t = spark.createDataFrame([(1, [1.0], [1.0])], "id int, w array<float>, `my col` array<float>")
+    return q, t
+
+
+def test_reads_vector_functions_in_either_order(frames):
+    q, t = frames
+    assert parse_ranking(F.vector_l2_distance(q.v, t.w), q, t) == Ranking("l2", "v", "w", "Column<'vector_l2_distance(v, w)'>")
+    assert parse_ranking(F.vector_inner_product(t.w, q.v), q, t).query_column == "v"
+    assert parse_ranking(F.vector_cosine_similarity("v", "W"), q, t).target_column == "w"
+    assert parse_ranking(F.vector_l2_distance(q.v, t["my col"]), q, t).target_column == "my col"
+
+
+def test_unreadable_rankings_go_to_spark(frames):
+    q, t = frames
+    assert parse_ranking(F.vector_l2_distance(q.v, F.array(F.lit(1.0).cast("float"))), q, t) is None
+    assert parse_ranking(-F.vector_l2_distance(q.v, t.w), q, t) is None
+    assert parse_ranking(F.vector_norm(q.v), q, t) is None
+    # ambiguous: both sides have both names
+    q2 = q.withColumn("w", q.v)
+    t2 = t.withColumn("v", t.w)
+    assert parse_ranking(F.vector_l2_distance(q2.v, t2.w), q2, t2) is None
+
+
+def test_metric_name_rankings(frames):
+    q, t = frames
+    assert parse_ranking("sqeuclidean", q, t, ("a", "w")) == Ranking("sqeuclidean", "a", "w", "sqeuclidean")
+    with pytest.raises(ValueError, match="vectors: query column 'w' not found"):
+        parse_ranking("l2", q, t, "w")
+    with pytest.raises(ValueError, match="vectors: only used with a metric-name ranking"):
+        parse_ranking(F.vector_l2_distance(q.v, t.w), q, t, "v")
+
+
+class _Conf:
+    def __init__(self, values):
+        self.values = values
+
+    def get(self, key, default=None):
+        return self.values.get(key, default)
+
+
+class _Spark:
+    def __init__(self, **values):
+        self.conf = _Conf({k.replace("__", "."): v for k, v in values.items()})
+
+
+def test_cores_and_memory_from_configuration():
+    assert cluster_cores(_Spark(spark__master="local[3]")) == 3
+    assert cluster_cores(_Spark(spark__master="local-cluster[2,2,1024]", spark__task__cpus="2")) == 2
+    assert cluster_cores(_Spark(spark__master="yarn", spark__executor__instances="10",
+                                spark__executor__cores="4")) == 40
+    assert task_memory_bytes(_Spark(spark__master="yarn", spark__executor__memory="8g",
+                                    spark__executor__cores="4")) == 1 << 30
+    assert task_memory_bytes(_Spark(**{"spark__nearestJoin__taskMemoryBytes": "128m"})) == 128 << 20
+    assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="expected a size"):
+        parse_bytes("lots")
+
+
+def _plan(target_rows, **kw) -> JoinPlan:
+    spark = _Spark(spark__master="local[2]", spark__driver__memory="1g")
+    return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact",
+                       join_type="inner", distance_col=None, backend="auto", dimension=128,
+                       itemsize=4, query_rows=20_000, target_rows=target_rows, **kw)
+
+
+def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
+    small = _plan(200_000)
+    assert small.plan == "broadcast" and small.query_blocks >= 4
+    big = _plan(10_000_000)
+    assert big.plan == "blocked"
+    # blocks are bounded by the task budget, not by the table size
+    assert big.target_block_rows * 128 * 4 <= big.task_memory_bytes
+    assert big.target_blocks == -(-10_000_000 // big.target_block_rows)
+    bigger = _plan(100_000_000)
+    assert bigger.target_block_rows == big.target_block_rows
+    forced = _plan(200_000, broadcast_limit_bytes=0, query_block_rows=100, target_block_rows=1000)
+    assert (forced.plan, forced.query_blocks, forced.target_blocks) == ("blocked", 200, 200)
+
+
+def test_docstring_example_runs(spark):
+    result = doctest.testmod(nearest_join.join, extraglobs={"spark": spark}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 4 and result.failed == 0

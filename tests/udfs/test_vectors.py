@@ -1,0 +1,51 @@
+"""Arrow vector columns decode as Spark's vector functions see them."""
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from udfs.vectors import VectorDimensionError, decode_vectors
+
+ML_VECTOR = pa.struct([("type", pa.int8()), ("size", pa.int32()),
+                       ("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float64()))])
+
+
+@pytest.mark.parametrize("list_type", [pa.list_(pa.float32()), pa.large_list(pa.float32()),
+                                       pa.list_(pa.float64())], ids=str)
+def test_lists_with_nulls(list_type):
+    arr = pa.array([[1.0, 2.0], None, [None, 3.0], [4.0, 5.0]], type=list_type)
+    out = decode_vectors(arr, 2)
+    assert out.dtype == (np.float32 if list_type.value_type == pa.float32() else np.float64)
+    np.testing.assert_array_equal(out, [[1, 2], [np.nan, np.nan], [np.nan, 3], [4, 5]])
+    np.testing.assert_array_equal(decode_vectors(arr.slice(2), None), [[np.nan, 3], [4, 5]])
+
+
+def test_fixed_size_list():
+    arr = pa.FixedSizeListArray.from_arrays(pa.array([1, 2, 3, 4, 5, 6], pa.float32()), 3)
+    np.testing.assert_array_equal(decode_vectors(arr, 3), [[1, 2, 3], [4, 5, 6]])
+
+
+def test_ragged_row_names_column_and_dimensions():
+    arr = pa.array([[1.0, 2.0], [1.0, 2.0, 3.0]], type=pa.list_(pa.float32()))
+    with pytest.raises(VectorDimensionError, match=r"column `qv` has a vector of dimension 3 and "
+                                                    r"target column `tv` has dimension 2"):
+        decode_vectors(arr, 2, label="qv", expected_from="target column `tv`")
+    with pytest.raises(VectorDimensionError, match="dimension 3 and the first vector of `qv` has dimension 2"):
+        decode_vectors(arr, None, label="qv")
+
+
+def test_ml_vectors_dense_sparse_null():
+    arr = pa.array([
+        {"type": 1, "size": None, "indices": None, "values": [1.0, 2.0, 3.0]},
+        None,
+        {"type": 0, "size": 3, "indices": [0, 2], "values": [7.0, 9.0]},
+    ], type=ML_VECTOR)
+    np.testing.assert_array_equal(decode_vectors(arr, 3), [[1, 2, 3], [np.nan] * 3, [7, 0, 9]])
+    np.testing.assert_array_equal(decode_vectors(arr.slice(1), None), [[np.nan] * 3, [7, 0, 9]])
+    with pytest.raises(VectorDimensionError):
+        decode_vectors(arr, 4, label="v")
+
+
+def test_empty_and_all_null():
+    assert decode_vectors(pa.array([], type=pa.list_(pa.float32())), 5).shape == (0, 5)
+    out = decode_vectors(pa.array([None, None], type=pa.list_(pa.float32())), 2)
+    assert out.shape == (2, 2) and np.isnan(out).all()
