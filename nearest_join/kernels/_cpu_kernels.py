@@ -11,8 +11,8 @@ caller has prepared ``Q'`` (queries scaled by -2 for squared L2, by -1 for simil
 Work is split into items, each a (query tile, target split) pair, run one per numba thread;
 inside an item the target tiles are visited in index order. For each target tile the item
 computes the score tile with one single-threaded BLAS sgemm (numba's ``np.dot`` calls scipy's
-BLAS) into a buffer of at most ``query_tile * target_tile`` float32 values (512 x 1024 x 4 B =
-2 MiB, one core's L2 here), then folds it into the running top-k while it is still in cache: the
+BLAS) into a buffer of ``query_tile * target_tile`` float32 values (512 x 1024 x 4 B = 2 MiB,
+one core's L2 here), then folds it into the running top-k while it is still in cache: the
 distance matrix never reaches main memory. Memory traffic per item is the query tile once plus
 each target tile once (d * target_tile * 4 B, read by the GEMM's packing).
 
@@ -91,19 +91,28 @@ def _fold_row(row, bias, t0, heap_v, heap_i):
 
 
 @njit(parallel=True, cache=True)
-def search_tiles(queries, targets, bias, heap_v, heap_i, query_tile, target_tile):
+def search_tiles(queries, targets, bias, tail_targets, tail_bias, heap_v, heap_i, query_tile):
     """Fill ``heap_v/heap_i`` (n_split, nq, k) with per-split max-heaps of the best scores.
 
     ``queries`` (nq, d) and ``targets`` (nt, d) are C-contiguous float32, ``bias`` (nt,)
-    float32; the heaps arrive filled with (+inf, EMPTY_INDEX). Split ``s`` covers an equal share
-    of the target tiles, in order. Call with BLAS limited to one thread: each numba thread runs
-    its own sgemm.
+    float32. Every sgemm call has the same shape (query tile x target tile x d), because the
+    same shape is what makes duplicate target rows score bit-identically: OpenBLAS computes the
+    columns of a call in lanes of one micro-kernel, but a tail narrower than the micro-kernel,
+    or a differently shaped call, may take another code path with another rounding (measured:
+    a 1031-wide call scores copies of one row differently). So the target tile width is a
+    multiple of 64 and the last, partial tile is ``tail_targets`` (target_tile, d): the
+    remaining targets padded with zero rows whose ``tail_bias`` is +inf, so they never enter.
+    The heaps arrive filled with (+inf, EMPTY_INDEX). Split ``s`` covers an equal share of the
+    target tiles, in order. Call with BLAS limited to one thread: each numba thread runs its
+    own sgemm.
     """
     nq = queries.shape[0]
     nt = targets.shape[0]
+    target_tile = tail_targets.shape[0]
     n_split = heap_v.shape[0]
     n_qtiles = (nq + query_tile - 1) // query_tile
     n_ttiles = (nt + target_tile - 1) // target_tile
+    n_full = nt // target_tile
     tiles_per_split = (n_ttiles + n_split - 1) // n_split
     for item in prange(n_qtiles * n_split):
         qt = item // n_split
@@ -112,17 +121,45 @@ def search_tiles(queries, targets, bias, heap_v, heap_i, query_tile, target_tile
         q1 = min(nq, q0 + query_tile)
         rows = q1 - q0
         query_block = queries[q0:q1]
-        # One flat buffer per item, viewed as (rows, width) so the last, narrower target tile
-        # still gets a C-contiguous output, as np.dot's out= requires.
-        buffer = np.empty(rows * target_tile, dtype=np.float32)
+        scores = np.empty((rows, target_tile), dtype=np.float32)
         for tt in range(split * tiles_per_split, min(n_ttiles, (split + 1) * tiles_per_split)):
             t0 = tt * target_tile
-            t1 = min(nt, t0 + target_tile)
-            scores = buffer[: rows * (t1 - t0)].reshape((rows, t1 - t0))
-            np.dot(query_block, targets[t0:t1].T, scores)
-            tile_bias = bias[t0:t1]
+            if tt < n_full:
+                target_block = targets[t0:t0 + target_tile]
+                tile_bias = bias[t0:t0 + target_tile]
+            else:
+                target_block = tail_targets
+                tile_bias = tail_bias
+            np.dot(query_block, target_block.T, scores)
             for r in range(rows):
                 _fold_row(scores[r], tile_bias, t0, heap_v[split, q0 + r], heap_i[split, q0 + r])
+
+
+@njit(parallel=True, cache=True)
+def squared_norms(rows):
+    """|row|^2 of each float32 row, accumulated in float64 in a fixed order, so equal rows
+    get equal norms (numpy's reductions may peel differently by alignment)."""
+    out = np.empty(rows.shape[0], dtype=np.float64)
+    for i in prange(rows.shape[0]):
+        total = 0.0
+        for j in range(rows.shape[1]):
+            total += np.float64(rows[i, j]) * np.float64(rows[i, j])
+        out[i] = total
+    return out
+
+
+@njit(parallel=True, cache=True)
+def unit_rows(rows):
+    """Each float64 row divided by its norm in float64, then rounded once to float32."""
+    out = np.empty(rows.shape, dtype=np.float32)
+    for i in prange(rows.shape[0]):
+        total = 0.0
+        for j in range(rows.shape[1]):
+            total += rows[i, j] * rows[i, j]
+        norm = np.sqrt(total)
+        for j in range(rows.shape[1]):
+            out[i, j] = rows[i, j] / norm
+    return out
 
 
 @njit(parallel=True, cache=True)

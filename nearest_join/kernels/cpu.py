@@ -8,7 +8,8 @@ becomes "smallest ``Q' T^T + bias``" (see :mod:`nearest_join.kernels._cpu_kernel
   for a whole row and is added back only to the k survivors, then clamped at 0 (rounding can
   make a tiny distance negative); ``l2`` also takes the square root of the survivors only.
 - ``inner_product``: Q' = -q, bias = 0; the value is the negated score.
-- ``cosine``: both sides are normalised in float64, then cast, and searched as inner product.
+- ``cosine``: both sides are normalised in float64, then rounded to float32, and searched as
+  inner product.
   Normalising first (rather than dividing by norms at the end) is required for the ranking:
   the target norm changes the order; it also keeps values within a few float32 ulps of the
   exact cosine, and costs one pass over the data.
@@ -85,6 +86,8 @@ TARGET_TILE = 1024
 # Below this many queries per thread, splitting the target range between threads keeps the
 # sgemm's M dimension larger than splitting the queries would.
 MIN_QUERIES_PER_THREAD = 64
+# Target tiles are a multiple of this many rows: a multiple of every sgemm micro-kernel width.
+TILE_MULTIPLE = 64
 
 
 def default_threads() -> int:
@@ -128,9 +131,10 @@ def plan_tiles(nq: int, nt: int, threads: int) -> tuple[int, int, int]:
     Items are (query tile, target split) pairs run one per thread. With enough queries, the
     query tiles are resized so that their number is a multiple of ``threads`` (equal work per
     thread under numba's static schedule); with few queries, one query tile and the target
-    tiles are split between threads instead.
+    tiles are split between threads instead. The target tile is a multiple of
+    ``TILE_MULTIPLE`` (see ``_cpu_kernels.search_tiles`` for why every call has one shape).
     """
-    target_tile = TARGET_TILE
+    target_tile = min(TARGET_TILE, -(-nt // TILE_MULTIPLE) * TILE_MULTIPLE)
     n_ttiles = -(-nt // target_tile)
     if nq >= MIN_QUERIES_PER_THREAD * threads:
         rounds = -(-nq // (QUERY_TILE * threads))
@@ -140,25 +144,32 @@ def plan_tiles(nq: int, nt: int, threads: int) -> tuple[int, int, int]:
 
 
 def _prepare(queries: np.ndarray, targets: np.ndarray, metric: Metric):
-    """Scaled float32 queries, float32 targets, float32 bias and float64 |q|^2 (or None)."""
-    if metric.name in ("l2", "sqeuclidean"):
-        q64 = queries.astype(np.float64, copy=False)
-        t64 = targets.astype(np.float64, copy=False)
-        # Norms in float64 from the input: exact to float32 rounding once cast.
-        query_norms = np.einsum("ij,ij->i", q64, q64)
-        bias = np.einsum("ij,ij->i", t64, t64).astype(np.float32)
-        # -2 is a power of two: the scaling is exact, so the GEMM sees the input values.
-        scaled = np.ascontiguousarray(queries, dtype=np.float32) * np.float32(-2.0)
-        return scaled, np.ascontiguousarray(targets, dtype=np.float32), bias, query_norms
+    """Scaled float32 queries, float32 targets, float32 bias and float64 |q|^2 (or None).
+
+    Norms are those of the float32 values the sgemm sees, so that |q|^2 - 2 q.t + |t|^2 is the
+    squared distance of the same vectors whatever the input dtype.
+    """
     if metric.name == "cosine":
-        q64 = queries.astype(np.float64)
-        t64 = targets.astype(np.float64)
-        q64 /= np.sqrt(np.einsum("ij,ij->i", q64, q64))[:, None]
-        t64 /= np.sqrt(np.einsum("ij,ij->i", t64, t64))[:, None]
-        queries, targets = q64, t64
-    scaled = -np.ascontiguousarray(queries, dtype=np.float32)
-    bias = np.zeros(targets.shape[0], dtype=np.float32)
-    return scaled, np.ascontiguousarray(targets, dtype=np.float32), bias, None
+        queries = _cpu_kernels.unit_rows(np.ascontiguousarray(queries, dtype=np.float64))
+        targets = _cpu_kernels.unit_rows(np.ascontiguousarray(targets, dtype=np.float64))
+    else:
+        queries = np.ascontiguousarray(queries, dtype=np.float32)
+        targets = np.ascontiguousarray(targets, dtype=np.float32)
+    if metric.name in ("l2", "sqeuclidean"):
+        # -2 is a power of two: the scaling is exact, so the sgemm sees the input values.
+        bias = _cpu_kernels.squared_norms(targets).astype(np.float32)
+        return queries * np.float32(-2.0), targets, bias, _cpu_kernels.squared_norms(queries)
+    return -queries, targets, np.zeros(targets.shape[0], dtype=np.float32), None
+
+
+def _tail_tile(targets: np.ndarray, bias: np.ndarray, target_tile: int):
+    """The last, partial target tile padded to ``target_tile`` rows (zeros, bias +inf)."""
+    start = targets.shape[0] // target_tile * target_tile
+    tail = np.zeros((target_tile, targets.shape[1]), dtype=np.float32)
+    tail_bias = np.full(target_tile, np.inf, dtype=np.float32)
+    tail[: targets.shape[0] - start] = targets[start:]
+    tail_bias[: targets.shape[0] - start] = bias[start:]
+    return tail, tail_bias
 
 
 def _scipy_blas_missing() -> str | None:
@@ -195,13 +206,14 @@ class CpuBackend:
         threads = _check_threads(threads)
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)
-        scaled, targets32, bias, query_norms = _prepare(queries, targets, metric)
         with thread_limits(threads) as used:
+            scaled, targets32, bias, query_norms = _prepare(queries, targets, metric)
             query_tile, target_tile, n_split = plan_tiles(nq, nt, used)
+            tail, tail_bias = _tail_tile(targets32, bias, target_tile)
             heap_v = np.full((n_split, nq, width), np.inf, dtype=np.float32)
             heap_i = np.full((n_split, nq, width), _cpu_kernels.EMPTY_INDEX, dtype=np.int64)
-            _cpu_kernels.search_tiles(scaled, targets32, bias, heap_v, heap_i,
-                                      query_tile, target_tile)
+            _cpu_kernels.search_tiles(scaled, targets32, bias, tail, tail_bias, heap_v, heap_i,
+                                      query_tile)
             best_v, best_i = _cpu_kernels.finish_heaps(heap_v, heap_i)
         logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d",
                      nq, nt, k, used, query_tile, target_tile, n_split)
