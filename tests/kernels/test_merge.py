@@ -1,0 +1,105 @@
+"""merge_topk: partial top-k of target blocks merged with offsets equals one search."""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from nearest_join.kernels import METRICS, knn, merge_topk
+from tests.kernels.test_knn import assert_matches_reference, tolerance_of
+
+
+def seeded_rng(request) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def split_search(queries, targets, k, metric, backend, bounds, **merge_options):
+    """knn on each target block [bounds[i], bounds[i+1]), then one merge with offsets."""
+    parts = [knn(queries, targets[a:b], k, metric, backend=backend)
+             for a, b in zip(bounds[:-1], bounds[1:])]
+    return merge_topk([v for v, _ in parts], [i for _, i in parts], k, metric,
+                      offsets=list(bounds[:-1]), **merge_options)
+
+
+@pytest.mark.parametrize("k", [1, 7, 500])
+@pytest.mark.parametrize("metric", list(METRICS))
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_merged_blocks_equal_one_search(request, backend, metric, k):
+    """Small integers keep every float32 sum exact, so the split cannot change a value and ties
+    abound: the merge must resolve them by the lower global index exactly like one search.
+    Blocks have awkward sizes; one is smaller than k and k=500 exceeds the 450 targets."""
+    rng = seeded_rng(request)
+    queries = rng.integers(-3, 4, size=(25, 5)).astype(np.float32)
+    targets = rng.integers(-3, 4, size=(450, 5)).astype(np.float32)
+    queries[0] = 0.0  # a zero query: no match for cosine, all targets tie for inner product
+    targets[[3, 200]] = 0.0  # zero targets: excluded for cosine only
+    whole_v, whole_i = knn(queries, targets, k, metric, backend=backend)
+    merged_v, merged_i = split_search(queries, targets, k, metric, backend, [0, 5, 163, 450])
+    if metric == "cosine":
+        # Cosine values are rounded (normalised vectors), but one block's rounding is another's:
+        # each target is normalised alone, so values match to float32 rounding of the scores.
+        # Slots whose value is within 1e-5 of a neighbour may swap; all others must agree.
+        np.testing.assert_allclose(merged_v, whole_v, rtol=0, atol=1e-6)
+        finite = np.where(np.isfinite(whole_v), whole_v, 10.0)
+        apart = np.abs(np.diff(finite, axis=1)) > 1e-5
+        edge = np.ones((finite.shape[0], 1), dtype=bool)
+        settled = np.hstack([apart, edge]) & np.hstack([edge, apart])
+        np.testing.assert_array_equal(merged_i[settled], whole_i[settled])
+        np.testing.assert_array_equal(merged_i == -1, whole_i == -1)
+    else:
+        np.testing.assert_array_equal(merged_i, whole_i)
+        np.testing.assert_array_equal(merged_v, whole_v)
+
+
+@pytest.mark.parametrize("metric", list(METRICS))
+def test_merged_random_blocks_match_reference(request, metric):
+    """Random data through the cpu backend: merged blocks pass the same checks against the
+    float64 reference as one search (tolerances and near ties as in test_knn)."""
+    rng = seeded_rng(request)
+    queries = rng.standard_normal((40, 16)).astype(np.float32)
+    targets = rng.standard_normal((3001, 16)).astype(np.float32)
+    v, i = split_search(queries, targets, 10, metric, "cpu", [0, 1100, 1101, 3001])
+    tol = tolerance_of("cpu", queries, targets, 10, metric)
+    assert_matches_reference(queries, targets, 10, metric, v, i, tol)
+
+
+def test_return_sources_points_into_the_concatenated_parts():
+    values = [np.array([[1.0, 5.0], [2.0, np.inf]], np.float32),
+              np.array([[1.0, 3.0, 9.0], [np.inf, np.inf, np.inf]], np.float32)]
+    indices = [np.array([[4, 0], [1, -1]]), np.array([[2, 0, 1], [-1, -1, -1]])]
+    v, i, sources = merge_topk(values, indices, 4, "l2", offsets=[0, 100], return_sources=True)
+    # The two 1.0 tie: global 4 beats 102. Row 1 has a single candidate, then empty slots.
+    assert i.tolist() == [[4, 102, 100, 0], [1, -1, -1, -1]]
+    assert v.tolist() == [[1.0, 1.0, 3.0, 5.0], [2.0, np.inf, np.inf, np.inf]]
+    assert sources.tolist() == [[0, 2, 3, 1], [0, -1, -1, -1]]
+    concatenated = np.concatenate(values, axis=1)
+    found = sources >= 0
+    np.testing.assert_array_equal(np.take_along_axis(concatenated, np.maximum(sources, 0), 1)[found],
+                                  v[found])
+
+
+def test_similarities_merge_largest_first():
+    v, i = merge_topk([np.array([[0.9, 0.1]]), np.array([[0.5, -np.inf]])],
+                      [np.array([[3, 1]]), np.array([[0, -1]])], 3, "cosine", offsets=[10, 0])
+    assert i.tolist() == [[13, 0, 11]]
+    assert v.tolist() == [[pytest.approx(0.9), 0.5, pytest.approx(0.1)]]
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: merge_topk([], [], 1), r"values, indices: expected the same non-zero number"),
+        (lambda: merge_topk([np.zeros((1, 1))], [], 1), r"got 1 and 0"),
+        (lambda: merge_topk([np.zeros((1, 1))], [np.zeros((1, 1), np.int64)], 1, offsets=[0, 1]),
+         r"offsets: expected 1 offsets, got 2"),
+        (lambda: merge_topk([np.zeros((1, 2))], [np.zeros((1, 1), np.int64)], 1),
+         r"values, indices: expected matching"),
+        (lambda: merge_topk([np.zeros((1, 1))], [np.zeros((1, 1), np.int64)], 1, "hamming"),
+         r"metric: expected one of"),
+    ],
+    ids=["no_parts", "count_mismatch", "offsets", "shape_mismatch", "metric"],
+)
+def test_bad_arguments_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
