@@ -38,11 +38,18 @@ import triton.language as tl
 from ._gpu_torch import PreparedSide, key_alpha
 
 BLOCK_N = 128
+# d is consumed in chunks of BLOCK_D (one compiled variant for every d > 32).
+BLOCK_D = 64
 # Packed "no candidate": key +inf (0x7F800000) and index 0x7FFFFFFF; sorts after every real one.
 EMPTY = 0x7F8000007FFFFFFF
+_EMPTY = tl.constexpr(EMPTY)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
 # Largest candidate list the kernel keeps (the selection sorts BLOCK_M x CAP int64 in registers).
 MAX_CANDIDATES = 1024
+# The selection sorts SEL_ROWS x CAP packed keys at a time (registers: 16 int64 per thread at 8 warps).
+SELECT_ELEMENTS = 4096
+# Checks fill the buffers with garbage first (benchmarks/gpu_kernel.py --check).
+POISON_BUFFERS = False
 
 
 @dataclass(frozen=True)
@@ -84,37 +91,53 @@ def _unpack_key(packed):
 
 
 @triton.jit
-def _select(buf_ptr, row_base, count, N_CAND: tl.constexpr, CAP: tl.constexpr):
-    """Reduce each row's buffer to its N_CAND best (sorted), return (count, threshold)."""
-    # Every warp's appends must be visible before any warp reads the buffer back.
+def _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
+            N_CAND: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, SEL_ROWS: tl.constexpr):
+    """Reduce each row's buffer to its N_CAND best (sorted); return (count, threshold).
+
+    Rows go through the bitonic top-k SEL_ROWS at a time (SEL_ROWS x CAP int64 live in
+    registers, not BLOCK_M x CAP: the hot loop keeps its registers).
+    """
+    offs = tl.arange(0, BLOCK_M)
+    scratch = scratch_ptr + (pid_m * n_splits + pid_s) * BLOCK_M
+    prog_buf = buf_ptr + (pid_m * n_splits + pid_s).to(tl.int64) * (BLOCK_M * CAP)
+    tl.store(scratch + offs, count)
+    # Every warp's appends (and counts) must be visible before any warp reads them back.
     tl.debug_barrier()
     slots = tl.arange(0, CAP)
-    ptrs = buf_ptr + row_base[:, None] + slots[None, :]
-    packed = tl.load(ptrs, mask=slots[None, :] < count[:, None], other=EMPTY)
-    # topk keeps the largest: complement the keys (an order-reversing bijection on int64).
-    best = ~tl.topk(~packed, N_CAND)
-    tl.debug_barrier()  # all reads done before the buffer's head is overwritten
-    tl.store(buf_ptr + row_base[:, None] + tl.arange(0, N_CAND)[None, :], best)
-    worst = tl.max(best, axis=1)
-    new_count = tl.full(count.shape, N_CAND, tl.int32)
+    for g in range(0, BLOCK_M // SEL_ROWS):
+        r = g * SEL_ROWS + tl.arange(0, SEL_ROWS)
+        base = r * CAP
+        n = tl.load(scratch + r)
+        packed = tl.load(prog_buf + base[:, None] + slots[None, :],
+                         mask=slots[None, :] < n[:, None], other=_EMPTY)
+        # topk keeps the largest: complement the keys (an order-reversing bijection on int64).
+        best = ~tl.topk(~packed, N_CAND)
+        tl.debug_barrier()  # the group's reads are done before its heads are overwritten
+        tl.store(prog_buf + base[:, None] + tl.arange(0, N_CAND)[None, :], best)
+    tl.debug_barrier()
+    worst = tl.load(prog_buf + offs * CAP + (N_CAND - 1))
+    new_count = tl.full([BLOCK_M], N_CAND, tl.int32)
     return new_count, _unpack_key(worst)
 
 
 @triton.jit
 def _fused_candidates_kernel(
-    q_ptr, t_ptr, bias_ptr, buf_ptr,
+    q_ptr, t_ptr, bias_ptr, buf_ptr, scratch_ptr,
     nq, nt, d, tiles_per_split, stride_q, stride_t,
-    ALPHA: tl.constexpr, N_CAND: tl.constexpr, CAP: tl.constexpr,
+    alpha, N_CAND: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    SEL_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     n_splits = tl.num_programs(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < nq
-    # This program's buffer: BLOCK_M rows of CAP packed candidates.
-    row_base = (rows.to(tl.int64) * n_splits + pid_s) * CAP
+    # This program's buffer: BLOCK_M rows of CAP packed candidates, contiguous, so that
+    # per-element offsets stay 32-bit.
+    prog_buf = buf_ptr + (pid_m * n_splits + pid_s).to(tl.int64) * (BLOCK_M * CAP)
+    row_base = tl.arange(0, BLOCK_M) * CAP
     t_start = pid_s * tiles_per_split * BLOCK_N
     # Padding rows get -inf: no key is ever below it, so they store nothing.
     thr = tl.where(row_ok, float("inf"), float("-inf"))
@@ -139,21 +162,22 @@ def _fused_candidates_kernel(
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             # bias = +inf past the end: those keys are +inf and never pass a threshold.
             bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("inf"))
-            key = bias[None, :] - ALPHA * acc
+            key = bias[None, :] - alpha * acc
             row_min = tl.min(key, axis=1)
             if tl.max((row_min < thr).to(tl.int32), axis=0) > 0:
                 survive = key < thr[:, None]
                 n_new = tl.sum(survive.to(tl.int32), axis=1)
                 if tl.max(count + n_new, axis=0) > CAP:
-                    count, thr = _select(buf_ptr, row_base, count, N_CAND, CAP)
+                    count, thr = _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
+                                             N_CAND, CAP, BLOCK_M, SEL_ROWS)
                     thr = tl.where(row_ok, thr, float("-inf"))
                     survive = key < thr[:, None]
                     n_new = tl.sum(survive.to(tl.int32), axis=1)
                 pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
                 packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
-                tl.store(buf_ptr + row_base[:, None] + pos, packed, mask=survive)
+                tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
                 count += n_new
-    _select(buf_ptr, row_base, count, N_CAND, CAP)
+    _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count, N_CAND, CAP, BLOCK_M, SEL_ROWS)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -202,7 +226,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     cfg = config or tile_config(n_cand, d)
     if cfg.cap < n_cand + cfg.block_n:
         raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
-    block_d = min(128, max(16, triton.next_power_of_2(d)))
+    block_d = BLOCK_D if d > 32 else max(16, triton.next_power_of_2(d))
     precision = queries.precision
     input_precision = "ieee" if precision == "fp32" else "tf32"
     q_op, t_op = queries.operand, targets.operand
@@ -215,17 +239,22 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         r1 = min(m, r0 + rows_per_launch)
         rows = r1 - r0
         grid_m = math.ceil(rows / cfg.block_m)
-        buf = torch.empty((grid_m * cfg.block_m, n_splits, cfg.cap), dtype=torch.int64, device=device)
+        buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)
+        scratch = torch.empty((grid_m * n_splits * cfg.block_m,), dtype=torch.int32, device=device)
+        if POISON_BUFFERS:  # checks: stale garbage must never leak into a result
+            buf.fill_(0x5A5A5A5A5A5A5A5A)
+            scratch.fill_(-7)
         q_chunk = q_op[r0:r1]
         _fused_candidates_kernel[(grid_m, n_splits)](
-            q_chunk, t_op, targets.bias, buf,
+            q_chunk, t_op, targets.bias, buf, scratch,
             rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0),
-            ALPHA=alpha, N_CAND=n_cand, CAP=cfg.cap,
+            alpha, N_CAND=n_cand, CAP=cfg.cap,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
+            SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
             INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        lists = buf[:rows, :, :n_cand].reshape(rows, n_splits * n_cand)
+        lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(grid_m * cfg.block_m, n_splits * n_cand)[:rows]
         if n_splits > 1:
             # Merge the splits' sorted lists: sorting packed keys sorts by (key, index).
             lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values

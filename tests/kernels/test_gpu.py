@@ -1,0 +1,285 @@
+"""The gpu backend against the float64 reference.
+
+Here (no GPU): the torch path on CPU tensors, the fused Triton kernel under
+``TRITON_INTERPRET=1`` (in a subprocess, so the variable never reaches other tests), and the
+backend's refusal. On a CUDA machine (``-m gpu``): the full matrix of metrics x precisions x
+k x data, with near-tie (clustered) data, poisoned kernel buffers and fresh data per check.
+
+Every comparison is tie-aware: a returned index may differ from the reference's only where
+its exact (float64) score equals the reference's score at that slot within the float32
+tolerance of ``nearest_join.kernels.gpu.value_tolerance``. Distances are compared squared: the
+square root halves relative errors and would hide a wrong ranking of close pairs.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nearest_join.kernels import knn, resolve_metric
+from nearest_join.kernels.reference import knn_reference, scores_float64
+
+try:
+    import torch
+except ImportError:  # the torch tests skip with a reason
+    torch = None
+
+REPO = Path(__file__).resolve().parents[2]
+METRICS = ["l2", "sqeuclidean", "inner_product", "cosine"]
+PRECISIONS = ["fp32", "tf32", "bf16"]
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+needs_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(),
+                                reason="needs a CUDA device (run on the GPU machine: pytest -m gpu)")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+# ----------------------------------------------------------------------------- data + oracle
+def make_data(kind: str, nq: int, nt: int, d: int, seed: int):
+    """Fresh float32 data. ``clustered``: tight clusters, so many targets tie to within the
+    bf16/tf32 error but are distinct in float32 (the case the exact re-rank exists for)."""
+    rng = np.random.default_rng(seed)
+    if kind == "gaussian":
+        return (rng.standard_normal((nq, d)).astype(np.float32),
+                rng.standard_normal((nt, d)).astype(np.float32))
+    centers = 3.0 * rng.standard_normal((max(2, nt // 100), d))
+    q = centers[rng.integers(0, len(centers), nq)] + 1e-3 * rng.standard_normal((nq, d))
+    t = centers[rng.integers(0, len(centers), nt)] + 1e-3 * rng.standard_normal((nt, d))
+    return q.astype(np.float32), t.astype(np.float32)
+
+
+def _tolerance(q, t, metric: str) -> np.ndarray:
+    """Per-query absolute tolerance on the ranking value (squared distance or similarity)."""
+    from nearest_join.kernels.gpu import value_tolerance
+
+    tol = value_tolerance(q.shape[1])
+    if metric in ("l2", "sqeuclidean"):
+        return None  # relative, applied per slot
+    if metric == "cosine":
+        return np.full(q.shape[0], 4 * tol + 8 * 2.0 ** -24)
+    qn = np.linalg.norm(q.astype(np.float64), axis=1)
+    tn = np.linalg.norm(t.astype(np.float64), axis=1).max() if len(t) else 0.0
+    return 4 * tol * qn * tn
+
+
+def check_result(q, t, k, metric, values, indices) -> int:
+    """Assert the contract against the float64 reference; return the number of near-tie swaps."""
+    from nearest_join.kernels.gpu import value_tolerance
+
+    m = resolve_metric(metric)
+    values = np.asarray(values)
+    indices = np.asarray(indices)
+    assert values.dtype == np.float32 and indices.dtype == np.int64
+    assert values.shape == indices.shape == (q.shape[0], k)
+    ref_v, ref_i = knn_reference(q, t, k, m)
+    np.testing.assert_array_equal(indices < 0, ref_i < 0, err_msg="empty slots differ")
+    assert np.all(values[indices < 0] == m.worst)
+    valid = indices >= 0
+    for row in range(q.shape[0]):
+        picked = indices[row][valid[row]]
+        assert len(np.unique(picked)) == len(picked), f"row {row}: duplicate targets {picked}"
+    # Exact float64 scores of what was returned, and of the reference's choice.
+    scores = scores_float64(q, t, m)
+    if metric == "l2":
+        scores = scores ** 2           # compare squared distances (see the module notes)
+        ref_rank = ref_v.astype(np.float64) ** 2
+        got_val = values.astype(np.float64) ** 2
+    else:
+        ref_rank = ref_v.astype(np.float64)
+        got_val = values.astype(np.float64)
+    got_exact = np.where(valid, np.take_along_axis(scores, np.maximum(indices, 0), 1), 0.0)
+    ref_rank = np.where(valid, ref_rank, 0.0)
+    got_val = np.where(valid, got_val, 0.0)
+    if metric in ("l2", "sqeuclidean"):
+        rel = 4 * value_tolerance(q.shape[1]) + 8 * 2.0 ** -24
+        tol = rel * np.maximum(np.abs(ref_rank), np.abs(got_exact)) + 1e-30
+    else:
+        tol = np.broadcast_to(_tolerance(q, t, metric)[:, None], values.shape)
+    # The k-th best exact score must be as good as the reference's, slot by slot.
+    bad = valid & (np.abs(got_exact - ref_rank) > tol)
+    assert not bad.any(), (
+        f"{int(bad.sum())} slots rank a target whose exact score is off the reference's by more "
+        f"than the float32 tolerance; first at {np.argwhere(bad)[0]}: got index "
+        f"{indices[bad][0]} score {got_exact[bad][0]!r}, reference index {ref_i[bad][0]} score "
+        f"{ref_rank[bad][0]!r}")
+    off = valid & (np.abs(got_val - got_exact) > tol)
+    assert not off.any(), f"{int(off.sum())} returned values differ from their pair's exact score"
+    # Best first within each row (allowing float32-level near ties).
+    sign = -1.0 if m.descending else 1.0
+    steps = sign * np.diff(got_exact, axis=1)
+    assert np.all((steps >= -tol[:, 1:]) | ~valid[:, 1:]), "rows are not sorted best first"
+    return int((indices != ref_i).sum())
+
+
+# ----------------------------------------------------------------------------- no GPU needed
+def test_backend_refuses_without_cuda_and_names_why():
+    from nearest_join.kernels.gpu import BACKEND
+
+    q = np.zeros((2, 3), np.float32)
+    reason = BACKEND.refuse(q, q, 1, resolve_metric("l2"))
+    if torch is not None and torch.cuda.is_available():
+        assert reason is None
+    else:
+        assert reason and ("CUDA" in reason or "torch" in reason)
+
+
+def test_invalid_precision_is_a_value_error_naming_the_argument():
+    from nearest_join.kernels.gpu import BACKEND
+
+    q = np.ones((2, 3), np.float32)
+    with pytest.raises(ValueError, match="precision"):
+        BACKEND.refuse(q, q, 1, resolve_metric("l2"), precision="fp16")
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", ["gaussian", "clustered"])
+@pytest.mark.parametrize("d,k", [(1, 3), (3, 7), (33, 40), (31, 400)], ids=lambda v: str(v))
+def test_torch_path_on_cpu_matches_reference(metric, precision, kind, d, k):
+    from nearest_join.kernels.gpu import knn_torch
+
+    seed = zlib.crc32(repr((metric, precision, kind, d, k)).encode())
+    q, t = make_data(kind, 37, 301, d, seed)
+    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, metric, precision, impl="torch")
+    check_result(q, t, k, metric, v.numpy(), i.numpy())
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", METRICS)
+def test_rows_that_cannot_rank_never_match(metric):
+    from nearest_join.kernels.gpu import knn_torch
+
+    q, t = make_data("gaussian", 6, 40, 5, 3)
+    q[1, 2] = np.nan
+    t[4, 0] = np.inf
+    t[11] = 0.0
+    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 50, metric, "bf16", impl="torch")
+    ref_v, ref_i = knn(q, t, 50, metric, backend="reference")
+    np.testing.assert_array_equal(i.numpy(), ref_i)
+    assert (i.numpy()[1] == -1).all()
+
+
+@needs_torch
+def test_ties_go_to_the_lower_index():
+    from nearest_join.kernels.gpu import knn_torch
+
+    t = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0]], np.float32)
+    q = np.zeros((1, 2), np.float32)
+    for precision in PRECISIONS:
+        v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 4, "l2", precision, impl="torch")
+        assert i.tolist() == [[0, 1, 2, 3]] and v.tolist() == [[1.0] * 4]
+
+
+@needs_torch
+def test_the_check_catches_a_plain_bf16_search():
+    """Without the re-rank, bf16 scrambles near ties: the oracle must notice (it can fail)."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    q, t = make_data("clustered", 40, 400, 64, 5)
+    qs = gt.prepare_side(torch.from_numpy(q), "sqeuclidean", "bf16")
+    ts = gt.prepare_side(torch.from_numpy(t), "sqeuclidean", "bf16")
+    v, i = gt.approximate_topk(qs, ts, 10, gt.torch_candidates)
+    with pytest.raises(AssertionError):
+        check_result(q, t, 10, "sqeuclidean", v.numpy(), i.numpy())
+
+
+_INTERPRETER_SCRIPT = """
+import numpy as np, torch
+import triton.runtime.interpreter as interp
+# triton 3.6's interpreter turns scalar arguments into 1-element arrays; numpy >= 2.4 no
+# longer converts those with int(): index them explicitly.
+_patch = interp._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interp._patch_lang_tensor = _patched
+
+from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
+from tests.kernels.test_gpu import check_result, make_data
+tr.POISON_BUFFERS = True
+
+def small(q, t, n_cand):
+    cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
+    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2)
+
+cases = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
+         ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
+for n, (metric, precision, kind, k) in enumerate(cases):
+    q, t = make_data(kind, 21, 203, 33, n)
+    qs = gt.prepare_side(torch.from_numpy(q), metric, precision)
+    ts = gt.prepare_side(torch.from_numpy(t), metric, precision)
+    # The kernel's candidate keys equal the torch path's exactly computed keys.
+    keys, idx = small(qs, ts, 16)
+    ref = ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T)
+    order = torch.sort(ref.float(), dim=1, stable=True)
+    if kind == "gaussian":  # no near ties: the same order as float64 keys
+        assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256)
+    check_result(q, t, k, metric, v.numpy(), i.numpy())
+print("interpreter ok", len(cases))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
+def test_fused_kernel_under_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "interpreter ok 4" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- on a GPU
+@pytest.fixture
+def poisoned_buffers(monkeypatch):
+    from nearest_join.kernels import _gpu_triton as tr
+
+    monkeypatch.setattr(tr, "POISON_BUFFERS", True)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("kind", ["gaussian", "clustered"])
+@pytest.mark.parametrize("k", [1, 10, 100, 1024])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("metric", METRICS)
+def test_gpu_matrix(metric, precision, k, kind, poisoned_buffers):
+    seed = zlib.crc32(repr((metric, precision, k, kind)).encode())
+    for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:   # odd sizes; few queries -> splits
+        q, t = make_data(kind, nq, nt, d, seed + nt)
+        v, i = knn(q, t, k, metric, backend="gpu", precision=precision)
+        check_result(q, t, k, metric, v, i)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
+    from nearest_join.kernels.gpu import knn_torch
+
+    q, t = make_data("clustered", 300, 2000, 96, 11)
+    qd, td = torch.from_numpy(q).cuda(), torch.from_numpy(t).cuda()
+    for impl in ("torch", "triton"):
+        v, i = knn_torch(qd, td, 25, metric, precision, impl=impl)
+        assert v.device.type == "cuda"
+        check_result(q, t, 25, metric, v.cpu().numpy(), i.cpu().numpy())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_exact_mode_equals_fp32_on_near_ties(poisoned_buffers):
+    """tf32/bf16 return the float32 answer: identical indices to fp32 on clustered data."""
+    q, t = make_data("clustered", 1000, 30_000, 128, 21)
+    v32, i32 = knn(q, t, 50, "sqeuclidean", backend="gpu", precision="fp32")
+    for precision in ("tf32", "bf16"):
+        v, i = knn(q, t, 50, "sqeuclidean", backend="gpu", precision=precision)
+        np.testing.assert_array_equal(i, i32)
+        np.testing.assert_allclose(v, v32, rtol=1e-6)
