@@ -51,22 +51,17 @@ def task_gpu_address() -> str | None:
     return forced if forced else None
 
 
-def address_to_ordinal(address: str, visible: str | None = None) -> int:
+def address_to_ordinal(address: str) -> int:
     """CUDA ordinal of a Spark GPU address.
 
-    Spark's addresses are the discovery script's ids (``nvidia-smi`` indices). When
-    ``CUDA_VISIBLE_DEVICES`` restricts this process (YARN, Kubernetes), CUDA numbers the
-    visible devices from 0: the ordinal is the address's position in that list.
+    ``conf/gpu_discovery.sh`` reports CUDA ordinals as the executor sees them (already
+    renumbered when the cluster manager set ``CUDA_VISIBLE_DEVICES``), so the address is the
+    ordinal.
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
-    if visible:
-        items = [v.strip() for v in visible.split(",") if v.strip()]
-        if address in items:
-            return items.index(address)
     try:
         return int(address)
     except ValueError:
-        raise ValueError(f"GPU address: expected an integer index, got {address!r}") from None
+        raise ValueError(f"GPU address: expected a CUDA ordinal, got {address!r}") from None
 
 
 def gpu_searcher_or_none(settings: SearchSettings):

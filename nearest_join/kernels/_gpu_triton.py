@@ -121,7 +121,8 @@ def _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
     return new_count, _unpack_key(worst)
 
 
-@triton.jit
+# Sizes only bound loops and masks: one compiled variant serves every size.
+@triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
 def _fused_candidates_kernel(
     q_ptr, t_ptr, bias_ptr, buf_ptr, scratch_ptr,
     nq, nt, d, tiles_per_split, stride_q, stride_t,

@@ -1,0 +1,221 @@
+"""GPU kernel benchmark (issue 4): fused Triton top-k vs torch addmm + topk vs the GEMM alone.
+
+Run on a CUDA machine from the repository root:
+
+    python benchmarks/gpu_kernel.py --out results/        # full table (about 3 minutes)
+    python benchmarks/gpu_kernel.py --quick               # small shapes, smoke run
+
+For nq x nt x d (default 65,536 x 1,000,000 x 128, plus d=768 in tf32/bf16 at k=10) and
+k in {10, 100}, in fp32, tf32 and bf16, it times with CUDA events (median of repeats, after
+a warm-up that includes compilation):
+
+* ``gemm``: chunked ``addmm`` writing the distance matrix (the issue's ceiling);
+* ``addmm+topk``: the same chunks followed by ``torch.topk`` (the issue's baseline);
+* ``fused``: the plain low-precision search through the fused kernel (no re-rank);
+* ``exact``: the backend's answer (fused candidates + exact float32 re-rank);
+* ``arrow``: the executor path of the blocked plan (``udfs.blocks.search_pairs`` then
+  ``merge_partials``) fed Arrow batches, host-device copies and Arrow work included.
+
+Effective TFLOP/s count 2 * nq * nt * d. Prints a table and writes it as JSON lines.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nearest_join.kernels import _gpu_torch as gt  # noqa: E402
+from nearest_join.kernels.gpu import prepare_targets, search_prepared  # noqa: E402
+
+CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 1e6 floats = 16 GB)
+
+
+def cuda_ms(fn, reps: int, warmup: int = 1) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return times
+
+
+def torch_operands(Q, T, precision):
+    if precision == "bf16":
+        return Q.bfloat16(), T.bfloat16()
+    return Q, T
+
+
+def gemm_alone(Q, T, bias, precision):
+    q, t = torch_operands(Q, T, precision)
+    b = bias.to(q.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    for r0 in range(0, q.shape[0], CHUNK_ROWS):
+        torch.addmm(b, q[r0:r0 + CHUNK_ROWS], t.T, alpha=-2.0)
+
+
+def addmm_topk(Q, T, bias, precision, k):
+    q, t = torch_operands(Q, T, precision)
+    b = bias.to(q.dtype)
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    out = []
+    for r0 in range(0, q.shape[0], CHUNK_ROWS):
+        d = torch.addmm(b, q[r0:r0 + CHUNK_ROWS], t.T, alpha=-2.0)
+        out.append(torch.topk(d, k, dim=1, largest=False).indices)
+    return out
+
+
+def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows):
+    """Time the blocked plan's executor functions on Arrow batches (packing untimed)."""
+    import pyarrow as pa
+
+    from udfs import columns as C
+    from udfs.blocks import (JoinContext, SideLayout, _pairs_batch, merge_partials, pack_blocks,
+                             search_pairs, PACKED_SCHEMA)
+    from udfs.searcher import SearchSettings
+
+    d = Qn.shape[1]
+
+    def table(x, name):
+        vec = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), d)
+        return pa.table({name + "id": np.arange(len(x), dtype=np.int64), name + "v": vec})
+
+    qt, tt = table(Qn, "q"), table(Tn, "t")
+    ctx = JoinContext(SearchSettings(k, "l2", "gpu", precision), SideLayout("qv", 1, d, q_block_rows),
+                      SideLayout("tv", 1, d, t_block_rows), "inner", True, tt.schema)
+    q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(max_chunksize=1 << 16), ctx.query, 0)),
+                                     schema=PACKED_SCHEMA)
+    t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1)),
+                                     schema=PACKED_SCHEMA)
+    pairs = list(_pairs_batch(q_packed, t_packed))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    partial = list(search_pairs(iter(pairs), ctx))
+    t1 = time.perf_counter()
+    groups: dict[int, list] = {}
+    for b in partial:
+        groups.setdefault(b.column(0)[0].as_py(), []).append(b)
+    rows = sum(out.num_rows for key, bs in groups.items() for out in merge_partials((key,), bs, ctx))
+    t2 = time.perf_counter()
+    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nq", type=int, default=65_536)
+    ap.add_argument("--nt", type=int, default=1_000_000)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--d-large", type=int, default=768)
+    ap.add_argument("--ks", default="10,100")
+    ap.add_argument("--precisions", default="fp32,tf32,bf16")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-arrow", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
+    ap.add_argument("--out", default=None, help="folder for results.jsonl")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.nq, args.nt, args.d_large, args.reps = 4096, 100_000, 256, 2
+    ks = [int(k) for k in args.ks.split(",")]
+    precisions = args.precisions.split(",")
+    dev = torch.device("cuda")
+    rows = []
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
+          f"commit {commit or '?'} nq={args.nq} nt={args.nt}", flush=True)
+
+    def record(**row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if out:
+            with open(out / "results.jsonl", "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    shapes = [(args.d, ks, precisions)]
+    if args.d_large:
+        shapes.append((args.d_large, [ks[0]], [p for p in precisions if p != "fp32"]))
+    for d, shape_ks, shape_precisions in shapes:
+        gen = torch.Generator(device=dev).manual_seed(d)
+        Q = torch.randn(args.nq, d, device=dev, generator=gen)
+        T = torch.randn(args.nt, d, device=dev, generator=gen)
+        bias = (T * T).sum(1)
+        flops = 2.0 * args.nq * args.nt * d
+        for precision in shape_precisions:
+            prepared = prepare_targets(T, "l2", precision)
+            t_gemm = statistics.median(cuda_ms(lambda: gemm_alone(Q, T, bias, precision), args.reps))
+            record(d=d, precision=precision, what="gemm", ms=t_gemm, tflops=flops / t_gemm / 1e9)
+            for k in shape_ks:
+                reps_base = 1 if d > 256 or precision == "fp32" else args.reps
+                t_base = statistics.median(cuda_ms(lambda: addmm_topk(Q, T, bias, precision, k), reps_base))
+                t_fused = statistics.median(cuda_ms(
+                    lambda: search_prepared(Q, prepared, k, exact=False), args.reps))
+                t_exact = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k), args.reps))
+                # The plain search's own accuracy, for the record (recall of the exact answer).
+                _, i_plain = search_prepared(Q[:2048], prepared, k, exact=False)
+                _, i_exact = search_prepared(Q[:2048], prepared, k)
+                recall = float((i_plain[:, :, None] == i_exact[:, None, :]).any(2).float().mean())
+                record(d=d, precision=precision, k=k, what="compare", gemm_ms=t_gemm,
+                       addmm_topk_ms=t_base, fused_ms=t_fused, exact_ms=t_exact,
+                       fused_tflops=flops / t_fused / 1e9, speedup_vs_addmm_topk=t_base / t_fused,
+                       fused_over_gemm=t_fused / t_gemm, exact_over_fused=t_exact / t_fused,
+                       plain_recall=recall)
+            del prepared
+            torch.cuda.empty_cache()
+        del Q, T, bias
+        torch.cuda.empty_cache()
+
+    if not args.no_arrow:
+        rng = np.random.default_rng(7)
+        nq_a, nt_a, d = args.nq, args.nt, args.d
+        Qn = rng.standard_normal((nq_a, d), dtype=np.float32)
+        Tn = rng.standard_normal((nt_a, d), dtype=np.float32)
+        for precision in ("bf16", "tf32"):
+            k = ks[0]
+            q = torch.from_numpy(Qn).to(dev)
+            prepared = prepare_targets(torch.from_numpy(Tn).to(dev), "l2", precision)
+            t_exact = statistics.median(cuda_ms(lambda: search_prepared(q, prepared, k), args.reps))
+            del prepared, q
+            torch.cuda.empty_cache()
+            res = arrow_path(Qn, Tn, k, precision, t_block_rows=nt_a // 4, q_block_rows=nq_a)
+            res_warm = arrow_path(Qn, Tn, k, precision, t_block_rows=nt_a // 4, q_block_rows=nq_a)
+            total = res_warm["search_s"] + res_warm["merge_s"]
+            record(d=d, precision=precision, k=k, what="arrow", kernel_exact_ms=t_exact,
+                   arrow_search_ms=res_warm["search_s"] * 1e3, arrow_merge_ms=res_warm["merge_s"] * 1e3,
+                   arrow_first_ms=(res["search_s"] + res["merge_s"]) * 1e3,
+                   arrow_share_of_kernel=(t_exact / 1e3) / total, pairs=res_warm["pairs"])
+
+    print("\n| d | precision | k | GEMM ms | addmm+topk ms | fused ms | exact ms | fused TFLOP/s | "
+          "fused vs addmm+topk | fused / GEMM | exact / fused |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r["what"] == "compare":
+            print(f"| {r['d']} | {r['precision']} | {r['k']} | {r['gemm_ms']:.1f} | {r['addmm_topk_ms']:.1f} | "
+                  f"{r['fused_ms']:.1f} | {r['exact_ms']:.1f} | {r['fused_tflops']:.0f} | "
+                  f"{r['speedup_vs_addmm_topk']:.1f}x | {r['fused_over_gemm']:.2f} | {r['exact_over_fused']:.2f} |")
+    for r in rows:
+        if r["what"] == "arrow":
+            print(f"arrow {r['precision']} k={r['k']}: search {r['arrow_search_ms']:.0f} ms + merge "
+                  f"{r['arrow_merge_ms']:.0f} ms vs kernel {r['kernel_exact_ms']:.0f} ms -> "
+                  f"{100 * r['arrow_share_of_kernel']:.0f}% of kernel throughput")
+
+
+if __name__ == "__main__":
+    main()
