@@ -44,6 +44,8 @@ BLOCK_D = 64
 EMPTY = 0x7F8000007FFFFFFF
 _EMPTY = tl.constexpr(EMPTY)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
+# Above this many survivors in some row of a tile, append them in bulk, else one by one.
+FEW = tl.constexpr(4)
 # Largest candidate list the kernel keeps (the selection sorts BLOCK_M x CAP int64 in registers).
 MAX_CANDIDATES = 1024
 # The selection sorts SEL_ROWS x CAP packed keys at a time (registers: 16 int64 per thread at 8 warps).
@@ -152,11 +154,14 @@ def _fused_candidates_kernel(
             col_ok = cols < nt
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for d0 in range(0, d, BLOCK_D):
-                dd = d0 + offs_d
-                a = tl.load(q_ptr + rows[:, None].to(tl.int64) * stride_q + dd[None, :],
-                            mask=row_ok[:, None] & (dd[None, :] < d), other=0.0)
-                b = tl.load(t_ptr + cols[None, :].to(tl.int64) * stride_t + dd[:, None],
-                            mask=col_ok[None, :] & (dd[:, None] < d), other=0.0)
+                # Block pointers: the compiler addresses the tiles itself instead of holding a
+                # 64-bit pointer per element in registers (those spilled in the first version).
+                a_blk = tl.make_block_ptr(q_ptr, (nq, d), (stride_q, 1), (pid_m * BLOCK_M, d0),
+                                          (BLOCK_M, BLOCK_D), (1, 0))
+                b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (d0, n0),
+                                          (BLOCK_D, BLOCK_N), (0, 1))
+                a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+                b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
                 if DOT_UPCAST:  # the interpreter's tl.dot misreads bf16; the upcast is exact
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
@@ -174,10 +179,24 @@ def _fused_candidates_kernel(
                     thr = tl.where(row_ok, thr, float("-inf"))
                     survive = key < thr[:, None]
                     n_new = tl.sum(survive.to(tl.int32), axis=1)
-                pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
-                packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
-                tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
-                count += n_new
+                most = tl.max(n_new, axis=0)
+                if most > FEW:
+                    # Early tiles, many survivors per row: append them all (row-wise prefix sum).
+                    pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
+                    packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
+                    tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
+                    count += n_new
+                else:
+                    # Steady state, a survivor or two per row: take them one at a time with a
+                    # row argmin (ties to the lower column, i.e. the lower index).
+                    rest = tl.where(survive, key, float("inf"))
+                    for _ in range(0, most):
+                        best, col = tl.min(rest, axis=1, return_indices=True,
+                                           return_indices_tie_break_left=True)
+                        found = best < float("inf")
+                        tl.store(prog_buf + row_base + count, _pack(best, n0 + col), mask=found)
+                        count += found.to(tl.int32)
+                        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
     _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count, N_CAND, CAP, BLOCK_M, SEL_ROWS)
 
 

@@ -1,0 +1,209 @@
+"""Multi-GPU scaling of the blocked plan (issue 6), with executors simulated faithfully.
+
+Spark cannot run on the GPU machines (no Java), so each executor is one process per GPU
+running the same executor function Spark calls for the blocked plan,
+:func:`udfs.blocks.search_pairs`, fed the Arrow pair batches of its share of the
+(query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu`` does
+under Spark, from the task's GPU address: here ``$NEAREST_JOIN_GPU``, which
+:func:`udfs.gpu.task_gpu_address` reads when there is no TaskContext. The partial top-k of
+all processes then go through the same merge (:func:`udfs.blocks.merge_partials`) and the
+merged rows are compared with the one-GPU run.
+
+    python benchmarks/multi_gpu.py --gpus 1,2 --out results/     # issue 6 sizes
+    python benchmarks/multi_gpu.py --gpus 1,2 --share-one-gpu     # 2 processes on one GPU
+
+Shares: whole target blocks, round robin, so every process keeps its target block resident
+while the query blocks stream past it (the plan's pair order). Timed: from a barrier after
+each process has warmed up (compilation, first target upload) to the last process done.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def _context(k, d, precision, q_rows, t_rows, schema, backend="gpu"):
+    from udfs.blocks import JoinContext, SideLayout
+    from udfs.searcher import SearchSettings
+
+    return JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_rows),
+                       SideLayout("tv", 1, d, t_rows), "inner", True, schema)
+
+
+def _read(path):
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _pair_batches(q_packed, t_packed, t_indices):
+    """Pair rows in the plan's order: each target block meets every query block."""
+    import pyarrow as pa
+
+    from udfs import columns as C
+
+    schema = pa.schema([(C.Q_BLOCK_ID, pa.int64()), (C.Q_BLOB, pa.binary()),
+                        (C.T_BLOCK_ID, pa.int64()), (C.T_BLOB, pa.binary())])
+    for ti in t_indices:
+        for qi in range(q_packed.num_rows):
+            yield pa.RecordBatch.from_arrays(
+                [pa.array([q_packed.column(0)[qi].as_py()], pa.int64()),
+                 pa.array([q_packed.column(1)[qi].as_py()], pa.binary()),
+                 pa.array([t_packed.column(0)[ti].as_py()], pa.int64()),
+                 pa.array([t_packed.column(1)[ti].as_py()], pa.binary())], schema=schema)
+
+
+def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
+    """One simulated executor: its GPU from the task address, its share of the pairs."""
+    os.environ["NEAREST_JOIN_GPU"] = gpu_address
+    import pyarrow as pa
+    import torch
+
+    from udfs.blocks import search_pairs
+
+    work = Path(work_dir)
+    q_packed, t_packed = _read(work / "q.arrow"), _read(work / "t.arrow")
+    ctx = _context(params["k"], params["d"], params["precision"], params["q_rows"], params["t_rows"],
+                   _read(work / "t_schema.arrow").schema, params["backend"])
+    mine = [ti for ti in range(t_packed.num_rows) if ti % n_procs == rank]
+    # Warm-up: compile, first upload (an executor has done this before its next task).
+    list(search_pairs(_pair_batches(q_packed, t_packed, mine[:1]), ctx))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    barrier.wait()
+    t0 = time.perf_counter()
+    partial = list(search_pairs(_pair_batches(q_packed, t_packed, mine), ctx))
+    sync()
+    t1 = time.perf_counter()
+    out = work / f"partial_{n_procs}_{rank}.arrow"
+    table = pa.Table.from_batches(partial)
+    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    results.put({"rank": rank, "start": t0, "stop": t1, "pairs": len(partial),
+                 "device": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"})
+
+
+def run(n_procs, addresses, work_dir, params):
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n_procs)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(r, n_procs, addresses[r], work_dir, params, barrier, results))
+             for r in range(n_procs)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=1800) for _ in procs]
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"worker exited with {p.exitcode}")
+    wall = max(g["stop"] for g in got) - min(g["start"] for g in got)
+    return wall, got
+
+
+def merge(n_procs, work_dir, params, schema):
+    from udfs.blocks import merge_partials
+    import pyarrow as pa
+
+    parts = [_read(Path(work_dir) / f"partial_{n_procs}_{r}.arrow") for r in range(n_procs)]
+    table = pa.concat_tables(parts)
+    ctx = _context(params["k"], params["d"], params["precision"], params["q_rows"], params["t_rows"], schema,
+                   params["backend"])
+    groups: dict[int, list] = {}
+    for batch in table.to_batches(max_chunksize=1):
+        groups.setdefault(batch.column(0)[0].as_py(), []).append(batch)
+    t0 = time.perf_counter()
+    out = [b for key in sorted(groups) for b in merge_partials((key,), groups[key], ctx)]
+    merged = pa.Table.from_batches(out)
+    return merged, time.perf_counter() - t0
+
+
+def main(argv=None):
+    import pyarrow as pa
+
+    from udfs.blocks import PACKED_SCHEMA, pack_blocks
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nq", type=int, default=262_144)
+    ap.add_argument("--nt", type=int, default=4_000_000)
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--q-rows", type=int, default=65_536)
+    ap.add_argument("--t-rows", type=int, default=500_000)
+    ap.add_argument("--gpus", default="1,2")
+    ap.add_argument("--share-one-gpu", action="store_true", help="every process on GPU 0")
+    ap.add_argument("--backend", default="gpu", help="'auto' runs the CPU path (smoke test)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    params = {"k": args.k, "d": args.d, "precision": args.precision, "q_rows": args.q_rows, "t_rows": args.t_rows,
+              "backend": args.backend}
+    rng = np.random.default_rng(42)
+    Q = rng.standard_normal((args.nq, args.d), dtype=np.float32)
+    T = rng.standard_normal((args.nt, args.d), dtype=np.float32)
+
+    def table(x, name):
+        vec = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), args.d)
+        return pa.table({name + "id": np.arange(len(x), dtype=np.int64), name + "v": vec})
+
+    qt, tt = table(Q, "q"), table(T, "t")
+    del Q, T
+    ctx = _context(args.k, args.d, args.precision, args.q_rows, args.t_rows, tt.schema)
+    rows = []
+    with tempfile.TemporaryDirectory() as work_dir:
+        work = Path(work_dir)
+        for name, src, layout, part in (("q", qt, ctx.query, 0), ("t", tt, ctx.target, 1)):
+            packed = pa.Table.from_batches(list(pack_blocks(src.to_batches(max_chunksize=1 << 16), layout, part)),
+                                           schema=PACKED_SCHEMA)
+            with pa.OSFile(str(work / f"{name}.arrow"), "wb") as sink, pa.ipc.new_file(sink, packed.schema) as w:
+                w.write_table(packed)
+        with pa.OSFile(str(work / "t_schema.arrow"), "wb") as sink, pa.ipc.new_file(sink, tt.schema) as w:
+            w.write_table(tt.slice(0, 0))
+        schema = tt.schema
+        del qt, tt
+        baseline = None
+        for n in [int(g) for g in args.gpus.split(",")]:
+            addresses = ["0"] * n if args.share_one_gpu else [str(r) for r in range(n)]
+            wall, got = run(n, addresses, work_dir, params)
+            merged, merge_s = merge(n, work_dir, params, schema)
+            key = merged.sort_by([("__nj_out_0", "ascending"), ("__nj_out_4", "ascending"),
+                                  ("__nj_out_2", "ascending")])
+            same = None
+            if baseline is None:
+                baseline = (key, wall)
+            else:
+                same = key.equals(baseline[0])
+            throughput = args.nq * args.nt / wall
+            eff = None if n == 1 else (baseline[1] / wall) / n
+            row = {"gpus": n, "addresses": addresses, "wall_s": wall, "merge_s": merge_s,
+                   "pairs_per_process": [g["pairs"] for g in got], "devices": [g["device"] for g in got],
+                   "pairs_per_s": sum(g["pairs"] for g in got) / wall, "queries_x_targets_per_s": throughput,
+                   "efficiency": eff, "equals_1gpu": same, "rows": merged.num_rows}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        with open(Path(args.out) / "multi_gpu.jsonl", "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+    print("\n| GPUs | wall s | merge s | pair searches/s | efficiency | equals 1-GPU |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
+        same = "-" if r["equals_1gpu"] is None else str(r["equals_1gpu"])
+        print(f"| {r['gpus']} | {r['wall_s']:.1f} | {r['merge_s']:.1f} | {r['pairs_per_s']:.2f} | {eff} | {same} |")
+
+
+if __name__ == "__main__":
+    main()
