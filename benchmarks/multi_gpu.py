@@ -65,6 +65,17 @@ def _pair_batches(q_packed, t_packed, t_indices):
                  pa.array([t_packed.column(1)[ti].as_py()], pa.binary())], schema=schema)
 
 
+def _used_device(torch):
+    """The ordinal the searcher chose from the task address, and proof it holds the data."""
+    from udfs.gpu import address_to_ordinal, task_gpu_address
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    ordinal = address_to_ordinal(task_gpu_address() or "0")
+    held = [torch.cuda.memory_allocated(i) >> 20 for i in range(torch.cuda.device_count())]
+    return {"ordinal": ordinal, "MiB_allocated_per_device": held}
+
+
 def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     """One simulated executor: its GPU from the task address, its share of the pairs."""
     os.environ["NEAREST_JOIN_GPU"] = gpu_address
@@ -92,7 +103,7 @@ def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
     results.put({"rank": rank, "start": t0, "stop": t1, "pairs": len(partial),
-                 "device": torch.cuda.current_device() if torch.cuda.is_available() else "cpu"})
+                 "device": _used_device(torch)})
 
 
 def run(n_procs, addresses, work_dir, params):
