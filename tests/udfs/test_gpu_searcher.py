@@ -1,0 +1,56 @@
+"""udfs.gpu: device choice from the task's GPU address, the CPU fallback, the searcher loop.
+
+The searcher runs here on a CPU torch device (no streams, no pinning) with the torch path:
+batching, the resident target block and the row filtering are the same code as on a GPU.
+"""
+import numpy as np
+import pytest
+
+from nearest_join.kernels import knn
+from udfs.searcher import SearchSettings
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from udfs import gpu as G  # noqa: E402
+
+
+def test_address_is_the_cuda_ordinal():
+    assert G.address_to_ordinal("1") == 1
+    with pytest.raises(ValueError, match="GPU address"):
+        G.address_to_ordinal("GPU-3f2a")
+
+
+def test_task_address_outside_spark_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(G.GPU_ENV, raising=False)
+    assert G.task_gpu_address() is None
+    monkeypatch.setenv(G.GPU_ENV, "1")
+    assert G.task_gpu_address() == "1"
+
+
+def test_no_searcher_without_cuda_or_for_cpu_backends(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert G.gpu_searcher_or_none(SearchSettings(3, "l2", "auto")) is None
+    assert G.gpu_searcher_or_none(SearchSettings(3, "l2", "cpu")) is None
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_searcher_batches_and_resident_targets_match_the_reference(metric, precision):
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((53, 7)).astype(np.float64)   # float64, as Spark's doubles arrive
+    t = rng.standard_normal((211, 7)).astype(np.float32)
+    q[4] = np.nan
+    t[10] = 0.0
+    searcher = G.GpuBlockSearcher(SearchSettings(6, metric, "gpu", precision), torch.device("cpu"),
+                                  batch_rows=20, impl="torch")
+    ref_v, ref_i = knn(q.astype(np.float32), t, 6, metric, backend="reference")
+    for _ in range(2):   # the second call reuses the resident block
+        v, i = searcher.search(q, t, target_key=("block", 1))
+        np.testing.assert_array_equal(i, ref_i)
+        np.testing.assert_allclose(v, ref_v, rtol=1e-5, atol=1e-5)
+    resident = searcher._targets
+    searcher.search(q, t, target_key=("block", 1))
+    assert searcher._targets is resident
+    other = t[::-1].copy()
+    v, i = searcher.search(q, other, target_key=("block", 2))
+    np.testing.assert_array_equal(i, knn(q.astype(np.float32), other, 6, metric, backend="reference")[1])
