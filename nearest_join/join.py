@@ -6,6 +6,7 @@ handle is touched, so the same code runs under classic PySpark and Spark Connect
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Iterator, Tuple
@@ -314,17 +315,20 @@ def _execute(query: DataFrame, target: DataFrame, ranking: Ranking, plan: JoinPl
     names = [f.name for f in out_fields]
 
     packed = _packed_schema()
-    q_packed = (query.mapInArrow(functools.partial(blocks.pack_blocks, layout=q_layout), packed)
-            .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
+    q_input = query
+    if plan.plan == "broadcast" and plan.query_partitions:
+        # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
+        # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
+        q_input = query.repartition(plan.query_partitions)
+        q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
+    q_packed = (q_input.mapInArrow(functools.partial(blocks.pack_blocks, layout=q_layout), packed)
+                .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
     t_packed = (target.mapInArrow(functools.partial(blocks.pack_blocks, layout=t_layout), packed)
                 .unionByName(empty)
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":
-        # Round-robin spreads the query blocks over enough tasks to use every core; the
-        # broadcast nested-loop join then streams each query block against all target blocks.
-        if plan.query_partitions:
-            q_packed = q_packed.repartition(plan.query_partitions)
+        # The broadcast nested-loop join streams each query block against all target blocks.
         pairs = q_packed.crossJoin(F.broadcast(t_packed))
         joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
     elif plan.plan == "blocked":

@@ -30,6 +30,9 @@ DEFAULT_BROADCAST_LIMIT = 1 * GiB
 # (2 GiB), large enough that per-block overheads vanish.
 BROADCAST_TARGET_BLOCK_BYTES = 64 * MiB
 CONF_PREFIX = "spark.nearestJoin."
+# Multiply-adds (query rows x target rows x d) above which balancing the query blocks over
+# the cores is worth a shuffle: about a second of kernel time on two cores.
+SPREAD_WORK = 10**11
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -159,11 +162,19 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
     # Per query row a task holds its vector plus k slots of state (value, key, payload ref).
     query_row_bytes = row_bytes + k * 16
     memory_q_rows = budget // 4 // query_row_bytes
+    spread = False
     if target_bytes <= limit:
         plan, reason = "broadcast", f"target vectors {target_bytes} B <= broadcast limit {limit} B"
-        # Enough query blocks to keep every core busy (2 per core for balance).
-        q_rows = query_block_rows or _clamp_rows(min(memory_q_rows, math.ceil(query_rows / (2 * cores)) or 1))
+        # One query block per task, as few tasks as the cores and the memory budget allow:
+        # every query block receives the whole broadcast target through Arrow, so fewer,
+        # larger blocks amortise that transfer.
+        q_parts = cores * max(1, math.ceil(query_rows / (cores * max(memory_q_rows, 1))))
+        q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / q_parts) or 1)
         t_rows = target_block_rows or _clamp_rows(BROADCAST_TARGET_BLOCK_BYTES // row_bytes)
+        # Balance the query rows over the tasks with a (cheap, row-level) shuffle, unless the
+        # join is too small for it to pay and the input already has enough partitions.
+        work = query_rows * target_rows * d
+        spread = query_input_partitions is None or query_input_partitions < cores or work >= SPREAD_WORK
     else:
         plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
@@ -171,10 +182,8 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
     q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0
     t_blocks = math.ceil(target_rows / t_rows) if target_rows else 0
     if plan == "broadcast":
-        # Spread the query blocks over the cores with a shuffle only when the query's own
-        # partitioning cannot keep them busy; 0 means "keep the input partitioning".
-        spread = query_input_partitions is None or query_input_partitions < cores
-        q_parts = max(1, min(q_blocks, 4 * cores)) if spread else 0
+        # 0 means "keep the input partitioning"
+        q_parts = max(1, math.ceil(query_rows / q_rows)) if spread and query_rows else 0
         t_parts = None
     else:
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)

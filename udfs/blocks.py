@@ -39,7 +39,7 @@ from nearest_join.kernels import merge_topk, resolve_metric
 
 from . import columns as C
 from .searcher import SearchSettings, open_block_searcher
-from .vectors import decode_vectors
+from .vectors import _as_array, decode_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,14 @@ def _binary_values(array: pa.Array) -> list[pa.Buffer]:
 
 
 def _binary_array(buffers: list[pa.Buffer]) -> pa.Array:
-    return pa.array([b.to_pybytes() if isinstance(b, pa.Buffer) else b for b in buffers], pa.binary())
+    """A binary column over existing buffers: one concatenation, no Python bytes copies."""
+    sizes = np.array([b.size for b in buffers], dtype=np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    if offsets[-1] >= 1 << 31:
+        raise ValueError("a packed block exceeds 2 GiB: lower the block size")
+    data = buffers[0] if len(buffers) == 1 else pa.py_buffer(b"".join(memoryview(b) for b in buffers))
+    return pa.Array.from_buffers(pa.binary(), len(buffers),
+                                 [None, pa.py_buffer(offsets.astype(np.int32)), data])
 
 
 def _task_partition() -> int:
@@ -116,6 +123,45 @@ def _task_partition() -> int:
     except ImportError:
         pass
     return 0
+
+
+# ----------------------------------------------------------------------------- row gathers
+def _take_fixed_lists(array: pa.Array, rows: np.ndarray, missing: np.ndarray) -> pa.Array | None:
+    """Gather rows of a list<float|double> column whose lists all have one length, in numpy.
+
+    Arrow's generic take walks lists row by row (about 5x slower for 128-float vectors);
+    vector columns are by far the largest payload, so they take this path. None = not
+    applicable (NULLs, ragged lengths, other types): use Arrow's take.
+    """
+    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
+        return None
+    if not pa.types.is_floating(array.type.value_type) or array.null_count or len(array) == 0:
+        return None
+    offsets = array.offsets.to_numpy()
+    width = int(offsets[1] - offsets[0])
+    if width == 0 or offsets[-1] - offsets[0] != width * len(array):
+        return None
+    values = array.values.slice(int(offsets[0]), width * len(array))
+    if values.null_count:
+        return None
+    matrix = values.to_numpy().reshape(len(array), width)
+    gathered = matrix[np.where(missing, 0, rows)]
+    out_offsets = np.arange(len(rows) + 1, dtype=offsets.dtype) * width
+    return type(array).from_arrays(pa.array(out_offsets), pa.array(gathered.reshape(-1)), type=array.type,
+                                   mask=pa.array(missing) if missing.any() else None)
+
+
+def take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``table.take(rows)`` with -1 giving a NULL row; vector columns gathered in numpy."""
+    rows = np.asarray(rows, dtype=np.int64)
+    missing = rows < 0
+    indices = pa.array(rows, mask=missing) if missing.any() else pa.array(rows)
+    columns = []
+    for column in table.columns:
+        array = _as_array(column)
+        fast = _take_fixed_lists(array, rows, missing)
+        columns.append(fast if fast is not None else array.take(indices))
+    return pa.Table.from_arrays(columns, schema=table.schema)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -145,9 +191,8 @@ def pack_blocks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
             raise ValueError("too many blocks in one partition: raise the block size")
         block_id = (partition << C.SEQUENCE_BITS) | sequence
         sequence += 1
-        blob = table_to_blob(table)
         return pa.RecordBatch.from_arrays(
-            [pa.array([block_id], pa.int64()), pa.array([blob.to_pybytes()], pa.binary())],
+            [pa.array([block_id], pa.int64()), _binary_array([table_to_blob(table)])],
             schema=PACKED_SCHEMA,
         )
 
@@ -180,8 +225,7 @@ class TopkState:
     def from_search(cls, values: np.ndarray, local_rows: np.ndarray, block_id: int,
                     target_table: pa.Table) -> "TopkState":
         keys = np.where(local_rows >= 0, (np.int64(block_id) << C.ROW_BITS) | local_rows, -1)
-        flat = local_rows.reshape(-1)
-        payload = target_table.take(pa.array(flat, mask=flat < 0))
+        payload = take_rows(target_table, local_rows.reshape(-1))
         return cls(values, keys, payload)
 
     def absorb(self, other: "TopkState", metric: str) -> "TopkState":
@@ -198,7 +242,7 @@ class TopkState:
         flat = np.where(sources < 0, -1, flat).reshape(-1)
         # Blob round trips rename payload columns positionally; align names before concat.
         combined = pa.concat_tables([self.payload, other.payload.rename_columns(self.payload.column_names)])
-        payload = combined.take(pa.array(flat, mask=flat < 0))
+        payload = take_rows(combined, flat)
         return TopkState(values, keys, payload)
 
     def to_blob(self) -> pa.Buffer:
@@ -273,11 +317,11 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
         if part.size == 0:
             return
         filled = keys.reshape(-1)[part] >= 0
-        arrays = list(query_table.take(pa.array(part // k)).columns)
+        arrays = list(take_rows(query_table, part // k).columns)
         if state is None:
             arrays += [pa.nulls(part.size, f.type) for f in ctx.target_schema]
         else:
-            arrays += list(state.payload.take(pa.array(part, mask=~filled)).columns)
+            arrays += list(take_rows(state.payload, np.where(filled, part, -1)).columns)
         if ctx.with_distance:
             arrays.append(pa.array(values.reshape(-1)[part], pa.float32(), mask=~filled))
         arrays = [a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in arrays]
@@ -342,10 +386,10 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
         for r in range(batch.num_rows):
             _, q_vectors = pair.query_block(q_blobs[r])
             part = pair.search(q_vectors, int(t_ids[r]), t_blobs[r])
-            partial = b"" if part is None else part.to_blob().to_pybytes()
+            partial = pa.py_buffer(b"") if part is None else part.to_blob()
             yield pa.RecordBatch.from_arrays(
                 [pa.array([q_ids[r]], pa.int64()), pa.array([t_ids[r]], pa.int64()),
-                 pa.array([q_blobs[r].to_pybytes()], pa.binary()), pa.array([partial], pa.binary())],
+                 _binary_array([q_blobs[r]]), _binary_array([partial])],
                 schema=PARTIAL_SCHEMA,
             )
 
