@@ -11,7 +11,7 @@ caller has prepared ``Q'`` (queries scaled by -2 for squared L2, by -1 for simil
 Work is split into items, each a (query tile, target split) pair, run one per numba thread;
 inside an item the target tiles are visited in index order. For each target tile the item
 computes the score tile with one single-threaded BLAS sgemm (numba's ``np.dot`` calls scipy's
-BLAS) into a buffer of ``query_tile * target_tile`` float32 values (512 x 1024 x 4 B = 2 MiB,
+BLAS) into a buffer of ``query_tile * target_tile`` float32 values (1024 x 512 x 4 B = 2 MiB,
 one core's L2 here), then folds it into the running top-k while it is still in cache: the
 distance matrix never reaches main memory. Memory traffic per item is the query tile once plus
 each target tile once (d * target_tile * 4 B, read by the GEMM's packing).
@@ -41,8 +41,13 @@ EMPTY_INDEX = np.iinfo(np.int64).max
 
 @njit(inline="always", cache=True)
 def _worse(v_a, i_a, v_b, i_b):
-    """(v_a, i_a) ranks after (v_b, i_b): larger value, or equal value and larger index."""
-    return v_a > v_b or (v_a == v_b and i_a > i_b)
+    """(v_a, i_a) ranks after (v_b, i_b): larger value, or equal value and larger index.
+
+    Bitwise, not short-circuit, operators: the outcome is data-dependent and unpredictable
+    while sifting, and a select is cheaper than a mispredicted branch (measured ~20% of the
+    fold at k=100).
+    """
+    return (v_a > v_b) | ((v_a == v_b) & (i_a > i_b))
 
 
 @njit(inline="always", cache=True)
@@ -53,11 +58,14 @@ def _sift_down(heap_v, heap_i, v, idx, pos, size):
         if child >= size:
             break
         right = child + 1
-        if right < size and _worse(heap_v[right], heap_i[right], heap_v[child], heap_i[child]):
-            child = right
-        if _worse(heap_v[child], heap_i[child], v, idx):
-            heap_v[pos] = heap_v[child]
-            heap_i[pos] = heap_i[child]
+        if right < size:
+            take_right = _worse(heap_v[right], heap_i[right], heap_v[child], heap_i[child])
+            child = right if take_right else child
+        child_v = heap_v[child]
+        child_i = heap_i[child]
+        if _worse(child_v, child_i, v, idx):
+            heap_v[pos] = child_v
+            heap_i[pos] = child_i
             pos = child
         else:
             break

@@ -132,8 +132,8 @@ def random_matrix(rng, rows, d, dtype, layout):
     return wide[:, ::2]
 
 
-# nq and nt are not multiples of any tile size; 2053 targets span three 1024-target tiles and
-# 1031 queries make four query tiles on two threads.
+# nq and nt are not multiples of any tile size; 2053 targets span several target tiles with a
+# padded tail (cpu: 512-target tiles) and 1031 queries make one query tile per thread.
 SHAPES = [(37, 2053), (1031, 101), (257, 1031), (3, 37)]
 K_CASES = {"k1": 1, "k10": 10, "k100": 100, "k_gt_nt": None}
 
