@@ -81,7 +81,18 @@ def _plan(target_rows, **kw) -> JoinPlan:
 
 def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
     small = _plan(200_000)
-    assert small.plan == "broadcast" and small.query_blocks >= 4
+    # one equal query block per core, spread by a row-level shuffle (the join is large)
+    assert (small.plan, small.query_blocks, small.query_partitions) == ("broadcast", 2, 2)
+    assert small.query_block_rows == 10_000
+    # a small join on an input with enough partitions keeps them: no shuffle
+    tiny = _plan(2_000, query_input_partitions=4)
+    assert tiny.plan == "broadcast" and tiny.query_partitions == 0
+    # a per-task memory budget smaller than one block per core gives more blocks, a multiple of the cores
+    tight = choose_plan(spark=_Spark(spark__master="local[2]", **{"spark__nearestJoin__taskMemoryBytes": "64m"}),
+                        ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact", join_type="inner",
+                        distance_col=None, backend="auto", dimension=128, itemsize=4,
+                        query_rows=200_000, target_rows=1_000)
+    assert tight.query_blocks % 2 == 0 and tight.query_block_rows * (128 * 4 + 160) <= (64 << 20) // 4
     big = _plan(10_000_000)
     assert big.plan == "blocked"
     # blocks are bounded by the task budget, not by the table size
