@@ -4,6 +4,7 @@ Run on a CUDA machine from the repository root:
 
     python benchmarks/gpu_kernel.py --out results/        # full table (about 3 minutes)
     python benchmarks/gpu_kernel.py --quick               # small shapes, smoke run
+    python benchmarks/gpu_kernel.py --variants --out results/   # kernel variants: check + time
 
 For nq x nt x d (default 65,536 x 1,000,000 x 128, plus d=768 in tf32/bf16 at k=10) and
 k in {10, 100}, in fp32, tf32 and bf16, it times with CUDA events (median of repeats, after
@@ -116,6 +117,93 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows):
     return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs)}
 
 
+def kernel_variants():
+    """(name, precision, n_cand, TileConfig or None, min_only) timed by ``--variants``."""
+    from nearest_join.kernels import _gpu_triton as tr
+
+    out = []
+    for precision, n10 in (("tf32", 16), ("bf16", 32)):
+        wide = precision != "bf16"
+        out += [
+            ("rowlist-min-only", precision, n10, tr.tile_config(n10, 128, precision), True),
+            ("legacy", precision, n10, tr.legacy_tile_config(n10), False),
+            ("rowlist", precision, n10, tr.tile_config(n10, 128, precision), False),
+            ("legacy", precision, 256, tr.legacy_tile_config(256), False),
+            ("buffer-pipelined", precision, 256, tr.tile_config(256, 128, precision), False),
+            ("rowlist-64x128-w4", precision, n10, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist"), False),
+            ("rowlist-x1", precision, n10, tr.TileConfig(128, 128, 0, 8, num_stages=2 if wide else 3,
+                                                         kernel="rowlist", extra_passes=1), False),
+            ("buffer-pipelined-64", precision, 256, tr.TileConfig(64, 128, 512, 8, num_stages=2 if wide else 3,
+                                                                  pipelined=True), False),
+        ]
+    out.append(("rowlist-s4", "bf16", 32, tr.TileConfig(128, 128, 0, 8, num_stages=4, kernel="rowlist"), False))
+    return out
+
+
+def run_variants(args, record) -> None:
+    """Check every variant against the float64 reference, then time its candidate pass."""
+    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_join.kernels.reference import knn_reference  # noqa: F401 (oracle via check_result)
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.kernels.test_gpu import check_result, make_data
+
+    dev = torch.device("cuda")
+    tr.POISON_BUFFERS = True
+    checked = {}
+    for name, precision, n_cand, cfg, min_only in kernel_variants():
+        if args.no_check:
+            checked[(name, precision, n_cand)] = True
+        if min_only or args.no_check:
+            continue
+        ok = True
+        for n, (nq, nt, d, kind, metric) in enumerate([(517, 20_011, 128, "clustered", "sqeuclidean"),
+                                                        (300, 7_001, 33, "gaussian", "inner_product"),
+                                                        (1000, 30_000, 128, "gaussian", "l2")]):
+            q, t = make_data(kind, nq, nt, d, 1000 * n + n_cand + len(name))
+            qs = gt.prepare_side(torch.from_numpy(q).to(dev), metric, precision)
+            ts = gt.prepare_side(torch.from_numpy(t).to(dev), metric, precision)
+            k = max(1, n_cand // 2 if precision == "bf16" else n_cand - 6)
+            try:
+                fn = lambda a, b, c: tr.triton_candidates(a, b, c, config=cfg if c == n_cand else None)
+                keys, idx = fn(qs, ts, n_cand)
+                # Candidate keys against the torch path's (same operands, float32 keys).
+                ref_keys, _ = gt.torch_candidates(qs, ts, n_cand)
+                assert torch.allclose(keys, ref_keys, rtol=1e-5, atol=1e-3 * float(ref_keys.abs().max())), "keys"
+                v, i = gt.exact_topk(qs, ts, k, fn, max_candidates=tr.MAX_CANDIDATES)
+                check_result(q, t, k, metric, v.cpu().numpy(), i.cpu().numpy())
+            except Exception as exc:  # report and keep going: one failed variant must not hide the rest
+                ok = False
+                record(what="variant_check", name=name, precision=precision, n_cand=n_cand, ok=False,
+                       error=f"{type(exc).__name__}: {str(exc)[:400]}")
+                break
+        checked[(name, precision, n_cand)] = ok
+        if ok:
+            record(what="variant_check", name=name, precision=precision, n_cand=n_cand, ok=True)
+    tr.POISON_BUFFERS = False
+    gen = torch.Generator(device=dev).manual_seed(args.d)
+    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
+    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
+    flops = 2.0 * args.nq * args.nt * args.d
+    for precision in args.precisions.split(","):
+        qs = gt.prepare_side(Q, "l2", precision)
+        ts = gt.prepare_side(T, "l2", precision)
+        for name, p, n_cand, cfg, min_only in kernel_variants():
+            if p != precision or not checked.get((name.replace("-min-only", ""), p, n_cand), min_only):
+                continue
+            try:
+                ms = cuda_ms(lambda: tr.triton_candidates(qs, ts, n_cand, config=cfg, min_only=min_only), args.reps)
+            except Exception as exc:
+                record(what="variant_time", name=name, precision=precision, n_cand=n_cand,
+                       error=f"{type(exc).__name__}: {str(exc)[:300]}")
+                continue
+            t = statistics.median(ms)
+            record(what="variant_time", name=name, precision=precision, n_cand=n_cand, ms=t,
+                   spread_ms=max(ms) - min(ms), tflops=flops / t / 1e9, config=repr(cfg))
+        del qs, ts
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nq", type=int, default=65_536)
@@ -128,6 +216,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-arrow", action="store_true")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--out", default=None, help="folder for results.jsonl")
+    ap.add_argument("--variants", action="store_true", help="check and time the kernel variants only")
+    ap.add_argument("--no-check", action="store_true", help="--variants: time without the checks")
+    ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     args = ap.parse_args(argv)
     if args.quick:
         args.nq, args.nt, args.d_large, args.reps = 4096, 100_000, 256, 2
@@ -149,8 +240,19 @@ def main(argv=None) -> None:
             with open(out / "results.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    shapes = [(args.d, ks, precisions)]
-    if args.d_large:
+    if args.variants:
+        run_variants(args, record)
+        print("\n| variant | precision | n_cand | ms | TFLOP/s |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            if r["what"] == "variant_time" and "ms" in r:
+                print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | {r['ms']:.1f} | {r['tflops']:.0f} |")
+            elif r.get("error") or r.get("ok") is False:
+                print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | FAILED {r.get('error', '')[:150]} | |")
+        return
+
+    shapes = [] if args.arrow_only else [(args.d, ks, precisions)]
+    if args.d_large and not args.arrow_only:
         shapes.append((args.d_large, [ks[0]], [p for p in precisions if p != "fp32"]))
     for d, shape_ks, shape_precisions in shapes:
         gen = torch.Generator(device=dev).manual_seed(d)

@@ -56,18 +56,30 @@ POISON_BUFFERS = False
 
 @dataclass(frozen=True)
 class TileConfig:
+    """One compiled variant. ``kernel``: ``"rowlist"`` (register lists, small n_cand) or
+    ``"buffer"`` (candidate buffer + selection). ``pipelined`` (buffer kernel only): query tile
+    loaded once, bulk appends only and an unrolled selection, so that the target loop holds no
+    inner loop and triton's software pipeliner prefetches target tiles across iterations
+    (it skips loops that contain loops). ``pipelined=False`` is the 2026-11-29 kernel."""
+
     block_m: int
     block_n: int
     cap: int
     num_warps: int
     num_stages: int = 3
+    kernel: str = "buffer"
+    pipelined: bool = False
+    extra_passes: int = 3
 
 
-def tile_config(n_cand: int, d: int) -> TileConfig:
-    """Tile shapes by list width: the selection's BLOCK_M x CAP int64 registers bound BLOCK_M.
+# Lists up to this long live in registers (_rowlist_kernel); longer ones use the buffer.
+ROWLIST_MAX = 64
+# One tl.dot per tile (query tile loaded once) when the query tile is at most this large.
+SINGLE_DOT_BYTES = 64 * 1024
 
-    CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
-    """
+
+def legacy_tile_config(n_cand: int) -> TileConfig:
+    """The 2026-11-29 kernel (benchmarks/gpu_notes.md version 2), kept for comparison."""
     if n_cand <= 64:
         return TileConfig(64, BLOCK_N, 256, 8)
     if n_cand <= 256:
@@ -75,6 +87,22 @@ def tile_config(n_cand: int, d: int) -> TileConfig:
     if n_cand <= 512:
         return TileConfig(16, BLOCK_N, 1024, 8)
     return TileConfig(16, BLOCK_N, 2048, 16)
+
+
+def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
+    """Tile shapes by list width and operand size.
+
+    Short lists: register lists, 128 x 128 tiles (two wgmma warpgroups of 64 x 128), three
+    target tiles in flight (two for 4-byte operands: 64 KiB query tile + 64 KiB per stage).
+    Long lists: the buffer kernel, whose selection's BLOCK_M x CAP int64 registers bound
+    BLOCK_M; CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
+    """
+    wide = precision != "bf16"
+    if n_cand <= ROWLIST_MAX:
+        return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="rowlist")
+    legacy = legacy_tile_config(n_cand)
+    return TileConfig(legacy.block_m, legacy.block_n, legacy.cap, legacy.num_warps,
+                      num_stages=2 if wide else 3, pipelined=True)
 
 
 @triton.jit
@@ -93,8 +121,24 @@ def _unpack_key(packed):
 
 
 @triton.jit
+def _select_group(prog_buf, scratch, g, N_CAND: tl.constexpr, CAP: tl.constexpr,
+                  SEL_ROWS: tl.constexpr):
+    slots = tl.arange(0, CAP)
+    r = g * SEL_ROWS + tl.arange(0, SEL_ROWS)
+    base = r * CAP
+    n = tl.load(scratch + r)
+    packed = tl.load(prog_buf + base[:, None] + slots[None, :],
+                     mask=slots[None, :] < n[:, None], other=_EMPTY)
+    # topk keeps the largest: complement the keys (an order-reversing bijection on int64).
+    best = ~tl.topk(~packed, N_CAND)
+    tl.debug_barrier()  # the group's reads are done before its heads are overwritten
+    tl.store(prog_buf + base[:, None] + tl.arange(0, N_CAND)[None, :], best)
+
+
+@triton.jit
 def _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
-            N_CAND: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, SEL_ROWS: tl.constexpr):
+            N_CAND: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, SEL_ROWS: tl.constexpr,
+            UNROLL: tl.constexpr = False):
     """Reduce each row's buffer to its N_CAND best (sorted); return (count, threshold).
 
     Rows go through the bitonic top-k SEL_ROWS at a time (SEL_ROWS x CAP int64 live in
@@ -106,21 +150,78 @@ def _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
     tl.store(scratch + offs, count)
     # Every warp's appends (and counts) must be visible before any warp reads them back.
     tl.debug_barrier()
-    slots = tl.arange(0, CAP)
-    for g in range(0, BLOCK_M // SEL_ROWS):
-        r = g * SEL_ROWS + tl.arange(0, SEL_ROWS)
-        base = r * CAP
-        n = tl.load(scratch + r)
-        packed = tl.load(prog_buf + base[:, None] + slots[None, :],
-                         mask=slots[None, :] < n[:, None], other=_EMPTY)
-        # topk keeps the largest: complement the keys (an order-reversing bijection on int64).
-        best = ~tl.topk(~packed, N_CAND)
-        tl.debug_barrier()  # the group's reads are done before its heads are overwritten
-        tl.store(prog_buf + base[:, None] + tl.arange(0, N_CAND)[None, :], best)
+    if UNROLL:  # no scf loop: keeps the caller's target loop pipelinable
+        for g in tl.static_range(0, BLOCK_M // SEL_ROWS):
+            _select_group(prog_buf, scratch, g, N_CAND, CAP, SEL_ROWS)
+    else:
+        for g in range(0, BLOCK_M // SEL_ROWS):
+            _select_group(prog_buf, scratch, g, N_CAND, CAP, SEL_ROWS)
     tl.debug_barrier()
     worst = tl.load(prog_buf + offs * CAP + (N_CAND - 1))
     new_count = tl.full([BLOCK_M], N_CAND, tl.int32)
     return new_count, _unpack_key(worst)
+
+
+@triton.jit
+def _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
+    """The program's whole query tile (BLOCK_D >= d), loaded once for every target tile."""
+    a_blk = tl.make_block_ptr(q_ptr, (nq, d), (stride_q, 1), (m0, 0), (BLOCK_M, BLOCK_D), (1, 0))
+    if EVEN_D:
+        a = tl.load(a_blk, boundary_check=(0,), padding_option="zero")
+    else:
+        a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+    if DOT_UPCAST:  # the interpreter's tl.dot misreads bf16; the upcast is exact
+        a = a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+               EVEN_D: tl.constexpr):
+    """Keys ``bias_t - alpha * q.t`` of one BLOCK_M x BLOCK_N tile (+inf past the end).
+
+    SINGLE_DOT: ``q`` is the whole query tile and one ``tl.dot`` covers d: the target loop then
+    has no inner loop and the pipeliner prefetches the next target tiles. Else d is consumed
+    in BLOCK_D chunks (large d; that inner loop is what gets pipelined).
+    EVEN_D (BLOCK_D divides d): no bounds check along d, so that the rows load as 16-byte vectors
+    (cp.async needs at least 4 bytes per copy: a per-element mask on 2-byte bf16 kept the
+    pipeliner from prefetching at all).
+    """
+    cols = n0 + tl.arange(0, BLOCK_N)
+    if SINGLE_DOT:
+        b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (0, n0), (BLOCK_D, BLOCK_N), (0, 1))
+        if EVEN_D:
+            b = tl.load(b_blk, boundary_check=(1,), padding_option="zero")
+        else:
+            b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+        if DOT_UPCAST:
+            b = b.to(tl.float32)
+        acc = tl.dot(q, b, input_precision=INPUT_PRECISION)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, d, BLOCK_D):
+            # Block pointers: the compiler addresses the tiles itself instead of holding a
+            # 64-bit pointer per element in registers (those spilled in the first version).
+            a_blk = tl.make_block_ptr(q_ptr, (nq, d), (stride_q, 1), (m0, d0),
+                                      (BLOCK_M, BLOCK_D), (1, 0))
+            b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (d0, n0),
+                                      (BLOCK_D, BLOCK_N), (0, 1))
+            if EVEN_D:
+                a = tl.load(a_blk, boundary_check=(0,), padding_option="zero")
+                b = tl.load(b_blk, boundary_check=(1,), padding_option="zero")
+            else:
+                a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+                b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+            if DOT_UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    # bias = +inf past the end: those keys are +inf and never become candidates.
+    bias = tl.load(bias_ptr + cols, mask=cols < nt, other=float("inf"))
+    return bias[None, :] - alpha * acc
 
 
 # Sizes only bound loops and masks: one compiled variant serves every size.
@@ -131,6 +232,7 @@ def _fused_candidates_kernel(
     alpha, N_CAND: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SEL_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    PIPELINED: tl.constexpr = False, SINGLE_DOT: tl.constexpr = False, EVEN_D: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -146,47 +248,36 @@ def _fused_candidates_kernel(
     thr = tl.where(row_ok, float("inf"), float("-inf"))
     count = tl.zeros([BLOCK_M], dtype=tl.int32)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
+    if SINGLE_DOT:
+        q = _query_tile(q_ptr, nq, d, stride_q, pid_m * BLOCK_M, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
+    else:
+        q = 0.0
     for tile in range(0, tiles_per_split):
         n0 = t_start + tile * BLOCK_N
         if n0 < nt:  # the last split may be shorter
             cols = n0 + offs_n
             col_ok = cols < nt
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for d0 in range(0, d, BLOCK_D):
-                # Block pointers: the compiler addresses the tiles itself instead of holding a
-                # 64-bit pointer per element in registers (those spilled in the first version).
-                a_blk = tl.make_block_ptr(q_ptr, (nq, d), (stride_q, 1), (pid_m * BLOCK_M, d0),
-                                          (BLOCK_M, BLOCK_D), (1, 0))
-                b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (d0, n0),
-                                          (BLOCK_D, BLOCK_N), (0, 1))
-                a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
-                b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
-                if DOT_UPCAST:  # the interpreter's tl.dot misreads bf16; the upcast is exact
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            # bias = +inf past the end: those keys are +inf and never pass a threshold.
-            bias = tl.load(bias_ptr + cols, mask=col_ok, other=float("inf"))
-            key = bias[None, :] - alpha * acc
+            key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha,
+                             pid_m * BLOCK_M, n0, BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT,
+                             INPUT_PRECISION, DOT_UPCAST, EVEN_D)
             row_min = tl.min(key, axis=1)
             if tl.max((row_min < thr).to(tl.int32), axis=0) > 0:
                 survive = key < thr[:, None]
                 n_new = tl.sum(survive.to(tl.int32), axis=1)
                 if tl.max(count + n_new, axis=0) > CAP:
                     count, thr = _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
-                                             N_CAND, CAP, BLOCK_M, SEL_ROWS)
+                                         N_CAND, CAP, BLOCK_M, SEL_ROWS, PIPELINED)
                     thr = tl.where(row_ok, thr, float("-inf"))
                     survive = key < thr[:, None]
                     n_new = tl.sum(survive.to(tl.int32), axis=1)
                 most = tl.max(n_new, axis=0)
-                if most > FEW:
+                if PIPELINED or most > FEW:
                     # Early tiles, many survivors per row: append them all (row-wise prefix sum).
                     pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
                     packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
                     tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
                     count += n_new
-                else:
+                else:  # (an inner loop: the 2026-11-29 kernel only)
                     # Steady state, a survivor or two per row: take them one at a time with a
                     # row argmin (ties to the lower column, i.e. the lower index).
                     rest = tl.where(survive, key, float("inf"))
@@ -198,6 +289,98 @@ def _fused_candidates_kernel(
                         count += found.to(tl.int32)
                         rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
     _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count, N_CAND, CAP, BLOCK_M, SEL_ROWS)
+
+
+@triton.jit
+def _insert(best, worst, key, index, N_CAND: tl.constexpr):
+    """Per row: put (key, index) in place of the row's worst entry if it is better.
+
+    ``best`` (BLOCK_M, N_CAND) packed, unsorted; ``worst`` its row maxima. +inf keys (past the
+    end of the targets) never enter.
+    """
+    cand = tl.where(key < float("inf"), _pack(key, index), _EMPTY)
+    take = cand < worst
+    _, slot = tl.max(best, axis=1, return_indices=True)
+    hit = take[:, None] & (tl.arange(0, N_CAND)[None, :] == slot[:, None])
+    best = tl.where(hit, cand[:, None], best)
+    return best, tl.max(best, axis=1)
+
+
+@triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
+def _rowlist_kernel(
+    q_ptr, t_ptr, bias_ptr, out_ptr,
+    nq, nt, d, tiles_per_split, stride_q, stride_t, alpha,
+    N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
+):
+    """Small lists (n_cand <= ROWLIST_MAX): each query's n_cand best live in registers.
+
+    ``best`` holds the exact n_cand best (key, index) of the targets scanned so far, so the
+    threshold (its row maximum ``worst``) is always the current n_cand-th best and survivors
+    are as rare as they can be: about n_cand * BLOCK_N / (targets scanned) per row and tile.
+    Per tile, one row argmin and one survivor count (``key <= threshold``, a superset):
+    * every row has at most one survivor (the steady state): it is the row minimum; insert it;
+    * some row has up to 1 + EXTRA_PASSES: that many argmin passes, unrolled;
+    * more (the first tiles): the tile's best n_cand by bitonic top-k, merged with ``best``.
+    No inner loop and no global buffer: the target loop is software-pipelined (target tiles
+    prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
+    target tile read once per program, shared through L2) and one (BLOCK_M, N_CAND) store.
+    ``MIN_ONLY`` (timing only): GEMM + row minimum, no candidate work.
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    m0 = pid_m * BLOCK_M
+    offs_n = tl.arange(0, BLOCK_N)
+    slots = tl.arange(0, N_CAND)
+    t_start = pid_s * tiles_per_split * BLOCK_N
+    n_tiles = tl.minimum(tiles_per_split, tl.cdiv(nt - t_start, BLOCK_N))
+    if SINGLE_DOT:
+        q = _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
+    else:
+        q = 0.0
+    best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
+    worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
+    low = tl.full([BLOCK_M], float("inf"), tl.float32)
+    for tile in range(0, n_tiles):
+        n0 = t_start + tile * BLOCK_N
+        key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
+                         BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D)
+        if MIN_ONLY:
+            low = tl.minimum(low, tl.min(key, axis=1))
+        else:
+            row_min, col = tl.min(key, axis=1, return_indices=True,
+                                  return_indices_tie_break_left=True)
+            thr = _unpack_key(worst)
+            # Survivors counted against the key alone (ties at the threshold included): a
+            # superset of the entries that beat ``worst``; only the path choice uses it.
+            n_surv = tl.sum((key <= thr[:, None]).to(tl.int32), axis=1)
+            most = tl.max(n_surv, axis=0)
+            if most <= 1:
+                best, worst = _insert(best, worst, row_min, n0 + col, N_CAND)
+            elif most <= 1 + EXTRA_PASSES:
+                rest = key
+                for _ in tl.static_range(0, 1 + EXTRA_PASSES):
+                    row_min, col = tl.min(rest, axis=1, return_indices=True,
+                                          return_indices_tie_break_left=True)
+                    best, worst = _insert(best, worst, row_min, n0 + col, N_CAND)
+                    rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+            else:
+                cols = n0 + offs_n
+                packed = tl.where(key < float("inf"),
+                                  _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
+                                  _EMPTY)
+                # topk keeps the largest: complement (an order-reversing bijection on int64).
+                tile_best = ~tl.topk(~packed, N_CAND)
+                both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
+                best = ~tl.topk(~both, N_CAND)
+                worst = tl.max(best, axis=1)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    out = out_ptr + rows.to(tl.int64)[:, None] * (n_splits * N_CAND) + pid_s * N_CAND + slots[None, :]
+    if MIN_ONLY:
+        best = tl.where(slots[None, :] == 0, _pack(low, tl.zeros([BLOCK_M], dtype=tl.int32))[:, None], best)
+    tl.store(out, best, mask=(rows < nq)[:, None])
 
 
 def _num_sms(device: torch.device) -> int:
@@ -226,12 +409,14 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
-                      buffer_bytes: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor]:
+                      buffer_bytes: int = 1 << 30, min_only: bool = False,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``n_cand`` best approximate keys per query from the fused kernel.
 
     Same contract as :func:`_gpu_torch.torch_candidates`: keys float32 (m, n_cand) ascending
     (+inf empty), indices int64 (-1 empty); ties resolved to the lower index.
     ``buffer_bytes`` bounds the candidate buffer: queries run in chunks that fit it.
+    ``min_only`` (timing only, rowlist kernel): GEMM + row minimum, no candidate lists.
     """
     if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
         raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
@@ -243,41 +428,64 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     idx_out = torch.full((m, n_cand), -1, dtype=torch.int64, device=device)
     if m == 0 or nt == 0:
         return keys_out, idx_out
-    cfg = config or tile_config(n_cand, d)
-    if cfg.cap < n_cand + cfg.block_n:
-        raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
-    block_d = BLOCK_D if d > 32 else max(16, triton.next_power_of_2(d))
     precision = queries.precision
-    input_precision = "ieee" if precision == "fp32" else "tf32"
+    cfg = config or tile_config(n_cand, d, precision)
+    rowlist = cfg.kernel == "rowlist"
+    if rowlist and n_cand > cfg.block_n:
+        raise ValueError(f"config: rowlist needs n_cand {n_cand} <= BLOCK_N {cfg.block_n}")
+    if not rowlist and cfg.cap < n_cand + cfg.block_n:
+        raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
     q_op, t_op = queries.operand, targets.operand
+    d_pad = max(16, triton.next_power_of_2(d))
+    single_dot = ((rowlist or cfg.pipelined)
+                  and cfg.block_m * d_pad * q_op.element_size() <= SINGLE_DOT_BYTES)
+    if single_dot:
+        block_d = d_pad
+    else:
+        block_d = BLOCK_D if d > 32 else d_pad
+    input_precision = "ieee" if precision == "fp32" else "tf32"
     n_splits = splits or split_count(m, nt, cfg.block_m, _num_sms(device))
     per_split = math.ceil(math.ceil(nt / n_splits) / cfg.block_n) * cfg.block_n
     n_splits = math.ceil(nt / per_split)
-    rows_per_launch = max(cfg.block_m, (buffer_bytes // (8 * cfg.cap * n_splits)) // cfg.block_m * cfg.block_m)
+    slots = n_cand if rowlist else cfg.cap
+    rows_per_launch = max(cfg.block_m, (buffer_bytes // (8 * slots * n_splits)) // cfg.block_m * cfg.block_m)
     alpha = key_alpha(queries.metric)
+    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=d % block_d == 0,
+                  INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for r0 in range(0, m, rows_per_launch):
         r1 = min(m, r0 + rows_per_launch)
         rows = r1 - r0
         grid_m = math.ceil(rows / cfg.block_m)
-        buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)
-        scratch = torch.empty((grid_m * n_splits * cfg.block_m,), dtype=torch.int32, device=device)
-        if POISON_BUFFERS:  # checks: stale garbage must never leak into a result
-            buf.fill_(0x5A5A5A5A5A5A5A5A)
-            scratch.fill_(-7)
         q_chunk = q_op[r0:r1]
-        _fused_candidates_kernel[(grid_m, n_splits)](
-            q_chunk, t_op, targets.bias, buf, scratch,
-            rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0),
-            alpha, N_CAND=n_cand, CAP=cfg.cap,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d,
-            SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
-            INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(grid_m * cfg.block_m, n_splits * n_cand)[:rows]
+        if rowlist:
+            out = torch.empty((rows, n_splits * n_cand), dtype=torch.int64, device=device)
+            if POISON_BUFFERS:  # checks: every slot must be written
+                out.fill_(0x5A5A5A5A5A5A5A5A)
+            _rowlist_kernel[(grid_m, n_splits)](
+                q_chunk, t_op, targets.bias, out,
+                rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
+                N_CAND=n_cand, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
+                MIN_ONLY=min_only, **common)
+            lists = out
+        else:
+            buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)
+            scratch = torch.empty((grid_m * n_splits * cfg.block_m,), dtype=torch.int32, device=device)
+            if POISON_BUFFERS:  # checks: stale garbage must never leak into a result
+                buf.fill_(0x5A5A5A5A5A5A5A5A)
+                scratch.fill_(-7)
+            _fused_candidates_kernel[(grid_m, n_splits)](
+                q_chunk, t_op, targets.bias, buf, scratch,
+                rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0),
+                alpha, N_CAND=n_cand, CAP=cfg.cap,
+                SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
+                PIPELINED=cfg.pipelined, SINGLE_DOT=single_dot, **common)
+            lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(grid_m * cfg.block_m, n_splits * n_cand)[:rows]
         if n_splits > 1:
-            # Merge the splits' sorted lists: sorting packed keys sorts by (key, index).
+            # Merge the splits' lists: sorting packed keys sorts by (key, index).
             lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values
+        elif rowlist:  # register lists come back unsorted
+            lists = torch.sort(lists, dim=1).values
         k_vals, k_idx = unpack(lists)
         keys_out[r0:r1] = k_vals
         idx_out[r0:r1] = k_idx
