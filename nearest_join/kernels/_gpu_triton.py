@@ -1,4 +1,10 @@
-"""The fused Triton kernel: tiled dot products folded into per-query candidate lists on chip.
+"""The fused Triton kernels: tiled dot products folded into per-query candidate lists on chip.
+
+Two kernels share the tile product (:func:`_tile_keys`) and the packed (key, index) format:
+``_rowlist_kernel`` for lists of at most ``ROWLIST_MAX`` entries keeps each query's list in
+registers (see its docstring; the default for k <= ~50); ``_fused_candidates_kernel``, described
+below, keeps them in a candidate buffer (longer lists). :func:`tile_config` picks;
+:func:`legacy_tile_config` is the 2026-11-29 buffer kernel, kept for comparison.
 
 One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes

@@ -205,8 +205,16 @@ from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data
 tr.POISON_BUFFERS = True
 
+import sys
+KERNEL = sys.argv[1]
+
 def small(q, t, n_cand):
-    cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
+    # Tiny tiles so that 203 targets make several tiles and splits; every path is taken.
+    cap = max(64, gt.next_pow2(n_cand + 32))
+    if KERNEL == "rowlist" and n_cand <= 32:
+        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
+    else:
+        cfg = tr.TileConfig(16, 32, cap, 4, pipelined=KERNEL != "legacy")
     return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2)
 
 cases = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
@@ -228,9 +236,10 @@ print("interpreter ok", len(cases))
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-def test_fused_kernel_under_the_triton_interpreter():
+@pytest.mark.parametrize("kernel", ["rowlist", "pipelined", "legacy"])
+def test_fused_kernel_under_the_triton_interpreter(kernel):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT)],
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT), kernel],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "interpreter ok 4" in proc.stdout
