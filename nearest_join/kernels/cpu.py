@@ -190,13 +190,15 @@ class CpuBackend:
     dtypes = ("float32", "float64")
     metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
     # Any k: heaps are min(k, nt) wide; memory is that of the (nq, k) result plus
-    # 12 B x nq x min(k, nt) per target split.
+    # 8 B x nq x min(k, nt) per target split.
     max_k = None
 
     def refuse(self, queries, targets, k, metric: Metric, **options) -> str | None:
         """None when the backend accepts the call, else why it does not."""
         if metric.name not in self.metrics:
             return f"metric {metric.name!r} not supported"
+        if targets.shape[0] >= _cpu_kernels.EMPTY_INDEX:
+            return f"at most {_cpu_kernels.EMPTY_INDEX - 1} targets per call (32-bit heap index)"
         return _scipy_blas_missing()
 
     def run(self, queries, targets, k, metric: Metric, threads=None, **options):
@@ -212,11 +214,12 @@ class CpuBackend:
             scaled, targets32, bias, query_norms = _prepare(queries, targets, metric)
             query_tile, target_tile, n_split = plan_tiles(nq, nt, used)
             tail, tail_bias = _tail_tile(targets32, bias, target_tile)
-            heap_v = np.full((n_split, nq, width), np.inf, dtype=np.float32)
-            heap_i = np.full((n_split, nq, width), _cpu_kernels.EMPTY_INDEX, dtype=np.int64)
-            _cpu_kernels.search_tiles(scaled, targets32, bias, tail, tail_bias, heap_v, heap_i,
-                                      query_tile)
-            best_v, best_i = _cpu_kernels.finish_heaps(heap_v, heap_i)
+            heaps = np.full((n_split, nq, width), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+            _cpu_kernels.search_tiles(scaled, targets32, bias, tail, tail_bias, heaps, query_tile)
+        # Sorting the keys orders each row by (score, index): best first, ties to the lower
+        # index. With several target splits, the best of their union is the first ``width``.
+        keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
+        best_v, best_i = _cpu_kernels.decode(np.sort(keys, axis=1)[:, :width])
         logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d",
                      nq, nt, k, used, query_tile, target_tile, n_split)
         values = np.full((nq, k), metric.worst, dtype=np.float32)
