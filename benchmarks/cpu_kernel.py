@@ -1,0 +1,288 @@
+"""Benchmark the "cpu" kernel against faiss-cpu, scikit-learn and the float64 reference.
+
+Same process, same data, same thread count for every method. Prints one table per run:
+time, pairs/s, effective GFLOP/s (2 nq nt d / time), ratio to faiss, fraction of the machine's
+sgemm rate measured in the same run (a 4096^3 float32 matmul through numpy, best of several),
+and the agreement of our indices with faiss's. The slow peers (scikit-learn brute force and the
+float64 reference) are timed on the first ``--subset`` / ``--reference-subset`` queries only and
+marked so; their pairs/s are comparable, their times are not. Also reports the first-call
+(compile) time of the kernel in a fresh interpreter with an empty numba cache, then again with
+that cache warm.
+
+Usage::
+
+    python benchmarks/cpu_kernel.py                      # nq=20000 nt=200000 d=128, k=10,100
+    python benchmarks/cpu_kernel.py --dims 768 --nq 5000 --metrics l2
+    python benchmarks/cpu_kernel.py --quick --out benchmarks/out/cpu
+
+Run it alone on the machine: on a shared machine take the exclusive CPU lock
+(``flock -x /tmp/nj-cpu.lock python benchmarks/cpu_kernel.py``). Each timing records the share
+of the cores that other processes used meanwhile (/proc/stat), so a disturbed number shows.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nearest_join.kernels import knn  # noqa: E402
+
+FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
+SKLEARN_METRIC = {"l2": "euclidean", "cosine": "cosine"}
+
+COMPILE_PROBE = """
+import time
+start = time.perf_counter()
+import numpy as np
+from nearest_join.kernels import knn
+q = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
+for metric in ("l2", "cosine"):
+    knn(q, q, 5, metric, backend="cpu", threads=1)
+print(time.perf_counter() - start)
+"""
+
+
+def machine() -> dict:
+    """Where the numbers come from: CPU model, cores, BLAS cores, commit, date."""
+    model = platform.processor()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nearest_join/kernels"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit, dirty = "unknown", ""
+    return {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "commit": commit + ("+dirty kernels" if dirty else ""),
+        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "(unset)"),
+        "blas": sorted({f"{lib['prefix']} {lib.get('version')} {lib.get('architecture')}"
+                        for lib in threadpool_info() if lib["user_api"] == "blas"}),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+    }
+
+
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes have spent busy since boot (Linux /proc/stat)."""
+    fields = open("/proc/stat").readline().split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(call, repeat: int) -> tuple[float, float]:
+    """Best wall time of ``repeat`` calls, and the share of the machine's cores that other
+    processes kept busy during that best call (0 on a quiet machine)."""
+    best, others = float("inf"), 0.0
+    cores = os.cpu_count() or 1
+    for _ in range(repeat):
+        busy, mine, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        call()
+        seconds = time.perf_counter() - start
+        foreign = (_busy_cpu_seconds() - busy) - (time.process_time() - mine)
+        if seconds < best:
+            best, others = seconds, max(0.0, foreign) / (seconds * cores)
+    return best, others
+
+
+def sgemm_rate(threads: int, size: int, repeat: int) -> tuple[float, float]:
+    """GFLOP/s of a size^3 float32 matmul through numpy's BLAS on ``threads`` threads, and
+    the share of the cores other processes used meanwhile."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((size, size), dtype=np.float32)
+    b = rng.standard_normal((size, size), dtype=np.float32)
+    with threadpool_limits(limits=threads, user_api="blas"):
+        a @ b
+        seconds, others = timed(lambda: a @ b, repeat)
+    return 2.0 * size**3 / seconds / 1e9, others
+
+
+def compile_times() -> dict:
+    """First call in a fresh interpreter: empty numba cache, then the same cache warm."""
+    with tempfile.TemporaryDirectory(prefix="nj-numba-cache-") as cache:
+        env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
+        out = {}
+        for label in ("cold_cache_s", "warm_cache_s"):
+            result = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, cwd=ROOT,
+                                    capture_output=True, text=True, check=True)
+            out[label] = float(result.stdout.strip().splitlines()[-1])
+    return out
+
+
+def run_faiss(queries, targets, k, metric, threads):
+    import faiss
+
+    faiss.omp_set_num_threads(threads)
+    index = getattr(faiss, FAISS_INDEX[metric])(targets.shape[1])
+    index.add(targets)
+    return lambda: index.search(queries, k)
+
+
+def run_sklearn(queries, targets, k, metric, threads):
+    from sklearn.neighbors import NearestNeighbors
+
+    model = NearestNeighbors(n_neighbors=k, algorithm="brute", metric=SKLEARN_METRIC[metric],
+                             n_jobs=threads).fit(targets)
+    return lambda: model.kneighbors(queries)
+
+
+def bench_config(d, metric, k, args, ceiling, rng) -> list[dict]:
+    """All methods on one (d, metric, k). Rows: one dict per method."""
+    queries = rng.standard_normal((args.nq, d), dtype=np.float32)
+    targets = rng.standard_normal((args.nt, d), dtype=np.float32)
+    subset = queries[: args.subset]
+    rows = []
+
+    def record(method, n_queries, timing, note="", agreement=None):
+        seconds, others = timing
+        pairs = n_queries * args.nt / seconds
+        rows.append({
+            "d": d, "metric": metric, "k": k, "method": method, "queries": n_queries,
+            "seconds": seconds, "pairs_per_s": pairs, "gflops": 2.0 * pairs * d / 1e9,
+            "of_sgemm": 2.0 * pairs * d / 1e9 / ceiling, "agreement": agreement, "note": note,
+            "others": others,
+        })
+
+    knn(queries[:10], targets[:1000], k, metric, backend="cpu", threads=args.threads)  # compiled
+    result = {}
+
+    def ours():
+        result["ours"] = knn(queries, targets, k, metric, backend="cpu", threads=args.threads)
+
+    record("nearest_join cpu", args.nq, timed(ours, args.repeat))
+    if metric in FAISS_INDEX:
+        search = run_faiss(queries, targets, k, metric, args.threads)
+        timing = timed(lambda: result.__setitem__("faiss", search()), args.repeat)
+        record(f"faiss {FAISS_INDEX[metric]}", args.nq, timing)
+        rows[0]["agreement"] = float((result["ours"][1] == result["faiss"][1]).mean())
+    if metric in SKLEARN_METRIC and not args.skip_slow:
+        with threadpool_limits(limits=args.threads, user_api="blas"):
+            search = run_sklearn(subset, targets, k, metric, args.threads)
+            record("sklearn brute", len(subset), timed(search, 1), note="subset")
+    if not args.skip_slow:
+        with threadpool_limits(limits=args.threads, user_api="blas"):
+            few = queries[: args.reference_subset]
+            timing = timed(lambda: knn(few, targets, k, metric, backend="reference"), 1)
+        record("reference float64", len(few), timing, note="subset")
+    faiss_rate = next((r["pairs_per_s"] for r in rows if r["method"].startswith("faiss")), None)
+    for row in rows:
+        row["vs_faiss"] = row["pairs_per_s"] / faiss_rate if faiss_rate else None
+    return rows
+
+
+def print_table(rows, ceiling, ceiling_others):
+    print(f"\nsgemm ceiling (float32 matmul through numpy, same threads): {ceiling:.0f} GFLOP/s "
+          f"(others {ceiling_others:.0%})")
+    header = (f"| {'d':>4} | {'metric':<13} | {'k':>3} | {'method':<20} | {'queries':>7} | "
+              f"{'time s':>7} | {'pairs/s':>8} | {'GFLOP/s':>7} | {'vs faiss':>8} | "
+              f"{'of sgemm':>8} | {'agree':>6} | {'others':>6} |")
+    print(header)
+    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        queries = f"{r['queries']}" + ("*" if r["note"] == "subset" else "")
+        vs = f"{r['vs_faiss']:.2f}x" if r["vs_faiss"] else "-"
+        agree = f"{r['agreement']:.4f}" if r["agreement"] is not None else "-"
+        print(f"| {r['d']:>4} | {r['metric']:<13} | {r['k']:>3} | {r['method']:<20} | "
+              f"{queries:>7} | {r['seconds']:>7.2f} | {r['pairs_per_s']:>8.2e} | "
+              f"{r['gflops']:>7.1f} | {vs:>8} | {r['of_sgemm']:>8.0%} | {agree:>6} | "
+              f"{r['others']:>6.0%} |")
+    if any(r["note"] == "subset" for r in rows):
+        print("* timed on the first queries only (slow peers); compare pairs/s, not time.")
+    print("agree: fraction of (query, slot) where our index equals faiss's (near ties differ).")
+    print("others: share of the cores other processes used during the timing (0% = quiet).")
+
+
+def plot(rows, path: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({(r["d"], r["metric"], r["k"]) for r in rows})
+    methods = sorted({r["method"] for r in rows})
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(6, 2 * len(configs)), 4))
+    for m, method in enumerate(methods):
+        heights = [next((r["pairs_per_s"] for r in rows
+                         if (r["d"], r["metric"], r["k"]) == c and r["method"] == method), 0)
+                   for c in configs]
+        ax.bar([i + m * width for i in range(len(configs))], heights, width, label=method)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
+    ax.set_xticklabels([f"d={d}\n{metric}\nk={k}" for d, metric, k in configs])
+    ax.set_yscale("log")
+    ax.set_ylabel("pairs / s")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nq", type=int, default=20_000)
+    parser.add_argument("--nt", type=int, default=200_000)
+    parser.add_argument("--dims", type=int, nargs="+", default=[128])
+    parser.add_argument("--ks", type=int, nargs="+", default=[10, 100])
+    parser.add_argument("--metrics", nargs="+", default=["l2", "inner_product"],
+                        choices=["l2", "sqeuclidean", "inner_product", "cosine"])
+    parser.add_argument("--subset", type=int, default=2_000,
+                        help="queries timed for scikit-learn")
+    parser.add_argument("--reference-subset", type=int, default=200,
+                        help="queries timed for the float64 reference (it sorts whole rows)")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeat", type=int, default=2, help="best of this many timings")
+    parser.add_argument("--skip-slow", action="store_true", help="no sklearn / reference")
+    parser.add_argument("--skip-compile", action="store_true", help="no compile-time probe")
+    parser.add_argument("--quick", action="store_true", help="a small run (seconds)")
+    parser.add_argument("--out", type=Path, help="directory for results.json and pairs_per_s.png")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.nq, args.nt, args.subset, args.reference_subset, args.repeat = 2_000, 20_000, 200, 50, 1
+
+    info = machine()
+    info["threads"] = args.threads
+    print(json.dumps(info, indent=1))
+    compile_info = {} if args.skip_compile else compile_times()
+    if compile_info:
+        print(f"first call (import + compile), fresh interpreter: empty numba cache "
+              f"{compile_info['cold_cache_s']:.1f} s, warm cache {compile_info['warm_cache_s']:.1f} s")
+    ceiling, ceiling_others = sgemm_rate(args.threads, 1024 if args.quick else 4096, 5)
+    rng = np.random.default_rng(12345)
+    rows = []
+    for d in args.dims:
+        for metric in args.metrics:
+            for k in args.ks:
+                rows += bench_config(d, metric, k, args, ceiling, rng)
+                print(f"done d={d} {metric} k={k}", file=sys.stderr, flush=True)
+    print_table(rows, ceiling, ceiling_others)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        payload = {"machine": info, "compile": compile_info, "sgemm_gflops": ceiling,
+                   "sgemm_others": ceiling_others,
+                   "nq": args.nq, "nt": args.nt, "rows": rows}
+        (args.out / "results.json").write_text(json.dumps(payload, indent=1))
+        plot(rows, args.out / "pairs_per_s.png")
+        print(f"wrote {args.out / 'results.json'} and {args.out / 'pairs_per_s.png'}")
+
+
+if __name__ == "__main__":
+    main()
