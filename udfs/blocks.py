@@ -329,6 +329,12 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
 
 
 # ----------------------------------------------------------------------------- plans
+def _pair_columns(batch: pa.RecordBatch):
+    """(query block ids, query blobs, target block ids, target blobs) of a batch of pairs."""
+    return (batch.column(C.Q_BLOCK_ID).to_numpy(), _binary_values(batch.column(C.Q_BLOB)),
+            batch.column(C.T_BLOCK_ID).to_numpy(), _binary_values(batch.column(C.T_BLOB)))
+
+
 def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
     """Broadcast plan, one pass: fold every target block into each query block, emit rows.
 
@@ -356,10 +362,7 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
         return emit_rows(q_table, state, ctx)
 
     for batch in batches:
-        q_ids = batch.column(C.Q_BLOCK_ID).to_numpy()
-        t_ids = batch.column(C.T_BLOCK_ID).to_numpy()
-        q_blobs = _binary_values(batch.column(C.Q_BLOB))
-        t_blobs = _binary_values(batch.column(C.T_BLOB))
+        q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
         for r in range(batch.num_rows):
             if q_ids[r] != current:
                 if current is not None:
@@ -379,10 +382,7 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
     """Blocked plan, stage 1: one partial top-k per (query block, target block) pair."""
     pair = _PairSearch(ctx)
     for batch in batches:
-        q_ids = batch.column(C.Q_BLOCK_ID).to_numpy()
-        t_ids = batch.column(C.T_BLOCK_ID).to_numpy()
-        q_blobs = _binary_values(batch.column(C.Q_BLOB))
-        t_blobs = _binary_values(batch.column(C.T_BLOB))
+        q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
         for r in range(batch.num_rows):
             _, q_vectors = pair.query_block(q_blobs[r])
             part = pair.search(q_vectors, int(t_ids[r]), t_blobs[r])

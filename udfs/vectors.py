@@ -38,6 +38,18 @@ def _mismatch(column: str, found: int, expected: int, expected_from: str) -> Vec
     )
 
 
+def _check_lengths(present: np.ndarray, dimension: int | None, label: str, expected_from: str) -> int:
+    """The dimension every non-NULL vector must have (the first one's when None); raise on a
+    ragged row."""
+    if dimension is None:
+        dimension = int(present[0]) if present.size else 0
+        expected_from = f"the first vector of `{label}`"
+    bad = np.flatnonzero(present != dimension)
+    if bad.size:
+        raise _mismatch(label, int(present[bad[0]]), dimension, expected_from)
+    return dimension
+
+
 def decode_vectors(column, dimension: int | None, *, label: str = "vector",
                    expected_from: str = "the other side") -> np.ndarray:
     """Decode one Arrow vector column into an (n, dimension) float matrix.
@@ -69,13 +81,7 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     valid = lengths >= 0
     if not pa.types.is_fixed_size_list(arr.type) and arr.null_count:
         valid &= arr.is_valid().to_numpy(zero_copy_only=False)
-    present = lengths[valid]
-    if dimension is None:
-        dimension = int(present[0]) if present.size else 0
-        expected_from = f"the first vector of `{label}`"
-    bad = np.flatnonzero(present != dimension)
-    if bad.size:
-        raise _mismatch(label, int(present[bad[0]]), dimension, expected_from)
+    dimension = _check_lengths(lengths[valid], dimension, label, expected_from)
     flat = arr.flatten()  # honours slicing and skips NULL lists
     if flat.null_count:
         flat = flat.fill_null(np.nan)
@@ -95,13 +101,7 @@ def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> 
     values = arr.field("values")
     value_lengths = pc.list_value_length(values).fill_null(0).to_numpy(zero_copy_only=False)
     lengths = np.where(kinds == 1, value_lengths, sizes)
-    present = lengths[valid]
-    if dimension is None:
-        dimension = int(present[0]) if present.size else 0
-        expected_from = f"the first vector of `{label}`"
-    bad = np.flatnonzero(present != dimension)
-    if bad.size:
-        raise _mismatch(label, int(present[bad[0]]), dimension, expected_from)
+    dimension = _check_lengths(lengths[valid], dimension, label, expected_from)
     out = np.full((n, dimension), np.nan, dtype=np.float64)
     rows = np.flatnonzero(valid)
     if rows.size == 0:
