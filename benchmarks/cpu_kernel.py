@@ -59,10 +59,17 @@ def machine() -> dict:
     """Where the numbers come from: CPU model, cores, BLAS cores, commit, date."""
     model = platform.processor()
     try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
+        lscpu = dict(line.split(":", 1) for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if ":" in line)
+        model = (f"{lscpu['Model name'].strip()} (family {lscpu['CPU family'].strip()}, "
+                 f"model {lscpu['Model'].strip()}, L2 {lscpu.get('L2 cache', '?').strip()})")
+    except (OSError, KeyError):
+        pass
+    # Load every BLAS a method will use, so that the report names each one's kernel choice.
+    import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot: the cpu kernel's sgemm)
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
         pass
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,

@@ -9,10 +9,9 @@ becomes "smallest ``Q' T^T + bias``" (see :mod:`nearest_join.kernels._cpu_kernel
   make a tiny distance negative); ``l2`` also takes the square root of the survivors only.
 - ``inner_product``: Q' = -q, bias = 0; the value is the negated score.
 - ``cosine``: both sides are normalised in float64, then rounded to float32, and searched as
-  inner product.
-  Normalising first (rather than dividing by norms at the end) is required for the ranking:
-  the target norm changes the order; it also keeps values within a few float32 ulps of the
-  exact cosine, and costs one pass over the data.
+  inner product. Normalising first (rather than dividing by norms at the end) is required for
+  the ranking, which the target norm changes; it also keeps values within a few float32 ulps of
+  the exact cosine, and costs one pass over the data.
 
 Threads follow the caller's share of cores (``threads=``, in Spark ``spark.task.cpus``): numba
 runs that many threads for the whole search, each calling a single-threaded BLAS on its own
@@ -62,7 +61,7 @@ def _ensure_numba_cache_dir() -> None:
 _ensure_numba_cache_dir()
 
 import numba  # noqa: E402  (after the cache directory is chosen)
-from threadpoolctl import threadpool_limits  # noqa: E402
+from threadpoolctl import ThreadpoolController  # noqa: E402
 
 from . import _cpu_kernels  # noqa: E402
 
@@ -71,18 +70,19 @@ logger = logging.getLogger(__name__)
 __all__ = ["BACKEND", "TOLERANCE", "CpuBackend"]
 
 # Values agree with the float64 reference within TOLERANCE[input dtype] * scale, where scale is
-# |q|^2 + |t|^2 for squared L2 (compare squared distances: the square root hides the error near
-# 0 and inflates it nowhere else), |q| |t| for inner product and 1 for cosine. The kernel computes
-# in float32 for both input dtypes, so both entries are the float32 bound: ~100 ulps (eps32 =
-# 1.2e-7) covers the sgemm's d-term accumulation for d up to ~1000 and the cancellation in
-# |q|^2 - 2 q.t + |t|^2.
+# |q|^2 + |t|^2 for squared distances (l2 is compared squared: the bound holds there, while the
+# square root divides an absolute error by 2 x distance, without bound near 0), |q| |t| for
+# inner product and 1 for cosine. The kernel computes in float32 for both input dtypes, so both
+# entries are the float32 bound: ~100 ulps (eps32 = 1.2e-7) covers the sgemm's d-term
+# accumulation for d up to ~1000 and the cancellation in |q|^2 - 2 q.t + |t|^2.
 TOLERANCE = {"float32": 1e-5, "float64": 1e-5}
 
 # Tile shape. A (1024 x 512) float32 score tile is 2 MiB, one core's L2 on the benchmark
 # machine; the per-thread sgemm on it runs at ~85% of the single-core 4096^3 rate at d = 128 and
-# d = 768. Measured per CPU-second, single thread, nq = 4000, nt = 100000, d = 128 (k = 10):
-# 1024 x 512: 116 GFLOP, 512 x 1024: 112, 256 x 1024: 106, 128 x 1024: 89, 64 x 4096: 71
-# (a taller tile repacks the target tile for more queries per call).
+# d = 768. Measured per CPU-second, single thread, nq = 4000, nt = 100000, d = 128, k = 10,
+# AVX-512 sgemm: 1024 x 512: 116 GFLOP, 512 x 1024: 112, 256 x 1024: 106, 128 x 1024: 89,
+# 64 x 4096: 71 (a taller tile serves more queries per packed target tile). With the Haswell
+# sgemm, shapes from 512 x 512 to 2048 x 1024 were within 3% of each other.
 QUERY_TILE = 1024
 TARGET_TILE = 512
 # Below this many queries per thread, splitting the target range between threads keeps the
@@ -108,9 +108,27 @@ def _check_threads(threads) -> int:
     return int(threads)
 
 
+_blas: ThreadpoolController | None = None
+
+
+def blas_controller() -> ThreadpoolController:
+    """The BLAS libraries of this process, found once.
+
+    Scanning the loaded libraries costs ~1 ms, as much as a small search; a BLAS loaded later
+    is not controlled, and needs not be: the kernel calls scipy's BLAS (numba's ``np.dot``
+    binds to ``scipy.linalg.cython_blas``), which is loaded here first.
+    """
+    global _blas
+    if _blas is None:
+        import scipy.linalg.cython_blas  # noqa: F401
+
+        _blas = ThreadpoolController().select(user_api="blas")
+    return _blas
+
+
 @contextmanager
 def thread_limits(threads: int):
-    """Run numba on ``threads`` threads and every BLAS on one, restoring both on exit.
+    """Run numba on ``threads`` threads and BLAS on one, restoring both on exit.
 
     BLAS gets one thread because each numba thread calls it on its own tile; a multithreaded
     BLAS inside would oversubscribe the caller's share of cores.
@@ -121,7 +139,7 @@ def thread_limits(threads: int):
     previous = numba.get_num_threads()
     numba.set_num_threads(numba_threads)
     try:
-        with threadpool_limits(limits=1, user_api="blas"):
+        with blas_controller().limit(limits=1):
             yield numba_threads
     finally:
         numba.set_num_threads(previous)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import os
 import sys
 import zlib
 
@@ -354,8 +355,10 @@ def test_cpu_bad_threads_raise_value_error(threads):
 
 # --- threads -----------------------------------------------------------------------------------
 
-def blas_threads() -> list[int]:
-    return [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"]
+def blas_threads(paths=None) -> dict[str, int]:
+    """Thread count of every loaded BLAS (or of those at ``paths``), by library path."""
+    return {lib["filepath"]: lib["num_threads"] for lib in threadpool_info()
+            if lib["user_api"] == "blas" and (paths is None or lib["filepath"] in paths)}
 
 
 def test_cpu_honours_threads_and_restores_settings(monkeypatch):
@@ -364,13 +367,16 @@ def test_cpu_honours_threads_and_restores_settings(monkeypatch):
     entry, not by timing."""
     cpu = importlib.import_module("nearest_join.kernels.cpu")
     kernels = importlib.import_module("nearest_join.kernels._cpu_kernels")
+    # The BLAS the kernel calls is scipy's (numba's np.dot binds to scipy.linalg.cython_blas).
+    controlled = {lib["filepath"] for lib in cpu.blas_controller().info()}
+    assert any("scipy" in path and "numpy" not in path for path in controlled), controlled
     numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
     before_numba, before_blas = numba.get_num_threads(), blas_threads()
     seen = []
     real = kernels.search_tiles
 
     def spy(*args):
-        seen.append((numba.get_num_threads(), blas_threads()))
+        seen.append((numba.get_num_threads(), blas_threads(controlled)))
         return real(*args)
 
     monkeypatch.setattr(kernels, "search_tiles", spy)
@@ -378,7 +384,7 @@ def test_cpu_honours_threads_and_restores_settings(monkeypatch):
     for threads in (1, numba.config.NUMBA_NUM_THREADS):
         knn(queries, queries, 5, "l2", backend="cpu", threads=threads)
         assert seen[-1][0] == threads
-        assert seen[-1][1] and all(n == 1 for n in seen[-1][1])
+        assert set(seen[-1][1]) == controlled and set(seen[-1][1].values()) == {1}
         assert numba.get_num_threads() == before_numba
         assert blas_threads() == before_blas
     # Without threads=, the kernel uses the CPUs this process may run on.
@@ -398,6 +404,32 @@ def test_cpu_threads_are_restored_after_an_error(monkeypatch):
         knn(GOOD, GOOD, 1, backend="cpu", threads=1)
     assert numba.get_num_threads() == before_numba
     assert blas_threads() == before_blas
+
+
+# --- compilation cache --------------------------------------------------------------------------
+
+def test_numba_cache_moves_to_home_when_package_dir_is_read_only(monkeypatch, tmp_path):
+    """Executors often install the package read-only; numba's cache must still persist."""
+    cpu = importlib.import_module("nearest_join.kernels.cpu")
+    package_dir = os.path.dirname(os.path.abspath(cpu.__file__))
+    real_access = os.access
+    monkeypatch.setattr(os, "access",
+                        lambda path, mode: path != package_dir and real_access(path, mode))
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
+    cpu._ensure_numba_cache_dir()
+    expected = tmp_path / ".cache" / "nearest_join" / "numba"
+    assert os.environ["NUMBA_CACHE_DIR"] == str(expected) and expected.is_dir()
+    assert numba.config.CACHE_DIR == str(expected)
+
+
+def test_explicit_numba_cache_dir_wins(monkeypatch, tmp_path):
+    cpu = importlib.import_module("nearest_join.kernels.cpu")
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
+    cpu._ensure_numba_cache_dir()
+    assert os.environ["NUMBA_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 # --- registry and docs -------------------------------------------------------------------------
