@@ -263,7 +263,8 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="directory for results.json and pairs_per_s.png")
     args = parser.parse_args(argv)
     if args.quick:
-        args.nq, args.nt, args.subset, args.reference_subset, args.repeat = 2_000, 20_000, 200, 50, 1
+        args.nq, args.nt, args.repeat = 2_000, 20_000, 1
+        args.subset, args.reference_subset = 200, 50
 
     info = machine()
     info["threads"] = args.threads
@@ -271,7 +272,8 @@ def main(argv=None):
     compile_info = {} if args.skip_compile else compile_times()
     if compile_info:
         print(f"first call (import + compile), fresh interpreter: empty numba cache "
-              f"{compile_info['cold_cache_s']:.1f} s, warm cache {compile_info['warm_cache_s']:.1f} s")
+              f"{compile_info['cold_cache_s']:.1f} s, "
+              f"warm cache {compile_info['warm_cache_s']:.1f} s")
     ceiling, ceiling_others = sgemm_rate(args.threads, 1024 if args.quick else 4096, 5)
     rng = np.random.default_rng(12345)
     rows = []

@@ -75,8 +75,8 @@ def test_return_sources_points_into_the_concatenated_parts():
     assert sources.tolist() == [[0, 2, 3, 1], [0, -1, -1, -1]]
     concatenated = np.concatenate(values, axis=1)
     found = sources >= 0
-    np.testing.assert_array_equal(np.take_along_axis(concatenated, np.maximum(sources, 0), 1)[found],
-                                  v[found])
+    gathered = np.take_along_axis(concatenated, np.maximum(sources, 0), axis=1)
+    np.testing.assert_array_equal(gathered[found], v[found])
 
 
 def test_similarities_merge_largest_first():
