@@ -202,12 +202,6 @@ def test_exact_ties_go_to_lower_index(request, backend, metric):
 def test_duplicate_targets_in_different_tiles(request, backend, metric, nq):
     """Copies of one row in three different target tiles (and, for nq=1, different
     thread splits) tie exactly; the lowest index must come first, in index order."""
-    if backend == "reference" and nq > 1:
-        # Known defect of the oracle, reported: its float64 matrix product (dgemm) scores the
-        # copy in the last column differently from the others (a tail micro-kernel with its
-        # own rounding), so 4099 can rank before 1023. Strict: passing would flag the fix.
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="reference: dgemm tail columns round copies differently"))
     rng = seeded_rng(request)
     d = 20
     targets = rng.standard_normal((4100, d)).astype(np.float32)
