@@ -35,7 +35,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import pyarrow as pa
 
-from nearest_join.kernels import merge_topk, resolve_metric
+from nearest_join.kernels import merge_topk
 
 from . import columns as C
 from .searcher import SearchSettings, open_block_searcher

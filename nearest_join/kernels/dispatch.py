@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -192,5 +192,3 @@ def knn(queries, targets, k: int, metric: str = "l2", backend: str = "auto", **o
     indices[q_rows] = i
     return values, indices
 
-
-Runner = Callable[..., tuple[np.ndarray, np.ndarray]]

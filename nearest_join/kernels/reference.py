@@ -43,7 +43,7 @@ def scores_float64(queries: np.ndarray, targets: np.ndarray, metric: Metric) -> 
 
 def knn_reference(queries: np.ndarray, targets: np.ndarray, k: int, metric: Metric):
     """Exact top-k in float64. See :func:`nearest_join.kernels.knn` for the contract."""
-    nq, nt = queries.shape[0], targets.shape[0]
+    nq = queries.shape[0]
     values, indices = empty_result(nq, k, metric)
     q_ok = rankable_rows(queries, metric)
     t_ok = rankable_rows(targets, metric)
