@@ -29,6 +29,7 @@ plain ``pyarrow`` tables (tests, GPU benchmarks).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -39,7 +40,8 @@ from nearest_join.kernels import merge_topk
 
 from . import columns as C
 from .searcher import SearchSettings, open_block_searcher
-from .vectors import _as_array, decode_vectors
+from .rows import gather_rows
+from .vectors import decode_vectors
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,11 @@ def table_to_blob(table: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
+def _write_stream(sink, table: pa.Table) -> None:
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+
+
 def blob_to_table(blob) -> pa.Table:
     return pa.ipc.open_stream(blob).read_all()
 
@@ -125,45 +132,6 @@ def _task_partition() -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- row gathers
-def _take_fixed_lists(array: pa.Array, rows: np.ndarray, missing: np.ndarray) -> pa.Array | None:
-    """Gather rows of a list<float|double> column whose lists all have one length, in numpy.
-
-    Arrow's generic take walks lists row by row (about 5x slower for 128-float vectors);
-    vector columns are by far the largest payload, so they take this path. None = not
-    applicable (NULLs, ragged lengths, other types): use Arrow's take.
-    """
-    if not (pa.types.is_list(array.type) or pa.types.is_large_list(array.type)):
-        return None
-    if not pa.types.is_floating(array.type.value_type) or array.null_count or len(array) == 0:
-        return None
-    offsets = array.offsets.to_numpy()
-    width = int(offsets[1] - offsets[0])
-    if width == 0 or offsets[-1] - offsets[0] != width * len(array):
-        return None
-    values = array.values.slice(int(offsets[0]), width * len(array))
-    if values.null_count:
-        return None
-    matrix = values.to_numpy().reshape(len(array), width)
-    gathered = matrix[np.where(missing, 0, rows)]
-    out_offsets = np.arange(len(rows) + 1, dtype=offsets.dtype) * width
-    return type(array).from_arrays(pa.array(out_offsets), pa.array(gathered.reshape(-1)), type=array.type,
-                                   mask=pa.array(missing) if missing.any() else None)
-
-
-def take_rows(table: pa.Table, rows: np.ndarray) -> pa.Table:
-    """``table.take(rows)`` with -1 giving a NULL row; vector columns gathered in numpy."""
-    rows = np.asarray(rows, dtype=np.int64)
-    missing = rows < 0
-    indices = pa.array(rows, mask=missing) if missing.any() else pa.array(rows)
-    columns = []
-    for column in table.columns:
-        array = _as_array(column)
-        fast = _take_fixed_lists(array, rows, missing)
-        columns.append(fast if fast is not None else array.take(indices))
-    return pa.Table.from_arrays(columns, schema=table.schema)
-
-
 # ----------------------------------------------------------------------------- packing
 def check_dimensions(batch: pa.RecordBatch, layout: SideLayout) -> None:
     """Fail on a ragged row before anything is written (decode validates lengths)."""
@@ -191,8 +159,10 @@ def pack_blocks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
             raise ValueError("too many blocks in one partition: raise the block size")
         block_id = (partition << C.SEQUENCE_BITS) | sequence
         sequence += 1
+        # One record batch per block: readers then get single-chunk columns, which decode
+        # and gather as zero-copy views instead of being concatenated on every use.
         return pa.RecordBatch.from_arrays(
-            [pa.array([block_id], pa.int64()), _binary_array([table_to_blob(table)])],
+            [pa.array([block_id], pa.int64()), _binary_array([table_to_blob(table.combine_chunks())])],
             schema=PACKED_SCHEMA,
         )
 
@@ -213,53 +183,121 @@ def pack_blocks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
 
 
 # ----------------------------------------------------------------------------- top-k state
+# A partial blob: an 8-byte little-endian length, the slot table's IPC stream, then the
+# payload table's IPC stream (the distinct target rows the slots refer to).
+_LENGTH = np.dtype("<u8")
+# A state keeps at most this many payload sources before it gathers them into one table.
+MAX_SOURCES = 8
+# (source, row) packed into one int64 to find the distinct payload rows; rows < 2**40.
+_SOURCE_SHIFT = 40
+
+
 @dataclass
 class TopkState:
-    """Running top-k of one query block: values, global target keys, payload per slot."""
+    """Running top-k of one query block: values, global target keys, payload references.
+
+    Slot ``(i, j)`` holds value ``values[i, j]``, the target's global key ``keys[i, j]`` (-1 =
+    empty slot) and its payload: row ``rows[i, j]`` of table ``sources[source[i, j]]``.
+    Payload rows are referenced, not copied: a fold moves two small integers per slot, and
+    the rows are gathered once, when the state is emitted or shipped.
+    """
 
     values: np.ndarray      # float32 (nq, k)
     keys: np.ndarray        # int64 (nq, k), -1 = empty slot
-    payload: pa.Table       # nq * k rows, slot (i, j) at row i * k + j; NULL rows for empty slots
+    sources: list           # payload tables (same column types, names may differ)
+    source: np.ndarray      # int32 (nq, k), -1 = empty slot
+    rows: np.ndarray        # int64 (nq, k)
 
     @classmethod
     def from_search(cls, values: np.ndarray, local_rows: np.ndarray, block_id: int,
                     target_table: pa.Table) -> "TopkState":
         keys = np.where(local_rows >= 0, (np.int64(block_id) << C.ROW_BITS) | local_rows, -1)
-        payload = take_rows(target_table, local_rows.reshape(-1))
-        return cls(values, keys, payload)
+        source = np.where(local_rows >= 0, 0, -1).astype(np.int32)
+        return cls(values, keys, [target_table], source, local_rows.astype(np.int64, copy=False))
+
+    def gather(self, slots: np.ndarray | None = None) -> list[pa.Array]:
+        """Payload columns of the flat slots ``slots`` (all when None); NULL for empty slots."""
+        source, rows = self.source.reshape(-1), self.rows.reshape(-1)
+        if slots is not None:
+            source, rows = source[slots], rows[slots]
+        return gather_rows(self.sources, source, rows)
+
+    @property
+    def payload(self) -> pa.Table:
+        """Every slot's payload row, slot (i, j) at row i * k + j (tests, debugging)."""
+        return pa.Table.from_arrays(self.gather(), schema=self.sources[0].schema)
 
     def absorb(self, other: "TopkState", metric: str) -> "TopkState":
         nq, k = self.keys.shape
-        values, keys, sources = merge_topk(
+        values, keys, picked = merge_topk(
             [self.values, other.values], [self.keys, other.keys], k, metric, return_sources=True
         )
-        # Column c of the concatenation [self | other] of row i lives at payload row
-        # i*k + c in self, or nq*k + i*k_o + (c - k) in other.
+        # Column c of the concatenation [self | other] is self's column c, or other's c - k.
         k_other = other.keys.shape[1]
-        rows = np.arange(nq, dtype=np.int64)[:, None]
-        mine = sources < k
-        flat = np.where(mine, rows * k + sources, nq * k + rows * k_other + (sources - k))
-        flat = np.where(sources < 0, -1, flat).reshape(-1)
-        # Blob round trips rename payload columns positionally; align names before concat.
-        combined = pa.concat_tables([self.payload, other.payload.rename_columns(self.payload.column_names)])
-        payload = take_rows(combined, flat)
-        return TopkState(values, keys, payload)
+        r = np.arange(nq)[:, None]
+        mine = picked < k
+        mine_col = np.clip(picked, 0, k - 1)
+        other_col = np.clip(picked - k, 0, k_other - 1)
+        source = np.where(mine, self.source[r, mine_col],
+                          np.where(other.source[r, other_col] >= 0,
+                                   other.source[r, other_col] + len(self.sources), -1))
+        source = np.where(picked < 0, -1, source).astype(np.int32)
+        rows = np.where(mine, self.rows[r, mine_col], other.rows[r, other_col])
+        state = TopkState(values, keys, self.sources + other.sources, source, rows)
+        return state._pruned()
+
+    def _pruned(self) -> "TopkState":
+        """Drop sources no slot refers to; gather into one table past MAX_SOURCES."""
+        used = np.flatnonzero(np.bincount(self.source.reshape(-1) + 1, minlength=len(self.sources) + 1)[1:])
+        if len(used) > MAX_SOURCES:
+            table = pa.Table.from_arrays(self.gather(), schema=self.sources[0].schema)
+            nq, k = self.keys.shape
+            flat = np.arange(nq * k, dtype=np.int64).reshape(nq, k)
+            return TopkState(self.values, self.keys, [table],
+                             np.where(self.source >= 0, 0, -1).astype(np.int32), flat)
+        if len(used) == len(self.sources):
+            return self
+        remap = np.full(len(self.sources), -1, np.int32)
+        remap[used] = np.arange(len(used), dtype=np.int32)
+        source = np.where(self.source >= 0, remap[np.maximum(self.source, 0)], -1).astype(np.int32)
+        return TopkState(self.values, self.keys, [self.sources[s] for s in used], source, self.rows)
 
     def to_blob(self) -> pa.Buffer:
-        table = pa.table(
-            [pa.array(self.values.reshape(-1)), pa.array(self.keys.reshape(-1))]
-            + list(self.payload.columns),
-            names=[C.SLOT_VALUE, C.SLOT_KEY] + [f"t{i}" for i in range(self.payload.num_columns)],
-        )
-        return table_to_blob(table)
+        """Ship the state: slots plus each referenced payload row once."""
+        source, rows = self.source.reshape(-1), self.rows.reshape(-1)
+        filled = source >= 0
+        code = (source.astype(np.int64) << _SOURCE_SHIFT) | np.where(filled, rows, 0)
+        distinct, inverse = np.unique(code[filled], return_inverse=True)
+        payload_row = np.full(source.shape[0], -1, np.int32)
+        payload_row[filled] = inverse
+        payload = pa.Table.from_arrays(
+            gather_rows(self.sources, distinct >> _SOURCE_SHIFT, distinct & ((1 << _SOURCE_SHIFT) - 1)),
+            names=[f"t{i}" for i in range(self.sources[0].num_columns)])
+        slots = pa.table([pa.array(self.values.reshape(-1)), pa.array(self.keys.reshape(-1)),
+                          pa.array(payload_row)], names=[C.SLOT_VALUE, C.SLOT_KEY, C.SLOT_ROW])
+        head = table_to_blob(slots)
+        # Size the blob first (a mock write copies nothing), then write it once into one
+        # pool buffer: a growing stream would copy a few-hundred-MB payload several times.
+        mock = pa.MockOutputStream()
+        _write_stream(mock, payload)
+        blob = pa.allocate_buffer(_LENGTH.itemsize + head.size + mock.size())
+        sink = pa.FixedSizeBufferWriter(blob)
+        sink.write(np.array([head.size], _LENGTH).tobytes())
+        sink.write(head)
+        _write_stream(sink, payload)
+        return blob
 
     @classmethod
     def from_blob(cls, blob, k: int) -> "TopkState":
-        table = blob_to_table(blob)
-        values = table.column(0).to_numpy().astype(np.float32, copy=False).reshape(-1, k)
-        keys = table.column(1).to_numpy().astype(np.int64, copy=False).reshape(-1, k)
-        payload = table.drop_columns([C.SLOT_VALUE, C.SLOT_KEY])
-        return cls(values, keys, payload)
+        blob = pa.py_buffer(blob) if not isinstance(blob, pa.Buffer) else blob
+        size = int(np.frombuffer(blob, _LENGTH, count=1)[0])
+        slots = blob_to_table(blob.slice(_LENGTH.itemsize, size))
+        payload = blob_to_table(blob.slice(_LENGTH.itemsize + size))
+        values = slots.column(0).to_numpy().astype(np.float32, copy=False).reshape(-1, k)
+        keys = slots.column(1).to_numpy().astype(np.int64, copy=False).reshape(-1, k)
+        payload_row = slots.column(2).to_numpy().reshape(-1, k)
+        source = np.where(payload_row >= 0, 0, -1).astype(np.int32)
+        return cls(values, keys, [payload], source, payload_row.astype(np.int64))
 
 
 def _fold(state: TopkState | None, part: TopkState | None, metric: str) -> TopkState | None:
@@ -269,11 +307,20 @@ def _fold(state: TopkState | None, part: TopkState | None, metric: str) -> TopkS
 
 
 class _PairSearch:
-    """Decodes blocks and runs the task's searcher on one (query block, target block) pair."""
+    """Decodes blocks and runs the task's searcher on (query block, target block) pairs.
+
+    Searches run one step ahead on a worker thread (:meth:`submit` returns a future), so the
+    device searches pair i+1 while this thread folds, ships or emits pair i. Only the worker
+    touches the searcher; the GIL is free while it waits for the GPU or the kernel.
+    """
 
     def __init__(self, ctx: JoinContext):
         self.ctx = ctx
         self.searcher = open_block_searcher(ctx.settings)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="nj-search")
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
 
     def query_block(self, blob) -> tuple[pa.Table, np.ndarray]:
         table = blob_to_table(blob)
@@ -293,6 +340,9 @@ class _PairSearch:
             return None
         values, rows = self.searcher.search(q_vectors, t_vectors, target_key=t_block_id)
         return TopkState.from_search(values, rows, t_block_id, table)
+
+    def submit(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> Future:
+        return self._worker.submit(self.search, q_vectors, t_block_id, t_blob)
 
 
 # ----------------------------------------------------------------------------- emit
@@ -317,11 +367,12 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
         if part.size == 0:
             return
         filled = keys.reshape(-1)[part] >= 0
-        arrays = list(take_rows(query_table, part // k).columns)
+        q_rows = part // k
+        arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows)
         if state is None:
             arrays += [pa.nulls(part.size, f.type) for f in ctx.target_schema]
         else:
-            arrays += list(take_rows(state.payload, np.where(filled, part, -1)).columns)
+            arrays += state.gather(part)
         if ctx.with_distance:
             arrays.append(pa.array(values.reshape(-1)[part], pa.float32(), mask=~filled))
         arrays = [a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in arrays]
@@ -341,17 +392,18 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
     Input rows ``(q_block_id, q_blob, t_block_id, t_blob)`` arrive grouped by query block (a
     broadcast nested-loop join streams each query row against all broadcast rows). That order
     is checked: every query block of a task must meet the same set of target blocks.
+    The search of the next pair runs while the current one is folded (or its block emitted).
     """
     pair = _PairSearch(ctx)
     metric = ctx.settings.metric
-    current = None
-    q_table = q_vectors = state = None
-    seen: set[int] = set()
     reference_set: frozenset[int] | None = None
+    # The query block being folded: (id, table, vectors, state, target ids seen).
+    block = None
+    pending = None        # (the query block it belongs to, future of its TopkState)
 
-    def finish():
+    def finish(done):
         nonlocal reference_set
-        blocks = frozenset(seen)
+        blocks = frozenset(done[4])
         if reference_set is None:
             reference_set = blocks
         elif blocks != reference_set:
@@ -359,39 +411,68 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
                 "internal error: the broadcast pairs of a query block did not arrive together "
                 f"({len(blocks)} target blocks against {len(reference_set)}); results would be wrong"
             )
-        return emit_rows(q_table, state, ctx)
+        return emit_rows(done[1], done[3], ctx)
 
-    for batch in batches:
-        q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
-        for r in range(batch.num_rows):
-            if q_ids[r] != current:
-                if current is not None:
-                    yield from finish()
-                current = q_ids[r]
-                q_table, q_vectors = pair.query_block(q_blobs[r])
-                state, seen = None, set()
-            if int(t_ids[r]) in seen:
-                raise RuntimeError(f"internal error: target block {int(t_ids[r])} met twice")
-            seen.add(int(t_ids[r]))
-            state = _fold(state, pair.search(q_vectors, int(t_ids[r]), t_blobs[r]), metric)
-    if current is not None:
-        yield from finish()
+    try:
+        for batch in batches:
+            q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
+            for r in range(batch.num_rows):
+                if block is None or q_ids[r] != block[0]:
+                    previous = block
+                    q_table, q_vectors = pair.query_block(q_blobs[r])
+                    block = [q_ids[r], q_table, q_vectors, None, set()]
+                else:
+                    previous = None
+                t_id = int(t_ids[r])
+                if t_id in block[4]:
+                    raise RuntimeError(f"internal error: target block {t_id} met twice")
+                block[4].add(t_id)
+                submitted = (block, pair.submit(block[2], t_id, t_blobs[r]))
+                if pending is not None:
+                    owner, future = pending
+                    owner[3] = _fold(owner[3], future.result(), metric)
+                if previous is not None:
+                    yield from finish(previous)
+                pending = submitted
+        if pending is not None:
+            owner, future = pending
+            owner[3] = _fold(owner[3], future.result(), metric)
+        if block is not None:
+            yield from finish(block)
+    finally:
+        pair.close()
 
 
 def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
-    """Blocked plan, stage 1: one partial top-k per (query block, target block) pair."""
+    """Blocked plan, stage 1: one partial top-k per (query block, target block) pair.
+
+    The search of the next pair runs while the current partial is serialised.
+    """
     pair = _PairSearch(ctx)
-    for batch in batches:
-        q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
-        for r in range(batch.num_rows):
-            _, q_vectors = pair.query_block(q_blobs[r])
-            part = pair.search(q_vectors, int(t_ids[r]), t_blobs[r])
-            partial = pa.py_buffer(b"") if part is None else part.to_blob()
-            yield pa.RecordBatch.from_arrays(
-                [pa.array([q_ids[r]], pa.int64()), pa.array([t_ids[r]], pa.int64()),
-                 _binary_array([q_blobs[r]]), _binary_array([partial])],
-                schema=PARTIAL_SCHEMA,
-            )
+
+    def partial_batch(q_id, q_blob, t_id, future) -> pa.RecordBatch:
+        part = future.result()
+        partial = pa.py_buffer(b"") if part is None else part.to_blob()
+        return pa.RecordBatch.from_arrays(
+            [pa.array([q_id], pa.int64()), pa.array([t_id], pa.int64()),
+             _binary_array([q_blob]), _binary_array([partial])],
+            schema=PARTIAL_SCHEMA,
+        )
+
+    pending = None
+    try:
+        for batch in batches:
+            q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
+            for r in range(batch.num_rows):
+                _, q_vectors = pair.query_block(q_blobs[r])
+                submitted = (q_ids[r], q_blobs[r], t_ids[r], pair.submit(q_vectors, int(t_ids[r]), t_blobs[r]))
+                if pending is not None:
+                    yield partial_batch(*pending)
+                pending = submitted
+        if pending is not None:
+            yield partial_batch(*pending)
+    finally:
+        pair.close()
 
 
 def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:

@@ -15,6 +15,7 @@ PARTIAL = "__nj_partial"
 # Inside a partial blob: per (query row, rank) slot.
 SLOT_VALUE = "__nj_value"
 SLOT_KEY = "__nj_key"
+SLOT_ROW = "__nj_payload_row"   # row of the partial's payload table, -1 = empty slot
 
 # block_id = partition << PARTITION_SHIFT | sequence number within the partition's task.
 # A target row's global key = block_id << ROW_BITS | row within the block: it orders target

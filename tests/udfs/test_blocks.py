@@ -73,3 +73,57 @@ def test_state_blob_round_trip_and_absorb():
     assert merged.values.tolist() == [[1.0, 2.0]]
     assert merged.keys.tolist() == [[0, (1 << C.ROW_BITS) | 1]]
     assert merged.payload.column(0).to_pylist() == ["a", "d"]
+
+
+def test_state_ships_each_payload_row_once_and_folds_many_blocks():
+    from udfs.blocks import MAX_SOURCES
+
+    rng = np.random.default_rng(9)
+    nq, k, d = 7, 4, 3
+    tables = [pa.table({"tid": np.arange(10) + 100 * b,
+                        "tv": pa.array(list(rng.standard_normal((10, d)).astype(np.float32)),
+                                       type=pa.list_(pa.float32()))}) for b in range(MAX_SOURCES + 3)]
+    state, expected = None, []
+    for b, table in enumerate(tables):
+        rows = rng.integers(-1, 3, (nq, k))          # few distinct rows: shared by query rows
+        values = np.where(rows >= 0, rng.random((nq, k)), np.inf).astype(np.float32)
+        values.sort(axis=1)
+        part = TopkState.from_search(values, rows, b, table)
+        shipped = TopkState.from_blob(part.to_blob(), k)
+        assert shipped.sources[0].num_rows == len(np.unique(rows[rows >= 0]))
+        assert shipped.payload.equals(part.payload.rename_columns(shipped.payload.column_names))
+        state = shipped if state is None else state.absorb(shipped, "l2")
+        assert len(state.sources) <= MAX_SOURCES
+        expected += [(float(values[i, j]), i, int(table.column(0)[rows[i, j]].as_py()))
+                     for i in range(nq) for j in range(k) if rows[i, j] >= 0]
+    payload_ids = state.payload.column(0).to_pylist()
+    for i in range(nq):
+        mine = sorted((v, tid) for v, q, tid in expected if q == i)[:k]
+        got = [(float(state.values[i, j]), payload_ids[i * k + j]) for j in range(k) if state.keys[i, j] >= 0]
+        assert [v for v, _ in got] == pytest.approx([v for v, _ in mine])
+        # every slot's payload belongs to the key it ranks
+        for j in range(k):
+            if state.keys[i, j] >= 0:
+                block, row = state.keys[i, j] >> C.ROW_BITS, state.keys[i, j] & ((1 << C.ROW_BITS) - 1)
+                assert payload_ids[i * k + j] == 100 * block + row
+
+
+def test_a_failing_search_fails_the_task_instead_of_hanging(monkeypatch):
+    from udfs import blocks as B
+
+    class Failing:
+        calls = 0
+
+        def search(self, q, t, target_key=None):
+            Failing.calls += 1
+            if Failing.calls == 2:
+                raise RuntimeError("device lost")
+            return np.zeros((len(q), 2), np.float32), np.zeros((len(q), 2), np.int64)
+
+    monkeypatch.setattr(B, "open_block_searcher", lambda settings: Failing())
+    rng = np.random.default_rng(4)
+    _, _, qt, tt = _tables(rng, 6, 30, 3)
+    for plan in ("broadcast", "blocked"):
+        Failing.calls = 0
+        with pytest.raises(RuntimeError, match="device lost"):
+            local_join(qt, tt, _ctx(2, "l2", 3, 3, 10, schema=tt.schema), plan=plan)

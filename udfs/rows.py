@@ -1,0 +1,204 @@
+"""Row gathers over Arrow tables: the payload half of every plan.
+
+A top-k state refers to its payload rows as ``(source table, row)`` pairs and gathers them
+once, when its rows are emitted or shipped (see ``udfs.blocks.TopkState``). This module does
+those gathers:
+
+* vector columns (``list`` / ``large_list`` / ``fixed_size_list`` of float or double, no
+  NULLs, one length) are gathered as numpy matrices, in threads when large: Arrow's generic
+  ``take`` walks lists row by row (about 5x slower for 128-float vectors), and vectors are by
+  far the largest payload;
+* every other column goes through Arrow's ``take`` on the rows each source contributes.
+
+Fresh large allocations are the other cost: on some machines first-touch page faults make a
+new 300 MB array cost ten times its copy. Output matrices are therefore taken from Arrow's
+memory pool, which keeps freed memory for the next block.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+
+from .vectors import _as_array
+
+# Gathers above this many bytes are split over the task's threads.
+PARALLEL_BYTES = 8 << 20
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def gather_threads() -> int:
+    """Threads for large gathers: this task's cores (``udfs.searcher.task_cpus``)."""
+    from .searcher import task_cpus
+
+    return task_cpus()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    pool = _POOLS.get(threads)
+    if pool is None:
+        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="nj-gather")
+    return pool
+
+
+def pooled_empty(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, pa.Buffer]:
+    """An uninitialised array backed by an Arrow pool buffer (reused memory, no page faults)."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buf = pa.allocate_buffer(max(nbytes, 1))
+    return np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape), buf
+
+
+def take_matrix(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
+    """``out[:] = matrix[rows]``, split over threads when large (numpy releases the GIL)."""
+    n = rows.shape[0]
+    threads = threads or gather_threads()
+    if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
+        np.take(matrix, rows, axis=0, out=out)
+        return
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+    futures = [_pool(threads).submit(np.take, matrix, rows[a:b], 0, out[a:b])
+               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    for f in futures:
+        f.result()
+
+
+def copy_into(out: np.ndarray, array: np.ndarray, threads: int | None = None) -> None:
+    """``out[...] = array`` (converting the dtype), split by rows over threads when large."""
+    threads = threads or gather_threads()
+    n = out.shape[0]
+    if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
+        out[...] = array
+        return
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+    futures = [_pool(threads).submit(np.copyto, out[a:b], array[a:b], "unsafe")
+               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    for f in futures:
+        f.result()
+
+
+def take_matrices(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                  threads: int | None = None) -> None:
+    """``out[j] = matrices[source[j]][rows[j]]`` (zeros where ``source[j] < 0``), in threads."""
+    def chunk(a: int, b: int) -> None:
+        src, rws, dst = source[a:b], rows[a:b], out[a:b]
+        for s, matrix in enumerate(matrices):
+            sel = np.flatnonzero(src == s)
+            if sel.size:
+                dst[sel] = matrix[rws[sel]]
+        empty = np.flatnonzero(src < 0)
+        if empty.size:
+            dst[empty] = 0
+
+    n = source.shape[0]
+    threads = threads or gather_threads()
+    if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
+        chunk(0, n)
+        return
+    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
+    futures = [_pool(threads).submit(chunk, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    for f in futures:
+        f.result()
+
+
+def vector_matrix(array: pa.Array) -> np.ndarray | None:
+    """Zero-copy (n, width) view of a float list column whose lists all have one length.
+
+    None when not applicable (NULLs, ragged or empty lists, other types).
+    """
+    t = array.type
+    if len(array) == 0 or array.null_count:
+        return None
+    if pa.types.is_fixed_size_list(t):
+        if not pa.types.is_floating(t.value_type):
+            return None
+        width = t.list_size
+        values = array.values.slice(array.offset * width, width * len(array))
+    elif pa.types.is_list(t) or pa.types.is_large_list(t):
+        if not pa.types.is_floating(t.value_type):
+            return None
+        offsets = array.offsets.to_numpy()
+        width = int(offsets[1] - offsets[0])
+        if width == 0 or offsets[-1] - offsets[0] != width * len(array):
+            return None
+        if width * len(array) > 1 and not np.all(np.diff(offsets) == width):
+            return None
+        values = array.values.slice(int(offsets[0]), width * len(array))
+    else:
+        return None
+    if width == 0 or values.null_count:
+        return None
+    return values.to_numpy(zero_copy_only=False).reshape(len(array), width)
+
+
+def _vector_array(type_: pa.DataType, matrix: np.ndarray, missing: np.ndarray) -> pa.Array:
+    """A vector column of ``type_`` over ``matrix`` rows (zero-copy), NULL where ``missing``."""
+    n, width = matrix.shape
+    values = pa.array(matrix.reshape(-1), type=type_.value_type)
+    mask = pa.array(missing) if missing.any() else None
+    if pa.types.is_fixed_size_list(type_):
+        return pa.FixedSizeListArray.from_arrays(values, width, mask=mask)
+    offset_type = np.int64 if pa.types.is_large_list(type_) else np.int32
+    offsets = pa.array(np.arange(n + 1, dtype=offset_type) * width)
+    return type(pa.array([], type_)).from_arrays(offsets, values, type=type_, mask=mask)
+
+
+def _column(table: pa.Table, position: int) -> pa.Array:
+    return _as_array(table.column(position))
+
+
+def gather_rows(sources: list[pa.Table], source: np.ndarray, rows: np.ndarray,
+                schema: pa.Schema | None = None, threads: int | None = None) -> list[pa.Array]:
+    """Columns whose row ``j`` is row ``rows[j]`` of ``sources[source[j]]``; NULL where ``source[j] < 0``.
+
+    All sources have the same column types (names may differ: they are matched by position).
+    """
+    source = np.asarray(source, dtype=np.int64).reshape(-1)
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    n = source.shape[0]
+    missing = source < 0
+    schema = schema or sources[0].schema
+    present = [s for s in range(len(sources)) if np.any(source == s)] if len(sources) > 1 else [0]
+    picks = {s: np.flatnonzero(source == s) for s in present} if len(sources) > 1 else None
+    safe_rows = np.where(missing, 0, rows)
+    out = []
+    for c, field in enumerate(schema):
+        columns = [_column(t, c) for t in sources]
+        matrices = [vector_matrix(a) for a in columns] if n else [None]
+        if all(m is not None for m in matrices) and len({(m.shape[1], m.dtype) for m in matrices}) == 1:
+            width, dtype = matrices[0].shape[1], matrices[0].dtype
+            matrix, buf = pooled_empty((n, width), dtype)
+            if len(sources) == 1:
+                take_matrix(matrices[0], safe_rows, matrix, threads)
+            else:
+                take_matrices(matrices, source, safe_rows, matrix, threads)
+            array = _vector_array(columns[0].type, matrix, missing)
+            out.append(array)
+            continue
+        if len(sources) == 1:
+            indices = pa.array(rows, mask=missing) if missing.any() else pa.array(rows)
+            out.append(columns[0].take(indices))
+            continue
+        # Several sources: take each source's rows, then put them in slot order.
+        parts, order = [], []
+        for s in present:
+            sel = picks[s]
+            parts.append(columns[s].take(pa.array(rows[sel])))
+            order.append(sel)
+        stacked = pa.concat_arrays(parts) if parts else pa.nulls(0, columns[0].type)
+        position = np.full(n, -1, np.int64)
+        if order:
+            where = np.concatenate(order)
+            position[where] = np.arange(where.size)
+        indices = pa.array(position, mask=position < 0)
+        out.append(stacked.take(indices))
+    return out
+
+
+def take_rows(table: pa.Table, rows: np.ndarray, threads: int | None = None) -> pa.Table:
+    """``table.take(rows)`` with -1 giving a NULL row; vector columns gathered in numpy."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1)
+    source = np.where(rows < 0, -1, 0)
+    columns = gather_rows([table], source, rows, table.schema, threads)
+    return pa.Table.from_arrays(columns, schema=table.schema)
