@@ -103,3 +103,28 @@ def test_similarities_merge_largest_first():
 def test_bad_arguments_raise_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+@pytest.mark.parametrize("levels", [3, 1000, None])
+def test_fast_ordering_equals_lexsort_with_ties_and_empty_slots(metric, levels):
+    """The argsort-first ordering must give lexsort's answer, ties (few value levels) included."""
+    rng = np.random.default_rng(0 if levels is None else levels)
+    nq, k = 400, 6
+    parts_v, parts_i = [], []
+    for p in range(3):
+        raw = rng.random((nq, k)) if levels is None else rng.integers(0, levels, (nq, k)) / levels
+        idx = rng.permutation(10_000)[: nq * k].reshape(nq, k) + 10_000 * p
+        empty = rng.random((nq, k)) < 0.1
+        descending = metric == "inner_product"
+        vals = np.where(empty, -np.inf if descending else np.inf, raw).astype(np.float32)
+        idx = np.where(empty, -1, idx)
+        order = np.lexsort((np.where(empty, np.iinfo(np.int64).max, idx), -vals if descending else vals), axis=1)
+        parts_v.append(np.take_along_axis(vals, order, 1))
+        parts_i.append(np.take_along_axis(idx, order, 1))
+    v, i = merge_topk(parts_v, parts_i, k, metric)
+    all_v, all_i = np.concatenate(parts_v, 1), np.concatenate(parts_i, 1)
+    valid = all_i >= 0
+    primary = np.where(valid, -all_v if metric == "inner_product" else all_v, np.inf)
+    ref = np.lexsort((np.where(valid, all_i, np.iinfo(np.int64).max), primary), axis=1)[:, :k]
+    np.testing.assert_array_equal(i, np.take_along_axis(all_i, ref, 1))
