@@ -6,10 +6,12 @@ CPU executor needs no configuration. Otherwise the searcher
 
 * uses the GPU Spark assigned to the task (``TaskContext.resources()["gpu"].addresses[0]``);
   outside Spark, ``$NEAREST_JOIN_GPU`` (benchmarks that simulate executors), else device 0;
-* keeps the current target block resident on the device, keyed by ``target_key``, so the
-  many query blocks of a task that meet the same target block copy it once;
-* stages query batches in pinned host memory and copies batch i+1 on a side stream while
-  batch i is searched;
+* keeps target blocks resident on the device, keyed by ``target_key`` (least recently used
+  out first, within half the memory budget), so the many query blocks of a task that meet
+  the same target blocks copy each once;
+* stages query batches in pinned host memory (the copy into it split over the task's
+  threads) and copies batch i+1 on a side stream while batch i is searched; a query block
+  that fits one batch stays on the device while the next call passes the same memory;
 * sizes its batches and candidate buffers from the device memory free when it opened.
 
 pyspark is imported lazily (the GPU benchmark machines have none).
@@ -19,9 +21,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections import OrderedDict
 
 import numpy as np
 
+from .rows import copy_into
 from .searcher import SearchSettings
 
 logger = logging.getLogger(__name__)
@@ -33,6 +37,8 @@ MEMORY_FRACTION = 0.7
 # re-rank temporaries. Generous on purpose; the kernel chunks inside this budget.
 ROW_OVERHEAD_BYTES = 64 << 10
 MIN_BATCH_ROWS = 1024
+# Share of the memory budget resident target blocks may hold (the rest: query batches).
+TARGET_SHARE = 0.5
 
 
 def task_gpu_address() -> str | None:
@@ -84,6 +90,15 @@ def gpu_searcher_or_none(settings: SearchSettings):
     return GpuBlockSearcher(settings, torch.device("cuda", ordinal))
 
 
+def _same_memory(held: np.ndarray, array: np.ndarray) -> bool:
+    """``array`` views the same memory as ``held`` (which we keep alive, so it cannot be reused)."""
+    if held is array:
+        return True
+    a, b = held.__array_interface__, array.__array_interface__
+    return (a["data"] == b["data"] and a["shape"] == b["shape"] and a["strides"] == b["strides"]
+            and held.dtype == array.dtype)
+
+
 class GpuBlockSearcher:
     """Searches query blocks against a resident target block on one device.
 
@@ -110,8 +125,9 @@ class GpuBlockSearcher:
                 memory_bytes = 4 << 30
         self.memory_bytes = memory_bytes
         self.batch_rows = batch_rows
-        self._target_key = None
-        self._targets = None
+        self._resident: OrderedDict = OrderedDict()   # target_key -> (PreparedTargets, bytes)
+        self._targets = None                           # the block of the current search
+        self._query_cache = None        # (host array, device tensor) of a one-batch query block
         self._target_bytes = 0
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pinned: dict[str, torch.Tensor] = {}
@@ -133,25 +149,45 @@ class GpuBlockSearcher:
         import torch
 
         host = self._host_buffer(name, array.shape, torch.float32)
-        host.numpy()[...] = array      # one pass: converts float64 and packs into pinned memory
+        # One pass, in the task's threads: converts float64 and packs into pinned memory
+        # (a single thread's memcpy is slower than the PCIe copy that follows).
+        copy_into(host.numpy(), array)
         if stream is None:
-            return host.to(self.device, non_blocking=self._cuda)
+            # On a CPU device ``to`` would return the staging buffer itself, which the next
+            # upload overwrites: copy, as a device would.
+            return host.to(self.device, non_blocking=self._cuda, copy=not self._cuda)
         with torch.cuda.stream(stream):
             return host.to(self.device, non_blocking=True)
 
     def _resident_targets(self, target_vectors: np.ndarray, target_key):
+        """The prepared block for ``target_key``, uploading it when it is not resident.
+
+        Blocks stay resident, least recently used first out, while they fit in
+        ``TARGET_SHARE`` of the memory budget: a broadcast task meets the same target
+        blocks for every query block, so each is copied once per task, not once per pair.
+        """
         from nearest_join.kernels.gpu import prepare_targets
 
-        if target_key is not None and target_key == self._target_key and self._targets is not None:
+        if target_key is not None and target_key in self._resident:
+            self._resident.move_to_end(target_key)
+            self._targets = self._resident[target_key][0]
             return self._targets
-        self._targets = None  # free the previous block before the next one arrives
+        nt, d = target_vectors.shape
+        needed = nt * d * 4 * 3          # upload + float32 rows + operand (<= 4 bytes), generous
+        budget = int(self.memory_bytes * TARGET_SHARE)
+        while self._resident and (self._target_bytes + needed > budget or target_key is None):
+            _, (_, size) = self._resident.popitem(last=False)   # free before the next arrives
+            self._target_bytes -= size
+        self._targets = None
         t = self._upload(np.asarray(target_vectors), "targets")
-        self._targets = prepare_targets(t, self.settings.metric, self.precision)
-        self._target_key = target_key
-        side = self._targets.side
-        self._target_bytes = (side.exact.numel() * 4 + side.operand.numel() * side.operand.element_size()
-                              + t.numel() * 4)
-        return self._targets
+        prepared = prepare_targets(t, self.settings.metric, self.precision)
+        side = prepared.side
+        size = side.exact.numel() * 4 + side.operand.numel() * side.operand.element_size() + t.numel() * 4
+        if target_key is not None:
+            self._resident[target_key] = (prepared, size)
+            self._target_bytes += size
+        self._targets = prepared
+        return prepared
 
     def _rows_per_batch(self, nq: int, d: int) -> int:
         if self.batch_rows:
@@ -188,7 +224,14 @@ class GpuBlockSearcher:
             starts = list(range(0, nq, rows))
             compute = torch.cuda.current_stream(self.device) if self._cuda else None
             # Two staging slots: batch i+1 is copied (side stream) while batch i is searched.
-            pending = self._stage(query_vectors, starts, 0)
+            # A query block that fits one batch stays on the device for the next call with
+            # the same array (the broadcast plan searches it against every target block).
+            cached = self._query_cache
+            if len(starts) == 1 and cached is not None and _same_memory(cached[0], query_vectors):
+                pending = (cached[1], None)
+            else:
+                pending = self._stage(query_vectors, starts, 0)
+                self._query_cache = (query_vectors, pending[0]) if len(starts) == 1 else None
             for n, start in enumerate(starts):
                 stop = min(nq, start + rows)
                 q_dev, ready = pending

@@ -54,3 +54,37 @@ def test_searcher_batches_and_resident_targets_match_the_reference(metric, preci
     other = t[::-1].copy()
     v, i = searcher.search(q, other, target_key=("block", 2))
     np.testing.assert_array_equal(i, knn(q.astype(np.float32), other, 6, metric, backend="reference")[1])
+
+
+def test_a_one_batch_query_block_stays_on_the_device_for_the_same_memory():
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((40, 5)).astype(np.float32)
+    t1 = rng.standard_normal((90, 5)).astype(np.float32)
+    t2 = rng.standard_normal((70, 5)).astype(np.float32)
+    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
+    searcher.search(q, t1, target_key=1)
+    cached = searcher._query_cache[1]
+    view = q[:]                                   # another array object over the same memory
+    _, i = searcher.search(view, t2, target_key=2)
+    assert searcher._query_cache[1] is cached
+    np.testing.assert_array_equal(i, knn(q, t2, 3, "l2", backend="reference")[1])
+    other = q + 1.0                               # same shape, other memory: uploaded again
+    _, i = searcher.search(other, t2, target_key=2)
+    np.testing.assert_array_equal(i, knn(other, t2, 3, "l2", backend="reference")[1])
+
+
+def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((30, 4)).astype(np.float32)
+    blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
+    block_bytes = 50 * 4 * 4 * 3
+    # Room for two blocks in TARGET_SHARE of the budget.
+    searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
+                                  memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
+    for key in (0, 1, 0, 2):             # 0 is used again, so 1 is the one evicted by 2
+        _, i = searcher.search(q, blocks[key], target_key=key)
+        np.testing.assert_array_equal(i, knn(q, blocks[key], 2, "l2", backend="reference")[1])
+    assert list(searcher._resident) == [0, 2]
+    kept = searcher._resident[0][0]
+    searcher.search(q, blocks[0], target_key=0)
+    assert searcher._targets is kept
