@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nearest_join.kernels import _gpu_torch as gt  # noqa: E402
 from nearest_join.kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
+ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 4, 1), ("broadcast", 8, 2)]
 CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 1e6 floats = 16 GB)
 
 
@@ -82,19 +83,30 @@ def addmm_topk(Q, T, bias, precision, k):
     return out
 
 
-def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows):
-    """Time the blocked plan's executor functions on Arrow batches (packing untimed)."""
+def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked", profile=False,
+               on_start=None):
+    """Time one plan's executor functions on Arrow batches as Spark feeds them (packing untimed).
+
+    Vectors are ``list<float>`` columns (what Spark sends for ``array<float>``), every pair
+    row carries its two blobs, the blocked plan runs ``search_pairs`` then ``merge_partials``
+    per query block, the broadcast plan ``search_broadcast``; rows are emitted with their
+    payload (ids and both vectors), host-device copies included.
+    """
+    import cProfile
+    import io
+    import pstats
+
     import pyarrow as pa
 
-    from udfs import columns as C
     from udfs.blocks import (JoinContext, SideLayout, _pairs_batch, merge_partials, pack_blocks,
-                             search_pairs, PACKED_SCHEMA)
+                             search_broadcast, search_pairs, PACKED_SCHEMA)
     from udfs.searcher import SearchSettings
 
     d = Qn.shape[1]
 
     def table(x, name):
-        vec = pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), d)
+        offsets = pa.array(np.arange(len(x) + 1, dtype=np.int32) * d)
+        vec = pa.ListArray.from_arrays(offsets, pa.array(x.reshape(-1)))
         return pa.table({name + "id": np.arange(len(x), dtype=np.int64), name + "v": vec})
 
     qt, tt = table(Qn, "q"), table(Tn, "t")
@@ -106,15 +118,90 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows):
                                      schema=PACKED_SCHEMA)
     pairs = list(_pairs_batch(q_packed, t_packed))
     torch.cuda.synchronize()
+    if on_start:
+        on_start()
+    prof = cProfile.Profile() if profile else None
+    if prof:
+        prof.enable()
     t0 = time.perf_counter()
-    partial = list(search_pairs(iter(pairs), ctx))
-    t1 = time.perf_counter()
-    groups: dict[int, list] = {}
-    for b in partial:
-        groups.setdefault(b.column(0)[0].as_py(), []).append(b)
-    rows = sum(out.num_rows for key, bs in groups.items() for out in merge_partials((key,), bs, ctx))
+    if plan == "blocked":
+        partial = list(search_pairs(iter(pairs), ctx))
+        t1 = time.perf_counter()
+        groups: dict[int, list] = {}
+        for b in partial:
+            groups.setdefault(b.column(0)[0].as_py(), []).append(b)
+        rows = sum(out.num_rows for key, bs in groups.items() for out in merge_partials((key,), bs, ctx))
+    else:
+        t1 = t0
+        rows = sum(out.num_rows for out in search_broadcast(iter(pairs), ctx))
     t2 = time.perf_counter()
-    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs)}
+    top = ""
+    if prof:
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(10)
+        top = buf.getvalue()
+    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "profile": top}
+
+
+def install_stage_timers() -> dict:
+    """Wrap the Arrow path's stages with wall-clock timers (inclusive, summed over threads)."""
+    import collections
+
+    from nearest_join.kernels import gpu as kg
+    from udfs import blocks, gpu as ug, rows
+
+    acc = collections.defaultdict(float)
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                acc[label] += time.perf_counter() - t0
+        setattr(owner, name, timed)
+
+    wrap(blocks, "blob_to_table", "blob_to_table")
+    wrap(blocks, "decode_vectors", "decode_vectors")
+    wrap(blocks, "merge_topk", "merge_topk")
+    wrap(blocks, "gather_rows", "gather_rows (states, emit)")
+    wrap(blocks.TopkState, "absorb", "TopkState.absorb")
+    wrap(blocks.TopkState, "to_blob", "TopkState.to_blob")
+    wrap(blocks.TopkState, "from_blob", "TopkState.from_blob")
+    wrap(blocks._PairSearch, "search", "worker: pair search")
+    wrap(ug.GpuBlockSearcher, "search", "worker: GpuBlockSearcher.search")
+    wrap(ug.GpuBlockSearcher, "_resident_targets", "worker: target upload+prepare")
+    wrap(ug.GpuBlockSearcher, "_stage", "worker: query upload")
+    wrap(kg, "search_prepared", "worker: search_prepared")
+    wrap(rows, "copy_into", "copy_into (pinned staging)")
+    return acc
+
+
+def upload_rates(nbytes=128 << 20):
+    """GB/s of the ways a host array can reach the device (the target block's upload)."""
+    from udfs.rows import copy_into
+
+    dev = torch.device("cuda")
+    host = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32).reshape(-1, 128)
+    pinned = torch.empty(host.shape, dtype=torch.float32, pin_memory=True)
+    out = {}
+    for threads in (1, 4, 8):
+        copy_into(pinned.numpy(), host, threads=threads)
+        t0 = time.perf_counter()
+        copy_into(pinned.numpy(), host, threads=threads)
+        out[f"pinned_memcpy_{threads}t"] = nbytes / (time.perf_counter() - t0) / 1e9
+    for name, fn in (("h2d_pinned", lambda: pinned.to(dev, non_blocking=True)),
+                     ("h2d_pageable", lambda: torch.from_numpy(host).to(dev))):
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out[name] = nbytes / (time.perf_counter() - t0) / 1e9
+    return out
 
 
 def kernel_variants():
@@ -219,6 +306,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", action="store_true", help="check and time the kernel variants only")
     ap.add_argument("--no-check", action="store_true", help="--variants: time without the checks")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
+    ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
+    ap.add_argument("--arrow-breakdown", action="store_true",
+                    help="also time the Arrow path's stages (bf16; a separate, instrumented run)")
     args = ap.parse_args(argv)
     if args.quick:
         args.nq, args.nt, args.d_large, args.reps = 4096, 100_000, 256, 2
@@ -285,6 +375,7 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
 
     if not args.no_arrow:
+        record(what="upload_rates", **upload_rates())
         rng = np.random.default_rng(7)
         nq_a, nt_a, d = args.nq, args.nt, args.d
         Qn = rng.standard_normal((nq_a, d), dtype=np.float32)
@@ -301,22 +392,40 @@ def main(argv=None) -> None:
             from udfs.searcher import SearchSettings
 
             searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), dev)
-            blocks = np.array_split(np.arange(nt_a), 4)
-            searcher.search(Qn, Tn[blocks[0]], target_key=-1)   # warm-up
+            bounds = np.linspace(0, nt_a, 5).astype(int)
+            searcher.search(Qn, Tn[bounds[0]:bounds[1]], target_key=-1)   # warm-up
             t0 = time.perf_counter()
-            for b, rows_b in enumerate(blocks):
-                searcher.search(Qn, Tn[rows_b], target_key=b)
+            for b in range(4):
+                searcher.search(Qn, Tn[bounds[b]:bounds[b + 1]], target_key=b)
             searcher_ms = (time.perf_counter() - t0) * 1e3
             del searcher
             torch.cuda.empty_cache()
-            res = arrow_path(Qn, Tn, k, precision, t_block_rows=nt_a // 4, q_block_rows=nq_a)
-            res_warm = arrow_path(Qn, Tn, k, precision, t_block_rows=nt_a // 4, q_block_rows=nq_a)
-            total = res_warm["search_s"] + res_warm["merge_s"]
-            record(d=d, precision=precision, k=k, what="arrow", kernel_exact_ms=t_exact,
-                   searcher_ms=searcher_ms, searcher_share_of_kernel=t_exact / searcher_ms,
-                   arrow_search_ms=res_warm["search_s"] * 1e3, arrow_merge_ms=res_warm["merge_s"] * 1e3,
-                   arrow_first_ms=(res["search_s"] + res["merge_s"]) * 1e3,
-                   arrow_share_of_kernel=(t_exact / 1e3) / total, pairs=res_warm["pairs"])
+            # (plan, query blocks, target blocks): the blocked plan's pairs of one query block;
+            # the broadcast plan streaming query blocks past target blocks that stay resident.
+            for plan, q_blocks, t_blocks in ARROW_SHAPES:
+                q_rows, t_rows = -(-nq_a // q_blocks), -(-nt_a // t_blocks)
+                res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
+                res_warm = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan,
+                                      profile=precision == "bf16" and args.profile)
+                total = res_warm["search_s"] + res_warm["merge_s"]
+                if res_warm["profile"]:
+                    print(f"# profile, {plan} {precision}\n" + res_warm["profile"], flush=True)
+                record(d=d, precision=precision, k=k, what="arrow", plan=plan, query_blocks=q_blocks,
+                       target_blocks=t_blocks, kernel_exact_ms=t_exact,
+                       searcher_ms=searcher_ms, searcher_share_of_kernel=t_exact / searcher_ms,
+                       arrow_search_ms=res_warm["search_s"] * 1e3, arrow_merge_ms=res_warm["merge_s"] * 1e3,
+                       arrow_first_ms=(res["search_s"] + res["merge_s"]) * 1e3,
+                       arrow_share_of_kernel=(t_exact / 1e3) / total, pairs=res_warm["pairs"],
+                       rows=res_warm["rows"])
+
+    if args.arrow_breakdown:   # last: the timers stay installed
+        acc = install_stage_timers()
+        for plan, q_blocks, t_blocks in ARROW_SHAPES:
+            res = arrow_path(Qn, Tn, ks[0], "bf16", -(-args.nt // t_blocks), -(-args.nq // q_blocks), plan,
+                             on_start=acc.clear)
+            record(what="arrow_breakdown", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
+                   total_ms=round((res["search_s"] + res["merge_s"]) * 1e3, 1),
+                   **{name: round(v * 1e3, 1) for name, v in sorted(acc.items())})
 
     print("\n| d | precision | k | GEMM ms | addmm+topk ms | fused ms | exact ms | fused TFLOP/s | "
           "fused vs addmm+topk | fused / GEMM | exact / fused |")
@@ -328,7 +437,7 @@ def main(argv=None) -> None:
                   f"{r['speedup_vs_addmm_topk']:.1f}x | {r['fused_over_gemm']:.2f} | {r['exact_over_fused']:.2f} |")
     for r in rows:
         if r["what"] == "arrow":
-            print(f"arrow {r['precision']} k={r['k']}: search {r['arrow_search_ms']:.0f} ms + merge "
+            print(f"arrow {r['plan']} {r['query_blocks']}x{r['target_blocks']} blocks {r['precision']} k={r['k']}: search {r['arrow_search_ms']:.0f} ms + merge "
                   f"{r['arrow_merge_ms']:.0f} ms vs kernel {r['kernel_exact_ms']:.0f} ms -> "
                   f"{100 * r['arrow_share_of_kernel']:.0f}% of kernel throughput; searcher alone "
                   f"{r['searcher_ms']:.0f} ms ({100 * r['searcher_share_of_kernel']:.0f}%)")
