@@ -329,20 +329,25 @@ class _PairSearch:
                                  expected_from=q.expected_from)
         return table, vectors
 
+    def target_block(self, blob) -> tuple[pa.Table, np.ndarray]:
+        table = blob_to_table(blob)
+        t = self.ctx.target
+        vectors = decode_vectors(table.column(t.vector_index), t.dimension, label=t.label,
+                                 expected_from=t.expected_from)
+        return table, vectors
+
     def search(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> TopkState | None:
         if t_block_id == C.EMPTY_BLOCK_ID:
             return None
-        t = self.ctx.target
-        table = blob_to_table(t_blob)
-        t_vectors = decode_vectors(table.column(t.vector_index), t.dimension, label=t.label,
-                                   expected_from=t.expected_from)
+        table, t_vectors = self.target_block(t_blob)
         if q_vectors.shape[0] == 0 or t_vectors.shape[0] == 0:
             return None
         values, rows = self.searcher.search(q_vectors, t_vectors, target_key=t_block_id)
         return TopkState.from_search(values, rows, t_block_id, table)
 
-    def submit(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> Future:
-        return self._worker.submit(self.search, q_vectors, t_block_id, t_blob)
+    def submit(self, fn, *args) -> Future:
+        """Run ``fn(*args)`` on the worker thread, after everything submitted before it."""
+        return self._worker.submit(fn, *args)
 
 
 # ----------------------------------------------------------------------------- emit
@@ -386,24 +391,60 @@ def _pair_columns(batch: pa.RecordBatch):
             batch.column(C.T_BLOCK_ID).to_numpy(), _binary_values(batch.column(C.T_BLOB)))
 
 
+class _QueryBlock:
+    """One query block of the broadcast plan while its target blocks are folded in."""
+
+    def __init__(self, block_id, table: pa.Table, vectors: np.ndarray):
+        self.id, self.table, self.vectors = block_id, table, vectors
+        self.state: TopkState | None = None    # host fold (CPU searchers)
+        self.device_state = None               # device fold (udfs.gpu.DeviceFold)
+        self.tables: list[pa.Table] = []       # payload tables, by source ordinal
+        self.seen: set[int] = set()
+        self.folds: list[Future] = []          # the worker's folds for this block, in order
+
+    def fold(self, pair: "_PairSearch", t_block_id: int, t_blob, metric: str) -> None:
+        """Worker thread: search one target block and fold it into this block's top-k."""
+        if t_block_id == C.EMPTY_BLOCK_ID or self.vectors.shape[0] == 0:
+            return
+        table, t_vectors = pair.target_block(t_blob)
+        if t_vectors.shape[0] == 0:
+            return
+        searcher = pair.searcher
+        if hasattr(searcher, "search_fold"):
+            self.tables.append(table)
+            self.device_state = searcher.search_fold(self.vectors, t_vectors, t_block_id, t_block_id,
+                                                     len(self.tables) - 1, self.device_state)
+        else:
+            values, rows = searcher.search(self.vectors, t_vectors, target_key=t_block_id)
+            self.state = _fold(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
+
+    def result(self) -> TopkState | None:
+        """Main thread, after the last fold finished: the block's state on the host."""
+        for fold in self.folds:        # every one: a failed fold must fail the task
+            fold.result()
+        if self.device_state is None:
+            return self.state
+        values, keys, source, rows = self.device_state.to_numpy()
+        return TopkState(values, keys, self.tables, source, rows)
+
+
 def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
     """Broadcast plan, one pass: fold every target block into each query block, emit rows.
 
     Input rows ``(q_block_id, q_blob, t_block_id, t_blob)`` arrive grouped by query block (a
     broadcast nested-loop join streams each query row against all broadcast rows). That order
     is checked: every query block of a task must meet the same set of target blocks.
-    The search of the next pair runs while the current one is folded (or its block emitted).
+    A worker thread searches and folds (on the device for a GPU searcher) while this thread
+    emits the rows of the previous query block.
     """
     pair = _PairSearch(ctx)
     metric = ctx.settings.metric
     reference_set: frozenset[int] | None = None
-    # The query block being folded: (id, table, vectors, state, target ids seen).
-    block = None
-    pending = None        # (the query block it belongs to, future of its TopkState)
+    block: _QueryBlock | None = None
 
-    def finish(done):
+    def finish(done: _QueryBlock):
         nonlocal reference_set
-        blocks = frozenset(done[4])
+        blocks = frozenset(done.seen)
         if reference_set is None:
             reference_set = blocks
         elif blocks != reference_set:
@@ -411,32 +452,23 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
                 "internal error: the broadcast pairs of a query block did not arrive together "
                 f"({len(blocks)} target blocks against {len(reference_set)}); results would be wrong"
             )
-        return emit_rows(done[1], done[3], ctx)
+        return emit_rows(done.table, done.result(), ctx)
 
     try:
         for batch in batches:
             q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
             for r in range(batch.num_rows):
-                if block is None or q_ids[r] != block[0]:
-                    previous = block
-                    q_table, q_vectors = pair.query_block(q_blobs[r])
-                    block = [q_ids[r], q_table, q_vectors, None, set()]
-                else:
-                    previous = None
+                previous = None
+                if block is None or q_ids[r] != block.id:
+                    previous, block = block, _QueryBlock(q_ids[r], *pair.query_block(q_blobs[r]))
                 t_id = int(t_ids[r])
-                if t_id in block[4]:
+                if t_id in block.seen:
                     raise RuntimeError(f"internal error: target block {t_id} met twice")
-                block[4].add(t_id)
-                submitted = (block, pair.submit(block[2], t_id, t_blobs[r]))
-                if pending is not None:
-                    owner, future = pending
-                    owner[3] = _fold(owner[3], future.result(), metric)
+                block.seen.add(t_id)
+                block.folds.append(pair.submit(block.fold, pair, t_id, t_blobs[r], metric))
                 if previous is not None:
+                    # The worker has moved on to the new block while the old one is emitted.
                     yield from finish(previous)
-                pending = submitted
-        if pending is not None:
-            owner, future = pending
-            owner[3] = _fold(owner[3], future.result(), metric)
         if block is not None:
             yield from finish(block)
     finally:
@@ -465,7 +497,8 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
             q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
             for r in range(batch.num_rows):
                 _, q_vectors = pair.query_block(q_blobs[r])
-                submitted = (q_ids[r], q_blobs[r], t_ids[r], pair.submit(q_vectors, int(t_ids[r]), t_blobs[r]))
+                submitted = (q_ids[r], q_blobs[r], t_ids[r],
+                             pair.submit(pair.search, q_vectors, int(t_ids[r]), t_blobs[r]))
                 if pending is not None:
                     yield partial_batch(*pending)
                 pending = submitted

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections import OrderedDict
 
@@ -204,6 +205,50 @@ class GpuBlockSearcher:
         Same contract as :func:`nearest_join.kernels.knn`. ``target_key`` names the target
         block: equal keys reuse the block already on the device.
         """
+        v, i = self._search_device(query_vectors, target_vectors, target_key)
+        return v.cpu().numpy(), i.cpu().numpy()
+
+    def search_fold(self, query_vectors: np.ndarray, target_vectors: np.ndarray, target_key: object,
+                    block_id: int, source: int, state: "DeviceFold | None") -> "DeviceFold":
+        """Search one target block and fold it into ``state`` on the device.
+
+        The running top-k of a query block stays on the device across its target blocks:
+        a fold is a sort of (nq, 2k) there, not a host merge of numpy arrays. Slots are
+        ordered by (value, global key ``block_id << ROW_BITS | row``), the tie rule of
+        :func:`nearest_join.kernels.merge_topk`. ``source`` tags the block's slots (the
+        caller's payload table). The fold's host copy starts at once; read it with
+        :meth:`DeviceFold.to_numpy` from any thread.
+        """
+        import torch
+
+        from nearest_join.kernels import resolve_metric
+
+        from .columns import ROW_BITS
+
+        metric = resolve_metric(self.settings.metric)
+        v, i = self._search_device(query_vectors, target_vectors, target_key)
+        ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+        with ctx:
+            filled = i >= 0
+            keys = torch.where(filled, (int(block_id) << ROW_BITS) | i, -1)
+            src = torch.where(filled, int(source), -1).to(torch.int32)
+            if state is not None:
+                v = torch.cat([state.values, v], dim=1)
+                keys = torch.cat([state.keys, keys], dim=1)
+                src = torch.cat([state.source, src], dim=1)
+                i = torch.cat([state.rows, i], dim=1)
+                filled = keys >= 0
+                primary = torch.where(filled, -v if metric.descending else v, math.inf)
+                secondary = torch.where(filled, keys, torch.iinfo(torch.int64).max)
+                # Sort by key, then stably by value: equal values keep ascending key order.
+                _, by_key = torch.sort(secondary, dim=1)
+                _, by_value = torch.sort(torch.gather(primary, 1, by_key), dim=1, stable=True)
+                order = torch.gather(by_key, 1, by_value)[:, : self.settings.k]
+                v, keys, src, i = (torch.gather(x, 1, order) for x in (v, keys, src, i))
+            return DeviceFold.start(v, keys, src, i, self._cuda)
+
+    def _search_device(self, query_vectors: np.ndarray, target_vectors: np.ndarray, target_key):
+        """(values, indices) on the device for the whole query block."""
         import torch
 
         from nearest_join.kernels import resolve_metric
@@ -212,8 +257,8 @@ class GpuBlockSearcher:
         k, metric = self.settings.k, resolve_metric(self.settings.metric)
         query_vectors = np.asarray(query_vectors)
         nq, d = query_vectors.shape
-        values = np.full((nq, k), metric.worst, np.float32)
-        indices = np.full((nq, k), -1, np.int64)
+        values = torch.full((nq, k), metric.worst, dtype=torch.float32, device=self.device)
+        indices = torch.full((nq, k), -1, dtype=torch.int64, device=self.device)
         if nq == 0 or target_vectors.shape[0] == 0:
             return values, indices
         ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
@@ -242,8 +287,8 @@ class GpuBlockSearcher:
                 v, i = search_prepared(q_dev, targets, k, impl=self.impl, buffer_bytes=buffer_bytes)
                 if self._cuda:
                     q_dev.record_stream(compute)
-                values[start:stop] = v.cpu().numpy()
-                indices[start:stop] = i.cpu().numpy()
+                values[start:stop] = v
+                indices[start:stop] = i
         return values, indices
 
     def _stage(self, query_vectors: np.ndarray, starts: list[int], n: int):
@@ -262,3 +307,35 @@ class GpuBlockSearcher:
         ready.record(self._copy_stream)
         return q_dev, ready
 
+
+
+class DeviceFold:
+    """A query block's running top-k on the device, plus its host copy in flight.
+
+    ``values`` float32, ``keys`` int64 global keys (-1 empty), ``source`` int32 payload
+    table ordinals (-1 empty), ``rows`` int64 rows in those tables; all (nq, k).
+    """
+
+    def __init__(self, values, keys, source, rows, host, ready):
+        self.values, self.keys, self.source, self.rows = values, keys, source, rows
+        self._host, self._ready = host, ready
+
+    @classmethod
+    def start(cls, values, keys, source, rows, cuda: bool) -> "DeviceFold":
+        import torch
+
+        tensors = (values, keys, source, rows)
+        if not cuda:
+            return cls(*tensors, tuple(t.clone() for t in tensors), None)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(*tensors, host, ready)
+
+    def to_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(values, keys, source, rows) as numpy, once the copy started by the fold is done."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return tuple(h.numpy() for h in self._host)

@@ -88,3 +88,40 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     kept = searcher._resident[0][0]
     searcher.search(q, blocks[0], target_key=0)
     assert searcher._targets is kept
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch, metric, device):
+    """The GPU searcher's device-side fold (here on a CPU torch device) through the broadcast
+    plan: many target blocks, duplicate target vectors across blocks (ties go to the lower
+    global key), payload rows follow their vectors."""
+    import pyarrow as pa
+
+    from udfs import blocks as B
+
+    rng = np.random.default_rng(21)
+    nq, nt, d, k = 37, 260, 5, 7
+    Q = rng.standard_normal((nq, d)).astype(np.float32)
+    T = rng.standard_normal((nt, d)).astype(np.float32)
+    T[200:230] = T[10:40]                      # exact duplicates in later blocks
+    qt = pa.table({"qid": np.arange(nq), "qv": pa.array(list(Q), type=pa.list_(pa.float32()))})
+    tt = pa.table({"tid": np.arange(nt), "tv": pa.array(list(T), type=pa.list_(pa.float32()))})
+    settings = SearchSettings(k, metric, "gpu")
+    monkeypatch.setattr(B, "open_block_searcher",
+                        lambda s: G.GpuBlockSearcher(s, torch.device(device),
+                                                     impl="torch" if device == "cpu" else "auto"))
+    ctx = B.JoinContext(settings, B.SideLayout("qv", 1, d, 10), B.SideLayout("tv", 1, d, 20),
+                        "inner", True, tt.schema)
+    out = B.local_join(qt, tt, ctx, plan="broadcast", partitions=2)
+    values, indices = knn(Q, T, k, metric, backend="reference")
+    got = {}
+    for qid, tid, tv in zip(out.column(0).to_pylist(), out.column(2).to_pylist(), out.column(3).to_pylist()):
+        got.setdefault(qid, []).append(tid)
+        np.testing.assert_array_equal(np.array(tv, np.float32), T[tid])
+    for q in range(nq):
+        assert sorted(got[q]) == sorted(indices[q].tolist()), q
