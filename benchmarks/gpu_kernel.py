@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nearest_join.kernels import _gpu_torch as gt  # noqa: E402
 from nearest_join.kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
-ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 4, 1), ("broadcast", 8, 2)]
+ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
 CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 1e6 floats = 16 GB)
 
 
