@@ -298,18 +298,21 @@ def _fused_candidates_kernel(
 
 
 @triton.jit
-def _insert(best, worst, key, index, N_CAND: tl.constexpr):
+def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
     """Per row: put (key, index) in place of the row's worst entry if it is better.
 
-    ``best`` (BLOCK_M, N_CAND) packed, unsorted; ``worst`` its row maxima. +inf keys (past the
-    end of the targets) never enter.
+    ``best`` (BLOCK_M, N_CAND) packed, unsorted; ``worst`` its row maxima and ``worst_slot``
+    their columns, carried from the previous insert so that each insert costs one reduction
+    over the list (the new maximum), not two. +inf keys (past the end of the targets) never
+    enter. Real entries are distinct (distinct indices), so only EMPTY slots tie for the
+    maximum, and any one of them is the right slot to fill.
     """
     cand = tl.where(key < float("inf"), _pack(key, index), _EMPTY)
     take = cand < worst
-    _, slot = tl.max(best, axis=1, return_indices=True)
-    hit = take[:, None] & (tl.arange(0, N_CAND)[None, :] == slot[:, None])
+    hit = take[:, None] & (tl.arange(0, N_CAND)[None, :] == worst_slot[:, None])
     best = tl.where(hit, cand[:, None], best)
-    return best, tl.max(best, axis=1)
+    worst, worst_slot = tl.max(best, axis=1, return_indices=True)
+    return best, worst, worst_slot
 
 
 @triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
@@ -326,7 +329,9 @@ def _rowlist_kernel(
     threshold (its row maximum ``worst``) is always the current n_cand-th best and survivors
     are as rare as they can be: about n_cand * BLOCK_N / (targets scanned) per row and tile.
     Per tile, one row argmin and one survivor count (``key <= threshold``, a superset):
-    * every row has at most one survivor (the steady state): it is the row minimum; insert it;
+    * no row has a survivor (most tiles, late in a long scan): no list work at all;
+    * every row has at most one (the steady state): it is the row minimum; insert it (one
+      reduction over the list: the slot of the worst entry is carried from the last insert);
     * some row has up to 1 + EXTRA_PASSES: that many argmin passes, unrolled;
     * more (the first tiles): the tile's best n_cand by bitonic top-k, merged with ``best``.
     No inner loop and no global buffer: the target loop is software-pipelined (target tiles
@@ -348,6 +353,7 @@ def _rowlist_kernel(
         q = 0.0
     best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
     worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
+    worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
     low = tl.full([BLOCK_M], float("inf"), tl.float32)
     for tile in range(0, n_tiles):
         n0 = t_start + tile * BLOCK_N
@@ -363,25 +369,28 @@ def _rowlist_kernel(
             # superset of the entries that beat ``worst``; only the path choice uses it.
             n_surv = tl.sum((key <= thr[:, None]).to(tl.int32), axis=1)
             most = tl.max(n_surv, axis=0)
-            if most <= 1:
-                best, worst = _insert(best, worst, row_min, n0 + col, N_CAND)
-            elif most <= 1 + EXTRA_PASSES:
-                rest = key
-                for _ in tl.static_range(0, 1 + EXTRA_PASSES):
-                    row_min, col = tl.min(rest, axis=1, return_indices=True,
-                                          return_indices_tie_break_left=True)
-                    best, worst = _insert(best, worst, row_min, n0 + col, N_CAND)
-                    rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
-            else:
-                cols = n0 + offs_n
-                packed = tl.where(key < float("inf"),
-                                  _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
-                                  _EMPTY)
-                # topk keeps the largest: complement (an order-reversing bijection on int64).
-                tile_best = ~tl.topk(~packed, N_CAND)
-                both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
-                best = ~tl.topk(~both, N_CAND)
-                worst = tl.max(best, axis=1)
+            # most == 0 (most tiles late in a long scan): nothing can enter, no list work.
+            if most == 1:
+                best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+            elif most > 1:
+                if most <= 1 + EXTRA_PASSES:
+                    rest = key
+                    for _ in tl.static_range(0, 1 + EXTRA_PASSES):
+                        row_min, col = tl.min(rest, axis=1, return_indices=True,
+                                              return_indices_tie_break_left=True)
+                        best, worst, worst_slot = _insert(best, worst, worst_slot, row_min,
+                                                          n0 + col, N_CAND)
+                        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+                else:
+                    cols = n0 + offs_n
+                    packed = tl.where(key < float("inf"),
+                                      _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
+                                      _EMPTY)
+                    # topk keeps the largest: complement (an order-reversing bijection on int64).
+                    tile_best = ~tl.topk(~packed, N_CAND)
+                    both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
+                    best = ~tl.topk(~both, N_CAND)
+                    worst, worst_slot = tl.max(best, axis=1, return_indices=True)
     rows = m0 + tl.arange(0, BLOCK_M)
     out = out_ptr + rows.to(tl.int64)[:, None] * (n_splits * N_CAND) + pid_s * N_CAND + slots[None, :]
     if MIN_ONLY:
