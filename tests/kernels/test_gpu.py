@@ -190,6 +190,97 @@ def test_the_check_catches_a_plain_bf16_search():
         check_result(q, t, 10, "sqeuclidean", v.numpy(), i.numpy())
 
 
+# ----------------------------------------------------------------------------- floors
+def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
+    from nearest_join.kernels import _gpu_torch as gt
+
+    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
+            gt.prepare_side(torch.from_numpy(t), metric, precision))
+
+
+@needs_torch
+def test_a_floor_above_the_margin_proves_a_list_whose_last_key_does_not():
+    """8 targets tie at squared distance 1 from the query, the rest are at 9. The 8-long list
+    ends on a tie (last key = theta: the plain rule widens); a floor of 9 proves it."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    rng = np.random.default_rng(1)
+    near = np.concatenate([np.eye(4), -np.eye(4)])
+    far = rng.standard_normal((30, 4))
+    far = 3 * far / np.linalg.norm(far, axis=1, keepdims=True)
+    t = np.concatenate([far[:10], near, far[10:]]).astype(np.float32)
+    q = np.zeros((2, 4), np.float32)
+    qs, ts = _prepared(q, t)
+    calls = []
+
+    def with_floor(qq, tt, n_cand):
+        calls.append(n_cand)
+        keys, idx = gt.torch_candidates(qq, tt, n_cand + 1)
+        return keys[:, :n_cand], idx[:, :n_cand], keys[:, n_cand]   # next key: a valid floor
+
+    v, i = gt.exact_topk(qs, ts, 3, with_floor)
+    assert calls == [gt.candidate_width(3, "fp32")], calls            # proven, not widened
+    assert i.tolist() == [[10, 11, 12]] * 2
+    check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@needs_torch
+def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
+    """The first list leaves out each row's best target and ends in empty slots, which by
+    the plain rule means "every target is here"; its floor (the left-out key) says otherwise:
+    the rows must widen and find the target."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    q, t = make_data("gaussian", 5, 200, 8, 2)
+    qs, ts = _prepared(q, t)
+    calls = []
+
+    def holey(qq, tt, n_cand):
+        calls.append(n_cand)
+        keys, idx = gt.torch_candidates(qq, tt, n_cand)
+        if len(calls) > 1:
+            return keys, idx
+        rows = keys.shape[0]
+        keys = torch.cat([keys[:, 1:], torch.full((rows, 1), float("inf"))], 1)
+        idx = torch.cat([idx[:, 1:], torch.full((rows, 1), -1)], 1)
+        return keys, idx, gt.torch_candidates(qq, tt, 1)[0][:, 0]
+
+    v, i = gt.exact_topk(qs, ts, 3, holey)
+    n0 = gt.candidate_width(3, "fp32")
+    assert calls == [n0, n0 * gt.WIDEN_FACTOR], calls
+    check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@needs_torch
+def test_the_rerank_skips_candidates_beyond_theta_plus_twice_the_bound():
+    from nearest_join.kernels import _gpu_torch as gt
+
+    keys = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5, 9.0, 10.0, 11.0],
+                         [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]])
+    bound = torch.tensor([0.5, 0.1])
+    # Row 0: theta 2, limit 3 (inclusive): 4 columns. Row 1: theta 1, limit 1.2: 3 columns.
+    assert gt.rerank_width(keys, bound, 3, torch.tensor([True, True])) == 4
+    assert gt.rerank_width(keys, bound, 3, torch.tensor([False, True])) == 3
+    assert gt.rerank_width(keys, bound, 3, torch.tensor([False, False])) == 3   # at least k
+    # Through exact_topk: Gaussian data, fp32 (a tiny bound): the re-rank reads fewer columns.
+    q, t = make_data("gaussian", 7, 300, 16, 3)
+    qs, ts = _prepared(q, t)
+    widths = []
+    real = gt.exact_values
+
+    def spy(queries, targets, idx, **kw):
+        widths.append(idx.shape[1])
+        return real(queries, targets, idx, **kw)
+
+    gt.exact_values = spy
+    try:
+        v, i = gt.exact_topk(qs, ts, 3, gt.torch_candidates)
+    finally:
+        gt.exact_values = real
+    assert widths and widths[0] < gt.candidate_width(3, "fp32"), widths
+    check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
 _INTERPRETER_SCRIPT = """
 import numpy as np, torch
 import triton.runtime.interpreter as interp
