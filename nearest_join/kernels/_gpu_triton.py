@@ -60,7 +60,8 @@ _EMPTY = tl.constexpr(EMPTY)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
 # Above this many survivors in some row of a tile, append them in bulk, else one by one.
 FEW = tl.constexpr(4)
-# Largest candidate list the kernel keeps (the selection sorts BLOCK_M x CAP int64 in registers).
+# Largest candidate list the kernels keep: the buffer kernel (the fallback at any width) sorts
+# BLOCK_M x CAP int64 in registers; the segmented mode merges 2 x n_cand per row on the host.
 MAX_CANDIDATES = 1024
 # The selection sorts SEL_ROWS x CAP packed keys at a time (registers: 16 int64 per thread at 8 warps).
 SELECT_ELEMENTS = 4096
