@@ -353,6 +353,7 @@ def _rowlist_kernel(
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
+    STRIDED: tl.constexpr = False,
 ):
     """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
     each query's n_cand best of the program's target range live in registers.
@@ -370,6 +371,11 @@ def _rowlist_kernel(
     prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
     target tile read once per program, shared through L2) and one (BLOCK_M, N_CAND) store.
     ``MIN_ONLY`` (timing only): GEMM + row minimum, no candidate work.
+    ``STRIDED`` (segments): split ``s`` of ``n_splits`` scans tiles s, s + n_splits, ... instead
+    of a contiguous range (``tiles_per_split`` unused), so that targets stored next to each
+    other (a cluster, data sorted by place) spread over the segments at tile granularity
+    rather than crowding one segment's short list. The programs running at the same time
+    share ``pid_s`` (grid dimension 0 varies fastest) and read the same tiles either way.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -377,8 +383,14 @@ def _rowlist_kernel(
     m0 = pid_m * BLOCK_M
     offs_n = tl.arange(0, BLOCK_N)
     slots = tl.arange(0, N_CAND)
-    t_start = pid_s * tiles_per_split * BLOCK_N
-    n_tiles = tl.minimum(tiles_per_split, tl.cdiv(nt - t_start, BLOCK_N))
+    if STRIDED:
+        t_start = pid_s * BLOCK_N
+        t_step = n_splits * BLOCK_N
+        n_tiles = tl.cdiv(tl.cdiv(nt, BLOCK_N) - pid_s, n_splits)
+    else:
+        t_start = pid_s * tiles_per_split * BLOCK_N
+        t_step = BLOCK_N
+        n_tiles = tl.minimum(tiles_per_split, tl.cdiv(nt - t_start, BLOCK_N))
     if SINGLE_DOT:
         q = _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
     else:
@@ -388,7 +400,7 @@ def _rowlist_kernel(
     worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
     low = tl.full([BLOCK_M], float("inf"), tl.float32)
     for tile in range(0, n_tiles):
-        n0 = t_start + tile * BLOCK_N
+        n0 = t_start + tile * t_step
         key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
                          BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D)
         if MIN_ONLY:
@@ -464,7 +476,6 @@ def segment_count(nq: int, nt: int, n_cand: int, config: TileConfig, num_sms: in
     wanted = max(math.ceil(2 * n_cand / config.seg_cand),
                  split_count(nq, nt, config.block_m, num_sms))
     n_seg = min(wanted, max(1, n_tiles // SEGMENT_MIN_TILES))
-    n_seg, _ = _split_targets(nt, n_seg, config.block_n)
     return n_seg if n_seg * config.seg_cand >= n_cand else 0
 
 
@@ -513,10 +524,11 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     The rowlist and buffer kernels return each row's n_cand best: floor is the last key, or
     +inf when the list holds every target. The segmented mode (``config.kernel ==
     "segmented"``, the default above ``ROWLIST_MAX``) runs the register-list kernel with
-    ``seg_cand``-long lists over ``S`` target segments (:func:`segment_count`) and returns the
-    n_cand best of the union of their lists with the floor of :func:`merge_segments`; the
-    list may then miss some of the row's n_cand best, but never one below the floor, which is
-    what the margin test needs. Memory traffic against one long list: the target tiles are
+    ``seg_cand``-long lists over ``S`` target segments (:func:`segment_count`; segment s
+    holds tiles s, s + S, ..., so that neighbours stored together spread over the segments)
+    and returns the n_cand best of the union of their lists with the floor of
+    :func:`merge_segments`; the list may then miss some of the row's n_cand best, but never
+    one below the floor, which is what the margin test needs. Memory traffic against one long list: the target tiles are
     read as often as before (once per query tile); each segment program loads its query tile
     once (S reads in all: 0.27 GB for 65,536 x 128 bf16 at S = 16) and stores rows x S x
     seg_cand int64 (0.27 GB at S x seg_cand = 512), which the merge reads back: well under a
@@ -572,9 +584,11 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     else:
         block_d = BLOCK_D if d > 32 else d_pad
     input_precision = "ieee" if precision == "fp32" else "tf32"
-    if not segmented:
+    if segmented:   # strided segments (see _rowlist_kernel): at most one per tile
+        n_splits, per_split = min(n_splits, math.ceil(nt / cfg.block_n)), 0
+    else:
         n_splits = splits or split_count(m, nt, cfg.block_m, _num_sms(device))
-    n_splits, per_split = _split_targets(nt, n_splits, cfg.block_n)
+        n_splits, per_split = _split_targets(nt, n_splits, cfg.block_n)
     slots = list_len if rowlist else cfg.cap
     rows_per_launch = max(cfg.block_m, (buffer_bytes // (8 * slots * n_splits)) // cfg.block_m * cfg.block_m)
     alpha = key_alpha(queries.metric)
@@ -594,7 +608,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 q_chunk, t_op, targets.bias, out,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
                 N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
-                MIN_ONLY=min_only, **common)
+                MIN_ONLY=min_only, STRIDED=segmented, **common)
             lists = out
         else:
             buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)

@@ -373,18 +373,22 @@ if KERNEL == "rowlist":
     cases.append("long scan")
 
 if KERNEL == "segmented":
-    # 603 targets, 7 segments of 3 tiles (96 targets), 8-long lists, n_cand 32 (bf16, k=10).
+    # 603 targets = 19 tiles; 8 segments (segment s: tiles s, s + 8, s + 16), 8-long lists,
+    # n_cand 32 (bf16, k=10).
     # Crowding: each of queries 0-3 has 12 near targets inside one tile, so one segment holds
     # them all and keeps only 8. The union's last key is far above theta + 2E (the plain
     # rule would prove the row and miss some neighbours); the segment's floor must not.
     # Spread ties: queries 4 and 5 have 36 targets at near-equal distances (1e-3 apart in
-    # squared distance, within bf16's error), 6 per segment: every segment list keeps its
-    # ties and a far 7th-8th, but cutting the union to 32 drops 4 ties, so only the first
-    # dropped key, not the segments' floors, keeps the row from being proven.
+    # squared distance, within bf16's error), 2 per tile in tiles 0-17, so at most 6 per
+    # segment: every segment list keeps its ties, but cutting the union to 32 drops 4, so
+    # only the first dropped key, not the segments' floors, keeps the row from being proven.
+    # A run: query 6 has 64 near targets (spread distances) stored together in tiles 14-17;
+    # strided segments give each of 4 segments 16 of them, and the row is proven at once
+    # (contiguous segments would crowd 48 into one and widen it).
     rng = np.random.default_rng(11)
     q = rng.standard_normal((16, 33)).astype(np.float32)
     t = rng.standard_normal((603, 33)).astype(np.float32)
-    crowded, spread = [0, 1, 2, 3], [4, 5]
+    crowded, spread, run = [0, 1, 2, 3], [4, 5], 6
     for j in crowded:
         t[32 * (4 * j + 1):32 * (4 * j + 1) + 12] = q[j] + 0.3 * rng.standard_normal((12, 33))
     for j, cols in zip(spread, ((20, 24), (28, 30))):
@@ -393,10 +397,14 @@ if KERNEL == "segmented":
         u /= np.linalg.norm(u, axis=1, keepdims=True)
         r = np.sqrt(4 + 1e-3 * rng.permutation(len(at)))
         t[at] = q[j] + r[:, None] * u
+    at = np.array([32 * m + c for m in range(14, 18) for c in range(16)])
+    u = rng.standard_normal((len(at), 33))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    t[at] = q[run] + np.sqrt(4 + 0.5 * rng.permutation(len(at)))[:, None] * u
     qs, ts = prepared(q, t, "sqeuclidean", "bf16")
     k = 10
     n_cand = gt.candidate_width(k, "bf16")
-    assert tr.segment_count(16, 603, n_cand, SEGMENTED, 4) == 7
+    assert tr.segment_count(16, 603, n_cand, SEGMENTED, 4) == 8
     keys, idx, floor = small(qs, ts, n_cand)
     bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "sqeuclidean")
     plain = gt.margin_holds(keys, bound, k)
@@ -407,7 +415,7 @@ if KERNEL == "segmented":
         missing = set(top[j].tolist()) - set(idx[j].tolist())
         assert plain[j] and missing and not proven[j], (j, missing, bool(proven[j]))
     assert not proven[spread].any(), proven
-    assert proven[6:].all(), proven           # elsewhere the floor proves the rows
+    assert proven[run:].all(), proven         # elsewhere the floor proves the rows
     # Widening: 128 candidates need more segments than 603 targets allow -> buffer kernel.
     assert tr.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
     v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256)
