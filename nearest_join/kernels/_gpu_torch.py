@@ -39,8 +39,12 @@ rounding of the bound's own arithmetic.
 
 With ``E`` that bound and ``theta`` the k-th smallest approximate key of a query, the true
 k-th value is at most ``theta + E`` and every target that can rank in the top k has an
-approximate key at most ``theta + 2E``: a candidate list whose last key exceeds
-``theta + 2E`` (or that holds every target) provably contains the exact top k.
+approximate key at most ``theta + 2E``. A candidate generator states a *floor* per query:
+every target not in its list has approximate key >= floor (for a list of the n_cand best,
+the last key; +inf when the list holds every target). A list whose floor exceeds
+``theta + 2E`` (or is +inf) provably contains the exact top k; and within such a list, an
+entry whose key exceeds ``theta + 2E`` cannot rank in the top k either, so the re-rank skips
+those columns.
 """
 from __future__ import annotations
 
@@ -266,7 +270,11 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     return keys_out, idx_out
 
 
-CandidateFn = Callable[[PreparedSide, PreparedSide, int], "tuple[torch.Tensor, torch.Tensor]"]
+# candidates(queries, targets, n_cand) -> (keys, idx) or (keys, idx, floor): keys float32
+# (m, n_cand) ascending (+inf empty), idx int64 (-1 empty), floor float32 (m,) with every
+# target not in a row's list at approximate key >= floor. Without a floor the list must be the
+# row's n_cand best (floor = its last key).
+CandidateFn = Callable[[PreparedSide, PreparedSide, int], tuple]
 
 
 # ----------------------------------------------------------------------------- re-rank
@@ -317,15 +325,46 @@ def rank_exact(values: torch.Tensor, idx: torch.Tensor, k: int, descending: bool
     return out_v, out_i
 
 
-def margin_holds(keys: torch.Tensor, bound: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows whose candidate list provably holds the exact top k (module notes)."""
+def margin_limit(theta: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """``theta + 2 * bound`` rounded up to float32: comparisons against it never round in
+    the proof's favour (summed in float64, then one float32 step up)."""
+    limit = (theta.double() + 2 * bound.double()).to(torch.float32)
+    return torch.nextafter(limit, torch.full_like(limit, math.inf))
+
+
+def margin_holds(keys: torch.Tensor, bound: torch.Tensor, k: int,
+                 floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows whose candidate list provably holds the exact top k (module notes).
+
+    ``floor``: every target not in the row's list has approximate key >= floor. By default
+    the last key: a sorted list of the row's n_cand best, whose last slot is +inf (empty)
+    when it holds every target of the block.
+    """
+    if floor is None:
+        floor = keys[:, -1]
+    if keys.shape[1] < k:   # too short for k results: only a list of every target will do
+        return torch.isinf(floor)
+    return torch.isinf(floor) | (floor > margin_limit(keys[:, k - 1], bound))
+
+
+def rerank_width(keys: torch.Tensor, bound: torch.Tensor, k: int, rows: torch.Tensor) -> int:
+    """Candidate columns the re-rank needs for the rows ``rows`` (a bool mask).
+
+    With ``theta`` the k-th key, the k candidates up to ``theta`` have exact values at most
+    ``theta + E``, so the true k-th value is too; an entry whose approximate key exceeds
+    ``theta + 2E`` has exact value above ``theta + E``, strictly worse than the k-th: it can
+    neither rank nor tie into the top k. Lists are sorted, so per row those entries are a
+    suffix; the widest prefix over ``rows`` serves them all (rows outside ``rows`` are widened
+    and re-ranked again). It cuts the float32 re-rank's gather of (rows, width, d) vectors:
+    list widths carry headroom for the margin (bf16 k=100: 256 columns) that the rows of a
+    batch may not all use. The result is at least k: the k-th key itself is within the limit.
+    """
     n_cand = keys.shape[1]
     if n_cand <= k:
-        return torch.isinf(keys[:, -1]) if n_cand == k else torch.ones(keys.shape[0], dtype=torch.bool, device=keys.device)
-    theta = keys[:, k - 1]
-    last = keys[:, -1]
-    # An empty last slot (+inf) means the list holds every target of the block.
-    return torch.isinf(last) | (last > theta + 2 * bound)
+        return n_cand
+    need = (keys <= margin_limit(keys[:, k - 1], bound)[:, None]).sum(dim=1)
+    widest = int(torch.where(rows, need, 0).max()) if need.numel() else 0
+    return max(k, widest)
 
 
 def final_values(values: torch.Tensor, metric: str) -> torch.Tensor:
@@ -340,9 +379,10 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                stats: TargetStats | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
-    ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices;
-    rows whose margin test fails are widened ``WIDEN_FACTOR``-fold; above ``max_candidates``
-    (the fused kernel's limit) the torch generator takes over, up to every target.
+    ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
+    optionally a floor (see :data:`CandidateFn`); rows whose margin test fails are widened
+    ``WIDEN_FACTOR``-fold; above ``max_candidates`` (the fused kernel's limit), or when the
+    list cannot grow any more, the torch generator takes over, up to every target.
     """
     metric = queries.metric
     descending = metric in ("inner_product", "cosine")
@@ -359,13 +399,16 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         if max_candidates is not None and n_cand > max_candidates and generator is candidates:
             logger.debug("widening %d rows to %d candidates: torch path", pending.numel(), n_cand)
             generator = torch_candidates
-        keys, idx = generator(subset, targets, n_cand)
+        found = generator(subset, targets, n_cand)
+        keys, idx = found[0], found[1]
+        floor = found[2] if len(found) > 2 else None
         bound = key_error_bound(subset, stats, metric)
-        ok = margin_holds(keys, bound, k)
-        if n_cand >= nt:
-            ok = torch.ones_like(ok)          # every target is a candidate
-        vals = exact_values(subset, targets, idx)
-        v, i = rank_exact(vals, idx, k, descending)
+        ok = margin_holds(keys, bound, k, floor)
+        if n_cand >= nt and floor is None:
+            ok = torch.ones_like(ok)          # a list of the n_cand best holds every target
+        width = rerank_width(keys, bound, k, ok)
+        vals = exact_values(subset, targets, idx[:, :width])
+        v, i = rank_exact(vals, idx[:, :width], k, descending)
         done = pending[ok]
         out_v[done] = v[ok]
         out_i[done] = i[ok]
@@ -375,7 +418,13 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         logger.debug("%d of %d rows widen from %d candidates", retry.numel(), ok.numel(), n_cand)
         pending = pending[retry]
         subset = subset.take(retry)
-        n_cand = min(n_cand * WIDEN_FACTOR, next_pow2(nt))
+        wider = min(n_cand * WIDEN_FACTOR, next_pow2(nt))
+        if wider == n_cand:
+            # A generator with a floor may hold back targets even at n_cand >= nt (the
+            # segmented kernel's segments each keep their best few): the torch path's list
+            # of every target ends the loop.
+            generator = torch_candidates
+        n_cand = wider
     return final_values(out_v, metric), out_i
 
 
@@ -387,8 +436,8 @@ def approximate_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     error; the EXACT path (:func:`exact_topk`) is what the backend returns.
     """
     n_cand = max(MIN_CANDIDATES, next_pow2(k))
-    keys, idx = candidates(queries, targets, n_cand)
-    keys, idx = keys[:, :k], idx[:, :k]
+    found = candidates(queries, targets, n_cand)   # a floor, if any, is not needed here
+    keys, idx = found[0][:, :k], found[1][:, :k]
     metric = queries.metric
     if metric in ("l2", "sqeuclidean"):
         vals = keys + queries.bias[:, None] if queries.bias.numel() else keys

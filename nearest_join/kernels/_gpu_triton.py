@@ -3,8 +3,13 @@
 Two kernels share the tile product (:func:`_tile_keys`) and the packed (key, index) format:
 ``_rowlist_kernel`` for lists of at most ``ROWLIST_MAX`` entries keeps each query's list in
 registers (see its docstring; the default for k <= ~50); ``_fused_candidates_kernel``, described
-below, keeps them in a candidate buffer (longer lists). :func:`tile_config` picks;
-:func:`legacy_tile_config` is the 2026-11-29 buffer kernel, kept for comparison.
+below, keeps them in a candidate buffer. Longer lists (k = 100 and up) run by default in the
+*segmented* mode: the register-list kernel with ``SEG_CAND``-long lists over S target
+segments, whose union, with a floor on every key it left out, is the candidate list (see
+:func:`triton_candidates`: exact because the margin test uses the floor). :func:`tile_config`
+picks; :func:`buffer_tile_config` is the buffer kernel for long lists (used where the targets
+are too few for segments) and :func:`legacy_tile_config` the 2026-11-29 one, both kept for
+comparison.
 
 One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes
@@ -34,6 +39,7 @@ Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -42,6 +48,8 @@ import triton
 import triton.language as tl
 
 from ._gpu_torch import PreparedSide, key_alpha
+
+logger = logging.getLogger(__name__)
 
 BLOCK_N = 128
 # d is consumed in chunks of BLOCK_D (one compiled variant for every d > 32).
@@ -52,7 +60,8 @@ _EMPTY = tl.constexpr(EMPTY)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
 # Above this many survivors in some row of a tile, append them in bulk, else one by one.
 FEW = tl.constexpr(4)
-# Largest candidate list the kernel keeps (the selection sorts BLOCK_M x CAP int64 in registers).
+# Largest candidate list the kernels keep: the buffer kernel (the fallback at any width) sorts
+# BLOCK_M x CAP int64 in registers; the segmented mode merges 2 x n_cand per row on the host.
 MAX_CANDIDATES = 1024
 # The selection sorts SEL_ROWS x CAP packed keys at a time (registers: 16 int64 per thread at 8 warps).
 SELECT_ELEMENTS = 4096
@@ -62,11 +71,14 @@ POISON_BUFFERS = False
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One compiled variant. ``kernel``: ``"rowlist"`` (register lists, small n_cand) or
-    ``"buffer"`` (candidate buffer + selection). ``pipelined`` (buffer kernel only): query tile
-    loaded once, bulk appends only and an unrolled selection, so that the target loop holds no
-    inner loop and triton's software pipeliner prefetches target tiles across iterations
-    (it skips loops that contain loops). ``pipelined=False`` is the 2026-11-29 kernel."""
+    """One compiled variant. ``kernel``: ``"rowlist"`` (register lists, small n_cand),
+    ``"segmented"`` (register lists of ``seg_cand`` entries over several target segments,
+    long n_cand; see :func:`triton_candidates`) or ``"buffer"`` (candidate buffer +
+    selection). ``pipelined`` (buffer kernel only): query tile loaded once, bulk appends only
+    and an unrolled selection, so that the target loop holds no inner loop and triton's
+    software pipeliner prefetches target tiles across iterations (it skips loops that
+    contain loops). ``pipelined=False`` is the 2026-11-29 kernel. ``extra_passes``: the
+    register-list kernel's unrolled argmin passes (see ``_rowlist_kernel``)."""
 
     block_m: int
     block_n: int
@@ -76,10 +88,20 @@ class TileConfig:
     kernel: str = "buffer"
     pipelined: bool = False
     extra_passes: int = 3
+    seg_cand: int = 0
 
 
-# Lists up to this long live in registers (_rowlist_kernel); longer ones use the buffer.
+# Lists up to this long live in registers (_rowlist_kernel); longer ones are the union of
+# SEG_CAND-long register lists over target segments (or, where that does not suit, the buffer).
 ROWLIST_MAX = 64
+# Segment list length: 32 keeps 128 x 128 tiles at 8 warps free of spills on sm_90 (64 spills
+# a few registers: 255 registers, 40 B stack).
+SEG_CAND = 32
+# Each segment scans at least this many target tiles (as split_count). A segment's list
+# starts empty: while a row still gains several entries per tile (about the first SEG_CAND
+# tiles: ~SEG_CAND / j survivors per row at tile j) its tiles take the bitonic merge, so
+# segments much shorter than a few SEG_CAND tiles cost mostly merges.
+SEGMENT_MIN_TILES = 8
 # One tl.dot per tile (query tile loaded once) when the query tile is at most this large.
 SINGLE_DOT_BYTES = 64 * 1024
 
@@ -100,15 +122,24 @@ def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
 
     Short lists: register lists, 128 x 128 tiles (two wgmma warpgroups of 64 x 128), three
     target tiles in flight (two for 4-byte operands: 64 KiB query tile + 64 KiB per stage).
-    Long lists: the buffer kernel, whose selection's BLOCK_M x CAP int64 registers bound
-    BLOCK_M; CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
+    Long lists: the same kernel and tiles over target segments, ``SEG_CAND`` entries per
+    segment (``triton_candidates`` falls back to :func:`buffer_tile_config` when the targets
+    are too few for enough segments).
     """
     wide = precision != "bf16"
     if n_cand <= ROWLIST_MAX:
         return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="rowlist")
+    return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="segmented",
+                      seg_cand=SEG_CAND)
+
+
+def buffer_tile_config(n_cand: int, precision: str = "bf16") -> TileConfig:
+    """The pipelined buffer kernel, whose selection's BLOCK_M x CAP int64 registers bound
+    BLOCK_M; CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
+    """
     legacy = legacy_tile_config(n_cand)
     return TileConfig(legacy.block_m, legacy.block_n, legacy.cap, legacy.num_warps,
-                      num_stages=2 if wide else 3, pipelined=True)
+                      num_stages=2 if precision != "bf16" else 3, pipelined=True)
 
 
 @triton.jit
@@ -298,18 +329,21 @@ def _fused_candidates_kernel(
 
 
 @triton.jit
-def _insert(best, worst, key, index, N_CAND: tl.constexpr):
+def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
     """Per row: put (key, index) in place of the row's worst entry if it is better.
 
-    ``best`` (BLOCK_M, N_CAND) packed, unsorted; ``worst`` its row maxima. +inf keys (past the
-    end of the targets) never enter.
+    ``best`` (BLOCK_M, N_CAND) packed, unsorted; ``worst`` its row maxima and ``worst_slot``
+    their columns, carried from the previous insert so that each insert costs one reduction
+    over the list (the new maximum), not two. +inf keys (past the end of the targets) never
+    enter. Real entries are distinct (distinct indices), so only EMPTY slots tie for the
+    maximum, and any one of them is the right slot to fill.
     """
     cand = tl.where(key < float("inf"), _pack(key, index), _EMPTY)
     take = cand < worst
-    _, slot = tl.max(best, axis=1, return_indices=True)
-    hit = take[:, None] & (tl.arange(0, N_CAND)[None, :] == slot[:, None])
+    hit = take[:, None] & (tl.arange(0, N_CAND)[None, :] == worst_slot[:, None])
     best = tl.where(hit, cand[:, None], best)
-    return best, tl.max(best, axis=1)
+    worst, worst_slot = tl.max(best, axis=1, return_indices=True)
+    return best, worst, worst_slot
 
 
 @triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
@@ -319,20 +353,29 @@ def _rowlist_kernel(
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
+    STRIDED: tl.constexpr = False,
 ):
-    """Small lists (n_cand <= ROWLIST_MAX): each query's n_cand best live in registers.
+    """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
+    each query's n_cand best of the program's target range live in registers.
 
     ``best`` holds the exact n_cand best (key, index) of the targets scanned so far, so the
     threshold (its row maximum ``worst``) is always the current n_cand-th best and survivors
     are as rare as they can be: about n_cand * BLOCK_N / (targets scanned) per row and tile.
     Per tile, one row argmin and one survivor count (``key <= threshold``, a superset):
-    * every row has at most one survivor (the steady state): it is the row minimum; insert it;
+    * no row has a survivor (most tiles, late in a long scan): no list work at all;
+    * every row has at most one (the steady state): it is the row minimum; insert it (one
+      reduction over the list: the slot of the worst entry is carried from the last insert);
     * some row has up to 1 + EXTRA_PASSES: that many argmin passes, unrolled;
     * more (the first tiles): the tile's best n_cand by bitonic top-k, merged with ``best``.
     No inner loop and no global buffer: the target loop is software-pipelined (target tiles
     prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
     target tile read once per program, shared through L2) and one (BLOCK_M, N_CAND) store.
     ``MIN_ONLY`` (timing only): GEMM + row minimum, no candidate work.
+    ``STRIDED`` (segments): split ``s`` of ``n_splits`` scans tiles s, s + n_splits, ... instead
+    of a contiguous range (``tiles_per_split`` unused), so that targets stored next to each
+    other (a cluster, data sorted by place) spread over the segments at tile granularity
+    rather than crowding one segment's short list. The programs running at the same time
+    share ``pid_s`` (grid dimension 0 varies fastest) and read the same tiles either way.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -340,17 +383,24 @@ def _rowlist_kernel(
     m0 = pid_m * BLOCK_M
     offs_n = tl.arange(0, BLOCK_N)
     slots = tl.arange(0, N_CAND)
-    t_start = pid_s * tiles_per_split * BLOCK_N
-    n_tiles = tl.minimum(tiles_per_split, tl.cdiv(nt - t_start, BLOCK_N))
+    if STRIDED:
+        t_start = pid_s * BLOCK_N
+        t_step = n_splits * BLOCK_N
+        n_tiles = tl.cdiv(tl.cdiv(nt, BLOCK_N) - pid_s, n_splits)
+    else:
+        t_start = pid_s * tiles_per_split * BLOCK_N
+        t_step = BLOCK_N
+        n_tiles = tl.minimum(tiles_per_split, tl.cdiv(nt - t_start, BLOCK_N))
     if SINGLE_DOT:
         q = _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
     else:
         q = 0.0
     best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
     worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
+    worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
     low = tl.full([BLOCK_M], float("inf"), tl.float32)
     for tile in range(0, n_tiles):
-        n0 = t_start + tile * BLOCK_N
+        n0 = t_start + tile * t_step
         key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
                          BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D)
         if MIN_ONLY:
@@ -363,25 +413,28 @@ def _rowlist_kernel(
             # superset of the entries that beat ``worst``; only the path choice uses it.
             n_surv = tl.sum((key <= thr[:, None]).to(tl.int32), axis=1)
             most = tl.max(n_surv, axis=0)
-            if most <= 1:
-                best, worst = _insert(best, worst, row_min, n0 + col, N_CAND)
-            elif most <= 1 + EXTRA_PASSES:
-                rest = key
-                for _ in tl.static_range(0, 1 + EXTRA_PASSES):
-                    row_min, col = tl.min(rest, axis=1, return_indices=True,
-                                          return_indices_tie_break_left=True)
-                    best, worst = _insert(best, worst, row_min, n0 + col, N_CAND)
-                    rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
-            else:
-                cols = n0 + offs_n
-                packed = tl.where(key < float("inf"),
-                                  _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
-                                  _EMPTY)
-                # topk keeps the largest: complement (an order-reversing bijection on int64).
-                tile_best = ~tl.topk(~packed, N_CAND)
-                both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
-                best = ~tl.topk(~both, N_CAND)
-                worst = tl.max(best, axis=1)
+            # most == 0 (most tiles late in a long scan): nothing can enter, no list work.
+            if most == 1:
+                best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+            elif most > 1:
+                if most <= 1 + EXTRA_PASSES:
+                    rest = key
+                    for _ in tl.static_range(0, 1 + EXTRA_PASSES):
+                        row_min, col = tl.min(rest, axis=1, return_indices=True,
+                                              return_indices_tie_break_left=True)
+                        best, worst, worst_slot = _insert(best, worst, worst_slot, row_min,
+                                                          n0 + col, N_CAND)
+                        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+                else:
+                    cols = n0 + offs_n
+                    packed = tl.where(key < float("inf"),
+                                      _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
+                                      _EMPTY)
+                    # topk keeps the largest: complement (an order-reversing bijection on int64).
+                    tile_best = ~tl.topk(~packed, N_CAND)
+                    both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
+                    best = ~tl.topk(~both, N_CAND)
+                    worst, worst_slot = tl.max(best, axis=1, return_indices=True)
     rows = m0 + tl.arange(0, BLOCK_M)
     out = out_ptr + rows.to(tl.int64)[:, None] * (n_splits * N_CAND) + pid_s * N_CAND + slots[None, :]
     if MIN_ONLY:
@@ -403,6 +456,29 @@ def split_count(nq: int, nt: int, block_m: int, num_sms: int) -> int:
     return max(1, min(wanted, most))
 
 
+def _split_targets(nt: int, n_splits: int, block_n: int) -> tuple[int, int]:
+    """(splits, targets per split): whole tiles per split, no empty split."""
+    per_split = math.ceil(math.ceil(nt / n_splits) / block_n) * block_n
+    return math.ceil(nt / per_split), per_split
+
+
+def segment_count(nq: int, nt: int, n_cand: int, config: TileConfig, num_sms: int) -> int:
+    """Target segments for the segmented mode, or 0 where it does not suit.
+
+    Enough segments that their lists hold twice the candidates (``S * seg_cand >=
+    2 * n_cand``: the best n_cand of a row then rarely crowd more than ``seg_cand`` into one
+    segment, which would lower the floor and fail the margin), at least the occupancy choice
+    of :func:`split_count`, and at least ``SEGMENT_MIN_TILES`` tiles each. 0 when the targets
+    are too few for the union of the lists to fill even n_cand entries: those rows would all
+    fail the margin; the buffer kernel keeps a full list instead.
+    """
+    n_tiles = math.ceil(nt / config.block_n)
+    wanted = max(math.ceil(2 * n_cand / config.seg_cand),
+                 split_count(nq, nt, config.block_m, num_sms))
+    n_seg = min(wanted, max(1, n_tiles // SEGMENT_MIN_TILES))
+    return n_seg if n_seg * config.seg_cand >= n_cand else 0
+
+
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed candidates -> (keys float32, indices int64 with -1 for empty)."""
     mono = (packed >> 32).to(torch.int32)
@@ -413,16 +489,62 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(empty, math.inf, keys), torch.where(empty, -1, index)
 
 
+def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Union of the segments' lists: (its n_cand best, sorted, packed; floor float32).
+
+    ``lists`` (rows, n_segments * seg_cand) packed, each segment's list unsorted, EMPTY in
+    unused slots. A segment whose list is full (its maximum is not EMPTY) held back only
+    targets whose keys are at least its seg_cand-th key; a list that is not full holds its
+    whole segment. Truncating the sorted union to n_cand holds back keys at least the first
+    dropped one. So every target outside the result has key >= floor = the least of those.
+    """
+    rows = lists.shape[0]
+    seg_worst = lists.view(rows, n_segments, -1).max(dim=2).values
+    seg_floor = torch.where(seg_worst == EMPTY, math.inf, unpack(seg_worst)[0])
+    floor = seg_floor.min(dim=1).values
+    width = lists.shape[1]
+    merged = torch.topk(lists, min(width, n_cand + 1), dim=1, largest=False, sorted=True).values
+    if width > n_cand:
+        floor = torch.minimum(floor, unpack(merged[:, n_cand])[0])
+        merged = merged[:, :n_cand]
+    return merged, floor
+
+
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
                       buffer_bytes: int = 1 << 30, min_only: bool = False,
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``n_cand`` best approximate keys per query from the fused kernel.
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ``n_cand`` best approximate keys per query from the fused kernel, and a floor.
 
-    Same contract as :func:`_gpu_torch.torch_candidates`: keys float32 (m, n_cand) ascending
-    (+inf empty), indices int64 (-1 empty); ties resolved to the lower index.
+    Returns keys float32 (m, n_cand) ascending (+inf empty), indices int64 (-1 empty), ties
+    resolved to the lower index, and ``floor`` float32 (m,): every target not in a row's list
+    has approximate key >= floor (the contract of :func:`_gpu_torch.exact_topk`).
+
+    The rowlist and buffer kernels return each row's n_cand best: floor is the last key, or
+    +inf when the list holds every target. The segmented mode (``config.kernel ==
+    "segmented"``, the default above ``ROWLIST_MAX``) runs the register-list kernel with
+    ``seg_cand``-long lists over ``S`` target segments (:func:`segment_count`; segment s
+    holds tiles s, s + S, ..., so that neighbours stored together spread over the segments)
+    and returns the n_cand best of the union of their lists with the floor of
+    :func:`merge_segments`; the list may then miss some of the row's n_cand best, but never
+    one below the floor, which is what the margin test needs. Memory traffic against one long list: the target tiles are
+    read as often as before (once per query tile); each segment program loads its query tile
+    once (S reads in all: 0.27 GB for 65,536 x 128 bf16 at S = 16) and stores rows x S x
+    seg_cand int64 (0.27 GB at S x seg_cand = 512), which the merge reads back: well under a
+    millisecond each at HBM bandwidth. The cost is list work: S lists that each start empty
+    take ~S * seg_cand * (1 + ln(targets per segment / seg_cand)) insertions per row (4,400
+    at nt = 10^6, S x seg_cand = 512) against ~2,400 for one 256-long list, but each is a
+    register update, not a buffer append and a 256-wide selection.
+    The union (2 n_cand wide) is cut to n_cand: the re-rank gathers one d-vector per column
+    (65,536 x 512 x 128 float32 is 17 GB of gathers, twice n_cand's), the cut keeps the floor
+    valid, and a row that the cut leaves unproven needed more than n_cand candidates within
+    its margin, more than ``candidate_width`` plans for. Where the targets are too few for
+    enough segments the buffer kernel runs instead (:func:`buffer_tile_config`).
+
+    ``splits`` forces the number of target splits (segments in the segmented mode).
     ``buffer_bytes`` bounds the candidate buffer: queries run in chunks that fit it.
-    ``min_only`` (timing only, rowlist kernel): GEMM + row minimum, no candidate lists.
+    ``min_only`` (timing only, register-list kernels): GEMM + row minimum, no candidate lists.
     """
     if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
         raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
@@ -432,13 +554,25 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         raise ValueError(f"targets: at most {MAX_TARGETS} rows per block, got {nt}")
     keys_out = torch.full((m, n_cand), math.inf, dtype=torch.float32, device=device)
     idx_out = torch.full((m, n_cand), -1, dtype=torch.int64, device=device)
+    floor_out = torch.full((m,), math.inf, dtype=torch.float32, device=device)
     if m == 0 or nt == 0:
-        return keys_out, idx_out
+        return keys_out, idx_out, floor_out
     precision = queries.precision
     cfg = config or tile_config(n_cand, d, precision)
-    rowlist = cfg.kernel == "rowlist"
-    if rowlist and n_cand > cfg.block_n:
-        raise ValueError(f"config: rowlist needs n_cand {n_cand} <= BLOCK_N {cfg.block_n}")
+    if cfg.kernel == "segmented":
+        seg = cfg.seg_cand
+        if seg < 1 or seg & (seg - 1) or seg > cfg.block_n:
+            raise ValueError(f"config: seg_cand must be a power of two <= BLOCK_N {cfg.block_n}, "
+                             f"got {seg}")
+        n_splits = splits or segment_count(m, nt, n_cand, cfg, _num_sms(device))
+        if n_splits == 0:
+            logger.debug("n_cand %d over %d targets: too few for segments, buffer kernel", n_cand, nt)
+            cfg = buffer_tile_config(n_cand, precision)
+    segmented = cfg.kernel == "segmented"
+    rowlist = cfg.kernel == "rowlist" or segmented
+    list_len = cfg.seg_cand if segmented else n_cand
+    if rowlist and list_len > cfg.block_n:
+        raise ValueError(f"config: rowlist needs n_cand {list_len} <= BLOCK_N {cfg.block_n}")
     if not rowlist and cfg.cap < n_cand + cfg.block_n:
         raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
     q_op, t_op = queries.operand, targets.operand
@@ -450,10 +584,12 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     else:
         block_d = BLOCK_D if d > 32 else d_pad
     input_precision = "ieee" if precision == "fp32" else "tf32"
-    n_splits = splits or split_count(m, nt, cfg.block_m, _num_sms(device))
-    per_split = math.ceil(math.ceil(nt / n_splits) / cfg.block_n) * cfg.block_n
-    n_splits = math.ceil(nt / per_split)
-    slots = n_cand if rowlist else cfg.cap
+    if segmented:   # strided segments (see _rowlist_kernel): at most one per tile
+        n_splits, per_split = min(n_splits, math.ceil(nt / cfg.block_n)), 0
+    else:
+        n_splits = splits or split_count(m, nt, cfg.block_m, _num_sms(device))
+        n_splits, per_split = _split_targets(nt, n_splits, cfg.block_n)
+    slots = list_len if rowlist else cfg.cap
     rows_per_launch = max(cfg.block_m, (buffer_bytes // (8 * slots * n_splits)) // cfg.block_m * cfg.block_m)
     alpha = key_alpha(queries.metric)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=d % block_d == 0,
@@ -465,14 +601,14 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         grid_m = math.ceil(rows / cfg.block_m)
         q_chunk = q_op[r0:r1]
         if rowlist:
-            out = torch.empty((rows, n_splits * n_cand), dtype=torch.int64, device=device)
+            out = torch.empty((rows, n_splits * list_len), dtype=torch.int64, device=device)
             if POISON_BUFFERS:  # checks: every slot must be written
                 out.fill_(0x5A5A5A5A5A5A5A5A)
             _rowlist_kernel[(grid_m, n_splits)](
                 q_chunk, t_op, targets.bias, out,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
-                N_CAND=n_cand, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
-                MIN_ONLY=min_only, **common)
+                N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
+                MIN_ONLY=min_only, STRIDED=segmented, **common)
             lists = out
         else:
             buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)
@@ -487,12 +623,18 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
                 PIPELINED=cfg.pipelined, SINGLE_DOT=single_dot, **common)
             lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(grid_m * cfg.block_m, n_splits * n_cand)[:rows]
-        if n_splits > 1:
+        if segmented:
+            lists, floor = merge_segments(lists, n_splits, n_cand)
+            floor_out[r0:r1] = floor
+        elif n_splits > 1:
             # Merge the splits' lists: sorting packed keys sorts by (key, index).
             lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values
         elif rowlist:  # register lists come back unsorted
             lists = torch.sort(lists, dim=1).values
         k_vals, k_idx = unpack(lists)
-        keys_out[r0:r1] = k_vals
-        idx_out[r0:r1] = k_idx
-    return keys_out, idx_out
+        width = lists.shape[1]
+        keys_out[r0:r1, :width] = k_vals
+        idx_out[r0:r1, :width] = k_idx
+        if not segmented and nt > n_cand:  # a full list of the n_cand best: the last key
+            floor_out[r0:r1] = k_vals[:, -1]
+    return keys_out, idx_out, floor_out

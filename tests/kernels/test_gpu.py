@@ -190,6 +190,127 @@ def test_the_check_catches_a_plain_bf16_search():
         check_result(q, t, 10, "sqeuclidean", v.numpy(), i.numpy())
 
 
+# ----------------------------------------------------------------------------- floors
+def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
+    from nearest_join.kernels import _gpu_torch as gt
+
+    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
+            gt.prepare_side(torch.from_numpy(t), metric, precision))
+
+
+@needs_torch
+def test_a_floor_above_the_margin_proves_a_list_whose_last_key_does_not():
+    """8 targets tie at squared distance 1 from the query, the rest are at 9. The 8-long list
+    ends on a tie (last key = theta: the plain rule widens); a floor of 9 proves it."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    rng = np.random.default_rng(1)
+    near = np.concatenate([np.eye(4), -np.eye(4)])
+    far = rng.standard_normal((30, 4))
+    far = 3 * far / np.linalg.norm(far, axis=1, keepdims=True)
+    t = np.concatenate([far[:10], near, far[10:]]).astype(np.float32)
+    q = np.zeros((2, 4), np.float32)
+    qs, ts = _prepared(q, t)
+    calls = []
+
+    def with_floor(qq, tt, n_cand):
+        calls.append(n_cand)
+        keys, idx = gt.torch_candidates(qq, tt, n_cand + 1)
+        return keys[:, :n_cand], idx[:, :n_cand], keys[:, n_cand]   # next key: a valid floor
+
+    v, i = gt.exact_topk(qs, ts, 3, with_floor)
+    assert calls == [gt.candidate_width(3, "fp32")], calls            # proven, not widened
+    assert i.tolist() == [[10, 11, 12]] * 2
+    check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@needs_torch
+def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
+    """The first list leaves out each row's best target and ends in empty slots, which by
+    the plain rule means "every target is here"; its floor (the left-out key) says otherwise:
+    the rows must widen and find the target."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    q, t = make_data("gaussian", 5, 200, 8, 2)
+    qs, ts = _prepared(q, t)
+    calls = []
+
+    def holey(qq, tt, n_cand):
+        calls.append(n_cand)
+        keys, idx = gt.torch_candidates(qq, tt, n_cand)
+        if len(calls) > 1:
+            return keys, idx
+        rows = keys.shape[0]
+        keys = torch.cat([keys[:, 1:], torch.full((rows, 1), float("inf"))], 1)
+        idx = torch.cat([idx[:, 1:], torch.full((rows, 1), -1)], 1)
+        return keys, idx, gt.torch_candidates(qq, tt, 1)[0][:, 0]
+
+    v, i = gt.exact_topk(qs, ts, 3, holey)
+    n0 = gt.candidate_width(3, "fp32")
+    assert calls == [n0, n0 * gt.WIDEN_FACTOR], calls
+    check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@needs_torch
+def test_the_rerank_skips_candidates_beyond_theta_plus_twice_the_bound():
+    from nearest_join.kernels import _gpu_torch as gt
+
+    keys = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5, 9.0, 10.0, 11.0],
+                         [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]])
+    bound = torch.tensor([0.5, 0.1])
+    # Row 0: theta 2, limit 3 (inclusive): 4 columns. Row 1: theta 1, limit 1.2: 3 columns.
+    assert gt.rerank_width(keys, bound, 3, torch.tensor([True, True])) == 4
+    assert gt.rerank_width(keys, bound, 3, torch.tensor([False, True])) == 3
+    assert gt.rerank_width(keys, bound, 3, torch.tensor([False, False])) == 3   # at least k
+    # Through exact_topk: Gaussian data, fp32 (a tiny bound): the re-rank reads fewer columns.
+    q, t = make_data("gaussian", 7, 300, 16, 3)
+    qs, ts = _prepared(q, t)
+    widths = []
+    real = gt.exact_values
+
+    def spy(queries, targets, idx, **kw):
+        widths.append(idx.shape[1])
+        return real(queries, targets, idx, **kw)
+
+    gt.exact_values = spy
+    try:
+        v, i = gt.exact_topk(qs, ts, 3, gt.torch_candidates)
+    finally:
+        gt.exact_values = real
+    assert widths and widths[0] < gt.candidate_width(3, "fp32"), widths
+    check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
+def test_merging_segments_keeps_the_floor_of_every_held_back_target():
+    from nearest_join.kernels import _gpu_triton as tr
+
+    def pack(key, index):
+        bits = torch.tensor([key], dtype=torch.float32).view(torch.int32).to(torch.int64)
+        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return int((mono << 32) | index)
+
+    E = tr.EMPTY
+    # Three segments of 3 slots, unsorted. Segment 0 full (held back keys >= 5), segment 1
+    # full (>= 2.5), segment 2 not full (holds its whole segment).
+    row = [pack(5.0, 1), pack(-1.0, 0), pack(3.0, 2),
+           pack(2.5, 10), pack(0.5, 11), pack(2.0, 12),
+           pack(1.0, 20), E, E]
+    lists = torch.tensor([row, row], dtype=torch.int64)
+    merged, floor = tr.merge_segments(lists, 3, 8)
+    keys, idx = tr.unpack(merged)
+    assert idx[0].tolist() == [0, 11, 20, 12, 10, 2, 1, -1]
+    assert floor.tolist() == [2.5, 2.5]
+    # Cut to 5: the first dropped key is 3.0, segment 1 still bounds its own at 2.5.
+    merged, floor = tr.merge_segments(lists, 3, 5)
+    assert tr.unpack(merged)[1][0].tolist() == [0, 11, 20, 12, 10]
+    assert floor.tolist() == [2.5, 2.5]
+    # Cut to 2: the first dropped key (1.0) is the floor.
+    merged, floor = tr.merge_segments(lists, 3, 2)
+    assert tr.unpack(merged)[1][0].tolist() == [0, 11]
+    assert floor.tolist() == [1.0, 1.0]
+
+
 _INTERPRETER_SCRIPT = """
 import numpy as np, torch
 import triton.runtime.interpreter as interp
@@ -204,45 +325,115 @@ interp._patch_lang_tensor = _patched
 from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data
 tr.POISON_BUFFERS = True
+# Tiny tiles make segments of 2+ tiles (203 targets: up to 3 segments; 603: up to 9).
+tr.SEGMENT_MIN_TILES = 2
 
 import sys
 KERNEL = sys.argv[1]
+SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
 
 def small(q, t, n_cand):
     # Tiny tiles so that 203 targets make several tiles and splits; every path is taken.
     cap = max(64, gt.next_pow2(n_cand + 32))
+    if KERNEL == "segmented":   # 8-long lists per segment; the buffer kernel where too few
+        return tr.triton_candidates(q, t, n_cand, config=SEGMENTED)
     if KERNEL == "rowlist" and n_cand <= 32:
         cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
     else:
         cfg = tr.TileConfig(16, 32, cap, 4, pipelined=KERNEL != "legacy")
     return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2)
 
+def prepared(q, t, metric, precision):
+    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
+            gt.prepare_side(torch.from_numpy(t), metric, precision))
+
 cases = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
          ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
 for n, (metric, precision, kind, k) in enumerate(cases):
     q, t = make_data(kind, 21, 203, 33, n)
-    qs = gt.prepare_side(torch.from_numpy(q), metric, precision)
-    ts = gt.prepare_side(torch.from_numpy(t), metric, precision)
+    qs, ts = prepared(q, t, metric, precision)
     # The kernel's candidate keys equal the torch path's exactly computed keys.
-    keys, idx = small(qs, ts, 16)
+    keys, idx, _ = small(qs, ts, 16)
     ref = ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T)
     order = torch.sort(ref.float(), dim=1, stable=True)
     if kind == "gaussian":  # no near ties: the same order as float64 keys
         assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
     v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256)
     check_result(q, t, k, metric, v.numpy(), i.numpy())
+
+if KERNEL == "rowlist":
+    # One long scan (128 tiles of 32, one split): late tiles mostly have no survivor or one
+    # per row, the paths the first tiles never take. The lists must be the exact 8 best.
+    q, t = make_data("gaussian", 16, 4096, 33, 7)
+    qs, ts = prepared(q, t, "l2", "fp32")
+    cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
+    keys, idx, _ = tr.triton_candidates(qs, ts, 8, config=cfg, splits=1)
+    ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
+    assert torch.equal(idx, torch.sort(ref, dim=1, stable=True).indices[:, :8])
+    cases.append("long scan")
+
+if KERNEL == "segmented":
+    # 603 targets = 19 tiles; 8 segments (segment s: tiles s, s + 8, s + 16), 8-long lists,
+    # n_cand 32 (bf16, k=10).
+    # Crowding: each of queries 0-3 has 12 near targets inside one tile, so one segment holds
+    # them all and keeps only 8. The union's last key is far above theta + 2E (the plain
+    # rule would prove the row and miss some neighbours); the segment's floor must not.
+    # Spread ties: queries 4 and 5 have 36 targets at near-equal distances (1e-3 apart in
+    # squared distance, within bf16's error), 2 per tile in tiles 0-17, so at most 6 per
+    # segment: every segment list keeps its ties, but cutting the union to 32 drops 4, so
+    # only the first dropped key, not the segments' floors, keeps the row from being proven.
+    # A run: query 6 has 64 near targets (spread distances) stored together in tiles 14-17;
+    # strided segments give each of 4 segments 16 of them, and the row is proven at once
+    # (contiguous segments would crowd 48 into one and widen it).
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((16, 33)).astype(np.float32)
+    t = rng.standard_normal((603, 33)).astype(np.float32)
+    crowded, spread, run = [0, 1, 2, 3], [4, 5], 6
+    for j in crowded:
+        t[32 * (4 * j + 1):32 * (4 * j + 1) + 12] = q[j] + 0.3 * rng.standard_normal((12, 33))
+    for j, cols in zip(spread, ((20, 24), (28, 30))):
+        at = np.array([32 * m + c for m in range(18) for c in cols])
+        u = rng.standard_normal((len(at), 33))
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        r = np.sqrt(4 + 1e-3 * rng.permutation(len(at)))
+        t[at] = q[j] + r[:, None] * u
+    at = np.array([32 * m + c for m in range(14, 18) for c in range(16)])
+    u = rng.standard_normal((len(at), 33))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    t[at] = q[run] + np.sqrt(4 + 0.5 * rng.permutation(len(at)))[:, None] * u
+    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
+    k = 10
+    n_cand = gt.candidate_width(k, "bf16")
+    assert tr.segment_count(16, 603, n_cand, SEGMENTED, 4) == 8
+    keys, idx, floor = small(qs, ts, n_cand)
+    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "sqeuclidean")
+    plain = gt.margin_holds(keys, bound, k)
+    proven = gt.margin_holds(keys, bound, k, floor)
+    ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
+    top = torch.sort(ref, dim=1, stable=True).indices[:, :k]
+    for j in crowded:
+        missing = set(top[j].tolist()) - set(idx[j].tolist())
+        assert plain[j] and missing and not proven[j], (j, missing, bool(proven[j]))
+    assert not proven[spread].any(), proven
+    assert proven[run:].all(), proven         # elsewhere the floor proves the rows
+    # Widening: 128 candidates need more segments than 603 targets allow -> buffer kernel.
+    assert tr.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256)
+    check_result(q, t, k, "sqeuclidean", v.numpy(), i.numpy())
+    cases.append("crowded")
 print("interpreter ok", len(cases))
 """
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-@pytest.mark.parametrize("kernel", ["rowlist", "pipelined", "legacy"])
-def test_fused_kernel_under_the_triton_interpreter(kernel):
+@pytest.mark.parametrize("kernel,n_cases", [("rowlist", 5), ("segmented", 5), ("pipelined", 4),
+                                            ("legacy", 4)])
+def test_fused_kernel_under_the_triton_interpreter(kernel, n_cases):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT), kernel],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "interpreter ok 4" in proc.stdout
+    assert f"interpreter ok {n_cases}" in proc.stdout
 
 
 # ----------------------------------------------------------------------------- on a GPU
