@@ -40,7 +40,7 @@ from nearest_join.kernels import merge_topk
 
 from . import columns as C
 from .searcher import SearchSettings, open_block_searcher
-from .rows import gather_rows
+from .rows import ColumnViews, gather_rows
 from .vectors import decode_vectors
 
 logger = logging.getLogger(__name__)
@@ -207,6 +207,7 @@ class TopkState:
     sources: list           # payload tables (same column types, names may differ)
     source: np.ndarray      # int32 (nq, k), -1 = empty slot
     rows: np.ndarray        # int64 (nq, k)
+    _views: ColumnViews | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_search(cls, values: np.ndarray, local_rows: np.ndarray, block_id: int,
@@ -220,7 +221,9 @@ class TopkState:
         source, rows = self.source.reshape(-1), self.rows.reshape(-1)
         if slots is not None:
             source, rows = source[slots], rows[slots]
-        return gather_rows(self.sources, source, rows)
+        if self._views is None:
+            self._views = ColumnViews()
+        return gather_rows(self.sources, source, rows, views=self._views)
 
     @property
     def payload(self) -> pa.Table:
@@ -318,6 +321,7 @@ class _PairSearch:
         self.ctx = ctx
         self.searcher = open_block_searcher(ctx.settings)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="nj-search")
+        self._decoded: dict[int, tuple[pa.Table, np.ndarray]] = {}
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -328,6 +332,17 @@ class _PairSearch:
         vectors = decode_vectors(table.column(q.vector_index), q.dimension, label=q.label,
                                  expected_from=q.expected_from)
         return table, vectors
+
+    def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray]:
+        """A broadcast target block, decoded once per task: every query block meets it.
+
+        The decoded blocks stay referenced for the task (the broadcast target is bounded by
+        ``spark.nearestJoin.broadcastLimitBytes``; float32 vectors decode as zero-copy views).
+        """
+        hit = self._decoded.get(block_id)
+        if hit is None:
+            hit = self._decoded[block_id] = self.target_block(blob)
+        return hit
 
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray]:
         table = blob_to_table(blob)
@@ -367,13 +382,14 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
     if ctx.join_type == "leftouter":
         keep[:, 0] |= ~keep.any(axis=1)
     flat = np.flatnonzero(keep.reshape(-1))
+    query_views = ColumnViews()
     for start in range(0, max(flat.size, 1), OUTPUT_BATCH_ROWS):
         part = flat[start: start + OUTPUT_BATCH_ROWS]
         if part.size == 0:
             return
         filled = keys.reshape(-1)[part] >= 0
         q_rows = part // k
-        arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows)
+        arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows, views=query_views)
         if state is None:
             arrays += [pa.nulls(part.size, f.type) for f in ctx.target_schema]
         else:
@@ -406,7 +422,7 @@ class _QueryBlock:
         """Worker thread: search one target block and fold it into this block's top-k."""
         if t_block_id == C.EMPTY_BLOCK_ID or self.vectors.shape[0] == 0:
             return
-        table, t_vectors = pair.target_block(t_blob)
+        table, t_vectors = pair.broadcast_target(t_block_id, t_blob)
         if t_vectors.shape[0] == 0:
             return
         searcher = pair.searcher

@@ -148,12 +148,32 @@ def _column(table: pa.Table, position: int) -> pa.Array:
     return _as_array(table.column(position))
 
 
+class ColumnViews:
+    """Per-table cache of :func:`vector_matrix` views: checking that every list of a column
+    has one length reads all its offsets (a million-row target block: milliseconds), and a
+    block's rows are gathered batch after batch. Holds the tables it has seen."""
+
+    def __init__(self):
+        self._views: dict[tuple[int, int], tuple[pa.Table, np.ndarray | None]] = {}
+
+    def matrix(self, table: pa.Table, position: int) -> np.ndarray | None:
+        key = (id(table), position)
+        hit = self._views.get(key)
+        if hit is None or hit[0] is not table:
+            hit = (table, vector_matrix(_column(table, position)))
+            self._views[key] = hit
+        return hit[1]
+
+
 def gather_rows(sources: list[pa.Table], source: np.ndarray, rows: np.ndarray,
-                schema: pa.Schema | None = None, threads: int | None = None) -> list[pa.Array]:
+                schema: pa.Schema | None = None, threads: int | None = None,
+                views: ColumnViews | None = None) -> list[pa.Array]:
     """Columns whose row ``j`` is row ``rows[j]`` of ``sources[source[j]]``; NULL where ``source[j] < 0``.
 
     All sources have the same column types (names may differ: they are matched by position).
+    ``views`` caches the sources' vector views across calls.
     """
+    views = views or ColumnViews()
     source = np.asarray(source, dtype=np.int64).reshape(-1)
     rows = np.asarray(rows, dtype=np.int64).reshape(-1)
     n = source.shape[0]
@@ -165,7 +185,7 @@ def gather_rows(sources: list[pa.Table], source: np.ndarray, rows: np.ndarray,
     out = []
     for c, field in enumerate(schema):
         columns = [_column(t, c) for t in sources]
-        matrices = [vector_matrix(a) for a in columns] if n else [None]
+        matrices = [views.matrix(t, c) for t in sources] if n else [None]
         if all(m is not None for m in matrices) and len({(m.shape[1], m.dtype) for m in matrices}) == 1:
             width, dtype = matrices[0].shape[1], matrices[0].dtype
             matrix, buf = pooled_empty((n, width), dtype)
