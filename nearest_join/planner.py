@@ -143,6 +143,40 @@ def broadcast_limit(spark, override: int | None) -> int:
     return parse_bytes(_conf(spark, CONF_PREFIX + "broadcastLimitBytes", DEFAULT_BROADCAST_LIMIT))
 
 
+def broadcast_target_block_bytes(spark) -> int:
+    """Vector bytes per broadcast target block (``spark.nearestJoin.broadcastTargetBlockBytes``).
+
+    Larger blocks mean fewer, larger searches (a GPU wants them: see conf/cluster-gpu.yaml);
+    at most 1 GiB, since a packed block travels as one Arrow binary value (< 2 GiB with its
+    payload columns).
+    """
+    key = CONF_PREFIX + "broadcastTargetBlockBytes"
+    try:
+        value = parse_bytes(_conf(spark, key, BROADCAST_TARGET_BLOCK_BYTES))
+    except ValueError as exc:
+        raise ValueError(f"{key}: {exc}") from None
+    if not 1 <= value <= GiB:
+        raise ValueError(f"{key}: expected a size between 1 byte and 1g, got {value} bytes")
+    return value
+
+
+def query_blocks_per_task(spark) -> int:
+    """Query blocks each broadcast task splits its rows into (``spark.nearestJoin.queryBlocksPerTask``).
+
+    A task searches its next query block while it emits the rows of the previous one, so
+    several blocks per task overlap the host's row emission with the (GPU) search.
+    """
+    key = CONF_PREFIX + "queryBlocksPerTask"
+    raw = _conf(spark, key, 1)
+    try:
+        value = int(raw)
+    except (TypeError, ValueError):
+        value = 0
+    if value < 1 or str(raw).strip() != str(value):
+        raise ValueError(f"{key}: expected an integer >= 1, got {raw!r}")
+    return value
+
+
 def _clamp_rows(rows: float) -> int:
     return int(min(max(1, rows), MAX_BLOCK_ROWS))
 
@@ -168,9 +202,10 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
         # One query block per task, as few tasks as the cores and the memory budget allow:
         # every query block receives the whole broadcast target through Arrow, so fewer,
         # larger blocks amortise that transfer.
+        per_task = query_blocks_per_task(spark)
         q_parts = cores * max(1, math.ceil(query_rows / (cores * max(memory_q_rows, 1))))
-        q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / q_parts) or 1)
-        t_rows = target_block_rows or _clamp_rows(BROADCAST_TARGET_BLOCK_BYTES // row_bytes)
+        q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / (q_parts * per_task)) or 1)
+        t_rows = target_block_rows or _clamp_rows(broadcast_target_block_bytes(spark) // row_bytes)
         # Balance the query rows over the tasks with a (cheap, row-level) shuffle, unless the
         # join is too small for it to pay and the input already has enough partitions.
         work = query_rows * target_rows * d
@@ -183,7 +218,7 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
     t_blocks = math.ceil(target_rows / t_rows) if target_rows else 0
     if plan == "broadcast":
         # 0 means "keep the input partitioning"
-        q_parts = max(1, math.ceil(query_rows / q_rows)) if spread and query_rows else 0
+        q_parts = max(1, math.ceil(query_rows / (q_rows * per_task))) if spread and query_rows else 0
         t_parts = None
     else:
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)

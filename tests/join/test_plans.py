@@ -139,3 +139,22 @@ def test_approx_mode_returns_exact_results(data):
     Q, T, q, t = data
     rows = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), 3, "approx", distance_col="d").collect()
     _check(rows, Q, T, 3, "l2", descending=False)
+
+
+def test_several_query_blocks_per_task_and_small_broadcast_target_blocks(spark, data):
+    """queryBlocksPerTask > 1 (a task folds and emits block after block while the next is
+    searched) and small broadcast target blocks: same exact answer."""
+    Q, T, q, t = data
+    settings = {"spark.nearestJoin.queryBlocksPerTask": "3",
+                "spark.nearestJoin.broadcastTargetBlockBytes": str(300 * D * 4)}
+    for key, value in settings.items():
+        spark.conf.set(key, value)
+    try:
+        plan = explain_nearest_join(q, t, "l2", K, vectors=("qv", "tv"))
+        assert plan.plan == "broadcast" and plan.target_block_rows == 300
+        assert plan.query_blocks >= 3 * max(1, plan.query_partitions)
+        rows = nearest_by_join(q, t, "l2", K, vectors=("qv", "tv"), distance_col="d").collect()
+    finally:
+        for key in settings:
+            spark.conf.unset(key)
+    _check(rows, Q, T, K, "l2", descending=False)

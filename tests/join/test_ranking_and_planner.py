@@ -107,3 +107,26 @@ def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
 def test_docstring_example_runs(spark):
     result = doctest.testmod(nearest_join.join, extraglobs={"spark": spark}, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 4 and result.failed == 0
+
+
+def _plan_with(conf, **kw) -> JoinPlan:
+    spark = _Spark(spark__master="local[2]", spark__driver__memory="1g",
+                   **{"spark__nearestJoin__" + k: v for k, v in conf.items()})
+    return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact",
+                       join_type="inner", distance_col=None, backend="auto", dimension=128,
+                       itemsize=4, query_rows=20_000, target_rows=200_000, **kw)
+
+
+def test_query_blocks_per_task_and_broadcast_target_block_size():
+    plain = _plan_with({})
+    assert plain.target_block_rows == (64 << 20) // 512
+    split = _plan_with({"queryBlocksPerTask": "4", "broadcastTargetBlockBytes": "1m"})
+    # the same two tasks (partitions), each cut into four query blocks
+    assert (split.query_partitions, split.query_blocks, split.query_block_rows) == (2, 8, 2_500)
+    assert split.target_block_rows == (1 << 20) // 512
+    for conf, match in [({"queryBlocksPerTask": "0"}, "queryBlocksPerTask: expected an integer >= 1, got '0'"),
+                        ({"queryBlocksPerTask": "2.5"}, "queryBlocksPerTask"),
+                        ({"broadcastTargetBlockBytes": "2g"}, "broadcastTargetBlockBytes: expected a size"),
+                        ({"broadcastTargetBlockBytes": "lots"}, "broadcastTargetBlockBytes: expected a size such as")]:
+        with pytest.raises(ValueError, match=match):
+            _plan_with(conf)
