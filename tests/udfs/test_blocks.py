@@ -127,3 +127,28 @@ def test_a_failing_search_fails_the_task_instead_of_hanging(monkeypatch):
         Failing.calls = 0
         with pytest.raises(RuntimeError, match="device lost"):
             local_join(qt, tt, _ctx(2, "l2", 3, 3, 10, schema=tt.schema), plan=plan)
+
+
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_combining_many_states_at_once_equals_folding_them_one_by_one(metric):
+    rng = np.random.default_rng(31)
+    nq, k = 9, 5
+    states = []
+    for b in range(6):
+        table = pa.table({"tid": np.arange(20) + 100 * b, "tag": [f"b{b}r{i}" for i in range(20)]})
+        rows = rng.integers(-1, 20, (nq, k))
+        values = np.where(rows >= 0, rng.integers(0, 6, (nq, k)) / 5, np.nan).astype(np.float32)  # ties
+        worst = -np.inf if metric == "inner_product" else np.inf
+        values = np.where(rows >= 0, values, worst)
+        order = np.argsort(-values if metric == "inner_product" else values, axis=1, kind="stable")
+        part = TopkState.from_search(np.take_along_axis(values, order, 1), np.take_along_axis(rows, order, 1),
+                                     b, table)
+        states.append(TopkState.from_blob(part.to_blob(), k) if b % 2 else part)
+    at_once = TopkState.combine(states, metric)
+    one_by_one = states[0]
+    for s in states[1:]:
+        one_by_one = one_by_one.absorb(s, metric)
+    np.testing.assert_array_equal(at_once.keys, one_by_one.keys)
+    np.testing.assert_array_equal(at_once.values, one_by_one.values)
+    assert at_once.payload.to_pylist() == one_by_one.payload.rename_columns(
+        at_once.payload.column_names).to_pylist()
