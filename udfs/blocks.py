@@ -336,12 +336,15 @@ class _PairSearch:
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
-    def query_block(self, blob) -> tuple[pa.Table, np.ndarray]:
+    @staticmethod
+    def _decode(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray]:
         table = blob_to_table(blob)
-        q = self.ctx.query
-        vectors = decode_vectors(table.column(q.vector_index), q.dimension, label=q.label,
-                                 expected_from=q.expected_from)
+        vectors = decode_vectors(table.column(side.vector_index), side.dimension, label=side.label,
+                                 expected_from=side.expected_from)
         return table, vectors
+
+    def query_block(self, blob) -> tuple[pa.Table, np.ndarray]:
+        return self._decode(blob, self.ctx.query)
 
     def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray]:
         """A broadcast target block, decoded once per task: every query block meets it.
@@ -355,11 +358,7 @@ class _PairSearch:
         return hit
 
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray]:
-        table = blob_to_table(blob)
-        t = self.ctx.target
-        vectors = decode_vectors(table.column(t.vector_index), t.dimension, label=t.label,
-                                 expected_from=t.expected_from)
-        return table, vectors
+        return self._decode(blob, self.ctx.target)
 
     def search(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> TopkState | None:
         if t_block_id == C.EMPTY_BLOCK_ID:
