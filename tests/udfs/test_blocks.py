@@ -152,3 +152,22 @@ def test_combining_many_states_at_once_equals_folding_them_one_by_one(metric):
     np.testing.assert_array_equal(at_once.values, one_by_one.values)
     assert at_once.payload.to_pylist() == one_by_one.payload.rename_columns(
         at_once.payload.column_names).to_pylist()
+
+
+def test_broadcast_refuses_pairs_that_do_not_arrive_grouped():
+    """The broadcast plan's order check: a query block meeting a different set of target
+    blocks, or one target block twice, is an internal error, never a silent wrong answer."""
+    from udfs.blocks import PACKED_SCHEMA, _pairs_batch, search_broadcast
+
+    rng = np.random.default_rng(5)
+    _, _, qt, tt = _tables(rng, 8, 40, 3)
+    ctx = _ctx(2, "l2", 3, 4, 20, schema=tt.schema)
+    q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(), ctx.query, 0)), schema=PACKED_SCHEMA)
+    t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(), ctx.target, 1)), schema=PACKED_SCHEMA)
+    pairs = list(_pairs_batch(q_packed, t_packed))          # 2 query blocks x 2 target blocks
+    assert len(pairs) == 4
+    assert sum(b.num_rows for b in search_broadcast(iter(pairs), ctx)) == 8 * 2
+    with pytest.raises(RuntimeError, match="did not arrive together"):
+        list(search_broadcast(iter(pairs[:3]), ctx))        # the second block misses one
+    with pytest.raises(RuntimeError, match="met twice"):
+        list(search_broadcast(iter([pairs[0], pairs[0]] + pairs[1:]), ctx))
