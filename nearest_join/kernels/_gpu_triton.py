@@ -528,9 +528,10 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     holds tiles s, s + S, ..., so that neighbours stored together spread over the segments)
     and returns the n_cand best of the union of their lists with the floor of
     :func:`merge_segments`; the list may then miss some of the row's n_cand best, but never
-    one below the floor, which is what the margin test needs. Memory traffic against one long list: the target tiles are
-    read as often as before (once per query tile); each segment program loads its query tile
-    once (S reads in all: 0.27 GB for 65,536 x 128 bf16 at S = 16) and stores rows x S x
+    one below the floor, which is what the margin test needs. Memory traffic against one
+    long list: the target tiles are read as often as before (once per query tile); each
+    segment program loads its query tile once (S reads in all: 0.27 GB for 65,536 x 128 bf16
+    at S = 16) and stores rows x S x
     seg_cand int64 (0.27 GB at S x seg_cand = 512), which the merge reads back: well under a
     millisecond each at HBM bandwidth. The cost is list work: S lists that each start empty
     take ~S * seg_cand * (1 + ln(targets per segment / seg_cand)) insertions per row (4,400
