@@ -204,7 +204,7 @@ def upload_rates(nbytes=128 << 20):
     return out
 
 
-def kernel_variants():
+def kernel_variants(only: str = ""):
     """(name, precision, n_cand, TileConfig or None, min_only) timed by ``--variants``."""
     from nearest_join.kernels import _gpu_triton as tr
 
@@ -233,7 +233,8 @@ def kernel_variants():
                                                                      kernel="segmented", seg_cand=64), False),
         ]
     out.append(("rowlist-s4", "bf16", 32, tr.TileConfig(128, 128, 0, 8, num_stages=4, kernel="rowlist"), False))
-    return out
+    parts = [p for p in only.split(",") if p]
+    return [v for v in out if not parts or any(p in v[0] for p in parts)]
 
 
 def run_variants(args, record) -> None:
@@ -257,7 +258,7 @@ def run_variants(args, record) -> None:
     dev = torch.device("cuda")
     tr.POISON_BUFFERS = True
     checked = {}
-    for name, precision, n_cand, cfg, min_only in kernel_variants():
+    for name, precision, n_cand, cfg, min_only in kernel_variants(args.only):
         if args.no_check:
             checked[(name, precision, n_cand)] = True
         if min_only or args.no_check:
@@ -297,7 +298,7 @@ def run_variants(args, record) -> None:
         qs = gt.prepare_side(Q, "l2", precision)
         ts = gt.prepare_side(T, "l2", precision)
         bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "l2")
-        for name, p, n_cand, cfg, min_only in kernel_variants():
+        for name, p, n_cand, cfg, min_only in kernel_variants(args.only):
             if p != precision or not checked.get((name.replace("-min-only", ""), p, n_cand), min_only):
                 continue
             try:
@@ -333,6 +334,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="folder for results.jsonl")
     ap.add_argument("--variants", action="store_true", help="check and time the kernel variants only")
     ap.add_argument("--no-check", action="store_true", help="--variants: time without the checks")
+    ap.add_argument("--only", default="",
+                    help="--variants: comma-separated name parts; run only the variants whose name has one "
+                         "(checks take ~30-60 s per variant: plan device calls with this)")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
     ap.add_argument("--arrow-breakdown", action="store_true",
