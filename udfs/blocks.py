@@ -83,16 +83,15 @@ class JoinContext:
 
 
 # ----------------------------------------------------------------------------- blobs
-def table_to_blob(table: pa.Table) -> pa.Buffer:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue()
-
-
 def _write_stream(sink, table: pa.Table) -> None:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
+
+
+def table_to_blob(table: pa.Table) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    _write_stream(sink, table)
+    return sink.getvalue()
 
 
 def blob_to_table(blob) -> pa.Table:
@@ -254,7 +253,7 @@ class TopkState:
         """Drop sources no slot refers to; gather into one table past MAX_SOURCES."""
         used = np.flatnonzero(np.bincount(self.source.reshape(-1) + 1, minlength=len(self.sources) + 1)[1:])
         if len(used) > MAX_SOURCES:
-            table = pa.Table.from_arrays(self.gather(), schema=self.sources[0].schema)
+            table = self.payload
             nq, k = self.keys.shape
             flat = np.arange(nq * k, dtype=np.int64).reshape(nq, k)
             return TopkState(self.values, self.keys, [table],
@@ -405,7 +404,6 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
             arrays += state.gather(part)
         if ctx.with_distance:
             arrays.append(pa.array(values.reshape(-1)[part], pa.float32(), mask=~filled))
-        arrays = [a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a for a in arrays]
         yield pa.RecordBatch.from_arrays(arrays, names=[C.output_name(i) for i in range(len(arrays))])
 
 

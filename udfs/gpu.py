@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 from collections import OrderedDict
 
@@ -222,6 +221,7 @@ class GpuBlockSearcher:
         import torch
 
         from nearest_join.kernels import resolve_metric
+        from nearest_join.kernels._gpu_torch import best_order
 
         from .columns import ROW_BITS
 
@@ -237,13 +237,7 @@ class GpuBlockSearcher:
                 keys = torch.cat([state.keys, keys], dim=1)
                 src = torch.cat([state.source, src], dim=1)
                 i = torch.cat([state.rows, i], dim=1)
-                filled = keys >= 0
-                primary = torch.where(filled, -v if metric.descending else v, math.inf)
-                secondary = torch.where(filled, keys, torch.iinfo(torch.int64).max)
-                # Sort by key, then stably by value: equal values keep ascending key order.
-                _, by_key = torch.sort(secondary, dim=1)
-                _, by_value = torch.sort(torch.gather(primary, 1, by_key), dim=1, stable=True)
-                order = torch.gather(by_key, 1, by_value)[:, : self.settings.k]
+                order = best_order(v, keys, self.settings.k, metric.descending)
                 v, keys, src, i = (torch.gather(x, 1, order) for x in (v, keys, src, i))
             return DeviceFold.start(v, keys, src, i, self._cuda)
 

@@ -302,21 +302,30 @@ def exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor
     return out
 
 
-def rank_exact(values: torch.Tensor, idx: torch.Tensor, k: int, descending: bool):
-    """Top ``k`` of candidate rows by (value, index): best first, ties to the lower index."""
-    m, c = idx.shape
+def best_order(values: torch.Tensor, idx: torch.Tensor, k: int, descending: bool) -> torch.Tensor:
+    """Columns of each row's ``min(k, columns)`` best entries by (value, index), best first.
+
+    The tie rule of every backend: equal values go to the lower index; empty slots (index
+    -1) come last. Shared by the re-rank and by folds of per-block results on the device.
+    """
     big = torch.iinfo(torch.int64).max
     # Sort by index first, then stably by value: equal values keep ascending index order.
     by_index, order = torch.sort(torch.where(idx >= 0, idx, big), dim=1)
     vals = torch.gather(values, 1, order)
-    worst = -math.inf if descending else math.inf
     key = torch.where(by_index != big, -vals if descending else vals, math.inf)
     _, order2 = torch.sort(key, dim=1, stable=True)
+    return torch.gather(order, 1, order2[:, : min(k, idx.shape[1])])
+
+
+def rank_exact(values: torch.Tensor, idx: torch.Tensor, k: int, descending: bool):
+    """Top ``k`` of candidate rows by (value, index): best first, ties to the lower index."""
+    m, c = idx.shape
     width = min(k, c)
-    top = order2[:, :width]
-    out_i = torch.gather(by_index, 1, top)
-    out_v = torch.gather(vals, 1, top)
-    empty = out_i == big
+    top = best_order(values, idx, k, descending)
+    worst = -math.inf if descending else math.inf
+    out_i = torch.gather(idx, 1, top)
+    out_v = torch.gather(values, 1, top)
+    empty = out_i < 0
     out_i = torch.where(empty, -1, out_i)
     out_v = torch.where(empty, worst, out_v)
     if width < k:
