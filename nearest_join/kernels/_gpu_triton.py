@@ -78,7 +78,8 @@ class TileConfig:
     and an unrolled selection, so that the target loop holds no inner loop and triton's
     software pipeliner prefetches target tiles across iterations (it skips loops that
     contain loops). ``pipelined=False`` is the 2026-11-29 kernel. ``extra_passes``: the
-    register-list kernel's unrolled argmin passes (see ``_rowlist_kernel``)."""
+    register-list kernel's unrolled argmin passes and ``skip_test`` its row-minimum test
+    (see ``_rowlist_kernel``)."""
 
     block_m: int
     block_n: int
@@ -89,14 +90,19 @@ class TileConfig:
     pipelined: bool = False
     extra_passes: int = 3
     seg_cand: int = 0
+    skip_test: bool | None = None   # register lists: None = by skip_share (SKIP_TEST_SHARE)
 
 
 # Lists up to this long live in registers (_rowlist_kernel); longer ones are the union of
 # SEG_CAND-long register lists over target segments (or, where that does not suit, the buffer).
 ROWLIST_MAX = 64
-# Segment list length: 32 keeps 128 x 128 tiles at 8 warps free of spills on sm_90 (64 spills
-# a few registers: 255 registers, 40 B stack).
-SEG_CAND = 32
+# Segment list length. S x SEG_CAND = 2 n_cand whatever SEG_CAND, and so is the number of
+# insertions per row; shorter lists make each insert (a reduction over the list) and each
+# merge cheaper. Measured on the H200 (65,536 x 10^6, candidate pass, ms): n_cand 128 bf16
+# 141 -> 113 (16 vs 32), tf32 165 -> 136; n_cand 256 bf16 194 -> 151, tf32 217 -> 173; 64
+# was slower than 32. Plain-mode recall of the first 100 against the torch path's: 0.99998
+# at 16. The floor keeps EXACT mode exact whatever a segment holds back.
+SEG_CAND = 16
 # Each segment scans at least this many target tiles (as split_count). A segment's list
 # starts empty: while a row still gains several entries per tile (about the first SEG_CAND
 # tiles: ~SEG_CAND / j survivors per row at tile j) its tiles take the bitonic merge, so
@@ -121,12 +127,20 @@ def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
     """Tile shapes by list width and operand size.
 
     Short lists: register lists, 128 x 128 tiles (two wgmma warpgroups of 64 x 128), three
-    target tiles in flight (two for 4-byte operands: 64 KiB query tile + 64 KiB per stage).
+    target tiles in flight (two for 4-byte operands: 64 KiB query tile + 64 KiB per stage);
+    bf16 lists of up to 32 at d <= 128: 64 x 128 tiles, 4 warps, two programs per SM
+    (H200, 65,536 x 10^6 candidate pass: n_cand 16 64.0 -> 59.6 ms; n_cand 32 84.2 -> 78.6 ms
+    with an earlier version of the epilogue).
     Long lists: the same kernel and tiles over target segments, ``SEG_CAND`` entries per
     segment (``triton_candidates`` falls back to :func:`buffer_tile_config` when the targets
     are too few for enough segments).
     """
     wide = precision != "bf16"
+    if not wide and n_cand <= 32 and d <= 128:
+        # Two 4-warp programs of 64 rows per SM (112 KiB of shared memory and <= 255
+        # registers each): one program's list work overlaps the other's MMAs, which the
+        # compiler does not do within one program (it waits for each tile's wgmma).
+        return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="rowlist")
     if n_cand <= ROWLIST_MAX:
         return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="rowlist")
     return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="segmented",
@@ -258,7 +272,9 @@ def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, 
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     # bias = +inf past the end: those keys are +inf and never become candidates.
     bias = tl.load(bias_ptr + cols, mask=cols < nt, other=float("inf"))
-    return bias[None, :] - alpha * acc
+    # One FMA per key. alpha is 1 or 2 (key_alpha), so alpha * acc is exact and this equals
+    # bias - alpha * acc rounded once, as the torch path computes it.
+    return tl.fma(acc, -alpha, bias[None, :])
 
 
 # Sizes only bound loops and masks: one compiled variant serves every size.
@@ -329,6 +345,14 @@ def _fused_candidates_kernel(
 
 
 @triton.jit
+def _row_argmin(key, row_min, BLOCK_N: tl.constexpr):
+    """Column of each row's minimum ``row_min``, ties to the lower column (the lower index):
+    a compare, a select and a min per key, against seven ops for a min with indices."""
+    offs_n = tl.arange(0, BLOCK_N)
+    return tl.min(tl.where(key == row_min[:, None], offs_n[None, :], BLOCK_N), axis=1)
+
+
+@triton.jit
 def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
     """Per row: put (key, index) in place of the row's worst entry if it is better.
 
@@ -353,7 +377,7 @@ def _rowlist_kernel(
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
-    STRIDED: tl.constexpr = False,
+    STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True,
 ):
     """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
     each query's n_cand best of the program's target range live in registers.
@@ -361,11 +385,13 @@ def _rowlist_kernel(
     ``best`` holds the exact n_cand best (key, index) of the targets scanned so far, so the
     threshold (its row maximum ``worst``) is always the current n_cand-th best and survivors
     are as rare as they can be: about n_cand * BLOCK_N / (targets scanned) per row and tile.
-    Per tile, one row argmin and one survivor count (``key <= threshold``, a superset):
-    * no row has a survivor (most tiles, late in a long scan): no list work at all;
+    Per tile, one row minimum; ``SKIP_TEST``: when no row's minimum reaches its threshold
+    (most tiles late in a long scan, see :func:`skip_share`) that is all: one FMA and one
+    min per key. Else one survivor count (``key <= threshold``, a superset) picks the path:
+    * no row has a survivor: no list work at all;
     * every row has at most one (the steady state): it is the row minimum; insert it (one
       reduction over the list: the slot of the worst entry is carried from the last insert);
-    * some row has up to 1 + EXTRA_PASSES: that many argmin passes, unrolled;
+    * some row has 2: two argmin passes; up to 1 + EXTRA_PASSES: that many, unrolled;
     * more (the first tiles): the tile's best n_cand by bitonic top-k, merged with ``best``.
     No inner loop and no global buffer: the target loop is software-pipelined (target tiles
     prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
@@ -403,26 +429,38 @@ def _rowlist_kernel(
         n0 = t_start + tile * t_step
         key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
                          BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D)
+        row_min = tl.min(key, axis=1)
         if MIN_ONLY:
-            low = tl.minimum(low, tl.min(key, axis=1))
+            low = tl.minimum(low, row_min)
         else:
-            row_min, col = tl.min(key, axis=1, return_indices=True,
-                                  return_indices_tie_break_left=True)
             thr = _unpack_key(worst)
-            # Survivors counted against the key alone (ties at the threshold included): a
-            # superset of the entries that beat ``worst``; only the path choice uses it.
-            n_surv = tl.sum((key <= thr[:, None]).to(tl.int32), axis=1)
-            most = tl.max(n_surv, axis=0)
-            # most == 0 (most tiles late in a long scan): nothing can enter, no list work.
+            if SKIP_TEST:
+                reached = tl.max((row_min <= thr).to(tl.int32), axis=0) > 0
+            else:
+                reached = True
+            if reached:
+                # Survivors counted against the key alone (ties at the threshold included):
+                # a superset of the entries that beat ``worst``; only the path choice uses it.
+                most = tl.max(tl.sum((key <= thr[:, None]).to(tl.int32), axis=1), axis=0)
+            else:
+                most = 0
             if most == 1:
+                col = _row_argmin(key, row_min, BLOCK_N)
                 best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-            elif most > 1:
+            elif most == 2:
+                col = _row_argmin(key, row_min, BLOCK_N)
+                best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+                rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), key)
+                second = tl.min(rest, axis=1)
+                col = _row_argmin(rest, second, BLOCK_N)
+                best, worst, worst_slot = _insert(best, worst, worst_slot, second, n0 + col, N_CAND)
+            elif most > 2:
                 if most <= 1 + EXTRA_PASSES:
                     rest = key
                     for _ in tl.static_range(0, 1 + EXTRA_PASSES):
-                        row_min, col = tl.min(rest, axis=1, return_indices=True,
-                                              return_indices_tie_break_left=True)
-                        best, worst, worst_slot = _insert(best, worst, worst_slot, row_min,
+                        low_key = tl.min(rest, axis=1)
+                        col = _row_argmin(rest, low_key, BLOCK_N)
+                        best, worst, worst_slot = _insert(best, worst, worst_slot, low_key,
                                                           n0 + col, N_CAND)
                         rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
                 else:
@@ -479,6 +517,32 @@ def segment_count(nq: int, nt: int, n_cand: int, config: TileConfig, num_sms: in
     return n_seg if n_seg * config.seg_cand >= n_cand else 0
 
 
+def skip_share(n_tiles: int, block_m: int, list_len: int) -> float:
+    """Expected share of a register-list program's tiles where no row has a survivor.
+
+    A row's list holds the best ``list_len`` of the ``j`` tiles scanned so far, so tile ``j``
+    holds one of them with about ``list_len / j`` survivors per row (random order), and no
+    survivor in any of ``block_m`` rows with probability ``exp(-block_m * list_len / j)``:
+    the mean over ``j = 1 .. n_tiles`` (a log-spaced trapezoid sum).
+    """
+    if n_tiles < 1:
+        return 0.0
+    c = float(block_m * list_len)
+    points = [n_tiles ** (i / 64) for i in range(65)]
+    total = 0.0
+    for a, b in zip(points, points[1:]):
+        total += (b - a) * (math.exp(-c / a) + math.exp(-c / b)) / 2
+    return total / n_tiles
+
+
+# The row-minimum test before the survivor count (SKIP_TEST) costs a second block-wide
+# reduction on tiles with survivors and saves the count on tiles without: worth it from this
+# share. Measured (H200, 65,536 x 10^6, candidate pass): share 0.67 (bf16, 16, 64 rows) 60.1 ->
+# 59.6 ms with the test; 0.505 (tf32, 16, 128 rows) 91.9 -> 89.7; 0.505 (bf16, 32, 64 rows)
+# 69.7 -> 72.2 (worse); segments (share ~0) 217 -> 225 (tf32, 256). Near 0.5 it is a wash.
+SKIP_TEST_SHARE = 0.6
+
+
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed candidates -> (keys float32, indices int64 with -1 for empty)."""
     mono = (packed >> 32).to(torch.int32)
@@ -530,8 +594,8 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     :func:`merge_segments`; the list may then miss some of the row's n_cand best, but never
     one below the floor, which is what the margin test needs. Memory traffic against one
     long list: the target tiles are read as often as before (once per query tile); each
-    segment program loads its query tile once (S reads in all: 0.27 GB for 65,536 x 128 bf16
-    at S = 16) and stores rows x S x
+    segment program loads its query tile once (S reads in all: 0.54 GB for 65,536 x 128 bf16
+    at S = 32, n_cand 256) and stores rows x S x
     seg_cand int64 (0.27 GB at S x seg_cand = 512), which the merge reads back: well under a
     millisecond each at HBM bandwidth. The cost is list work: S lists that each start empty
     take ~S * seg_cand * (1 + ln(targets per segment / seg_cand)) insertions per row (4,400
@@ -602,6 +666,10 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         grid_m = math.ceil(rows / cfg.block_m)
         q_chunk = q_op[r0:r1]
         if rowlist:
+            program_tiles = (math.ceil(math.ceil(nt / cfg.block_n) / n_splits) if segmented
+                             else per_split // cfg.block_n)
+            skip_test = (cfg.skip_test if cfg.skip_test is not None
+                         else skip_share(program_tiles, cfg.block_m, list_len) >= SKIP_TEST_SHARE)
             out = torch.empty((rows, n_splits * list_len), dtype=torch.int64, device=device)
             if POISON_BUFFERS:  # checks: every slot must be written
                 out.fill_(0x5A5A5A5A5A5A5A5A)
@@ -609,7 +677,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 q_chunk, t_op, targets.bias, out,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
                 N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
-                MIN_ONLY=min_only, STRIDED=segmented, **common)
+                MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, **common)
             lists = out
         else:
             buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)

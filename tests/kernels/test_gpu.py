@@ -364,12 +364,18 @@ for n, (metric, precision, kind, k) in enumerate(cases):
 if KERNEL == "rowlist":
     # One long scan (128 tiles of 32, one split): late tiles mostly have no survivor or one
     # per row, the paths the first tiles never take. The lists must be the exact 8 best.
+    # With and without the row-minimum test (skip_test): the same lists. Then exact ties:
+    # every target three times in a row (the copies meet in one tile or across a tile edge),
+    # so a list of 8 takes two triples and two of a third: the lower indices (tie rule).
     q, t = make_data("gaussian", 16, 4096, 33, 7)
-    qs, ts = prepared(q, t, "l2", "fp32")
-    cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
-    keys, idx, _ = tr.triton_candidates(qs, ts, 8, config=cfg, splits=1)
-    ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
-    assert torch.equal(idx, torch.sort(ref, dim=1, stable=True).indices[:, :8])
+    for name, targets in (("long scan", t), ("triples", np.repeat(t[:1365], 3, axis=0))):
+        qs, ts = prepared(q, targets, "l2", "fp32")
+        ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
+        want = torch.sort(ref, dim=1, stable=True).indices[:, :8]
+        for skip_test in (True, False):
+            cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2, skip_test=skip_test)
+            keys, idx, _ = tr.triton_candidates(qs, ts, 8, config=cfg, splits=1)
+            assert torch.equal(idx, want), (name, skip_test)
     cases.append("long scan")
 
 if KERNEL == "segmented":
