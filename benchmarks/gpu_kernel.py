@@ -223,7 +223,7 @@ def kernel_variants(only: str = ""):
                                                          kernel="rowlist", extra_passes=1), False),
             ("buffer-pipelined-64", precision, 256, tr.TileConfig(64, 128, 512, 8, num_stages=stages,
                                                                   pipelined=True), False),
-            # Segmented register lists (the default above ROWLIST_MAX is seg_cand 32, 128 x 128).
+            # Segmented register lists (the default above ROWLIST_MAX is seg_cand 16, 128 x 128).
             ("segmented-32", precision, 256, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
                                                            kernel="segmented", seg_cand=32), False),
             ("segmented-64", precision, 256, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
@@ -233,6 +233,39 @@ def kernel_variants(only: str = ""):
                                                                      kernel="segmented", seg_cand=64), False),
         ]
     out.append(("rowlist-s4", "bf16", 32, tr.TileConfig(128, 128, 0, 8, num_stages=4, kernel="rowlist"), False))
+    # tf32 operands fill shared memory at 128 x 128 (64 KiB query tile + 64 KiB per stage):
+    # narrower target tiles or fewer query rows leave room for deeper prefetch.
+    out += [
+        ("rowlist-128x64-s4", "tf32", 16, tr.TileConfig(128, 64, 0, 8, num_stages=4, kernel="rowlist"), False),
+        ("rowlist-128x64-s3", "tf32", 16, tr.TileConfig(128, 64, 0, 8, num_stages=3, kernel="rowlist"), False),
+        ("rowlist-64x128-w8-s3", "tf32", 16, tr.TileConfig(64, 128, 0, 8, num_stages=3, kernel="rowlist"), False),
+        ("rowlist-128x64-s4", "bf16", 32, tr.TileConfig(128, 64, 0, 8, num_stages=4, kernel="rowlist"), False),
+        # The plain k=10 bf16 list (16), and 64-row programs of 4 warps (two per SM).
+        ("rowlist16", "bf16", 16, tr.tile_config(16, 128, "bf16"), False),
+        ("rowlist16-64x128-w4", "bf16", 16, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist"), False),
+        ("rowlist16-64x128-w4-noskip", "bf16", 16, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist",
+                                                                  skip_test=False), False),
+        ("rowlist16-skip", "tf32", 16, tr.TileConfig(128, 128, 0, 8, num_stages=2, kernel="rowlist",
+                                                     skip_test=True), False),
+        ("rowlist16-noskip", "tf32", 16, tr.TileConfig(128, 128, 0, 8, num_stages=2, kernel="rowlist",
+                                                       skip_test=False), False),
+        ("rowlist-64x128-w4-noskip", "bf16", 32, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist",
+                                                                skip_test=False), False),
+    ]
+    for n_cand in (128, 256):   # segments of 64-row, 4-warp programs, two per SM
+        out.append(("segmented-32-64x128-w4", "bf16", n_cand,
+                    tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=32), False))
+        out.append(("segmented-32-128x128", "bf16", n_cand,
+                    tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="segmented", seg_cand=32), False))
+    for precision, stages in (("tf32", 2), ("bf16", 3)):
+        for n_cand in (128, 256):   # 16-entry segment lists: twice the segments, cheaper inserts
+            out.append(("segmented-16", precision, n_cand, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+                                                                         kernel="segmented", seg_cand=16), False))
+        # k = 100 from a list of 128 (the plain width): how many rows would it prove?
+        out.append(("segmented-32-n128", precision, 128, tr.tile_config(128, 128, precision), False))
+        out.append(("segmented-32-skip", precision, 256, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+                                                                       kernel="segmented", seg_cand=32,
+                                                                       skip_test=True), False))
     parts = [p for p in only.split(",") if p]
     return [v for v in out if not parts or any(p in v[0] for p in parts)]
 
@@ -305,10 +338,16 @@ def run_variants(args, record) -> None:
                 ms = cuda_ms(lambda: tr.triton_candidates(qs, ts, n_cand, config=cfg, min_only=min_only), args.reps)
                 extra = {}
                 k_head = 100 if n_cand > 64 else 10
-                if not min_only and gt.candidate_width(k_head, precision) == n_cand:
+                if not min_only and k_head <= n_cand:   # also lists narrower than the exact width
                     keys, _, floor = tr.triton_candidates(qs, ts, n_cand, config=cfg)
                     extra[f"proven_k{k_head}"] = float(gt.margin_holds(keys, bound, k_head, floor).float().mean())
                     del keys, floor
+                    # The list's first k_head against the torch path's k_head best of the same
+                    # keys (2,048 rows): what the segments' short lists lose in plain mode.
+                    sub = qs.take(torch.arange(2048, device=dev))
+                    _, got, _ = tr.triton_candidates(sub, ts, n_cand, config=cfg)
+                    _, want = gt.torch_candidates(sub, ts, k_head)
+                    extra["list_recall"] = float((got[:, :k_head, None] == want[:, None, :]).any(2).float().mean())
             except Exception as exc:
                 record(what="variant_time", name=name, precision=precision, n_cand=n_cand,
                        error=f"{type(exc).__name__}: {str(exc)[:300]}")
