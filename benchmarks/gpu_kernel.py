@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -123,6 +122,7 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked",
     prof = cProfile.Profile() if profile else None
     if prof:
         prof.enable()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     if plan == "blocked":
         partial = list(search_pairs(iter(pairs), ctx))
@@ -135,13 +135,17 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked",
         t1 = t0
         rows = sum(out.num_rows for out in search_broadcast(iter(pairs), ctx))
     t2 = time.perf_counter()
+    # First-touch page faults (fresh output or staging memory) were the cost of some stages
+    # on some hosts: count them (each is ~0.1-1 us; millions of them show up in the times).
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     top = ""
     if prof:
         prof.disable()
         buf = io.StringIO()
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(10)
         top = buf.getvalue()
-    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "profile": top}
+    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "profile": top,
+            "minor_faults": faults}
 
 
 def install_stage_timers() -> dict:
@@ -487,7 +491,7 @@ def main(argv=None) -> None:
                        arrow_search_ms=res_warm["search_s"] * 1e3, arrow_merge_ms=res_warm["merge_s"] * 1e3,
                        arrow_first_ms=(res["search_s"] + res["merge_s"]) * 1e3,
                        arrow_share_of_kernel=(t_exact / 1e3) / total, pairs=res_warm["pairs"],
-                       rows=res_warm["rows"])
+                       rows=res_warm["rows"], minor_faults=res_warm["minor_faults"])
 
     if args.arrow_breakdown:   # last: the timers stay installed
         acc = install_stage_timers()
@@ -495,7 +499,7 @@ def main(argv=None) -> None:
             res = arrow_path(Qn, Tn, ks[0], "bf16", -(-args.nt // t_blocks), -(-args.nq // q_blocks), plan,
                              on_start=acc.clear)
             record(what="arrow_breakdown", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
-                   total_ms=round((res["search_s"] + res["merge_s"]) * 1e3, 1),
+                   total_ms=round((res["search_s"] + res["merge_s"]) * 1e3, 1), minor_faults=res["minor_faults"],
                    **{name: round(v * 1e3, 1) for name, v in sorted(acc.items())})
 
     print("\n| d | precision | k | GEMM ms | addmm+topk ms | fused ms | exact ms | fused TFLOP/s | "
