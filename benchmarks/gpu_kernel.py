@@ -380,11 +380,16 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="",
                     help="--variants: comma-separated name parts; run only the variants whose name has one "
                          "(checks take ~30-60 s per variant: plan device calls with this)")
+    ap.add_argument("--widen-factor", type=int, default=None,
+                    help="exact mode: widen unproven rows this many times (default: the backend's "
+                         "WIDEN_FACTOR); tf32 k=100 widens ~1.6%% of rows from 128 candidates")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
     ap.add_argument("--arrow-breakdown", action="store_true",
                     help="also time the Arrow path's stages (bf16; a separate, instrumented run)")
     args = ap.parse_args(argv)
+    if args.widen_factor:
+        gt.WIDEN_FACTOR = args.widen_factor
     if args.quick:
         args.nq, args.nt, args.d_large, args.reps = 4096, 100_000, 256, 2
     ks = [int(k) for k in args.ks.split(",")]
@@ -396,7 +401,7 @@ def main(argv=None) -> None:
         out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"commit {commit or '?'} nq={args.nq} nt={args.nt}", flush=True)
+          f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR}", flush=True)
 
     def record(**row):
         rows.append(row)

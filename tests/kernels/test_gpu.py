@@ -282,6 +282,31 @@ def test_the_rerank_skips_candidates_beyond_theta_plus_twice_the_bound():
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
+def test_skip_share_predicts_the_tiles_without_survivors():
+    """The model behind the row-minimum test's switch against a simulated scan: random keys,
+    each row's threshold the list_len-th best so far, a tile skipped when no row reaches it."""
+    from nearest_join.kernels import _gpu_triton as tr
+
+    rng = np.random.default_rng(5)
+    for block_m, list_len, n_tiles in [(8, 4, 400), (4, 2, 300), (16, 8, 150)]:
+        shares = []
+        for _ in range(4):
+            keys = rng.random((block_m, n_tiles, 16))
+            skipped = 0
+            best = np.full((block_m, list_len), np.inf)
+            for j in range(n_tiles):
+                tile = keys[:, j, :]
+                if not (tile.min(axis=1) <= best.max(axis=1)).any():
+                    skipped += 1
+                best = np.sort(np.concatenate([best, tile], axis=1), axis=1)[:, :list_len]
+            shares.append(skipped / n_tiles)
+        predicted = tr.skip_share(n_tiles, block_m, list_len)
+        assert abs(np.mean(shares) - predicted) < 0.05, (block_m, list_len, np.mean(shares), predicted)
+    assert tr.skip_share(0, 128, 16) == 0.0
+    assert tr.skip_share(7813, 128, 16) > tr.skip_share(7813, 128, 32) > tr.skip_share(488, 128, 16)
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_merging_segments_keeps_the_floor_of_every_held_back_target():
     from nearest_join.kernels import _gpu_triton as tr
 
