@@ -261,6 +261,10 @@ def kernel_variants(only: str = ""):
                     tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=32), False))
         out.append(("segmented-32-128x128", "bf16", n_cand,
                     tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="segmented", seg_cand=32), False))
+    # Not yet timed: tf32 with three stages where d is consumed in 64-wide chunks (d > 128:
+    # 32 + 32 KiB per stage fit three; at d=128 the whole 64 KiB query tile does not):
+    # `--variants --no-check --d 768 --precisions tf32 --only rowlist-s3-tf32`.
+    out.append(("rowlist-s3-tf32", "tf32", 16, tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="rowlist"), False))
     # Not yet timed (next device session): the exact bf16 k=10 pass (n_cand 32) as four
     # 16-entry segments, and 8-entry segments for k=100 (S = n_cand / 4).
     out.append(("segmented-16-64x128-w4", "bf16", 32,
