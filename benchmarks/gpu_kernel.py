@@ -184,6 +184,75 @@ def install_stage_timers() -> dict:
     return acc
 
 
+def exact_breakdown(args, ks, precisions, record) -> None:
+    """Where the exact search's time goes: each stage of ``exact_topk`` between two syncs.
+
+    Stages run one after another (synchronised), so the sum is a little above the plain
+    timed call; the split is what matters: candidate passes (and how many: widening rounds)
+    against the re-rank's torch work (bound, margin test, gathers, sorts).
+    """
+    import collections
+
+    from nearest_join.kernels import _gpu_triton as tr
+
+    acc = collections.defaultdict(float)
+    calls = collections.Counter()
+
+    def wrap(owner, name, label):
+        fn = getattr(owner, name)
+
+        def timed(*a, **kw):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                torch.cuda.synchronize()
+                acc[label] += time.perf_counter() - t0
+                calls[label] += 1
+        setattr(owner, name, timed)
+        return fn
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(args.d)
+    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
+    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
+    for precision in precisions:
+        prepared = prepare_targets(T, "l2", precision)
+        for k in ks:
+            search_prepared(Q, prepared, k)        # compile
+            plain = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k, exact=False), args.reps))
+            whole = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k), args.reps))
+            originals = [(tr, "triton_candidates", wrap(tr, "triton_candidates", "candidates (kernel)"))]
+            originals += [(gt, n, wrap(gt, n, n)) for n in
+                          ("prepare_side", "key_error_bound", "margin_holds", "rerank_width", "exact_values",
+                           "rank_exact", "torch_candidates", "value_limit")]
+            originals.append((tr, "triton_exact_values", wrap(tr, "triton_exact_values", "triton_exact_values")))
+            rows_in = []     # (query rows, n_cand) of each candidate pass: the widening rounds
+            timed_candidates = tr.triton_candidates
+
+            def counted(q, t, n_cand, **kw):
+                rows_in.append((q.rows, n_cand))
+                return timed_candidates(q, t, n_cand, **kw)
+            tr.triton_candidates = counted
+            acc.clear()
+            calls.clear()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            search_prepared(Q, prepared, k)
+            torch.cuda.synchronize()
+            total = time.perf_counter() - t0
+            for owner, name, fn in originals:
+                setattr(owner, name, fn)
+            record(what="exact_breakdown", precision=precision, k=k, plain_ms=plain, exact_ms=whole,
+                   exact_over_plain=whole / plain, synced_total_ms=round(total * 1e3, 2),
+                   candidate_calls=[f"{r} rows x {n}" for r, n in rows_in],
+                   **{f"{n} ms": round(v * 1e3, 2) for n, v in acc.items()},
+                   **{f"{n} calls": c for n, c in calls.items()})
+        del prepared
+        torch.cuda.empty_cache()
+
+
 def upload_rates(nbytes=128 << 20):
     """GB/s of the ways a host array can reach the device (the target block's upload)."""
     from udfs.rows import copy_into
@@ -268,6 +337,10 @@ def kernel_variants(only: str = ""):
     # 16-entry segments, and 8-entry segments for k=100 (S = n_cand / 4).
     out.append(("segmented-16-64x128-w4", "bf16", 32,
                 tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=16), False))
+    # Two 16-entry segments: as many insertions as one list of 32, each over 16 entries; the
+    # floor (the lesser segment's 16th key) proves fewer rows than a list of 32.
+    out.append(("segmented-16-s2-64x128-w4", "bf16", 32,
+                tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2), False))
     out.append(("segmented-16", "bf16", 32,
                 tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="segmented", seg_cand=16), False))
     for precision, stages in (("tf32", 2), ("bf16", 3)):
@@ -392,11 +465,19 @@ def main(argv=None) -> None:
                          "WIDEN_FACTOR); tf32 k=100 widens ~1.6%% of rows from 128 candidates")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
+    ap.add_argument("--seg-cand", type=int, default=None,
+                    help="segment list length of the segmented mode (default: the backend's SEG_CAND)")
+    ap.add_argument("--exact-breakdown", action="store_true",
+                    help="only: time each stage of the exact search (candidates, bound, re-rank) at d")
     ap.add_argument("--arrow-breakdown", action="store_true",
                     help="also time the Arrow path's stages (bf16; a separate, instrumented run)")
     args = ap.parse_args(argv)
     if args.widen_factor:
         gt.WIDEN_FACTOR = args.widen_factor
+    if args.seg_cand:
+        from nearest_join.kernels import _gpu_triton as tr
+
+        tr.SEG_CAND = args.seg_cand
     if args.quick:
         args.nq, args.nt, args.d_large, args.reps = 4096, 100_000, 256, 2
     ks = [int(k) for k in args.ks.split(",")]
@@ -408,7 +489,8 @@ def main(argv=None) -> None:
         out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR}", flush=True)
+          f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'}",
+          flush=True)
 
     def record(**row):
         rows.append(row)
@@ -426,6 +508,10 @@ def main(argv=None) -> None:
                 print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | {r['ms']:.1f} | {r['tflops']:.0f} |")
             elif r.get("error") or r.get("ok") is False:
                 print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | FAILED {r.get('error', '')[:150]} | |")
+        return
+
+    if args.exact_breakdown:
+        exact_breakdown(args, ks, precisions, record)
         return
 
     shapes = [] if args.arrow_only else [(args.d, ks, precisions)]
