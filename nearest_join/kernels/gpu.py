@@ -161,16 +161,16 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, reason)
     if chosen == "triton":
-        from ._gpu_triton import MAX_CANDIDATES, triton_candidates
+        from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_values
 
         def candidates(q, t, n_cand):
             return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes)
-        max_cand = MAX_CANDIDATES
+        max_cand, values = MAX_CANDIDATES, triton_exact_values
     else:
-        candidates, max_cand = gt.torch_candidates, None
+        candidates, max_cand, values = gt.torch_candidates, None, None
     if exact:
         v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
-                             stats=targets.stats)
+                             stats=targets.stats, values=values)
     else:
         v, i = gt.approximate_topk(side, targets.side, k, candidates)
     if targets.rows is not None:

@@ -13,6 +13,7 @@ square root halves relative errors and would hide a wrong ranking of close pairs
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import subprocess
 import sys
@@ -252,16 +253,26 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
 
 
 @needs_torch
-def test_the_rerank_skips_candidates_beyond_theta_plus_twice_the_bound():
+def test_the_rerank_skips_candidates_beyond_the_value_limit():
     from nearest_join.kernels import _gpu_torch as gt
 
     keys = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5, 9.0, 10.0, 11.0],
                          [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]])
-    bound = torch.tensor([0.5, 0.1])
-    # Row 0: theta 2, limit 3 (inclusive): 4 columns. Row 1: theta 1, limit 1.2: 3 columns.
-    assert gt.rerank_width(keys, bound, 3, torch.tensor([True, True])) == 4
-    assert gt.rerank_width(keys, bound, 3, torch.tensor([False, True])) == 3
-    assert gt.rerank_width(keys, bound, 3, torch.tensor([False, False])) == 3   # at least k
+    # Row 0: keys <= 3 (inclusive): 4 columns. Row 1: keys <= 1.2: 3 columns.
+    assert gt.rerank_width(keys, torch.tensor([3.0, 1.2]), 3) == 4
+    assert gt.rerank_width(keys, torch.tensor([1.0, 1.2]), 3) == 3
+    assert gt.rerank_width(keys, torch.tensor([-1.0, -1.0]), 3) == 3   # at least k
+    # value_limit: key(V) + E, never rounded down. l2: key = V - |q|^2; similarities: -V.
+    q = np.array([[3.0, 4.0], [1.0, 0.0]], np.float32)            # |q|^2 = 25, 1
+    qs = gt.prepare_side(torch.from_numpy(q), "l2", "fp32")
+    lim = gt.value_limit(torch.tensor([30.0, 2.0]), torch.tensor([0.5, 0.25]), qs).double()
+    assert (lim >= torch.tensor([5.5, 1.25], dtype=torch.float64)).all(), lim
+    assert torch.allclose(lim, torch.tensor([5.5, 1.25], dtype=torch.float64), atol=1e-4), lim
+    qs = gt.prepare_side(torch.from_numpy(q), "inner_product", "fp32")
+    lim = gt.value_limit(torch.tensor([30.0, 2.0]), torch.tensor([0.5, 0.25]), qs).double()
+    assert (lim >= torch.tensor([-29.5, -1.75], dtype=torch.float64)).all(), lim
+    assert bool(torch.isinf(gt.value_limit(torch.tensor([math.inf, math.inf]), torch.tensor([0.5, 0.25]),
+                                           gt.prepare_side(torch.from_numpy(q), "l2", "fp32"))).all())
     # Through exact_topk: Gaussian data, fp32 (a tiny bound): the re-rank reads fewer columns.
     q, t = make_data("gaussian", 7, 300, 16, 3)
     qs, ts = _prepared(q, t)
@@ -277,8 +288,58 @@ def test_the_rerank_skips_candidates_beyond_theta_plus_twice_the_bound():
         v, i = gt.exact_topk(qs, ts, 3, gt.torch_candidates)
     finally:
         gt.exact_values = real
-    assert widths and widths[0] < gt.candidate_width(3, "fp32"), widths
+    assert widths[0] == 3 and sum(widths) < gt.candidate_width(3, "fp32"), widths
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", ["sqeuclidean", "inner_product"])
+def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
+    """bf16 keys, k=3, lists of 8: the 3 nearest targets, then 5 more about 1.5 E further
+    (E the error bound). The key-only test needs a gap of 2E and would widen; the re-ranked
+    3rd value lies within the actual error of the 3rd key, far inside E, and proves the
+    list. The setup itself is asserted, so the test cannot pass vacuously."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    rng = np.random.default_rng(4)
+    d, k = 16, 3
+    q = (10 * rng.standard_normal((1, d))).astype(np.float32)
+    u = rng.standard_normal((40, d))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+
+    def build(gap_e):
+        # Keys rise along each row: sqeuclidean by radius, inner_product by the component
+        # along q (all targets at one norm, so the bound's terms barely move).
+        steps = np.concatenate([[0.0, 0.01, 0.02], 1.5 + 0.01 * np.arange(37)]) * gap_e
+        if metric == "sqeuclidean":
+            t = q + np.sqrt(4.0 + steps)[:, None] * u
+        else:
+            qn = q[0] / np.linalg.norm(q[0])
+            perp = u - (u @ qn)[:, None] * qn
+            perp /= np.linalg.norm(perp, axis=1, keepdims=True)
+            cos = 0.9 - steps / (20 * np.linalg.norm(q[0]))     # dot falls by steps
+            t = 20 * (cos[:, None] * qn + np.sqrt(1 - cos ** 2)[:, None] * perp)
+        return rng.permutation(t).astype(np.float32)
+
+    qs = gt.prepare_side(torch.from_numpy(q), metric, "bf16")
+    ts = gt.prepare_side(torch.from_numpy(build(1.0)), metric, "bf16")
+    e = float(gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)[0])
+    t = build(e)
+    ts = gt.prepare_side(torch.from_numpy(t), metric, "bf16")
+    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)
+    n_cand = gt.candidate_width(k, "bf16")
+    assert n_cand == 8
+    keys, idx = gt.torch_candidates(qs, ts, n_cand)
+    assert not bool(gt.margin_holds(keys, bound, k)[0]), "setup: the keys alone must not prove the list"
+    calls = []
+
+    def counted(qq, tt, n):
+        calls.append(n)
+        return gt.torch_candidates(qq, tt, n)
+
+    v, i = gt.exact_topk(qs, ts, k, counted)
+    assert calls == [n_cand], calls                 # proven by the values: no widening
+    check_result(q, t, k, metric, v.numpy(), i.numpy())
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
@@ -383,10 +444,21 @@ for n, (metric, precision, kind, k) in enumerate(cases):
     order = torch.sort(ref.float(), dim=1, stable=True)
     if kind == "gaussian":  # no near ties: the same order as float64 keys
         assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256)
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values)
     check_result(q, t, k, metric, v.numpy(), i.numpy())
 
 if KERNEL == "rowlist":
+    # The re-rank kernel against the torch form: d within one chunk and over two, empty
+    # slots (NaN there), both value forms.
+    rng = np.random.default_rng(3)
+    for metric, d in (("sqeuclidean", 33), ("inner_product", 70), ("cosine", 16)):
+        q, t = make_data("gaussian", 37, 50, d, d)
+        qs, ts = prepared(q, t, metric, "fp32")
+        idx = torch.from_numpy(rng.integers(-1, 50, (37, 9)))
+        want = gt.exact_values(qs, ts, idx)
+        got = tr.triton_exact_values(qs, ts, idx[:, 2:])
+        assert torch.equal(torch.isnan(got), idx[:, 2:] < 0), metric
+        assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want[:, 2:]), rtol=1e-5, atol=1e-5), metric
     # One long scan (128 tiles of 32, one split): late tiles mostly have no survivor or one
     # per row, the paths the first tiles never take. The lists must be the exact 8 best.
     # With and without the row-minimum test (skip_test): the same lists. Then exact ties:
@@ -449,9 +521,20 @@ if KERNEL == "segmented":
     assert proven[run:].all(), proven         # elsewhere the floor proves the rows
     # Widening: 128 candidates need more segments than 603 targets allow -> buffer kernel.
     assert tr.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256)
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values)
     check_result(q, t, k, "sqeuclidean", v.numpy(), i.numpy())
     cases.append("crowded")
+    # Two segments at least (config.segments), as the bf16 n_cand 32 default: the union of
+    # two 8-long lists is the 16-candidate list; exact through the re-ranked margin.
+    two = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, segments=2, extra_passes=2)
+    assert tr.segment_count(3, 603, 16, two, 4) == 2
+    q, t = make_data("gaussian", 3, 603, 33, 12)
+    qs, ts = prepared(q, t, "l2", "bf16")
+    keys, idx, floor = tr.triton_candidates(qs, ts, 16, config=two)
+    assert torch.isfinite(floor).all()
+    v, i = gt.exact_topk(qs, ts, 5, lambda a, b, n: tr.triton_candidates(a, b, n, config=two if n == 16 else None),
+                         max_candidates=256, values=tr.triton_exact_values)
+    check_result(q, t, 5, "l2", v.numpy(), i.numpy())
 print("interpreter ok", len(cases))
 """
 
