@@ -165,12 +165,12 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
 
         def candidates(q, t, n_cand):
             return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes)
-        max_cand, values = MAX_CANDIDATES, triton_exact_values
+        max_cand, values_fn = MAX_CANDIDATES, triton_exact_values
     else:
-        candidates, max_cand, values = gt.torch_candidates, None, None
+        candidates, max_cand, values_fn = gt.torch_candidates, None, None
     if exact:
         v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
-                             stats=targets.stats, values=values)
+                             stats=targets.stats, values=values_fn)
     else:
         v, i = gt.approximate_topk(side, targets.side, k, candidates)
     if targets.rows is not None:
