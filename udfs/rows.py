@@ -50,15 +50,26 @@ def pooled_empty(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, pa.Buffer]:
     return np.frombuffer(buf, dtype=dtype, count=int(np.prod(shape))).reshape(shape), buf
 
 
+def _take(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = matrix[rows]`` on this thread: the compiled row copy (GIL released, about
+    twice ``np.take`` for 128-float rows) for 2-D arrays of one dtype, else ``np.take``."""
+    if matrix.ndim == 2 and out.ndim == 2 and matrix.dtype == out.dtype and matrix.dtype.kind == "f":
+        from nearest_join.kernels.cpu import take_rows
+
+        take_rows(matrix, rows, out)
+    else:
+        np.take(matrix, rows, axis=0, out=out)
+
+
 def take_matrix(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int | None = None) -> None:
-    """``out[:] = matrix[rows]``, split over threads when large (numpy releases the GIL)."""
+    """``out[:] = matrix[rows]``, split over threads when large (the copy releases the GIL)."""
     n = rows.shape[0]
     threads = threads or gather_threads()
     if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
-        np.take(matrix, rows, axis=0, out=out)
+        _take(matrix, rows, out)
         return
     bounds = np.linspace(0, n, threads + 1).astype(np.int64)
-    futures = [_pool(threads).submit(np.take, matrix, rows[a:b], 0, out[a:b])
+    futures = [_pool(threads).submit(_take, matrix, rows[a:b], out[a:b])
                for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     for f in futures:
         f.result()
@@ -85,7 +96,9 @@ def take_matrices(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarr
         src, rws, dst = source[a:b], rows[a:b], out[a:b]
         for s, matrix in enumerate(matrices):
             sel = np.flatnonzero(src == s)
-            if sel.size:
+            if sel.size == b - a:          # one source: straight into the output
+                _take(matrix, rws, dst)
+            elif sel.size:
                 dst[sel] = matrix[rws[sel]]
         empty = np.flatnonzero(src < 0)
         if empty.size:

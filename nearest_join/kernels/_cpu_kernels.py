@@ -199,3 +199,15 @@ def unit_rows(rows):
         for j in range(rows.shape[1]):
             out[i, j] = rows[i, j] / norm
     return out
+
+
+@njit(nogil=True, cache=True)
+def take_rows(matrix, rows, out):
+    """``out[i] = matrix[rows[i]]`` for in-range ``rows``, on the calling thread with the GIL
+    released (callers split the rows over their threads). A plain copy loop: about twice
+    ``np.take``'s rate for 128-float rows, whose per-row item copies do not vectorise."""
+    width = matrix.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        for j in range(width):
+            out[i, j] = matrix[r, j]

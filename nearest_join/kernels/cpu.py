@@ -67,7 +67,24 @@ from . import _cpu_kernels  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "TOLERANCE", "CpuBackend"]
+__all__ = ["BACKEND", "TOLERANCE", "CpuBackend", "take_rows"]
+
+
+def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = matrix[rows]`` (2-D, same dtype) on this thread, GIL released.
+
+    The payload gathers of ``udfs.rows`` split large gathers over threads and call this per
+    chunk. Indices are checked here: the compiled loop does not bounds-check.
+    """
+    if rows.shape[0] != out.shape[0] or matrix.shape[1:] != out.shape[1:] or matrix.dtype != out.dtype:
+        raise ValueError(f"take_rows: shapes {matrix.shape} -> {out.shape} (dtypes {matrix.dtype}, "
+                         f"{out.dtype}) do not match {rows.shape[0]} rows")
+    if rows.shape[0] == 0:
+        return
+    lo, hi = int(rows.min()), int(rows.max())
+    if lo < 0 or hi >= matrix.shape[0]:
+        raise IndexError(f"take_rows: row {lo if lo < 0 else hi} outside 0..{matrix.shape[0] - 1}")
+    _cpu_kernels.take_rows(matrix, np.asarray(rows, dtype=np.int64), out)
 
 # Values agree with the float64 reference within TOLERANCE[input dtype] * scale, where scale is
 # |q|^2 + |t|^2 for squared distances (l2 is compared squared: the bound holds there, while the
