@@ -76,3 +76,28 @@ def test_threaded_matrix_take_and_copy_equal_numpy():
     take_matrices(mats, source, rows2, out, threads=4)
     want = np.stack([mats[s][r] if s >= 0 else np.zeros(600, np.float32) for s, r in zip(source, rows2)])
     np.testing.assert_array_equal(out, want)
+
+
+def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
+    from nearest_join.kernels.cpu import take_rows as compiled_take
+
+    rng = np.random.default_rng(6)
+    for dtype in (np.float32, np.float64):
+        m = rng.standard_normal((300, 7)).astype(dtype)
+        strided = m[:, ::2]                       # a non-contiguous source
+        rows = rng.integers(0, 300, 500)
+        out = np.empty((500, strided.shape[1]), dtype)
+        compiled_take(strided, rows, out)
+        np.testing.assert_array_equal(out, strided[rows])
+    out = np.empty((2, 7), np.float32)
+    m = np.zeros((300, 7), np.float32)
+    with pytest.raises(IndexError, match="row 300 outside 0..299"):
+        compiled_take(m, np.array([0, 300]), out)
+    with pytest.raises(IndexError, match="row -1"):
+        compiled_take(m, np.array([-1, 3]), out)
+    with pytest.raises(ValueError, match="do not match"):
+        compiled_take(m, np.array([1, 2]), np.empty((2, 7), np.float64))
+    # One source among several: take_matrices copies straight through, the same rows.
+    one = np.empty((500, 7), np.float32)
+    take_matrices([m + 1, m], np.zeros(500, np.int64), rng.integers(0, 300, 500), one, threads=1)
+    np.testing.assert_array_equal(one, np.ones((500, 7), np.float32))
