@@ -128,6 +128,12 @@ def choose_implementation(k: int, precision: str, device, impl: str = "auto") ->
         if width > MAX_CANDIDATES:
             refusal = (f"k={k} in {precision} needs {width} candidates, more than the fused "
                        f"kernel's {MAX_CANDIDATES}")
+    if refusal is None and impl == "auto" and precision == "fp32":
+        # IEEE float32 products run on CUDA cores, where the fused kernel's single 128-deep
+        # dot per tile is far off cuBLAS (H200, 65,536 x 10^6 x 128, k=10: 51 s against
+        # 1.2 s for sgemm + topk, 2026-11-30): the torch path, until a float32 tile config is
+        # measured. impl="triton" still runs the kernel.
+        return "torch", "fp32 runs cuBLAS sgemm + topk (the fused kernel is tuned for tensor cores)"
     if refusal is None:
         return "triton", "fused kernel"
     if impl == "triton":
