@@ -438,7 +438,7 @@ def final_values(values: torch.Tensor, metric: str) -> torch.Tensor:
 def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               seeded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
     ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
@@ -446,6 +446,9 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     ``WIDEN_FACTOR``-fold; above ``max_candidates`` (the fused kernel's limit), or when the
     list cannot grow any more, the torch generator takes over, up to every target.
     ``values`` computes the re-rank's exact values (default :func:`exact_values`).
+    ``seeded``: ``candidates`` takes ``seed=`` (float32 per row): the widening rounds pass
+    each row's ``value_limit`` of the round before, above which no target can rank (module
+    notes), so the generator need not keep such targets (the fused kernel then skips them).
     """
     metric = queries.metric
     stats = stats or TargetStats.of(targets)
@@ -457,11 +460,15 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     subset = queries
     n_cand = candidate_width(k, queries.precision)
     generator = candidates
+    seed = None
     while pending.numel():
         if max_candidates is not None and n_cand > max_candidates and generator is candidates:
             logger.debug("widening %d rows to %d candidates: torch path", pending.numel(), n_cand)
             generator = torch_candidates
-        found = generator(subset, targets, n_cand)
+        if seed is not None and generator is candidates:
+            found = generator(subset, targets, n_cand, seed=seed)
+        else:
+            found = generator(subset, targets, n_cand)
         keys, idx = found[0], found[1]
         floor = found[2] if len(found) > 2 else None
         bound = key_error_bound(subset, stats, metric)
@@ -480,6 +487,9 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         retry = (~ok).nonzero().flatten()
         logger.debug("%d of %d rows widen from %d candidates", retry.numel(), ok.numel(), n_cand)
         pending = pending[retry]
+        if seeded:
+            # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
+            seed = value_limit(v[:, k - 1], bound, subset)[retry]
         subset = subset.take(retry)
         wider = min(n_cand * WIDEN_FACTOR, next_pow2(nt))
         if wider == n_cand:

@@ -57,6 +57,9 @@ BLOCK_D = 64
 # Packed "no candidate": key +inf (0x7F800000) and index 0x7FFFFFFF; sorts after every real one.
 EMPTY = 0x7F8000007FFFFFFF
 _EMPTY = tl.constexpr(EMPTY)
+# Index of a seeded list's placeholder entries (seed key, this index): no real target has it.
+VIRTUAL_INDEX = 0x7FFFFFFF
+_VIRTUAL = tl.constexpr(VIRTUAL_INDEX)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
 # Above this many survivors in some row of a tile, append them in bulk, else one by one.
 FEW = tl.constexpr(4)
@@ -379,12 +382,12 @@ def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
 
 @triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
 def _rowlist_kernel(
-    q_ptr, t_ptr, bias_ptr, out_ptr,
+    q_ptr, t_ptr, bias_ptr, out_ptr, seed_ptr,
     nq, nt, d, tiles_per_split, stride_q, stride_t, alpha,
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
-    STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True,
+    STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True, SEEDED: tl.constexpr = False,
 ):
     """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
     each query's n_cand best of the program's target range live in registers.
@@ -409,6 +412,11 @@ def _rowlist_kernel(
     other (a cluster, data sorted by place) spread over the segments at tile granularity
     rather than crowding one segment's short list. The programs running at the same time
     share ``pid_s`` (grid dimension 0 varies fastest) and read the same tiles either way.
+    ``SEEDED``: each row's list starts full of placeholders (its seed key from ``seed_ptr``,
+    index ``VIRTUAL_INDEX``) instead of EMPTY, so the threshold starts at the seed: keys
+    above it never enter and, once the row minimum stays above every seed, tiles cost the
+    product and one minimum. A placeholder left at the end means every target of the range
+    with key <= seed is in the list (none was evicted: the worst entry was a placeholder).
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -428,8 +436,14 @@ def _rowlist_kernel(
         q = _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
     else:
         q = 0.0
-    best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
-    worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
+    if SEEDED:
+        seed_rows = m0 + tl.arange(0, BLOCK_M)
+        seed = tl.load(seed_ptr + seed_rows, mask=seed_rows < nq, other=float("inf"))
+        worst = _pack(seed, tl.full([BLOCK_M], _VIRTUAL, tl.int32))   # +inf: EMPTY
+        best = tl.zeros([BLOCK_M, N_CAND], dtype=tl.int64) + worst[:, None]
+    else:
+        best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
+        worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
     worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
     low = tl.full([BLOCK_M], float("inf"), tl.float32)
     for tile in range(0, n_tiles):
@@ -562,6 +576,15 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(empty, math.inf, keys), torch.where(empty, -1, index)
 
 
+def floor_key(packed: torch.Tensor) -> torch.Tensor:
+    """The least key a target left out of a list ending in ``packed`` can have: the key
+    itself, or just above it for a seeded list's placeholder (targets at the seed entered);
+    +inf for EMPTY."""
+    keys = unpack(packed)[0]
+    virtual = ((packed & 0xFFFFFFFF) == VIRTUAL_INDEX) & torch.isfinite(keys)
+    return torch.where(virtual, torch.nextafter(keys, torch.full_like(keys, math.inf)), keys)
+
+
 def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Union of the segments' lists: (its n_cand best, sorted, packed; floor float32).
@@ -574,12 +597,11 @@ def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
     """
     rows = lists.shape[0]
     seg_worst = lists.view(rows, n_segments, -1).max(dim=2).values
-    seg_floor = torch.where(seg_worst == EMPTY, math.inf, unpack(seg_worst)[0])
-    floor = seg_floor.min(dim=1).values
+    floor = floor_key(seg_worst).min(dim=1).values
     width = lists.shape[1]
     merged = torch.topk(lists, min(width, n_cand + 1), dim=1, largest=False, sorted=True).values
     if width > n_cand:
-        floor = torch.minimum(floor, unpack(merged[:, n_cand])[0])
+        floor = torch.minimum(floor, floor_key(merged[:, n_cand]))
         merged = merged[:, :n_cand]
     return merged, floor
 
@@ -587,6 +609,7 @@ def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
                       buffer_bytes: int = 1 << 30, min_only: bool = False,
+                      seed: torch.Tensor | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``n_cand`` best approximate keys per query from the fused kernel, and a floor.
 
@@ -619,6 +642,10 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     ``splits`` forces the number of target splits (segments in the segmented mode).
     ``buffer_bytes`` bounds the candidate buffer: queries run in chunks that fit it.
     ``min_only`` (timing only, register-list kernels): GEMM + row minimum, no candidate lists.
+    ``seed`` (float32 (m,), +inf = none): keys above a row's seed cannot matter to the caller
+    (the widening rounds of :func:`_gpu_torch.exact_topk`); the register-list kernels then
+    never insert them and the row's floor is at most just above its seed (:func:`floor_key`).
+    The buffer kernel ignores it, which is valid: a seed only narrows what must be kept.
     """
     if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
         raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
@@ -686,11 +713,14 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             out = torch.empty((rows, n_splits * list_len), dtype=torch.int64, device=device)
             if POISON_BUFFERS:  # checks: every slot must be written
                 out.fill_(0x5A5A5A5A5A5A5A5A)
+            seeded = seed is not None
+            seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
+                          if seeded else q_chunk)
             _rowlist_kernel[(grid_m, n_splits)](
-                q_chunk, t_op, targets.bias, out,
+                q_chunk, t_op, targets.bias, out, seed_chunk,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
                 N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
-                MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, **common)
+                MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, SEEDED=seeded, **common)
             lists = out
         else:
             buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)
@@ -714,11 +744,16 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         elif rowlist:  # register lists come back unsorted
             lists = torch.sort(lists, dim=1).values
         k_vals, k_idx = unpack(lists)
+        if rowlist and seed is not None:   # placeholders of seeded lists: empty slots
+            virtual = k_idx == VIRTUAL_INDEX
+            k_vals = torch.where(virtual, math.inf, k_vals)
+            k_idx = torch.where(virtual, -1, k_idx)
         width = lists.shape[1]
         keys_out[r0:r1, :width] = k_vals
         idx_out[r0:r1, :width] = k_idx
-        if not segmented and nt > n_cand:  # a full list of the n_cand best: the last key
-            floor_out[r0:r1] = k_vals[:, -1]
+        if not segmented and (nt > n_cand or (rowlist and seed is not None)):
+            # The list's n_cand best: the last key (just above a seed's placeholder).
+            floor_out[r0:r1] = floor_key(lists[:, -1])
     return keys_out, idx_out, floor_out
 
 

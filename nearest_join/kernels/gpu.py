@@ -141,6 +141,13 @@ def choose_implementation(k: int, precision: str, device, impl: str = "auto") ->
     return "torch", refusal
 
 
+# Widening rounds seed the fused kernel's lists with each row's limit (keys above it cannot
+# rank: the kernel skips them). Interpreter-tested and compiled for sm_90 here (2026-11-30),
+# not yet run on a GPU: off until the device matrix passes with it (benchmark:
+# ``gpu_kernel.py --seeded-widening``).
+SEED_WIDENING = False
+
+
 def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
                     exact: bool = True, buffer_bytes: int = 1 << 30):
     """Top-k of every query row (a float tensor on the targets' device) against ``targets``.
@@ -169,14 +176,14 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     if chosen == "triton":
         from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_values
 
-        def candidates(q, t, n_cand):
-            return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes)
-        max_cand, values_fn = MAX_CANDIDATES, triton_exact_values
+        def candidates(q, t, n_cand, seed=None):
+            return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed)
+        max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, SEED_WIDENING
     else:
-        candidates, max_cand, values_fn = gt.torch_candidates, None, None
+        candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
     if exact:
         v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
-                             stats=targets.stats, values=values_fn)
+                             stats=targets.stats, values=values_fn, seeded=seeded)
     else:
         v, i = gt.approximate_topk(side, targets.side, k, candidates)
     if targets.rows is not None:

@@ -418,16 +418,50 @@ import sys
 KERNEL = sys.argv[1]
 SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
 
-def small(q, t, n_cand):
+SEEDS = []   # the seeds exact_topk's widening rounds passed
+
+def small(q, t, n_cand, seed=None):
     # Tiny tiles so that 203 targets make several tiles and splits; every path is taken.
+    if seed is not None:
+        SEEDS.append(seed)
     cap = max(64, gt.next_pow2(n_cand + 32))
     if KERNEL == "segmented":   # 8-long lists per segment; the buffer kernel where too few
-        return tr.triton_candidates(q, t, n_cand, config=SEGMENTED)
+        return tr.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed)
     if KERNEL == "rowlist" and n_cand <= 32:
         cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
     else:
         cfg = tr.TileConfig(16, 32, cap, 4, pipelined=KERNEL != "legacy")
-    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2)
+    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed)
+
+def check_seeded(qs, ts, n_cand, gen):
+    # Seeds: +inf, midway between the 3rd and 4th best keys and between the 12th and 13th,
+    # below every key (midway: the kernel's float32 keys differ from these by rounding).
+    # Each row's list must hold the n_cand best targets with key <= seed (all of them when
+    # fewer) and nothing else; every target left out must have key >= floor (to rounding),
+    # and a row with room left must have a floor above its seed.
+    ref = (ts.bias[None, :] - gt.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)).float()
+    tol = 1e-5 * float(ref.abs().max())
+    ordered = torch.sort(ref, dim=1).values
+    m = ref.shape[0]
+    seed = torch.full((m,), float("inf"))
+    seed[1::4] = (ordered[1::4, 2] + ordered[1::4, 3]) / 2
+    seed[2::4] = (ordered[2::4, 11] + ordered[2::4, 12]) / 2
+    seed[3::4] = ordered[3::4, 0] - 1.0
+    keys, idx, floor = gen(qs, ts, n_cand, seed)
+    for r in range(m):
+        allowed = (ref[r] <= seed[r]).nonzero().flatten()
+        got = idx[r][idx[r] >= 0]
+        assert set(got.tolist()) <= set(allowed.tolist()), r
+        if KERNEL != "segmented":   # segments may hold back more (their floors say so)
+            assert got.numel() == min(n_cand, allowed.numel()), (r, got.numel(), allowed.numel())
+        left = torch.ones(ref.shape[1], dtype=torch.bool)
+        left[got] = False
+        assert bool((ref[r][left] >= floor[r] - tol).all()), r
+        if got.numel() < n_cand and torch.isfinite(seed[r]):
+            assert floor[r] > seed[r] or KERNEL == "segmented", (r, float(floor[r]), float(seed[r]))
+            if KERNEL != "segmented":
+                assert set(got.tolist()) == set(allowed.tolist()), r
+    return len(SEEDS)
 
 def prepared(q, t, metric, precision):
     return (gt.prepare_side(torch.from_numpy(q), metric, precision),
@@ -444,8 +478,23 @@ for n, (metric, precision, kind, k) in enumerate(cases):
     order = torch.sort(ref.float(), dim=1, stable=True)
     if kind == "gaussian":  # no near ties: the same order as float64 keys
         assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values)
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
     check_result(q, t, k, metric, v.numpy(), i.numpy())
+
+if KERNEL in ("rowlist", "segmented"):
+    # Seeded lists (the widening rounds' limit): fp32 keys, so the reference order is exact.
+    q, t = make_data("gaussian", 12, 203, 33, 21)
+    qs, ts = prepared(q, t, "l2", "fp32")
+    check_seeded(qs, ts, 16, small)
+    # exact_topk passes seeds in its widening rounds: a first list too short to prove the
+    # clustered rows (near ties within the bf16 error) makes them widen, seeded.
+    q, t = make_data("clustered", 21, 203, 33, 22)
+    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
+    before = len(SEEDS)
+    v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
+    check_result(q, t, 5, "sqeuclidean", v.numpy(), i.numpy())
+    assert len(SEEDS) > before, "no widening round: the seeded path went untested"
+    cases.append("seeded")
 
 if KERNEL == "rowlist":
     # The re-rank kernel against the torch form: d within one chunk and over two, empty
@@ -540,7 +589,7 @@ print("interpreter ok", len(cases))
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-@pytest.mark.parametrize("kernel,n_cases", [("rowlist", 5), ("segmented", 5), ("pipelined", 4),
+@pytest.mark.parametrize("kernel,n_cases", [("rowlist", 6), ("segmented", 6), ("pipelined", 4),
                                             ("legacy", 4)])
 def test_fused_kernel_under_the_triton_interpreter(kernel, n_cases):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
@@ -570,6 +619,31 @@ def test_gpu_matrix(metric, precision, k, kind, poisoned_buffers):
         q, t = make_data(kind, nq, nt, d, seed + nt)
         v, i = knn(q, t, k, metric, backend="gpu", precision=precision)
         check_result(q, t, k, metric, v, i)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("k", [10, 100])
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_gpu_seeded_widening(metric, precision, k, poisoned_buffers, monkeypatch):
+    """Widening rounds with seeded lists (nearest_join.kernels.gpu.SEED_WIDENING): clustered
+    data makes rows widen. Through ``search_prepared`` (as the executors call it), with a
+    non-finite query row riding along: it must come back empty."""
+    from nearest_join.kernels import gpu as kgpu
+
+    monkeypatch.setattr(kgpu, "SEED_WIDENING", True)
+    dev = torch.device("cuda")
+    seed = zlib.crc32(repr(("seeded", metric, precision, k)).encode())
+    for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
+        q, t = make_data("clustered", nq, nt, d, seed + nt)
+        q[3] = np.nan
+        prepared = kgpu.prepare_targets(torch.from_numpy(t).to(dev), metric, precision)
+        v, i = kgpu.search_prepared(torch.from_numpy(q).to(dev), prepared, k)
+        v, i = v.cpu().numpy(), i.cpu().numpy()
+        assert (i[3] == -1).all()
+        keep = np.arange(nq) != 3
+        check_result(q[keep], t, k, metric, v[keep], i[keep])
 
 
 @pytest.mark.gpu
