@@ -211,3 +211,13 @@ def take_rows(matrix, rows, out):
         r = rows[i]
         for j in range(width):
             out[i, j] = matrix[r, j]
+
+
+@njit(parallel=True, cache=True)
+def take_rows_parallel(matrix, rows, out):
+    """:func:`take_rows` over numba's threads (rows split by ``prange``)."""
+    width = matrix.shape[1]
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        for j in range(width):
+            out[i, j] = matrix[r, j]

@@ -70,21 +70,71 @@ logger = logging.getLogger(__name__)
 __all__ = ["BACKEND", "TOLERANCE", "CpuBackend", "take_rows"]
 
 
-def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
-    """``out[:] = matrix[rows]`` (2-D, same dtype) on this thread, GIL released.
+def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int = 1) -> bool:
+    """``out[:] = matrix[rows]`` (2-D, same dtype), GIL released.
 
-    The payload gathers of ``udfs.rows`` split large gathers over threads and call this per
-    chunk. Indices are checked here: the compiled loop does not bounds-check.
+    ``threads`` > 1 runs the copy on numba's threads when concurrent parallel calls are safe
+    (see :func:`parallel_calls_threadsafe`: the CPU search may run parallel kernels on
+    another thread at the same time) and returns True; otherwise copies on this thread and
+    returns False only if ``threads`` > 1 was asked for, so that the caller can split the
+    rows over its own threads instead (``udfs.rows``). Indices are checked here: the
+    compiled loops do not bounds-check.
     """
     if rows.shape[0] != out.shape[0] or matrix.shape[1:] != out.shape[1:] or matrix.dtype != out.dtype:
         raise ValueError(f"take_rows: shapes {matrix.shape} -> {out.shape} (dtypes {matrix.dtype}, "
                          f"{out.dtype}) do not match {rows.shape[0]} rows")
     if rows.shape[0] == 0:
-        return
+        return True
     lo, hi = int(rows.min()), int(rows.max())
     if lo < 0 or hi >= matrix.shape[0]:
         raise IndexError(f"take_rows: row {lo if lo < 0 else hi} outside 0..{matrix.shape[0] - 1}")
-    _cpu_kernels.take_rows(matrix, np.asarray(rows, dtype=np.int64), out)
+    rows = np.asarray(rows, dtype=np.int64)
+    if threads > 1:
+        if not parallel_calls_threadsafe():
+            return False
+        previous = numba.get_num_threads()   # per calling thread in numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            _cpu_kernels.take_rows_parallel(matrix, rows, out)
+        finally:
+            numba.set_num_threads(previous)
+        return True
+    _cpu_kernels.take_rows(matrix, rows, out)
+    return True
+
+
+_THREADSAFE: bool | None = None
+
+
+def parallel_calls_threadsafe() -> bool:
+    """Whether numba's threading layer takes parallel calls from several threads at once.
+
+    tbb and omp do; workqueue aborts the process on a concurrent call. The layer is the one
+    already running, else the one numba will load: the first importable of its priority
+    list (or the configured one).
+    """
+    global _THREADSAFE
+    if _THREADSAFE is None:
+        try:
+            layer = numba.threading_layer()
+        except ValueError:                      # no parallel call yet: predict numba's choice
+            layer = numba.config.THREADING_LAYER
+            if layer == "default":
+                layer = "workqueue"
+                for name in numba.config.THREADING_LAYER_PRIORITY:
+                    if name == "workqueue" or _layer_loadable(name):
+                        layer = name
+                        break
+        _THREADSAFE = layer in ("tbb", "omp", "safe", "threadsafe")
+    return _THREADSAFE
+
+
+def _layer_loadable(name: str) -> bool:
+    try:
+        __import__(f"numba.np.ufunc.{name}pool")
+    except Exception:   # noqa: BLE001 (missing libtbb / libgomp: numba cannot load it either)
+        return False
+    return True
 
 # Values agree with the float64 reference within TOLERANCE[input dtype] * scale, where scale is
 # |q|^2 + |t|^2 for squared distances (l2 is compared squared: the bound holds there, while the

@@ -101,3 +101,49 @@ def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
     one = np.empty((500, 7), np.float32)
     take_matrices([m + 1, m], np.zeros(500, np.int64), rng.integers(0, 300, 500), one, threads=1)
     np.testing.assert_array_equal(one, np.ones((500, 7), np.float32))
+
+
+@pytest.mark.parametrize("threadsafe", [True, False])
+def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(threadsafe, monkeypatch):
+    """numba's workqueue layer aborts on parallel calls from two threads at once (the CPU
+    search runs on a worker thread while rows are emitted): then the gather must take the
+    thread pool of single-threaded copies; either way, numpy's rows."""
+    from nearest_join.kernels import cpu
+
+    monkeypatch.setattr(cpu, "_THREADSAFE", threadsafe)
+    calls = []
+    real = cpu._cpu_kernels.take_rows_parallel
+    monkeypatch.setattr(cpu._cpu_kernels, "take_rows_parallel", lambda *a: (calls.append(1), real(*a)))
+    rng = np.random.default_rng(7)
+    m = rng.standard_normal((5000, 600)).astype(np.float32)    # 12 MB: above PARALLEL_BYTES
+    rows = rng.integers(0, 5000, 6000)
+    out = np.empty((6000, 600), np.float32)
+    take_matrix(m, rows, out, threads=4)
+    np.testing.assert_array_equal(out, m[rows])
+    assert bool(calls) == threadsafe
+
+
+@pytest.mark.parametrize("active,configured,loadable,safe", [
+    ("workqueue", "default", {"tbb", "omp"}, False),   # the running layer decides
+    ("omp", "default", set(), True),
+    (None, "workqueue", {"tbb", "omp"}, False),        # not started: the configured one
+    (None, "tbb", set(), True),
+    (None, "default", {"omp"}, True),                  # default: the first loadable
+    (None, "default", set(), False),                   # ... down to workqueue
+])
+def test_the_threading_layer_check(active, configured, loadable, safe, monkeypatch):
+    import numba
+
+    from nearest_join.kernels import cpu
+
+    def threading_layer():
+        if active is None:
+            raise ValueError("no threading layer")
+        return active
+
+    monkeypatch.setattr(cpu, "_THREADSAFE", None)
+    monkeypatch.setattr(numba, "threading_layer", threading_layer)
+    monkeypatch.setattr(numba.config, "THREADING_LAYER", configured)
+    monkeypatch.setattr(numba.config, "THREADING_LAYER_PRIORITY", ["tbb", "omp", "workqueue"])
+    monkeypatch.setattr(cpu, "_layer_loadable", lambda name: name in loadable)
+    assert cpu.parallel_calls_threadsafe() is safe
