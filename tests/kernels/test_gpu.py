@@ -623,18 +623,20 @@ def test_gpu_matrix(metric, precision, k, kind, poisoned_buffers):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("k", [10, 100])
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("metric", METRICS)
-def test_gpu_seeded_widening(metric, precision, k, poisoned_buffers, monkeypatch):
-    """Widening rounds with seeded lists (nearest_join.kernels.gpu.SEED_WIDENING): clustered
-    data makes rows widen. Through ``search_prepared`` (as the executors call it), with a
-    non-finite query row riding along: it must come back empty."""
+def test_gpu_widening_through_search_prepared(metric, precision, k, seeded, poisoned_buffers, monkeypatch):
+    """Widening rounds, with and without seeded lists (nearest_join.kernels.gpu.SEED_WIDENING):
+    clustered data makes rows widen. Through ``search_prepared`` (as the executors call it,
+    not through knn, which drops unrankable rows first), with a non-finite query row riding
+    along: it must come back empty."""
     from nearest_join.kernels import gpu as kgpu
 
-    monkeypatch.setattr(kgpu, "SEED_WIDENING", True)
+    monkeypatch.setattr(kgpu, "SEED_WIDENING", seeded)
     dev = torch.device("cuda")
-    seed = zlib.crc32(repr(("seeded", metric, precision, k)).encode())
+    seed = zlib.crc32(repr(("widening", metric, precision, k, seeded)).encode())
     for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
         q, t = make_data("clustered", nq, nt, d, seed + nt)
         q[3] = np.nan
