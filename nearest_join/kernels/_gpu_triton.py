@@ -144,7 +144,9 @@ def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
         # EXACT bf16 k = 9..16: two 16-entry segments, as many insertions as one list of 32,
         # each a reduction over 16 entries (H200, 65,536 x 10^6: 65.7 ms against 69.7); the
         # floor (the lesser segment's 16th key) with the re-ranked margin proves 99.8% of the
-        # rows at k=10, 95.7% at k=16 (simulated, Gaussian d=128), the rest widen.
+        # rows at k=10, 95.7% at k=16 (simulated, Gaussian d=128), the rest widen. (The
+        # plain search at k = 17..32, benchmarks only, loses the entries of a segment that
+        # holds more than 16 of a row's best 32; EXACT mode's floor accounts for them.)
         return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2)
     if not wide and n_cand <= 32 and d <= 128:
         # Two 4-warp programs of 64 rows per SM (112 KiB of shared memory and <= 255
