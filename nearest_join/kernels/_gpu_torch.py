@@ -478,7 +478,8 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                 floor = torch.full_like(floor, math.inf)
         v, i = rerank(subset, targets, keys, idx, bound, k, values)
         # Proven by the keys alone, or by the re-ranked k-th value (module notes).
-        ok = margin_holds(keys, bound, k, floor) | (floor > value_limit(v[:, k - 1], bound, subset))
+        limit = value_limit(v[:, k - 1], bound, subset)
+        ok = margin_holds(keys, bound, k, floor) | (floor > limit)
         done = pending[ok]
         out_v[done] = v[ok]
         out_i[done] = i[ok]
@@ -489,7 +490,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         pending = pending[retry]
         if seeded:
             # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
-            seed = value_limit(v[:, k - 1], bound, subset)[retry]
+            seed = limit[retry]
         subset = subset.take(retry)
         wider = min(n_cand * WIDEN_FACTOR, next_pow2(nt))
         if wider == n_cand:
