@@ -465,12 +465,12 @@ def main(argv=None) -> None:
                          "WIDEN_FACTOR); tf32 k=100 widens ~1.6%% of rows from 128 candidates")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
-    ap.add_argument("--seeded-widening", action="store_true",
-                    help="exact mode: seed the widening rounds' lists with each row's limit "
-                         "(nearest_join.kernels.gpu.SEED_WIDENING)")
+    ap.add_argument("--no-seeded-widening", action="store_true",
+                    help="exact mode: widening rounds without the seeded lists (the backend seeds "
+                         "them with each row's limit: nearest_join.kernels.gpu.SEED_WIDENING)")
     ap.add_argument("--bf16-extra", type=float, default=None,
-                    help="exact bf16: first candidate width next_pow2(k + F * k) (default F = 1; F = 0 "
-                         "starts from the plain width and leaves the rest to seeded widening)")
+                    help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 1 "
+                         "below k = 64, else 0, the plain width, the rest left to seeded widening)")
     ap.add_argument("--seg-cand", type=int, default=None,
                     help="segment list length of the segmented mode (default: the backend's SEG_CAND)")
     ap.add_argument("--exact-breakdown", action="store_true",
@@ -480,10 +480,10 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.widen_factor:
         gt.WIDEN_FACTOR = args.widen_factor
-    if args.seeded_widening:
-        from nearest_join.kernels import gpu as kgpu
+    from nearest_join.kernels import gpu as kgpu
 
-        kgpu.SEED_WIDENING = True
+    if args.no_seeded_widening:
+        kgpu.SEED_WIDENING = False
     if args.bf16_extra is not None:
         factor = args.bf16_extra
         gt._EXTRA["bf16"] = lambda k: int(factor * k)
@@ -504,7 +504,7 @@ def main(argv=None) -> None:
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
           f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
-          f"seeded_widening={args.seeded_widening}",
+          f"seeded_widening={kgpu.SEED_WIDENING}",
           flush=True)
 
     def record(**row):
