@@ -177,6 +177,16 @@ def query_blocks_per_task(spark) -> int:
     return value
 
 
+def keep_gpu_targets(spark) -> bool:
+    """Whether GPU executors keep broadcast target blocks for the stage's next task
+    (``spark.nearestJoin.gpu.keepTargets``, default true; see ``udfs.gpu``)."""
+    key = CONF_PREFIX + "gpu.keepTargets"
+    raw = str(_conf(spark, key, "true")).strip().lower()
+    if raw not in ("true", "false"):
+        raise ValueError(f"{key}: expected true or false, got {raw!r}")
+    return raw == "true"
+
+
 def _clamp_rows(rows: float) -> int:
     return int(min(max(1, rows), MAX_BLOCK_ROWS))
 

@@ -435,8 +435,9 @@ class _QueryBlock:
         searcher = pair.searcher
         if hasattr(searcher, "search_fold"):
             self.tables.append(table)
+            # Broadcast blocks are the same for every task of the stage: kept for the next.
             self.device_state = searcher.search_fold(self.vectors, t_vectors, t_block_id, t_block_id,
-                                                     len(self.tables) - 1, self.device_state)
+                                                     len(self.tables) - 1, self.device_state, keep=True)
         else:
             values, rows = searcher.search(self.vectors, t_vectors, target_key=t_block_id)
             self.state = _fold(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)

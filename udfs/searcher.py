@@ -45,6 +45,7 @@ class SearchSettings:
     metric: str
     backend: str = "auto"       # "auto" | "cpu" | "gpu" | "reference"
     precision: str = "fp32"     # GPU only: "fp32" | "tf32" | "bf16" (results stay exact)
+    keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
 
 
 class BlockSearcher:

@@ -7,7 +7,8 @@ import pytest
 from pyspark.sql import functions as F
 
 import nearest_join.join
-from nearest_join.planner import JoinPlan, choose_plan, cluster_cores, parse_bytes, task_memory_bytes
+from nearest_join.planner import (JoinPlan, choose_plan, cluster_cores, keep_gpu_targets, parse_bytes,
+                                  task_memory_bytes)
 from nearest_join.ranking import Ranking, parse_ranking
 
 
@@ -70,6 +71,13 @@ def test_cores_and_memory_from_configuration():
     assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="expected a size"):
         parse_bytes("lots")
+
+
+def test_keep_gpu_targets_setting():
+    assert keep_gpu_targets(_Spark()) is True
+    assert keep_gpu_targets(_Spark(spark__nearestJoin__gpu__keepTargets="False")) is False
+    with pytest.raises(ValueError, match=r"gpu.keepTargets: expected true or false, got 'sometimes'"):
+        keep_gpu_targets(_Spark(spark__nearestJoin__gpu__keepTargets="sometimes"))
 
 
 def _plan(target_rows, **kw) -> JoinPlan:

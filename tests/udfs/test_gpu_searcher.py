@@ -3,6 +3,8 @@
 The searcher runs here on a CPU torch device (no streams, no pinning) with the torch path:
 batching, the resident target block and the row filtering are the same code as on a GPU.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -85,9 +87,89 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
         _, i = searcher.search(q, blocks[key], target_key=key)
         np.testing.assert_array_equal(i, knn(q, blocks[key], 2, "l2", backend="reference")[1])
     assert list(searcher._resident) == [0, 2]
-    kept = searcher._resident[0][0]
+    kept = searcher._resident.prepared(0)
     searcher.search(q, blocks[0], target_key=0)
     assert searcher._targets is kept
+
+
+@pytest.fixture
+def no_kept_blocks():
+    """Tests that open searchers under a task scope start and end with nothing kept."""
+    G._KEPT.clear()
+    yield
+    G._KEPT.clear()
+
+
+def _counting_prepare(monkeypatch):
+    from nearest_join.kernels import gpu as kgpu
+
+    calls = []
+    real = kgpu.prepare_targets
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(kgpu, "prepare_targets", counted)
+    return calls
+
+
+def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypatch, no_kept_blocks):
+    """Tasks of one stage (one scope) reuse a kept broadcast block; blocks a task keeps only
+    for itself are not shared; another scope, a changed block or keep_targets off start
+    afresh. Every search is checked against the reference."""
+    rng = np.random.default_rng(31)
+    q = rng.standard_normal((25, 6)).astype(np.float32)
+    t = rng.standard_normal((120, 6)).astype(np.float32)
+    settings = SearchSettings(4, "l2", "gpu")
+    prepared = _counting_prepare(monkeypatch)
+    ref = knn(q, t, 4, "l2", backend="reference")[1]
+
+    def task(scope, targets=t, keep=True, settings=settings):
+        if scope is None:
+            monkeypatch.delenv(G.SCOPE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(G.SCOPE_ENV, scope)
+        searcher = G.GpuBlockSearcher(settings, torch.device("cpu"), impl="torch")
+        fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
+        return searcher, fold.to_numpy()[3]
+
+    first, rows = task("stage 3")
+    np.testing.assert_array_equal(rows, ref)
+    assert len(prepared) == 1 and len(first._resident) == 0
+    second, rows = task("stage 3")                 # next task, same stage: reused
+    np.testing.assert_array_equal(rows, ref)
+    assert len(prepared) == 1 and second._targets is first._targets
+    _, rows = task("stage 3", keep=False)          # a block the task keeps to itself
+    np.testing.assert_array_equal(rows, ref)
+    assert len(prepared) == 2
+    changed = t[::-1].copy()                                 # same key, other content
+    _, rows = task("stage 3", targets=changed)
+    np.testing.assert_array_equal(rows, knn(q, changed, 4, "l2", backend="reference")[1])
+    assert len(prepared) == 3
+    _, rows = task("stage 4")                      # another stage: its own copy
+    np.testing.assert_array_equal(rows, ref)
+    assert len(prepared) == 4 and list(G._KEPT) == ["cpu"] and G._KEPT["cpu"][0] == "stage 4"
+    off = dataclasses.replace(settings, keep_targets=False)
+    task("stage 4", settings=off)                  # keep_targets off frees them
+    assert len(prepared) == 5 and not G._KEPT
+    task(None)                                               # no scope: nothing kept
+    assert not G._KEPT
+
+
+def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks, monkeypatch):
+    rng = np.random.default_rng(32)
+    q = rng.standard_normal((10, 4)).astype(np.float32)
+    blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
+    block_bytes = 50 * 4 * 4 * 3
+    monkeypatch.setenv(G.SCOPE_ENV, "stage 1")
+    searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
+                                  memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
+    searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
+    searcher.search(q, blocks[1], target_key=1)               # a block of this task only
+    assert searcher._target_bytes == 2 * block_bytes
+    fold = searcher.search_fold(q, blocks[2], 2, 2, 0, None, keep=True)   # evicts kept 0 first
+    np.testing.assert_array_equal(fold.to_numpy()[3], knn(q, blocks[2], 2, "l2", backend="reference")[1])
+    assert list(G._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
 
 
 @pytest.mark.parametrize("device", [
@@ -125,3 +207,23 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
         np.testing.assert_array_equal(np.array(tv, np.float32), T[tid])
     for q in range(nq):
         assert sorted(got[q]) == sorted(indices[q].tolist()), q
+
+
+def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
+    """Tasks of one stage share a scope (they read the same broadcast); running the same
+    DataFrame again is another stage, so nothing kept by the first run is reused."""
+    import pyarrow as pa
+
+    monkeypatch.setenv(G.SCOPE_ENV, "ignored inside Spark")
+
+    def scopes(batches):
+        from udfs.gpu import task_scope
+
+        for _ in batches:
+            yield pa.RecordBatch.from_pydict({"scope": [task_scope()]})
+
+    df = spark.range(0, 64, numPartitions=4).mapInArrow(scopes, "scope string")
+    first = {r.scope for r in df.collect()}
+    again = {r.scope for r in df.collect()}
+    assert len(first) == 1 and len(again) == 1 and first != again, (first, again)
+    assert next(iter(first)).startswith("execution ")
