@@ -119,7 +119,7 @@ def _fold_row(scores, r, bias, t0, heaps, q, scratch, scratch_bits):
                 threshold = scratch[0]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile):
     """Fill ``heaps`` (n_split, nq, k) uint64 with per-split max-heaps of the best keys.
 
@@ -174,7 +174,7 @@ def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return bits.view(np.float32), (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def squared_norms(rows):
     """|row|^2 of each float32 row, accumulated in float64 in a fixed order, so equal rows
     get equal norms (numpy's reductions may peel differently by alignment)."""
@@ -187,7 +187,7 @@ def squared_norms(rows):
     return out
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def unit_rows(rows):
     """Each float64 row divided by its norm in float64, then rounded once to float32."""
     out = np.empty(rows.shape, dtype=np.float32)
@@ -213,7 +213,7 @@ def take_rows(matrix, rows, out):
             out[i, j] = matrix[r, j]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def take_rows_parallel(matrix, rows, out):
     """:func:`take_rows` over numba's threads (rows split by ``prange``)."""
     width = matrix.shape[1]
