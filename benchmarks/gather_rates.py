@@ -49,6 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", type=int, default=10)
     ap.add_argument("--threads", default="")
     ap.add_argument("--emit", action="store_true", help="also time udfs.blocks.emit_rows")
+    ap.add_argument("--profile", action="store_true", help="cProfile the last emit_rows run (with --emit)")
     args = ap.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, 4, cores})
@@ -103,10 +104,24 @@ def main(argv=None) -> None:
         ctx = JoinContext(SearchSettings(k, "l2", "cpu", "fp32"), SideLayout("qv", 1, d, nq),
                           SideLayout("tv", 1, d, args.nt), "inner", True, tt.schema)
         state = TopkState.from_search(rng.random((nq, k), dtype=np.float32), rng.integers(0, args.nt, (nq, k)), 0, tt)
-        for _ in range(2):
+        for rep in range(3):
+            prof = None
+            if args.profile and rep == 2:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
             t0 = time.perf_counter()
             n = sum(b.num_rows for b in emit_rows(qt, state, ctx))
             dt = time.perf_counter() - t0
+            if prof is not None:
+                import io
+                import pstats
+
+                prof.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+                print(buf.getvalue(), flush=True)
             row = {"what": "emit_rows (query + target vectors, ids, distance)", "rows": n,
                    "GB/s": round(n * (2 * d * 4 + 20) / dt / 1e9, 2), "ms": round(dt * 1e3, 1)}
             results.append(row)

@@ -29,6 +29,7 @@ plain ``pyarrow`` tables (tests, GPU benchmarks).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -52,6 +53,9 @@ PARTIAL_SCHEMA = pa.schema([
 ])
 # Output batches are cut to about this many rows.
 OUTPUT_BATCH_ROWS = 1 << 16
+# Output batches built ahead of the one the consumer holds (each ~70 MB with two 128-float
+# vector columns): bounds the memory this overlap costs.
+EMIT_AHEAD = 2
 
 
 @dataclass(frozen=True)
@@ -213,14 +217,18 @@ class TopkState:
         source = np.where(local_rows >= 0, 0, -1).astype(np.int32)
         return cls(values, keys, [target_table], source, local_rows.astype(np.int64, copy=False))
 
+    def views(self) -> ColumnViews:
+        """The payload tables' cached vector views (made on first use)."""
+        if self._views is None:
+            self._views = ColumnViews()
+        return self._views
+
     def gather(self, slots: np.ndarray | None = None) -> list[pa.Array]:
         """Payload columns of the flat slots ``slots`` (all when None); NULL for empty slots."""
         source, rows = self.source.reshape(-1), self.rows.reshape(-1)
         if slots is not None:
             source, rows = source[slots], rows[slots]
-        if self._views is None:
-            self._views = ColumnViews()
-        return gather_rows(self.sources, source, rows, views=self._views)
+        return gather_rows(self.sources, source, rows, views=self.views())
 
     @property
     def payload(self) -> pa.Table:
@@ -378,7 +386,10 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
     """Joined rows of one query block: query columns, target columns, [distance].
 
     INNER keeps the filled slots; LEFT OUTER also keeps one row with NULL target columns
-    for a query row without any candidate.
+    for a query row without any candidate. Batches are built up to ``EMIT_AHEAD`` ahead on
+    helper threads (gathers and Arrow kernels release the GIL), so building batch j+1
+    overlaps whatever the consumer does with batch j (Spark: writing it to the JVM) and the
+    serial index work of one batch overlaps the gathers of the next.
     """
     nq, k = query_table.num_rows, ctx.k
     if state is None:
@@ -391,10 +402,11 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
         keep[:, 0] |= ~keep.any(axis=1)
     flat = np.flatnonzero(keep.reshape(-1))
     query_views = ColumnViews()
-    for start in range(0, max(flat.size, 1), OUTPUT_BATCH_ROWS):
-        part = flat[start: start + OUTPUT_BATCH_ROWS]
-        if part.size == 0:
-            return
+    if state is not None:
+        state.views()                  # made once here, not raced for by the helper threads
+    parts = [flat[start: start + OUTPUT_BATCH_ROWS] for start in range(0, flat.size, OUTPUT_BATCH_ROWS)]
+
+    def build(part: np.ndarray) -> pa.RecordBatch:
         filled = keys.reshape(-1)[part] >= 0
         q_rows = part // k
         arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows, views=query_views)
@@ -403,8 +415,36 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
         else:
             arrays += state.gather(part)
         if ctx.with_distance:
-            arrays.append(pa.array(values.reshape(-1)[part], pa.float32(), mask=~filled))
-        yield pa.RecordBatch.from_arrays(arrays, names=[C.output_name(i) for i in range(len(arrays))])
+            arrays.append(pa.array(values.reshape(-1)[part], pa.float32(),
+                                   mask=None if filled.all() else ~filled))
+        return pa.RecordBatch.from_arrays(arrays, names=[C.output_name(i) for i in range(len(arrays))])
+
+    if len(parts) <= 1 or gather_threads() <= 1:
+        for part in parts:
+            yield build(part)
+        return
+    pending: deque[Future] = deque()
+    try:
+        for part in parts:
+            pending.append(_emit_pool().submit(build, part))
+            if len(pending) > EMIT_AHEAD:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for future in pending:         # the consumer stopped early: drop what is queued
+            future.cancel()
+
+
+_EMIT_POOL: ThreadPoolExecutor | None = None
+
+
+def _emit_pool() -> ThreadPoolExecutor:
+    """Helper threads that build output batches (not the gather pool: a build waits on it)."""
+    global _EMIT_POOL
+    if _EMIT_POOL is None:
+        _EMIT_POOL = ThreadPoolExecutor(EMIT_AHEAD + 1, thread_name_prefix="nj-emit")
+    return _EMIT_POOL
 
 
 # ----------------------------------------------------------------------------- plans
