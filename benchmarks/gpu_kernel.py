@@ -229,6 +229,7 @@ def exact_breakdown(args, ks, precisions, record) -> None:
                           ("prepare_side", "key_error_bound", "margin_holds", "rerank_width", "exact_values",
                            "rank_exact", "torch_candidates", "value_limit")]
             originals.append((tr, "triton_exact_values", wrap(tr, "triton_exact_values", "triton_exact_values")))
+            originals.append((tr, "triton_exact_tail", wrap(tr, "triton_exact_tail", "triton_exact_tail")))
             rows_in = []     # (query rows, n_cand) of each candidate pass: the widening rounds
             timed_candidates = tr.triton_candidates
 
@@ -469,6 +470,9 @@ def main(argv=None) -> None:
     ap.add_argument("--no-seeded-widening", action="store_true",
                     help="exact mode: widening rounds without the seeded lists (the backend seeds "
                          "them with each row's limit: nearest_join.kernels.gpu.SEED_WIDENING)")
+    ap.add_argument("--fused-tail", action="store_true",
+                    help="exact mode: one kernel per round for re-rank and proof "
+                         "(nearest_join.kernels.gpu.FUSED_TAIL)")
     ap.add_argument("--bf16-extra", type=float, default=None,
                     help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 1 "
                          "below k = 64, else 0, the plain width, the rest left to seeded widening)")
@@ -485,6 +489,8 @@ def main(argv=None) -> None:
 
     if args.no_seeded_widening:
         kgpu.SEED_WIDENING = False
+    if args.fused_tail:
+        kgpu.FUSED_TAIL = True
     if args.bf16_extra is not None:
         factor = args.bf16_extra
         gt._EXTRA["bf16"] = lambda k: int(factor * k)
@@ -505,7 +511,7 @@ def main(argv=None) -> None:
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
           f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
-          f"seeded_widening={kgpu.SEED_WIDENING}",
+          f"seeded_widening={kgpu.SEED_WIDENING} fused_tail={kgpu.FUSED_TAIL}",
           flush=True)
 
     def record(**row):

@@ -430,6 +430,13 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
     return rank_exact(vals, idx[:, :width], k, descending)
 
 
+# tail(queries, targets, keys, idx, floor, bound, k) -> (values, indices, limit, ok) or None:
+# one round's re-rank and proof in one step (the fused kernel's
+# ``_gpu_triton.triton_exact_tail``), equal to :func:`rerank`, :func:`value_limit` and the
+# margin tests below; None where it does not take the list (the torch sequence then runs).
+TailFn = Callable[..., tuple | None]
+
+
 def final_values(values: torch.Tensor, metric: str) -> torch.Tensor:
     """The user's value from the ranking value: sqrt for l2, unchanged otherwise."""
     if metric == "l2":
@@ -440,7 +447,7 @@ def final_values(values: torch.Tensor, metric: str) -> torch.Tensor:
 def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
-               seeded: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               seeded: bool = False, tail: TailFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
     ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
@@ -451,6 +458,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     ``seeded``: ``candidates`` takes ``seed=`` (float32 per row): the widening rounds pass
     each row's ``value_limit`` of the round before, above which no target can rank (module
     notes), so the generator need not keep such targets (the fused kernel then skips them).
+    ``tail``: a fused re-rank and proof (:data:`TailFn`) for the lists it takes.
     """
     metric = queries.metric
     stats = stats or TargetStats.of(targets)
@@ -478,10 +486,14 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             floor = keys[:, -1]
             if n_cand >= nt:                  # a list of the n_cand best holds every target
                 floor = torch.full_like(floor, math.inf)
-        v, i = rerank(subset, targets, keys, idx, bound, k, values)
-        # Proven by the keys alone, or by the re-ranked k-th value (module notes).
-        limit = value_limit(v[:, k - 1], bound, subset)
-        ok = margin_holds(keys, bound, k, floor) | (floor > limit)
+        fused = tail(subset, targets, keys, idx, floor, bound, k) if tail is not None else None
+        if fused is not None:
+            v, i, limit, ok = fused
+        else:
+            v, i = rerank(subset, targets, keys, idx, bound, k, values)
+            # Proven by the keys alone, or by the re-ranked k-th value (module notes).
+            limit = value_limit(v[:, k - 1], bound, subset)
+            ok = margin_holds(keys, bound, k, floor) | (floor > limit)
         done = pending[ok]
         out_v[done] = v[ok]
         out_i[done] = i[ok]

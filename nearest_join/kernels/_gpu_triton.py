@@ -812,3 +812,120 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
         q, t, idx, out, m, c, queries.dim, q.stride(0), t.stride(0),
         L2=queries.metric in ("l2", "sqeuclidean"), BLOCK_R=RERANK_ROWS, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------- exact tail
+# Candidate lists up to this long are re-ranked and proven by one kernel (the whole list
+# in registers); longer ones take the torch sequence (:func:`_gpu_torch.rerank`).
+TAIL_MAX = 64
+TAIL_ROWS = 16
+_LAST = tl.constexpr(0x7FFFFFFFFFFFFFFF)   # packed empty slot: after every real one
+
+
+@triton.jit
+def _next_up(x):
+    """``nextafter(x, +inf)`` of float32 values (torch's, NaN and +inf unchanged)."""
+    bits = x.to(tl.int32, bitcast=True)
+    up = tl.where(x > 0, bits + 1, tl.where(x < 0, bits - 1, 1)).to(tl.float32, bitcast=True)
+    return tl.where((x != x) | (x == float("inf")), x, up)
+
+
+@triton.jit
+def _exact_tail_kernel(q_ptr, t_ptr, idx_ptr, keys_ptr, floor_ptr, bound_ptr, qbias_ptr,
+                       out_v_ptr, out_i_ptr, limit_ptr, ok_ptr, m, d, k, stride_q, stride_t,
+                       L2: tl.constexpr, DESCENDING: tl.constexpr, W: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Re-rank and proof of BLOCK_R candidate rows of W columns, in one pass.
+
+    Per row: the float32 values of all W candidates (the sums of :func:`_rerank_kernel`, in
+    the same order, so the same bits), the k best by (value, index) (ties to the lower
+    index, empty slots last), ``limit = key(V_k) + E`` rounded up, and whether the list is
+    proven: its floor is +inf, above ``theta + 2E`` (theta: the k-th approximate key) or
+    above the limit. The torch sequence it replaces (``rerank``, ``value_limit``,
+    ``margin_holds``: about 25 small kernels and a host sync per round) is the reference in
+    the tests. Columns past ``key(V0) + E`` are not skipped here (the torch form skips them
+    to save reads); they are strictly worse than V_k, so the top k is the same.
+    """
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < m
+    rows64 = rows.to(tl.int64)
+    cols = tl.arange(0, W)
+    vals = tl.zeros((BLOCK_R, W), dtype=tl.float32)
+    for j in range(0, W):
+        ix = tl.load(idx_ptr + rows64 * W + j, mask=live, other=-1)
+        ok = ix >= 0
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for d0 in range(0, d, BLOCK_D):
+            dc = d0 + tl.arange(0, BLOCK_D)
+            inside = dc < d
+            tv = tl.load(t_ptr + ix[:, None] * stride_t + dc[None, :],
+                         mask=ok[:, None] & inside[None, :], other=0.0)
+            qv = tl.load(q_ptr + rows64[:, None] * stride_q + dc[None, :],
+                         mask=(live & ok)[:, None] & inside[None, :], other=0.0)
+            if L2:
+                diff = tv - qv
+                acc += tl.sum(diff * diff, axis=1)
+            else:
+                acc += tl.sum(tv * qv, axis=1)
+        vals = tl.where(cols[None, :] == j, acc[:, None], vals)
+    idx = tl.load(idx_ptr + rows64[:, None] * W + cols[None, :], mask=live[:, None], other=-1)
+    filled = idx >= 0
+    vals = vals + 0.0                       # -0.0 -> +0.0: equal values tie by index
+    order = -vals if DESCENDING else vals
+    packed = tl.where(filled, _pack(order, idx), _LAST)
+    packed = tl.sort(packed, 1)
+    empty = packed == _LAST
+    best = _unpack_key(packed)
+    best = -best if DESCENDING else best
+    worst = float("-inf") if DESCENDING else float("inf")
+    best = tl.where(empty, worst, best)
+    best_i = tl.where(empty, -1, packed.to(tl.int32).to(tl.int64))   # the low 32 bits
+    first_k = live[:, None] & (cols[None, :] < k)
+    tl.store(out_v_ptr + rows64[:, None] * k + cols[None, :], best, mask=first_k)
+    tl.store(out_i_ptr + rows64[:, None] * k + cols[None, :], best_i, mask=first_k)
+    # V_k, its key and the limit (``_gpu_torch.value_limit``: float64, then one step up).
+    v_k = tl.sum(tl.where(cols[None, :] == k - 1, best, 0.0), axis=1)
+    bound = tl.load(bound_ptr + rows, mask=live, other=0.0).to(tl.float64)
+    if L2:
+        qb = tl.load(qbias_ptr + rows, mask=live, other=0.0).to(tl.float64)
+        key = v_k.to(tl.float64) - qb * (1.0 - 2.384185791015625e-07)
+    else:
+        key = -(v_k.to(tl.float64))
+    limit = _next_up((key + bound).to(tl.float32))
+    # The proof (``margin_holds`` | floor > limit); theta is the k-th approximate key.
+    floor = tl.load(floor_ptr + rows, mask=live, other=0.0)
+    theta = tl.load(keys_ptr + rows64 * W + (k - 1), mask=live, other=0.0).to(tl.float64)
+    margin = _next_up((theta + 2.0 * bound).to(tl.float32))
+    proven = (floor == float("inf")) | (floor > margin) | (floor > limit)
+    tl.store(limit_ptr + rows, limit, mask=live)
+    tl.store(ok_ptr + rows, proven.to(tl.int8), mask=live)
+
+
+def triton_exact_tail(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx: torch.Tensor,
+                      floor: torch.Tensor, bound: torch.Tensor, k: int):
+    """One round's re-rank and proof by :func:`_exact_tail_kernel` (see ``_gpu_torch.TailFn``).
+
+    Returns (values float32 (m, k) ranking values, indices int64 (m, k), limit float32 (m,),
+    ok bool (m,)), or None for lists it does not take (longer than ``TAIL_MAX``, shorter than
+    k, or not a power of two).
+    """
+    m, w = idx.shape
+    if w > TAIL_MAX or w < k or w & (w - 1):
+        return None
+    device = idx.device
+    out_v = torch.empty((m, k), dtype=torch.float32, device=device)
+    out_i = torch.empty((m, k), dtype=torch.int64, device=device)
+    limit = torch.empty((m,), dtype=torch.float32, device=device)
+    ok = torch.empty((m,), dtype=torch.int8, device=device)
+    if m == 0:
+        return out_v, out_i, limit, ok.bool()
+    q, t = queries.exact, targets.exact
+    metric = queries.metric
+    block_d = min(RERANK_D, max(16, triton.next_power_of_2(queries.dim)))
+    _exact_tail_kernel[(triton.cdiv(m, TAIL_ROWS),)](
+        q, t, idx.contiguous(), keys.contiguous(), floor.contiguous(), bound.contiguous(),
+        queries.bias.contiguous(), out_v, out_i, limit, ok, m, queries.dim, k, q.stride(0), t.stride(0),
+        L2=metric in ("l2", "sqeuclidean"), DESCENDING=metric in ("inner_product", "cosine"),
+        W=w, BLOCK_R=TAIL_ROWS, BLOCK_D=block_d, num_warps=4)
+    return out_v, out_i, limit, ok.bool()

@@ -146,6 +146,10 @@ def choose_implementation(k: int, precision: str, device, impl: str = "auto") ->
 # 2026-11-30); bf16 k=100 exact 161 -> 150 ms with the narrower first list it allows
 # (``gpu_kernel.py --exact-breakdown``; ``--no-seeded-widening`` for the rounds without it).
 SEED_WIDENING = True
+# Lists of up to 64 candidates are re-ranked and proven by one kernel per round
+# (``_gpu_triton.triton_exact_tail``) instead of ~25 small torch kernels and a host sync.
+# Interpreter-tested here; off until the device matrix passes with it.
+FUSED_TAIL = False
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
@@ -173,17 +177,19 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     chosen, reason = choose_implementation(k, precision, device, impl)
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, reason)
+    tail = None
     if chosen == "triton":
-        from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_values
+        from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_tail, triton_exact_values
 
         def candidates(q, t, n_cand, seed=None):
             return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed)
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, SEED_WIDENING
+        tail = triton_exact_tail if FUSED_TAIL else None
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
     if exact:
         v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
-                             stats=targets.stats, values=values_fn, seeded=seeded)
+                             stats=targets.stats, values=values_fn, seeded=seeded, tail=tail)
     else:
         v, i = gt.approximate_topk(side, targets.side, k, candidates)
     if targets.rows is not None:

@@ -588,6 +588,63 @@ print("interpreter ok", len(cases))
 """
 
 
+_TAIL_SCRIPT = """
+import numpy as np, torch
+import triton.runtime.interpreter as interp
+_patch = interp._patch_lang_tensor
+def _patched(tensor, scope):
+    _patch(tensor, scope)
+    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+interp._patch_lang_tensor = _patched
+
+from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
+from tests.kernels.test_gpu import check_result, make_data
+
+inf = float("inf")
+cases = [("l2", "bf16", 33, 16, 5), ("sqeuclidean", "tf32", 70, 32, 10),
+         ("inner_product", "bf16", 16, 8, 8), ("cosine", "fp32", 33, 16, 3), ("l2", "bf16", 33, 64, 20)]
+for n, (metric, precision, d, w, k) in enumerate(cases):
+    q, t = make_data("clustered", 19, 120, d, n)
+    t[60:90] = t[0:30]                     # exact duplicates: equal values tie by index
+    if metric == "inner_product":
+        q[5] = 0.0                         # every value +-0: the index decides
+    qs, ts = gt.prepare_side(torch.from_numpy(q), metric, precision), gt.prepare_side(torch.from_numpy(t), metric, precision)
+    keys, idx = gt.torch_candidates(qs, ts, w)
+    keys[0, w - 3:], idx[0, w - 3:] = inf, -1          # a short list (empty slots)
+    floor = keys[:, -1].clone()
+    floor[1] = inf                                     # a list of every target
+    floor[2] = keys[2, k - 1]                          # a floor that proves nothing
+    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)
+    v, i, limit, ok = tr.triton_exact_tail(qs, ts, keys, idx, floor, bound, k)
+    rv, ri = gt.rerank(qs, ts, keys, idx, bound, k, tr.triton_exact_values)
+    rlimit = gt.value_limit(rv[:, k - 1], bound, qs)
+    rok = gt.margin_holds(keys, bound, k, floor) | (floor > rlimit)
+    assert torch.equal(i, ri), (metric, (i != ri).nonzero()[:5])
+    assert torch.equal(v, rv), metric
+    assert torch.equal(limit, rlimit), metric
+    assert torch.equal(ok, rok) and bool(ok[1]) and not bool(ok[2]), (metric, ok, rok)
+    assert 0 < int(ok.sum()) < ok.numel() or metric == "cosine", (metric, ok)
+    # Through exact_topk: widening from w to 4w (the kernel again up to 64, then torch).
+    vv, ii = gt.exact_topk(qs, ts, k, gt.torch_candidates, values=tr.triton_exact_values,
+                           tail=tr.triton_exact_tail)
+    check_result(q, t, k, metric, vv.numpy(), ii.numpy())
+assert tr.triton_exact_tail(qs, ts, keys[:, :3], idx[:, :3], floor, bound, 5) is None   # shorter than k
+print("tail ok", len(cases))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
+def test_fused_exact_tail_under_the_triton_interpreter():
+    """triton_exact_tail equals the torch sequence it replaces (rerank, value_limit, the
+    margin tests), bit for bit under the interpreter: ties, empty slots, +-0 values, floors
+    of every kind; and exact_topk with it returns the exact top-k."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_TAIL_SCRIPT)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "tail ok 5" in proc.stdout
+
+
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 @pytest.mark.parametrize("kernel,n_cases", [("rowlist", 6), ("segmented", 6), ("pipelined", 4),
                                             ("legacy", 4)])
@@ -637,6 +694,30 @@ def test_gpu_widening_through_search_prepared(metric, precision, k, seeded, pois
     monkeypatch.setattr(kgpu, "SEED_WIDENING", seeded)
     dev = torch.device("cuda")
     seed = zlib.crc32(repr(("widening", metric, precision, k, seeded)).encode())
+    for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
+        q, t = make_data("clustered", nq, nt, d, seed + nt)
+        q[3] = np.nan
+        prepared = kgpu.prepare_targets(torch.from_numpy(t).to(dev), metric, precision)
+        v, i = kgpu.search_prepared(torch.from_numpy(q).to(dev), prepared, k)
+        v, i = v.cpu().numpy(), i.cpu().numpy()
+        assert (i[3] == -1).all()
+        keep = np.arange(nq) != 3
+        check_result(q[keep], t, k, metric, v[keep], i[keep])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+@pytest.mark.parametrize("k", [1, 10, 40])
+def test_gpu_fused_exact_tail(metric, precision, k, poisoned_buffers, monkeypatch):
+    """The fused re-rank and proof (nearest_join.kernels.gpu.FUSED_TAIL) through
+    ``search_prepared`` on clustered data (rows widen), a non-finite query row riding along."""
+    from nearest_join.kernels import gpu as kgpu
+
+    monkeypatch.setattr(kgpu, "FUSED_TAIL", True)
+    dev = torch.device("cuda")
+    seed = zlib.crc32(repr(("tail", metric, precision, k)).encode())
     for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
         q, t = make_data("clustered", nq, nt, d, seed + nt)
         q[3] = np.nan
