@@ -86,6 +86,26 @@ def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatc
     assert [b.num_rows for b in first] == [7, 7]
 
 
+def test_broadcast_checks_each_target_blocks_vectors_once_per_task(monkeypatch):
+    """Query blocks of a broadcast task share the target tables' vector views: the check
+    that reads every offset runs once per target block, not once per (query, target) block."""
+    from udfs import rows as R
+
+    rng = np.random.default_rng(9)
+    Q, T, qt, tt = _tables(rng, 35, 100, 3)
+    seen = []
+    real = R.vector_matrix
+
+    def counted(array):
+        if pa.types.is_list(array.type):
+            seen.append(len(array))
+        return real(array)
+    monkeypatch.setattr(R, "vector_matrix", counted)
+    out = local_join(qt, tt, _ctx(3, "l2", 3, 7, 50, schema=tt.schema), plan="broadcast")
+    assert out.num_rows == 35 * 3
+    assert seen.count(50) == 2, seen          # two target blocks of 50 rows, five query blocks
+
+
 def test_pack_blocks_sizes_ids_and_round_trip():
     rng = np.random.default_rng(2)
     _, _, _, tt = _tables(rng, 1, 25, 3)
