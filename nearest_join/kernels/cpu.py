@@ -157,6 +157,14 @@ TARGET_TILE = 512
 MIN_QUERIES_PER_THREAD = 64
 # Target tiles are a multiple of this many rows: a multiple of every sgemm micro-kernel width.
 TILE_MULTIPLE = 64
+# Query tiles start at multiples of this many rows. Some sgemm kernels round a row's dot
+# products differently by its position within the micro-kernel's rows: OpenBLAS's Haswell
+# sgemm (OPENBLAS_CORETYPE=Haswell) by the position mod 12, measured 2026-11-30 (the
+# AVX-512 kernel not at all). With tile starts at a multiple of 48 (of 2, 3, 4, 6, 8, 12,
+# 16, 24) a row's position is the same whatever the number of threads, so are its bits;
+# the rounding up costs at most 47 rows of balance per tile (nq=4000 on 2 threads: tiles of
+# 1008 rows instead of 1000).
+QUERY_TILE_MULTIPLE = 48
 
 
 def default_threads() -> int:
@@ -216,9 +224,10 @@ def plan_tiles(nq: int, nt: int, threads: int) -> tuple[int, int, int]:
     """(query_tile, target_tile, n_split): the work split of one search.
 
     Items are (query tile, target split) pairs run one per thread. With enough queries, the
-    query tiles are resized so that their number is a multiple of ``threads`` (equal work per
-    thread under numba's static schedule); with few queries, one query tile and the target
-    tiles are split between threads instead. The target tile is a multiple of
+    query tiles are resized so that their number is about a multiple of ``threads`` (equal
+    work per thread under numba's static schedule), rounded up to ``QUERY_TILE_MULTIPLE``
+    rows (results then do not depend on ``threads``); with few queries, one query tile and
+    the target tiles are split between threads instead. The target tile is a multiple of
     ``TILE_MULTIPLE`` (see ``_cpu_kernels.search_tiles`` for why every call has one shape).
     """
     target_tile = min(TARGET_TILE, -(-nt // TILE_MULTIPLE) * TILE_MULTIPLE)
@@ -226,6 +235,7 @@ def plan_tiles(nq: int, nt: int, threads: int) -> tuple[int, int, int]:
     if nq >= MIN_QUERIES_PER_THREAD * threads:
         rounds = -(-nq // (QUERY_TILE * threads))
         query_tile = -(-nq // (rounds * threads))
+        query_tile = -(-query_tile // QUERY_TILE_MULTIPLE) * QUERY_TILE_MULTIPLE
         return query_tile, target_tile, 1
     return nq, target_tile, max(1, min(threads, n_ttiles))
 

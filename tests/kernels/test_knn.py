@@ -196,6 +196,23 @@ def test_exact_ties_go_to_lower_index(request, backend, metric):
     np.testing.assert_array_equal(values, ref_v)
 
 
+def test_query_tiles_start_at_the_same_rows_for_any_thread_count():
+    """Some sgemm kernels (OpenBLAS Haswell) round a row by its position in the call: query
+    tiles start at multiples of QUERY_TILE_MULTIPLE, so a row's position does not depend on
+    the number of threads (test_cpu_result_does_not_depend_on_threads checks the bits where
+    such a kernel runs)."""
+    from nearest_join.kernels import cpu
+
+    for nq in (1, 63, 130, 700, 1000, 4000, 9999):
+        for threads in (1, 2, 3, 8):
+            query_tile, _, n_split = cpu.plan_tiles(nq, 3000, threads)
+            if n_split == 1 and query_tile < nq:
+                assert query_tile % cpu.QUERY_TILE_MULTIPLE == 0, (nq, threads, query_tile)
+            tiles = -(-nq // query_tile)
+            assert tiles * query_tile - nq < query_tile, (nq, threads)   # no empty tile
+    assert cpu.QUERY_TILE_MULTIPLE % 12 == 0   # the period measured with the Haswell kernel
+
+
 @pytest.mark.parametrize("nq", [1, 40])
 @pytest.mark.parametrize("metric", list(METRICS))
 @pytest.mark.parametrize("backend", BACKENDS)
