@@ -49,14 +49,18 @@ MIN_BATCH_ROWS = 1024
 TARGET_SHARE = 0.5
 
 
-def task_gpu_address() -> str | None:
-    """The GPU address Spark assigned to this task, else ``$NEAREST_JOIN_GPU``, else None."""
+def _task_context():
+    """This task's ``pyspark.TaskContext``, or None outside Spark (or without pyspark)."""
     try:
         from pyspark import TaskContext  # only present inside Spark
     except ImportError:
-        ctx = None
-    else:
-        ctx = TaskContext.get()
+        return None
+    return TaskContext.get()
+
+
+def task_gpu_address() -> str | None:
+    """The GPU address Spark assigned to this task, else ``$NEAREST_JOIN_GPU``, else None."""
+    ctx = _task_context()
     if ctx is not None:
         gpu = ctx.resources().get("gpu")
         if gpu is not None and gpu.addresses:
@@ -74,12 +78,7 @@ def task_scope() -> str | None:
     new stages). Outside Spark ``$NEAREST_JOIN_TASK_SCOPE``, else None (nothing is kept past
     the searcher).
     """
-    try:
-        from pyspark import TaskContext  # only present inside Spark
-    except ImportError:
-        ctx = None
-    else:
-        ctx = TaskContext.get()
+    ctx = _task_context()
     if ctx is not None:
         return f"execution {ctx.getLocalProperty('spark.sql.execution.id')} stage {ctx.stageId()}"
     return os.environ.get(SCOPE_ENV) or None

@@ -844,7 +844,9 @@ def _exact_tail_kernel(q_ptr, t_ptr, idx_ptr, keys_ptr, floor_ptr, bound_ptr, qb
     above the limit. The torch sequence it replaces (``rerank``, ``value_limit``,
     ``margin_holds``: about 25 small kernels and a host sync per round) is the reference in
     the tests. Columns past ``key(V0) + E`` are not skipped here (the torch form skips them
-    to save reads); they are strictly worse than V_k, so the top k is the same.
+    to save reads); they are strictly worse than V_k, so the top k is the same. The values
+    loop is a copy of ``_rerank_kernel``'s (same sums in the same order): a shared helper
+    would change the production re-rank, which only a GPU run can check.
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)

@@ -397,7 +397,8 @@ def test_merging_segments_keeps_the_floor_of_every_held_back_target():
     assert floor.tolist() == [1.0, 1.0]
 
 
-_INTERPRETER_SCRIPT = """
+# The start of every interpreter script (run with TRITON_INTERPRET=1 in a subprocess).
+_INTERPRETER_PRELUDE = """
 import numpy as np, torch
 import triton.runtime.interpreter as interp
 # triton 3.6's interpreter turns scalar arguments into 1-element arrays; numpy >= 2.4 no
@@ -410,6 +411,9 @@ interp._patch_lang_tensor = _patched
 
 from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data
+"""
+
+_INTERPRETER_SCRIPT = _INTERPRETER_PRELUDE + """
 tr.POISON_BUFFERS = True
 # Tiny tiles make segments of 2+ tiles (203 targets: up to 3 segments; 603: up to 9).
 tr.SEGMENT_MIN_TILES = 2
@@ -588,18 +592,7 @@ print("interpreter ok", len(cases))
 """
 
 
-_TAIL_SCRIPT = """
-import numpy as np, torch
-import triton.runtime.interpreter as interp
-_patch = interp._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patched
-
-from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
-from tests.kernels.test_gpu import check_result, make_data
-
+_TAIL_SCRIPT = _INTERPRETER_PRELUDE + """
 inf = float("inf")
 cases = [("l2", "bf16", 33, 16, 5), ("sqeuclidean", "tf32", 70, 32, 10),
          ("inner_product", "bf16", 16, 8, 8), ("cosine", "fp32", 33, 16, 3), ("l2", "bf16", 33, 64, 20)]
@@ -692,8 +685,16 @@ def test_gpu_widening_through_search_prepared(metric, precision, k, seeded, pois
     from nearest_join.kernels import gpu as kgpu
 
     monkeypatch.setattr(kgpu, "SEED_WIDENING", seeded)
+    _check_search_prepared_with_a_nan_row(metric, precision, k, ("widening", metric, precision, k, seeded))
+
+
+def _check_search_prepared_with_a_nan_row(metric, precision, k, tag):
+    """search_prepared on clustered data (rows widen) with a NaN query row: exact results,
+    the NaN row empty."""
+    from nearest_join.kernels import gpu as kgpu
+
     dev = torch.device("cuda")
-    seed = zlib.crc32(repr(("widening", metric, precision, k, seeded)).encode())
+    seed = zlib.crc32(repr(tag).encode())
     for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
         q, t = make_data("clustered", nq, nt, d, seed + nt)
         q[3] = np.nan
@@ -716,17 +717,7 @@ def test_gpu_fused_exact_tail(metric, precision, k, poisoned_buffers, monkeypatc
     from nearest_join.kernels import gpu as kgpu
 
     monkeypatch.setattr(kgpu, "FUSED_TAIL", True)
-    dev = torch.device("cuda")
-    seed = zlib.crc32(repr(("tail", metric, precision, k)).encode())
-    for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
-        q, t = make_data("clustered", nq, nt, d, seed + nt)
-        q[3] = np.nan
-        prepared = kgpu.prepare_targets(torch.from_numpy(t).to(dev), metric, precision)
-        v, i = kgpu.search_prepared(torch.from_numpy(q).to(dev), prepared, k)
-        v, i = v.cpu().numpy(), i.cpu().numpy()
-        assert (i[3] == -1).all()
-        keep = np.arange(nq) != 3
-        check_result(q[keep], t, k, metric, v[keep], i[keep])
+    _check_search_prepared_with_a_nan_row(metric, precision, k, ("tail", metric, precision, k))
 
 
 @pytest.mark.gpu
