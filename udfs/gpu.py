@@ -291,7 +291,8 @@ class GpuBlockSearcher:
         ``keep``: the block is the same for every task of this stage (a broadcast block):
         it is stored for the stage's next task in this worker, when there is a task scope.
         """
-        from nearest_join.kernels.gpu import prepare_targets
+        from nearest_join.kernels._gpu_torch import LOWER_LEVELS
+        from nearest_join.kernels.gpu import prepare_targets, uses_lower_keys
 
         target_vectors = np.asarray(target_vectors)
         shared = keep and target_key is not None and self._kept is not None
@@ -304,7 +305,11 @@ class GpuBlockSearcher:
                 self._targets = hit
                 return hit
         nt, d = target_vectors.shape
-        needed = nt * d * 4 * 3          # upload + float32 rows + operand (<= 4 bytes), generous
+        # upload + float32 rows + operand (<= 4 bytes), generous; + the bias table of EXACT
+        # mode's lower keys where they are used (up to LOWER_LEVELS float32 rows, in a search)
+        needed = nt * d * 4 * 3
+        if uses_lower_keys(self.settings.k, self.precision):
+            needed += nt * 4 * LOWER_LEVELS
         budget = int(self.memory_bytes * TARGET_SHARE)
         self._targets = None
         # Free before the next block arrives: this kind's oldest first, then the other's.

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gpu_torch import PreparedSide, key_alpha
+from ._gpu_torch import PreparedSide, key_alpha, lower_bias_table
 
 logger = logging.getLogger(__name__)
 
@@ -292,15 +292,18 @@ def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, 
 # Sizes only bound loops and masks: one compiled variant serves every size.
 @triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
 def _fused_candidates_kernel(
-    q_ptr, t_ptr, bias_ptr, buf_ptr, scratch_ptr,
+    q_ptr, t_ptr, bias_ptr, buf_ptr, scratch_ptr, level_ptr,
     nq, nt, d, tiles_per_split, stride_q, stride_t,
-    alpha, N_CAND: tl.constexpr, CAP: tl.constexpr,
+    alpha, stride_level, N_CAND: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SEL_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
     PIPELINED: tl.constexpr = False, SINGLE_DOT: tl.constexpr = False, EVEN_D: tl.constexpr = False,
+    LEVELS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
+    if LEVELS:  # lower keys: this program's row of the bias table (_gpu_torch.lower_bias_table)
+        bias_ptr += tl.load(level_ptr + pid_m).to(tl.int64) * stride_level
     n_splits = tl.num_programs(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < nq
@@ -384,12 +387,13 @@ def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
 
 @triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
 def _rowlist_kernel(
-    q_ptr, t_ptr, bias_ptr, out_ptr, seed_ptr,
-    nq, nt, d, tiles_per_split, stride_q, stride_t, alpha,
+    q_ptr, t_ptr, bias_ptr, out_ptr, seed_ptr, level_ptr,
+    nq, nt, d, tiles_per_split, stride_q, stride_t, alpha, stride_level,
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
     STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True, SEEDED: tl.constexpr = False,
+    LEVELS: tl.constexpr = False,
 ):
     """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
     each query's n_cand best of the program's target range live in registers.
@@ -419,9 +423,14 @@ def _rowlist_kernel(
     above it never enter and, once the row minimum stays above every seed, tiles cost the
     product and one minimum. A placeholder left at the end means every target of the range
     with key <= seed is in the list (none was evicted: the worst entry was a placeholder).
+    ``LEVELS`` (EXACT mode's lower keys): the bias is this program's row ``level_ptr[pid_m]``
+    of a table (``_gpu_torch.lower_bias_table``); the product and the keys' one FMA are as
+    without.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
+    if LEVELS:  # rows 16-aligned (stride_level % 16 == 0): the bias loads stay vectorised
+        bias_ptr += tl.load(level_ptr + pid_m).to(tl.int64) * stride_level
     n_splits = tl.num_programs(1)
     m0 = pid_m * BLOCK_M
     offs_n = tl.arange(0, BLOCK_N)
@@ -611,7 +620,7 @@ def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
                       buffer_bytes: int = 1 << 30, min_only: bool = False,
-                      seed: torch.Tensor | None = None,
+                      seed: torch.Tensor | None = None, lower: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``n_cand`` best approximate keys per query from the fused kernel, and a floor.
 
@@ -648,6 +657,8 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     (the widening rounds of :func:`_gpu_torch.exact_topk`); the register-list kernels then
     never insert them and the row's floor is at most just above its seed (:func:`floor_key`).
     The buffer kernel ignores it, which is valid: a seed only narrows what must be kept.
+    ``lower``: the keys are lower keys (EXACT mode's per-target bound): each program reads
+    its row of ``_gpu_torch.lower_bias_table`` as the bias; no other work per key.
     """
     if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
         raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
@@ -701,12 +712,17 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     alpha = key_alpha(queries.metric)
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=d % block_d == 0,
                   INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     for r0 in range(0, m, rows_per_launch):
         r1 = min(m, r0 + rows_per_launch)
         rows = r1 - r0
         grid_m = math.ceil(rows / cfg.block_m)
         q_chunk = q_op[r0:r1]
+        if lower:
+            bias, level = lower_bias_table(queries.take(slice(r0, r1)), targets, cfg.block_m)
+            stride_level = bias.stride(0)
+        else:
+            bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
         if rowlist:
             program_tiles = (math.ceil(math.ceil(nt / cfg.block_n) / n_splits) if segmented
                              else per_split // cfg.block_n)
@@ -719,9 +735,9 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
                           if seeded else q_chunk)
             _rowlist_kernel[(grid_m, n_splits)](
-                q_chunk, t_op, targets.bias, out, seed_chunk,
+                q_chunk, t_op, bias, out, seed_chunk, level,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
-                N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
+                stride_level, N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
                 MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, SEEDED=seeded, **common)
             lists = out
         else:
@@ -731,9 +747,9 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 buf.fill_(0x5A5A5A5A5A5A5A5A)
                 scratch.fill_(-7)
             _fused_candidates_kernel[(grid_m, n_splits)](
-                q_chunk, t_op, targets.bias, buf, scratch,
+                q_chunk, t_op, bias, buf, scratch, level,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0),
-                alpha, N_CAND=n_cand, CAP=cfg.cap,
+                alpha, stride_level, N_CAND=n_cand, CAP=cfg.cap,
                 SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
                 PIPELINED=cfg.pipelined, SINGLE_DOT=single_dot, **common)
             lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(grid_m * cfg.block_m, n_splits * n_cand)[:rows]

@@ -112,7 +112,8 @@ def prepare_targets(targets, metric: str, precision: str = "fp32") -> PreparedTa
     return PreparedTargets(side, TargetStats.of(side), ok, rows)
 
 
-def choose_implementation(k: int, precision: str, device, impl: str = "auto") -> tuple[str, str]:
+def choose_implementation(k: int, precision: str, device, impl: str = "auto",
+                          lower: bool = False) -> tuple[str, str]:
     """(implementation, reason): the fused kernel when it can run this call, else torch."""
     from ._gpu_torch import candidate_width
 
@@ -124,7 +125,7 @@ def choose_implementation(k: int, precision: str, device, impl: str = "auto") ->
     if refusal is None:
         from ._gpu_triton import MAX_CANDIDATES
 
-        width = candidate_width(k, precision)
+        width = candidate_width(k, precision, lower)
         if width > MAX_CANDIDATES:
             refusal = (f"k={k} in {precision} needs {width} candidates, more than the fused "
                        f"kernel's {MAX_CANDIDATES}")
@@ -153,6 +154,19 @@ SEED_WIDENING = True
 # without; the tail was ~1.5 ms of the ~10 ms exact overhead, the 32-wide candidate pass
 # the rest), and its device test ran 20 of 24 cases (all passed) before the call's limit.
 FUSED_TAIL = False
+# EXACT searches that rank candidates by the per-target lower key (``_gpu_torch`` module
+# notes, "Per-target bounds"), as {precision: smallest k}: a margin ~1.4x tighter for a bias
+# row per fused program, which cost ~3.5 ms in the candidate pass (H200, 65,536 x 10^6,
+# 2026-11-30). bf16 from k = 64, where the first list is the plain width: k=100 exact 151.8
+# -> 130-136 ms (rows widened 24,974 -> 4,915). Not below: bf16 k=10's list of 32 proves
+# nearly every row without it (71.7 ms; 74.4-76.4 with). Not tf32: it proves nearly every row
+# without it (k=10 94.6 ms; 103.4 with).
+LOWER_KEYS = {"bf16": 64}
+
+
+def uses_lower_keys(k: int, precision: str) -> bool:
+    """Whether an EXACT search of ``k`` in ``precision`` ranks by lower keys (LOWER_KEYS)."""
+    return precision in LOWER_KEYS and k >= LOWER_KEYS[precision]
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
@@ -177,22 +191,24 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     if q_run.shape[0] == 0 or targets.side.rows == 0:
         return values, indices
     side = gt.prepare_side(q_run, metric, precision)
-    chosen, reason = choose_implementation(k, precision, device, impl)
+    lower = exact and uses_lower_keys(k, precision)
+    chosen, reason = choose_implementation(k, precision, device, impl, lower)
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, reason)
     tail = None
     if chosen == "triton":
         from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_tail, triton_exact_values
 
-        def candidates(q, t, n_cand, seed=None):
-            return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed)
+        def candidates(q, t, n_cand, seed=None, lower=False):
+            return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed, lower=lower)
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, SEED_WIDENING
         tail = triton_exact_tail if FUSED_TAIL else None
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
     if exact:
         v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
-                             stats=targets.stats, values=values_fn, seeded=seeded, tail=tail)
+                             stats=targets.stats, values=values_fn, seeded=seeded, tail=tail,
+                             lower=lower)
     else:
         v, i = gt.approximate_topk(side, targets.side, k, candidates)
     if targets.rows is not None:
@@ -292,7 +308,8 @@ class GpuBackend:
     def explain(self, queries, targets, k, metric, **options) -> str:
         """Which implementation would run and why (the torch path names its reason)."""
         dev = cuda_device(options.get("device"))
-        impl, reason = choose_implementation(k, _check_precision(options.get("precision", "fp32")), dev)
+        precision = _check_precision(options.get("precision", "fp32"))
+        impl, reason = choose_implementation(k, precision, dev, lower=uses_lower_keys(k, precision))
         return f"{impl}: {reason}"
 
     def run(self, queries, targets, k, metric: Metric, **options):

@@ -342,6 +342,97 @@ def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
     check_result(q, t, k, metric, v.numpy(), i.numpy())
 
 
+# ----------------------------------------------------------------------------- lower keys
+def _spread_norms(kind, nq, nt, d, seed):
+    """Data whose row norms span 0.1x to 10x: the block maxima of the bound's terms are far
+    above most rows' own (the case per-target bounds are for)."""
+    q, t = make_data(kind, nq, nt, d, seed)
+    rng = np.random.default_rng(seed + 1)
+    q = q * np.exp(rng.uniform(np.log(0.1), np.log(10), (nq, 1))).astype(np.float32)
+    t = t * np.exp(rng.uniform(np.log(0.1), np.log(10), (nt, 1))).astype(np.float32)
+    return q, t
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_lower_keys_bound_every_exact_key_from_below(metric, precision):
+    """L - E' <= the exact key for every pair (the per-target bound is valid), while the plain
+    key - E' is above it for some pair (E' alone does not cover the residual terms, so the
+    test fails if the lower key's weights were dropped)."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    q, t = _spread_norms("gaussian", 40, 500, 48, 9)
+    qs, ts = _prepared(q, t, metric, precision)
+    stats = gt.TargetStats.of(ts)
+    rest = gt.lower_key_bound(qs, stats, metric).double()[:, None]
+    assert bool((rest < gt.key_error_bound(qs, stats, metric).double()[:, None]).all())
+    lower, l_idx = gt.torch_candidates(qs, ts, ts.rows, lower=True)
+    plain, p_idx = gt.torch_candidates(qs, ts, ts.rows)
+    t64 = ts.exact.double()
+    bias = (t64 ** 2).sum(1) if metric in ("l2", "sqeuclidean") else torch.zeros(ts.rows, dtype=torch.float64)
+    exact = bias[None, :] - gt.key_alpha(metric) * (qs.exact.double() @ t64.T)
+    assert bool((lower.double() - rest <= exact.gather(1, l_idx)).all())
+    assert bool((plain.double() - rest > exact.gather(1, p_idx)).any())
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_the_bias_table_never_lifts_a_lower_key(metric, precision):
+    """The fused kernel's lower keys (a bias level per block of rows) are at most the per-row
+    lower keys, for rows of spread norms in any order and a zero row; at most LOWER_LEVELS
+    levels, and each row's shift at most ``lower_shift`` (which the bound's roundings use)."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    q, t = _spread_norms("gaussian", 45, 300, 24, 3)
+    if metric != "cosine":
+        q[7] = 0.0
+    qs, ts = _prepared(q, t, metric, precision)
+    table, level = gt.lower_bias_table(qs, ts, 8)
+    assert table.shape[0] <= gt.LOWER_LEVELS and level.shape == (6,)
+    bias = table.double()[level.long().repeat_interleave(8)[:45]]
+    q_w, t_w = gt.lower_key_weights(qs, ts)
+    per_row = ts.bias.double() - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
+    assert bool((bias <= per_row).all())
+    shift = gt.lower_shift(qs, gt.TargetStats.of(ts), metric)
+    # (the table's float32 rounding, down, adds at most an ulp of the bias)
+    assert bool((ts.bias.double() - bias <= shift * (1 + 1e-6) + 2.0 ** -22 * ts.bias.double().abs()).all())
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "inner_product"])
+def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
+    """bf16, k=10, lists of 16 (the plain width, both ways). Queries lean one way; 20 of the
+    4,000 targets have 30x the norm and point the other way: they never rank, but they set
+    the block maxima of the bound's target terms. Ranked by the lower key, whose target
+    terms are each row's own, fewer rows widen; both results are exact."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    rng = np.random.default_rng(5)
+    d, k = 32, 10
+    lean = np.full(d, 3 / np.sqrt(d))
+    q = (rng.standard_normal((200, d)) + lean).astype(np.float32)
+    t = rng.standard_normal((4000, d))
+    t[::200] = -30 * (lean + 0.1 * rng.standard_normal((20, d)))
+    t = t.astype(np.float32)
+    qs, ts = _prepared(q, t, metric, "bf16")
+    monkeypatch.setitem(gt._EXTRA, "bf16", lambda k: 0)
+    widened = {}
+    for lower in (False, True):
+        calls = []
+
+        def counted(qq, tt, n, **kw):
+            assert kw.get("lower", False) == lower
+            calls.append(qq.rows)
+            return gt.torch_candidates(qq, tt, n, **kw)
+
+        v, i = gt.exact_topk(qs, ts, k, counted, lower=lower)
+        check_result(q, t, k, metric, v.numpy(), i.numpy())
+        widened[lower] = sum(calls[1:])
+    assert widened[True] * 10 < widened[False], widened   # measured: 0 against 198-200
+
+
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_skip_share_predicts_the_tiles_without_survivors():
     """The model behind the row-minimum test's switch against a simulated scan: random keys,
@@ -424,18 +515,18 @@ SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_pa
 
 SEEDS = []   # the seeds exact_topk's widening rounds passed
 
-def small(q, t, n_cand, seed=None):
+def small(q, t, n_cand, seed=None, lower=False):
     # Tiny tiles so that 203 targets make several tiles and splits; every path is taken.
     if seed is not None:
         SEEDS.append(seed)
     cap = max(64, gt.next_pow2(n_cand + 32))
     if KERNEL == "segmented":   # 8-long lists per segment; the buffer kernel where too few
-        return tr.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed)
+        return tr.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed, lower=lower)
     if KERNEL == "rowlist" and n_cand <= 32:
         cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
     else:
         cfg = tr.TileConfig(16, 32, cap, 4, pipelined=KERNEL != "legacy")
-    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed)
+    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
 
 def check_seeded(qs, ts, n_cand, gen):
     # Seeds: +inf, midway between the 3rd and 4th best keys and between the 12th and 13th,
@@ -482,7 +573,23 @@ for n, (metric, precision, kind, k) in enumerate(cases):
     order = torch.sort(ref.float(), dim=1, stable=True)
     if kind == "gaussian":  # no near ties: the same order as float64 keys
         assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
+    # Lower keys (EXACT mode's per-target bound): each 16-row program reads its row of the
+    # bias table; the keys are that table's, to float32 rounding, and never above the
+    # per-row lower keys of the torch path (the table's levels only lower them).
+    keys, idx, _ = small(qs, ts, 16, lower=True)
+    table, level = gt.lower_bias_table(qs, ts, 16)
+    prod = qs.operand.double() @ ts.operand.double().T
+    lower = table.double()[level.long().repeat_interleave(16)[:21]] - gt.key_alpha(metric) * prod
+    q_w, t_w = gt.lower_key_weights(qs, ts)
+    per_row = ref - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
+    tol = 1e-5 * float(ref.abs().max())
+    assert bool((lower <= per_row + tol).all()), metric
+    assert (idx >= 0).all() and torch.allclose(keys.double(), torch.gather(lower, 1, idx), rtol=1e-5, atol=tol), metric
+    if kind == "gaussian":
+        assert torch.equal(idx[:, :8], torch.sort(lower.float(), dim=1, stable=True).indices[:, :8]), metric
+    # Half the cases rank by the lower key (EXACT bf16's default).
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values,
+                         seeded=True, lower=n % 2 == 1)
     check_result(q, t, k, metric, v.numpy(), i.numpy())
 
 if KERNEL in ("rowlist", "segmented"):
@@ -673,19 +780,21 @@ def test_gpu_matrix(metric, precision, k, kind, poisoned_buffers):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("lower", [False, True])
 @pytest.mark.parametrize("seeded", [False, True])
 @pytest.mark.parametrize("k", [10, 100])
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("metric", METRICS)
-def test_gpu_widening_through_search_prepared(metric, precision, k, seeded, poisoned_buffers, monkeypatch):
-    """Widening rounds, with and without seeded lists (nearest_join.kernels.gpu.SEED_WIDENING):
-    clustered data makes rows widen. Through ``search_prepared`` (as the executors call it,
-    not through knn, which drops unrankable rows first), with a non-finite query row riding
-    along: it must come back empty."""
+def test_gpu_widening_through_search_prepared(metric, precision, k, seeded, lower, poisoned_buffers, monkeypatch):
+    """Widening rounds, with and without seeded lists (nearest_join.kernels.gpu.SEED_WIDENING)
+    and lower keys (``LOWER_KEYS``): clustered data makes rows widen. Through
+    ``search_prepared`` (as the executors call it, not through knn, which drops unrankable
+    rows first), with a non-finite query row riding along: it must come back empty."""
     from nearest_join.kernels import gpu as kgpu
 
     monkeypatch.setattr(kgpu, "SEED_WIDENING", seeded)
-    _check_search_prepared_with_a_nan_row(metric, precision, k, ("widening", metric, precision, k, seeded))
+    monkeypatch.setattr(kgpu, "LOWER_KEYS", {precision: 1} if lower else {})
+    _check_search_prepared_with_a_nan_row(metric, precision, k, ("widening", metric, precision, k, seeded, lower))
 
 
 def _check_search_prepared_with_a_nan_row(metric, precision, k, tag):
