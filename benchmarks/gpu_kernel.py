@@ -474,8 +474,12 @@ def main(argv=None) -> None:
                     help="exact mode: one kernel per round for re-rank and proof "
                          "(nearest_join.kernels.gpu.FUSED_TAIL)")
     ap.add_argument("--bf16-extra", type=float, default=None,
-                    help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 1 "
-                         "below k = 64, else 0, the plain width, the rest left to seeded widening)")
+                    help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 0, "
+                         "the plain width, with lower keys; without them F = 1 below k = 64, else 0)")
+    ap.add_argument("--lower-keys", default=None,
+                    help="exact mode: comma-separated precision:min_k pairs that rank candidates by the "
+                         "per-target lower key, e.g. bf16:1,tf32:64 ('' for none; default: "
+                         "nearest_join.kernels.gpu.LOWER_KEYS)")
     ap.add_argument("--seg-cand", type=int, default=None,
                     help="segment list length of the segmented mode (default: the backend's SEG_CAND)")
     ap.add_argument("--exact-breakdown", action="store_true",
@@ -493,7 +497,10 @@ def main(argv=None) -> None:
         kgpu.FUSED_TAIL = True
     if args.bf16_extra is not None:
         factor = args.bf16_extra
-        gt._EXTRA["bf16"] = lambda k: int(factor * k)
+        gt._EXTRA["bf16"] = gt._EXTRA_LOWER["bf16"] = lambda k: int(factor * k)
+    if args.lower_keys is not None:
+        kgpu.LOWER_KEYS = {p.split(":")[0]: int(p.split(":")[1]) if ":" in p else 1
+                           for p in args.lower_keys.split(",") if p}
     if args.seg_cand:
         from nearest_join.kernels import _gpu_triton as tr
 
@@ -511,7 +518,8 @@ def main(argv=None) -> None:
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
           f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
-          f"seeded_widening={kgpu.SEED_WIDENING} fused_tail={kgpu.FUSED_TAIL}",
+          f"seeded_widening={kgpu.SEED_WIDENING} fused_tail={kgpu.FUSED_TAIL} "
+          f"lower_keys={kgpu.LOWER_KEYS or 'none'}",
           flush=True)
 
     def record(**row):
