@@ -221,3 +221,43 @@ def take_rows_parallel(matrix, rows, out):
         r = rows[i]
         for j in range(width):
             out[i, j] = matrix[r, j]
+
+
+# Re-rank (see ``cpu.CpuBackend.run``): the ranking keys of candidate pairs in float64 from
+# the float32 rows, one fixed summation order, so that equal rows get equal keys wherever
+# they sit in the target block (some sgemm kernels round a column by its position).
+@njit(inline="always", cache=True)
+def _pair_key(q, t, squared):
+    acc = 0.0
+    if squared:   # the squared distance, in difference form
+        for c in range(q.shape[0]):
+            diff = np.float64(q[c]) - np.float64(t[c])
+            acc += diff * diff
+        return acc
+    for c in range(q.shape[0]):
+        acc += np.float64(q[c]) * np.float64(t[c])
+    return -acc   # similarities: smaller keys are better
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def rerank_keys(queries, targets, candidates, squared, out):
+    """``out[i, c]``: the key of (queries[i], targets[candidates[i, c]]); +inf where the
+    candidate is -1."""
+    for i in prange(candidates.shape[0]):
+        for c in range(candidates.shape[1]):
+            j = candidates[i, c]
+            out[i, c] = np.inf if j < 0 else _pair_key(queries[i], targets[j], squared)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def row_keys(query, targets, squared, out):
+    """``out[j]``: the key of (query, targets[j]) for every target (rows the re-rank's margin
+    cannot prove)."""
+    for j in prange(targets.shape[0]):
+        out[j] = _pair_key(query, targets[j], squared)
+
+
+@njit(cache=True)
+def score_tile(queries, targets, out):
+    """``out = queries @ targets.T`` by the same BLAS call as :func:`search_tiles` (a probe)."""
+    np.dot(queries, targets.T, out)

@@ -165,6 +165,49 @@ TILE_MULTIPLE = 64
 # the rounding up costs at most 47 rows of balance per tile (nq=4000 on 2 threads: tiles of
 # 1008 rows instead of 1000).
 QUERY_TILE_MULTIPLE = 48
+# Heap slots kept beyond k for the re-rank (see CpuBackend.run): k + RERANK_EXTRA + k // 16.
+RERANK_EXTRA = 4
+_POSITION_FREE: dict = {}
+
+
+def sgemm_position_free(rows: int, target_tile: int, d: int) -> bool:
+    """Whether this process's sgemm gives every column of a (rows x target_tile x d) call
+    the same bits for the same target row (a probe, once per shape; BLAS on one thread).
+
+    OpenBLAS's AVX-512 kernel does; its Haswell kernel (OPENBLAS_CORETYPE=Haswell, and what
+    it picks on AVX2-only CPUs) rounds columns 8-15 of each 16 differently (measured
+    2026-11-30), so copies of a row in different places would score apart.
+    """
+    key = (rows, target_tile, d)
+    if key not in _POSITION_FREE:
+        rng = np.random.default_rng(20261130)
+        q = rng.standard_normal((rows, d)).astype(np.float32)
+        t = np.repeat(rng.standard_normal((1, d)).astype(np.float32), target_tile, axis=0)
+        out = np.empty((rows, target_tile), dtype=np.float32)
+        _cpu_kernels.score_tile(q, t, out)
+        _POSITION_FREE[key] = bool((out == out[:, :1]).all())
+        if not _POSITION_FREE[key]:
+            logger.info("sgemm rounds columns by position (%d x %d x %d): results are re-ranked",
+                        rows, target_tile, d)
+    return _POSITION_FREE[key]
+
+
+def heap_width(k: int, nt: int) -> int:
+    """Candidates kept per query row: k and a margin for the re-rank, at most every target."""
+    return min(k + RERANK_EXTRA + k // 16, nt)
+
+
+def score_margin(d: int, query_scale: np.ndarray, target_norm: float, bias_max: float) -> np.ndarray:
+    """Per row, a bound on |sgemm score + |q|^2 (l2 family) - exact key| (float64 array).
+
+    The sgemm sums d products (``gamma_d`` of their absolute sum, at most |q'| |t| by
+    Cauchy-Schwarz; twice the unit roundoff, as for kernels that may truncate), the bias is
+    one rounding of |t|^2 and the score one rounding of their sum; doubled for slack. The
+    exact keys are float64 sums of float32 products, far inside the slack.
+    """
+    n_u = (d + 2) * 2.0 ** -23
+    g = n_u / (1 - n_u)
+    return 2 * (g * query_scale * target_norm + 2 * g * bias_max + 2.0 ** -22 * (bias_max + query_scale * target_norm))
 
 
 def default_threads() -> int:
@@ -269,6 +312,16 @@ def _tail_tile(targets: np.ndarray, bias: np.ndarray, target_tile: int):
     return tail, tail_bias
 
 
+def _scan_row(query: np.ndarray, targets: np.ndarray, width: int, squared: bool):
+    """(keys, indices) of one row's ``width`` best of every target by (key, index)."""
+    keys = np.empty(targets.shape[0], dtype=np.float64)
+    _cpu_kernels.row_keys(query, targets, squared, keys)
+    kth = np.partition(keys, width - 1)[width - 1]
+    near = np.flatnonzero(keys <= kth)
+    near = near[np.lexsort((near, keys[near]))][:width]
+    return keys[near], near
+
+
 def _scipy_blas_missing() -> str | None:
     try:
         import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot binds to these)
@@ -301,33 +354,90 @@ class CpuBackend:
 
         ``threads`` (int >= 1): threads to use; default: the CPUs this process may run on.
         Other options (``precision``, ``device``) are for other backends and are ignored.
+
+        The fused sgemm + heap search keeps each row's best by float32 score, ties to the
+        lower index. That rule needs copies of one row to score the same bits wherever they
+        sit, which some sgemm kernels do not give (:func:`sgemm_position_free`, probed once
+        per tile shape). Where they do not, the heaps keep ``heap_width`` candidates, their
+        keys are recomputed in float64 from the float32 rows in one fixed order
+        (``_cpu_kernels.rerank_keys``) and ranked by (key, index); a row is proven when its
+        last kept score, less the sgemm's error bound (:func:`score_margin`), is above its
+        k-th key, and the few others are recomputed against every target
+        (``_cpu_kernels.row_keys``).
         """
         threads = _check_threads(threads)
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)
+        squared = metric.name in ("l2", "sqeuclidean")
         with thread_limits(threads) as used:
             scaled, targets32, bias, query_norms = _prepare(queries, targets, metric)
             query_tile, target_tile, n_split = plan_tiles(nq, nt, used)
+            tile_rows = {min(query_tile, nq), nq % query_tile or query_tile}
+            rerank = not all(sgemm_position_free(r, target_tile, queries.shape[1]) for r in tile_rows)
+            kept = heap_width(k, nt) if rerank else width
             tail, tail_bias = _tail_tile(targets32, bias, target_tile)
-            heaps = np.full((n_split, nq, width), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+            heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
             _cpu_kernels.search_tiles(scaled, targets32, bias, tail, tail_bias, heaps, query_tile)
-        # Sorting the keys orders each row by (score, index): best first, ties to the lower
-        # index. With several target splits, the best of their union is the first ``width``.
-        keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
-        best_v, best_i = _cpu_kernels.decode(np.sort(keys, axis=1)[:, :width])
-        logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d",
-                     nq, nt, k, used, query_tile, target_tile, n_split)
+            # Sorting the keys orders each row by (score, index): best first, ties to the
+            # lower index. With several target splits, the best of their union is the first
+            # ``kept``.
+            keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
+            scores, cand = _cpu_kernels.decode(np.sort(keys, axis=1)[:, :kept])
+            cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
+            if rerank:
+                best_key, best_i = self._rerank(scores, cand, scaled, targets32, bias, query_norms,
+                                                width, squared)
+        logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d rerank=%s",
+                     nq, nt, k, used, query_tile, target_tile, n_split, rerank)
+        if not rerank:
+            best_i = cand
+            if query_norms is not None:
+                best_key = np.maximum(scores.astype(np.float64) + query_norms[:, None], 0.0)
+            else:
+                best_key = scores
         values = np.full((nq, k), metric.worst, dtype=np.float32)
         indices = np.full((nq, k), -1, dtype=np.int64)
-        found = best_i != _cpu_kernels.EMPTY_INDEX
-        if query_norms is not None:
-            squared = np.maximum(best_v.astype(np.float64) + query_norms[:, None], 0.0)
-            result = np.sqrt(squared) if metric.name == "l2" else squared
+        found = best_i >= 0
+        if metric.name == "l2":
+            result = np.sqrt(best_key)
+        elif squared:
+            result = best_key
         else:
-            result = -best_v
+            result = -best_key
         values[:, :width] = np.where(found, result, metric.worst)
         indices[:, :width] = np.where(found, best_i, -1)
         return values, indices
+
+    def _rerank(self, scores, cand, scaled, targets32, bias, query_norms, width, squared):
+        """(keys float64, indices) of each row's ``width`` best candidates by exact key."""
+        nt = targets32.shape[0]
+        # The float32 rows the sgemm saw (the scalings by -2 and -1 are exact).
+        q32 = scaled * np.float32(-0.5 if squared else -1.0)
+        exact = np.empty(cand.shape, dtype=np.float64)
+        _cpu_kernels.rerank_keys(q32, targets32, cand, squared, exact)
+        order = np.lexsort((np.where(cand >= 0, cand, nt), exact), axis=1)[:, :width]
+        best_key = np.take_along_axis(exact, order, axis=1)
+        best_i = np.take_along_axis(cand, order, axis=1)
+        unproven = self._unproven(scores, cand, best_key, q32, targets32, bias, query_norms,
+                                  cand.shape[1], nt)
+        if len(unproven):
+            logger.debug("cpu knn: %d rows rescanned (ties within the sgemm's error)", len(unproven))
+        for row in unproven:
+            best_key[row], best_i[row] = _scan_row(q32[row], targets32, width, squared)
+        return best_key, best_i
+
+    @staticmethod
+    def _unproven(scores, cand, best_key, q32, targets32, bias, query_norms, kept, nt) -> np.ndarray:
+        """Rows whose kept candidates may miss a target that ranks (or ties) in the top k."""
+        if kept >= nt or nt == 0:
+            return np.empty(0, dtype=np.int64)
+        full = cand[:, -1] >= 0                 # a row with empty slots holds every target
+        offset = query_norms if query_norms is not None else 0.0
+        scale = np.sqrt(_cpu_kernels.squared_norms(q32)) * (2.0 if query_norms is not None else 1.0)
+        tnorm = float(np.sqrt(_cpu_kernels.squared_norms(targets32).max()))
+        margin = score_margin(q32.shape[1], scale, tnorm, float(bias.max())) * 1.01
+        floor = scores[:, -1].astype(np.float64) + offset - margin
+        return np.flatnonzero(full & ~(floor > best_key[:, -1]))
 
 
 BACKEND = CpuBackend()

@@ -213,6 +213,106 @@ def test_query_tiles_start_at_the_same_rows_for_any_thread_count():
     assert cpu.QUERY_TILE_MULTIPLE % 12 == 0   # the period measured with the Haswell kernel
 
 
+def _count_rescans(monkeypatch):
+    """Force the re-rank path (as under a position-dependent sgemm) and count rescanned rows."""
+    from nearest_join.kernels import cpu
+
+    monkeypatch.setattr(cpu, "sgemm_position_free", lambda rows, target_tile, d: False)
+    rows = []
+    real = cpu._scan_row
+
+    def spy(query, targets, width, squared):
+        rows.append(query.copy())
+        return real(query, targets, width, squared)
+
+    monkeypatch.setattr(cpu, "_scan_row", spy)
+    return rows
+
+
+@pytest.mark.parametrize("metric", list(METRICS))
+def test_cpu_rescans_rows_whose_ties_outnumber_the_kept_candidates(request, metric, monkeypatch):
+    """40 copies of one row (and 40 near copies, a float32 ulp apart) outnumber the heap's
+    k + margin slots: the kept scores cannot prove which copies rank, so those rows are
+    rescanned against every target, and the lowest indices win. A row far from the copies
+    is proven without a rescan."""
+    from nearest_join.kernels import cpu
+
+    rescans = _count_rescans(monkeypatch)
+    rng = seeded_rng(request)
+    d = 16
+    targets = rng.standard_normal((3000, d)).astype(np.float32)
+    row = (3 * rng.standard_normal(d)).astype(np.float32)
+    copies = np.sort(rng.choice(3000, 40, replace=False))
+    targets[copies] = row
+    near = np.setdiff1d(rng.choice(3000, 60, replace=False), copies)[:40]
+    if metric != "cosine":   # (cosine ranks float32 unit rows: near copies may merge there)
+        targets[near] = np.nextafter(row, np.float32(np.inf))
+    queries = np.stack([row + np.float32(1e-3), -row]).astype(np.float32)
+    k = 5
+    assert cpu.heap_width(k, 3000) < 40
+    values, indices = knn(queries, targets, k, metric, backend="cpu", threads=2)
+    ref_v, ref_i = knn_reference(queries, targets, k, METRICS[metric])
+    assert len(rescans) == 1, len(rescans)          # row 0 only
+    assert np.isin(indices[0], np.concatenate([copies, near])).all()
+    np.testing.assert_array_equal(indices, ref_i)
+    np.testing.assert_allclose(values, ref_v, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_proves_ordinary_rows_without_rescans(request, monkeypatch):
+    rescans = _count_rescans(monkeypatch)
+    rng = seeded_rng(request)
+    queries = rng.standard_normal((300, 24)).astype(np.float32)
+    targets = rng.standard_normal((5000, 24)).astype(np.float32)
+    for metric in METRICS:
+        values, indices = knn(queries, targets, 10, metric, backend="cpu", threads=2)
+        ref_v, ref_i = knn_reference(queries, targets, 10, METRICS[metric])
+        np.testing.assert_array_equal(indices, ref_i)
+    assert not rescans
+
+
+@pytest.mark.parametrize("metric", list(METRICS))
+@pytest.mark.parametrize("k", [1, 10, 100])
+@pytest.mark.parametrize("nq", [3, 300])
+def test_cpu_rerank_path_matches_the_reference(request, metric, k, nq, monkeypatch):
+    """The re-rank path (taken where the sgemm rounds by column position) against the
+    reference: Gaussian rows with exact copies mixed in (ties to the lower index), few
+    queries (target splits) and many."""
+    _count_rescans(monkeypatch)
+    rng = seeded_rng(request)
+    targets = rng.standard_normal((2500, 12)).astype(np.float32)
+    targets[rng.choice(2500, 200)] = targets[rng.choice(2500, 200)]
+    queries = np.concatenate([rng.standard_normal((nq - 1, 12)), targets[[7]]]).astype(np.float32)
+    values, indices = knn(queries, targets, k, metric, backend="cpu", threads=2)
+    ref_v, ref_i = knn_reference(queries, targets, k, METRICS[metric])
+    np.testing.assert_array_equal(indices, ref_i)
+    np.testing.assert_allclose(values, ref_v, rtol=1e-5, atol=1e-5)
+
+
+def test_the_sgemm_probe_sees_a_position_dependent_kernel(monkeypatch):
+    """The probe scores one row repeated over a tile: a kernel that rounds some columns
+    apart (simulated: columns 8-15 one ulp up, the Haswell pattern) is not position-free,
+    the answer is kept per shape, and the real kernel's answer is its equal columns."""
+    from nearest_join.kernels import _cpu_kernels, cpu
+
+    monkeypatch.setattr(cpu, "_POSITION_FREE", {})
+    real = _cpu_kernels.score_tile
+
+    def shifted(q, t, out):
+        real(q, t, out)
+        out[:, 8:16] = np.nextafter(out[:, 8:16], np.float32(np.inf))
+
+    monkeypatch.setattr(_cpu_kernels, "score_tile", shifted)
+    assert cpu.sgemm_position_free(48, 512, 20) is False
+    monkeypatch.setattr(_cpu_kernels, "score_tile", real)
+    assert cpu.sgemm_position_free(48, 512, 20) is False          # cached per shape
+    cpu._POSITION_FREE.clear()
+    out = np.empty((48, 512), dtype=np.float32)
+    rng = np.random.default_rng(0)
+    real(rng.standard_normal((48, 20)).astype(np.float32),
+         np.repeat(rng.standard_normal((1, 20)).astype(np.float32), 512, axis=0), out)
+    assert cpu.sgemm_position_free(48, 512, 20) == bool((out == out[:, :1]).all())
+
+
 @pytest.mark.parametrize("nq", [1, 40])
 @pytest.mark.parametrize("metric", list(METRICS))
 @pytest.mark.parametrize("backend", BACKENDS)
