@@ -474,8 +474,8 @@ def main(argv=None) -> None:
                     help="exact mode: one kernel per round for re-rank and proof "
                          "(nearest_join.kernels.gpu.FUSED_TAIL)")
     ap.add_argument("--bf16-extra", type=float, default=None,
-                    help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 0, "
-                         "the plain width, with lower keys; without them F = 1 below k = 64, else 0)")
+                    help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 1 "
+                         "below k = 64, else 0, the plain width)")
     ap.add_argument("--lower-keys", default=None,
                     help="exact mode: comma-separated precision:min_k pairs that rank candidates by the "
                          "per-target lower key, e.g. bf16:1,tf32:64 ('' for none; default: "
@@ -497,7 +497,7 @@ def main(argv=None) -> None:
         kgpu.FUSED_TAIL = True
     if args.bf16_extra is not None:
         factor = args.bf16_extra
-        gt._EXTRA["bf16"] = gt._EXTRA_LOWER["bf16"] = lambda k: int(factor * k)
+        gt._EXTRA["bf16"] = lambda k: int(factor * k)
     if args.lower_keys is not None:
         kgpu.LOWER_KEYS = {p.split(":")[0]: int(p.split(":")[1]) if ":" in p else 1
                            for p in args.lower_keys.split(",") if p}

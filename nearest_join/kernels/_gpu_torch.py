@@ -112,12 +112,10 @@ _EXTRA = {
     "tf32": lambda k: k // 8 + 4,
     "bf16": lambda k: k if k < 64 else 0,
 }
-# First-list extras with lower keys (``lower=True``), where they differ from ``_EXTRA``. None
-# now: on the H200 (65,536 x 10^6, bf16, fused kernel, 2026-11-30) a list of 16 at k=10 left
-# 2,597 rows (4%) to a widening round that cost ~10 ms (exact 79.8 ms); the list of 32 of
-# ``_EXTRA`` proves nearly every row. At k=100 the plain width (128) left 4,915 rows (24,974
-# with the block-wide bound): exact 136.5 ms against 151.8.
-_EXTRA_LOWER: dict = {}
+# With lower keys (bf16 from k = 64, ``gpu.LOWER_KEYS``) the first lists are these widths too:
+# on the H200 (65,536 x 10^6, 2026-11-30) a bf16 list of 16 at k=10 left 2,597 rows to a
+# widening round (exact 79.8 ms); at k=100 the plain width left 4,915 rows (24,974 with the
+# block-wide bound): exact 130-136 ms against 151.8.
 MIN_CANDIDATES = 8
 WIDEN_FACTOR = 4
 
@@ -126,11 +124,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def candidate_width(k: int, precision: str, lower: bool = False) -> int:
-    """Width of the first candidate list for ``k`` results in ``precision`` (``lower``: ranked
-    by the lower key, see the module notes)."""
-    extra = (_EXTRA_LOWER.get(precision) if lower else None) or _EXTRA[precision]
-    return max(MIN_CANDIDATES, next_pow2(k + extra(k)))
+def candidate_width(k: int, precision: str) -> int:
+    """Width of the first candidate list for ``k`` results in ``precision``."""
+    return max(MIN_CANDIDATES, next_pow2(k + _EXTRA[precision](k)))
 
 
 def gamma(d: int) -> float:
@@ -607,7 +603,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     out_i = torch.empty((m, k), dtype=torch.int64, device=device)
     pending = torch.arange(m, device=device)
     subset = queries
-    n_cand = candidate_width(k, queries.precision, lower)
+    n_cand = candidate_width(k, queries.precision)
     generator = candidates
     seed = None
     extra = {"lower": True} if lower else {}

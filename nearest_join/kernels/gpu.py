@@ -112,8 +112,7 @@ def prepare_targets(targets, metric: str, precision: str = "fp32") -> PreparedTa
     return PreparedTargets(side, TargetStats.of(side), ok, rows)
 
 
-def choose_implementation(k: int, precision: str, device, impl: str = "auto",
-                          lower: bool = False) -> tuple[str, str]:
+def choose_implementation(k: int, precision: str, device, impl: str = "auto") -> tuple[str, str]:
     """(implementation, reason): the fused kernel when it can run this call, else torch."""
     from ._gpu_torch import candidate_width
 
@@ -125,7 +124,7 @@ def choose_implementation(k: int, precision: str, device, impl: str = "auto",
     if refusal is None:
         from ._gpu_triton import MAX_CANDIDATES
 
-        width = candidate_width(k, precision, lower)
+        width = candidate_width(k, precision)
         if width > MAX_CANDIDATES:
             refusal = (f"k={k} in {precision} needs {width} candidates, more than the fused "
                        f"kernel's {MAX_CANDIDATES}")
@@ -192,7 +191,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
         return values, indices
     side = gt.prepare_side(q_run, metric, precision)
     lower = exact and uses_lower_keys(k, precision)
-    chosen, reason = choose_implementation(k, precision, device, impl, lower)
+    chosen, reason = choose_implementation(k, precision, device, impl)
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, reason)
     tail = None
@@ -308,8 +307,7 @@ class GpuBackend:
     def explain(self, queries, targets, k, metric, **options) -> str:
         """Which implementation would run and why (the torch path names its reason)."""
         dev = cuda_device(options.get("device"))
-        precision = _check_precision(options.get("precision", "fp32"))
-        impl, reason = choose_implementation(k, precision, dev, lower=uses_lower_keys(k, precision))
+        impl, reason = choose_implementation(k, _check_precision(options.get("precision", "fp32")), dev)
         return f"{impl}: {reason}"
 
     def run(self, queries, targets, k, metric: Metric, **options):
