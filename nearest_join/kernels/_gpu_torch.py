@@ -118,6 +118,10 @@ _EXTRA = {
 # block-wide bound): exact 130-136 ms against 151.8.
 MIN_CANDIDATES = 8
 WIDEN_FACTOR = 4
+# Widening rounds over at most this many rows run the torch generator (one addmm + topk over
+# the targets) instead of the fused kernel (``exact_topk(few_rows=)``, passed by
+# ``gpu.search_prepared``): for a handful of rows a fused pass is mostly fixed costs.
+TORCH_ROUND_ROWS = 64
 
 
 def next_pow2(n: int) -> int:
@@ -524,14 +528,11 @@ def value_limit(values_k: torch.Tensor, bound: torch.Tensor, queries: PreparedSi
     return torch.nextafter(limit, torch.full_like(limit, math.inf))
 
 
-def rerank_width(keys: torch.Tensor, limit: torch.Tensor, k: int) -> int:
-    """Candidate columns the re-rank needs: per row those with key <= ``limit`` (a prefix:
-    lists are sorted), the widest over the rows, at least k."""
-    n_cand = keys.shape[1]
-    if n_cand <= k:
-        return n_cand
-    need = (keys <= limit[:, None]).sum(dim=1)
-    return max(k, int(need.max()) if need.numel() else 0)
+def skip_beyond(keys: torch.Tensor, idx: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """``idx`` with -1 (an empty slot: not read, never ranked) where the key exceeds the
+    row's ``limit`` (:func:`value_limit`): such a target's value is worse than the row's
+    k-th, so it cannot rank. Elementwise: no host sync."""
+    return torch.where(keys <= limit[:, None], idx, -1)
 
 
 # values(queries, targets, idx) -> float32 (m, c): the pairs' exact values, NaN where idx < 0
@@ -544,7 +545,9 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
     """Exact (values, indices) of each row's k best among its candidates, in two steps.
 
     The first k columns first: their worst value ``V0`` bounds the final k-th, so columns
-    whose keys exceed ``value_limit(V0)`` cannot rank (module notes) and are not read.
+    whose keys exceed ``value_limit(V0)`` cannot rank (module notes) and are not read
+    (:func:`skip_beyond`). No host sync: a search queues its whole round behind the
+    candidate pass, and the GPU runs it without waiting for Python between the steps.
     """
     values = values or exact_values
     descending = queries.metric in ("inner_product", "cosine")
@@ -555,11 +558,10 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
         worst = math.inf if not descending else -math.inf
         v0 = torch.where(filled, vals, worst)
         v0 = v0.min(dim=1).values if descending else v0.max(dim=1).values
-        width = rerank_width(keys, value_limit(v0, bound, queries), k)
-        if width > head:
-            vals = torch.cat([vals, values(queries, targets, idx[:, head:width])], dim=1)
-    width = vals.shape[1]
-    return rank_exact(vals, idx[:, :width], k, descending)
+        rest = skip_beyond(keys[:, head:], idx[:, head:], value_limit(v0, bound, queries))
+        vals = torch.cat([vals, values(queries, targets, rest)], dim=1)
+        idx = torch.cat([idx[:, :head], rest], dim=1)
+    return rank_exact(vals, idx, k, descending)
 
 
 # tail(queries, targets, keys, idx, floor, bound, k) -> (values, indices, limit, ok) or None:
@@ -580,7 +582,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
                seeded: bool = False, tail: TailFn | None = None,
-               lower: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               lower: bool = False, few_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
     ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
@@ -594,6 +596,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     ``tail``: a fused re-rank and proof (:data:`TailFn`) for the lists it takes.
     ``lower``: every generator ranks by the lower key (``lower=True``, module notes) and the
     proofs use :func:`lower_key_bound`; ``tail`` is then not used (it runs the keys-only test).
+    ``few_rows``: widening rounds over at most this many rows run :func:`torch_candidates`.
     """
     metric = queries.metric
     stats = stats or TargetStats.of(targets)
@@ -606,6 +609,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     n_cand = candidate_width(k, queries.precision)
     generator = candidates
     seed = None
+    widening = False                   # the first round runs the given generator
     extra = {"lower": True} if lower else {}
     if lower:
         tail = None
@@ -617,13 +621,17 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         if max_candidates is not None and n_cand > max_candidates and generator is candidates:
             logger.debug("widening %d rows to %d candidates: torch path", pending.numel(), n_cand)
             generator = torch_candidates
+        elif widening and pending.numel() <= few_rows:
+            generator = torch_candidates   # a widening round over a few rows
+        # The bound first: its host syncs (lower keys) then come before the pass, and the
+        # round's re-rank and proof queue behind the pass without one (one sync per round).
+        bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
         if seed is not None and generator is candidates:
             found = generator(subset, targets, n_cand, seed=seed, **extra)
         else:
             found = generator(subset, targets, n_cand, **extra)
         keys, idx = found[0], found[1]
         floor = found[2] if len(found) > 2 else None
-        bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
         if floor is None:
             floor = keys[:, -1]
             if n_cand >= nt:                  # a list of the n_cand best holds every target
@@ -638,14 +646,15 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             ok = torch.isinf(floor) | (floor > limit)
             if not lower:
                 ok |= margin_holds(keys, bound, k, floor)
-        done = pending[ok]
-        out_v[done] = v[ok]
-        out_i[done] = i[ok]
+        # Every row of the round: a row widened below is written again by a later round.
+        out_v[pending] = v
+        out_i[pending] = i
         if bool(ok.all()):
             break
         retry = (~ok).nonzero().flatten()
         logger.debug("%d of %d rows widen from %d candidates", retry.numel(), ok.numel(), n_cand)
         pending = pending[retry]
+        widening = True
         if seeded:
             # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
             seed = limit[retry]

@@ -194,7 +194,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     chosen, reason = choose_implementation(k, precision, device, impl)
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, reason)
-    tail = None
+    tail, few_rows = None, 0
     if chosen == "triton":
         from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_tail, triton_exact_values
 
@@ -202,12 +202,13 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
             return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed, lower=lower)
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, SEED_WIDENING
         tail = triton_exact_tail if FUSED_TAIL else None
+        few_rows = gt.TORCH_ROUND_ROWS
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
     if exact:
         v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
                              stats=targets.stats, values=values_fn, seeded=seeded, tail=tail,
-                             lower=lower)
+                             lower=lower, few_rows=few_rows)
     else:
         v, i = gt.approximate_topk(side, targets.side, k, candidates)
     if targets.rows is not None:

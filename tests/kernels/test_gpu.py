@@ -250,6 +250,13 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
     n0 = gt.candidate_width(3, "fp32")
     assert calls == [n0, n0 * gt.WIDEN_FACTOR], calls
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
+    # few_rows: a widening round over at most that many rows runs the torch generator (the
+    # fused kernel's fixed costs dominate a round over a handful of rows): the same result.
+    for few, expected in ((4, [n0, n0 * gt.WIDEN_FACTOR]), (5, [n0])):
+        calls.clear()
+        v, i = gt.exact_topk(qs, ts, 3, holey, few_rows=few)
+        assert calls == expected, (few, calls)
+        check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
 
 
 @needs_torch
@@ -258,10 +265,25 @@ def test_the_rerank_skips_candidates_beyond_the_value_limit():
 
     keys = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5, 9.0, 10.0, 11.0],
                          [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]])
-    # Row 0: keys <= 3 (inclusive): 4 columns. Row 1: keys <= 1.2: 3 columns.
-    assert gt.rerank_width(keys, torch.tensor([3.0, 1.2]), 3) == 4
-    assert gt.rerank_width(keys, torch.tensor([1.0, 1.2]), 3) == 3
-    assert gt.rerank_width(keys, torch.tensor([-1.0, -1.0]), 3) == 3   # at least k
+    idx = torch.arange(16).view(2, 8)
+    # Row 0: keys <= 3 (inclusive): 4 columns read. Row 1: keys <= 1.2: 3 columns.
+    kept = gt.skip_beyond(keys, idx, torch.tensor([3.0, 1.2]))
+    assert kept.tolist() == [[0, 1, 2, 3, -1, -1, -1, -1], [8, 9, 10, -1, -1, -1, -1, -1]]
+    # Through the re-rank: the values function never sees a column beyond the limit, and
+    # the k best are those of every column (a limit from the head's k-th value).
+    q = torch.tensor([[0.0, 0.0]])
+    t = torch.tensor([[float(j), 0.0] for j in range(8)])
+    qs, ts = gt.prepare_side(q, "l2", "fp32"), gt.prepare_side(t, "l2", "fp32")
+    seen = []
+
+    def spy(queries, targets, sel):
+        seen.append(sel.clone())
+        return gt.exact_values(queries, targets, sel)
+    tkeys = (t * t).sum(1)[None, :]                  # exact keys of this query: |t|^2
+    v, i = gt.rerank(qs, ts, tkeys, torch.arange(8)[None, :], torch.tensor([0.5]), 3, spy)
+    assert i.tolist() == [[0, 1, 2]] and v.tolist() == [[0.0, 1.0, 4.0]]
+    # head: columns 0-2 (V0 = 4), the rest up to key 4 + 0.5: none of columns 3..7 (9+).
+    assert seen[0].tolist() == [[0, 1, 2]] and seen[1].tolist() == [[-1, -1, -1, -1, -1]], seen
     # value_limit: key(V) + E, never rounded down. l2: key = V - |q|^2; similarities: -V.
     q = np.array([[3.0, 4.0], [1.0, 0.0]], np.float32)            # |q|^2 = 25, 1
     qs = gt.prepare_side(torch.from_numpy(q), "l2", "fp32")
@@ -280,7 +302,7 @@ def test_the_rerank_skips_candidates_beyond_the_value_limit():
     real = gt.exact_values
 
     def spy(queries, targets, idx, **kw):
-        widths.append(idx.shape[1])
+        widths.append((idx.shape[1], int((idx >= 0).sum())))   # (columns, pairs read)
         return real(queries, targets, idx, **kw)
 
     gt.exact_values = spy
@@ -288,7 +310,9 @@ def test_the_rerank_skips_candidates_beyond_the_value_limit():
         v, i = gt.exact_topk(qs, ts, 3, gt.torch_candidates)
     finally:
         gt.exact_values = real
-    assert widths[0] == 3 and sum(widths) < gt.candidate_width(3, "fp32"), widths
+    n0 = gt.candidate_width(3, "fp32")
+    assert widths[0] == (3, 7 * 3) and widths[1][0] == n0 - 3, widths
+    assert sum(read for _, read in widths) < 7 * n0, widths
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
 
 
