@@ -331,7 +331,8 @@ class _PairSearch:
 
     Searches run one step ahead on a worker thread (:meth:`submit` returns a future), so the
     device searches pair i+1 while this thread folds, ships or emits pair i. Only the worker
-    touches the searcher; the GIL is free while it waits for the GPU or the kernel.
+    touches the searcher, except a GPU searcher's ``prefetch`` (thread-safe), which the broadcast
+    plan calls here. The GIL is free while the worker waits for the GPU or the kernel.
     """
 
     def __init__(self, ctx: JoinContext):
@@ -512,6 +513,7 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
     """
     pair = _PairSearch(ctx)
     metric = ctx.settings.metric
+    prefetch = getattr(pair.searcher, "prefetch", None)   # GPU searchers stage query blocks ahead
     target_views = ColumnViews()
     reference_set: frozenset[int] | None = None
     block: _QueryBlock | None = None
@@ -535,6 +537,8 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
                 previous = None
                 if block is None or q_ids[r] != block.id:
                     previous, block = block, _QueryBlock(q_ids[r], *pair.query_block(q_blobs[r]))
+                    if prefetch is not None:   # to the device while the worker searches
+                        prefetch(block.vectors)
                 t_id = int(t_ids[r])
                 if t_id in block.seen:
                     raise RuntimeError(f"internal error: target block {t_id} met twice")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -248,6 +249,8 @@ class GpuBlockSearcher:
         self._resident = TargetStore()   # this searcher's blocks (target_key -> prepared)
         self._targets = None             # the block of the current search
         self._query_cache = None         # (host array, device tensor) of a one-batch query block
+        self._ahead = None               # (host array, device tensor, event) from prefetch()
+        self._ahead_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pinned: dict[str, torch.Tensor] = {}
         logger.info("GPU searcher on %s, memory budget %.1f GiB", self.device, memory_bytes / 2**30)
@@ -277,6 +280,45 @@ class GpuBlockSearcher:
             return host.to(self.device, non_blocking=self._cuda, copy=not self._cuda)
         with torch.cuda.stream(stream):
             return host.to(self.device, non_blocking=True)
+
+    def prefetch(self, query_vectors: np.ndarray) -> None:
+        """Start copying a one-batch query block to the device before its search is called.
+
+        The one method another thread may call while a search runs: the broadcast plan's
+        main thread stages the query block it has just decoded while the worker thread
+        searches the previous one, and that block's search then finds it on the device
+        (same host memory) instead of copying it first. The copy runs on the copy stream
+        from its own pinned slot; the previous prefetch's copy is waited for first.
+        """
+        import torch
+
+        query_vectors = np.asarray(query_vectors)
+        if query_vectors.ndim != 2 or query_vectors.shape[0] == 0:
+            return
+        if self._rows_per_batch(*query_vectors.shape) < query_vectors.shape[0]:
+            return
+        ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+        with self._ahead_lock, ctx:
+            if self._ahead is not None and self._ahead[2] is not None:
+                self._ahead[2].synchronize()     # its copy read the pinned slot
+            if self._cuda:
+                q_dev = self._upload(query_vectors, "ahead", stream=self._copy_stream)
+                ready = torch.cuda.Event()
+                ready.record(self._copy_stream)
+            else:
+                q_dev, ready = self._upload(query_vectors, "ahead"), None
+            self._ahead = (query_vectors, q_dev, ready)
+
+    def _take_prefetched(self, query_vectors: np.ndarray):
+        """(device tensor, event) staged by :meth:`prefetch` for this array, or None."""
+        with self._ahead_lock:
+            ahead = self._ahead
+            if ahead is None or not _same_memory(ahead[0], query_vectors):
+                return None
+            if ahead[2] is not None:
+                ahead[2].synchronize()   # done (long ago, as a rule): the slot is free again
+            self._ahead = None
+            return ahead[1], ahead[2]
 
     @property
     def _target_bytes(self) -> int:
@@ -407,10 +449,12 @@ class GpuBlockSearcher:
             # A query block that fits one batch stays on the device for the next call with
             # the same array (the broadcast plan searches it against every target block).
             cached = self._query_cache
-            if len(starts) == 1 and cached is not None and _same_memory(cached[0], query_vectors):
+            one = len(starts) == 1
+            if one and cached is not None and _same_memory(cached[0], query_vectors):
                 pending = (cached[1], None)
             else:
-                pending = self._stage(query_vectors, starts, 0)
+                pending = (self._take_prefetched(query_vectors) if one else None) or \
+                    self._stage(query_vectors, starts, 0)
                 self._query_cache = (query_vectors, pending[0]) if len(starts) == 1 else None
             for n, start in enumerate(starts):
                 stop = min(nq, start + rows)

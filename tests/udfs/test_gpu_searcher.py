@@ -75,6 +75,35 @@ def test_a_one_batch_query_block_stays_on_the_device_for_the_same_memory():
     np.testing.assert_array_equal(i, knn(other, t2, 3, "l2", backend="reference")[1])
 
 
+def test_a_prefetched_query_block_is_searched_from_its_device_copy():
+    """prefetch (the broadcast plan's main thread, while the worker searches) stages the
+    next query block; its search uses that copy, and only for the same memory."""
+    rng = np.random.default_rng(9)
+    q1, q2 = (rng.standard_normal((40, 5)).astype(np.float32) for _ in range(2))
+    t = rng.standard_normal((90, 5)).astype(np.float32)
+    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
+    searcher.search(q1, t, target_key=1)
+    searcher.prefetch(q2)
+    staged = searcher._ahead[1]
+    q2[0] += 100.0          # the copy was taken at prefetch: a search must not read it again
+    _, i = searcher.search(q2, t, target_key=1)
+    assert searcher._ahead is None and searcher._query_cache[1] is staged
+    expected = q2.copy()
+    expected[0] -= 100.0
+    np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
+    # Another array (even equal values) is not the prefetched one: copied as usual.
+    searcher.prefetch(q1)
+    other = q1.copy()
+    _, i = searcher.search(other, t, target_key=1)
+    assert searcher._ahead is not None and searcher._query_cache[1] is not searcher._ahead[1]
+    np.testing.assert_array_equal(i, knn(q1, t, 3, "l2", backend="reference")[1])
+    # A block of more than one batch is not staged.
+    small = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), batch_rows=16,
+                               impl="torch")
+    small.prefetch(q1)
+    assert small._ahead is None
+
+
 def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 4)).astype(np.float32)
