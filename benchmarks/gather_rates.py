@@ -50,6 +50,10 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", default="")
     ap.add_argument("--emit", action="store_true", help="also time udfs.blocks.emit_rows")
     ap.add_argument("--profile", action="store_true", help="cProfile the last emit_rows run (with --emit)")
+    ap.add_argument("--emit-configs", default="",
+                    help="with --emit: comma-separated ROWS:AHEAD:THREADS settings of emit_rows "
+                         "(output batch rows, batches built ahead, gather threads per batch) to time "
+                         "besides the defaults, e.g. 16384:8:2,32768:4:4")
     args = ap.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, 4, cores})
@@ -104,32 +108,49 @@ def main(argv=None) -> None:
         ctx = JoinContext(SearchSettings(k, "l2", "cpu", "fp32"), SideLayout("qv", 1, d, nq),
                           SideLayout("tv", 1, d, args.nt), "inner", True, tt.schema)
         state = TopkState.from_search(rng.random((nq, k), dtype=np.float32), rng.integers(0, args.nt, (nq, k)), 0, tt)
-        for rep in range(3):
-            prof = None
-            if args.profile and rep == 2:
-                import cProfile
+        from udfs import blocks
 
-                prof = cProfile.Profile()
-                prof.enable()
-            t0 = time.perf_counter()
-            n = sum(b.num_rows for b in emit_rows(qt, state, ctx))
-            dt = time.perf_counter() - t0
-            if prof is not None:
-                import io
-                import pstats
-
-                prof.disable()
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
-                print(buf.getvalue(), flush=True)
-            row = {"what": "emit_rows (query + target vectors, ids, distance)", "rows": n,
-                   "GB/s": round(n * (2 * d * 4 + 20) / dt / 1e9, 2), "ms": round(dt * 1e3, 1)}
-            results.append(row)
-            print(json.dumps(row), flush=True)
+        configs = [None] + [tuple(int(x) for x in c.split(":")) for c in args.emit_configs.split(",") if c]
+        for config in configs:
+            if config is not None:   # module settings; the helper pool is rebuilt for its size
+                blocks.OUTPUT_BATCH_ROWS, blocks.EMIT_AHEAD = config[0], config[1]
+                os.environ["NEAREST_JOIN_THREADS"] = str(config[2])
+                if blocks._EMIT_POOL is not None:
+                    blocks._EMIT_POOL.shutdown()
+                    blocks._EMIT_POOL = None
+            for rep in range(3 if config is None else 2):
+                _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=args.profile and rep == 2)
     print("\n| gather | GB/s | ms per batch |\n|---|---|---|")
     for r in results:
         if "ms_per_batch" in r:
             print(f"| {r['what']} | {r['GB/s']} | {r['ms_per_batch']} |")
+
+
+def _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=False) -> None:
+    """One timed ``emit_rows`` of a whole query block (config: ROWS, AHEAD, THREADS or None)."""
+    d = args.d
+    prof = None
+    if profile:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    t0 = time.perf_counter()
+    n = sum(b.num_rows for b in emit_rows(qt, state, ctx))
+    dt = time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
+        print(buf.getvalue(), flush=True)
+    row = {"what": "emit_rows (query + target vectors, ids, distance)", "rows": n,
+           "config": "default" if config is None else "rows %d, ahead %d, threads %d" % config,
+           "GB/s": round(n * (2 * d * 4 + 20) / dt / 1e9, 2), "ms": round(dt * 1e3, 1)}
+    results.append(row)
+    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def exact_breakdown(args, ks, precisions, record) -> None:
             whole = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k), args.reps))
             originals = [(tr, "triton_candidates", wrap(tr, "triton_candidates", "candidates (kernel)"))]
             originals += [(gt, n, wrap(gt, n, n)) for n in
-                          ("prepare_side", "key_error_bound", "margin_holds", "rerank_width", "exact_values",
+                          ("prepare_side", "key_error_bound", "margin_holds", "skip_beyond", "exact_values",
                            "rank_exact", "torch_candidates", "value_limit")]
             originals.append((tr, "triton_exact_values", wrap(tr, "triton_exact_values", "triton_exact_values")))
             originals.append((tr, "triton_exact_tail", wrap(tr, "triton_exact_tail", "triton_exact_tail")))
@@ -465,7 +465,15 @@ def main(argv=None) -> None:
     ap.add_argument("--widen-factor", type=int, default=None,
                     help="exact mode: widen unproven rows this many times (default: the backend's "
                          "WIDEN_FACTOR); tf32 k=100 widens ~1.6%% of rows from 128 candidates")
+    ap.add_argument("--torch-round-rows", type=int, default=None,
+                    help="exact mode: widening rounds over at most this many rows run addmm + topk "
+                         "(default: the backend's TORCH_ROUND_ROWS)")
+    ap.add_argument("--lower-levels", type=int, default=None,
+                    help="exact mode with lower keys: bias levels per call (default: LOWER_LEVELS)")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
+    ap.add_argument("--arrow-shapes", default=None,
+                    help="Arrow path: comma-separated plan:QxT shapes, e.g. broadcast:2x1,blocked:1x4 "
+                         "(default: all of ARROW_SHAPES)")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
     ap.add_argument("--no-seeded-widening", action="store_true",
                     help="exact mode: widening rounds without the seeded lists (the backend seeds "
@@ -505,6 +513,14 @@ def main(argv=None) -> None:
         from nearest_join.kernels import _gpu_triton as tr
 
         tr.SEG_CAND = args.seg_cand
+    if args.torch_round_rows is not None:
+        gt.TORCH_ROUND_ROWS = args.torch_round_rows
+    if args.lower_levels is not None:
+        gt.LOWER_LEVELS = args.lower_levels
+    if args.arrow_shapes:
+        global ARROW_SHAPES
+        ARROW_SHAPES = [(p.split(":")[0], *map(int, p.split(":")[1].split("x")))
+                        for p in args.arrow_shapes.split(",")]
     if args.quick:
         args.nq, args.nt, args.d_large, args.reps = 4096, 100_000, 256, 2
     ks = [int(k) for k in args.ks.split(",")]
@@ -519,7 +535,8 @@ def main(argv=None) -> None:
           f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
           f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
           f"seeded_widening={kgpu.SEED_WIDENING} fused_tail={kgpu.FUSED_TAIL} "
-          f"lower_keys={kgpu.LOWER_KEYS or 'none'}",
+          f"lower_keys={kgpu.LOWER_KEYS or 'none'} torch_round_rows={gt.TORCH_ROUND_ROWS} "
+          f"lower_levels={gt.LOWER_LEVELS}",
           flush=True)
 
     def record(**row):
