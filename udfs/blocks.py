@@ -514,6 +514,7 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
     pair = _PairSearch(ctx)
     metric = ctx.settings.metric
     prefetch = getattr(pair.searcher, "prefetch", None)   # GPU searchers stage query blocks ahead
+    targets_seen: set[int] = set()     # target blocks whose decode is queued on the worker
     target_views = ColumnViews()
     reference_set: frozenset[int] | None = None
     block: _QueryBlock | None = None
@@ -535,11 +536,16 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
             q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
             for r in range(batch.num_rows):
                 previous = None
+                t_id = int(t_ids[r])
+                if t_id not in targets_seen and t_id != C.EMPTY_BLOCK_ID:
+                    # Decoded on the worker (it caches the block for the folds) while this
+                    # thread decodes the query block: the first search waits on one decode.
+                    targets_seen.add(t_id)
+                    pair.submit(pair.broadcast_target, t_id, t_blobs[r])
                 if block is None or q_ids[r] != block.id:
                     previous, block = block, _QueryBlock(q_ids[r], *pair.query_block(q_blobs[r]))
                     if prefetch is not None:   # to the device while the worker searches
                         prefetch(block.vectors)
-                t_id = int(t_ids[r])
                 if t_id in block.seen:
                     raise RuntimeError(f"internal error: target block {t_id} met twice")
                 block.seen.add(t_id)
