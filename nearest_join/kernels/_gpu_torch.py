@@ -393,9 +393,11 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     alpha = key_alpha(queries.metric)
     # Operands that hold tf32 / bf16 values multiply exactly in tf32: allow tensor cores.
     low = queries.precision != "fp32"
-    t_op = targets.operand.to(torch.float32)
     q_w, t_w = lower_key_weights(queries, targets) if lower else (None, None)
-    t_chunk = max(width, min(nt, chunk_elements // max(1, min(m, 4096))))
+    # Target chunks also bound the float32 copy of a bf16 operand (chunk_elements floats),
+    # whatever the block's size: a widening round over a few rows runs here too.
+    t_chunk = max(width, min(nt, chunk_elements // max(1, min(m, 4096)),
+                             chunk_elements // max(1, queries.dim)))
     q_chunk = max(1, chunk_elements // t_chunk)
     with _tf32_matmul(low):
         for q0 in range(0, m, q_chunk):
@@ -404,7 +406,8 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             best_k = best_i = None
             for t0 in range(0, nt, t_chunk):
                 t1 = min(nt, t0 + t_chunk)
-                keys = torch.addmm(targets.bias[t0:t1], q_op, t_op[t0:t1].T, beta=1.0, alpha=-alpha)
+                t_op = targets.operand[t0:t1].to(torch.float32)
+                keys = torch.addmm(targets.bias[t0:t1], q_op, t_op.T, beta=1.0, alpha=-alpha)
                 if lower:
                     keys -= q_w[0, q0:q1, None] * t_w[0, t0:t1]
                     keys -= q_w[1, q0:q1, None] * t_w[1, t0:t1]

@@ -200,6 +200,21 @@ def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
 
 
 @needs_torch
+@pytest.mark.parametrize("lower", [False, True])
+def test_torch_candidates_in_target_chunks_equal_one_pass(lower):
+    """The torch generator converts and scans the targets chunk by chunk (its float32 copy
+    of a bf16 operand is bounded by chunk_elements): the lists do not depend on the chunks."""
+    from nearest_join.kernels import _gpu_torch as gt
+
+    q, t = make_data("gaussian", 5, 1000, 16, 11)
+    qs, ts = _prepared(q, t, "l2", "bf16")
+    whole = gt.torch_candidates(qs, ts, 32, lower=lower)
+    chunked = gt.torch_candidates(qs, ts, 32, lower=lower, chunk_elements=16 * 40)   # 25 chunks
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert bool((whole[1] >= 0).all())
+
+
+@needs_torch
 def test_a_floor_above_the_margin_proves_a_list_whose_last_key_does_not():
     """8 targets tie at squared distance 1 from the query, the rest are at 9. The 8-long list
     ends on a tie (last key = theta: the plain rule widens); a floor of 9 proves it."""
