@@ -109,6 +109,10 @@ def take_matrices(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarr
             sel = np.flatnonzero(src == s)
             if sel.size == b - a:          # one source: straight into the output
                 _take(matrix, rws, dst)
+            elif sel.size and _compiled(matrix, dst):
+                from nearest_join.kernels.cpu import take_rows_at
+
+                take_rows_at(matrix, rws[sel], sel, dst)   # no gathered temporary, no GIL
             elif sel.size:
                 dst[sel] = matrix[rws[sel]]
         empty = np.flatnonzero(src < 0)

@@ -213,6 +213,18 @@ def take_rows(matrix, rows, out):
             out[i, j] = matrix[r, j]
 
 
+@njit(nogil=True, cache=True)
+def take_rows_at(matrix, rows, positions, out):
+    """``out[positions[i]] = matrix[rows[i]]``: one source's rows into their slots of an
+    output that several sources fill (no gathered temporary, GIL released)."""
+    width = matrix.shape[1]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        p = positions[i]
+        for j in range(width):
+            out[p, j] = matrix[r, j]
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def take_rows_parallel(matrix, rows, out):
     """:func:`take_rows` over numba's threads (rows split by ``prange``)."""

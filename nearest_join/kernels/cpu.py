@@ -67,7 +67,7 @@ from . import _cpu_kernels  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "TOLERANCE", "CpuBackend", "take_rows"]
+__all__ = ["BACKEND", "TOLERANCE", "CpuBackend", "take_rows", "take_rows_at"]
 
 
 def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int = 1) -> bool:
@@ -101,6 +101,22 @@ def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: in
         return True
     _cpu_kernels.take_rows(matrix, rows, out)
     return True
+
+
+def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
+    """``out[positions] = matrix[rows]`` (2-D, same dtype) on this thread, GIL released; the
+    indices are checked here (the compiled loop does not bounds-check)."""
+    if (rows.shape != positions.shape or rows.ndim != 1 or matrix.shape[1:] != out.shape[1:]
+            or matrix.dtype != out.dtype or matrix.ndim != 2):
+        raise ValueError(f"take_rows_at: {rows.shape[0]} rows of {matrix.shape} ({matrix.dtype}) to "
+                         f"{positions.shape[0]} positions of {out.shape} ({out.dtype})")
+    if rows.shape[0] == 0:
+        return
+    for name, idx, limit in (("row", rows, matrix.shape[0]), ("position", positions, out.shape[0])):
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= limit:
+            raise IndexError(f"take_rows_at: {name} {lo if lo < 0 else hi} outside 0..{limit - 1}")
+    _cpu_kernels.take_rows_at(matrix, np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64), out)
 
 
 _THREADSAFE: bool | None = None

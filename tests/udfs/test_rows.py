@@ -101,6 +101,22 @@ def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
     one = np.empty((500, 7), np.float32)
     take_matrices([m + 1, m], np.zeros(500, np.int64), rng.integers(0, 300, 500), one, threads=1)
     np.testing.assert_array_equal(one, np.ones((500, 7), np.float32))
+    # Rows of one source into their positions (several sources fill one output).
+    from nearest_join.kernels.cpu import take_rows_at
+
+    src = rng.standard_normal((300, 7))[:, ::2]          # float64, non-contiguous
+    out = np.full((50, 4), -1.0)
+    positions, rows = rng.permutation(50)[:20], rng.integers(0, 300, 20)
+    take_rows_at(src, rows, positions, out)
+    want = np.full((50, 4), -1.0)
+    want[positions] = src[rows]
+    np.testing.assert_array_equal(out, want)
+    with pytest.raises(IndexError, match="position 50 outside 0..49"):
+        take_rows_at(src, np.array([0, 1]), np.array([3, 50]), out)
+    with pytest.raises(IndexError, match="row 300 outside 0..299"):
+        take_rows_at(src, np.array([300]), np.array([3]), out)
+    with pytest.raises(ValueError, match="positions"):
+        take_rows_at(src, np.array([1]), np.array([3]), out.astype(np.float32))
 
 
 @pytest.mark.parametrize("threadsafe", [True, False])
