@@ -50,6 +50,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", default="")
     ap.add_argument("--emit", action="store_true", help="also time udfs.blocks.emit_rows")
     ap.add_argument("--profile", action="store_true", help="cProfile the last emit_rows run (with --emit)")
+    ap.add_argument("--emit-sources", default="1",
+                    help="with --emit: also emit states whose payload rows come from this many "
+                         "tables (comma-separated counts), e.g. 1,4")
     ap.add_argument("--emit-configs", default="",
                     help="with --emit: comma-separated ROWS:AHEAD:THREADS settings of emit_rows "
                          "(output batch rows, batches built ahead, gather threads per batch) to time "
@@ -120,13 +123,25 @@ def main(argv=None) -> None:
                     blocks._EMIT_POOL = None
             for rep in range(3 if config is None else 2):
                 _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=args.profile and rep == 2)
+            if config is not None:
+                continue
+            for n_sources in sorted({int(x) for x in args.emit_sources.split(",") if x} - {1}):
+                # A state folded from several target blocks: its payload rows come from n
+                # tables (broadcast 1 x n, the blocked plan's merge), gathered source by source.
+                bounds = np.linspace(0, args.nt, n_sources + 1).astype(np.int64)
+                parts = [tt.slice(a, b - a) for a, b in zip(bounds[:-1], bounds[1:])]
+                which = np.searchsorted(bounds, state.rows, side="right") - 1
+                multi = TopkState(state.values, state.keys, parts, which.astype(np.int32),
+                                  state.rows - bounds[which])
+                for rep in range(2):
+                    _emit_once(args, qt, multi, ctx, emit_rows, results, None, label=f"{n_sources} sources")
     print("\n| gather | GB/s | ms per batch |\n|---|---|---|")
     for r in results:
         if "ms_per_batch" in r:
             print(f"| {r['what']} | {r['GB/s']} | {r['ms_per_batch']} |")
 
 
-def _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=False) -> None:
+def _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=False, label="") -> None:
     """One timed ``emit_rows`` of a whole query block (config: ROWS, AHEAD, THREADS or None)."""
     d = args.d
     prof = None
@@ -147,7 +162,8 @@ def _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=False) 
         pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
         print(buf.getvalue(), flush=True)
     row = {"what": "emit_rows (query + target vectors, ids, distance)", "rows": n,
-           "config": "default" if config is None else "rows %d, ahead %d, threads %d" % config,
+           "config": ("default" if config is None else "rows %d, ahead %d, threads %d" % config)
+           + (f", {label}" if label else ""),
            "GB/s": round(n * (2 * d * 4 + 20) / dt / 1e9, 2), "ms": round(dt * 1e3, 1)}
     results.append(row)
     print(json.dumps(row), flush=True)

@@ -100,32 +100,46 @@ def copy_into(out: np.ndarray, array: np.ndarray, threads: int | None = None) ->
         f.result()
 
 
+def _take_sources(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
+                  threads: int = 1) -> None:
+    """:func:`take_matrices` source by source; ``threads`` > 1 only where the compiled
+    copies may run on numba's threads (``cpu.parallel_calls_threadsafe``)."""
+    from nearest_join.kernels.cpu import take_rows_at
+
+    for s, matrix in enumerate(matrices):
+        sel = np.flatnonzero(source == s)
+        if sel.size == source.shape[0]:    # one source: straight into the output
+            if threads > 1:
+                take_matrix(matrix, rows, out, threads)
+            else:
+                _take(matrix, rows, out)
+        elif sel.size and _compiled(matrix, out):
+            take_rows_at(matrix, rows[sel], sel, out, threads=threads)   # no temporary, no GIL
+        elif sel.size:
+            out[sel] = matrix[rows[sel]]
+    empty = np.flatnonzero(source < 0)
+    if empty.size:
+        out[empty] = 0
+
+
 def take_matrices(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
                   threads: int | None = None) -> None:
-    """``out[j] = matrices[source[j]][rows[j]]`` (zeros where ``source[j] < 0``), in threads."""
-    def chunk(a: int, b: int) -> None:
-        src, rws, dst = source[a:b], rows[a:b], out[a:b]
-        for s, matrix in enumerate(matrices):
-            sel = np.flatnonzero(src == s)
-            if sel.size == b - a:          # one source: straight into the output
-                _take(matrix, rws, dst)
-            elif sel.size and _compiled(matrix, dst):
-                from nearest_join.kernels.cpu import take_rows_at
-
-                take_rows_at(matrix, rws[sel], sel, dst)   # no gathered temporary, no GIL
-            elif sel.size:
-                dst[sel] = matrix[rws[sel]]
-        empty = np.flatnonzero(src < 0)
-        if empty.size:
-            dst[empty] = 0
-
+    """``out[j] = matrices[source[j]][rows[j]]`` (zeros where ``source[j] < 0``), in threads:
+    numba's (each source's rows in one parallel copy) where concurrent parallel calls are
+    safe, else this module's pool over row ranges."""
     n = source.shape[0]
     threads = threads or gather_threads()
     if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
-        chunk(0, n)
+        _take_sources(matrices, source, rows, out)
+        return
+    from nearest_join.kernels.cpu import parallel_calls_threadsafe
+
+    if parallel_calls_threadsafe():
+        _take_sources(matrices, source, rows, out, threads)
         return
     bounds = np.linspace(0, n, threads + 1).astype(np.int64)
-    futures = [_pool(threads).submit(chunk, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    futures = [_pool(threads).submit(_take_sources, matrices, source[a:b], rows[a:b], out[a:b])
+               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
     for f in futures:
         f.result()
 

@@ -226,6 +226,17 @@ def take_rows_at(matrix, rows, positions, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
+def take_rows_at_parallel(matrix, rows, positions, out):
+    """:func:`take_rows_at` over numba's threads."""
+    width = matrix.shape[1]
+    for i in prange(rows.shape[0]):
+        r = rows[i]
+        p = positions[i]
+        for j in range(width):
+            out[p, j] = matrix[r, j]
+
+
+@njit(parallel=True, nogil=True, cache=True)
 def take_rows_parallel(matrix, rows, out):
     """:func:`take_rows` over numba's threads (rows split by ``prange``)."""
     width = matrix.shape[1]

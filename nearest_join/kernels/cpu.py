@@ -103,20 +103,34 @@ def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: in
     return True
 
 
-def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray) -> None:
-    """``out[positions] = matrix[rows]`` (2-D, same dtype) on this thread, GIL released; the
-    indices are checked here (the compiled loop does not bounds-check)."""
+def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray,
+                 threads: int = 1) -> bool:
+    """``out[positions] = matrix[rows]`` (2-D, same dtype), GIL released: one source's rows
+    into their slots of an output that several sources fill. ``threads`` and the return
+    value as in :func:`take_rows`; the indices are checked here."""
     if (rows.shape != positions.shape or rows.ndim != 1 or matrix.shape[1:] != out.shape[1:]
             or matrix.dtype != out.dtype or matrix.ndim != 2):
         raise ValueError(f"take_rows_at: {rows.shape[0]} rows of {matrix.shape} ({matrix.dtype}) to "
                          f"{positions.shape[0]} positions of {out.shape} ({out.dtype})")
     if rows.shape[0] == 0:
-        return
+        return True
     for name, idx, limit in (("row", rows, matrix.shape[0]), ("position", positions, out.shape[0])):
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= limit:
             raise IndexError(f"take_rows_at: {name} {lo if lo < 0 else hi} outside 0..{limit - 1}")
-    _cpu_kernels.take_rows_at(matrix, np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64), out)
+    rows, positions = np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+    if threads > 1:
+        if not parallel_calls_threadsafe():
+            return False
+        previous = numba.get_num_threads()   # per calling thread in numba
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            _cpu_kernels.take_rows_at_parallel(matrix, rows, positions, out)
+        finally:
+            numba.set_num_threads(previous)
+        return True
+    _cpu_kernels.take_rows_at(matrix, rows, positions, out)
+    return True
 
 
 _THREADSAFE: bool | None = None

@@ -137,6 +137,20 @@ def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(th
     take_matrix(m, rows, out, threads=4)
     np.testing.assert_array_equal(out, m[rows])
     assert bool(calls) == threadsafe
+    # Several sources: each source's rows in one parallel copy into their positions, or
+    # the pool over row ranges.
+    at_calls = []
+    real_at = cpu._cpu_kernels.take_rows_at_parallel
+    monkeypatch.setattr(cpu._cpu_kernels, "take_rows_at_parallel",
+                        lambda *a: (at_calls.append(1), real_at(*a)))
+    mats = [m, m[::-1].copy(), m[:100].copy()]
+    source = rng.integers(-1, 3, 6000)
+    rows2 = np.where(source == 2, rows % 100, rows)
+    out[:] = np.nan
+    take_matrices(mats, source, rows2, out, threads=4)
+    want = np.stack([mats[s][r] if s >= 0 else np.zeros(600, np.float32) for s, r in zip(source, rows2)])
+    np.testing.assert_array_equal(out, want)
+    assert len(at_calls) == (3 if threadsafe else 0)
 
 
 @pytest.mark.parametrize("active,configured,loadable,safe", [
