@@ -455,7 +455,7 @@ class GpuBlockSearcher:
             else:
                 pending = (self._take_prefetched(query_vectors) if one else None) or \
                     self._stage(query_vectors, starts, 0)
-                self._query_cache = (query_vectors, pending[0]) if len(starts) == 1 else None
+                self._query_cache = (query_vectors, pending[0]) if one else None
             for n, start in enumerate(starts):
                 stop = min(nq, start + rows)
                 q_dev, ready = pending

@@ -227,7 +227,9 @@ def take_rows_at(matrix, rows, positions, out):
 
 @njit(parallel=True, nogil=True, cache=True)
 def take_rows_at_parallel(matrix, rows, positions, out):
-    """:func:`take_rows_at` over numba's threads."""
+    """:func:`take_rows_at` over numba's threads. (A serial and a parallel twin, as for
+    :func:`take_rows`: numba's ``parallel`` is per function, and concurrent parallel calls
+    are unsafe under some threading layers, where only the serial one may run.)"""
     width = matrix.shape[1]
     for i in prange(rows.shape[0]):
         r = rows[i]

@@ -89,17 +89,23 @@ def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: in
     if lo < 0 or hi >= matrix.shape[0]:
         raise IndexError(f"take_rows: row {lo if lo < 0 else hi} outside 0..{matrix.shape[0] - 1}")
     rows = np.asarray(rows, dtype=np.int64)
+    return _run_copy(_cpu_kernels.take_rows, _cpu_kernels.take_rows_parallel, (matrix, rows, out), threads)
+
+
+def _run_copy(serial, parallel, args: tuple, threads: int) -> bool:
+    """Run a compiled copy on this thread, or on ``threads`` of numba's threads where
+    concurrent parallel calls are safe (else return False: the caller splits the work)."""
     if threads > 1:
         if not parallel_calls_threadsafe():
             return False
         previous = numba.get_num_threads()   # per calling thread in numba
         numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         try:
-            _cpu_kernels.take_rows_parallel(matrix, rows, out)
+            parallel(*args)
         finally:
             numba.set_num_threads(previous)
         return True
-    _cpu_kernels.take_rows(matrix, rows, out)
+    serial(*args)
     return True
 
 
@@ -119,18 +125,8 @@ def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, ou
         if lo < 0 or hi >= limit:
             raise IndexError(f"take_rows_at: {name} {lo if lo < 0 else hi} outside 0..{limit - 1}")
     rows, positions = np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-    if threads > 1:
-        if not parallel_calls_threadsafe():
-            return False
-        previous = numba.get_num_threads()   # per calling thread in numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        try:
-            _cpu_kernels.take_rows_at_parallel(matrix, rows, positions, out)
-        finally:
-            numba.set_num_threads(previous)
-        return True
-    _cpu_kernels.take_rows_at(matrix, rows, positions, out)
-    return True
+    return _run_copy(_cpu_kernels.take_rows_at, _cpu_kernels.take_rows_at_parallel,
+                     (matrix, rows, positions, out), threads)
 
 
 _THREADSAFE: bool | None = None
