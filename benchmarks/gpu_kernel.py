@@ -22,6 +22,7 @@ Effective TFLOP/s count 2 * nq * nt * d. Prints a table and writes it as JSON li
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -445,6 +446,178 @@ def run_variants(args, record) -> None:
         torch.cuda.empty_cache()
 
 
+# (name, k, settings) of --exact-variants; settings are module attributes set for the
+# variant's calls: lower_from (bf16 LOWER_KEYS threshold, None = no lower keys), extra (bf16
+# first width next_pow2(k + extra * k) without lower keys), widen (WIDEN_FACTOR), short_widen
+# (SHORT_WIDEN), levels (LOWER_LEVELS), levels_short (LOWER_LEVELS_SHORT), round_rows
+# (TORCH_ROUND_ROWS).
+EXACT_VARIANTS = [
+    ("default", 10, {}),
+    ("levels-short-16", 10, {"levels_short": 16}),
+    ("short-widen-4", 10, {"short_widen": 4}),
+    ("no-lower-keys", 10, {"lower_from": None}),
+    ("default", 100, {}),
+    ("widen-2", 100, {"widen": 2}),
+]
+_SETTINGS = {"widen": "WIDEN_FACTOR", "short_widen": "SHORT_WIDEN", "levels": "LOWER_LEVELS",
+             "levels_short": "LOWER_LEVELS_SHORT", "round_rows": "TORCH_ROUND_ROWS"}
+
+
+def _apply_settings(settings: dict) -> dict:
+    """Set a variant's module attributes; returns what to restore."""
+    from nearest_join.kernels import gpu as kgpu
+
+    saved = {"LOWER_KEYS": dict(kgpu.LOWER_KEYS), "extra": gt._EXTRA["bf16"],
+             **{attr: getattr(gt, attr) for attr in _SETTINGS.values()}}
+    if "lower_from" in settings:
+        kgpu.LOWER_KEYS = {} if settings["lower_from"] is None else {"bf16": settings["lower_from"]}
+    if "extra" in settings:
+        factor = settings["extra"]
+        gt._EXTRA["bf16"] = lambda k: int(factor * k)
+    for name, attr in _SETTINGS.items():
+        if name in settings:
+            setattr(gt, attr, settings[name])
+    return saved
+
+
+def _restore_settings(saved: dict) -> None:
+    from nearest_join.kernels import gpu as kgpu
+
+    kgpu.LOWER_KEYS = saved["LOWER_KEYS"]
+    gt._EXTRA["bf16"] = saved["extra"]
+    for attr in _SETTINGS.values():
+        setattr(gt, attr, saved[attr])
+
+
+def _kernel_profile(fn, top: int = 14) -> dict:
+    """Device time per kernel name of one call of ``fn`` (torch.profiler), and its wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    per_kernel = {}
+    for ev in prof.key_averages():
+        dev_us = getattr(ev, "self_device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(ev, "self_cuda_time_total", 0)
+        if dev_us > 0:
+            per_kernel[ev.key[:70]] = (dev_us / 1e3, ev.count)
+    busy = sum(v for v, _ in per_kernel.values())
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"wall_ms": round(wall * 1e3, 2), "device_busy_ms": round(busy, 2),
+            "kernels": [f"{ms:.3f} ms x{n} {name}" for name, (ms, n) in ranked],
+            "gaps": _device_gaps(prof)}
+
+
+def _device_gaps(prof, least_us: float = 80.0, top: int = 12) -> list[str]:
+    """Where the device idled within a profiled call: each gap of at least ``least_us`` between
+    device activities, with the kernel before it and the host ops that ran during it (what
+    the GPU waited for: Python and launches, or a host sync)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                    key=lambda e: e["ts"])
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function")]
+    out, total = [], 0.0
+    for before, after in zip(device, device[1:]):
+        start, stop = before["ts"] + before["dur"], after["ts"]
+        if stop - start < least_us:
+            continue
+        total += stop - start
+        during = collections.Counter()
+        for e in host:
+            if start <= e["ts"] < stop and e.get("cat") == "cpu_op":
+                during[e["name"][:30]] += 1
+        syncs = sum(e["dur"] for e in host if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]
+                    and e["ts"] < stop and e["ts"] + e["dur"] > start)
+        out.append((stop - start, f"{(stop - start) / 1e3:.2f} ms after {before['name'][:40]} before "
+                    f"{after['name'][:40]}: host ops {dict(during.most_common(6))} sync_us {syncs:.0f}"))
+    out.sort(key=lambda x: -x[0])
+    lead = (device[0]["ts"] - min(e["ts"] for e in host)) / 1e3 if device and host else 0.0
+    return ([f"total {total / 1e3:.2f} ms in {len(out)} gaps; first device work {lead:.2f} ms after the call"]
+            + [text for _, text in out[:top]])
+
+
+def exact_variants(args, record) -> None:
+    """bf16 EXACT settings against the plain search, interleaved in one process (the device's
+    call-to-call spread cancels): medians over ``--reps`` rounds, rows widened, and a
+    per-kernel device-time profile of one call per variant."""
+    from nearest_join.kernels import _gpu_triton as tr
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(args.d)
+    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
+    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
+    prepared = prepare_targets(T, "l2", "bf16")
+    variants = [v for v in EXACT_VARIANTS if not args.only or any(p in v[0] for p in args.only.split(","))]
+    ks = sorted({k for _, k, _ in variants})
+    times = {(name, k): [] for name, k, _ in variants}
+    plain = {k: [] for k in ks}
+    widened = {}
+    reference = {}
+    for name, k, settings in variants:          # warm-up (compiles), rows widened, exactness
+        saved = _apply_settings(settings)
+        try:
+            passes = []
+            originals = (tr.triton_candidates, gt.torch_candidates)
+
+            def counting(fn, label):
+                def wrapped(q, t, n_cand, **kw):
+                    passes.append(f"{label} {q.rows} x {n_cand}")
+                    return fn(q, t, n_cand, **kw)
+                return wrapped
+            tr.triton_candidates = counting(originals[0], "fused")
+            gt.torch_candidates = counting(originals[1], "torch")
+            try:
+                v, i = search_prepared(Q, prepared, k)
+            finally:
+                tr.triton_candidates, gt.torch_candidates = originals
+            widened[(name, k)] = passes
+            if k in reference:
+                same = bool(torch.equal(v, reference[k][0]) and torch.equal(i, reference[k][1]))
+                widened[(name, k)].append(f"same result as {variants[0][0]}: {same}")
+            else:
+                reference[k] = (v, i)
+        finally:
+            _restore_settings(saved)
+    for k in ks:
+        search_prepared(Q, prepared, k, exact=False)
+    for _ in range(args.reps):
+        for k in ks:
+            plain[k] += cuda_ms(lambda: search_prepared(Q, prepared, k, exact=False), 1, warmup=0)
+        for name, k, settings in variants:
+            saved = _apply_settings(settings)
+            try:
+                times[(name, k)] += cuda_ms(lambda: search_prepared(Q, prepared, k), 1, warmup=0)
+            finally:
+                _restore_settings(saved)
+    for name, k, settings in variants:
+        saved = _apply_settings(settings)
+        try:
+            prof = _kernel_profile(lambda: search_prepared(Q, prepared, k))
+        finally:
+            _restore_settings(saved)
+        p = statistics.median(plain[k])
+        e = statistics.median(times[(name, k)])
+        record(what="exact_variant", name=name, k=k, settings=settings, plain_ms=round(p, 2),
+               exact_ms=round(e, 2), exact_over_plain=round(e / p, 3),
+               exact_runs=[round(x, 1) for x in times[(name, k)]], plain_runs=[round(x, 1) for x in plain[k]],
+               passes=widened[(name, k)], **prof)
+    print("\n| k | variant | plain ms | exact ms | exact / plain | passes |")
+    print("|---|---|---|---|---|---|")
+    for name, k, _ in variants:
+        p, e = statistics.median(plain[k]), statistics.median(times[(name, k)])
+        print(f"| {k} | {name} | {p:.1f} | {e:.1f} | {e / p:.3f} | {'; '.join(widened[(name, k)])} |")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nq", type=int, default=65_536)
@@ -468,8 +641,6 @@ def main(argv=None) -> None:
     ap.add_argument("--torch-round-rows", type=int, default=None,
                     help="exact mode: widening rounds over at most this many rows run addmm + topk "
                          "(default: the backend's TORCH_ROUND_ROWS)")
-    ap.add_argument("--lower-levels", type=int, default=None,
-                    help="exact mode with lower keys: bias levels per call (default: LOWER_LEVELS)")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--arrow-shapes", default=None,
                     help="Arrow path: comma-separated plan:QxT shapes, e.g. broadcast:2x1,blocked:1x4 "
@@ -482,8 +653,8 @@ def main(argv=None) -> None:
                     help="exact mode: one kernel per round for re-rank and proof "
                          "(nearest_join.kernels.gpu.FUSED_TAIL)")
     ap.add_argument("--bf16-extra", type=float, default=None,
-                    help="exact bf16: first candidate width next_pow2(k + F * k) (default: F = 1 "
-                         "below k = 64, else 0, the plain width)")
+                    help="exact bf16 without lower keys: first candidate width next_pow2(k + F * k) "
+                         "(default: F = 1 below k = 64, else 0, the plain width)")
     ap.add_argument("--lower-keys", default=None,
                     help="exact mode: comma-separated precision:min_k pairs that rank candidates by the "
                          "per-target lower key, e.g. bf16:1,tf32:64 ('' for none; default: "
@@ -492,6 +663,9 @@ def main(argv=None) -> None:
                     help="segment list length of the segmented mode (default: the backend's SEG_CAND)")
     ap.add_argument("--exact-breakdown", action="store_true",
                     help="only: time each stage of the exact search (candidates, bound, re-rank) at d")
+    ap.add_argument("--exact-variants", action="store_true",
+                    help="only: bf16 EXACT settings (EXACT_VARIANTS; --only picks by name part) against "
+                         "the plain search, interleaved, with a per-kernel profile of each")
     ap.add_argument("--arrow-breakdown", action="store_true",
                     help="also time the Arrow path's stages (bf16; a separate, instrumented run)")
     args = ap.parse_args(argv)
@@ -515,8 +689,6 @@ def main(argv=None) -> None:
         tr.SEG_CAND = args.seg_cand
     if args.torch_round_rows is not None:
         gt.TORCH_ROUND_ROWS = args.torch_round_rows
-    if args.lower_levels is not None:
-        gt.LOWER_LEVELS = args.lower_levels
     if args.arrow_shapes:
         global ARROW_SHAPES
         ARROW_SHAPES = [(p.split(":")[0], *map(int, p.split(":")[1].split("x")))
@@ -535,8 +707,7 @@ def main(argv=None) -> None:
           f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
           f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
           f"seeded_widening={kgpu.SEED_WIDENING} fused_tail={kgpu.FUSED_TAIL} "
-          f"lower_keys={kgpu.LOWER_KEYS or 'none'} torch_round_rows={gt.TORCH_ROUND_ROWS} "
-          f"lower_levels={gt.LOWER_LEVELS}",
+          f"lower_keys={kgpu.LOWER_KEYS or 'none'} torch_round_rows={gt.TORCH_ROUND_ROWS}",
           flush=True)
 
     def record(**row):
@@ -559,6 +730,9 @@ def main(argv=None) -> None:
 
     if args.exact_breakdown:
         exact_breakdown(args, ks, precisions, record)
+        return
+    if args.exact_variants:
+        exact_variants(args, record)
         return
 
     shapes = [] if args.arrow_only else [(args.d, ks, precisions)]
