@@ -347,11 +347,12 @@ class GpuBlockSearcher:
                 self._targets = hit
                 return hit
         nt, d = target_vectors.shape
-        # upload + float32 rows + operand (<= 4 bytes), generous; + the bias table of EXACT
-        # mode's lower keys where they are used (up to LOWER_LEVELS float32 rows, in a search)
+        # upload + float32 rows + operand (<= 4 bytes), generous; + EXACT mode's lower keys
+        # where they are used: the bias table (up to LOWER_LEVELS float32 rows, in a search),
+        # the block's two weight rows (kept) and the table's float64 temporaries (4 rows)
         needed = nt * d * 4 * 3
-        if uses_lower_keys(self.settings.k, self.precision):
-            needed += nt * 4 * LOWER_LEVELS
+        if uses_lower_keys(self.settings.k, self.precision, d):
+            needed += nt * 4 * (LOWER_LEVELS + 2 + 8)
         budget = int(self.memory_bytes * TARGET_SHARE)
         self._targets = None
         # Free before the next block arrives: this kind's oldest first, then the other's.

@@ -88,7 +88,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -104,20 +104,28 @@ _SAFETY = 1.01                    # inflation for the rounding of the bound's ow
 # most 15 / 28 targets for k=10 in tf32 / bf16 and 112 / 179 for k=100; on the H200,
 # 65,536 x 10^6: a tf32 list of 128 proved all rows at k=100, a bf16 list of 128 almost none,
 # of 16 a third at k=10); rows where the bound says a neighbour could be missing are widened
-# 4x, then left to the torch path. bf16 from k = 64 starts at the plain width: seeded
-# widening rounds (``gpu.SEED_WIDENING``) finish the unproven third for less than the wider
-# first list costs (H200, k=100: 150 ms against 161; at k=10 the other way: 77 against 70).
+# (:func:`widened`), then left to the torch path. Without lower keys bf16 from k = 64 starts
+# at the plain width: seeded widening rounds (``gpu.SEED_WIDENING``) finish the unproven
+# third for less than the wider first list costs (H200, k=100: 150 ms against 161; at k=10
+# the other way: 77 against 70).
 _EXTRA = {
     "fp32": lambda k: 1,
     "tf32": lambda k: k // 8 + 4,
     "bf16": lambda k: k if k < 64 else 0,
 }
-# With lower keys (bf16 from k = 64, ``gpu.LOWER_KEYS``) the first lists are these widths too:
-# on the H200 (65,536 x 10^6, 2026-11-30) a bf16 list of 16 at k=10 left 2,597 rows to a
-# widening round (exact 79.8 ms); at k=100 the plain width left 4,915 rows (24,974 with the
-# block-wide bound): exact 130-136 ms against 151.8.
+# With lower keys (``gpu.LOWER_KEYS``) the first list is the plain width (no extra): on the
+# H200 (65,536 x 10^6, 2026-11-30) a bf16 list of 16 at k=10 leaves ~2,600-2,800 rows to a
+# widening round, at k=100 a list of 128 4,915 rows (24,974 with the block-wide bound).
 MIN_CANDIDATES = 8
 WIDEN_FACTOR = 4
+# Lists of at most SHORT_LIST candidates widen SHORT_WIDEN-fold: the rows a bf16 list of 16
+# leaves unproven at k=10 (~2,500-2,800 of 65,536 with lower keys) a list of 32 proves, for
+# less than one of 64 costs (H200, 65,536 x 10^6, 2026-11-30, each pair in one call: exact
+# 69.6 ms against 71.9; 73.0 against 74.2). Longer lists widen WIDEN_FACTOR-fold (k=100's
+# ~4,600-4,900 rows from 128: 512 proves them in one round, 256 leaves 4 rows to a third:
+# 149.1 ms against 153.4, 130.5 against 133.8).
+SHORT_LIST = 32
+SHORT_WIDEN = 2
 # Widening rounds over at most this many rows run the torch generator (one addmm + topk over
 # the targets) instead of the fused kernel (``exact_topk(few_rows=)``, passed by
 # ``gpu.search_prepared``): for a handful of rows a fused pass is mostly fixed costs.
@@ -128,9 +136,15 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
-def candidate_width(k: int, precision: str) -> int:
-    """Width of the first candidate list for ``k`` results in ``precision``."""
-    return max(MIN_CANDIDATES, next_pow2(k + _EXTRA[precision](k)))
+def candidate_width(k: int, precision: str, lower: bool = False) -> int:
+    """Width of the first candidate list for ``k`` results in ``precision``; ranked by lower
+    keys (``lower``), the plain width: they prove nearly every row from it (module notes)."""
+    return max(MIN_CANDIDATES, next_pow2(k + (0 if lower else _EXTRA[precision](k))))
+
+
+def widened(n_cand: int) -> int:
+    """The next round's list width for rows a list of ``n_cand`` left unproven."""
+    return n_cand * (SHORT_WIDEN if n_cand <= SHORT_LIST else WIDEN_FACTOR)
 
 
 def gamma(d: int) -> float:
@@ -169,6 +183,8 @@ class PreparedSide:
     bias: torch.Tensor
     metric: str
     precision: str
+    # Derived tensors computed once per prepared side (lower_target_weights); not taken.
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rows(self) -> int:
@@ -266,53 +282,78 @@ def _round_up32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, math.inf)), y)
 
 
+def lower_target_weights(targets: PreparedSide) -> torch.Tensor:
+    """The target half of :func:`lower_key_weights`, float32 (2, nt), computed once per
+    prepared target block (its cache): every search of the block's EXACT lower keys reads it."""
+    cached = targets.cache.get("lower_w")
+    if cached is None:
+        a = key_alpha(targets.metric) * _SAFETY
+        cached = torch.stack([_round_up32(targets.residual.double() * a),
+                              _round_up32(targets.norm.double() * a)]).contiguous()
+        targets.cache["lower_w"] = cached
+    return cached
+
+
 def lower_key_weights(queries: PreparedSide, targets: PreparedSide) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-query (2, m) and per-target (2, nt) float32 weights of the lower key (module notes):
     ``L = key - q_w[0] t_w[0] - q_w[1] t_w[1]``, every weight rounded up."""
-    a = key_alpha(targets.metric) * _SAFETY
-    t_w = torch.stack([_round_up32(targets.residual.double() * a), _round_up32(targets.norm.double() * a)])
     q_w = torch.stack([queries.operand_norm, queries.residual])
-    return q_w.contiguous(), t_w.contiguous()
+    return q_w.contiguous(), lower_target_weights(targets)
 
 
-def lower_rank1(queries: PreparedSide) -> tuple[torch.Tensor, float]:
-    """Rank-1 form of the lower key's query side: ``(c float64 (m,), rho)`` with
+def lower_rank1(queries: PreparedSide) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-1 form of the lower key's query side: ``(c float64 (m,), rho float64 0-dim)`` with
     ``c_i t_w[0] + c_i rho t_w[1] >= q_w[0, i] t_w[0] + q_w[1, i] t_w[1]`` for every target:
-    ``rho`` the largest ``r_q / |q^|`` of the rows, ``c = max(|q^|, r_q / rho)``."""
+    ``rho`` the largest ``r_q / |q^|`` of the rows, ``c = max(|q^|, r_q / rho)``.
+    Tensors only (no host sync): a search queues its whole round behind the candidate pass."""
     qop, rq = queries.operand_norm.double(), queries.residual.double()
-    pos = qop > 0
-    rho = float((rq[pos] / qop[pos]).max()) if bool(pos.any()) else 0.0
-    rho = max(rho * (1 + 2.0 ** -40), 2.0 ** -40)
+    if queries.rows:
+        pos = qop > 0
+        rho = torch.where(pos, rq / torch.where(pos, qop, 1.0), 0.0).max()
+    else:
+        rho = torch.zeros((), dtype=torch.float64, device=qop.device)
+    rho = torch.clamp(rho * (1 + 2.0 ** -40), min=2.0 ** -40)
     return torch.maximum(qop, rq / rho), rho
 
 
-def lower_shift(queries: PreparedSide, stats: TargetStats, metric: str) -> float:
+def lower_shift(queries: PreparedSide, stats: TargetStats, metric: str) -> torch.Tensor:
     """The most any lower key of these rows lies below its key (rank-1 form, levels rounded
-    up by at most the top level): what the roundings of a shifted key are relative to."""
+    up by at most the top level): what the roundings of a shifted key are relative to.
+    float64 0-dim tensor (no host sync)."""
     if queries.rows == 0:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64, device=queries.exact.device)
     c, rho = lower_rank1(queries)
-    return float(c.max()) * key_alpha(metric) * _SAFETY * (stats.residual + rho * stats.norm) * (1 + 2.0 ** -20)
+    return c.max() * (key_alpha(metric) * _SAFETY) * (stats.residual + rho * stats.norm) * (1 + 2.0 ** -20)
 
 
 def lower_key_bound(queries: PreparedSide, stats: TargetStats, metric: str) -> torch.Tensor:
     """``E'`` per query: the bound left for keys ranked by the lower key.
 
-    :func:`key_error_bound` less its residual terms, plus four float32 roundings (the
-    products and subtractions of the lower key, torch or fused) of a value at most
-    ``|key|`` + the largest shift (:func:`lower_shift`)."""
+    :func:`key_error_bound` less its residual terms, plus four float32 roundings of a value
+    at most ``|key|`` + the largest shift (:func:`lower_shift`): the products and
+    subtractions of the lower key (torch; the fused kernel's table is rounded down)."""
     a = key_alpha(metric)
     qn, qop, rq = queries.norm.double(), queries.operand_norm.double(), queries.residual.double()
     residual = a * (qop * stats.residual + rq * stats.norm) * _SAFETY
     full = key_error_bound(queries, stats, metric).double()
-    shift = max(lower_shift(queries, stats, metric), 0.0)
+    shift = torch.clamp(lower_shift(queries, stats, metric), min=0.0)
     rounding = 4 * U32 * (stats.sq_norm + a * qn * stats.norm + residual + shift)
     rest = torch.clamp(full - residual, min=0.0) + rounding * _SAFETY
     return _round_up32(rest)
 
 
-# Most bias levels of the fused kernel's lower keys (:func:`lower_bias_table`).
+# Bias levels of the fused kernel's lower keys (:func:`lower_bias_table`), by the first
+# list's width: each program reads its level's bias row (nt floats) from L2 beside the target
+# tiles, so more levels prove more rows but cost the pass more (H200, 65,536 x 10^6 bf16,
+# 2026-11-30: k=10's pass + widening 62.7 ms with 16 levels, 61.5 with 8).
 LOWER_LEVELS = 16
+LOWER_LEVELS_SHORT = 8      # lists of at most SHORT_LIST candidates
+
+
+def lower_levels(n_cand: int) -> int:
+    """Bias levels of a fused pass for lists of ``n_cand`` (LOWER_LEVELS, or
+    LOWER_LEVELS_SHORT for short lists)."""
+    return LOWER_LEVELS_SHORT if n_cand <= SHORT_LIST else LOWER_LEVELS
 
 
 def _round_down32(x: torch.Tensor) -> torch.Tensor:
@@ -321,42 +362,47 @@ def _round_down32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.double() > x, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
 
 
-def lower_bias_table(queries: PreparedSide, targets: PreparedSide, block_m: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def lower_bias_table(queries: PreparedSide, targets: PreparedSide, block_m: int,
+                     levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Target biases that make the fused kernel's keys lower keys, with no work per key.
 
     Rank-1 form (:func:`lower_rank1`): every lower key of row i is at least
     ``key - c_i w_t`` with ``w_t = t_w[0] + rho t_w[1]``. A program of ``block_m`` rows
-    subtracts ``C w_t`` with C at least its rows' largest c, rounded up to one of at most
-    ``LOWER_LEVELS`` geometric levels: its bias is row ``level[program]`` of the returned
-    table ``bias_t - C_level w_t`` (float64, rounded down to float32). Callers order rows
-    by c (:func:`exact_topk` does) so that a block's rows have nearly equal c.
+    subtracts ``C w_t`` with C at least its rows' largest c, rounded up to one of ``levels``
+    (default ``LOWER_LEVELS``) geometric levels ``top / ratio^n`` (top the largest C, the
+    ratio spanning down to the least positive one): its bias is row ``level[program]`` of the
+    returned table ``bias_t - C_n w_t`` (float64, rounded down to float32). Callers order
+    rows by c (:func:`exact_topk` does) so that a program's rows have nearly equal c.
+    Tensors only, every level built: no host sync, so the table and the pass queue behind
+    whatever the GPU is running.
     Returns (table float32 (levels, nt), rows 16-float aligned, level int32 (programs,)).
     """
+    levels = levels or LOWER_LEVELS
     c, rho = lower_rank1(queries)
-    _, t_w = lower_key_weights(queries, targets)
-    w = t_w[0].double() + rho * t_w[1].double()
+    t_w = lower_target_weights(targets)
+    device = c.device
     n_blocks = -(-queries.rows // block_m)
-    pad = torch.zeros(n_blocks * block_m - queries.rows, dtype=torch.float64, device=c.device)
+    pad = torch.zeros(n_blocks * block_m - queries.rows, dtype=torch.float64, device=device)
     big = torch.cat([c, pad]).view(n_blocks, block_m).max(dim=1).values
-    top = float(big.max())
-    if top <= 0:
-        return targets.bias[None, :], torch.zeros(n_blocks, dtype=torch.int32, device=c.device)
-    low = float(big[big > 0].min())
-    ratio = max(1.01, (top / low) ** (1 / max(1, LOWER_LEVELS - 1)))
-    # Level n holds top / ratio^n >= the block's C: n = floor(log(top / C) / log(ratio)).
-    n = torch.floor(torch.log(top / big.clamp(min=low * 1e-300)) / math.log(ratio))
-    n = n.clamp(0, LOWER_LEVELS - 1)
-    values = top / ratio ** n
-    n = torch.where(values < big, n - 1, n).clamp(min=0)   # float64 slack: never below C
-    used, level = torch.unique(n, return_inverse=True)
+    top = big.max()
+    low = torch.where(big > 0, big, math.inf).min()            # +inf when no C is positive
+    span = torch.where(top > 0, top / low, 1.0)
+    ratio = torch.clamp(span ** (1 / max(1, levels - 1)), min=1.01)
+    values = top / ratio ** torch.arange(levels, dtype=torch.float64, device=device)
+    # Level n holds top / ratio^n >= the block's C: n = floor(log(top / C) / log(ratio)),
+    # one level up where float64 slack put values[n] below C (a zero C takes the last).
+    n = torch.floor(torch.log(top / big.clamp(min=1e-300)) / torch.log(ratio))
+    n = torch.nan_to_num(n, nan=0.0, posinf=levels - 1.0).clamp(0, levels - 1).long()
+    n = torch.where(values[n] < big, n - 1, n).clamp(min=0)
     nt = targets.rows
-    # Rows start at multiples of 16 floats (aligned vector loads in the kernel).
-    table = torch.empty((used.numel(), -(-nt // 16) * 16), dtype=torch.float32, device=c.device)[:, :nt]
+    w = t_w[0].double() + rho * t_w[1].double()
     bias = targets.bias.double()
-    for row, u in enumerate(used.tolist()):   # one level at a time: float64 temporaries of nt
-        table[row] = _round_down32(bias - (top / ratio ** u) * w)
-    return table, level.to(torch.int32)
+    # Rows start at multiples of 16 floats (aligned vector loads in the kernel).
+    table = torch.empty((levels, -(-nt // 16) * 16), dtype=torch.float32, device=device)[:, :nt]
+    step = 4                                                    # float64 temporaries of 4 x nt
+    for l0 in range(0, levels, step):
+        table[l0:l0 + step] = _round_down32(bias[None, :] - values[l0:l0 + step, None] * w[None, :])
+    return table, n.to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -609,7 +655,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     out_i = torch.empty((m, k), dtype=torch.int64, device=device)
     pending = torch.arange(m, device=device)
     subset = queries
-    n_cand = candidate_width(k, queries.precision)
+    n_cand = candidate_width(k, queries.precision, lower)
     generator = candidates
     seed = None
     widening = False                   # the first round runs the given generator
@@ -626,13 +672,14 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             generator = torch_candidates
         elif widening and pending.numel() <= few_rows:
             generator = torch_candidates   # a widening round over a few rows
-        # The bound first: its host syncs (lower keys) then come before the pass, and the
-        # round's re-rank and proof queue behind the pass without one (one sync per round).
-        bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
+        # The pass first: the bound, the re-rank and the proof (no host sync until
+        # ``ok.all()``) queue behind it while it runs (H200, bf16 k=100, one call: exact
+        # 131.3 ms against 133.3 with the bound before the pass; k=10 alike).
         if seed is not None and generator is candidates:
             found = generator(subset, targets, n_cand, seed=seed, **extra)
         else:
             found = generator(subset, targets, n_cand, **extra)
+        bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
         keys, idx = found[0], found[1]
         floor = found[2] if len(found) > 2 else None
         if floor is None:
@@ -662,7 +709,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
             seed = limit[retry]
         subset = subset.take(retry)
-        wider = min(n_cand * WIDEN_FACTOR, next_pow2(nt))
+        wider = min(widened(n_cand), next_pow2(nt))
         if wider == n_cand:
             # A generator with a floor may hold back targets even at n_cand >= nt (the
             # segmented kernel's segments each keep their best few): the torch path's list

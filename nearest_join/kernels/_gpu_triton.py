@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gpu_torch import PreparedSide, key_alpha, lower_bias_table
+from ._gpu_torch import PreparedSide, key_alpha, lower_bias_table, lower_levels
 
 logger = logging.getLogger(__name__)
 
@@ -713,14 +713,15 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=d % block_d == 0,
                   INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
                   LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if lower:   # one table for every row of the call: the bound's rank-1 form (lower_key_bound)
+        table, levels = lower_bias_table(queries, targets, cfg.block_m, lower_levels(n_cand))
     for r0 in range(0, m, rows_per_launch):
         r1 = min(m, r0 + rows_per_launch)
         rows = r1 - r0
         grid_m = math.ceil(rows / cfg.block_m)
         q_chunk = q_op[r0:r1]
-        if lower:
-            bias, level = lower_bias_table(queries.take(slice(r0, r1)), targets, cfg.block_m)
-            stride_level = bias.stride(0)
+        if lower:   # rows_per_launch is a multiple of block_m: programs stay aligned
+            bias, level, stride_level = table, levels[r0 // cfg.block_m:], table.stride(0)
         else:
             bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
         if rowlist:

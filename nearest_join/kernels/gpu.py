@@ -155,17 +155,26 @@ SEED_WIDENING = True
 FUSED_TAIL = False
 # EXACT searches that rank candidates by the per-target lower key (``_gpu_torch`` module
 # notes, "Per-target bounds"), as {precision: smallest k}: a margin ~1.4x tighter for a bias
-# row per fused program, which cost ~3.5 ms in the candidate pass (H200, 65,536 x 10^6,
-# 2026-11-30). bf16 from k = 64, where the first list is the plain width: k=100 exact 151.8
-# -> 130-136 ms (rows widened 24,974 -> 4,915). Not below: bf16 k=10's list of 32 proves
-# nearly every row without it (71.7 ms; 74.4-76.4 with). Not tf32: it proves nearly every row
-# without it (k=10 94.6 ms; 103.4 with).
-LOWER_KEYS = {"bf16": 64}
+# row per fused program, so the first list is the plain width. bf16 (H200, 65,536 x 10^6,
+# 2026-11-30): k=100 exact 130-132 ms against 151.8 without (rows widened 24,974 -> 4,915);
+# k=10 (a list of 16, ~2,800 rows widened to 32, against a list of 32 without), each pair
+# in one call: 69.5 against 71.8 ms, 69.6 against 72.5, 72.0 against 71.9; device time 65.8
+# against 69.1 ms (the rest is the host launching the widening round). Not tf32: it proves
+# nearly every row without it (k=10 94.6 ms; 103.4 with).
+LOWER_KEYS = {"bf16": 1}
+# Below k = LOWER_KEYS_ANY_D_FROM_K, only up to this dimension: at d=768 bf16 k=10 the list of
+# 16 with lower keys cost 371 ms against 240 for the plain search (1.54; a list of 32 without
+# them: 1.07, H200, 2026-11-30).
+LOWER_KEYS_SMALL_K_MAX_D = 128
+LOWER_KEYS_ANY_D_FROM_K = 64
 
 
-def uses_lower_keys(k: int, precision: str) -> bool:
-    """Whether an EXACT search of ``k`` in ``precision`` ranks by lower keys (LOWER_KEYS)."""
-    return precision in LOWER_KEYS and k >= LOWER_KEYS[precision]
+def uses_lower_keys(k: int, precision: str, d: int) -> bool:
+    """Whether an EXACT search of ``k`` in ``precision`` at dimension ``d`` ranks by lower
+    keys (LOWER_KEYS; small k only up to LOWER_KEYS_SMALL_K_MAX_D)."""
+    if precision not in LOWER_KEYS or k < LOWER_KEYS[precision]:
+        return False
+    return k >= LOWER_KEYS_ANY_D_FROM_K or d <= LOWER_KEYS_SMALL_K_MAX_D
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
@@ -190,7 +199,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     if q_run.shape[0] == 0 or targets.side.rows == 0:
         return values, indices
     side = gt.prepare_side(q_run, metric, precision)
-    lower = exact and uses_lower_keys(k, precision)
+    lower = exact and uses_lower_keys(k, precision, side.dim)
     chosen, reason = choose_implementation(k, precision, device, impl)
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, reason)

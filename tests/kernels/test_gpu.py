@@ -263,11 +263,11 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
 
     v, i = gt.exact_topk(qs, ts, 3, holey)
     n0 = gt.candidate_width(3, "fp32")
-    assert calls == [n0, n0 * gt.WIDEN_FACTOR], calls
+    assert calls == [n0, gt.widened(n0)], calls
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
     # few_rows: a widening round over at most that many rows runs the torch generator (the
     # fused kernel's fixed costs dominate a round over a handful of rows): the same result.
-    for few, expected in ((4, [n0, n0 * gt.WIDEN_FACTOR]), (5, [n0])):
+    for few, expected in ((4, [n0, gt.widened(n0)]), (5, [n0])):
         calls.clear()
         v, i = gt.exact_topk(qs, ts, 3, holey, few_rows=few)
         assert calls == expected, (few, calls)
@@ -420,23 +420,26 @@ def test_lower_keys_bound_every_exact_key_from_below(metric, precision):
 @pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
 def test_the_bias_table_never_lifts_a_lower_key(metric, precision):
     """The fused kernel's lower keys (a bias level per block of rows) are at most the per-row
-    lower keys, for rows of spread norms in any order and a zero row; at most LOWER_LEVELS
-    levels, and each row's shift at most ``lower_shift`` (which the bound's roundings use)."""
+    lower keys, for rows of spread norms in any order and a zero row; the table has the
+    levels asked for, and each row's shift is at most ``lower_shift`` (which the bound's
+    roundings use)."""
     from nearest_join.kernels import _gpu_torch as gt
 
     q, t = _spread_norms("gaussian", 45, 300, 24, 3)
     if metric != "cosine":
         q[7] = 0.0
     qs, ts = _prepared(q, t, metric, precision)
-    table, level = gt.lower_bias_table(qs, ts, 8)
-    assert table.shape[0] <= gt.LOWER_LEVELS and level.shape == (6,)
-    bias = table.double()[level.long().repeat_interleave(8)[:45]]
     q_w, t_w = gt.lower_key_weights(qs, ts)
     per_row = ts.bias.double() - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
-    assert bool((bias <= per_row).all())
     shift = gt.lower_shift(qs, gt.TargetStats.of(ts), metric)
-    # (the table's float32 rounding, down, adds at most an ulp of the bias)
-    assert bool((ts.bias.double() - bias <= shift * (1 + 1e-6) + 2.0 ** -22 * ts.bias.double().abs()).all())
+    for levels in (None, 3, 8):
+        table, level = gt.lower_bias_table(qs, ts, 8, levels)
+        assert table.shape == (levels or gt.LOWER_LEVELS, 300) and level.shape == (6,)
+        assert bool((level >= 0).all()) and bool((level < table.shape[0]).all())
+        bias = table.double()[level.long().repeat_interleave(8)[:45]]
+        assert bool((bias <= per_row).all()), levels
+        # (the table's float32 rounding, down, adds at most an ulp of the bias)
+        assert bool((ts.bias.double() - bias <= shift * (1 + 1e-6) + 2.0 ** -22 * ts.bias.double().abs()).all())
 
 
 @needs_torch
@@ -616,7 +619,7 @@ for n, (metric, precision, kind, k) in enumerate(cases):
     # bias table; the keys are that table's, to float32 rounding, and never above the
     # per-row lower keys of the torch path (the table's levels only lower them).
     keys, idx, _ = small(qs, ts, 16, lower=True)
-    table, level = gt.lower_bias_table(qs, ts, 16)
+    table, level = gt.lower_bias_table(qs, ts, 16, gt.lower_levels(16))
     prod = qs.operand.double() @ ts.operand.double().T
     lower = table.double()[level.long().repeat_interleave(16)[:21]] - gt.key_alpha(metric) * prod
     q_w, t_w = gt.lower_key_weights(qs, ts)
