@@ -286,3 +286,67 @@ def row_keys(query, targets, squared, out):
 def score_tile(queries, targets, out):
     """``out = queries @ targets.T`` by the same BLAS call as :func:`search_tiles` (a probe)."""
     np.dot(queries, targets.T, out)
+
+
+# Merge of partial top-k lists (``merge.merge_topk``): each part's row is already best first.
+@njit(nogil=True, cache=True)
+def merge_parts(values, indices, bounds, offsets, descending, out_val, out_idx, order, fallback):
+    """k-way merge of each row's parts, the column ranges ``bounds[p]:bounds[p + 1]`` of
+    ``values`` (float32) and ``indices`` (int64, -1 = empty slot), each best first: by value
+    (descending for similarities), ties to the lower index ``indices + offsets[p]``, empty
+    slots last; equal pairs keep column order (as a stable sort would).
+
+    Writes the best ``out_val.shape[1]`` of each row: values, global indices (-1 for an
+    empty slot) and their columns in ``order``. A row with a NaN value among its valid slots
+    or a part out of that order is not merged: ``fallback[i]`` is set, for the caller's sort.
+    """
+    n_parts = bounds.shape[0] - 1
+    width = order.shape[1]
+    big = np.iinfo(np.int64).max
+    heads = np.empty(n_parts, np.int64)
+    for i in range(values.shape[0]):
+        bad = False
+        for p in range(n_parts):
+            prev_key = -np.inf
+            prev_idx = -1
+            for j in range(bounds[p], bounds[p + 1]):
+                raw = indices[i, j]
+                if raw < 0:
+                    key = np.inf
+                    idx = big
+                else:
+                    v = values[i, j]
+                    key = -v if descending else v
+                    idx = raw + offsets[p]
+                    bad |= v != v
+                bad |= (prev_key > key) | ((prev_key == key) & (prev_idx > idx))
+                prev_key = key
+                prev_idx = idx
+            heads[p] = bounds[p]
+        if bad:
+            fallback[i] = True
+            continue
+        for out in range(width):
+            best = -1
+            best_key = np.inf
+            best_idx = big
+            for p in range(n_parts):
+                j = heads[p]
+                if j < bounds[p + 1]:
+                    raw = indices[i, j]
+                    if raw < 0:
+                        key = np.inf
+                        idx = big
+                    else:
+                        key = -values[i, j] if descending else values[i, j]
+                        idx = raw + offsets[p]
+                    if best < 0 or key < best_key or (key == best_key and idx < best_idx):
+                        best, best_key, best_idx = p, key, idx
+            j = heads[best]
+            heads[best] += 1
+            order[i, out] = j
+            if best_idx == big:
+                out_idx[i, out] = -1
+            else:
+                out_idx[i, out] = best_idx
+            out_val[i, out] = values[i, j]

@@ -132,6 +132,31 @@ def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, ou
 _THREADSAFE: bool | None = None
 
 
+def merge_parts(values: np.ndarray, indices: np.ndarray, widths, offsets, k: int, descending: bool):
+    """Merge of best-first parts laid side by side (``merge.merge_topk``): a compiled k-way
+    merge, GIL released. ``values`` float32 and ``indices`` int64 (rows, sum(widths)), part p
+    the next ``widths[p]`` columns, its valid indices shifted by ``offsets[p]``.
+
+    Returns (values, global indices (-1 empty), columns, fallback) with ``min(k, columns)``
+    columns each; rows flagged in ``fallback`` (a NaN value, a part out of order) are not
+    filled: the caller sorts them.
+    """
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    indices = np.ascontiguousarray(indices, dtype=np.int64)
+    bounds = np.concatenate([[0], np.cumsum(widths)]).astype(np.int64)
+    if values.shape != indices.shape or values.ndim != 2 or bounds[-1] != values.shape[1]:
+        raise ValueError(f"values, indices: expected (rows, {bounds[-1]}) arrays, got "
+                         f"{values.shape} and {indices.shape}")
+    rows, width = values.shape[0], min(k, values.shape[1])
+    out_val = np.empty((rows, width), np.float32)
+    out_idx = np.empty((rows, width), np.int64)
+    order = np.empty((rows, width), np.int64)
+    fallback = np.zeros(rows, bool)
+    _cpu_kernels.merge_parts(values, indices, bounds, np.asarray(offsets, np.int64), bool(descending),
+                             out_val, out_idx, order, fallback)
+    return out_val, out_idx, order, fallback
+
+
 def parallel_calls_threadsafe() -> bool:
     """Whether numba's threading layer takes parallel calls from several threads at once.
 

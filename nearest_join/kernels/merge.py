@@ -91,17 +91,28 @@ def merge_topk(
             raise ValueError(
                 f"values, indices: expected matching (nq={nq}, k_i) parts, got {v.shape} and {i.shape}"
             )
-    all_idx = np.concatenate(
-        [np.where(i >= 0, i + np.int64(o), -1) for i, o in zip(indices, offsets)], axis=1
-    ).astype(np.int64, copy=False)
+    from .cpu import merge_parts   # numba: imported on first use, not with the package
+
+    raw_idx = np.concatenate([np.asarray(i, dtype=np.int64) for i in indices], axis=1)
     all_val = np.concatenate([np.asarray(v, dtype=np.float32) for v in values], axis=1)
-    valid = all_idx >= 0
-    # Sort key: value (negated for similarities), then index; empty slots go last.
-    primary = np.where(valid, -all_val if m.descending else all_val, np.inf)
-    secondary = np.where(valid, all_idx, _NO_INDEX)
-    order = _order_rows(primary, secondary, k)
-    out_idx = np.take_along_axis(all_idx, order, axis=1)
-    out_val = np.take_along_axis(all_val, order, axis=1)
+    # Parts are best first: a compiled k-way merge (cpu.merge_parts; 65,536 rows of four
+    # parts of 10 on 2 cores: ~15 ms against ~90 for the sorts below). Rows it does not take
+    # (a NaN value, a part out of order) are sorted, as every row was before.
+    out_val, out_idx, order, fallback = merge_parts(all_val, raw_idx, [v.shape[1] for v in values],
+                                                    offsets, k, m.descending)
+    if fallback.any():
+        rows = np.flatnonzero(fallback)
+        sub_idx = np.concatenate([np.where(i[rows] >= 0, np.asarray(i[rows], np.int64) + np.int64(o), -1)
+                                  for i, o in zip(indices, offsets)], axis=1)
+        sub_val = all_val[rows]
+        valid = sub_idx >= 0
+        # Sort key: value (negated for similarities), then index; empty slots go last.
+        primary = np.where(valid, -sub_val if m.descending else sub_val, np.inf)
+        secondary = np.where(valid, sub_idx, _NO_INDEX)
+        sub_order = _order_rows(primary, secondary, k)
+        order[rows] = sub_order
+        out_idx[rows] = np.take_along_axis(sub_idx, sub_order, axis=1)
+        out_val[rows] = np.take_along_axis(sub_val, sub_order, axis=1)
     width = out_idx.shape[1]
     if width < k:  # fewer candidate slots than k in total: pad
         pad = k - width

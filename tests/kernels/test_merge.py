@@ -128,3 +128,34 @@ def test_fast_ordering_equals_lexsort_with_ties_and_empty_slots(metric, levels):
     primary = np.where(valid, -all_v if metric == "inner_product" else all_v, np.inf)
     ref = np.lexsort((np.where(valid, all_i, np.iinfo(np.int64).max), primary), axis=1)[:, :k]
     np.testing.assert_array_equal(i, np.take_along_axis(all_i, ref, 1))
+
+
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_rows_out_of_order_or_with_nan_values_are_sorted_not_merged(metric):
+    """The compiled merge takes parts as best first; rows where a part is out of order or
+    holds a NaN value must still get the full sort's answer (lexsort, NaN last), sources
+    included, while sorted rows beside them are merged."""
+    rng = np.random.default_rng(5)
+    nq, k = 300, 5
+    descending = metric == "inner_product"
+    parts_v, parts_i = [], []
+    for p in range(3):
+        vals = rng.integers(0, 4, (nq, k)).astype(np.float32)        # ties
+        idx = rng.permutation(5_000)[: nq * k].reshape(nq, k) + 5_000 * p
+        order = np.lexsort((idx, -vals if descending else vals), axis=1)
+        vals, idx = np.take_along_axis(vals, order, 1), np.take_along_axis(idx, order, 1)
+        parts_v.append(vals)
+        parts_i.append(idx)
+    parts_v[1][:40] = parts_v[1][:40, ::-1]          # out of order (reversed)
+    parts_i[1][:40] = parts_i[1][:40, ::-1]
+    parts_v[2][40:60, 2] = np.nan                    # NaN values in valid slots
+    parts_i[0][60:80, 3:] = -1                       # empty slots at the end: still in order
+    v, i, sources = merge_topk(parts_v, parts_i, k, metric, return_sources=True)
+    all_v, all_i = np.concatenate(parts_v, 1), np.concatenate(parts_i, 1)
+    valid = all_i >= 0
+    primary = np.where(valid, -all_v if descending else all_v, np.inf)
+    ref = np.lexsort((np.where(valid, all_i, np.iinfo(np.int64).max), primary), axis=1)[:, :k]
+    ref_i = np.take_along_axis(all_i, ref, 1)
+    np.testing.assert_array_equal(i, ref_i)
+    np.testing.assert_array_equal(sources, np.where(ref_i >= 0, ref, -1))
+    np.testing.assert_array_equal(v[ref_i >= 0], np.take_along_axis(all_v, ref, 1)[ref_i >= 0])
