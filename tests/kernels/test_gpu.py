@@ -443,6 +443,31 @@ def test_the_bias_table_never_lifts_a_lower_key(metric, precision):
 
 
 @needs_torch
+@pytest.mark.parametrize("precision,d,k,expected", [
+    ("bf16", 16, 5, True), ("bf16", 128, 10, True),       # small k: lower keys up to d = 128
+    ("bf16", 200, 10, False), ("bf16", 200, 70, True),    # above it only from k = 64
+    ("tf32", 16, 70, False), ("fp32", 16, 5, False)])
+def test_search_ranks_by_lower_keys_where_the_rule_says(precision, d, k, expected, monkeypatch):
+    """EXACT searches pass ``lower`` to exact_topk by precision, k and dimension
+    (gpu.LOWER_KEYS, LOWER_KEYS_SMALL_K_MAX_D: at d=768 bf16 k=10 the lower-key start cost
+    1.54x the plain search against 1.07), and the answer is exact either way."""
+    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_join.kernels import gpu as kgpu
+
+    seen = []
+    exact_topk = gt.exact_topk
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("lower"))
+        return exact_topk(*args, **kwargs)
+    monkeypatch.setattr(gt, "exact_topk", spy)
+    q, t = make_data("gaussian", 9, 150, d, d + k)
+    v, i = kgpu.knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, "sqeuclidean", precision)
+    assert seen == [expected]
+    check_result(q, t, k, "sqeuclidean", v.numpy(), i.numpy())
+
+
+@needs_torch
 @pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "inner_product"])
 def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
     """bf16, k=10, lists of 16 (the plain width, both ways). Queries lean one way; 20 of the
