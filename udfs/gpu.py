@@ -333,7 +333,7 @@ class GpuBlockSearcher:
         ``keep``: the block is the same for every task of this stage (a broadcast block):
         it is stored for the stage's next task in this worker, when there is a task scope.
         """
-        from nearest_join.kernels._gpu_torch import LOWER_LEVELS
+        from nearest_join.kernels._gpu_torch import lower_table_bytes
         from nearest_join.kernels.gpu import prepare_targets, uses_lower_keys
 
         target_vectors = np.asarray(target_vectors)
@@ -348,11 +348,11 @@ class GpuBlockSearcher:
                 return hit
         nt, d = target_vectors.shape
         # upload + float32 rows + operand (<= 4 bytes), generous; + EXACT mode's lower keys
-        # where they are used: the bias table (up to LOWER_LEVELS float32 rows, in a search),
-        # the block's two weight rows (kept) and the table's float64 temporaries (4 rows)
+        # where they are used: the block's two weight rows (kept) and a search's bias table
+        # with its temporaries
         needed = nt * d * 4 * 3
         if uses_lower_keys(self.settings.k, self.precision, d):
-            needed += nt * 4 * (LOWER_LEVELS + 2 + 8)
+            needed += nt * 4 * 2 + lower_table_bytes(nt)
         budget = int(self.memory_bytes * TARGET_SHARE)
         self._targets = None
         # Free before the next block arrives: this kind's oldest first, then the other's.

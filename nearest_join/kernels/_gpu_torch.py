@@ -305,7 +305,11 @@ def lower_rank1(queries: PreparedSide) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank-1 form of the lower key's query side: ``(c float64 (m,), rho float64 0-dim)`` with
     ``c_i t_w[0] + c_i rho t_w[1] >= q_w[0, i] t_w[0] + q_w[1, i] t_w[1]`` for every target:
     ``rho`` the largest ``r_q / |q^|`` of the rows, ``c = max(|q^|, r_q / rho)``.
-    Tensors only (no host sync): a search queues its whole round behind the candidate pass."""
+    Tensors only (no host sync): a search queues its whole round behind the candidate pass.
+    Computed once per prepared side (its cache): a round's bound and bias table share it."""
+    cached = queries.cache.get("rank1")
+    if cached is not None:
+        return cached
     qop, rq = queries.operand_norm.double(), queries.residual.double()
     if queries.rows:
         pos = qop > 0
@@ -313,7 +317,8 @@ def lower_rank1(queries: PreparedSide) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         rho = torch.zeros((), dtype=torch.float64, device=qop.device)
     rho = torch.clamp(rho * (1 + 2.0 ** -40), min=2.0 ** -40)
-    return torch.maximum(qop, rq / rho), rho
+    queries.cache["rank1"] = torch.maximum(qop, rq / rho), rho
+    return queries.cache["rank1"]
 
 
 def lower_shift(queries: PreparedSide, stats: TargetStats, metric: str) -> torch.Tensor:
@@ -362,6 +367,18 @@ def _round_down32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(y.double() > x, torch.nextafter(y, torch.full_like(y, -math.inf)), y)
 
 
+# The bias table is built this many bytes of float64 levels at a time (at least one level):
+# one chunk of every level up to 8 levels of 10^6 targets, so few small ops per search (each a
+# launch the GPU waits for before the pass), and bounded temporaries for larger blocks.
+TABLE_CHUNK_BYTES = 64 << 20
+
+
+def lower_table_bytes(nt: int) -> int:
+    """Device memory of a search's bias table for ``nt`` targets, temporaries included (the
+    chunk's float64 rows and their rounding: about three times the chunk)."""
+    return nt * 4 * LOWER_LEVELS + 3 * max(TABLE_CHUNK_BYTES, nt * 8)
+
+
 def lower_bias_table(queries: PreparedSide, targets: PreparedSide, block_m: int,
                      levels: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Target biases that make the fused kernel's keys lower keys, with no work per key.
@@ -399,7 +416,7 @@ def lower_bias_table(queries: PreparedSide, targets: PreparedSide, block_m: int,
     bias = targets.bias.double()
     # Rows start at multiples of 16 floats (aligned vector loads in the kernel).
     table = torch.empty((levels, -(-nt // 16) * 16), dtype=torch.float32, device=device)[:, :nt]
-    step = 4                                                    # float64 temporaries of 4 x nt
+    step = max(1, TABLE_CHUNK_BYTES // max(1, 8 * nt))        # levels per float64 chunk
     for l0 in range(0, levels, step):
         table[l0:l0 + step] = _round_down32(bias[None, :] - values[l0:l0 + step, None] * w[None, :])
     return table, n.to(torch.int32)
@@ -664,8 +681,10 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         tail = None
         # Rows in order of their lower key's factor: a fused program's rows share one bias
         # level (lower_bias_table), the tighter the more alike they are.
-        pending = torch.argsort(lower_rank1(queries)[0])
+        c, rho = lower_rank1(queries)
+        pending = torch.argsort(c)
         subset = queries.take(pending)
+        subset.cache["rank1"] = (c[pending], rho)     # the same rows, reordered
     while pending.numel():
         if max_candidates is not None and n_cand > max_candidates and generator is candidates:
             logger.debug("widening %d rows to %d candidates: torch path", pending.numel(), n_cand)
