@@ -183,7 +183,8 @@ class PreparedSide:
     bias: torch.Tensor
     metric: str
     precision: str
-    # Derived tensors computed once per prepared side (lower_target_weights); not taken.
+    # Derived tensors computed once per prepared side: a block's lower-key weights, rows'
+    # rank-1 form and bias tables (carried to widened rows by exact_topk, not by take).
     cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -391,35 +392,40 @@ def lower_bias_table(queries: PreparedSide, targets: PreparedSide, block_m: int,
     returned table ``bias_t - C_n w_t`` (float64, rounded down to float32). Callers order
     rows by c (:func:`exact_topk` does) so that a program's rows have nearly equal c.
     Tensors only, every level built: no host sync, so the table and the pass queue behind
-    whatever the GPU is running.
+    whatever the GPU is running. The table is kept in the rows' cache with the rank-1 form's
+    ``rho`` it was built for: rows that :func:`exact_topk` widens carry both on (a subset's
+    C never exceeds the top level), so a widening round only assigns its programs' levels.
     Returns (table float32 (levels, nt), rows 16-float aligned, level int32 (programs,)).
     """
     levels = levels or LOWER_LEVELS
     c, rho = lower_rank1(queries)
-    t_w = lower_target_weights(targets)
     device = c.device
     n_blocks = -(-queries.rows // block_m)
     pad = torch.zeros(n_blocks * block_m - queries.rows, dtype=torch.float64, device=device)
     big = torch.cat([c, pad]).view(n_blocks, block_m).max(dim=1).values
-    top = big.max()
-    low = torch.where(big > 0, big, math.inf).min()            # +inf when no C is positive
-    span = torch.where(top > 0, top / low, 1.0)
-    ratio = torch.clamp(span ** (1 / max(1, levels - 1)), min=1.01)
-    values = top / ratio ** torch.arange(levels, dtype=torch.float64, device=device)
-    # Level n holds top / ratio^n >= the block's C: n = floor(log(top / C) / log(ratio)),
-    # one level up where float64 slack put values[n] below C (a zero C takes the last).
-    n = torch.floor(torch.log(top / big.clamp(min=1e-300)) / torch.log(ratio))
-    n = torch.nan_to_num(n, nan=0.0, posinf=levels - 1.0).clamp(0, levels - 1).long()
-    n = torch.where(values[n] < big, n - 1, n).clamp(min=0)
-    nt = targets.rows
-    w = t_w[0].double() + rho * t_w[1].double()
-    bias = targets.bias.double()
-    # Rows start at multiples of 16 floats (aligned vector loads in the kernel).
-    table = torch.empty((levels, -(-nt // 16) * 16), dtype=torch.float32, device=device)[:, :nt]
-    step = max(1, TABLE_CHUNK_BYTES // max(1, 8 * nt))        # levels per float64 chunk
-    for l0 in range(0, levels, step):
-        table[l0:l0 + step] = _round_down32(bias[None, :] - values[l0:l0 + step, None] * w[None, :])
-    return table, n.to(torch.int32)
+    cached = queries.cache.get(("table", levels))
+    if cached is not None and cached[2] is rho:
+        table, values = cached[0], cached[1]
+    else:
+        top = big.max()
+        low = torch.where(big > 0, big, math.inf).min()        # +inf when no C is positive
+        span = torch.where(top > 0, top / low, 1.0)
+        ratio = torch.clamp(span ** (1 / max(1, levels - 1)), min=1.01)
+        values = top / ratio ** torch.arange(levels, dtype=torch.float64, device=device)
+        t_w = lower_target_weights(targets)
+        nt = targets.rows
+        w = t_w[0].double() + rho * t_w[1].double()
+        bias = targets.bias.double()
+        # Rows start at multiples of 16 floats (aligned vector loads in the kernel).
+        table = torch.empty((levels, -(-nt // 16) * 16), dtype=torch.float32, device=device)[:, :nt]
+        step = max(1, TABLE_CHUNK_BYTES // max(1, 8 * nt))    # levels per float64 chunk
+        for l0 in range(0, levels, step):
+            table[l0:l0 + step] = _round_down32(bias[None, :] - values[l0:l0 + step, None] * w[None, :])
+        queries.cache[("table", levels)] = (table, values, rho)
+    # A block's level: the last (least) one still >= its C. Levels decrease from values[0],
+    # the largest C of the rows the table was built for (a zero C takes the last level).
+    n = (values[None, :] >= big[:, None]).sum(dim=1) - 1
+    return table, n.clamp(min=0).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -675,6 +681,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     n_cand = candidate_width(k, queries.precision, lower)
     generator = candidates
     seed = None
+    bound = None                       # per row, computed once (the first round's pass)
     widening = False                   # the first round runs the given generator
     extra = {"lower": True} if lower else {}
     if lower:
@@ -698,7 +705,8 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             found = generator(subset, targets, n_cand, seed=seed, **extra)
         else:
             found = generator(subset, targets, n_cand, **extra)
-        bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
+        if bound is None:
+            bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
         keys, idx = found[0], found[1]
         floor = found[2] if len(found) > 2 else None
         if floor is None:
@@ -727,7 +735,10 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         if seeded:
             # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
             seed = limit[retry]
-        subset = subset.take(retry)
+        subset = _widened_rows(subset, retry, lower)
+        # The rows' bound carries over: per row (lower keys: its shift term is the largest
+        # of the first round's rows, at least the subset's own), so no new launches for it.
+        bound = bound[retry]
         wider = min(widened(n_cand), next_pow2(nt))
         if wider == n_cand:
             # A generator with a floor may hold back targets even at n_cand >= nt (the
@@ -736,6 +747,19 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             generator = torch_candidates
         n_cand = wider
     return final_values(out_v, metric), out_i
+
+
+def _widened_rows(rows: PreparedSide, retry: torch.Tensor, lower: bool) -> PreparedSide:
+    """The rows ``retry`` of ``rows`` for a widening round. With lower keys they keep the
+    rank-1 form's ``rho`` (at least their own largest ratio, so still valid) and with it
+    the bias tables built for ``rows`` (:func:`lower_bias_table` then only assigns levels)."""
+    subset = rows.take(retry)
+    if lower:
+        c, rho = lower_rank1(rows)
+        subset.cache["rank1"] = (c[retry], rho)
+        subset.cache.update({key: entry for key, entry in rows.cache.items()
+                             if isinstance(key, tuple) and key[0] == "table"})
+    return subset
 
 
 def approximate_topk(queries: PreparedSide, targets: PreparedSide, k: int,

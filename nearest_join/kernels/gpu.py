@@ -158,8 +158,9 @@ FUSED_TAIL = False
 # row per fused program, so the first list is the plain width. bf16 (H200, 65,536 x 10^6,
 # 2026-11-30): k=100 exact 130-132 ms against 151.8 without (rows widened 24,974 -> 4,915);
 # k=10 (a list of 16, ~2,800 rows widened to 32, against a list of 32 without), each pair
-# in one call: 69.5 against 71.8 ms, 69.6 against 72.5, 72.0 against 71.9; device time 65.8
-# against 69.1 ms (the rest is the host launching the widening round). Not tf32: it proves
+# in one call: 69.5 against 71.8 ms, 69.6 against 72.5, 73.0 against 72.7, 72.0 against 71.9;
+# device time 65.8 against 69.1 ms (the rest is the host launching the widening round, whose
+# preparation now reuses the first round's bound and table). Not tf32: it proves
 # nearly every row without it (k=10 94.6 ms; 103.4 with).
 LOWER_KEYS = {"bf16": 1}
 # Below k = LOWER_KEYS_ANY_D_FROM_K, only up to this dimension: at d=768 bf16 k=10 the list of

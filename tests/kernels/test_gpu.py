@@ -440,6 +440,18 @@ def test_the_bias_table_never_lifts_a_lower_key(metric, precision):
         assert bool((bias <= per_row).all()), levels
         # (the table's float32 rounding, down, adds at most an ulp of the bias)
         assert bool((ts.bias.double() - bias <= shift * (1 + 1e-6) + 2.0 ** -22 * ts.bias.double().abs()).all())
+    # Rows a widening round takes keep the table (no new one built) and get valid levels of it.
+    table, _ = gt.lower_bias_table(qs, ts, 8, 8)
+    retry = torch.tensor([1, 7, 8, 20, 33, 44])
+    child = gt._widened_rows(qs, retry, lower=True)
+    child_table, child_level = gt.lower_bias_table(child, ts, 4, 8)
+    assert child_table is table and child_level.shape == (2,)
+    bias = table.double()[child_level.long().repeat_interleave(4)[:6]]
+    assert bool((bias <= per_row[retry]).all())
+    # ... and their bound carries over: at least the one computed for them alone.
+    stats = gt.TargetStats.of(ts)
+    own = gt.lower_key_bound(qs.take(retry), stats, metric)
+    assert bool((gt.lower_key_bound(qs, stats, metric)[retry] >= own).all())
 
 
 @needs_torch
