@@ -129,6 +129,24 @@ def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, ou
                      (matrix, rows, positions, out), threads)
 
 
+def distinct_rows(source: np.ndarray, rows: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct (source, row) pairs of a state's slots, in (source, row) order, and each
+    slot's position among them: (sources int64, rows int64, payload_row int32 per slot, -1
+    for an empty slot ``source < 0``). ``sizes``: rows per source; a slot outside them
+    raises IndexError."""
+    source = np.ascontiguousarray(source, dtype=np.int32).reshape(-1)
+    rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
+    if source.shape != rows.shape:
+        raise ValueError(f"distinct_rows: {source.shape[0]} sources for {rows.shape[0]} rows")
+    base = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
+    payload_row = np.empty(source.shape[0], np.int32)
+    out_source, out_row, bad = _cpu_kernels.distinct_rows(source, rows, base, payload_row)
+    if bad:
+        raise IndexError(f"distinct_rows: {bad} slots refer to a source or row outside "
+                         f"{base.shape[0] - 1} sources of {list(np.diff(base))} rows")
+    return out_source, out_row, payload_row
+
+
 _THREADSAFE: bool | None = None
 
 

@@ -119,6 +119,32 @@ def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
         take_rows_at(src, np.array([1]), np.array([3]), out.astype(np.float32))
 
 
+def test_distinct_rows_of_a_state_equal_numpy_and_check_their_range():
+    """A shipped state's distinct (source, row) pairs in (source, row) order and each slot's
+    position among them, against a numpy reference: several sources, repeats, empty slots;
+    a slot outside its source raises."""
+    from nearest_join.kernels.cpu import distinct_rows
+
+    rng = np.random.default_rng(3)
+    sizes = [40, 0, 25, 60]
+    source = rng.choice([0, 2, 3], 500).astype(np.int32)
+    rows = np.array([rng.integers(0, sizes[s]) for s in source])
+    source[rng.random(500) < 0.2] = -1
+    out_source, out_row, payload_row = distinct_rows(source, rows, sizes)
+    filled = source >= 0
+    pairs = sorted(set(zip(source[filled].tolist(), rows[filled].tolist())))
+    assert list(zip(out_source.tolist(), out_row.tolist())) == pairs
+    where = {pair: i for i, pair in enumerate(pairs)}
+    want = [where[(s, r)] if s >= 0 else -1 for s, r in zip(source.tolist(), rows.tolist())]
+    assert payload_row.tolist() == want
+    empty = distinct_rows(np.full(4, -1, np.int32), np.zeros(4, np.int64), sizes)
+    assert empty[0].size == 0 and empty[2].tolist() == [-1] * 4
+    with pytest.raises(IndexError, match="1 slots refer"):
+        distinct_rows(np.array([0, 2], np.int32), np.array([3, 25]), sizes)
+    with pytest.raises(IndexError, match="1 slots refer"):
+        distinct_rows(np.array([4], np.int32), np.array([0]), sizes)
+
+
 @pytest.mark.parametrize("threadsafe", [True, False])
 def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(threadsafe, monkeypatch):
     """numba's workqueue layer aborts on parallel calls from two threads at once (the CPU
