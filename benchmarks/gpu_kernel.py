@@ -633,8 +633,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", action="store_true", help="check and time the kernel variants only")
     ap.add_argument("--no-check", action="store_true", help="--variants: time without the checks")
     ap.add_argument("--only", default="",
-                    help="--variants: comma-separated name parts; run only the variants whose name has one "
-                         "(checks take ~30-60 s per variant: plan device calls with this)")
+                    help="--variants / --exact-variants: comma-separated name parts; run only the variants "
+                         "whose name has one (--variants' checks take ~30-60 s per variant: plan device "
+                         "calls with this)")
     ap.add_argument("--widen-factor", type=int, default=None,
                     help="exact mode: widen unproven rows this many times (default: the backend's "
                          "WIDEN_FACTOR); tf32 k=100 widens ~1.6%% of rows from 128 candidates")
