@@ -74,6 +74,8 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     if pa.types.is_struct(arr.type):
         return _decode_ml_vectors(arr, dimension, label, expected_from)
     dtype = vector_dtype(arr.type)
+    if arr.null_count == 0 and (pa.types.is_list(arr.type) or pa.types.is_large_list(arr.type)):
+        return _decode_dense_lists(arr, dimension, label, expected_from, dtype)
     if pa.types.is_fixed_size_list(arr.type):
         lengths = np.full(n, arr.type.list_size, dtype=np.int64)
     else:
@@ -91,6 +93,20 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     out = np.full((n, dimension), np.nan, dtype=dtype)
     out[valid] = values.reshape(-1, dimension)
     return out
+
+
+def _decode_dense_lists(arr, dimension, label: str, expected_from: str, dtype) -> np.ndarray:
+    """A list column without NULL lists (the common case): lengths from the offsets in one
+    pass, values as a zero-copy view. The general path's length array, NULL fill and boolean
+    selections cost 3-10 ms per 10^6 rows, paid before a broadcast task's first search."""
+    n = len(arr)
+    offsets = arr.offsets.to_numpy()          # n + 1 entries, the slice's own
+    lengths = np.diff(offsets)
+    dimension = _check_lengths(lengths, dimension, label, expected_from)
+    flat = arr.flatten()
+    if flat.null_count:
+        flat = flat.fill_null(np.nan)
+    return flat.to_numpy(zero_copy_only=False).astype(dtype, copy=False).reshape(n, dimension)
 
 
 def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> np.ndarray:

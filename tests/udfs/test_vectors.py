@@ -49,3 +49,26 @@ def test_empty_and_all_null():
     assert decode_vectors(pa.array([], type=pa.list_(pa.float32())), 5).shape == (0, 5)
     out = decode_vectors(pa.array([None, None], type=pa.list_(pa.float32())), 2)
     assert out.shape == (2, 2) and np.isnan(out).all()
+
+
+@pytest.mark.parametrize("list_type", [pa.list_(pa.float32()), pa.large_list(pa.float64())], ids=str)
+def test_lists_without_null_lists_slices_and_ragged_rows(list_type):
+    # No NULL list: lengths come from the slice's own offsets (a ragged row outside the slice
+    # does not count), NULL elements still become NaN.
+    arr = pa.array([[1.0, 2.0], [3.0, 4.0, 5.0], [6.0, None], [7.0, 8.0], [9.0, 10.0]], type=list_type)
+    assert arr.null_count == 0
+    np.testing.assert_array_equal(decode_vectors(arr.slice(2), 2), [[6, np.nan], [7, 8], [9, 10]])
+    np.testing.assert_array_equal(decode_vectors(arr.slice(3, 2), None), [[7, 8], [9, 10]])
+    with pytest.raises(VectorDimensionError,
+                       match="column `v` has a vector of dimension 3 and the other side has dimension 2"):
+        decode_vectors(arr.slice(0, 3), 2, label="v")
+    with pytest.raises(VectorDimensionError, match="dimension 2 and the first vector of `v` has dimension 3"):
+        decode_vectors(arr.slice(1), None, label="v")
+
+
+def test_float32_lists_decode_without_a_copy():
+    values = np.arange(12, dtype=np.float32)
+    arr = pa.ListArray.from_arrays(pa.array([0, 3, 6, 9, 12], pa.int32()), pa.array(values))
+    out = decode_vectors(arr, 3)
+    np.testing.assert_array_equal(out, values.reshape(4, 3))
+    assert np.shares_memory(out, arr.values.to_numpy())
