@@ -48,6 +48,8 @@ ROW_OVERHEAD_BYTES = 64 << 10
 MIN_BATCH_ROWS = 1024
 # Share of the memory budget resident target blocks may hold (the rest: query batches).
 TARGET_SHARE = 0.5
+# Query blocks prefetch() may hold staged on the device, each in its own pinned host slot.
+PREFETCH_SLOTS = 2
 
 
 def _task_context():
@@ -249,7 +251,7 @@ class GpuBlockSearcher:
         self._resident = TargetStore()   # this searcher's blocks (target_key -> prepared)
         self._targets = None             # the block of the current search
         self._query_cache = None         # (host array, device tensor) of a one-batch query block
-        self._ahead = None               # (host array, device tensor, event) from prefetch()
+        self._ahead: list = []           # [(host array, device tensor, event, slot)] from prefetch()
         self._ahead_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pinned: dict[str, torch.Tensor] = {}
@@ -288,7 +290,10 @@ class GpuBlockSearcher:
         main thread stages the query block it has just decoded while the worker thread
         searches the previous one, and that block's search then finds it on the device
         (same host memory) instead of copying it first. The copy runs on the copy stream
-        from its own pinned slot; the previous prefetch's copy is waited for first.
+        from its own pinned slot. ``PREFETCH_SLOTS`` blocks may wait staged (the main thread
+        can decode the next block before the worker has taken the previous one: at a task's
+        start the first search waits for the target block); a further one replaces the
+        oldest, whose copy is waited for first.
         """
         import torch
 
@@ -299,26 +304,35 @@ class GpuBlockSearcher:
             return
         ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
         with self._ahead_lock, ctx:
-            if self._ahead is not None and self._ahead[2] is not None:
-                self._ahead[2].synchronize()     # its copy read the pinned slot
+            if any(_same_memory(entry[0], query_vectors) for entry in self._ahead):
+                return
+            if len(self._ahead) >= PREFETCH_SLOTS:
+                oldest = self._ahead.pop(0)
+                if oldest[2] is not None:
+                    oldest[2].synchronize()      # its copy read the pinned slot
+            used = {entry[3] for entry in self._ahead}
+            slot = next(f"ahead{n}" for n in range(PREFETCH_SLOTS) if f"ahead{n}" not in used)
             if self._cuda:
-                q_dev = self._upload(query_vectors, "ahead", stream=self._copy_stream)
+                q_dev = self._upload(query_vectors, slot, stream=self._copy_stream)
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)
             else:
-                q_dev, ready = self._upload(query_vectors, "ahead"), None
-            self._ahead = (query_vectors, q_dev, ready)
+                q_dev, ready = self._upload(query_vectors, slot), None
+            self._ahead.append((query_vectors, q_dev, ready, slot))
 
     def _take_prefetched(self, query_vectors: np.ndarray):
-        """(device tensor, event) staged by :meth:`prefetch` for this array, or None."""
+        """(device tensor, event) staged by :meth:`prefetch` for this array, or None. Blocks
+        staged before it are dropped (blocks are searched in the order they were staged)."""
         with self._ahead_lock:
-            ahead = self._ahead
-            if ahead is None or not _same_memory(ahead[0], query_vectors):
+            for n, entry in enumerate(self._ahead):
+                if _same_memory(entry[0], query_vectors):
+                    break
+            else:
                 return None
-            if ahead[2] is not None:
-                ahead[2].synchronize()   # done (long ago, as a rule): the slot is free again
-            self._ahead = None
-            return ahead[1], ahead[2]
+            del self._ahead[:n + 1]
+            if entry[2] is not None:
+                entry[2].synchronize()   # done (long ago, as a rule): the slot is free again
+            return entry[1], entry[2]
 
     @property
     def _target_bytes(self) -> int:

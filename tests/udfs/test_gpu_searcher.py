@@ -84,10 +84,10 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
     searcher.search(q1, t, target_key=1)
     searcher.prefetch(q2)
-    staged = searcher._ahead[1]
+    staged = searcher._ahead[0][1]
     q2[0] += 100.0          # the copy was taken at prefetch: a search must not read it again
     _, i = searcher.search(q2, t, target_key=1)
-    assert searcher._ahead is None and searcher._query_cache[1] is staged
+    assert searcher._ahead == [] and searcher._query_cache[1] is staged
     expected = q2.copy()
     expected[0] -= 100.0
     np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
@@ -95,13 +95,43 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     searcher.prefetch(q1)
     other = q1.copy()
     _, i = searcher.search(other, t, target_key=1)
-    assert searcher._ahead is not None and searcher._query_cache[1] is not searcher._ahead[1]
+    assert len(searcher._ahead) == 1 and searcher._query_cache[1] is not searcher._ahead[0][1]
     np.testing.assert_array_equal(i, knn(q1, t, 3, "l2", backend="reference")[1])
     # A block of more than one batch is not staged.
     small = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), batch_rows=16,
                                impl="torch")
     small.prefetch(q1)
-    assert small._ahead is None
+    assert small._ahead == []
+
+
+def test_two_blocks_staged_before_the_first_search_are_both_used():
+    """At a task's start the main thread may decode and stage the second query block before
+    the worker's first search (which waits for the target block) takes the first: both stay
+    staged, in their own slots; a third replaces the oldest."""
+    rng = np.random.default_rng(10)
+    qs = [rng.standard_normal((40, 5)).astype(np.float32) for _ in range(3)]
+    t = rng.standard_normal((90, 5)).astype(np.float32)
+    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
+    searcher.prefetch(qs[0])
+    searcher.prefetch(qs[1])
+    searcher.prefetch(qs[1])                  # already staged: nothing more
+    staged = [entry[1] for entry in searcher._ahead]
+    assert len(staged) == 2 and {entry[3] for entry in searcher._ahead} == {"ahead0", "ahead1"}
+    for q in qs[:2]:
+        q[0] += 100.0                         # the searches must use the staged copies
+    for n in range(2):
+        _, i = searcher.search(qs[n], t, target_key=1)
+        assert searcher._query_cache[1] is staged[n]
+        expected = qs[n].copy()
+        expected[0] -= 100.0
+        np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
+    assert searcher._ahead == []
+    for q in qs:
+        searcher.prefetch(q)
+    assert [entry[0] is q for entry, q in zip(searcher._ahead, qs[1:])] == [True, True]
+    # Searching the newest drops the one staged before it (blocks are searched in order).
+    searcher.search(qs[2], t, target_key=1)
+    assert searcher._ahead == []
 
 
 def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
