@@ -293,7 +293,9 @@ class GpuBlockSearcher:
         from its own pinned slot. ``PREFETCH_SLOTS`` blocks may wait staged (the main thread
         can decode the next block before the worker has taken the previous one: at a task's
         start the first search waits for the target block); a further one replaces the
-        oldest, whose copy is waited for first.
+        oldest, whose copy is waited for first. One caller at a time (the main thread); the
+        lock is not held during the copy, so the worker's search never waits for it (it
+        did: 2.5 ms before a task's first search on the H200 host).
         """
         import torch
 
@@ -302,22 +304,22 @@ class GpuBlockSearcher:
             return
         if self._rows_per_batch(*query_vectors.shape) < query_vectors.shape[0]:
             return
-        ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
-        with self._ahead_lock, ctx:
+        with self._ahead_lock:
             if any(_same_memory(entry[0], query_vectors) for entry in self._ahead):
                 return
-            if len(self._ahead) >= PREFETCH_SLOTS:
-                oldest = self._ahead.pop(0)
-                if oldest[2] is not None:
-                    oldest[2].synchronize()      # its copy read the pinned slot
+            oldest = self._ahead.pop(0) if len(self._ahead) >= PREFETCH_SLOTS else None
             used = {entry[3] for entry in self._ahead}
-            slot = next(f"ahead{n}" for n in range(PREFETCH_SLOTS) if f"ahead{n}" not in used)
-            if self._cuda:
+        slot = next(f"ahead{n}" for n in range(PREFETCH_SLOTS) if f"ahead{n}" not in used)
+        if oldest is not None and oldest[2] is not None:
+            oldest[2].synchronize()              # its copy read the pinned slot
+        if self._cuda:
+            with torch.cuda.device(self.device):
                 q_dev = self._upload(query_vectors, slot, stream=self._copy_stream)
                 ready = torch.cuda.Event()
                 ready.record(self._copy_stream)
-            else:
-                q_dev, ready = self._upload(query_vectors, slot), None
+        else:
+            q_dev, ready = self._upload(query_vectors, slot), None
+        with self._ahead_lock:
             self._ahead.append((query_vectors, q_dev, ready, slot))
 
     def _take_prefetched(self, query_vectors: np.ndarray):
