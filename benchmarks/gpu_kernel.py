@@ -84,23 +84,13 @@ def addmm_topk(Q, T, bias, precision, k):
     return out
 
 
-def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked", profile=False,
-               on_start=None):
-    """Time one plan's executor functions on Arrow batches as Spark feeds them (packing untimed).
-
-    Vectors are ``list<float>`` columns (what Spark sends for ``array<float>``), every pair
-    row carries its two blobs, the blocked plan runs ``search_pairs`` then ``merge_partials``
-    per query block, the broadcast plan ``search_broadcast``; rows are emitted with their
-    payload (ids and both vectors), host-device copies included.
-    """
-    import cProfile
-    import io
-    import pstats
-
+def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str = "gpu"):
+    """(JoinContext, pair batches) as the Spark plans feed them: ``list<float>`` vector columns
+    (what Spark sends for ``array<float>``), blocks packed by ``pack_blocks``, every pair row
+    carrying its two blobs."""
     import pyarrow as pa
 
-    from udfs.blocks import (JoinContext, SideLayout, _pairs_batch, merge_partials, pack_blocks,
-                             search_broadcast, search_pairs, PACKED_SCHEMA)
+    from udfs.blocks import JoinContext, SideLayout, _pairs_batch, pack_blocks, PACKED_SCHEMA
     from udfs.searcher import SearchSettings
 
     d = Qn.shape[1]
@@ -111,13 +101,30 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked",
         return pa.table({name + "id": np.arange(len(x), dtype=np.int64), name + "v": vec})
 
     qt, tt = table(Qn, "q"), table(Tn, "t")
-    ctx = JoinContext(SearchSettings(k, "l2", "gpu", precision), SideLayout("qv", 1, d, q_block_rows),
+    ctx = JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_block_rows),
                       SideLayout("tv", 1, d, t_block_rows), "inner", True, tt.schema)
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(max_chunksize=1 << 16), ctx.query, 0)),
                                      schema=PACKED_SCHEMA)
     t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1)),
                                      schema=PACKED_SCHEMA)
-    pairs = list(_pairs_batch(q_packed, t_packed))
+    return ctx, list(_pairs_batch(q_packed, t_packed))
+
+
+def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked", profile=False,
+               on_start=None):
+    """Time one plan's executor functions on Arrow batches as Spark feeds them (packing untimed).
+
+    The pairs come from :func:`_packed_pairs`; the blocked plan runs ``search_pairs`` then
+    ``merge_partials`` per query block, the broadcast plan ``search_broadcast``; rows are
+    emitted with their payload (ids and both vectors), host-device copies included.
+    """
+    import cProfile
+    import io
+    import pstats
+
+    from udfs.blocks import merge_partials, search_broadcast, search_pairs
+
+    ctx, pairs = _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows)
     torch.cuda.synchronize()
     if on_start:
         on_start()
@@ -148,6 +155,65 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked",
         top = buf.getvalue()
     return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "profile": top,
             "minor_faults": faults}
+
+
+def _concurrent_worker(rank, spec, barrier, results) -> None:
+    """One simulated Python worker of ``--arrow-concurrent`` (a spawned process): the same
+    data and packed pairs as the others, two untimed tasks (compiles, the kept target block),
+    then ``spec["tasks"]`` timed tasks back to back from a common start."""
+    from udfs.blocks import search_broadcast
+    from udfs.gpu import SCOPE_ENV
+
+    os.environ[SCOPE_ENV] = "concurrent tasks"       # one stage: the target block is kept
+    rng = np.random.default_rng(7)
+    Qn = rng.standard_normal((spec["nq"], spec["d"]), dtype=np.float32)
+    Tn = rng.standard_normal((spec["nt"], spec["d"]), dtype=np.float32)
+    ctx, pairs = _packed_pairs(Qn, Tn, spec["k"], spec["precision"], spec["t_rows"], spec["q_rows"],
+                               spec["backend"])
+
+    def task() -> int:
+        return sum(b.num_rows for b in search_broadcast(iter(pairs), ctx))
+
+    task()
+    task()
+    barrier.wait()
+    start, times, rows = time.monotonic(), [], 0
+    for _ in range(spec["tasks"]):
+        t0 = time.monotonic()
+        rows += task()
+        times.append(time.monotonic() - t0)
+    results.put((rank, start, time.monotonic(), times, rows))
+
+
+def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> None:
+    """Several broadcast tasks sharing one GPU, as ``spark.task.resource.gpu.amount`` < 1 runs
+    them: each in its own process (Spark's Python workers), the GPU time-sliced between them.
+    Throughput share = tasks x one kernel call's time / wall time from the common start."""
+    import multiprocessing as mp
+
+    plan, q_blocks, t_blocks = next(s for s in ARROW_SHAPES if s[0] == "broadcast")
+    spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,
+            "q_rows": -(-args.nq // q_blocks), "t_rows": -(-args.nt // t_blocks),
+            "tasks": args.arrow_tasks, "backend": "gpu" if torch.cuda.is_available() else "cpu"}
+    for n_proc in sorted({1, args.arrow_concurrent}):
+        spawn = mp.get_context("spawn")
+        barrier, results = spawn.Barrier(n_proc), spawn.Queue()
+        procs = [spawn.Process(target=_concurrent_worker, args=(r, spec, barrier, results))
+                 for r in range(n_proc)]
+        for proc in procs:
+            proc.start()
+        done = [results.get(timeout=600) for _ in procs]
+        for proc in procs:
+            proc.join()
+            if proc.exitcode:
+                raise RuntimeError(f"concurrent task process exited with {proc.exitcode}")
+        wall = max(d[2] for d in done) - min(d[1] for d in done)
+        tasks = sum(len(d[3]) for d in done)
+        task_ms = sorted(1e3 * t for d in done for t in d[3])
+        record(what="arrow_concurrent", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
+               precision=precision, k=k, processes=n_proc, tasks=tasks, wall_ms=round(1e3 * wall, 1),
+               task_ms_median=round(task_ms[len(task_ms) // 2], 1), rows=sum(d[4] for d in done),
+               kernel_exact_ms=kernel_ms, share_of_kernel=kernel_ms * tasks / (1e3 * wall))
 
 
 def install_stage_timers() -> dict:
@@ -703,6 +769,10 @@ def main(argv=None) -> None:
     ap.add_argument("--arrow-shapes", default=None,
                     help="Arrow path: comma-separated plan:QxT shapes, e.g. broadcast:2x1,blocked:1x4 "
                          "(default: all of ARROW_SHAPES)")
+    ap.add_argument("--arrow-concurrent", type=int, default=0,
+                    help="only: N broadcast tasks at once on the GPU, each in its own process (and 1, "
+                         "for comparison), first broadcast shape of --arrow-shapes, first k")
+    ap.add_argument("--arrow-tasks", type=int, default=6, help="--arrow-concurrent: timed tasks per process")
     ap.add_argument("--arrow-reps", type=int, default=3,
                     help="Arrow path: next-task runs per shape (the median is reported)")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
@@ -795,6 +865,25 @@ def main(argv=None) -> None:
         return
     if args.exact_variants:
         exact_variants(args, record)
+        return
+    if args.arrow_concurrent:
+        rng = np.random.default_rng(7)
+        Qn = rng.standard_normal((args.nq, args.d), dtype=np.float32)
+        Tn = rng.standard_normal((args.nt, args.d), dtype=np.float32)
+        for precision in [p for p in ("bf16", "tf32") if p in precisions]:
+            kernel_ms = float("nan")
+            if torch.cuda.is_available():
+                q = torch.from_numpy(Qn).to(dev)
+                prepared = prepare_targets(torch.from_numpy(Tn).to(dev), "l2", precision)
+                kernel_ms = statistics.median(cuda_ms(lambda: search_prepared(q, prepared, ks[0]), args.reps))
+                del prepared, q
+                torch.cuda.empty_cache()
+            arrow_concurrent(args, precision, ks[0], kernel_ms, record)
+        for r in rows:
+            print(f"arrow concurrent {r['processes']} x broadcast {r['query_blocks']}x{r['target_blocks']} "
+                  f"{r['precision']} k={r['k']}: {r['tasks']} tasks in {r['wall_ms']:.0f} ms (task median "
+                  f"{r['task_ms_median']:.0f} ms) vs kernel {r['kernel_exact_ms']:.0f} ms -> "
+                  f"{100 * r['share_of_kernel']:.0f}% of kernel throughput")
         return
     if args.arrow_timeline:
         rng = np.random.default_rng(7)
