@@ -23,7 +23,7 @@ from udfs.searcher import SearchSettings
 
 from .errors import NearestByJoinError
 from .planner import (JoinPlan, choose_plan, cluster_cores, task_memory_bytes, broadcast_limit,
-                      keep_gpu_targets)
+                      gpu_task_share, keep_gpu_targets)
 from .ranking import DIRECTIONS, Ranking, parse_ranking
 
 logger = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ def _execute(query: DataFrame, target: DataFrame, ranking: Ranking, plan: JoinPl
     spark = query.sparkSession
     q_name, t_name = ranking.query_column, ranking.target_column
     settings = SearchSettings(k=plan.k, metric=ranking.metric, backend=plan.backend, precision=precision,
-                              keep_targets=keep_gpu_targets(spark))
+                              keep_targets=keep_gpu_targets(spark), gpu_share=gpu_task_share(spark))
     q_layout = blocks.SideLayout(q_name, _column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column `{t_name}`")
     t_layout = blocks.SideLayout(t_name, _column_index(target, t_name), plan.dimension,

@@ -187,6 +187,21 @@ def keep_gpu_targets(spark) -> bool:
     return raw == "true"
 
 
+def gpu_task_share(spark) -> float:
+    """The share of a GPU one task holds (``spark.task.resource.gpu.amount``, default 1): with
+    0.5 two tasks share each GPU, and each GPU searcher budgets half of its memory.
+    Amounts above 1 count as 1 (a task searches on the first GPU it is given)."""
+    key = "spark.task.resource.gpu.amount"
+    raw = _conf(spark, key, 1)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{key}: expected a number > 0, got {raw!r}")
+    return min(1.0, value)
+
+
 def _clamp_rows(rows: float) -> int:
     return int(min(max(1, rows), MAX_BLOCK_ROWS))
 

@@ -52,6 +52,13 @@ TARGET_SHARE = 0.5
 PREFETCH_SLOTS = 2
 
 
+def memory_budget(available: int, total: int, share: float = 1.0) -> int:
+    """A searcher's device memory budget: ``MEMORY_FRACTION`` of what is available to it, and
+    of no more than its task's ``share`` of the device (``spark.task.resource.gpu.amount``
+    0.5: two tasks' workers open on one GPU at once, each would otherwise see it all free)."""
+    return int(min(available, total * min(1.0, share)) * MEMORY_FRACTION)
+
+
 def _task_context():
     """This task's ``pyspark.TaskContext``, or None outside Spark (or without pyspark)."""
     try:
@@ -238,12 +245,12 @@ class GpuBlockSearcher:
         self._kept = kept_targets(self.device, task_scope() if settings.keep_targets else None)
         if memory_bytes is None:
             if self._cuda:
-                free, _ = torch.cuda.mem_get_info(self.device)
+                free, total = torch.cuda.mem_get_info(self.device)
                 # Memory torch's allocator holds but no tensor uses (an earlier task's) is
                 # free for this one, and so are the blocks kept for it.
                 idle = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
                 kept = self._kept.bytes if self._kept is not None else 0
-                memory_bytes = int((free + idle + kept) * MEMORY_FRACTION)
+                memory_bytes = memory_budget(free + idle + kept, total, settings.gpu_share)
             else:
                 memory_bytes = 4 << 30
         self.memory_bytes = memory_bytes

@@ -46,6 +46,7 @@ class SearchSettings:
     backend: str = "auto"       # "auto" | "cpu" | "gpu" | "reference"
     precision: str = "fp32"     # GPU only: "fp32" | "tf32" | "bf16" (results stay exact)
     keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
+    gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
 
 
 class BlockSearcher:

@@ -7,8 +7,8 @@ import pytest
 from pyspark.sql import functions as F
 
 import nearest_join.join
-from nearest_join.planner import (JoinPlan, choose_plan, cluster_cores, keep_gpu_targets, parse_bytes,
-                                  task_memory_bytes)
+from nearest_join.planner import (JoinPlan, choose_plan, cluster_cores, gpu_task_share, keep_gpu_targets,
+                                  parse_bytes, task_memory_bytes)
 from nearest_join.ranking import Ranking, parse_ranking
 
 
@@ -71,6 +71,15 @@ def test_cores_and_memory_from_configuration():
     assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="expected a size"):
         parse_bytes("lots")
+
+
+def test_gpu_task_share_setting():
+    assert gpu_task_share(_Spark()) == 1.0
+    assert gpu_task_share(_Spark(spark__task__resource__gpu__amount="0.5")) == 0.5
+    assert gpu_task_share(_Spark(spark__task__resource__gpu__amount="2")) == 1.0
+    for raw in ("0", "-1", "half"):
+        with pytest.raises(ValueError, match=rf"spark.task.resource.gpu.amount: expected a number > 0, got '{raw}'"):
+            gpu_task_share(_Spark(spark__task__resource__gpu__amount=raw))
 
 
 def test_keep_gpu_targets_setting():

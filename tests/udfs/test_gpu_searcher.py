@@ -16,6 +16,16 @@ torch = pytest.importorskip("torch", reason="torch is not installed")
 from udfs import gpu as G  # noqa: E402
 
 
+def test_memory_budget_is_the_fraction_of_the_tasks_share():
+    gib = 1 << 30
+    assert G.memory_budget(100 * gib, 140 * gib) == int(100 * gib * G.MEMORY_FRACTION)
+    # Two tasks per GPU (spark.task.resource.gpu.amount 0.5): each at most half the device,
+    # also when it opens first and sees it all free.
+    assert G.memory_budget(140 * gib, 140 * gib, 0.5) == int(70 * gib * G.MEMORY_FRACTION)
+    assert G.memory_budget(40 * gib, 140 * gib, 0.5) == int(40 * gib * G.MEMORY_FRACTION)
+    assert G.memory_budget(140 * gib, 140 * gib, 2.0) == int(140 * gib * G.MEMORY_FRACTION)
+
+
 def test_address_is_the_cuda_ordinal():
     assert G.address_to_ordinal("1") == 1
     with pytest.raises(ValueError, match="GPU address"):
