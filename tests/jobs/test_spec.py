@@ -288,7 +288,7 @@ def test_profiles_load(inputs, profile):
     assert ("master" in spec.spark_settings) == (profile == "local")
     if profile == "cluster-gpu":
         assert spec.spark_settings["spark.executor.resource.gpu.amount"] == "1"
-        assert spec.spark_settings["spark.task.resource.gpu.amount"] == "1"
+        assert spec.spark_settings["spark.task.resource.gpu.amount"] == "0.5"
         assert spec.spark_settings["spark.executor.resource.gpu.discoveryScript"] == \
             "conf/gpu_discovery.sh"
         assert not any(k.startswith("spark.rapids") for k in spec.spark_settings)
