@@ -189,24 +189,14 @@ def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> 
     """Several broadcast tasks sharing one GPU, as ``spark.task.resource.gpu.amount`` < 1 runs
     them: each in its own process (Spark's Python workers), the GPU time-sliced between them.
     Throughput share = tasks x one kernel call's time / wall time from the common start."""
-    import multiprocessing as mp
+    from benchmarks.spawned import run_spawned
 
     plan, q_blocks, t_blocks = next(s for s in ARROW_SHAPES if s[0] == "broadcast")
     spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,
             "q_rows": -(-args.nq // q_blocks), "t_rows": -(-args.nt // t_blocks),
             "tasks": args.arrow_tasks, "backend": "gpu" if torch.cuda.is_available() else "cpu"}
     for n_proc in sorted({1, args.arrow_concurrent}):
-        spawn = mp.get_context("spawn")
-        barrier, results = spawn.Barrier(n_proc), spawn.Queue()
-        procs = [spawn.Process(target=_concurrent_worker, args=(r, spec, barrier, results))
-                 for r in range(n_proc)]
-        for proc in procs:
-            proc.start()
-        done = [results.get(timeout=600) for _ in procs]
-        for proc in procs:
-            proc.join()
-            if proc.exitcode:
-                raise RuntimeError(f"concurrent task process exited with {proc.exitcode}")
+        done = run_spawned(_concurrent_worker, [(r, spec) for r in range(n_proc)], timeout=600)
         wall = max(d[2] for d in done) - min(d[1] for d in done)
         tasks = sum(len(d[3]) for d in done)
         task_ms = sorted(1e3 * t for d in done for t in d[3])
@@ -226,15 +216,9 @@ def install_stage_timers() -> dict:
     acc = collections.defaultdict(float)
 
     def wrap(owner, name, label):
-        fn = getattr(owner, name)
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                acc[label] += time.perf_counter() - t0
-        setattr(owner, name, timed)
+        def add(t0, t1):
+            acc[label] += t1 - t0
+        _timed(owner, name, add)
 
     wrap(blocks, "blob_to_table", "blob_to_table")
     wrap(blocks, "decode_vectors", "decode_vectors")
@@ -252,6 +236,19 @@ def install_stage_timers() -> dict:
     return acc
 
 
+def _timed(owner, name: str, done) -> None:
+    """Replace ``owner.name`` by a wrapper that calls ``done(start, end)`` after each call."""
+    fn = getattr(owner, name)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            done(t0, time.perf_counter())
+    setattr(owner, name, timed)
+
+
 def install_timeline() -> list:
     """Record (thread, label, start, end) of the broadcast plan's stages, for one task's
     timeline: which stage is on the critical path, and where the device waits for the host."""
@@ -263,15 +260,7 @@ def install_timeline() -> list:
     events: list = []
 
     def wrap(owner, name, label):
-        fn = getattr(owner, name)
-
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                events.append((threading.current_thread().name, label, t0, time.perf_counter()))
-        setattr(owner, name, timed)
+        _timed(owner, name, lambda t0, t1: events.append((threading.current_thread().name, label, t0, t1)))
 
     wrap(blocks._PairSearch, "query_block", "decode query block")
     wrap(blocks._PairSearch, "broadcast_target", "decode target block")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import sys
 import tempfile
@@ -107,18 +106,10 @@ def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
 
 
 def run(n_procs, addresses, work_dir, params):
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(n_procs)
-    results = ctx.Queue()
-    procs = [ctx.Process(target=worker, args=(r, n_procs, addresses[r], work_dir, params, barrier, results))
-             for r in range(n_procs)]
-    for p in procs:
-        p.start()
-    got = [results.get(timeout=1800) for _ in procs]
-    for p in procs:
-        p.join()
-        if p.exitcode:
-            raise RuntimeError(f"worker exited with {p.exitcode}")
+    from benchmarks.spawned import run_spawned
+
+    got = run_spawned(worker, [(r, n_procs, addresses[r], work_dir, params) for r in range(n_procs)],
+                      timeout=1800)
     wall = max(g["stop"] for g in got) - min(g["start"] for g in got)
     return wall, got
 
