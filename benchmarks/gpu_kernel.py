@@ -86,11 +86,12 @@ def addmm_topk(Q, T, bias, precision, k):
 
 def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str = "gpu"):
     """(JoinContext, pair batches) as the Spark plans feed them: ``list<float>`` vector columns
-    (what Spark sends for ``array<float>``), blocks packed by ``pack_blocks``, every pair row
-    carrying its two blobs."""
+    (what Spark sends for ``array<float>``), blocks packed by ``pack_blocks`` plus the empty
+    target block, every pair row carrying its two blobs."""
     import pyarrow as pa
 
-    from udfs.blocks import JoinContext, SideLayout, _pairs_batch, pack_blocks, PACKED_SCHEMA
+    from udfs.blocks import (JoinContext, SideLayout, _pairs_batch, empty_target_block, pack_blocks,
+                             PACKED_SCHEMA)
     from udfs.searcher import SearchSettings
 
     d = Qn.shape[1]
@@ -105,8 +106,9 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
                       SideLayout("tv", 1, d, t_block_rows), "inner", True, tt.schema)
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(max_chunksize=1 << 16), ctx.query, 0)),
                                      schema=PACKED_SCHEMA)
-    t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1)),
-                                     schema=PACKED_SCHEMA)
+    # With the empty target block, as the plans union it: every query block meets it.
+    t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1))
+                                     + [empty_target_block()], schema=PACKED_SCHEMA)
     return ctx, list(_pairs_batch(q_packed, t_packed))
 
 

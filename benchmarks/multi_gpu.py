@@ -134,7 +134,7 @@ def merge(n_procs, work_dir, params, schema):
 def main(argv=None):
     import pyarrow as pa
 
-    from udfs.blocks import PACKED_SCHEMA, pack_blocks
+    from udfs.blocks import PACKED_SCHEMA, empty_target_block, pack_blocks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nq", type=int, default=262_144)
@@ -166,8 +166,11 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as work_dir:
         work = Path(work_dir)
         for name, src, layout, part in (("q", qt, ctx.query, 0), ("t", tt, ctx.target, 1)):
-            packed = pa.Table.from_batches(list(pack_blocks(src.to_batches(max_chunksize=1 << 16), layout, part)),
-                                           schema=PACKED_SCHEMA)
+            # Targets with the empty block, as the plan unions it (it carries each query
+            # block's rows to the merge).
+            extra = [empty_target_block()] if name == "t" else []
+            packed = pa.Table.from_batches(list(pack_blocks(src.to_batches(max_chunksize=1 << 16), layout, part))
+                                           + extra, schema=PACKED_SCHEMA)
             with pa.OSFile(str(work / f"{name}.arrow"), "wb") as sink, pa.ipc.new_file(sink, packed.schema) as w:
                 w.write_table(packed)
         with pa.OSFile(str(work / "t_schema.arrow"), "wb") as sink, pa.ipc.new_file(sink, tt.schema) as w:

@@ -22,6 +22,8 @@ Plans
   join streams them) and emits the joined rows.
 * blocked: :func:`search_pairs` emits one partial state per pair (its own task), and
   :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
+  A query block's own rows travel once, with its partial of the empty target block (every
+  query block has exactly one), not with each of its target blocks' partials.
 
 None of this imports pyspark at module level: :func:`local_join` runs the same functions on
 plain ``pyarrow`` tables (tests, GPU benchmarks).
@@ -564,9 +566,12 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
     def partial_batch(q_id, q_blob, t_id, future) -> pa.RecordBatch:
         part = future.result()
         partial = pa.py_buffer(b"") if part is None else part.to_blob()
+        # The query block's rows once per query block (stage 2 reads them once): with the
+        # empty target block's partial, which every query block has.
+        q_rows = q_blob if t_id == C.EMPTY_BLOCK_ID else pa.py_buffer(b"")
         return pa.RecordBatch.from_arrays(
             [pa.array([q_id], pa.int64()), pa.array([t_id], pa.int64()),
-             _binary_array([q_blob]), _binary_array([partial])],
+             _binary_array([q_rows]), _binary_array([partial])],
             schema=PARTIAL_SCHEMA,
         )
 
@@ -576,7 +581,7 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
             q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
             for r in range(batch.num_rows):
                 _, q_vectors = pair.query_block(q_blobs[r])
-                submitted = (q_ids[r], q_blobs[r], t_ids[r],
+                submitted = (q_ids[r], q_blobs[r], int(t_ids[r]),
                              pair.submit(pair.search, q_vectors, int(t_ids[r]), t_blobs[r]))
                 if pending is not None:
                     yield partial_batch(*pending)
@@ -591,7 +596,7 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
     """Blocked plan, stage 2 (grouped by query block): fold the partials, emit rows.
 
     Streams the group batch by batch: memory is one query block's state plus at most
-    MAX_SOURCES partials.
+    MAX_SOURCES partials. The query block's rows come with its empty target block's partial.
     """
     metric = ctx.settings.metric
     q_table = None
@@ -601,8 +606,10 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
     for batch in batches:
         t_ids = batch.column(C.T_BLOCK_ID).to_numpy()
         partials = _binary_values(batch.column(C.PARTIAL))
-        if q_table is None and batch.num_rows:
-            q_table = blob_to_table(_binary_values(batch.column(C.Q_BLOB).slice(0, 1))[0])
+        if q_table is None:
+            q_blob = next((b for b in _binary_values(batch.column(C.Q_BLOB)) if b.size), None)
+            if q_blob is not None:
+                q_table = blob_to_table(q_blob)
         for r in range(batch.num_rows):
             if int(t_ids[r]) in seen:  # a retried task's duplicate: never count a block twice
                 continue
@@ -614,6 +621,11 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
                 pending = []
     if pending:
         state = TopkState.combine(([state] if state is not None else []) + pending, metric)
+    if q_table is None and seen:
+        raise RuntimeError(
+            f"internal error: query block {key[0] if key else '?'} has partials but not its rows "
+            "(its empty target block's pair is missing); its output would be lost"
+        )
     if q_table is not None:
         yield from emit_rows(q_table, state, ctx)
 

@@ -254,3 +254,41 @@ def test_broadcast_refuses_pairs_that_do_not_arrive_grouped():
         list(search_broadcast(iter(pairs[:3]), ctx))        # the second block misses one
     with pytest.raises(RuntimeError, match="met twice"):
         list(search_broadcast(iter([pairs[0], pairs[0]] + pairs[1:]), ctx))
+
+
+def test_blocked_plan_ships_each_query_blocks_rows_once():
+    """Stage 1 sends a query block's rows with its empty-target-block partial only; stage 2
+    finds them wherever that partial comes in its group, and refuses a group without them
+    (its rows would silently be missing from the output)."""
+    from udfs.blocks import PACKED_SCHEMA, _pairs_batch, empty_target_block, merge_partials, search_pairs
+
+    rng = np.random.default_rng(8)
+    Q, T, qt, tt = _tables(rng, 30, 90, 4)
+    ctx = _ctx(3, "l2", 4, 12, 40, schema=tt.schema)
+    q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(), ctx.query, 0)), schema=PACKED_SCHEMA)
+    t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(), ctx.target, 1)) + [empty_target_block()],
+                                     schema=PACKED_SCHEMA)
+    partials = list(search_pairs(_pairs_batch(q_packed, t_packed), ctx))
+    assert len(partials) == 3 * 4                    # 3 query blocks x (3 target blocks + empty)
+    groups: dict[int, list] = {}
+    for b in partials:
+        groups.setdefault(b.column(C.Q_BLOCK_ID)[0].as_py(), []).append(b)
+    for q_id, batches in groups.items():
+        carriers = [b.column(C.T_BLOCK_ID)[0].as_py() for b in batches if b.column(C.Q_BLOB)[0].as_py()]
+        assert carriers == [C.EMPTY_BLOCK_ID], q_id
+    _, want = knn(Q, T, 3, "l2", backend="reference")
+
+    def neighbours(groups_in_order):
+        out = pa.Table.from_batches([o for key, bs in groups_in_order for o in merge_partials((key,), bs, ctx)])
+        got = {}
+        for qid, tid in zip(out.column(0).to_pylist(), out.column(2).to_pylist()):
+            got.setdefault(qid, set()).add(tid)
+        return got
+
+    for order in (lambda bs: bs, lambda bs: bs[::-1]):   # the rows' partial last, then first
+        got = neighbours([(key, order(bs)) for key, bs in groups.items()])
+        assert got == {q: set(want[q].tolist()) for q in range(30)}
+    key, batches = next(iter(groups.items()))
+    without = [b for b in batches if b.column(C.T_BLOCK_ID)[0].as_py() != C.EMPTY_BLOCK_ID]
+    with pytest.raises(RuntimeError, match=f"query block {key} has partials but not its rows"):
+        list(merge_partials((key,), without, ctx))
