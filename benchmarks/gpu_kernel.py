@@ -193,19 +193,19 @@ def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> 
     Throughput share = tasks x one kernel call's time / wall time from the common start."""
     from benchmarks.spawned import run_spawned
 
-    plan, q_blocks, t_blocks = next(s for s in ARROW_SHAPES if s[0] == "broadcast")
-    spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,
-            "q_rows": -(-args.nq // q_blocks), "t_rows": -(-args.nt // t_blocks),
-            "tasks": args.arrow_tasks, "backend": "gpu" if torch.cuda.is_available() else "cpu"}
-    for n_proc in sorted({1, args.arrow_concurrent}):
-        done = run_spawned(_concurrent_worker, [(r, spec) for r in range(n_proc)], timeout=600)
-        wall = max(d[2] for d in done) - min(d[1] for d in done)
-        tasks = sum(len(d[3]) for d in done)
-        task_ms = sorted(1e3 * t for d in done for t in d[3])
-        record(what="arrow_concurrent", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
-               precision=precision, k=k, processes=n_proc, tasks=tasks, wall_ms=round(1e3 * wall, 1),
-               task_ms_median=round(task_ms[len(task_ms) // 2], 1), rows=sum(d[4] for d in done),
-               kernel_exact_ms=kernel_ms, share_of_kernel=kernel_ms * tasks / (1e3 * wall))
+    for plan, q_blocks, t_blocks in [s for s in ARROW_SHAPES if s[0] == "broadcast"]:
+        spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,
+                "q_rows": -(-args.nq // q_blocks), "t_rows": -(-args.nt // t_blocks),
+                "tasks": args.arrow_tasks, "backend": "gpu" if torch.cuda.is_available() else "cpu"}
+        for n_proc in sorted({1, args.arrow_concurrent}):
+            done = run_spawned(_concurrent_worker, [(r, spec) for r in range(n_proc)], timeout=600)
+            wall = max(d[2] for d in done) - min(d[1] for d in done)
+            tasks = sum(len(d[3]) for d in done)
+            task_ms = sorted(1e3 * t for d in done for t in d[3])
+            record(what="arrow_concurrent", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
+                   precision=precision, k=k, processes=n_proc, tasks=tasks, wall_ms=round(1e3 * wall, 1),
+                   task_ms_median=round(task_ms[len(task_ms) // 2], 1), rows=sum(d[4] for d in done),
+                   kernel_exact_ms=kernel_ms, share_of_kernel=kernel_ms * tasks / (1e3 * wall))
 
 
 def install_stage_timers() -> dict:
@@ -762,7 +762,7 @@ def main(argv=None) -> None:
                          "(default: all of ARROW_SHAPES)")
     ap.add_argument("--arrow-concurrent", type=int, default=0,
                     help="only: N broadcast tasks at once on the GPU, each in its own process (and 1, "
-                         "for comparison), first broadcast shape of --arrow-shapes, first k")
+                         "for comparison), for each broadcast shape of --arrow-shapes, first k")
     ap.add_argument("--arrow-tasks", type=int, default=6, help="--arrow-concurrent: timed tasks per process")
     ap.add_argument("--arrow-reps", type=int, default=3,
                     help="Arrow path: next-task runs per shape (the median is reported)")
