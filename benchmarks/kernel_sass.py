@@ -33,10 +33,12 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 def compile_rowlist(n_cand: int, precision: str, block_m: int, num_warps: int, num_stages: int,
                     extra_passes: int, d: int, strided: bool = False, seeded: bool = False,
-                    levels: bool = False):
+                    levels: bool = False, skip_test: bool = True, tma: bool = False):
     fn = tr._rowlist_kernel
-    operand = "*bf16" if precision == "bf16" else "*fp32"
-    signature = {"q_ptr": operand, "t_ptr": operand, "bias_ptr": "*fp32", "out_ptr": "*i64",
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    operand = "*" + dtype
+    target = f"tensordesc<{dtype}[{tr.BLOCK_N}, {d}]>" if tma else operand
+    signature = {"q_ptr": operand, "t_ptr": target, "bias_ptr": "*fp32", "out_ptr": "*i64",
                  "seed_ptr": "*fp32", "level_ptr": "*i32",
                  "nq": "i32", "nt": "i32", "d": "i32", "tiles_per_split": "i32",
                  "stride_q": "i32", "stride_t": "i32", "alpha": "fp32", "stride_level": "i32"}
@@ -44,11 +46,11 @@ def compile_rowlist(n_cand: int, precision: str, block_m: int, num_warps: int, n
                      EXTRA_PASSES=extra_passes, SINGLE_DOT=True,
                      INPUT_PRECISION="ieee" if precision == "fp32" else "tf32",
                      DOT_UPCAST=False, EVEN_D=True, MIN_ONLY=False, STRIDED=strided, SEEDED=seeded,
-                     LEVELS=levels)
+                     LEVELS=levels, SKIP_TEST=skip_test, T_DESC=tma)
     signature.update({name: "constexpr" for name in constants})
     # 16-byte aligned pointers, d and the row strides multiples of 16 (d=128 contiguous rows);
     # nq, nt and tiles_per_split are never specialised (do_not_specialize).
-    aligned = ("q_ptr", "t_ptr", "bias_ptr", "out_ptr", "d", "stride_q", "stride_t", "stride_level")
+    aligned = ("q_ptr",) + (() if tma else ("t_ptr",)) + ("bias_ptr", "out_ptr", "d", "stride_q", "stride_t", "stride_level")
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = ASTSource(fn, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -67,14 +69,17 @@ def main(argv=None) -> None:
     ap.add_argument("--strided", action="store_true", help="the segmented mode's strided tiles")
     ap.add_argument("--seeded", action="store_true", help="lists seeded with a per-row limit (widening rounds)")
     ap.add_argument("--levels", action="store_true", help="bias table rows per program (EXACT mode lower keys)")
+    ap.add_argument("--no-skip-test", action="store_true", help="without the row-minimum test (SKIP_TEST)")
+    ap.add_argument("--tma", action="store_true", help="target tiles by tensor descriptor (T_DESC)")
     ap.add_argument("--sass", default=None, help="folder to write the SASS listings to")
     args = ap.parse_args(argv)
-    print("| N_CAND | precision | BLOCK_M | warps | stages | registers | stack B | LDL | STL | HGMMA | LDGSTS |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| N_CAND | precision | BLOCK_M | warps | stages | registers | stack B | LDL | STL | HGMMA "
+          "| LDGSTS | UTMALDG |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n_cand in (int(x) for x in args.n_cand.split(",")):
         kernel = compile_rowlist(n_cand, args.precision, args.block_m, args.warps, args.stages,
                                  args.extra_passes, args.d, args.strided, args.seeded,
-                                 args.levels)
+                                 args.levels, not args.no_skip_test, args.tma)
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(tmp, "k.cubin")
             with open(cubin, "wb") as f:
@@ -87,13 +92,15 @@ def main(argv=None) -> None:
         stack = re.search(r"STACK:(\d+)", usage)
         # Opcodes with or without suffixes (LDL.LU, HGMMA.64x128x16.F32.BF16).
         counts = {op: len(re.findall(rf"\b{op}(?:\.\w+)*\s", sass))
-                  for op in ("LDL", "STL", "HGMMA", "LDGSTS")}
+                  for op in ("LDL", "STL", "HGMMA", "LDGSTS", "UTMALDG")}
         print(f"| {n_cand} | {args.precision} | {args.block_m} | {args.warps} | {args.stages} | "
               f"{regs.group(1) if regs else '?'} | {stack.group(1) if stack else '?'} | "
-              f"{counts['LDL']} | {counts['STL']} | {counts['HGMMA']} | {counts['LDGSTS']} |")
+              f"{counts['LDL']} | {counts['STL']} | {counts['HGMMA']} | {counts['LDGSTS']} | "
+              f"{counts['UTMALDG']} |")
         if args.sass:
             Path(args.sass).mkdir(parents=True, exist_ok=True)
-            Path(args.sass, f"rowlist_{n_cand}_{args.precision}_m{args.block_m}_w{args.warps}.sass").write_text(sass)
+            name = f"rowlist_{n_cand}_{args.precision}_m{args.block_m}_w{args.warps}{'_tma' if args.tma else ''}"
+            Path(args.sass, f"{name}.sass").write_text(sass)
 
 
 if __name__ == "__main__":
