@@ -31,7 +31,8 @@ cores), turns them into keys ``bias_t - alpha * dot`` (smaller is better, see
   the threshold to the new ``n_cand``-th key.
 
 Memory traffic per program: the target tiles (shared through L2 by the programs that scan
-them at the same time), one query tile per d-chunk, and the candidate buffer. Splits of the
+them at the same time; the register-list kernel reads them by TMA where the operand allows,
+:func:`target_descriptor`), one query tile per d-chunk, and the candidate buffer. Splits of the
 target range produce ``n_splits`` lists per query; the host merges them by sorting the
 packed keys (same tie rule as :func:`nearest_join.kernels.merge_topk`).
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._gpu_torch import PreparedSide, key_alpha, lower_bias_table, lower_levels
 
@@ -114,6 +116,10 @@ SEG_CAND = 16
 SEGMENT_MIN_TILES = 8
 # One tl.dot per tile (query tile loaded once) when the query tile is at most this large.
 SINGLE_DOT_BYTES = 64 * 1024
+# Register-list kernels read target tiles by TMA (a tensor descriptor) on these devices where
+# the operand allows it (:func:`target_descriptor`); elsewhere pointer tiles (cp.async). The
+# interpreter runs both forms ("cpu": tests).
+TMA_DEVICES = {"cuda"}
 
 
 def legacy_tile_config(n_cand: int) -> TileConfig:
@@ -243,7 +249,7 @@ def _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M: tl.constexpr, BLOCK_D: tl.c
 def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-               EVEN_D: tl.constexpr):
+               EVEN_D: tl.constexpr, T_DESC: tl.constexpr = False):
     """Keys ``bias_t - alpha * q.t`` of one BLOCK_M x BLOCK_N tile (+inf past the end).
 
     SINGLE_DOT: ``q`` is the whole query tile and one ``tl.dot`` covers d: the target loop then
@@ -254,7 +260,16 @@ def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, 
     pipeliner from prefetching at all).
     """
     cols = n0 + tl.arange(0, BLOCK_N)
-    if SINGLE_DOT:
+    if T_DESC:
+        # t_ptr is a (nt, d) tensor descriptor with (BLOCK_N, BLOCK_D) blocks: one TMA copy
+        # per tile, zero-filled past the end, issued by one thread; the pointer tile below
+        # costs each thread ~14 instructions of address and bounds arithmetic per 16-byte
+        # copy, half of a tile's instructions on the path without survivors (sm_90 SASS).
+        b = tl.trans(t_ptr.load([n0, 0]))
+        if DOT_UPCAST:
+            b = b.to(tl.float32)
+        acc = tl.dot(q, b, input_precision=INPUT_PRECISION)
+    elif SINGLE_DOT:
         b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (0, n0), (BLOCK_D, BLOCK_N), (0, 1))
         if EVEN_D:
             b = tl.load(b_blk, boundary_check=(1,), padding_option="zero")
@@ -393,7 +408,7 @@ def _rowlist_kernel(
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
     STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True, SEEDED: tl.constexpr = False,
-    LEVELS: tl.constexpr = False,
+    LEVELS: tl.constexpr = False, T_DESC: tl.constexpr = False,
 ):
     """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
     each query's n_cand best of the program's target range live in registers.
@@ -460,7 +475,8 @@ def _rowlist_kernel(
     for tile in range(0, n_tiles):
         n0 = t_start + tile * t_step
         key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
-                         BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D)
+                         BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D,
+                         T_DESC)
         row_min = tl.min(key, axis=1)
         if MIN_ONLY:
             low = tl.minimum(low, row_min)
@@ -617,6 +633,17 @@ def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
     return merged, floor
 
 
+def target_descriptor(t_op: torch.Tensor, block_n: int, block_d: int):
+    """A TMA descriptor of the (nt, d) target operand with (block_n, block_d) blocks, or the
+    operand itself off ``TMA_DEVICES`` or where TMA cannot address it (rows not 16-byte
+    aligned, a block wider than a TMA box)."""
+    size = t_op.element_size()
+    if (t_op.device.type not in TMA_DEVICES or t_op.dim() != 2 or t_op.stride(1) != 1 or t_op.data_ptr() % 16
+            or (t_op.stride(0) * size) % 16 or block_d > 256 or block_n > 256):
+        return t_op
+    return TensorDescriptor.from_tensor(t_op, [block_n, block_d])
+
+
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
                       buffer_bytes: int = 1 << 30, min_only: bool = False,
@@ -713,6 +740,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=d % block_d == 0,
                   INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
                   LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    t_arg = target_descriptor(t_op, cfg.block_n, block_d) if rowlist and single_dot else t_op
     if lower:   # one table for every row of the call: the bound's rank-1 form (lower_key_bound)
         table, levels = lower_bias_table(queries, targets, cfg.block_m, lower_levels(n_cand))
     for r0 in range(0, m, rows_per_launch):
@@ -736,10 +764,11 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
                           if seeded else q_chunk)
             _rowlist_kernel[(grid_m, n_splits)](
-                q_chunk, t_op, bias, out, seed_chunk, level,
+                q_chunk, t_arg, bias, out, seed_chunk, level,
                 rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
                 stride_level, N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
-                MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, SEEDED=seeded, **common)
+                MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, SEEDED=seeded,
+                T_DESC=t_arg is not t_op, **common)
             lists = out
         else:
             buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)

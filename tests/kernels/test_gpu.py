@@ -567,6 +567,27 @@ def test_merging_segments_keeps_the_floor_of_every_held_back_target():
     assert floor.tolist() == [1.0, 1.0]
 
 
+@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
+def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch):
+    from nearest_join.kernels import _gpu_triton as tr
+
+    def form(t, block_d=64):
+        out = tr.target_descriptor(t, 32, block_d)
+        return "descriptor" if isinstance(out, tr.TensorDescriptor) else ("operand" if out is t else "?")
+
+    t32, t16 = torch.zeros(203, 40), torch.zeros(203, 40, dtype=torch.bfloat16)
+    assert tr.TMA_DEVICES == {"cuda"} and form(t32) == "operand"   # CPU tensors: pointer tiles
+    monkeypatch.setattr(tr, "TMA_DEVICES", {"cpu"})
+    assert form(t32) == form(t16) == "descriptor"
+    desc = tr.target_descriptor(t16, 32, 64)
+    assert list(desc.shape) == [203, 40] and list(desc.block_shape) == [32, 64]
+    # Rows whose stride is not a multiple of 16 bytes (d=33 float32, d=36 bf16), a column
+    # slice (last stride not 1), a misaligned start, a block wider than a TMA box: pointers.
+    assert form(torch.zeros(203, 33)) == form(torch.zeros(203, 36, dtype=torch.bfloat16)) == "operand"
+    assert form(torch.zeros(40, 203).T) == form(torch.zeros(204, 40).view(-1)[1:8121].view(203, 40)) == "operand"
+    assert form(torch.zeros(203, 512, dtype=torch.bfloat16), block_d=512) == "operand"
+
+
 # The start of every interpreter script (run with TRITON_INTERPRET=1 in a subprocess).
 _INTERPRETER_PRELUDE = """
 import numpy as np, torch
@@ -685,6 +706,31 @@ if KERNEL in ("rowlist", "segmented"):
     check_result(q, t, 5, "sqeuclidean", v.numpy(), i.numpy())
     assert len(SEEDS) > before, "no widening round: the seeded path went untested"
     cases.append("seeded")
+
+if KERNEL in ("rowlist", "segmented"):
+    # Target tiles by tensor descriptor (TMA on a GPU; tr.TMA_DEVICES): d=40 rows are 16-byte
+    # aligned in bf16 and float32, so the descriptor form runs here (d=33 above does not). Its
+    # lists must be the pointer form's (keys to float32 rounding: the interpreter may sum the
+    # products in another order): plain lists, lower keys (bf16) and seeded lists (fp32).
+    for n, (metric, precision) in enumerate((("l2", "fp32"), ("sqeuclidean", "bf16"), ("inner_product", "tf32"))):
+        q, t = make_data("gaussian", 21, 203, 40, 30 + n)
+        qs, ts = prepared(q, t, metric, precision)
+        ordered = torch.sort(ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T),
+                             dim=1).values
+        seed = torch.full((21,), float("inf"))
+        seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]   # midway: no key at the seed
+        for kw in [{}] + [{"lower": True}] * (precision == "bf16") + [{"seed": seed}] * (precision == "fp32"):
+            got = {}
+            for form, devices in (("descriptor", {"cpu"}), ("pointer", set())):
+                tr.TMA_DEVICES = devices
+                assert isinstance(tr.target_descriptor(ts.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
+                got[form] = small(qs, ts, 16, **kw)
+            tr.TMA_DEVICES = {"cuda"}
+            (k1, i1, f1), (k2, i2, f2) = got["descriptor"], got["pointer"]
+            assert torch.equal(i1, i2), (metric, list(kw))
+            tol = 1e-5 * float(k2[torch.isfinite(k2)].abs().max())
+            assert torch.allclose(k1, k2, rtol=1e-5, atol=tol) and torch.allclose(f1, f2, rtol=1e-5, atol=tol)
+    cases.append("descriptor")
 
 if KERNEL == "rowlist":
     # The re-rank kernel against the torch form: d within one chunk and over two, empty
@@ -825,7 +871,7 @@ def test_fused_exact_tail_under_the_triton_interpreter():
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-@pytest.mark.parametrize("kernel,n_cases", [("rowlist", 6), ("segmented", 6), ("pipelined", 4),
+@pytest.mark.parametrize("kernel,n_cases", [("rowlist", 7), ("segmented", 7), ("pipelined", 4),
                                             ("legacy", 4)])
 def test_fused_kernel_under_the_triton_interpreter(kernel, n_cases):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
