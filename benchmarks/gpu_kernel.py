@@ -5,6 +5,7 @@ Run on a CUDA machine from the repository root:
     python benchmarks/gpu_kernel.py --out results/        # full table (about 3 minutes)
     python benchmarks/gpu_kernel.py --quick               # small shapes, smoke run
     python benchmarks/gpu_kernel.py --variants --out results/   # kernel variants: check + time
+    python benchmarks/gpu_kernel.py --tma-ab --ks 10,100         # TMA vs pointer target tiles
 
 For nq x nt x d (default 65,536 x 1,000,000 x 128, plus d=768 in tf32/bf16 at k=10) and
 k in {10, 100}, in fp32, tf32 and bf16, it times with CUDA events (median of repeats, after
@@ -732,6 +733,99 @@ def exact_variants(args, record) -> None:
         print(f"| {k} | {name} | {p:.1f} | {e:.1f} | {e / p:.3f} | {'; '.join(widened[(name, k)])} |")
 
 
+def _answers_differ(Q, T, k, first, second, most_rows: int = 24) -> dict:
+    """Where two forms' (exact, plain) answers differ: rows, and for up to ``most_rows``
+    differing exact rows the float64 check (tests.kernels.test_gpu.check_result) of each and
+    whether their float32 values agree (indices differing at equal values: the tie rule)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.kernels.test_gpu import check_result
+
+    (v1, i1), (v2, i2) = first[0], second[0]
+    (p1, j1), (p2, j2) = first[1], second[1]
+    rows = (i1 != i2).any(dim=1).nonzero().flatten()
+    plain = (j1 != j2).any(dim=1).nonzero().flatten()
+    out = {"exact_rows_differ": int(rows.numel()), "plain_rows_differ": int(plain.numel())}
+    if plain.numel():
+        r = int(plain[0])
+        out["plain_row"] = {"row": r, "first": [[round(float(x), 6) for x in p1[r]], j1[r].tolist()],
+                            "second": [[round(float(x), 6) for x in p2[r]], j2[r].tolist()]}
+    if rows.numel():
+        rows = rows[:most_rows]
+        out["exact_values_equal_there"] = bool(torch.equal(v1[rows], v2[rows]))
+        q, t = Q[rows].cpu().numpy(), T.cpu().numpy()
+        for name, (v, i) in (("first", (v1, i1)), ("second", (v2, i2))):
+            try:
+                check_result(q, t, k, "l2", v[rows].cpu().numpy(), i[rows].cpu().numpy())
+                out[f"{name}_float64_check"] = "ok"
+            except AssertionError as exc:
+                out[f"{name}_float64_check"] = str(exc)[:300]
+        r = int(rows[0])
+        out["row"] = {"row": r, "first": [[round(float(x), 6) for x in v1[r]], i1[r].tolist()],
+                      "second": [[round(float(x), 6) for x in v2[r]], i2[r].tolist()]}
+    return out
+
+
+def tma_ab(args, ks, precisions, record) -> None:
+    """Target tiles by TMA (tensor descriptors) against pointer tiles (cp.async), interleaved
+    in one process over ``--reps`` rounds: the GEMM alone, the GEMM + row minimum pass
+    (``min_only``, the register-list kernel's floor), the plain and the exact search. Checks
+    that both forms give the same exact answer (and reports whether the plain ones agree)."""
+    from nearest_join.kernels import _gpu_triton as tr
+
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(args.d)
+    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
+    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
+    bias = (T * T).sum(1)
+    flops = 2.0 * args.nq * args.nt * args.d
+    forms = {"tma": {"cuda"}, "pointer": set()}
+    default = set(tr.TMA_DEVICES)
+    for precision in precisions:
+        prepared = prepare_targets(T, "l2", precision)
+        qs = gt.prepare_side(Q, "l2", precision)
+        n_cand = gt.candidate_width(ks[0], precision)
+
+        def passes(form):
+            tr.TMA_DEVICES = forms[form]
+            out = {f"plain_k{k}": lambda k=k: search_prepared(Q, prepared, k, exact=False) for k in ks}
+            out.update({f"exact_k{k}": lambda k=k: search_prepared(Q, prepared, k) for k in ks})
+            out[f"min_only_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand, min_only=True)
+            return out
+
+        want = {}
+        try:
+            for form in forms:   # warm-up (compiles) and the answers
+                tr.TMA_DEVICES = forms[form]
+                for k in ks:
+                    got = (search_prepared(Q, prepared, k), search_prepared(Q, prepared, k, exact=False))
+                    if form == "tma":
+                        want[k] = got
+                    else:
+                        record(what="tma_ab_check", precision=precision, k=k,
+                               **_answers_differ(Q, T, k, want[k], got))
+                passes(form)[f"min_only_{n_cand}"]()
+            times = collections.defaultdict(list)
+            for _ in range(args.reps):
+                times["gemm"] += cuda_ms(lambda: gemm_alone(Q, T, bias, precision), 1, warmup=0)
+                for form in forms:
+                    for name, fn in passes(form).items():
+                        times[(form, name)] += cuda_ms(fn, 1, warmup=0)
+        finally:
+            tr.TMA_DEVICES = default
+        gemm = statistics.median(times["gemm"])
+        names = [n for n in passes("pointer")]
+        tr.TMA_DEVICES = default
+        for name in names:
+            ms = {form: statistics.median(times[(form, name)]) for form in forms}
+            record(what="tma_ab", precision=precision, name=name, gemm_ms=round(gemm, 2),
+                   **{f"{form}_ms": round(v, 2) for form, v in ms.items()},
+                   **{f"{form}_over_gemm": round(v / gemm, 3) for form, v in ms.items()},
+                   tma_tflops=round(flops / ms["tma"] / 1e9, 1),
+                   runs={form: [round(x, 1) for x in times[(form, name)]] for form in forms})
+        del prepared, qs
+        torch.cuda.empty_cache()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nq", type=int, default=65_536)
@@ -787,6 +881,9 @@ def main(argv=None) -> None:
     ap.add_argument("--exact-variants", action="store_true",
                     help="only: bf16 EXACT settings (EXACT_VARIANTS; --only picks by name part) against "
                          "the plain search, interleaved, with a per-kernel profile of each")
+    ap.add_argument("--tma-ab", action="store_true",
+                    help="only: target tiles by TMA against pointer tiles, interleaved (GEMM + row "
+                         "minimum, plain and exact search at each k), at d")
     ap.add_argument("--arrow-timeline", action="store_true",
                     help="only: one warm broadcast task's stage timeline per broadcast shape (bf16, first k)")
     ap.add_argument("--arrow-breakdown", action="store_true",
@@ -856,6 +953,15 @@ def main(argv=None) -> None:
         return
     if args.exact_variants:
         exact_variants(args, record)
+        return
+    if args.tma_ab:
+        tma_ab(args, ks, precisions, record)
+        print("\n| precision | pass | GEMM ms | TMA ms | pointer ms | TMA / GEMM | pointer / GEMM |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r["what"] == "tma_ab":
+                print(f"| {r['precision']} | {r['name']} | {r['gemm_ms']:.1f} | {r['tma_ms']:.1f} | "
+                      f"{r['pointer_ms']:.1f} | {r['tma_over_gemm']:.3f} | {r['pointer_over_gemm']:.3f} |")
         return
     if args.arrow_concurrent:
         rng = np.random.default_rng(7)
