@@ -3,6 +3,7 @@
     python benchmarks/kernel_sass.py                       # N_CAND 32 and 64, bf16, 128 x 128, 8 warps
     python benchmarks/kernel_sass.py --n-cand 16 --precision tf32 --stages 2 --sass out/
     python benchmarks/kernel_sass.py --strided             # as the segmented mode (k=100) runs it
+    python benchmarks/kernel_sass.py --n-cand 16 --block-m 64 --warps 4 --tma   # bf16 k=10 as launched
 
 Compiles ``_rowlist_kernel`` with the launch's constexprs and divisibility attributes (as
 ``triton_candidates`` launches it at d=128: without them the compiler assumes unaligned
@@ -50,7 +51,9 @@ def compile_rowlist(n_cand: int, precision: str, block_m: int, num_warps: int, n
     signature.update({name: "constexpr" for name in constants})
     # 16-byte aligned pointers, d and the row strides multiples of 16 (d=128 contiguous rows);
     # nq, nt and tiles_per_split are never specialised (do_not_specialize).
-    aligned = ("q_ptr",) + (() if tma else ("t_ptr",)) + ("bias_ptr", "out_ptr", "d", "stride_q", "stride_t", "stride_level")
+    # (A tensor descriptor carries its own alignment: TMA requires 16 bytes.)
+    aligned = (("q_ptr", "bias_ptr", "out_ptr", "d", "stride_q", "stride_t", "stride_level")
+               + (() if tma else ("t_ptr",)))
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in aligned}
     src = ASTSource(fn, signature, constants, attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
