@@ -9,7 +9,8 @@ Compiles ``_rowlist_kernel`` with the launch's constexprs and divisibility attri
 ``triton_candidates`` launches it at d=128: without them the compiler assumes unaligned
 pointers and strides and the figures differ, see benchmarks/gpu_notes.md version 3), then
 reads registers, stack and local memory with triton's bundled ``cuobjdump`` and counts
-spill loads/stores (LDL/STL), wgmma (HGMMA) and asynchronous copies (LDGSTS) in the SASS.
+spill loads/stores (LDL/STL), wgmma (HGMMA), asynchronous copies (LDGSTS) and TMA copies
+(UTMALDG) in the SASS.
 """
 from __future__ import annotations
 
