@@ -40,6 +40,7 @@ Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -116,9 +117,10 @@ SEG_CAND = 16
 SEGMENT_MIN_TILES = 8
 # One tl.dot per tile (query tile loaded once) when the query tile is at most this large.
 SINGLE_DOT_BYTES = 64 * 1024
-# Register-list kernels read target tiles by TMA (a tensor descriptor) on these devices where
-# the operand allows it (:func:`target_descriptor`); elsewhere pointer tiles (cp.async). The
-# interpreter runs both forms ("cpu": tests).
+# Register-list kernels read target tiles by TMA (a tensor descriptor) on these device types
+# (CUDA: Hopper and later, :func:`has_tma`) where the operand allows it
+# (:func:`target_descriptor`); elsewhere pointer tiles (cp.async). The interpreter runs both
+# forms ("cpu": tests).
 TMA_DEVICES = {"cuda"}
 
 
@@ -633,12 +635,26 @@ def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
     return merged, floor
 
 
+def has_tma(device: torch.device) -> bool:
+    """Whether target tiles go by TMA on ``device``: a type in ``TMA_DEVICES`` and, for CUDA,
+    compute capability 9.0+ (Hopper; Triton rewrites descriptors into pointer loads below it,
+    a form this kernel was never measured in)."""
+    if device.type not in TMA_DEVICES:
+        return False
+    return device.type != "cuda" or _cuda_major(device.index or 0) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
 def target_descriptor(t_op: torch.Tensor, block_n: int, block_d: int):
     """A TMA descriptor of the (nt, d) target operand with (block_n, block_d) blocks, or the
-    operand itself off ``TMA_DEVICES`` or where TMA cannot address it (rows not 16-byte
+    operand itself where :func:`has_tma` says no or TMA cannot address it (rows not 16-byte
     aligned, a block wider than a TMA box)."""
     size = t_op.element_size()
-    if (t_op.device.type not in TMA_DEVICES or t_op.dim() != 2 or t_op.stride(1) != 1 or t_op.data_ptr() % 16
+    if (not has_tma(t_op.device) or t_op.dim() != 2 or t_op.stride(1) != 1 or t_op.data_ptr() % 16
             or (t_op.stride(0) * size) % 16 or block_d > 256 or block_n > 256):
         return t_op
     return TensorDescriptor.from_tensor(t_op, [block_n, block_d])

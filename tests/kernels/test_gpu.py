@@ -586,6 +586,13 @@ def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch)
     assert form(torch.zeros(203, 33)) == form(torch.zeros(203, 36, dtype=torch.bfloat16)) == "operand"
     assert form(torch.zeros(40, 203).T) == form(torch.zeros(204, 40).view(-1)[1:8121].view(203, 40)) == "operand"
     assert form(torch.zeros(203, 512, dtype=torch.bfloat16), block_d=512) == "operand"
+    # CUDA devices: Hopper (9.0) and later only; below it Triton would rewrite the descriptor
+    # into pointer loads, a form the kernel was never measured in.
+    majors = {0: 8, 1: 9}
+    monkeypatch.setattr(tr, "TMA_DEVICES", {"cuda"})
+    monkeypatch.setattr(tr, "_cuda_major", lambda index: majors[index])
+    assert not tr.has_tma(torch.device("cuda", 0)) and tr.has_tma(torch.device("cuda", 1))
+    assert not tr.has_tma(torch.device("cpu"))
 
 
 # The start of every interpreter script (run with TRITON_INTERPRET=1 in a subprocess).
