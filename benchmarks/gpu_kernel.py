@@ -785,13 +785,9 @@ def tma_ab(args, ks, precisions, record) -> None:
         qs = gt.prepare_side(Q, "l2", precision)
         n_cand = gt.candidate_width(ks[0], precision)
 
-        def passes(form):
-            tr.TMA_DEVICES = forms[form]
-            out = {f"plain_k{k}": lambda k=k: search_prepared(Q, prepared, k, exact=False) for k in ks}
-            out.update({f"exact_k{k}": lambda k=k: search_prepared(Q, prepared, k) for k in ks})
-            out[f"min_only_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand, min_only=True)
-            return out
-
+        passes = {f"plain_k{k}": lambda k=k: search_prepared(Q, prepared, k, exact=False) for k in ks}
+        passes.update({f"exact_k{k}": lambda k=k: search_prepared(Q, prepared, k) for k in ks})
+        passes[f"min_only_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand, min_only=True)
         want = {}
         try:
             for form in forms:   # warm-up (compiles) and the answers
@@ -803,19 +799,18 @@ def tma_ab(args, ks, precisions, record) -> None:
                     else:
                         record(what="tma_ab_check", precision=precision, k=k,
                                **_answers_differ(Q, T, k, want[k], got))
-                passes(form)[f"min_only_{n_cand}"]()
+                passes[f"min_only_{n_cand}"]()
             times = collections.defaultdict(list)
             for _ in range(args.reps):
                 times["gemm"] += cuda_ms(lambda: gemm_alone(Q, T, bias, precision), 1, warmup=0)
                 for form in forms:
-                    for name, fn in passes(form).items():
+                    tr.TMA_DEVICES = forms[form]
+                    for name, fn in passes.items():
                         times[(form, name)] += cuda_ms(fn, 1, warmup=0)
         finally:
             tr.TMA_DEVICES = default
         gemm = statistics.median(times["gemm"])
-        names = [n for n in passes("pointer")]
-        tr.TMA_DEVICES = default
-        for name in names:
+        for name in passes:
             ms = {form: statistics.median(times[(form, name)]) for form in forms}
             record(what="tma_ab", precision=precision, name=name, gemm_ms=round(gemm, 2),
                    **{f"{form}_ms": round(v, 2) for form, v in ms.items()},
