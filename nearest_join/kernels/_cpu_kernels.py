@@ -188,17 +188,61 @@ def squared_norms(rows):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def unit_rows(rows):
-    """Each float64 row divided by its norm in float64, then rounded once to float32."""
-    out = np.empty(rows.shape, dtype=np.float32)
+def inverse_norms(rows):
+    """1 / |row| of each row in float64, each row first divided by its largest magnitude so
+    that no square over- or underflows (elements from 1e-300 to 1e300); 0 for a zero row."""
+    out = np.empty(rows.shape[0], dtype=np.float64)
     for i in prange(rows.shape[0]):
+        peak = 0.0
+        for j in range(rows.shape[1]):
+            peak = max(peak, abs(np.float64(rows[i, j])))
+        if peak == 0.0:
+            out[i] = 0.0
+            continue
         total = 0.0
         for j in range(rows.shape[1]):
-            total += rows[i, j] * rows[i, j]
-        norm = np.sqrt(total)
-        for j in range(rows.shape[1]):
-            out[i, j] = rows[i, j] / norm
+            v = np.float64(rows[i, j]) / peak
+            total += v * v
+        out[i] = 1.0 / peak / np.sqrt(total)
     return out
+
+
+@njit(nogil=True, cache=True)
+def weighted_mean(rows, factors):
+    """The mean of ``rows[i] * factors[i]`` in float64 (the shift's reference point; any
+    point is exact, a central one keeps the shifted values small)."""
+    out = np.zeros(rows.shape[1], dtype=np.float64)
+    for i in range(rows.shape[0]):
+        f = factors[i]
+        for j in range(rows.shape[1]):
+            out[j] += np.float64(rows[i, j]) * f
+    if rows.shape[0]:
+        out /= rows.shape[0]
+    return out
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def row_peaks(rows, factors, center):
+    """max_j |rows[i, j] * factors[i] - center[j]| of each row, in float64."""
+    out = np.empty(rows.shape[0], dtype=np.float64)
+    for i in prange(rows.shape[0]):
+        peak = 0.0
+        f = factors[i]
+        for j in range(rows.shape[1]):
+            peak = max(peak, abs(np.float64(rows[i, j]) * f - center[j]))
+        out[i] = peak
+    return out
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def shift_scale(rows, factors, center, scales, out):
+    """``out[i, j] = float32((rows[i, j] * factors[i] - center[j]) * scales[i])``: the
+    shifted, scaled float32 operand of the sgemm, computed in float64 and rounded once."""
+    for i in prange(rows.shape[0]):
+        f = factors[i]
+        s = scales[i]
+        for j in range(rows.shape[1]):
+            out[i, j] = np.float32((np.float64(rows[i, j]) * f - center[j]) * s)
 
 
 @njit(nogil=True, cache=True)
@@ -248,44 +292,43 @@ def take_rows_parallel(matrix, rows, out):
             out[i, j] = matrix[r, j]
 
 
-# Re-rank (see ``cpu.CpuBackend.run``): the ranking keys of candidate pairs in float64 from
-# the float32 rows, one fixed summation order, so that equal rows get equal keys wherever
-# they sit in the target block (some sgemm kernels round a column by its position).
+# Exact keys (see ``cpu.CpuBackend.run``): the ranking key of a pair in float64 from the
+# caller's original rows, each scaled by a per-row factor, in one fixed summation order, so that
+# equal rows get equal keys wherever they sit. ``difference``: sum((q f_q - t f_t)^2), the
+# squared distance in difference form (l2 family; with f = s / |row| for cosine); otherwise
+# -sum((q f_q) (t f_t)), the negated inner product.
 @njit(inline="always", cache=True)
-def _pair_key(q, t, squared):
+def _pair_key(queries, i, fq, targets, j, ft, difference):
     acc = 0.0
-    if squared:   # the squared distance, in difference form
-        for c in range(q.shape[0]):
-            diff = np.float64(q[c]) - np.float64(t[c])
+    if difference:
+        for c in range(queries.shape[1]):
+            diff = np.float64(queries[i, c]) * fq - np.float64(targets[j, c]) * ft
             acc += diff * diff
         return acc
-    for c in range(q.shape[0]):
-        acc += np.float64(q[c]) * np.float64(t[c])
-    return -acc   # similarities: smaller keys are better
+    for c in range(queries.shape[1]):
+        acc += (np.float64(queries[i, c]) * fq) * (np.float64(targets[j, c]) * ft)
+    return -acc
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def rerank_keys(queries, targets, candidates, squared, out):
-    """``out[i, c]``: the key of (queries[i], targets[candidates[i, c]]); +inf where the
-    candidate is -1."""
+def pair_keys(queries, q_factors, targets, t_factors, candidates, difference, out):
+    """``out[i, c]``: the exact key of (queries[i], targets[candidates[i, c]]); +inf where
+    the candidate is -1."""
     for i in prange(candidates.shape[0]):
         for c in range(candidates.shape[1]):
             j = candidates[i, c]
-            out[i, c] = np.inf if j < 0 else _pair_key(queries[i], targets[j], squared)
+            out[i, c] = np.inf if j < 0 else _pair_key(queries, i, q_factors[i], targets, j,
+                                                       t_factors[j], difference)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def row_keys(query, targets, squared, out):
-    """``out[j]``: the key of (query, targets[j]) for every target (rows the re-rank's margin
-    cannot prove)."""
-    for j in prange(targets.shape[0]):
-        out[j] = _pair_key(query, targets[j], squared)
-
-
-@njit(cache=True)
-def score_tile(queries, targets, out):
-    """``out = queries @ targets.T`` by the same BLAS call as :func:`search_tiles` (a probe)."""
-    np.dot(queries, targets.T, out)
+def all_keys(queries, rows, q_factors, targets, t_factors, difference, out):
+    """``out[r, j]``: the exact key of (queries[rows[r]], targets[j]) for every target: the
+    float64 search of the rows the sgemm's bound cannot decide."""
+    for r in prange(rows.shape[0]):
+        i = rows[r]
+        for j in range(targets.shape[0]):
+            out[r, j] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference)
 
 
 # Merge of partial top-k lists (``merge.merge_topk``): each part's row is already best first.

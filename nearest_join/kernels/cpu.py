@@ -205,20 +205,19 @@ def _layer_loadable(name: str) -> bool:
         return False
     return True
 
-# Values agree with the float64 reference within TOLERANCE[input dtype] * scale, where scale is
-# |q|^2 + |t|^2 for squared distances (l2 is compared squared: the bound holds there, while the
-# square root divides an absolute error by 2 x distance, without bound near 0), |q| |t| for
-# inner product and 1 for cosine. The kernel computes in float32 for both input dtypes, so both
-# entries are the float32 bound: ~100 ulps (eps32 = 1.2e-7) covers the sgemm's d-term
-# accumulation for d up to ~1000 and the cancellation in |q|^2 - 2 q.t + |t|^2.
-TOLERANCE = {"float32": 1e-5, "float64": 1e-5}
+# The kernel returns float64 difference-form values of its chosen pairs rounded once to float32
+# (see CpuBackend.run). TOLERANCE is in the units of the kernel tests' scale (|q|^2 + |t|^2 for
+# squared distances, |q| |t| for inner product, 1 for cosine): the float32 rounding of a value
+# is at most 2^-24 of it, and a squared distance is at most twice its scale. RANK_TOLERANCE is
+# relative to the size of the shifted problem (``tests/adversarial.key_scale``): candidates are
+# ranked by float64 keys, whose rounding is ~d 2^-53 of that size.
+TOLERANCE = {"float32": 3e-7, "float64": 3e-7}
+RANK_TOLERANCE = 1e-12
 
 # Tile shape. A (1024 x 512) float32 score tile is 2 MiB, one core's L2 on the benchmark
-# machine; the per-thread sgemm on it runs at ~85% of the single-core 4096^3 rate at d = 128 and
-# d = 768. Measured per CPU-second, single thread, nq = 4000, nt = 100000, d = 128, k = 10,
-# AVX-512 sgemm: 1024 x 512: 116 GFLOP, 512 x 1024: 112, 256 x 1024: 106, 128 x 1024: 89,
-# 64 x 4096: 71 (a taller tile serves more queries per packed target tile). With the Haswell
-# sgemm, shapes from 512 x 512 to 2048 x 1024 were within 3% of each other.
+# machine; the per-thread sgemm on it runs near the single-core 4096^3 rate at d = 128 and
+# d = 768 (a taller tile serves more queries per packed target tile; with the Haswell sgemm,
+# shapes from 512 x 512 to 2048 x 1024 performed alike).
 QUERY_TILE = 1024
 TARGET_TILE = 512
 # Below this many queries per thread, splitting the target range between threads keeps the
@@ -226,57 +225,34 @@ TARGET_TILE = 512
 MIN_QUERIES_PER_THREAD = 64
 # Target tiles are a multiple of this many rows: a multiple of every sgemm micro-kernel width.
 TILE_MULTIPLE = 64
-# Query tiles start at multiples of this many rows. Some sgemm kernels round a row's dot
-# products differently by its position within the micro-kernel's rows: OpenBLAS's Haswell
-# sgemm (OPENBLAS_CORETYPE=Haswell) by the position mod 12, measured 2026-11-30 (the
-# AVX-512 kernel not at all). With tile starts at a multiple of 48 (of 2, 3, 4, 6, 8, 12,
-# 16, 24) a row's position is the same whatever the number of threads, so are its bits;
-# the rounding up costs at most 47 rows of balance per tile (nq=4000 on 2 threads: tiles of
-# 1008 rows instead of 1000).
+# Query tiles start at multiples of this many rows (of 2, 3, 4, 6, 8, 12, 16, 24), so a row's
+# position within the sgemm's micro-kernel rows, and so its rounding, does not depend on the
+# number of threads: the candidates, and the work of the exact stage, are then the same.
 QUERY_TILE_MULTIPLE = 48
-# Heap slots kept beyond k for the re-rank (see CpuBackend.run): k + RERANK_EXTRA + k // 16.
+# Heap slots kept beyond k for the exact stage (see CpuBackend.run): k + RERANK_EXTRA + k // 16.
 RERANK_EXTRA = 4
-_POSITION_FREE: dict = {}
-
-
-def sgemm_position_free(rows: int, target_tile: int, d: int) -> bool:
-    """Whether this process's sgemm gives every column of a (rows x target_tile x d) call
-    the same bits for the same target row (a probe, once per shape; BLAS on one thread).
-
-    OpenBLAS's AVX-512 kernel does; its Haswell kernel (OPENBLAS_CORETYPE=Haswell, and what
-    it picks on AVX2-only CPUs) rounds columns 8-15 of each 16 differently (measured
-    2026-11-30), so copies of a row in different places would score apart.
-    """
-    key = (rows, target_tile, d)
-    if key not in _POSITION_FREE:
-        rng = np.random.default_rng(20261130)
-        q = rng.standard_normal((rows, d)).astype(np.float32)
-        t = np.repeat(rng.standard_normal((1, d)).astype(np.float32), target_tile, axis=0)
-        out = np.empty((rows, target_tile), dtype=np.float32)
-        _cpu_kernels.score_tile(q, t, out)
-        _POSITION_FREE[key] = bool((out == out[:, :1]).all())
-        if not _POSITION_FREE[key]:
-            logger.info("sgemm rounds columns by position (%d x %d x %d): results are re-ranked",
-                        rows, target_tile, d)
-    return _POSITION_FREE[key]
+# Unit roundoff of float32 and float64, and float32's subnormal rounding (absolute).
+_U32 = 2.0 ** -24
+_U64 = 2.0 ** -53
+_ETA32 = 2.0 ** -150
+# Operand scaling: the shifted targets' largest element lands in [2^-1, 1); queries may reach
+# 2^QUERY_HEADROOM before the common scale shrinks to fit them (the l2 family), so that no
+# square, product or sum of d of them over- or underflows float32 for d < 2^40.
+QUERY_HEADROOM = 40
+# Rows of the float64 fallback search per chunk bound its (rows x targets) key matrix.
+FALLBACK_KEYS = 1 << 23
 
 
 def heap_width(k: int, nt: int) -> int:
-    """Candidates kept per query row: k and a margin for the re-rank, at most every target."""
+    """Candidates kept per query row: k and a margin for the exact stage, at most every target."""
     return min(k + RERANK_EXTRA + k // 16, nt)
 
 
-def score_margin(d: int, query_scale: np.ndarray, target_norm: float, bias_max: float) -> np.ndarray:
-    """Per row, a bound on |sgemm score + |q|^2 (l2 family) - exact key| (float64 array).
-
-    The sgemm sums d products (``gamma_d`` of their absolute sum, at most |q'| |t| by
-    Cauchy-Schwarz; twice the unit roundoff, as for kernels that may truncate), the bias is
-    one rounding of |t|^2 and the score one rounding of their sum; doubled for slack. The
-    exact keys are float64 sums of float32 products, far inside the slack.
-    """
-    n_u = (d + 2) * 2.0 ** -23
-    g = n_u / (1 - n_u)
-    return 2 * (g * query_scale * target_norm + 2 * g * bias_max + 2.0 ** -22 * (bias_max + query_scale * target_norm))
+def _power_of_two_scale(peak: np.ndarray) -> np.ndarray:
+    """2^-e with 2^(e-1) <= peak < 2^e (elementwise), 1 where peak is 0: an exact scaling."""
+    peak = np.asarray(peak, dtype=np.float64)
+    _, exponent = np.frexp(np.where(peak > 0, peak, 1.0))
+    return np.where(peak > 0, np.ldexp(1.0, -exponent), 1.0)
 
 
 def default_threads() -> int:
@@ -352,43 +328,122 @@ def plan_tiles(nq: int, nt: int, threads: int) -> tuple[int, int, int]:
     return nq, target_tile, max(1, min(threads, n_ttiles))
 
 
-def _prepare(queries: np.ndarray, targets: np.ndarray, metric: Metric):
-    """Scaled float32 queries, float32 targets, float32 bias and float64 |q|^2 (or None).
+class _Operands:
+    """The sgemm's operands and what relates its scores to the exact keys (see CpuBackend.run).
 
-    Norms are those of the float32 values the sgemm sees, so that |q|^2 - 2 q.t + |t|^2 is the
-    squared distance of the same vectors whatever the input dtype.
+    ``scaled`` (nq, d) float32 = alpha a, ``targets32`` (nt, d) float32 = b, ``bias`` (nt,)
+    float32: a score is ``scaled . b + bias``. ``offset`` (nq,) float64: score + offset
+    approximates the exact key, within ``margin`` (nq,) float64 (a proven bound). The exact
+    key of (i, j) is computed from the caller's rows ``queries[i] * q_factors[i]`` and
+    ``targets[j] * t_factors[j]`` (``difference`` form or negated product); ``unscale``
+    turns keys back into the metric's units.
     """
-    if metric.name == "cosine":
-        queries = _cpu_kernels.unit_rows(np.ascontiguousarray(queries, dtype=np.float64))
-        targets = _cpu_kernels.unit_rows(np.ascontiguousarray(targets, dtype=np.float64))
-    else:
-        queries = np.ascontiguousarray(queries, dtype=np.float32)
-        targets = np.ascontiguousarray(targets, dtype=np.float32)
-    if metric.name in ("l2", "sqeuclidean"):
-        # -2 is a power of two: the scaling is exact, so the sgemm sees the input values.
-        bias = _cpu_kernels.squared_norms(targets).astype(np.float32)
-        return queries * np.float32(-2.0), targets, bias, _cpu_kernels.squared_norms(queries)
-    return -queries, targets, np.zeros(targets.shape[0], dtype=np.float32), None
 
+    def __init__(self, queries: np.ndarray, targets: np.ndarray, metric: Metric):
+        d = queries.shape[1]
+        self.queries = np.ascontiguousarray(queries)
+        self.targets = np.ascontiguousarray(targets)
+        nq, nt = self.queries.shape[0], self.targets.shape[0]
+        self.difference = metric.name != "inner_product"
+        if metric.name == "cosine":
+            q_unit = _cpu_kernels.inverse_norms(self.queries)
+            t_unit = _cpu_kernels.inverse_norms(self.targets)
+        else:
+            q_unit, t_unit = np.ones(nq), np.ones(nt)
+        center = _cpu_kernels.weighted_mean(self.targets, t_unit)
+        t_peak = float(_cpu_kernels.row_peaks(self.targets, t_unit, center).max(initial=0.0))
+        t_scale = float(_power_of_two_scale(t_peak))
+        if self.difference:
+            # a = s (q - c), b = s (t - c): |a - b|^2 = s^2 |q - t|^2 exactly, whatever c;
+            # c near the targets makes the expansion see the spread, not the offset.
+            q_peak = float(_cpu_kernels.row_peaks(self.queries, q_unit, center).max(initial=0.0))
+            scale = min(t_scale, float(_power_of_two_scale(q_peak)) * 2.0 ** QUERY_HEADROOM)
+            q_scales = np.full(nq, scale)
+            q_shift, t_scales = center, np.full(nt, scale)
+        else:
+            # a = s_i q (a power of two per row), b = s (t - c): a . b = s_i s (q . t - q . c),
+            # and q . c is constant along the row: the ranking is that of q . t.
+            q_scales = _power_of_two_scale(_cpu_kernels.row_peaks(self.queries, q_unit, np.zeros(d)))
+            q_shift, t_scales = np.zeros(d), np.full(nt, t_scale)
+        a = np.empty(self.queries.shape, np.float32)
+        _cpu_kernels.shift_scale(self.queries, q_unit, q_shift, q_scales, a)
+        self.targets32 = np.empty(self.targets.shape, np.float32)
+        _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, self.targets32)
+        self.q_factors = q_unit * q_scales
+        self.t_factors = t_unit * t_scales
+        a_sq = _cpu_kernels.squared_norms(a)
+        b_sq = _cpu_kernels.squared_norms(self.targets32)
+        # Norm bounds of the exact shifted rows: the float32 ones, their rounding (relative
+        # u32, float32 subnormals absolute) and the float64 shift's rounding (relative to the
+        # unshifted magnitude).
+        origin = np.zeros(d)
+        q_raw = _cpu_kernels.row_peaks(self.queries, q_unit, origin) * np.sqrt(d) * q_scales
+        t_raw = float(_cpu_kernels.row_peaks(self.targets, t_unit, origin).max(initial=0.0)
+                      * np.sqrt(d) * t_scale)
+        shift = np.sqrt((center * center).sum())
+        q_err = _U32 * np.sqrt(a_sq) + 4 * _U64 * (q_raw + shift * q_scales) + np.sqrt(d) * _ETA32
+        t_err = _U32 * np.sqrt(b_sq.max(initial=0.0)) + 4 * _U64 * (t_raw + shift * t_scale) + np.sqrt(d) * _ETA32
+        A = np.sqrt(a_sq) + q_err
+        B = float(np.sqrt(b_sq.max(initial=0.0))) + t_err
+        n_u = (d + 2) * 2 * _U32
+        gamma = n_u / (1 - n_u)     # the sgemm's d-term sums, at twice the unit roundoff
+        tiny = d * 2.0 ** -147       # underflowing products
+        keys64 = (d + 4) * 2 * _U64  # the exact keys' and offsets' float64 sums
+        if self.difference:
+            self.scaled = a * np.float32(-2.0)        # a power of two: exact
+            self.bias = b_sq.astype(np.float32)
+            self.offset = a_sq
+            e = q_err + t_err
+            margin = (2 * (A + B) * e + e * e                 # rounding the operands
+                      + 2 * gamma * A * B + tiny               # the sgemm
+                      + 2 * _U32 * B * B                       # the bias, and adding it
+                      + _U32 * (B * B + 2 * A * B)
+                      + keys64 * (A + B) ** 2)                 # |a|^2 and the exact key
+        else:
+            self.scaled = -a
+            self.bias = np.zeros(nt, np.float32)
+            c_scaled = shift * t_scale
+            # offset = -(q s_i) . (c s): exact key = -(a . b) + offset
+            self.offset = -(np.asarray(self.queries, np.float64) @ center) * self.q_factors * t_scale
+            margin = (q_err * B + A * t_err + q_err * t_err    # rounding the operands
+                      + gamma * A * B + tiny                   # the sgemm
+                      + keys64 * A * (B + c_scaled + t_err))   # the offset and the exact key
+        self.margin = 1.25 * margin
+        if metric.name == "l2":
+            self.values = lambda keys: np.sqrt(keys) / scale
+        elif metric.name == "sqeuclidean":
+            self.values = lambda keys: keys / (scale * scale)
+        elif metric.name == "cosine":
+            self.values = lambda keys: 1.0 - keys / (2.0 * scale * scale)
+        else:
+            self.values = lambda keys: -keys / (q_scales[:, None] * t_scale)
 
-def _tail_tile(targets: np.ndarray, bias: np.ndarray, target_tile: int):
-    """The last, partial target tile padded to ``target_tile`` rows (zeros, bias +inf)."""
-    start = targets.shape[0] // target_tile * target_tile
-    tail = np.zeros((target_tile, targets.shape[1]), dtype=np.float32)
-    tail_bias = np.full(target_tile, np.inf, dtype=np.float32)
-    tail[: targets.shape[0] - start] = targets[start:]
-    tail_bias[: targets.shape[0] - start] = bias[start:]
-    return tail, tail_bias
+    def exact_keys(self, candidates: np.ndarray) -> np.ndarray:
+        """float64 keys of each row's candidates (+inf for -1)."""
+        out = np.empty(candidates.shape, dtype=np.float64)
+        _cpu_kernels.pair_keys(self.queries, self.q_factors, self.targets, self.t_factors,
+                               candidates, self.difference, out)
+        return out
 
-
-def _scan_row(query: np.ndarray, targets: np.ndarray, width: int, squared: bool):
-    """(keys, indices) of one row's ``width`` best of every target by (key, index)."""
-    keys = np.empty(targets.shape[0], dtype=np.float64)
-    _cpu_kernels.row_keys(query, targets, squared, keys)
-    kth = np.partition(keys, width - 1)[width - 1]
-    near = np.flatnonzero(keys <= kth)
-    near = near[np.lexsort((near, keys[near]))][:width]
-    return keys[near], near
+    def search_rows(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, indices) of these rows' ``width`` best of every target by (key, index):
+        the float64 search, in chunks of rows."""
+        nt = self.targets.shape[0]
+        keys = np.empty((rows.shape[0], width))
+        best = np.empty((rows.shape[0], width), dtype=np.int64)
+        chunk = max(1, FALLBACK_KEYS // max(1, nt))
+        for start in range(0, rows.shape[0], chunk):
+            part = np.ascontiguousarray(rows[start:start + chunk], dtype=np.int64)
+            all_keys = np.empty((part.shape[0], nt))
+            _cpu_kernels.all_keys(self.queries, part, self.q_factors, self.targets, self.t_factors,
+                                  self.difference, all_keys)
+            for r in range(part.shape[0]):
+                row = all_keys[r]
+                kth = np.partition(row, width - 1)[width - 1]
+                near = np.flatnonzero(row <= kth)
+                near = near[np.lexsort((near, row[near]))][:width]
+                keys[start + r], best[start + r] = row[near], near
+        return keys, best
 
 
 def _scipy_blas_missing() -> str | None:
@@ -400,7 +455,7 @@ def _scipy_blas_missing() -> str | None:
 
 
 class CpuBackend:
-    """Fused tiled-sgemm + Numba top-k, float32, any k (see the module docstring)."""
+    """Fused tiled-sgemm + Numba top-k, exact float64 ranking, any k (see the module docstring)."""
 
     name = "cpu"
     devices = ("cpu",)
@@ -424,89 +479,68 @@ class CpuBackend:
         ``threads`` (int >= 1): threads to use; default: the CPUs this process may run on.
         Other options (``precision``, ``device``) are for other backends and are ignored.
 
-        The fused sgemm + heap search keeps each row's best by float32 score, ties to the
-        lower index. That rule needs copies of one row to score the same bits wherever they
-        sit, which some sgemm kernels do not give (:func:`sgemm_position_free`, probed once
-        per tile shape). Where they do not, the heaps keep ``heap_width`` candidates, their
-        keys are recomputed in float64 from the float32 rows in one fixed order
-        (``_cpu_kernels.rerank_keys``) and ranked by (key, index); a row is proven when its
-        last kept score, less the sgemm's error bound (:func:`score_margin`), is above its
-        k-th key, and the few others are recomputed against every target
-        (``_cpu_kernels.row_keys``).
+        Two stages, exact by construction for every finite input:
+
+        1. Candidates. Both blocks are shifted by the targets' mean (l2, sqeuclidean; cosine
+           on unit vectors) or the targets alone (inner product: the shift adds a constant per
+           query), scaled by powers of two so that nothing over- or underflows, and rounded
+           to float32; the fused sgemm + heap search keeps each row's ``heap_width`` best by
+           float32 score. The shift makes the expansion's error scale with the spread of the
+           data, not with its offset from the origin.
+        2. Exact ranking. The candidates' keys are computed in float64 from the caller's rows,
+           in difference form (:func:`_cpu_kernels.pair_keys`), and ranked by (key, index).
+           A row is proven when its last kept score, less the bound on the sgemm's error for
+           that row (``_Operands.margin``: from the shifted norms, d and float32's rounding),
+           is above its k-th key: no target outside the heap can rank or tie in the top k.
+           The rows it cannot prove (exact ties at the k-th place, nearly parallel vectors
+           the float32 sgemm cannot separate) are searched in float64 against every target.
+           No decision depends on which sgemm kernel the BLAS library picked.
         """
         threads = _check_threads(threads)
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)
-        squared = metric.name in ("l2", "sqeuclidean")
         with thread_limits(threads) as used:
-            scaled, targets32, bias, query_norms = _prepare(queries, targets, metric)
+            ops = _Operands(queries, targets, metric)
             query_tile, target_tile, n_split = plan_tiles(nq, nt, used)
-            tile_rows = {min(query_tile, nq), nq % query_tile or query_tile}
-            rerank = not all(sgemm_position_free(r, target_tile, queries.shape[1]) for r in tile_rows)
-            kept = heap_width(k, nt) if rerank else width
-            tail, tail_bias = _tail_tile(targets32, bias, target_tile)
+            kept = heap_width(k, nt)
+            tail, tail_bias = _tail_tile(ops.targets32, ops.bias, target_tile)
             heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
-            _cpu_kernels.search_tiles(scaled, targets32, bias, tail, tail_bias, heaps, query_tile)
-            # Sorting the keys orders each row by (score, index): best first, ties to the
-            # lower index. With several target splits, the best of their union is the first
-            # ``kept``.
+            _cpu_kernels.search_tiles(ops.scaled, ops.targets32, ops.bias, tail, tail_bias, heaps,
+                                      query_tile)
+            # Sorting the keys orders each row by (score, index). With several target
+            # splits, the best of their union is the first ``kept``.
             keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
             scores, cand = _cpu_kernels.decode(np.sort(keys, axis=1)[:, :kept])
             cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
-            if rerank:
-                best_key, best_i = self._rerank(scores, cand, scaled, targets32, bias, query_norms,
-                                                width, squared)
-        logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d rerank=%s",
-                     nq, nt, k, used, query_tile, target_tile, n_split, rerank)
-        if not rerank:
-            best_i = cand
-            if query_norms is not None:
-                best_key = np.maximum(scores.astype(np.float64) + query_norms[:, None], 0.0)
+            exact = ops.exact_keys(cand)
+            order = np.lexsort((np.where(cand >= 0, cand, nt), exact), axis=1)[:, :width]
+            best_key = np.take_along_axis(exact, order, axis=1)
+            best_i = np.take_along_axis(cand, order, axis=1)
+            if kept < nt:
+                floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
+                unproven = np.flatnonzero(~(floor > best_key[:, -1]))
+                if len(unproven):
+                    best_key[unproven], best_i[unproven] = ops.search_rows(unproven, width)
             else:
-                best_key = scores
+                unproven = ()
+        logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d float64 rows=%d",
+                     nq, nt, k, used, query_tile, target_tile, n_split, len(unproven))
         values = np.full((nq, k), metric.worst, dtype=np.float32)
         indices = np.full((nq, k), -1, dtype=np.int64)
-        found = best_i >= 0
-        if metric.name == "l2":
-            result = np.sqrt(best_key)
-        elif squared:
-            result = best_key
-        else:
-            result = -best_key
-        values[:, :width] = np.where(found, result, metric.worst)
-        indices[:, :width] = np.where(found, best_i, -1)
+        with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
+            values[:, :width] = ops.values(best_key)
+        indices[:, :width] = best_i
         return values, indices
 
-    def _rerank(self, scores, cand, scaled, targets32, bias, query_norms, width, squared):
-        """(keys float64, indices) of each row's ``width`` best candidates by exact key."""
-        nt = targets32.shape[0]
-        # The float32 rows the sgemm saw (the scalings by -2 and -1 are exact).
-        q32 = scaled * np.float32(-0.5 if squared else -1.0)
-        exact = np.empty(cand.shape, dtype=np.float64)
-        _cpu_kernels.rerank_keys(q32, targets32, cand, squared, exact)
-        order = np.lexsort((np.where(cand >= 0, cand, nt), exact), axis=1)[:, :width]
-        best_key = np.take_along_axis(exact, order, axis=1)
-        best_i = np.take_along_axis(cand, order, axis=1)
-        unproven = self._unproven(scores, cand, best_key, q32, targets32, bias, query_norms,
-                                  cand.shape[1], nt)
-        if len(unproven):
-            logger.debug("cpu knn: %d rows rescanned (ties within the sgemm's error)", len(unproven))
-        for row in unproven:
-            best_key[row], best_i[row] = _scan_row(q32[row], targets32, width, squared)
-        return best_key, best_i
 
-    @staticmethod
-    def _unproven(scores, cand, best_key, q32, targets32, bias, query_norms, kept, nt) -> np.ndarray:
-        """Rows whose kept candidates may miss a target that ranks (or ties) in the top k."""
-        if kept >= nt or nt == 0:
-            return np.empty(0, dtype=np.int64)
-        full = cand[:, -1] >= 0                 # a row with empty slots holds every target
-        offset = query_norms if query_norms is not None else 0.0
-        scale = np.sqrt(_cpu_kernels.squared_norms(q32)) * (2.0 if query_norms is not None else 1.0)
-        tnorm = float(np.sqrt(_cpu_kernels.squared_norms(targets32).max()))
-        margin = score_margin(q32.shape[1], scale, tnorm, float(bias.max())) * 1.01
-        floor = scores[:, -1].astype(np.float64) + offset - margin
-        return np.flatnonzero(full & ~(floor > best_key[:, -1]))
+def _tail_tile(targets: np.ndarray, bias: np.ndarray, target_tile: int):
+    """The last, partial target tile padded to ``target_tile`` rows (zeros, bias +inf)."""
+    start = targets.shape[0] // target_tile * target_tile
+    tail = np.zeros((target_tile, targets.shape[1]), dtype=np.float32)
+    tail_bias = np.full(target_tile, np.inf, dtype=np.float32)
+    tail[: targets.shape[0] - start] = targets[start:]
+    tail_bias[: targets.shape[0] - start] = bias[start:]
+    return tail, tail_bias
 
 
 BACKEND = CpuBackend()

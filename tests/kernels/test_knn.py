@@ -214,18 +214,17 @@ def test_query_tiles_start_at_the_same_rows_for_any_thread_count():
 
 
 def _count_rescans(monkeypatch):
-    """Force the re-rank path (as under a position-dependent sgemm) and count rescanned rows."""
+    """Count the rows the exact stage searches in float64 against every target."""
     from nearest_join.kernels import cpu
 
-    monkeypatch.setattr(cpu, "sgemm_position_free", lambda rows, target_tile, d: False)
     rows = []
-    real = cpu._scan_row
+    real = cpu._Operands.search_rows
 
-    def spy(query, targets, width, squared):
-        rows.append(query.copy())
-        return real(query, targets, width, squared)
+    def spy(self, unproven, width):
+        rows.extend(unproven.tolist())
+        return real(self, unproven, width)
 
-    monkeypatch.setattr(cpu, "_scan_row", spy)
+    monkeypatch.setattr(cpu._Operands, "search_rows", spy)
     return rows
 
 
@@ -273,10 +272,9 @@ def test_cpu_proves_ordinary_rows_without_rescans(request, monkeypatch):
 @pytest.mark.parametrize("metric", list(METRICS))
 @pytest.mark.parametrize("k", [1, 10, 100])
 @pytest.mark.parametrize("nq", [3, 300])
-def test_cpu_rerank_path_matches_the_reference(request, metric, k, nq, monkeypatch):
-    """The re-rank path (taken where the sgemm rounds by column position) against the
-    reference: Gaussian rows with exact copies mixed in (ties to the lower index), few
-    queries (target splits) and many."""
+def test_cpu_exact_stage_matches_the_reference(request, metric, k, nq, monkeypatch):
+    """The exact stage against the reference: Gaussian rows with exact copies mixed in
+    (ties to the lower index), few queries (target splits) and many."""
     _count_rescans(monkeypatch)
     rng = seeded_rng(request)
     targets = rng.standard_normal((2500, 12)).astype(np.float32)
@@ -286,31 +284,6 @@ def test_cpu_rerank_path_matches_the_reference(request, metric, k, nq, monkeypat
     ref_v, ref_i = knn_reference(queries, targets, k, METRICS[metric])
     np.testing.assert_array_equal(indices, ref_i)
     np.testing.assert_allclose(values, ref_v, rtol=1e-5, atol=1e-5)
-
-
-def test_the_sgemm_probe_sees_a_position_dependent_kernel(monkeypatch):
-    """The probe scores one row repeated over a tile: a kernel that rounds some columns
-    apart (simulated: columns 8-15 one ulp up, the Haswell pattern) is not position-free,
-    the answer is kept per shape, and the real kernel's answer is its equal columns."""
-    from nearest_join.kernels import _cpu_kernels, cpu
-
-    monkeypatch.setattr(cpu, "_POSITION_FREE", {})
-    real = _cpu_kernels.score_tile
-
-    def shifted(q, t, out):
-        real(q, t, out)
-        out[:, 8:16] = np.nextafter(out[:, 8:16], np.float32(np.inf))
-
-    monkeypatch.setattr(_cpu_kernels, "score_tile", shifted)
-    assert cpu.sgemm_position_free(48, 512, 20) is False
-    monkeypatch.setattr(_cpu_kernels, "score_tile", real)
-    assert cpu.sgemm_position_free(48, 512, 20) is False          # cached per shape
-    cpu._POSITION_FREE.clear()
-    out = np.empty((48, 512), dtype=np.float32)
-    rng = np.random.default_rng(0)
-    real(rng.standard_normal((48, 20)).astype(np.float32),
-         np.repeat(rng.standard_normal((1, 20)).astype(np.float32), 512, axis=0), out)
-    assert cpu.sgemm_position_free(48, 512, 20) == bool((out == out[:, :1]).all())
 
 
 @pytest.mark.parametrize("nq", [1, 40])

@@ -1,0 +1,135 @@
+"""The cpu and reference backends on adversarial data, against the float64 difference-form
+oracle of ``tests/adversarial.py``, under both BLAS kernel selections.
+
+OpenBLAS picks its sgemm kernel at load time: the AVX-512 one by itself on this kind of CPU,
+the Haswell one where ``OPENBLAS_CORETYPE=Haswell`` is set (some machines set it because older
+builds fail on their CPUs). The kernels round differently (Haswell rounds a column by its
+position), and the CPU backend must be exact under either, so the checks run in a subprocess
+per setting; the suite itself never depends on what the environment sets.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nearest_join.kernels import knn
+from nearest_join.kernels import cpu
+from tests import adversarial
+
+REPO = Path(__file__).resolve().parents[2]
+KS = (1, 10, 100)
+CASES = adversarial.cases()
+RTOL = {"cpu": cpu.RANK_TOLERANCE, "reference": 1e-12}
+
+
+def _larger_cases():
+    """Shapes that span several target tiles (and splits of them between threads), the
+    embedding sizes users have, and the issue's shape (copies of targets among the queries)."""
+    out = [adversarial.offset_case(d, 10.0, 0.1, nq=60, nt=5000, seed=60 + d) for d in (16, 64, 128)]
+    out += [adversarial.offset_case(d, 1e3, 1.0, nq=8, nt=700, seed=70 + d) for d in (768, 1024, 1536)]
+    out.append(adversarial.integer_case(8, high=2, nq=300, nt=3000, seed=80))
+    return out
+
+
+def check_cases(cases, backend: str = "cpu", threads: int = 2) -> list[str]:
+    """Run every case x metric x k; return the failures (one line each)."""
+    failures = []
+    for case in cases:
+        for metric in case.metrics:
+            for k in KS:
+                values, indices = knn(case.queries, case.targets, k, metric, backend=backend,
+                                      threads=threads) if backend == "cpu" else \
+                    knn(case.queries, case.targets, k, metric, backend=backend)
+                try:
+                    adversarial.assert_true_topk(case.queries, case.targets, k, metric, values,
+                                                 indices, RTOL[backend], case=case.name)
+                except AssertionError as exc:
+                    failures.append(str(exc).splitlines()[0])
+    return failures
+
+
+def _blas_report() -> dict:
+    from threadpoolctl import threadpool_info
+
+    cpu.blas_controller()   # loads scipy's BLAS, the one the kernel's sgemm calls
+    return {info["filepath"]: info.get("architecture") for info in threadpool_info()
+            if info["user_api"] == "blas"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_reference_on_adversarial_case(case):
+    """The reference backend (the other tests' oracle) agrees with the oracle here."""
+    failures = check_cases([case], "reference")
+    assert not failures, "\n".join(failures)
+
+
+def test_cpu_on_one_thread():
+    """The subprocess checks below run two threads (target splits, query tiles per thread);
+    here one, in this process's BLAS setting."""
+    failures = check_cases(CASES + _larger_cases(), "cpu", threads=1)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("coretype", [None, "Haswell"], ids=["blas-default", "blas-haswell"])
+def test_exact_under_each_blas_kernel(coretype):
+    """The same checks in a fresh interpreter per kernel selection; the child reports the
+    kernel OpenBLAS actually loaded, so a setting that did not take effect fails here."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    if coretype:
+        env["OPENBLAS_CORETYPE"] = coretype
+    script = (
+        "import json, sys\n"
+        "from tests.kernels import test_exactness as t\n"
+        "fails = t.check_cases(t.CASES + t._larger_cases())\n"
+        "print(json.dumps({'blas': t._blas_report(), 'failures': fails}))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    architectures = {str(a).lower() for a in report["blas"].values()}
+    if coretype:
+        assert architectures == {"haswell"}, report["blas"]
+    else:
+        assert "haswell" not in architectures or not _has_avx512(), report["blas"]
+    assert not report["failures"], "\n".join(report["failures"][:10])
+
+
+def _has_avx512() -> bool:
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def test_checker_rejects_a_wrong_answer():
+    """The oracle check fails on the answers of a kernel that ranks by the float32 expansion
+    on offset data (what the cpu backend did before its shifted, exact formulation)."""
+    case = adversarial.offset_case(16, 10.0, 0.1, nq=40, nt=500, seed=5)
+    q = case.queries.astype(np.float32)
+    t = case.targets.astype(np.float32)
+    expansion = (q * q).sum(1)[:, None] - 2 * q @ t.T + (t * t).sum(1)[None, :]
+    indices = np.argsort(expansion, axis=1, kind="stable")[:, :10].astype(np.int64)
+    values = np.sqrt(np.maximum(np.take_along_axis(expansion, indices, axis=1), 0)).astype(np.float32)
+    with pytest.raises(AssertionError, match="rows wrong"):
+        adversarial.assert_true_topk(q, t, 10, "l2", values, indices, cpu.RANK_TOLERANCE)
+
+
+def test_extreme_magnitudes_keep_every_row_and_overflow_only_past_float32():
+    """float32 elements ~1e20: every query keeps its k rows; l2 values stay finite (~1e20),
+    sqeuclidean ones (~1e40) are +inf, as documented; ~1e-24: no row collapses to 0."""
+    case = adversarial.magnitude_case(1e20, d=4, nq=5, nt=50, seed=9)
+    l2, idx = knn(case.queries, case.targets, 3, "l2", backend="cpu")
+    sq, idx2 = knn(case.queries, case.targets, 3, "sqeuclidean", backend="cpu")
+    assert (idx >= 0).all() and (idx == idx2).all()
+    assert np.isfinite(l2).all() and (l2[:, 1:] > 1e19).all()
+    assert np.isinf(sq[:, 1:]).all()
+    tiny = adversarial.magnitude_case(1e-24, d=4, nq=5, nt=50, seed=9)
+    v, i = knn(tiny.queries, tiny.targets, 3, "l2", backend="cpu")
+    assert (i >= 0).all() and (v[:, 1:] > 1e-25).all()
