@@ -44,7 +44,7 @@ from nearest_join.kernels import merge_topk
 from . import columns as C
 from .searcher import SearchSettings, open_block_searcher
 from .rows import ColumnViews, gather_rows, gather_threads
-from .vectors import decode_vectors
+from .vectors import decode_vectors, value_offsets
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def blob_to_table(blob) -> pa.Table:
 def _binary_values(array: pa.Array) -> list[pa.Buffer]:
     """Zero-copy buffers of every value of a binary column."""
     array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32)[array.offset: array.offset + len(array) + 1]
+    offsets = value_offsets(array)     # large_binary under useLargeVarTypes
     data = array.buffers()[2]
     if data is None:
         return [pa.py_buffer(b"")] * len(array)

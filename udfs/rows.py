@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from .vectors import _as_array
+from .vectors import _as_array, value_offsets
 
 # Gathers above this many bytes are split over the task's threads.
 PARALLEL_BYTES = 8 << 20
@@ -160,7 +160,7 @@ def vector_matrix(array: pa.Array) -> np.ndarray | None:
     elif pa.types.is_list(t) or pa.types.is_large_list(t):
         if not pa.types.is_floating(t.value_type):
             return None
-        offsets = array.offsets.to_numpy()
+        offsets = value_offsets(array)
         width = int(offsets[1] - offsets[0])
         if width == 0 or offsets[-1] - offsets[0] != width * len(array):
             return None

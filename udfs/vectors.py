@@ -23,6 +23,28 @@ def _as_array(column) -> pa.Array:
     return column
 
 
+def value_offsets(array: pa.Array) -> np.ndarray:
+    """The ``len(array) + 1`` value offsets of a binary, string or list column (the slice's
+    own, zero-copy), 32- or 64-bit as the type says.
+
+    ``spark.sql.execution.arrow.useLargeVarTypes`` makes Spark send ``large_binary`` /
+    ``large_string`` (the packed blobs too), and ``large_list`` has 64-bit offsets as well:
+    read as 32-bit, each offset becomes two wrong ones.
+    """
+    t = array.type
+    if pa.types.is_large_binary(t) or pa.types.is_large_string(t) or pa.types.is_large_list(t):
+        dtype = np.int64
+    elif pa.types.is_binary(t) or pa.types.is_string(t) or pa.types.is_list(t):
+        dtype = np.int32
+    else:
+        raise TypeError(f"expected a binary, string or list column, got {t}")
+    n = len(array)
+    buffer = array.buffers()[1]
+    if n == 0 and (buffer is None or buffer.size == 0):
+        return np.zeros(1, dtype)      # IPC may ship an empty column without its one offset
+    return np.frombuffer(buffer, dtype=dtype)[array.offset: array.offset + n + 1]
+
+
 def vector_dtype(arrow_type: pa.DataType) -> np.dtype:
     """numpy dtype of the decoded matrix: float32 for float elements, float64 otherwise."""
     if pa.types.is_struct(arrow_type):
@@ -100,8 +122,7 @@ def _decode_dense_lists(arr, dimension, label: str, expected_from: str, dtype) -
     pass, values as a zero-copy view. The general path's length array, NULL fill and boolean
     selections cost 3-10 ms per 10^6 rows, paid before a broadcast task's first search."""
     n = len(arr)
-    offsets = arr.offsets.to_numpy()          # n + 1 entries, the slice's own
-    lengths = np.diff(offsets)
+    lengths = np.diff(value_offsets(arr))
     dimension = _check_lengths(lengths, dimension, label, expected_from)
     flat = arr.flatten()
     if flat.null_count:
@@ -123,7 +144,7 @@ def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> 
     if rows.size == 0:
         return out
     flat_values = values.flatten().to_numpy(zero_copy_only=False)
-    offsets = values.offsets.to_numpy()[: n + 1]
+    offsets = value_offsets(values)[: n + 1]
     offsets = offsets - offsets[0]  # flatten() is relative to the slice
     dense = rows[kinds[rows] == 1]
     for row in dense:  # row-wise: dense ml vectors are rare at scale; keeps the logic obvious
@@ -132,7 +153,7 @@ def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> 
     if sparse.size:
         indices = arr.field("indices")
         flat_idx = indices.flatten().to_numpy(zero_copy_only=False)
-        idx_off = indices.offsets.to_numpy()[: n + 1]
+        idx_off = value_offsets(indices)[: n + 1]
         idx_off = idx_off - idx_off[0]
         for row in sparse:
             out[row] = 0.0
