@@ -61,8 +61,8 @@ def _mismatch(column: str, found: int, expected: int, expected_from: str) -> Vec
 
 
 def _check_lengths(present: np.ndarray, dimension: int | None, label: str, expected_from: str) -> int:
-    """The dimension every non-NULL vector must have (the first one's when None); raise on a
-    ragged row."""
+    """The dimension every non-NULL vector must have (the first one's when None, 0 when there
+    is none); raise on a ragged row."""
     if dimension is None:
         dimension = int(present[0]) if present.size else 0
         expected_from = f"the first vector of `{label}`"
@@ -74,7 +74,10 @@ def _check_lengths(present: np.ndarray, dimension: int | None, label: str, expec
 
 def decode_vectors(column, dimension: int | None, *, label: str = "vector",
                    expected_from: str = "the other side") -> np.ndarray:
-    """Decode one Arrow vector column into an (n, dimension) float matrix.
+    """Decode one Arrow vector column into an (n, dimension) float matrix, NaN on NULL rows.
+
+    A column with no element at all (every vector NULL, or every one of length 0) decodes to
+    one column: see :func:`_without_elements`.
 
     Parameters
     ----------
@@ -106,6 +109,8 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     if not pa.types.is_fixed_size_list(arr.type) and arr.null_count:
         valid &= arr.is_valid().to_numpy(zero_copy_only=False)
     dimension = _check_lengths(lengths[valid], dimension, label, expected_from)
+    if dimension == 0:
+        return _without_elements(valid, dtype)
     flat = arr.flatten()  # honours slicing and skips NULL lists
     if flat.null_count:
         flat = flat.fill_null(np.nan)
@@ -117,6 +122,21 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     return out
 
 
+def _without_elements(valid: np.ndarray, dtype) -> np.ndarray:
+    """Vectors of dimension 0, or a column whose vectors are all NULL (no dimension to know:
+    0 then), as one zero column with NaN on the NULL rows.
+
+    A width-0 matrix cannot mark a NULL row (NaN: never a candidate), and would make every
+    NULL row a match at distance 0. The zero coordinate changes no value: l2 and the inner
+    product of empty vectors stay 0, and cosine sees a zero vector, NULL similarity: what
+    Spark's vector functions give for ``[]``. Both sides decode this way when the join's
+    dimension is 0 or unknown, so their widths agree.
+    """
+    out = np.zeros((valid.shape[0], 1), dtype=dtype)
+    out[~valid] = np.nan
+    return out
+
+
 def _decode_dense_lists(arr, dimension, label: str, expected_from: str, dtype) -> np.ndarray:
     """A list column without NULL lists (the common case): lengths from the offsets in one
     pass, values as a zero-copy view. The general path's length array, NULL fill and boolean
@@ -124,6 +144,8 @@ def _decode_dense_lists(arr, dimension, label: str, expected_from: str, dtype) -
     n = len(arr)
     lengths = np.diff(value_offsets(arr))
     dimension = _check_lengths(lengths, dimension, label, expected_from)
+    if dimension == 0:
+        return _without_elements(np.ones(n, bool), dtype)
     flat = arr.flatten()
     if flat.null_count:
         flat = flat.fill_null(np.nan)
@@ -139,6 +161,8 @@ def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> 
     value_lengths = pc.list_value_length(values).fill_null(0).to_numpy(zero_copy_only=False)
     lengths = np.where(kinds == 1, value_lengths, sizes)
     dimension = _check_lengths(lengths[valid], dimension, label, expected_from)
+    if dimension == 0:
+        return _without_elements(valid, np.float64)
     out = np.full((n, dimension), np.nan, dtype=np.float64)
     rows = np.flatnonzero(valid)
     if rows.size == 0:

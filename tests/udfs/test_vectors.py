@@ -72,3 +72,28 @@ def test_float32_lists_decode_without_a_copy():
     out = decode_vectors(arr, 3)
     np.testing.assert_array_equal(out, values.reshape(4, 3))
     assert np.shares_memory(out, arr.values.to_numpy())
+
+
+@pytest.mark.parametrize("column", [
+    pa.array([None, None, None], type=pa.list_(pa.float32())),
+    pa.array([None, None, None], type=pa.large_list(pa.float32())),
+    pa.array([None, None, None], type=ML_VECTOR),
+], ids=["list", "large_list", "ml_vector"])
+def test_all_null_column_without_a_dimension(column):
+    # No vector, so no dimension (the join's is unknown when both sides are all NULL): one
+    # NaN column still marks every row as never a candidate (a width-0 matrix could not).
+    out = decode_vectors(column, None)
+    assert out.shape == (3, 1) and np.isnan(out).all()
+    assert decode_vectors(column.slice(1, 0), None).shape == (0, 1)
+
+
+@pytest.mark.parametrize("list_type", [pa.list_(pa.float32()), pa.large_list(pa.float64())], ids=str)
+def test_empty_vectors_decode_as_one_zero_column(list_type):
+    # Dimension 0: the zero coordinate keeps l2 and the inner product at 0 (Spark's value for
+    # two empty vectors) and NULL rows NaN.
+    np.testing.assert_array_equal(decode_vectors(pa.array([[], []], type=list_type), 0),
+                                  [[0.0], [0.0]])
+    np.testing.assert_array_equal(decode_vectors(pa.array([[], None, []], type=list_type), None),
+                                  [[0.0], [np.nan], [0.0]])
+    with pytest.raises(VectorDimensionError, match="dimension 1 and the first vector of `v` has dimension 0"):
+        decode_vectors(pa.array([[], [1.0]], type=list_type), None, label="v")
