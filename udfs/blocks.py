@@ -268,6 +268,11 @@ class TopkState:
             flat = np.arange(nq * k, dtype=np.int64).reshape(nq, k)
             return TopkState(self.values, self.keys, [table],
                              np.where(self.source >= 0, 0, -1).astype(np.int32), flat)
+        if not len(used):
+            # No slot is filled (a NULL query vector, a zero one under cosine, only NULL
+            # targets): keep one table all the same. Its columns give the empty slots' NULL
+            # payload their types; a state without any could be neither emitted nor shipped.
+            used = np.zeros(1, np.int64)
         if len(used) == len(self.sources):
             return self
         remap = np.full(len(self.sources), -1, np.int32)

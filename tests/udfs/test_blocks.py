@@ -52,6 +52,44 @@ def test_left_outer_keeps_unmatched_query_rows_once():
     assert len(rows) == 1 + 4 * 3  # the other 4 queries see all 3 targets
 
 
+def test_states_without_any_candidate_combine_keep_a_payload_table_and_ship():
+    # Query rows with no candidate in two target blocks: the combined state refers to no
+    # payload row, yet its NULL payload columns still need the target's column types.
+    t1 = pa.table({"x": ["a", "b"], "n": [1, 2]})
+    t2 = pa.table({"x": ["c"], "n": [3]})
+    empty = np.full((2, 2), -1)
+    parts = [TopkState.from_search(np.full((2, 2), np.inf, np.float32), empty, b, t)
+             for b, t in enumerate((t1, t2))]
+    merged = TopkState.combine(parts, "l2")
+    assert merged.keys.tolist() == [[-1, -1], [-1, -1]] and len(merged.sources) == 1
+    assert merged.payload.schema == t1.schema
+    assert merged.payload.to_pylist() == [{"x": None, "n": None}] * 4
+    shipped = TopkState.from_blob(merged.to_blob(), 2)
+    assert shipped.keys.tolist() == merged.keys.tolist()
+    assert shipped.payload.column(0).type == pa.string() and shipped.payload.num_rows == 4
+
+
+@pytest.mark.parametrize("plan", ["broadcast", "blocked"])
+@pytest.mark.parametrize("join_type", ["inner", "leftouter"])
+def test_query_blocks_without_any_candidate_against_several_target_blocks(plan, join_type):
+    """NULL and NULL-element query rows, some filling whole query blocks, against a target
+    of four blocks over two packing tasks; k larger than the target."""
+    rng = np.random.default_rng(12)
+    Q, T, qt, tt = _tables(rng, 7, 7, 3)
+    vectors = [None, None, [1.0, None, 0.0]] + [list(v) for v in Q[3:]]   # block 0: no candidate
+    qt = qt.set_column(1, "qv", pa.array(vectors, type=pa.list_(pa.float32())))
+    k = 9
+    out = local_join(qt, tt, _ctx(k, "l2", 3, 2, 2, join_type, tt.schema), plan=plan, partitions=2)
+    rows = out.to_pylist()
+    unmatched = sorted(r[C.output_name(0)] for r in rows if r[C.output_name(2)] is None)
+    assert all(r[C.output_name(5)] is None for r in rows if r[C.output_name(2)] is None)
+    assert unmatched == ([0, 1, 2] if join_type == "leftouter" else [])
+    values, indices = knn(Q[3:], T, k, "l2", backend="reference")
+    got = sorted((r[C.output_name(0)], r[C.output_name(2)]) for r in rows if r[C.output_name(2)] is not None)
+    assert got == sorted((3 + q, int(t)) for q in range(4) for t in indices[q] if t >= 0)
+    assert len(rows) == len(unmatched) + 4 * 7
+
+
 @pytest.mark.parametrize("join_type", ["inner", "leftouter"])
 def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatch, join_type):
     """Many small output batches, built ahead on helper threads, arrive in order and equal
