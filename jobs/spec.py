@@ -22,6 +22,7 @@ import fnmatch
 import glob
 import os
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,13 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
+        try:
+            hash(key)
+        except TypeError:  # `? [a, b]`: PyYAML's own check would come after ours
+            raise yaml.constructor.ConstructorError(
+                "while constructing a mapping", node.start_mark, "found unhashable key",
+                key_node.start_mark,
+            ) from None
         if key in seen:
             raise SpecError(
                 str(key),
@@ -198,9 +206,110 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
     return loader.construct_mapping(node, deep=deep)
 
 
+def _construct_int(loader: _UniqueKeyLoader, node: yaml.ScalarNode) -> int:
+    try:
+        return yaml.SafeLoader.construct_yaml_int(loader, node)
+    except ValueError:  # Python refuses int() of more than sys.get_int_max_str_digits() digits
+        raise yaml.constructor.ConstructorError(
+            None, None, f"integer of {len(node.value):,} digits", node.start_mark
+        ) from None
+
+
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping
 )
+_UniqueKeyLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+# The most a spec (or one --set value) may expand to, counting one per value plus the
+# characters of every scalar, with each alias counted as a full copy of what it refers to.
+# A spec is a few hundred values; a file of that size without aliases stays far below. An
+# alias bomb ("billion laughs": 9 levels of 9 aliases, 9**9 values from 300 bytes) costs the
+# loader nothing, because aliases share one object, but anything that walks the value
+# (a repr for a message, a deep copy, the JSON summary) would expand it in memory.
+MAX_EXPANDED_SIZE = 10_000_000
+
+
+class _Expansion:
+    """Expanded sizes of the nodes of one composed YAML document, linear in its distinct nodes."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, int] = {}
+        self.cyclic = False
+        self._within: set[int] = set()
+
+    def size(self, node: yaml.Node) -> int:
+        key = id(node)
+        if key in self.sizes:
+            return self.sizes[key]
+        if key in self._within:  # an alias to an enclosing node (`a: &x [*x]`): endless
+            self.cyclic = True
+            return MAX_EXPANDED_SIZE + 1
+        if isinstance(node, yaml.ScalarNode):
+            size = 1 + len(node.value)
+        else:
+            self._within.add(key)
+            children = (
+                [part for pair in node.value for part in pair]
+                if isinstance(node, yaml.MappingNode) else node.value
+            )
+            size = 1 + sum(self.size(child) for child in children)
+            self._within.discard(key)
+        self.sizes[key] = size
+        return size
+
+
+def _check_expansion(root: yaml.Node, key: str) -> None:
+    """Refuse a document that expands past :data:`MAX_EXPANDED_SIZE`, naming the key."""
+    expansion = _Expansion()
+    if expansion.size(root) <= MAX_EXPANDED_SIZE:
+        return
+    # Descend through mappings to the innermost key whose value is too large: that is the
+    # key to name (`join.k`), not the document or the section around it.
+    names, node = [], root
+    while isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if expansion.sizes[id(value_node)] > MAX_EXPANDED_SIZE:
+                names.append(str(key_node.value) if isinstance(key_node, yaml.ScalarNode)
+                             else f"<key at line {key_node.start_mark.line + 1}>")
+                node = value_node
+                break
+        else:
+            break
+    what = "refers to itself through a YAML alias" if expansion.cyclic else (
+        f"expands to more than {MAX_EXPANDED_SIZE:,} values and characters (YAML aliases "
+        "repeat what they refer to)")
+    raise SpecError(
+        _join_key(key, ".".join(names)),
+        f"the {node.id} at line {node.start_mark.line + 1} {what}; expected a scalar or a "
+        "short list",
+    )
+
+
+def _join_key(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _parse_yaml(text: str, *, key_prefix: str = "", source: str = "") -> Any:
+    """Safe-load one YAML document after checking what its aliases expand to.
+
+    Errors name ``key_prefix`` plus the dotted path of the offending value, or ``source``
+    when the problem is the whole document.
+    """
+    loader = _UniqueKeyLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, key_prefix)
+        return loader.construct_document(node)
+    except RecursionError:  # the composer and constructor recurse once per nesting level
+        raise SpecError(key_prefix or source, "YAML nested too deeply; expected a flat spec") from None
+    except SpecError as exc:
+        if exc.key or not source:
+            raise
+        raise SpecError(source, exc.message) from None
+    finally:
+        loader.dispose()
 
 
 def _load_yaml(path: Path, key: str) -> Any:
@@ -211,7 +320,7 @@ def _load_yaml(path: Path, key: str) -> Any:
     except OSError as exc:
         raise SpecError(key, f"cannot read {str(path)!r}: {exc.strerror}") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        return _parse_yaml(text, source=key)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
@@ -247,7 +356,7 @@ def parse_override(text: str) -> tuple[tuple[str, ...], Any]:
     key, raw = text.split("=", 1)
     path = _split_key(key.strip())
     try:
-        value = yaml.safe_load(raw)
+        value = _parse_yaml(raw, key_prefix=".".join(path))
     except yaml.YAMLError:
         value = raw  # not YAML (e.g. starts with '%' or '@'): take the text as it is
     if isinstance(value, dict):
@@ -306,8 +415,26 @@ def _section(document: dict, name: str, schema: dict[str, Any]) -> dict[str, Any
     return values
 
 
+# Messages quote bad values through this: at most a few items of two levels and a few dozen
+# characters, so describing a huge (or self-referencing) value costs nothing.
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 60, 60, 40
+_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
+_MAX_QUOTED = 120
+
+
+def _short(value: Any) -> str:
+    """A repr of ``value`` that never walks more than 20 items nor exceeds ~120 characters."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= _MAX_QUOTED else text[: _MAX_QUOTED - 3] + "..."
+
+
 def _describe(value: Any) -> str:
-    return f"{type(value).__name__} {value!r}"
+    """``type value`` for messages; collections also say how many items they hold."""
+    size = ""
+    if isinstance(value, (list, dict, tuple, set)):
+        size = f" of {len(value):,} item{'' if len(value) == 1 else 's'}"
+    return f"{type(value).__name__}{size} {_short(value)}"
 
 
 def _text(value: Any, key: str, *, optional: bool = False) -> str | None:
@@ -336,7 +463,7 @@ def _names(value: Any, key: str) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise SpecError(key, f"expected a list of column names, got {_describe(value)}")
     if len(set(value)) != len(value):
-        raise SpecError(key, f"lists a column twice: {value}")
+        raise SpecError(key, f"lists a column twice: {_short(value)}")
     return tuple(value)
 
 
@@ -384,7 +511,7 @@ def _join(values: dict[str, Any]) -> JoinSpec:
 
     metric = values["metric"]
     if not isinstance(metric, str) or metric not in METRICS:
-        raise SpecError("join.metric", f"unknown metric {metric!r}; expected one of {sorted(METRICS)}")
+        raise SpecError("join.metric", f"unknown metric {_short(metric)}; expected one of {sorted(METRICS)}")
     return JoinSpec(
         metric=metric,
         k=_integer(values["k"], "join.k", low=K_MIN, high=K_MAX),
@@ -416,7 +543,7 @@ def _output(values: dict[str, Any]) -> OutputSpec:
         )
     mode = values["mode"]
     if mode not in WRITE_MODES:
-        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {mode!r}")
+        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {_short(mode)}")
     include_vectors = values["include_vectors"]
     if not isinstance(include_vectors, bool):
         raise SpecError("output.include_vectors", f"expected true or false, got {_describe(include_vectors)}")

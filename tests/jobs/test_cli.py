@@ -7,6 +7,7 @@ pairs must match exactly.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,8 @@ from jobs import runner
 from jobs.cli import _cause, main
 from jobs.spec import REDACTED, SUMMARY_FILE
 from nearest_join.kernels import knn
+
+from .test_spec import _bomb_override, _bomb_spec
 
 QUERY_ROWS, TARGET_ROWS, DIM = 40, 400, 8
 NAN_QUERY = 1017  # this query row has a NaN element: it can never have a candidate
@@ -277,6 +280,31 @@ def test_ragged_vector_exits_2_and_publishes_nothing(job, capsys):
     assert code == 2, err
     assert "query.vector/target.vector: a row's vector has another dimension" in err
     assert not out.exists() and not [p for p in job.base.iterdir() if p.name.startswith(".out.nj-staging")]
+
+
+def _tree(base: Path) -> list[str]:
+    """Every path under ``base``, hidden ones included (staging, lock files)."""
+    return sorted(str(p.relative_to(base)) for p in base.rglob("*"))
+
+
+@pytest.mark.parametrize("where", ["file", "--set"])
+def test_alias_bomb_exits_2_at_once(tmp_path, capsys, where):
+    spec = _bomb_spec(tmp_path)
+    argv = ["run", str(spec)]
+    if where == "--set":
+        spec.write_text(yaml.safe_dump({"query": {"path": "q", "vector": "v"},
+                                        "target": {"path": "t", "vector": "v"},
+                                        "join": {"metric": "l2"}, "output": {"path": "o"}}))
+        argv += ["--set", _bomb_override()]
+    before = _tree(tmp_path)
+    start = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - start < 2.0  # was 88 s, 3.4 GB and a MemoryError
+    err = capsys.readouterr().err
+    assert "nearest-join: error: join.k: the sequence at line" in err
+    assert "expands to more than 10,000,000 values and characters" in err
+    assert "nothing was written" in err and len(err) < 1000
+    assert _tree(tmp_path) == before
 
 
 def test_a_run_that_dies_while_writing_leaves_the_old_output(job, capsys, monkeypatch):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,74 @@ def test_yaml_cannot_run_code(tmp_path):
     with pytest.raises(SpecError, match="is not valid YAML at line 1"):
         load_spec(path)
     assert not marker.exists()
+
+
+def _alias_bomb(indent: str, levels: int = 9, width: int = 9) -> list[str]:
+    """Lines of a YAML list whose last item stands for width**levels strings ("billion laughs")."""
+    items = [f"&l0 [{', '.join(['lol'] * width)}]"] + [
+        f"&l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return [f"{indent}- {item}" for item in items]
+
+
+def _bomb_spec(tmp_path: Path) -> Path:
+    lines = ["query: {path: in/query, vector: vec}", "target: {path: in/target, vector: vec}",
+             "join:", "  metric: l2", "  k:", *_alias_bomb("    "), "output: {path: out}"]
+    return _write(tmp_path / "job.yaml", "\n".join(lines) + "\n")
+
+
+def _bomb_override() -> str:
+    return "join.k=[" + ", ".join(line.strip()[2:] for line in _alias_bomb("")) + "]"
+
+
+@pytest.mark.parametrize("where", ["file", "--set"])
+def test_alias_bomb_is_refused_at_once_naming_the_key(tmp_path, where):
+    # 9 levels of 9 aliases: 9**9 strings once expanded; the loader shares them, but a repr
+    # for the error message used to expand them (88 s, 3.4 GB, then MemoryError).
+    spec = _bomb_spec(tmp_path)
+    overrides = [_bomb_override()] if where == "--set" else []
+    if where == "--set":
+        _write(spec, _document(tmp_path))
+    start = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        load_spec(spec, overrides)
+    assert time.perf_counter() - start < 1.0
+    assert info.value.key == "join.k"
+    assert "expands to more than 10,000,000 values and characters" in info.value.message
+    assert "expected a scalar or a short list" in info.value.message
+    assert len(str(info.value)) < 300
+
+
+def test_self_referencing_value_is_refused(tmp_path):
+    path = _write(tmp_path / "job.yaml", "join:\n  metric: l2\n  k: &k [1, *k]\n")
+    with pytest.raises(SpecError, match=r"^join.k: the sequence at line 3 refers to itself"):
+        load_spec(path)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("join:\n  k: " + "9" * 5000 + "\n", "is not valid YAML at line 2, column 6: integer of 5,000 digits"),
+    ("join:\n  ? [1, 2]\n  : 3\n", "is not valid YAML at line 2, column 5: found unhashable key"),
+])
+def test_values_python_cannot_build_are_bad_yaml_not_a_crash(tmp_path, text, message):
+    with pytest.raises(SpecError, match=message):
+        load_spec(_write(tmp_path / "job.yaml", text))
+
+
+def test_messages_describe_a_huge_value_briefly(inputs):
+    # The same structure built in Python (parse_spec is public): describing it for the
+    # message must not walk it.
+    huge = ["lol"] * 9
+    for _ in range(8):
+        huge = [huge] * 9
+    start = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        parse_spec({**_document(inputs), "join": {"metric": "l2", "k": huge}})
+    assert time.perf_counter() - start < 1.0
+    assert info.value.key == "join.k"
+    assert info.value.message.startswith("expected an integer, got list of 9 items [[[...], ")
+    assert len(info.value.message) < 200
+    with pytest.raises(SpecError, match=r"^join.metric: unknown metric 'x+\.\.\.x+'; expected") as info:
+        parse_spec({**_document(inputs), "join": {"metric": "x" * 10**6}})
+    assert len(str(info.value)) < 300
 
 
 @pytest.mark.parametrize("text,message", [
