@@ -642,15 +642,25 @@ def _related(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
+def _real(path: str | Path) -> Path:
+    # os.path.realpath resolves the symlinks of the part of the path that exists and keeps a
+    # missing tail as written, so a new output is placed by its nearest existing ancestor.
+    return Path(os.path.realpath(path))
+
+
 def check_paths(spec: JobSpec) -> None:
     """Check what can be checked on the local filesystem before Spark starts.
 
     Local inputs exist (or their globs match something); the output is neither an input nor
     inside one nor around one, and is not matched by an input glob (the next run would read
-    its own output); an existing output may be replaced only in ``overwrite`` mode and only if
-    nearest-join wrote it. Non-local inputs (``s3a://``, ``hdfs://``) are checked by Spark.
+    its own output), both as written and with symlinks resolved; an existing output may be
+    replaced only in ``overwrite`` mode and only if nearest-join wrote it. Non-local inputs
+    (``s3a://``, ``hdfs://``) are checked by Spark.
     """
     output = Path(spec.output.path)
+    # Where the output really is: through a symlink (`qlink/out` with qlink -> in/q) an
+    # output can sit inside an input whose path looks unrelated, and the reverse.
+    outputs = (output, _real(output))
     for side in (spec.query, spec.target):
         for pattern in side.paths:
             if not is_local(pattern):
@@ -661,15 +671,18 @@ def check_paths(spec: JobSpec) -> None:
             if not matches:
                 what = "no file or directory matches" if _has_magic(pattern) else "does not exist:"
                 raise SpecError(f"{side.side}.path", f"{what} {pattern!r}")
-            clash = next((m for m in matches if _related(output, m)), None)
-            matched = _has_magic(pattern) and any(
-                fnmatch.fnmatch(str(p), pattern) for p in (output, *output.parents)
-            )
+            clash = next((m for m in matches
+                          if _related(output, m) or _related(outputs[1], _real(m))), None)
+            patterns = {pattern, os.path.realpath(pattern)} if _has_magic(pattern) else set()
+            matched = any(fnmatch.fnmatch(str(p), glob_pattern) for glob_pattern in patterns
+                          for o in outputs for p in (o, *o.parents))
             if clash is not None or matched:
+                real = f" (really {str(outputs[1])!r})" if outputs[1] != output else ""
                 raise SpecError(
                     "output.path",
-                    f"{str(output)!r} overlaps the {side.side} input {str(clash or pattern)!r}; "
-                    "write the output somewhere that is neither an input nor inside or around one",
+                    f"{str(output)!r}{real} overlaps the {side.side} input "
+                    f"{str(clash or pattern)!r}; write the output somewhere that is neither an "
+                    "input nor inside or around one",
                 )
     check_output_target(spec.output)
 

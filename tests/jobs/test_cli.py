@@ -307,6 +307,17 @@ def test_alias_bomb_exits_2_at_once(tmp_path, capsys, where):
     assert _tree(tmp_path) == before
 
 
+def test_output_through_a_symlink_into_an_input_exits_2(job, capsys):
+    link = job.base / "qlink"
+    link.symlink_to(job.base / "in" / "query", target_is_directory=True)
+    before = _tree(job.base)
+    assert main(["run", str(job.spec), "--set", f"output.path={link / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert (f"output.path: '{link / 'out'}' (really '{job.base / 'in' / 'query' / 'out'}') "
+            f"overlaps the query input '{job.base / 'in' / 'query'}'") in err
+    assert _tree(job.base) == before  # nothing inside the input, no lock beside it
+
+
 def test_a_run_that_dies_while_writing_leaves_the_old_output(job, capsys, monkeypatch):
     out = job.base / "out"
     argv = ["run", str(job.spec), "--set", f"output.path={out}", "--set", "output.mode=overwrite"]

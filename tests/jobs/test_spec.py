@@ -319,6 +319,33 @@ def test_check_paths_errors(inputs, monkeypatch, changes, key, text):
     assert not (inputs / "out").exists()
 
 
+@pytest.mark.parametrize("changes,really", [
+    ({"output__path": "qlink/out"}, "in/query/out"),
+    ({"output__path": "qlink"}, "in/query"),
+    ({"query__path": "qlink", "target__path": "tlink", "output__path": "in"}, None),
+    ({"query__path": "qlink/*.parquet", "output__path": "in/query/more.parquet"}, None),
+], ids=["output inside input via link", "output is a link to input",
+        "output around a linked input", "output matched by a glob via link"])
+def test_check_paths_sees_through_symlinks(inputs, monkeypatch, changes, really):
+    # qlink -> in/query: `qlink/out` looks unrelated to in/query but is inside it.
+    (inputs / "qlink").symlink_to(inputs / "in" / "query", target_is_directory=True)
+    (inputs / "tlink").symlink_to(inputs / "in" / "target", target_is_directory=True)
+    monkeypatch.chdir(inputs)
+    with pytest.raises(SpecError, match="overlaps the query input") as info:
+        check_paths(_spec(inputs, **changes))
+    assert info.value.key == "output.path"
+    assert (f"(really '{inputs / really}')" in info.value.message) if really else (
+        "really" not in info.value.message)
+    assert sorted(p.name for p in (inputs / "in" / "query").iterdir()) == ["part-0.parquet"]
+
+
+def test_check_paths_accepts_a_link_that_leads_elsewhere(inputs, monkeypatch):
+    (inputs / "elsewhere").mkdir()
+    (inputs / "olink").symlink_to(inputs / "elsewhere", target_is_directory=True)
+    monkeypatch.chdir(inputs)
+    check_paths(_spec(inputs, output__path="olink/out"))
+
+
 def test_existing_output_needs_overwrite_and_our_summary(inputs):
     out = inputs / "out"
     out.mkdir()
