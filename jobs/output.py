@@ -17,7 +17,9 @@ fails or is killed leaves the old table as it was. Hidden names (leading dot) ke
 directories out of Spark's and Hive's directory listings.
 
 One run at a time may write a given output: an exclusive ``flock`` on ``.NAME.nj-lock``
-(released by the kernel even when the process is killed) makes a second run fail fast.
+(released by the kernel even when the process is killed) makes a second run fail fast. A run
+takes it before reading its inputs, so a busy or unwritable output is found in seconds; a run
+that then publishes nothing removes the lock file and the directories it created for it.
 
 Object stores (S3, GCS, ABFS) have no atomic directory rename: this module refuses them (the
 spec check does). There, publish through a table format (Delta Lake, Iceberg) or an S3A
@@ -25,6 +27,7 @@ committer and a pointer that readers follow, swapped once the write is complete.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -135,8 +138,9 @@ class StagedOutput:
     ...     df.write.parquet(str(staged.staging))
     ...     staged.publish({"output_rows": 42})
 
-    Leaving the block without :meth:`publish` (an exception) deletes the staging directory;
-    the final path is untouched.
+    Leaving the block without :meth:`publish` (an exception) deletes the staging directory,
+    and the lock file and parent directories if this run created them; the final path is
+    untouched.
     """
 
     def __init__(self, final: str | os.PathLike, *, replace: bool = True):
@@ -146,22 +150,93 @@ class StagedOutput:
         self.staging = _sibling(self.final, _STAGING, self.run_id)
         self.lock_path = _sibling(self.final, ".nj-lock")
         self._lock_fd: int | None = None
+        self._lock_created = False
+        self._created_dirs: list[Path] = []  # parents of the output this run made, outermost first
         self.published = False
 
     def __enter__(self) -> "StagedOutput":
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Take the output's lock (creating its parent directories), then tidy up after killed runs.
+
+        Raises
+        ------
+        OutputBusyError
+            Another run holds the lock.
+        OSError
+            The output's directory cannot be created or written (``PermissionError``,
+            ``EROFS``, ``ENOTDIR``); nothing is left behind.
+        """
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise OutputBusyError(
-                f"another nearest-join run is writing {self.final} (it holds {self.lock_path}); "
-                "wait for it to finish, then re-run"
-            ) from None
-        self._lock_fd = fd
-        _recover(self.final)
+            self._lock()
+            _recover(self.final)
+        except BaseException:
+            self._release()
+            raise
         return self
+
+    def _make_parents(self) -> None:
+        missing = []
+        directory = self.final.parent
+        while not os.path.lexists(directory):
+            missing.append(directory)
+            directory = directory.parent
+        for directory in reversed(missing):
+            try:
+                directory.mkdir()
+            except FileExistsError:  # another run made it meanwhile: it is not ours to remove
+                continue
+            self._created_dirs.append(directory)
+
+    def _lock(self) -> None:
+        # A run that gives up a lock file it created unlinks it while holding the lock; a run
+        # that opened the file just before may then lock the unlinked inode. So after locking,
+        # check that the path still names the file we hold, and otherwise start again.
+        for _ in range(100):
+            self._make_parents()
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                created = True
+            except FileExistsError:
+                try:
+                    fd = os.open(self.lock_path, os.O_RDWR)
+                except FileNotFoundError:  # removed by the run that just released it
+                    continue
+                created = False
+            except FileNotFoundError:  # a failed run removed the parent it had created
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise OutputBusyError(
+                    f"another nearest-join run is writing {self.final} (it holds "
+                    f"{self.lock_path}); wait for it to finish, then re-run"
+                ) from None
+            try:
+                current = os.stat(self.lock_path)
+            except FileNotFoundError:
+                current = None
+            if current is not None and os.path.samestat(os.fstat(fd), current):
+                self._lock_fd, self._lock_created = fd, created
+                return
+            os.close(fd)
+        raise OSError(errno.EAGAIN, f"could not take the lock {self.lock_path}: it keeps changing")
+
+    def _release(self) -> None:
+        """Drop the lock; without a publish, also what this run created for it."""
+        if self._lock_fd is not None:
+            if not self.published and self._lock_created:
+                # Unlinked while still locked: see _lock for why that is safe.
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.lock_path)
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+        if not self.published:
+            for directory in reversed(self._created_dirs):
+                try:
+                    directory.rmdir()
+                except OSError:  # not empty: another run is using it now
+                    break
+        self._created_dirs = []
 
     def publish(self, summary: dict[str, Any]) -> Path:
         """Add the summary and ``_SUCCESS`` to the staging directory and move it into place."""
@@ -182,9 +257,7 @@ class StagedOutput:
             if not self.published and os.path.lexists(self.staging):
                 shutil.rmtree(self.staging, ignore_errors=True)
         finally:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)  # releases the flock
-                self._lock_fd = None
+            self._release()
 
 
 def data_files(directory: Path) -> list[Path]:

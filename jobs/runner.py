@@ -4,7 +4,8 @@ The runner holds no join logic: it reads the inputs the spec names, asks
 :func:`nearest_join.explain_nearest_join` for the plan and :func:`nearest_join.nearest_by_join`
 for the result, and hands the result to :class:`jobs.output.StagedOutput`. Every phase is
 logged with its row counts and time. Problems with the spec or the inputs become
-:class:`~jobs.spec.SpecError` (exit status 2) before anything is written.
+:class:`~jobs.spec.SpecError` (exit status 2) before anything is written. A run takes the
+output's lock before it reads any input, so a busy or unwritable output fails in seconds.
 
 Search and merge run in one Spark job (the merge is the shuffle stage after the partial
 top-k of each block), so they are timed together as ``search+merge``. The joined rows are
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import logging
 import os
 import sys
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from .output import StagedOutput, data_files
-from .spec import JobSpec, SpecError, check_output_target, check_paths, redact_settings
+from .spec import JobSpec, SpecError, check_paths, redact_settings
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ _CONDITION_KEYS = {
 # Argument names in the library's own ValueError/TypeError messages -> spec keys.
 _ARGUMENT_KEYS = {"backend": "join.backend", "precision": "join.precision",
                   "distance_col": "join.distance_col", "direction": "join.direction"}
+# errno values of an output location that cannot be written, whatever a re-run does.
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
 
 
 # -- Spark session ------------------------------------------------------------------------------
@@ -289,10 +293,10 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     Raises
     ------
     SpecError
-        Bad spec or input (before anything is written), or a ragged vector found while
-        searching (nothing is published).
+        Bad spec or input, or an output location that cannot be written (before anything
+        is written), or a ragged vector found while searching (nothing is published).
     jobs.output.OutputBusyError
-        Another run is writing the same output path.
+        Another run is writing the same output path (found before any input is read).
     """
     from pyspark import StorageLevel
     from pyspark.sql import functions as F
@@ -302,38 +306,39 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
 
     started_at, start = _now(), time.perf_counter()
     phases = _Phases()
-    prepared = prepare(spec, spark, phases)
-    args, kwargs = _library_arguments(spec, prepared.query_vector, prepared.target_vector)
-    joined = nearest_by_join(prepared.query, prepared.target, *args, **kwargs)
-    joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
-    try:
-        with phases("search+merge") as facts:
-            try:
-                counts = joined.agg(
-                    F.count(F.lit(1)).alias("rows"),
-                    F.countDistinct(
-                        F.when(F.col(f"`{prepared.target_vector}`").isNotNull(), F.col(QUERY_ROW_ID))
-                    ).alias("matched"),
-                ).first()
-            except Exception as exc:  # a ragged row surfaces as a failed Spark job
-                if "VECTOR_DIMENSION_MISMATCH" in str(exc):
-                    raise SpecError(
-                        _CONDITION_KEYS["VECTOR_DIMENSION_MISMATCH"],
-                        "a row's vector has another dimension than the rest "
-                        "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
-                        "query.where: size(vec) = 64",
-                    ) from exc
-                raise
-            facts["output rows"] = output_rows = int(counts["rows"])
-            facts["queries without candidates"] = unmatched = prepared.query_rows - int(counts["matched"])
-        drop = [QUERY_ROW_ID]
-        if not spec.output.include_vectors:
-            drop += [prepared.query_vector, prepared.target_vector]
-        result = joined.drop(*drop)
+    with contextlib.ExitStack() as stack:
+        # The lock before the inputs: a run whose output is busy or cannot be written fails
+        # in seconds, not after the search. prepare() re-checks the output under the lock.
+        staged = _lock_output(spec, stack)
+        prepared = prepare(spec, spark, phases)
+        args, kwargs = _library_arguments(spec, prepared.query_vector, prepared.target_vector)
+        joined = nearest_by_join(prepared.query, prepared.target, *args, **kwargs)
+        joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
+        try:
+            with phases("search+merge") as facts:
+                try:
+                    counts = joined.agg(
+                        F.count(F.lit(1)).alias("rows"),
+                        F.countDistinct(
+                            F.when(F.col(f"`{prepared.target_vector}`").isNotNull(), F.col(QUERY_ROW_ID))
+                        ).alias("matched"),
+                    ).first()
+                except Exception as exc:  # a ragged row surfaces as a failed Spark job
+                    if "VECTOR_DIMENSION_MISMATCH" in str(exc):
+                        raise SpecError(
+                            _CONDITION_KEYS["VECTOR_DIMENSION_MISMATCH"],
+                            "a row's vector has another dimension than the rest "
+                            "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
+                            "query.where: size(vec) = 64",
+                        ) from exc
+                    raise
+                facts["output rows"] = output_rows = int(counts["rows"])
+                facts["queries without candidates"] = unmatched = prepared.query_rows - int(counts["matched"])
+            drop = [QUERY_ROW_ID]
+            if not spec.output.include_vectors:
+                drop += [prepared.query_vector, prepared.target_vector]
+            result = joined.drop(*drop)
 
-        with StagedOutput(spec.output.path, replace=spec.output.mode == "overwrite") as staged:
-            # Re-check under the lock: another process may have created the output since.
-            check_output_target(spec.output)
             with phases("write") as facts:
                 write_parquet(result, str(staged.staging), spec.output.partition_by,
                               spec.output.num_files)
@@ -369,9 +374,26 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
             }
             with phases("commit"):
                 staged.publish(summary)
-    finally:
-        joined.unpersist()
+        finally:
+            joined.unpersist()
     return summary
+
+
+def _lock_output(spec: JobSpec, stack: contextlib.ExitStack) -> StagedOutput:
+    """Take the output's lock for the rest of ``stack``; an unwritable location is a SpecError."""
+    staged = StagedOutput(spec.output.path, replace=spec.output.mode == "overwrite")
+    try:
+        stack.enter_context(staged)
+    except OSError as exc:
+        if exc.errno not in _UNWRITABLE:
+            raise
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise SpecError(
+            "output.path",
+            f"cannot write {spec.output.path!r}: {exc.strerror}{where}; choose another "
+            "output.path or make it writable",
+        ) from None
+    return staged
 
 
 def explain_job(spec: JobSpec, spark) -> Prepared:

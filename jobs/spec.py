@@ -45,6 +45,8 @@ __all__ = [
     "parse_override",
     "apply_overrides",
     "check_paths",
+    "check_output_target",
+    "check_output_writable",
     "redact_settings",
     "conf_dir",
 ]
@@ -654,8 +656,9 @@ def check_paths(spec: JobSpec) -> None:
     Local inputs exist (or their globs match something); the output is neither an input nor
     inside one nor around one, and is not matched by an input glob (the next run would read
     its own output), both as written and with symlinks resolved; an existing output may be
-    replaced only in ``overwrite`` mode and only if nearest-join wrote it. Non-local inputs
-    (``s3a://``, ``hdfs://``) are checked by Spark.
+    replaced only in ``overwrite`` mode and only if nearest-join wrote it; the output's
+    directory can be created and written. Non-local inputs (``s3a://``, ``hdfs://``) are
+    checked by Spark.
     """
     output = Path(spec.output.path)
     # Where the output really is: through a symlink (`qlink/out` with qlink -> in/q) an
@@ -685,6 +688,44 @@ def check_paths(spec: JobSpec) -> None:
                     "input nor inside or around one",
                 )
     check_output_target(spec.output)
+    check_output_writable(spec.output)
+
+
+def _writable(directory: Path) -> bool:
+    # The effective user is the one that will create files (setuid wrappers, sudo -u).
+    effective = os.access in os.supports_effective_ids
+    return os.access(directory, os.W_OK | os.X_OK, effective_ids=effective)
+
+
+def check_output_writable(output: OutputSpec) -> None:
+    """Refuse an output whose directory this user cannot create or write; creates nothing.
+
+    Permission bits are checked here, before Spark starts; what they cannot tell (a read-only
+    mount as root) is found when the run takes the output's lock, still before any input is
+    read (see :class:`jobs.output.StagedOutput`).
+    """
+    path = Path(output.path)
+    existing = path.parent
+    while not os.path.lexists(existing):
+        existing = existing.parent
+    if not existing.is_dir():
+        raise SpecError(
+            "output.path",
+            f"cannot create {str(path)!r}: {str(existing)!r} is not a directory; choose "
+            "another output.path",
+        )
+    if not _writable(existing):
+        raise SpecError(
+            "output.path",
+            f"cannot write {str(path)!r}: {str(existing)!r} is not writable by this user; "
+            "choose another output.path or make it writable",
+        )
+    if output.mode == "overwrite" and path.is_dir() and not _writable(path):
+        raise SpecError(
+            "output.path",
+            f"cannot replace {str(path)!r}: it is not writable by this user, so its old files "
+            "could not be deleted; choose another output.path or make it writable",
+        )
 
 
 def check_output_target(output: OutputSpec) -> None:

@@ -7,7 +7,9 @@ pairs must match exactly.
 from __future__ import annotations
 
 import json
+import os
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ import yaml
 
 from jobs import runner
 from jobs.cli import _cause, main
+from jobs.output import StagedOutput
 from jobs.spec import REDACTED, SUMMARY_FILE
 from nearest_join.kernels import knn
 
@@ -316,6 +319,47 @@ def test_output_through_a_symlink_into_an_input_exits_2(job, capsys):
     assert (f"output.path: '{link / 'out'}' (really '{job.base / 'in' / 'query' / 'out'}') "
             f"overlaps the query input '{job.base / 'in' / 'query'}'") in err
     assert _tree(job.base) == before  # nothing inside the input, no lock beside it
+
+
+@pytest.mark.parametrize("command", ["run", "explain"])
+def test_output_under_a_file_exits_2_before_reading(job, capsys, command):
+    (job.base / "afile").write_text("x")
+    out = job.base / "afile" / "out"
+    before = _tree(job.base)
+    assert main([command, str(job.spec), "--set", f"output.path={out}"]) == 2
+    err = capsys.readouterr().err
+    assert f"output.path: cannot create '{out}': '{job.base / 'afile'}' is not a directory" in err
+    assert "read: started" not in err
+    assert _tree(job.base) == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"),
+                    reason="needs Linux sysfs, where no user, root included, can make a directory")
+def test_output_on_an_unwritable_filesystem_exits_2_before_reading(job, capsys):
+    # Permission bits say /sys is writable to root; only trying tells. The run tries when
+    # it takes the output's lock, before it reads anything.
+    out = Path("/sys") / f"nearest-join-test-{uuid.uuid4().hex[:8]}" / "out"
+    start = time.perf_counter()
+    assert main(["run", str(job.spec), "--set", f"output.path={out}"]) == 2
+    assert time.perf_counter() - start < 5.0
+    err = capsys.readouterr().err
+    assert f"nearest-join: error: output.path: cannot write '{out}': " in err
+    assert "read: started" not in err
+    assert not out.parent.exists()
+
+
+def test_a_busy_output_fails_before_reading_the_inputs(job, capsys):
+    out = job.base / "out"
+    with StagedOutput(out):  # another run holds the lock
+        before = _tree(job.base)
+        start = time.perf_counter()
+        code = main(["run", str(job.spec), "--set", f"output.path={out}"])
+        elapsed = time.perf_counter() - start
+        assert _tree(job.base) == before  # the holder's lock file is still there
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"another nearest-join run is writing {out}" in err
+    assert "read: started" not in err and elapsed < 5.0  # was found after the search
 
 
 def test_a_run_that_dies_while_writing_leaves_the_old_output(job, capsys, monkeypatch):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -102,6 +103,75 @@ def test_one_run_per_output(tmp_path):
                 pass
     with StagedOutput(final):  # the lock was released
         pass
+
+
+def test_a_run_that_publishes_nothing_leaves_nothing(tmp_path):
+    # The lock is taken before the inputs are read, so a run that then fails on bad input
+    # must take back the lock file and the directories it made for it.
+    final = tmp_path / "new" / "deeper" / "out"
+    with pytest.raises(RuntimeError, match="bad input"):
+        with StagedOutput(final) as staged:
+            assert staged.lock_path.is_file()
+            raise RuntimeError("bad input")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_lock_file_left_by_an_earlier_run_is_kept(tmp_path):
+    final = tmp_path / "out"
+    with StagedOutput(final) as staged:
+        _write_parts(staged.staging, "new")
+        staged.publish({})
+    lock = tmp_path / ".out.nj-lock"
+    inode = lock.stat().st_ino
+    with pytest.raises(RuntimeError):
+        with StagedOutput(final):
+            raise RuntimeError("bad input")
+    assert lock.stat().st_ino == inode and (final / "part-00000.parquet").is_file()
+
+
+def test_a_busy_output_keeps_the_holders_lock_file(tmp_path):
+    final = tmp_path / "new" / "out"
+    with StagedOutput(final) as holder:
+        with pytest.raises(OutputBusyError):
+            with StagedOutput(final):
+                pass
+        assert holder.lock_path.is_file()
+        with pytest.raises(OutputBusyError):  # still held, by the same file
+            with StagedOutput(final):
+                pass
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_lock_holds_when_its_file_is_removed_under_a_waiting_run(tmp_path, monkeypatch):
+    # Run A created the lock file and fails; run B opened that file just before A unlinked
+    # it, and locks the unlinked file once A lets go. B must notice and lock the file at
+    # the path instead, or a run C would lock a new file and write beside B.
+    final = tmp_path / "out"
+    a = StagedOutput(final).__enter__()
+    real_flock = output.fcntl.flock
+    calls = []
+
+    def a_leaves_between_open_and_flock(fd, operation):
+        if not calls:
+            a.__exit__(RuntimeError, RuntimeError("bad input"), None)  # unlinks, then unlocks
+        calls.append(fd)
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(output.fcntl, "flock", a_leaves_between_open_and_flock)
+    with StagedOutput(final) as b:
+        assert len(calls) == 2  # the unlinked file, then the new one
+        assert os.path.samestat(os.fstat(b._lock_fd), os.stat(b.lock_path))
+        with pytest.raises(OutputBusyError):
+            with StagedOutput(final):
+                pass
+
+
+def test_an_output_under_a_file_raises_and_leaves_nothing(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotADirectoryError):
+        with StagedOutput(tmp_path / "afile" / "new" / "out"):
+            pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 def test_recovery_after_a_kill_between_the_two_renames(tmp_path):

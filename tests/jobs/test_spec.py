@@ -346,6 +346,27 @@ def test_check_paths_accepts_a_link_that_leads_elsewhere(inputs, monkeypatch):
     check_paths(_spec(inputs, output__path="olink/out"))
 
 
+def test_output_under_a_file_is_refused(inputs):
+    (inputs / "afile").write_text("x")
+    with pytest.raises(SpecError, match=r"cannot create '.*/afile/out': '.*/afile' is not a directory"):
+        check_paths(_spec(inputs, output__path=str(inputs / "afile" / "out")))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
+def test_output_in_a_read_only_directory_is_refused(inputs):
+    locked = inputs / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with pytest.raises(SpecError, match=r"cannot write '.*/locked/new/out': '.*/locked' is not "
+                                             r"writable by this user") as info:
+            check_paths(_spec(inputs, output__path=str(locked / "new" / "out")))
+        assert info.value.key == "output.path"
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
+
+
 def test_existing_output_needs_overwrite_and_our_summary(inputs):
     out = inputs / "out"
     out.mkdir()
