@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import errno
+import fnmatch
 import logging
 import os
 import sys
@@ -23,8 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .inputs import check_parquet_input
 from .output import StagedOutput, data_files
-from .spec import JobSpec, SpecError, check_paths, redact_settings
+from .spec import JobSpec, SpecError, check_paths, is_local, local_path, redact_settings
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,10 @@ _CONDITION_KEYS = {
 # Argument names in the library's own ValueError/TypeError messages -> spec keys.
 _ARGUMENT_KEYS = {"backend": "join.backend", "precision": "join.precision",
                   "distance_col": "join.distance_col", "direction": "join.direction"}
+# Spark's error conditions for an input file it cannot read: not Parquet, or a column whose
+# type differs from the schema Spark took from another file. Local inputs are checked before
+# Spark reads them (jobs.inputs); these catch the others (s3a://, hdfs://).
+_UNREADABLE_INPUT = ("FAILED_READ_FILE", "CANNOT_READ_FILE_FOOTER")
 # errno values of an output location that cannot be written, whatever a re-run does.
 _UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR)
 
@@ -143,9 +149,62 @@ class Prepared:
     plan: Any           # nearest_join JoinPlan
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException | str) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _spark_condition(exc: BaseException) -> tuple[str | None, dict[str, str], list[str]]:
+    """Spark's error condition, message parameters and messages (outermost first) of ``exc``."""
+    from py4j.protocol import Py4JError, Py4JJavaError
+
+    if isinstance(exc, Py4JJavaError):  # a Java exception pyspark did not convert
+        java = exc.java_exception
+        messages = []
+        cause = java
+        while cause is not None and len(messages) < 2:
+            messages.append(str(cause.getMessage() or cause.getClass().getName()))
+            cause = cause.getCause()
+        try:
+            return java.getCondition(), dict(java.getMessageParameters()), messages
+        except Py4JError:  # not a SparkThrowable
+            return None, {}, messages
+    if callable(getattr(exc, "getCondition", None)):  # pyspark.errors.PySparkException
+        return exc.getCondition(), dict(exc.getMessageParameters() or {}), [str(exc)]
+    return None, {}, []
+
+
+def _holds(side, path: str) -> bool:
+    """Whether the input ``side`` names the file ``path`` (a path or URI from Spark)."""
+    path = local_path(path) if is_local(path) else path
+    return any(path == p or path.startswith(p.rstrip("/") + "/") or fnmatch.fnmatch(path, p)
+               for p in side.paths)
+
+
+def _unreadable_input(exc: BaseException, spec: JobSpec) -> SpecError | None:
+    """The SpecError for a Spark failure to read an input file, or None for other failures."""
+    condition, parameters, messages = _spark_condition(exc)
+    if not condition or not condition.startswith(_UNREADABLE_INPUT):
+        return None
+    path = parameters.get("path", "")
+    sides = [s for s in (spec.query, spec.target) if _holds(s, path)] or [spec.query, spec.target]
+    reasons = "; ".join(_first_line(m) for m in messages)
+    return SpecError("/".join(f"{s.side}.path" for s in sides),
+                     f"Spark cannot read {path or 'an input file'}: {reasons}")
+
+
+@contextlib.contextmanager
+def _input_errors(spec: JobSpec) -> Iterator[None]:
+    """Turn Spark's failures to read an input file into a SpecError naming the side and file."""
+    try:
+        yield
+    except SpecError:
+        raise
+    except Exception as exc:
+        error = _unreadable_input(exc, spec)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _read_side(spark, side) -> Any:
@@ -244,7 +303,11 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
 
     phases = phases or _Phases()
     check_paths(spec)
-    with phases("read") as facts:
+    with phases("read") as facts, _input_errors(spec):
+        # Every file's footer, before Spark takes a schema from one file of either side.
+        check_parquet_input(spec.query)
+        if spec.target.paths != spec.query.paths:  # a self-join reads one input twice
+            check_parquet_input(spec.target)
         query = _read_side(spark, spec.query)
         target = _read_side(spark, spec.target)
         if QUERY_ROW_ID in query.columns or QUERY_ROW_ID in target.columns:
@@ -256,7 +319,7 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector
     args, kwargs = _library_arguments(spec, query_vector, target_vector)
-    with phases("plan") as facts:
+    with phases("plan") as facts, _input_errors(spec):
         try:
             plan = explain_nearest_join(query, target, *args, **kwargs)
         except NearestByJoinError as exc:
@@ -294,7 +357,8 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     ------
     SpecError
         Bad spec or input, or an output location that cannot be written (before anything
-        is written), or a ragged vector found while searching (nothing is published).
+        is written), or a ragged vector or unreadable input file found while searching
+        (nothing is published).
     jobs.output.OutputBusyError
         Another run is writing the same output path (found before any input is read).
     """
@@ -331,6 +395,9 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
                             "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
                             "query.where: size(vec) = 64",
                         ) from exc
+                    unreadable = _unreadable_input(exc, spec)
+                    if unreadable is not None:
+                        raise unreadable from None
                     raise
                 facts["output rows"] = output_rows = int(counts["rows"])
                 facts["queries without candidates"] = unmatched = prepared.query_rows - int(counts["matched"])

@@ -321,6 +321,72 @@ def test_output_through_a_symlink_into_an_input_exits_2(job, capsys):
     assert _tree(job.base) == before  # nothing inside the input, no lock beside it
 
 
+def _bad_input(job, kind: str) -> tuple[Path, Path, Path]:
+    """A target directory of one good file and one odd file: (directory, good, odd)."""
+    directory = job.base / "in" / "bad"
+    _write(directory, {"id": pa.array([1, 2], pa.int64()),
+                       "vec": _vectors([[0.0] * DIM, [1.0] * DIM])}, files=1)
+    good, odd = directory / "part-0.parquet", directory / "part-1.parquet"
+    if kind == "not parquet":
+        odd.write_text("id,vec\n1,0.5\n")
+    elif kind == "column type":
+        pq.write_table(pa.table({"id": pa.array(["a", "b"]),
+                                 "vec": _vectors([[2.0] * DIM, [3.0] * DIM])}), odd)
+    else:  # vector type
+        pq.write_table(pa.table({"id": pa.array([3, 4], pa.int64()),
+                                 "vec": _vectors([[2.0] * DIM, [3.0] * DIM], pa.float64())}), odd)
+    (directory / "_SUCCESS").touch()  # skipped, as Spark skips it
+    (directory / "part-2.parquet").touch()  # empty: skipped, as Spark skips it
+    return directory, good, odd
+
+
+@pytest.mark.parametrize("kind,message", [
+    ("not parquet", "target.path: '{odd}' is not a readable Parquet file (Parquet magic bytes "
+                    "not found in footer"),
+    ("column type", "target.path: column 'id' is string in '{odd}' but bigint in '{good}'; all "
+                    "files of one input need the same column types"),
+    ("vector type", "target.path: column 'vec' is array<double> in '{odd}' but array<float> in "
+                    "'{good}'"),
+], ids=["not parquet", "column type", "vector type"])
+def test_bad_input_file_exits_2_naming_it(job, capsys, monkeypatch, kind, message):
+    directory, good, odd = _bad_input(job, kind)
+    read_by_spark = []
+    real_read_side = runner._read_side
+
+    def read_side(spark, side):
+        read_by_spark.append(side.side)
+        return real_read_side(spark, side)
+
+    monkeypatch.setattr(runner, "_read_side", read_side)
+    out = job.base / "new" / "out"  # its parent too is made for the lock, then taken back
+    before = _tree(job.base)
+    code = main(["run", str(job.spec), "--set", f"target.path={directory}",
+                 "--set", "target.columns=null", "--set", f"output.path={out}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message.format(odd=odd, good=good) in err
+    assert "nothing was written" in err
+    assert read_by_spark == []  # found before Spark read either side
+    assert _tree(job.base) == before
+
+
+@pytest.mark.parametrize("kind", ["not parquet", "column type"])
+def test_spark_read_failures_are_bad_input_too(job, capsys, monkeypatch, kind):
+    # What the footer check cannot see (s3a:// inputs, a file changed after the check) fails
+    # inside Spark; its error condition still makes it exit 2, naming the file.
+    monkeypatch.setattr(runner, "check_parquet_input", lambda side: None)
+    directory, _, odd = _bad_input(job, kind)
+    out = job.base / "out"
+    before = _tree(job.base)
+    code = main(["run", str(job.spec), "--set", f"target.path={directory}",
+                 "--set", "target.columns=null", "--set", f"output.path={out}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "nearest-join: error: target.path: Spark cannot read file:" in err
+    assert f"{odd}: [FAILED_READ_FILE." in err
+    assert _tree(job.base) == before
+
+
 @pytest.mark.parametrize("command", ["run", "explain"])
 def test_output_under_a_file_exits_2_before_reading(job, capsys, command):
     (job.base / "afile").write_text("x")
