@@ -24,7 +24,7 @@ from udfs.searcher import SearchSettings
 from .errors import NearestByJoinError
 from .planner import (JoinPlan, choose_plan, cluster_cores, task_memory_bytes, broadcast_limit,
                       gpu_task_share, keep_gpu_targets)
-from .ranking import DIRECTIONS, Ranking, parse_ranking
+from .ranking import DIRECTIONS, Ranking, column, parse_ranking, quote
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def _vector_itemsize(df: DataFrame, name: str, side: str) -> int:
 def _side_facts(query: DataFrame, q_name: str, target: DataFrame, t_name: str) -> dict:
     """Rows, one vector's length and partitions of both sides, in one small Spark job."""
     def facts(df: DataFrame, name: str, prefix: str) -> DataFrame:
-        col = df[name] if df.columns.count(name) == 1 else F.col(name)
+        col = column(df, name)
         # Spark forbids the non-deterministic partition id inside an aggregate: project first.
         projected = df.select(col.alias("v"), F.spark_partition_id().alias("p"))
         return projected.agg(F.count(F.lit(1)).alias(prefix + "rows"),
@@ -161,8 +161,8 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     if q_dim is not None and t_dim is not None and q_dim != t_dim:
         raise NearestByJoinError(
             "VECTOR_DIMENSION_MISMATCH", function=parsed.source, left=q_dim, right=t_dim,
-            detail=f"query column `{parsed.query_column}` has dimension {q_dim}, "
-                   f"target column `{parsed.target_column}` has dimension {t_dim}")
+            detail=f"query column {quote(parsed.query_column)} has dimension {q_dim}, "
+                   f"target column {quote(parsed.target_column)} has dimension {t_dim}")
     dimension = q_dim if q_dim is not None else t_dim
     plan = choose_plan(
         spark=spark, ranking=parsed, k=num_results, mode=mode, join_type=join,
@@ -299,14 +299,9 @@ def _execute(query: DataFrame, target: DataFrame, ranking: Ranking, plan: JoinPl
     settings = SearchSettings(k=plan.k, metric=ranking.metric, backend=plan.backend, precision=precision,
                               keep_targets=keep_gpu_targets(spark), gpu_share=gpu_task_share(spark))
     q_layout = blocks.SideLayout(q_name, _column_index(query, q_name), plan.dimension,
-                                 plan.query_block_rows, expected_from=f"target column `{t_name}`")
+                                 plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
     t_layout = blocks.SideLayout(t_name, _column_index(target, t_name), plan.dimension,
-                                 plan.target_block_rows, expected_from=f"query column `{q_name}`")
-    timezone = spark.conf.get("spark.sql.session.timeZone", "UTC")
-    target_arrow = to_arrow_schema(target.schema, timezone=timezone)
-    ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
-                             plan.distance_col is not None, target_arrow)
-
+                                 plan.target_block_rows, expected_from=f"query column {quote(q_name)}")
     out_fields = list(query.schema.fields) + [
         StructField(f.name, f.dataType, True if plan.join_type == "leftouter" else f.nullable)
         for f in target.schema.fields]
@@ -316,17 +311,27 @@ def _execute(query: DataFrame, target: DataFrame, ranking: Ranking, plan: JoinPl
                              for i, f in enumerate(out_fields)])
     names = [f.name for f in out_fields]
 
+    # mapInArrow passes its input to the UDF as df[name] for every column name, and Spark
+    # parses those (a dot is a field access, a backtick a syntax error): the mapped inputs get
+    # plain names, those of the columns' output positions. Only positions matter below.
+    n_query = len(query.columns)
+    q_input = query.toDF(*[C.output_name(i) for i in range(n_query)])
+    t_input = target.toDF(*[C.output_name(n_query + j) for j in range(len(target.columns))])
+    timezone = spark.conf.get("spark.sql.session.timeZone", "UTC")
+    target_arrow = to_arrow_schema(t_input.schema, timezone=timezone)
+    ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
+                             plan.distance_col is not None, target_arrow)
+
     packed = _packed_schema()
-    q_input = query
     if plan.plan == "broadcast" and plan.query_partitions:
         # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
-        q_input = query.repartition(plan.query_partitions)
+        q_input = q_input.repartition(plan.query_partitions)
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
     q_packed = (q_input.mapInArrow(functools.partial(blocks.pack_blocks, layout=q_layout), packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_packed = (target.mapInArrow(functools.partial(blocks.pack_blocks, layout=t_layout), packed)
+    t_packed = (t_input.mapInArrow(functools.partial(blocks.pack_blocks, layout=t_layout), packed)
                 .unionByName(empty)
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":

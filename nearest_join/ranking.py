@@ -46,6 +46,21 @@ class Ranking:
         return DIRECTIONS[self.metric]
 
 
+def quote(name: str) -> str:
+    """``name`` as a Spark column reference meaning exactly the column called ``name``.
+
+    Spark parses the string given to ``df[...]`` / ``F.col``: a dot separates struct fields
+    or a qualifier (``emb.v1`` -> field ``v1`` of ``emb``) and a lone backtick is a syntax
+    error. Inside backticks the name is literal, with backticks doubled.
+    """
+    return "`" + name.replace("`", "``") + "`"
+
+
+def column(df, name: str):
+    """The Column of ``df`` called ``name`` (any characters; the name must be unique)."""
+    return df[quote(name)]
+
+
 def _unquote(identifier: str) -> str:
     if identifier.startswith("`"):
         return identifier[1:-1].replace("``", "`")
