@@ -145,7 +145,8 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     if parsed is None:
         plan = JoinPlan(
             plan="spark", reason=f"ranking {ranking} is not one of the vector functions over one "
-            "column of each side: Spark's own nearestByJoin runs it (correct, slow)",
+            "column of each side, as Spark's analyzer places its columns: Spark's own "
+            "nearestByJoin runs it (correct, slow)",
             metric=None, k=num_results, mode=mode, join_type=join, query_column=None,
             target_column=None, dimension=None, query_rows=None, target_rows=None,
             target_bytes=None, broadcast_limit_bytes=broadcast_limit(spark, broadcast_limit_bytes),
@@ -246,6 +247,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         Spark's error conditions ``NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE``,
         ``UNSUPPORTED_MODE``, ``UNSUPPORTED_DIRECTION``, ``UNSUPPORTED_JOIN_TYPE``,
         ``VECTOR_DIMENSION_MISMATCH``; raised at call time, before any output.
+    ValueError
+        A ranking over two different columns that both sides share (a DataFrame joined
+        with itself), whose query column cannot be told from its target column.
     TypeError
         A vector column of another type (the message names the column and its type).
 

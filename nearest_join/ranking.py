@@ -1,19 +1,33 @@
-"""Which metric and which two vector columns a ranking names.
+"""Which metric and which two vector columns a ranking names, and which side each is on.
 
 A ranking is either a metric name (``"l2"``, ``"sqeuclidean"``, ``"cosine"``,
 ``"inner_product"``) with ``vectors=``, or a Spark Column built by one of the three vector
-functions over one column of each side. Columns are read without touching the JVM, so this
-works the same under classic PySpark and Spark Connect: Connect columns expose their
-unresolved expression tree (with the DataFrame each reference came from); classic columns
-are read from their SQL text. Anything else (an expression over the vectors, a literal, a
-column name found on neither or ambiguously on both sides) returns None, and the caller hands
-the join to Spark's own ``nearestByJoin``.
+functions over one column of each side.
+
+A Column is read in two steps. Its text (classic PySpark) or its expression tree (Spark
+Connect) gives the function and the *names* of its two arguments. A name does not say which
+side a column is on: ``t.v`` prints as ``v`` whether or not the query also has a ``v``. So
+each reading "query column ``a``, target column ``b``" that the names allow is put to
+Spark's analyzer, which knows where every attribute comes from (expression ids in classic
+PySpark, plan ids under Connect): the reading holds when the ranking resolves against the
+query cut down to ``a`` joined with the target cut down to ``b``, and against neither side
+alone. Only DataFrame analysis is used (no JVM handle), so this works the same under classic
+PySpark and Spark Connect.
+
+Anything else (an expression over the vectors, a literal, both arguments on one side, a
+column Spark cannot place) returns None, and the caller hands the join to Spark's own
+``nearestByJoin``. A ranking whose two different columns resolve on *both* sides (one
+DataFrame joined with itself) is an error: nothing, Spark included, can tell which column
+is the query's.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 from dataclasses import dataclass
+
+from pyspark.errors import AnalysisException
 
 from nearest_join.kernels import METRICS
 
@@ -29,7 +43,6 @@ DIRECTIONS = {"l2": "distance", "sqeuclidean": "distance", "cosine": "similarity
               "inner_product": "similarity"}
 
 _CALL = re.compile(r"^Column<'(\w+)\((.*)\)'>$", re.DOTALL)
-_IDENT = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*|`(?:[^`]|``)+`)$")
 
 
 @dataclass(frozen=True)
@@ -56,36 +69,58 @@ def quote(name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def _reference(name: str) -> str:
+    """``name`` as written in a reference: bare when Spark reads it as it is, else quoted."""
+    return name if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) else quote(name)
+
+
 def column(df, name: str):
     """The Column of ``df`` called ``name`` (any characters; the name must be unique)."""
     return df[quote(name)]
 
 
-def _unquote(identifier: str) -> str:
-    if identifier.startswith("`"):
-        return identifier[1:-1].replace("``", "`")
-    return identifier
-
-
-def _split_args(text: str) -> list[str] | None:
-    """Split top-level comma-separated arguments; None if any is not a plain identifier."""
-    parts, depth, quoted, current = [], 0, False, ""
-    for ch in text:
-        if ch == "`":
-            quoted = not quoted
-        elif not quoted and ch in "([":
-            depth += 1
-        elif not quoted and ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0 and not quoted:
-            parts.append(current.strip())
-            current = ""
+def _name_parts(text: str) -> list[str] | None:
+    """A multi-part identifier as Spark parses it (``a.`b.c``` -> ["a", "b.c"]); None if
+    it is not one."""
+    parts, i, n = [], 0, len(text)
+    while True:
+        if text.startswith("`", i):
+            part, j = [], i + 1
+            while True:
+                k = text.find("`", j)
+                if k < 0:
+                    return None
+                if text.startswith("``", k):
+                    part.append(text[j:k + 1])
+                    j = k + 2
+                    continue
+                part.append(text[j:k])
+                i = k + 1
+                break
+            parts.append("".join(part))
         else:
-            current += ch
-    parts.append(current.strip())
-    if not all(_IDENT.match(p) for p in parts):
-        return None
-    return [_unquote(p) for p in parts]
+            k = text.find(".", i)
+            end = n if k < 0 else k
+            if not text[i:end] or "`" in text[i:end]:
+                return None
+            parts.append(text[i:end])
+            i = end
+        if i == n:
+            return parts
+        if text[i] != ".":
+            return None
+        i += 1
+
+
+def _names(text: str) -> list[str]:
+    """Column names an argument printed as ``text`` may refer to: the text itself (classic
+    PySpark prints some names unquoted), the parsed name, and the last part of a qualified
+    one (``a.v`` through an alias ``a``). The analyzer rejects the wrong ones."""
+    out = [text]
+    parts = _name_parts(text)
+    if parts:
+        out.append(parts[-1])
+    return list(dict.fromkeys(out))
 
 
 def _find(name: str, columns: list[str]) -> str | None:
@@ -98,25 +133,93 @@ def _find(name: str, columns: list[str]) -> str | None:
     return hits[0] if len(hits) == 1 else None
 
 
-def _connect_call(ranking, query, target):
-    """(function, [(name, side or None)]) from a Spark Connect column, else None."""
-    if not type(ranking).__module__.startswith("pyspark.sql.connect"):
-        return None  # classic Columns answer any attribute with a nested field Column
-    expr = getattr(ranking, "_expr", None)
-    if expr is None or not hasattr(expr, "_name") or not hasattr(expr, "_args"):
+def _call(ranking) -> tuple[str, list[tuple[str, str]]] | None:
+    """(function name, [(first argument text, second argument text), ...]) of a two-argument
+    call whose arguments are plain column references; None otherwise.
+
+    A Connect column carries its expression tree, so its arguments are known exactly. A
+    classic column is read from its SQL text, where a name holding ", " makes the split
+    ambiguous: every split is returned and the analyzer picks.
+    """
+    if type(ranking).__module__.startswith("pyspark.sql.connect"):
+        # Classic Columns answer any attribute with a nested field Column: only Connect here.
+        expr = getattr(ranking, "_expr", None)
+        args = getattr(expr, "_args", None)
+        if expr is None or args is None or len(args) != 2:
+            return None
+        names = [getattr(arg, "_unparsed_identifier", None) for arg in args]
+        if None in names:
+            return None
+        return getattr(expr, "_name", None), [(names[0], names[1])]
+    match = _CALL.match(str(ranking))
+    if not match:
         return None
-    plan_ids = {}
-    for side, df in (("query", query), ("target", target)):
-        plan = getattr(df, "_plan", None)
-        if plan is not None and getattr(plan, "_plan_id", None) is not None:
-            plan_ids[plan._plan_id] = side
-    args = []
-    for arg in expr._args:
-        name = getattr(arg, "_unparsed_identifier", None)
-        if name is None:
-            return (expr._name, None)
-        args.append((name, plan_ids.get(getattr(arg, "_plan_id", None))))
-    return (expr._name, args)
+    args = match.group(2)
+    splits = [(args[:i], args[i + 2:]) for i in range(len(args)) if args.startswith(", ", i)]
+    return match.group(1), splits
+
+
+@contextlib.contextmanager
+def _probing():
+    """Analysis errors raised inside are expected answers, not failures to report.
+
+    pyspark logs every analysis error that carries a DataFrame call site (an ``F.col``) at
+    ERROR, with a stack trace, before raising it; a probe that finds a column missing on one
+    side would print one on every call.
+    """
+    from pyspark.logger import PySparkLogger
+
+    log = PySparkLogger.getLogger("DataFrameQueryContextLogger")
+    was = log.disabled
+    log.disabled = True
+    try:
+        yield
+    finally:
+        log.disabled = was
+
+
+def _resolves(df, ranking) -> bool:
+    """Whether Spark's analyzer resolves ``ranking`` over ``df``'s columns."""
+    try:
+        with _probing():
+            # Classic PySpark analyses select() eagerly; Connect when asked for a schema.
+            df.select(ranking).schema
+    except AnalysisException:
+        return False
+    return True
+
+
+def _readings(splits, q_cols, t_cols) -> list[tuple[str, str]]:
+    """(query column, target column) pairs the argument names allow, in either order."""
+    out = []
+    for first, second in splits:
+        for a in _names(first):
+            for b in _names(second):
+                for qn, tn in ((a, b), (b, a)):
+                    q_col, t_col = _find(qn, q_cols), _find(tn, t_cols)
+                    if q_col is not None and t_col is not None:
+                        out.append((q_col, t_col))
+    return list(dict.fromkeys(out))
+
+
+def _all_named_on(splits, cols) -> bool:
+    """Whether both arguments, under some reading of their names, are columns of ``cols``:
+    otherwise the ranking cannot resolve on that side and there is nothing to ask Spark."""
+    return any(any(_find(a, cols) for a in _names(first)) and any(_find(b, cols) for b in _names(second))
+               for first, second in splits)
+
+
+def _on_both_sides_error(ranking, metric: str, readings) -> ValueError:
+    (a, b) = readings[0]
+    return ValueError(
+        f"ranking {ranking}: its columns `{a}` and `{b}` resolve on both the query and the target "
+        "(the same DataFrame on both sides, DataFrames derived from one another, or plain names "
+        "present on both), so which one is the query's column cannot be known; Spark's "
+        "nearestByJoin cannot tell them apart either. Name the columns per side: "
+        f"nearest_by_join(query, target, {metric!r}, k, vectors=({a!r}, {b!r})) (query column "
+        f"first), or alias the sides (q, t = df.alias('q'), df.alias('t')) and rank with "
+        f"F.col('q.{_reference(a)}') and F.col('t.{_reference(b)}')"
+    )
 
 
 def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
@@ -125,8 +228,9 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     Raises
     ------
     ValueError
-        A metric name without usable ``vectors``, an unknown metric name, or a vector column
-        missing from its side.
+        A metric name without usable ``vectors``, an unknown metric name, a vector column
+        missing from its side, or a ranking over two different columns that both sides
+        have in common (a DataFrame joined with itself), whose sides cannot be told apart.
     """
     q_cols, t_cols = list(query.columns), list(target.columns)
     if isinstance(ranking, str):
@@ -153,30 +257,43 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     if vectors is not None:
         raise ValueError("vectors: only used with a metric-name ranking; the ranking Column names its columns")
     text = str(ranking)
-    connect = _connect_call(ranking, query, target)
-    if connect is not None:
-        function, args = connect
-        if args is None or function not in SPARK_FUNCTIONS or len(args) != 2:
-            return None
-    else:
-        match = _CALL.match(text)
-        if not match or match.group(1) not in SPARK_FUNCTIONS:
-            return None
-        names = _split_args(match.group(2))
-        if names is None or len(names) != 2:
-            return None
-        function, args = match.group(1), [(n, None) for n in names]
-    metric = SPARK_FUNCTIONS[function]
-    (a, side_a), (b, side_b) = args
-    options = []
-    for (qn, qs), (tn, ts) in (((a, side_a), (b, side_b)), ((b, side_b), (a, side_a))):
-        if qs not in (None, "query") or ts not in (None, "target"):
-            continue
-        q_col, t_col = _find(qn, q_cols), _find(tn, t_cols)
-        if q_col is not None and t_col is not None:
-            options.append((q_col, t_col))
-    options = list(dict.fromkeys(options))
-    if len(options) != 1:
-        logger.debug("ranking %s: columns resolve %d ways", text, len(options))
+    call = _call(ranking)
+    if call is None or call[0] not in SPARK_FUNCTIONS:
         return None
-    return Ranking(metric, options[0][0], options[0][1], text)
+    function, splits = call
+    metric = SPARK_FUNCTIONS[function]
+    readings = _readings(splits, q_cols, t_cols)
+    if not readings:
+        logger.debug("ranking %s: its arguments name no query column and target column", text)
+        return None
+    on_query = _all_named_on(splits, q_cols) and _resolves(query, ranking)
+    on_target = _all_named_on(splits, t_cols) and _resolves(target, ranking)
+    if on_query and on_target:
+        # Every column of the ranking is a column of each side (in classic PySpark a
+        # DataFrame joined with itself shares its attribute ids; Connect shares plan ids).
+        # One column named twice has one reading: each row against the other side's rows.
+        if len(readings) == 1 and readings[0][0] == readings[0][1]:
+            return Ranking(metric, readings[0][0], readings[0][1], text)
+        raise _on_both_sides_error(ranking, metric, readings)
+    if on_query or on_target:
+        # Both arguments resolve on one side: not one column of each side (or, in classic
+        # PySpark, sides sharing attribute ids, where Spark's own rules decide): Spark's.
+        logger.debug("ranking %s: all its columns resolve on the %s alone", text,
+                     "query" if on_query else "target")
+        return None
+    # Neither side alone resolves the ranking, so a reading under which it resolves over the
+    # two one-column sides takes one argument from each: exactly that query column and that
+    # target column.
+    held = []
+    for q_col, t_col in readings:
+        try:
+            with _probing():  # classic PySpark resolves df[...] eagerly
+                pair = query.select(column(query, q_col)).crossJoin(target.select(column(target, t_col)))
+        except AnalysisException:  # a name that is ambiguous under case-insensitive resolution
+            continue
+        if _resolves(pair, ranking):
+            held.append((q_col, t_col))
+    if len(held) != 1:
+        logger.debug("ranking %s: %d readings resolve as one query and one target column", text, len(held))
+        return None
+    return Ranking(metric, held[0][0], held[0][1], text)

@@ -6,6 +6,8 @@ aliases, which Spark does resolve.
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 from pyspark.sql import functions as F
 
@@ -22,6 +24,43 @@ def _same(ours, theirs, qkey, tkey, descending=False):
     assert len(ours) == len(theirs), (ours, theirs)
     assert_same_neighbours(group_rows(ours, qkey, tkey, value), group_rows(theirs, qkey, tkey, value),
                            descending=descending)
+
+
+@pytest.fixture(scope="module")
+def two_vector_target(spark):
+    """A query with `v` and a target with `v` and `w`: nearest by |t.v - t.w| (the same for
+    every query) and nearest by |q.v - t.w| pick different targets."""
+    q = spark.createDataFrame([(1, [0.0, 0.0]), (2, [10.0, 0.0])], "qid int, v array<float>")
+    t = spark.createDataFrame([("a", [0.0, 0.0], [9.0, 0.0]),    # |v-w| = 9, near query 2
+                               ("b", [5.0, 5.0], [5.0, 6.0]),    # |v-w| = 1
+                               ("c", [3.0, 0.0], [0.0, 1.0]),    # |v-w| = sqrt(10), near query 1
+                               ("d", [1.0, 1.0], [1.0, 3.0])],   # |v-w| = 2
+                              "tid string, v array<float>, w array<float>")
+    return q, t
+
+
+def test_ranking_over_two_target_columns_is_spark_s(two_vector_target, caplog):
+    q, t = two_vector_target
+    ranking = F.vector_l2_distance(t.v, t.w)
+    assert explain_nearest_join(q, t, ranking, 2, direction="distance").plan == "spark"
+    with caplog.at_level(logging.WARNING, logger="nearest_join.join"):
+        ours = nearest_by_join(q, t, ranking, 2, direction="distance", distance_col="d").collect()
+    assert any("Spark's own nearestByJoin runs it" in r.getMessage() for r in caplog.records)
+    theirs = q.nearestByJoin(t, ranking, 2, "exact", "distance").withColumn("d", ranking).collect()
+    _same(ours, theirs, lambda r: r["qid"], lambda r: r["tid"])
+    # the same two targets for every query, by |t.v - t.w|: not query.v against target.w
+    assert {(r["qid"], r["tid"]) for r in ours} == {(1, "b"), (1, "d"), (2, "b"), (2, "d")}
+
+
+def test_query_column_named_like_a_target_column(two_vector_target):
+    q, t = two_vector_target
+    ranking = F.vector_l2_distance(t.w, q.v)  # target column first; `v` is on both sides
+    plan = explain_nearest_join(q, t, ranking, 1)
+    assert (plan.plan, plan.query_column, plan.target_column) == ("broadcast", "v", "w")
+    ours = nearest_by_join(q, t, ranking, 1, distance_col="d").collect()
+    theirs = q.nearestByJoin(t, ranking, 1, "exact", "distance").withColumn("d", ranking).collect()
+    _same(ours, theirs, lambda r: r["qid"], lambda r: r["tid"])
+    assert {(r["qid"], r["tid"]) for r in ours} == {(1, "c"), (2, "a")}
 
 
 @pytest.fixture(scope="module")
@@ -47,3 +86,57 @@ def test_names_with_dots_and_backticks(awkward_names, plan):
                               **PLANS[plan])
         assert out.columns == ["q.id", "emb.v1", "t`id", "w`x", "d"]
         _same(out.collect(), theirs, qkey, tkey)
+
+
+def test_unquoted_column_function_names(awkward_names):
+    q, t = awkward_names
+    # F.col("`w``x`") prints as w`x in classic PySpark: the analyzer, not the text, decides
+    ranking = F.vector_l2_distance(F.col("`emb.v1`"), F.col("`w``x`"))
+    rows = nearest_by_join(q, t, ranking, 1, distance_col="d").collect()
+    assert {(r["q.id"], r["t`id"], r["d"]) for r in rows} == {(1, "a", 1.0), (2, "b", 1.0)}
+
+
+@pytest.fixture(scope="module")
+def items(spark):
+    """One table with two vector columns: v (what a row looks for), w (what it offers)."""
+    return spark.createDataFrame([(1, [0.0, 0.0], [1.0, 1.0]), (2, [5.0, 5.0], [0.0, 0.1]),
+                                  (3, [1.0, 1.0], [5.0, 5.0]), (4, [0.9, 1.2], [4.0, 4.0])],
+                                 "id int, v array<float>, w array<float>")
+
+
+def test_self_join_over_two_columns_says_what_to_do(items):
+    S = items
+    for ranking in (F.vector_l2_distance(S.v, S.w), F.vector_l2_distance(S.w, S.v),
+                    F.vector_cosine_similarity(S.alias("a").v, S.alias("b").w)):
+        with pytest.raises(ValueError, match=r"columns `[vw]` and `[vw]` resolve on both the query and the "
+                                             r"target .* vectors=\('[vw]', '[vw]'\)\) \(query column first\)"):
+            nearest_by_join(S, S, ranking, 2)
+    # a derived DataFrame shares the attributes (classic) too
+    with pytest.raises(ValueError, match="resolve on both the query and the target"):
+        explain_nearest_join(S, S.filter("id > 1"), F.vector_l2_distance(S.v, S.w), 2)
+
+
+def test_self_join_ways_the_error_names(items):
+    S = items
+    a, b = S.alias("a"), S.alias("b")
+    aliased = F.vector_l2_distance(F.col("a.v"), F.col("b.w"))  # Spark resolves this one
+    theirs = a.nearestByJoin(b, aliased, 2, "exact", "distance").collect()
+    assert len(theirs) == 8
+    expected = {(r[0], r[3]) for r in theirs}  # (query id, target id)
+    assert {(1, 2), (2, 4), (3, 1)} <= expected
+    by_vectors = nearest_by_join(S, S, "l2", 2, vectors=("v", "w"), distance_col="d").collect()
+    assert explain_nearest_join(a, b, aliased, 2).plan == "broadcast"
+    by_alias = nearest_by_join(a, b, aliased, 2, distance_col="d").collect()
+    for rows in (by_vectors, by_alias):
+        assert {(r[0], r[3]) for r in rows} == expected
+
+
+def test_self_join_over_one_column(items):
+    S = items
+    ours = nearest_by_join(S, S, F.vector_l2_distance(S.v, S.v), 2, distance_col="d").collect()
+    a, b = S.alias("a"), S.alias("b")
+    theirs = a.nearestByJoin(b, F.vector_l2_distance(F.col("a.v"), F.col("b.v")), 2, "exact",
+                             "distance").collect()
+    assert {(r[0], r[3]) for r in ours} == {(r[0], r[3]) for r in theirs}
+    assert {(r[0], r[3]) for r in ours if r[0] == 3} == {(3, 3), (3, 4)}
+

@@ -27,15 +27,43 @@ def test_reads_vector_functions_in_either_order(frames):
     assert parse_ranking(F.vector_l2_distance(q.v, t["my col"]), q, t).target_column == "my col"
 
 
+def _columns(ranking: Ranking) -> tuple[str, str]:
+    return ranking.query_column, ranking.target_column
+
+
 def test_unreadable_rankings_go_to_spark(frames):
     q, t = frames
     assert parse_ranking(F.vector_l2_distance(q.v, F.array(F.lit(1.0).cast("float"))), q, t) is None
     assert parse_ranking(-F.vector_l2_distance(q.v, t.w), q, t) is None
     assert parse_ranking(F.vector_norm(q.v), q, t) is None
-    # ambiguous: both sides have both names
+    # both arguments on one side, whatever their names
+    assert parse_ranking(F.vector_l2_distance(q.v, q.a), q, t) is None
+    assert parse_ranking(F.vector_l2_distance(t.w, t["my col"]), q, t) is None
+
+
+def test_sides_come_from_spark_not_from_names(frames):
+    q, t = frames
+    # Both sides have both names: the analyzer places each column on its side.
     q2 = q.withColumn("w", q.v)
     t2 = t.withColumn("v", t.w)
-    assert parse_ranking(F.vector_l2_distance(q2.v, t2.w), q2, t2) is None
+    assert _columns(parse_ranking(F.vector_l2_distance(q2.v, t2.w), q2, t2)) == ("v", "w")
+    assert _columns(parse_ranking(F.vector_l2_distance(t2.v, q2.w), q2, t2)) == ("w", "v")
+    # t.v against t.w, the query having a `v` too: two target columns, not query.v vs target.w
+    assert parse_ranking(F.vector_l2_distance(t2.v, t2.w), q, t2) is None
+    # plain names found on both sides carry no side
+    with pytest.raises(ValueError, match="columns `v` and `w` resolve on both the query and the target"):
+        parse_ranking(F.vector_l2_distance("v", "w"), q2, t2)
+    # ... unless they name the same column: each row against the other side's rows
+    assert _columns(parse_ranking(F.vector_l2_distance("v", "v"), q2, t2)) == ("v", "v")
+
+
+def test_self_join_rankings(frames):
+    q, _ = frames
+    assert _columns(parse_ranking(F.vector_l2_distance(q.v, q.v), q, q)) == ("v", "v")
+    with pytest.raises(ValueError, match=r"`v` and `a` resolve on both .* vectors=\('v', 'a'\)"):
+        parse_ranking(F.vector_inner_product(q.v, q.a), q, q)
+    with pytest.raises(ValueError, match=r"`a` and `v` resolve on both .* vectors=\('a', 'v'\)"):
+        parse_ranking(F.vector_inner_product(q.a, q.v), q, q.filter("id > 0"))
 
 
 def test_metric_name_rankings(frames):
