@@ -23,8 +23,8 @@ from udfs.searcher import SearchSettings
 
 from .errors import NearestByJoinError
 from .planner import (JoinPlan, choose_plan, cluster_cores, task_memory_bytes, broadcast_limit,
-                      gpu_task_share, keep_gpu_targets)
-from .ranking import DIRECTIONS, Ranking, column, parse_ranking, quote
+                      gpu_task_share, join_dimension, keep_gpu_targets, side_facts)
+from .ranking import DIRECTIONS, Ranking, parse_ranking, quote
 
 logger = logging.getLogger(__name__)
 
@@ -88,27 +88,6 @@ def _vector_itemsize(df: DataFrame, name: str, side: str) -> int:
     )
 
 
-def _side_facts(query: DataFrame, q_name: str, target: DataFrame, t_name: str) -> dict:
-    """Rows, one vector's length and partitions of both sides, in one small Spark job."""
-    def facts(df: DataFrame, name: str, prefix: str) -> DataFrame:
-        col = column(df, name)
-        # Spark forbids the non-deterministic partition id inside an aggregate: project first.
-        projected = df.select(col.alias("v"), F.spark_partition_id().alias("p"))
-        return projected.agg(F.count(F.lit(1)).alias(prefix + "rows"),
-                             F.first("v", ignorenulls=True).alias(prefix + "vector"),
-                             (F.max("p") + 1).alias(prefix + "partitions"))
-
-    row = facts(query, q_name, "q_").crossJoin(facts(target, t_name, "t_")).collect()[0]
-    out = {}
-    for side in ("q_", "t_"):
-        vector = row[side + "vector"]
-        out[side + "rows"] = int(row[side + "rows"])
-        out[side + "partitions"] = int(row[side + "partitions"] or 0)
-        out[side + "dim"] = None if vector is None else int(
-            vector.size if hasattr(vector, "size") else len(vector))
-    return out
-
-
 def _check_direction(ranking: Ranking, direction: str | None) -> str:
     expected = DIRECTIONS[ranking.metric]
     if direction is not None and direction != expected:
@@ -157,19 +136,13 @@ def _prepare(query, target, ranking, num_results, mode, direction, vectors, join
     direction = _check_direction(parsed, direction)
     q_item = _vector_itemsize(query, parsed.query_column, "query")
     t_item = _vector_itemsize(target, parsed.target_column, "target")
-    facts = _side_facts(query, parsed.query_column, target, parsed.target_column)
-    q_dim, t_dim = facts["q_dim"], facts["t_dim"]
-    if q_dim is not None and t_dim is not None and q_dim != t_dim:
-        raise NearestByJoinError(
-            "VECTOR_DIMENSION_MISMATCH", function=parsed.source, left=q_dim, right=t_dim,
-            detail=f"query column {quote(parsed.query_column)} has dimension {q_dim}, "
-                   f"target column {quote(parsed.target_column)} has dimension {t_dim}")
-    dimension = q_dim if q_dim is not None else t_dim
+    q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
+    dimension = join_dimension(parsed, q_facts, t_facts)
     plan = choose_plan(
         spark=spark, ranking=parsed, k=num_results, mode=mode, join_type=join,
         distance_col=distance_col, backend=backend, dimension=dimension,
-        itemsize=max(q_item, t_item), query_rows=facts["q_rows"], target_rows=facts["t_rows"],
-        query_input_partitions=facts["q_partitions"],
+        itemsize=max(q_item, t_item), query_rows=q_facts.rows, target_rows=t_facts.rows,
+        query_input_partitions=q_facts.partitions,
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
         target_block_rows=target_block_rows)
     if mode == "approx":
@@ -186,7 +159,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
                          target_block_rows: int | None = None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
-    Runs only the one small job the planner needs (row counts, partitions, one vector).
+    Runs only the one small job the planner needs (row counts, partitions, vector lengths).
     """
     plan, _, _ = _prepare(query, target, ranking, num_results, mode, direction, vectors,
                           join_type, distance_col, backend, precision, broadcast_limit_bytes,
@@ -246,7 +219,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     NearestByJoinError
         Spark's error conditions ``NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE``,
         ``UNSUPPORTED_MODE``, ``UNSUPPORTED_DIRECTION``, ``UNSUPPORTED_JOIN_TYPE``,
-        ``VECTOR_DIMENSION_MISMATCH``; raised at call time, before any output.
+        ``VECTOR_DIMENSION_MISMATCH`` (the two sides' vectors differ in length, or one
+        side's rows do); raised at call time, before any output.
     ValueError
         A ranking over two different columns that both sides share (a DataFrame joined
         with itself), whose query column cannot be told from its target column.

@@ -1,8 +1,9 @@
 """The planner: broadcast or blocked (and, later, IVF), with block sizes, made visible.
 
-The decision needs four cheap facts, gathered by small Spark jobs: the row counts of both
-sides and the vector dimension of each (the first non-NULL vector). Everything else is
-arithmetic on configuration:
+The decision needs a few cheap facts, gathered by one small Spark job (:func:`side_facts`):
+the row and partition counts of both sides and the shortest and longest vector of each, so
+that ragged or mismatched vectors fail at call time, before any output exists
+(:func:`join_dimension`). Everything else is arithmetic on configuration:
 
 * ``broadcast`` when the target's vectors fit under the broadcast limit
   (``spark.nearestJoin.broadcastLimitBytes``, default 1 GiB): target blocks are broadcast
@@ -21,7 +22,12 @@ import os
 import re
 from dataclasses import asdict, dataclass
 
+from pyspark.sql import functions as F
+
 from udfs.columns import MAX_BLOCK_ROWS
+
+from .errors import NearestByJoinError
+from .ranking import column, quote
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -94,6 +100,76 @@ class JoinPlan:
                 f"backend {self.backend}",
             ]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class SideFacts:
+    """What the planner knows of one side: rows, input partitions, and the lengths of its
+    non-NULL vectors (None when it has none)."""
+
+    rows: int
+    partitions: int
+    shortest: int | None
+    longest: int | None
+
+
+def _vector_length(df, name: str):
+    col = column(df, name)
+    if type(df.schema[name].dataType).__name__ == "VectorUDT":
+        from pyspark.ml.functions import vector_to_array
+
+        # SQL cannot read a UDT's fields; vector_to_array gives a sparse vector its full size.
+        length = F.size(vector_to_array(col))
+    else:
+        length = F.size(col)
+    # size(NULL) is -1 unless ANSI mode is on, and vector_to_array fails on NULL: CASE WHEN
+    # evaluates its branch only for rows that pass the test.
+    return F.when(col.isNotNull(), length)
+
+
+def side_facts(query, query_column: str, target, target_column: str) -> tuple[SideFacts, SideFacts]:
+    """Rows, partitions and vector lengths of both sides, in one small Spark job."""
+    def facts(df, name: str, prefix: str):
+        # Spark forbids the non-deterministic partition id inside an aggregate: project first.
+        projected = df.select(_vector_length(df, name).alias("n"), F.spark_partition_id().alias("p"))
+        return projected.agg(F.count(F.lit(1)).alias(prefix + "rows"),
+                             F.min("n").alias(prefix + "shortest"), F.max("n").alias(prefix + "longest"),
+                             (F.max("p") + 1).alias(prefix + "partitions"))
+
+    row = facts(query, query_column, "q_").crossJoin(facts(target, target_column, "t_")).collect()[0]
+    return tuple(
+        SideFacts(rows=int(row[side + "rows"]), partitions=int(row[side + "partitions"] or 0),
+                  shortest=row[side + "shortest"], longest=row[side + "longest"])
+        for side in ("q_", "t_"))
+
+
+def _describe(label: str, facts: SideFacts) -> str:
+    if facts.shortest is None:
+        return f"{label} has no non-NULL vector"
+    if facts.shortest == facts.longest:
+        return f"{label} has dimension {facts.shortest}"
+    return f"{label} has vectors of dimension {facts.shortest} and of dimension {facts.longest}"
+
+
+def join_dimension(ranking, query: SideFacts, target: SideFacts) -> int | None:
+    """The one vector length of both sides (None when neither has a vector).
+
+    Raises
+    ------
+    NearestByJoinError
+        ``VECTOR_DIMENSION_MISMATCH`` when a side's vectors differ in length (a ragged
+        column) or the two sides' lengths differ; the message names the columns and lengths.
+    """
+    q_label = f"query column {quote(ranking.query_column)}"
+    t_label = f"target column {quote(ranking.target_column)}"
+    lengths = {n for side in (query, target) for n in (side.shortest, side.longest) if n is not None}
+    if len(lengths) <= 1:
+        return next(iter(lengths), None)
+    # Spark names two lengths that differ: a ragged side's own two, else one from each side.
+    ragged = next((side for side in (query, target) if side.shortest != side.longest), None)
+    left, right = (ragged.shortest, ragged.longest) if ragged else (query.shortest, target.shortest)
+    raise NearestByJoinError("VECTOR_DIMENSION_MISMATCH", function=ranking.source, left=left, right=right,
+                             detail=f"{_describe(q_label, query)}, {_describe(t_label, target)}")
 
 
 def _conf(spark, key: str, default=None):

@@ -140,3 +140,83 @@ def test_self_join_over_one_column(items):
     assert {(r[0], r[3]) for r in ours} == {(r[0], r[3]) for r in theirs}
     assert {(r[0], r[3]) for r in ours if r[0] == 3} == {(3, 3), (3, 4)}
 
+
+_CONNECT_SCRIPT = r'''
+import os, sys
+sys.path.insert(0, os.getcwd())
+from pyspark.sql import SparkSession, functions as F
+from nearest_join import explain_nearest_join, nearest_by_join
+from nearest_join.errors import NearestByJoinError
+
+spark = SparkSession.builder.remote("local[2]").getOrCreate()
+assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
+q = spark.createDataFrame([(1, [0.0, 0.0]), (2, [10.0, 0.0])], "qid int, v array<float>")
+t = spark.createDataFrame([("a", [0.0, 0.0], [9.0, 0.0]), ("b", [5.0, 5.0], [5.0, 6.0]),
+                           ("c", [3.0, 0.0], [0.0, 1.0])], "tid string, v array<float>, w array<float>")
+
+def case(name, check):
+    try:
+        check()
+        print(name, "OK", flush=True)
+    except BaseException as exc:
+        print(name, "FAILED", repr(exc)[:400], flush=True)
+
+def two_target_columns():
+    # columns of the frames the joined ones derive from: their plan ids are not the sides' own
+    ranking = F.vector_l2_distance(t.v, t.w)
+    assert explain_nearest_join(q.filter("qid > 0"), t.filter("tid > ''"), ranking, 1).plan == "spark"
+
+def sides_by_plan_id():
+    plan = explain_nearest_join(q.filter("qid > 0"), t, F.vector_l2_distance(t.w, q.v), 1)
+    assert (plan.plan, plan.query_column, plan.target_column) == ("broadcast", "v", "w"), plan
+    rows = nearest_by_join(q, t, F.vector_l2_distance(t.w, q.v), 1).collect()
+    assert {(r["qid"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
+
+def dotted_names():
+    qd = q.withColumnsRenamed({"qid": "q.id", "v": "emb.v1"})
+    td = t.withColumnsRenamed({"w": "w`x"})
+    rows = nearest_by_join(qd, td, F.vector_l2_distance(qd["`emb.v1`"], td["`w``x`"]), 1).collect()
+    assert {(r["q.id"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
+
+def self_join():
+    try:
+        nearest_by_join(t, t, F.vector_l2_distance(t.v, t.w), 1)
+    except ValueError as exc:
+        assert "resolve on both the query and the target" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+    rows = nearest_by_join(t, t, F.vector_l2_distance(t.v, t.v), 2).collect()
+    assert {(r[0], r[3]) for r in rows if r[0] == "c"} == {("c", "c"), ("c", "a")}, rows
+
+def ragged():
+    r = spark.createDataFrame([(0, [1.0, 0.0]), (1, [1.0, 0.0, 2.0])], "rid int, rv array<float>")
+    try:
+        nearest_by_join(q, r, F.vector_l2_distance(q.v, r.rv), 1)
+    except NearestByJoinError as exc:
+        assert exc.getCondition() == "VECTOR_DIMENSION_MISMATCH", exc
+        assert "target column `rv` has vectors of dimension 2 and of dimension 3" in str(exc), exc
+    else:
+        raise AssertionError("no error")
+
+for name, check in [("two-target-columns", two_target_columns), ("sides-by-plan-id", sides_by_plan_id),
+                    ("dotted-names", dotted_names), ("self-join", self_join), ("ragged", ragged)]:
+    case(name, check)
+spark.stop()
+'''
+
+
+@pytest.mark.connect
+def test_sides_names_and_lengths_through_spark_connect():
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("grpc", reason="Spark Connect needs pyspark[connect] (grpcio)")
+    # A Connect session cannot share a process with the suite's classic session.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
+    proc = subprocess.run([sys.executable, "-c", _CONNECT_SCRIPT], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.endswith(" OK") or " FAILED" in ln]
+    assert proc.returncode == 0 and len([ln for ln in lines if ln.endswith(" OK")]) == 5, \
+        proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -98,14 +98,29 @@ def test_dimension_mismatch_up_front(spark, sides):
     assert "got 2 and 3" in str(err)
 
 
-def test_ragged_row_fails_the_job_and_writes_nothing(spark, sides, tmp_path):
+def test_ragged_target_is_an_error_at_call_time(spark, sides, tmp_path):
     q, _ = sides
-    rows = [(i, [float(i), 1.0]) for i in range(20)] + [(99, [1.0, 2.0, 3.0])]
+    rows = [(i, [float(i), 1.0]) for i in range(20)] + [(99, [1.0, 2.0, 3.0]), (100, None)]
     ragged = spark.createDataFrame(rows, "tid int, tv array<float>").coalesce(1)
-    out = nearest_by_join(q, ragged, F.vector_l2_distance(q.qv, ragged.tv), 2)
     path = str(tmp_path / "out")
-    with pytest.raises(Exception, match=r"VECTOR_DIMENSION_MISMATCH.*column `tv` has a vector of dimension 3 "
-                                        r"and query column `qv` has dimension 2"):
-        out.write.parquet(path)
-    written = [f for _, _, files in os.walk(path) for f in files if f.endswith(".parquet")]
-    assert written == []
+    err = _raises("VECTOR_DIMENSION_MISMATCH",
+                  lambda: nearest_by_join(q, ragged, F.vector_l2_distance(q.qv, ragged.tv), 2).write.parquet(path),
+                  "query column `qv` has dimension 2, target column `tv` has vectors of dimension 2 "
+                  "and of dimension 3")
+    assert "got 2 and 3" in str(err) and not os.path.exists(path)
+    _raises("VECTOR_DIMENSION_MISMATCH", lambda: explain_nearest_join(q, ragged, "l2", 2, vectors=("qv", "tv")),
+            "target column `tv` has vectors of dimension 2 and of dimension 3")
+
+
+def test_ragged_query_is_an_error_at_call_time(spark, sides):
+    from pyspark.ml.linalg import Vectors
+
+    _, t = sides
+    # a sparse ml vector counts by its size, as Spark's vector functions see it
+    rows = [(0, Vectors.dense([1.0, 0.0])), (1, Vectors.sparse(4, [1], [1.0])), (2, None)]
+    ragged = spark.createDataFrame(rows, ["qid", "emb.qv"])
+    err = _raises("VECTOR_DIMENSION_MISMATCH",
+                  lambda: nearest_by_join(ragged, t, "cosine", 1, vectors=("emb.qv", "tv")),
+                  "query column `emb.qv` has vectors of dimension 2 and of dimension 4, target column "
+                  "`tv` has dimension 2")
+    assert "got 2 and 4" in str(err)
