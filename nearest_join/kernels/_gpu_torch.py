@@ -4,20 +4,47 @@ Every GPU search runs in two stages that share this module:
 
 1. **Candidates.** A low-precision pass (the fused Triton kernel, or :func:`torch_candidates`:
    tiled ``addmm`` + ``topk``) returns, per query, the ``n_cand`` best targets by an
-   approximate *key* (smaller is better; see :func:`metric_key_terms`).
-2. **Exact re-rank.** :func:`exact_topk` recomputes the candidates' values in float32 from
-   the original vectors, checks with a rigorous error bound that no true neighbour can lie
-   outside the candidate list, widens the list for the rows where it could, and sorts by
+   approximate *key* (smaller is better; see :func:`key_alpha`).
+2. **Exact re-rank.** :func:`exact_topk` recomputes the candidates' values in float64 from
+   the input rows, checks with a rigorous error bound that no true neighbour can lie
+   outside the candidate list, widens the list for the rows where it could (switching rows
+   whose bound admits too much of the block to float32 operands), and sorts by
    (value, target index): ties go to the lower index, as in every backend.
 
 Runs on CUDA and on CPU tensors (the tests here have no GPU). Imports neither pyspark nor
 pandas.
 
+Working frame (:class:`Frame`, :func:`working_frame`)
+-----------------------------------------------------
+The rounding error of a product grows with the norms of its operands, not with the spread
+of the data: on rows ``10 + 0.1 x noise`` the norms are 100 times the distances, a bf16 key
+carries an error 10^4 times a distance's, and the candidate margin admits the whole block.
+So every search works in its target block's frame: both sides are shifted by the block's
+float64 mean ``c`` and scaled by a power of two ``s`` (exact) that brings the largest
+``|t - c|`` into [1/2, 1), and rounded once to float32 from float64 (the working rows,
+``PreparedSide.exact``); the operands are those rows rounded to tf32 / bf16. l2 and
+sqeuclidean are translation-invariant. Cosine ranks by ``|q/|q| - t/|t||^2 = 2 - 2 cos``:
+the unit rows (normalised in float64) are shifted the same way, so nearly parallel vectors
+keep their precision. Inner product ranks ``q . t`` as ``q . (t - c)`` (``q . c`` is the
+same for every target of a row): the targets are shifted, each query row is scaled by its
+own power of two instead (a positive factor per row never changes its order). Norms,
+residuals and the bound below are all those of the working rows, so they follow the spread.
+
+The re-rank (:func:`exact_values`, ``_gpu_triton.triton_exact_values``) computes each value
+in working units from the *source* rows (float32 or float64, as given) in float64:
+``sum((f_q q - f_t t)^2)`` with each side's factor (``s``, or ``s / |x|`` for cosine), or
+``sum(f_q q * s (t - c))``, rounded once to float32. Every scaled coordinate is O(1): no
+square over- or underflows for float32 elements of 1e-24 or 1e20, or float64 ones of 1e30.
+:func:`final_values` maps them back in float64 (``sqrt(W) / s``, ``W / s^2``,
+``1 - W / (2 s^2)``, ``W / (f_q s) + q . c``), so values are +-inf only where the true value
+exceeds float32's range. Query rows more than FAR_NORM block extents away (l2 only) are
+searched apart in float64 (:func:`far_topk`).
+
 The error bound (:func:`key_error_bound`)
 -----------------------------------------
-Let ``q``, ``t`` be the float32 inputs and ``q^``, ``t^`` the operands the product sees
-(float32 itself, or rounded to nearest tf32 / bf16 *by us*, so the rounding is known; tensor
-cores would otherwise truncate tf32). With ``r_q = |q^ - q|`` and ``r_t = |t^ - t|``
+Let ``q``, ``t`` be the float32 working rows and ``q^``, ``t^`` the operands the product
+sees (float32 itself, or rounded to nearest tf32 / bf16 *by us*, so the rounding is known;
+tensor cores would otherwise truncate tf32). With ``r_q = |q^ - q|`` and ``r_t = |t^ - t|``
 (computed exactly per row):
 
     |q^.t^ - q.t| = |q^.(t^ - t) + (q^ - q).t| <= |q^| r_t + r_q |t|          (Cauchy-Schwarz)
@@ -28,14 +55,18 @@ bits); their float32 accumulation over d terms adds at most ``gamma * |q^| |t^|`
 round-to-nearest because tensor cores may truncate while accumulating (Fasi et al., 2021,
 "Numerical behavior of NVIDIA tensor cores"). A float32 (IEEE) product of float32 operands is
 covered by the same gamma with ``r = 0``. A key is ``bias_t - alpha * dot`` with
-``bias_t = |t|^2`` (l2 family, alpha 2) or 0 (similarities, alpha 1): ``bias_t`` carries at
-most ``gamma |t|^2``, the final subtraction one rounding of ``|key| <= |t|^2 + alpha |q||t|``.
-The exact re-rank itself is float32: its error against exact arithmetic is at most
-``gamma (|q| + |t|)^2`` (difference form, l2) or ``gamma |q||t|`` (dot) and is added too, so
-the candidate list holds every target that float32 evaluation could rank in the top k. For
-cosine, normalising each side in float32 adds ``4 (gamma + 2u)``. Per query the bound takes
-the maximum of each target term over the target block, and is inflated by 1% for the
-rounding of the bound's own arithmetic.
+``bias_t = |t|^2`` (l2 form, cosine included: alpha 2) or 0 (inner product, alpha 1):
+``bias_t`` carries at most ``u |t|^2``, the final subtraction one rounding of
+``|key| <= |t|^2 + alpha |q||t|``.
+The keys are compared with the re-ranked values, which come from the exact (real) working
+rows, not from their float32 roundings: each coordinate of a working row is within ``u`` of
+it, which moves a squared difference by at most ``2u (|q| + |t|)^2`` (a dot by ``2u |q||t|``),
+and the value's own float32 rounding and float64 sum add ``(u + (d + 4) 2^-52)`` of that
+size; :func:`key_error_bound` adds ``4u (|q| + |t|)^2`` (l2 form) or ``4u |q||t|`` for both,
+and for cosine the difference of the two float64 normalisations (``8 (d + 4) 2^-53 s
+(|q| + |t|)``). So the candidate list holds every target that the re-rank could place in
+the top k. Per query the bound takes the maximum of each target term over the target block,
+and is inflated by 1% for the rounding of the bound's own arithmetic.
 
 With ``E`` that bound and ``theta`` the k-th smallest approximate key of a query, the true
 k-th value is at most ``theta + E`` and every target that can rank in the top k has an
@@ -164,15 +195,167 @@ def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
     return (bits & ~0x1FFF).view(torch.float32)
 
 
+# ----------------------------------------------------------------------------- working frame
+# Rows per chunk of the float64 preparation work (a chunk's float64 temporaries are a few
+# times CHUNK_ELEMENTS values): a block of 10^6 x 128 takes 8 chunks.
+PREP_CHUNK_ELEMENTS = 1 << 24
+# Absolute slack for working-row components that round to float32 subnormals or zero (each at
+# most 2^-150 off; keys and values of the working frame are O(1)).
+_TINY = 2.0 ** -120
+
+
+def l2_form(metric: str) -> bool:
+    """Whether ``metric`` ranks by a squared difference in the working frame: l2, sqeuclidean,
+    and cosine (the squared difference of the unit rows, 2 - 2 cos). Inner product ranks by
+    the dot product of its working rows."""
+    return metric != "inner_product"
+
+
+@dataclass(frozen=True)
+class Frame:
+    """The working coordinates of a target block's searches (module notes, "Working frame").
+
+    A row ``x`` works as ``scale * (x - center)`` (cosine: its unit row ``x / |x|``; inner
+    product queries: ``query_scale(x) * x``, not shifted). ``center`` is a float64 (d,) tensor
+    or None (the origin); ``scale`` a power of two, so scaling is exact. ``row_scaled``: inner
+    product queries get their own power of two each (a positive factor per row never changes
+    its ranking). :meth:`identity` (no shift, no scale) is what :func:`prepare_side` uses
+    without a frame: both sides of a search must be prepared with the same frame.
+    """
+
+    center: torch.Tensor | None = None
+    scale: float = 1.0
+    row_scaled: bool = False
+    center_norm: float = 0.0       # |center| (float64): bounds how far a query row can work
+
+    @classmethod
+    def identity(cls) -> "Frame":
+        return cls()
+
+
+def _pow2_below(x: float) -> float:
+    """The power of two ``2^-e`` with ``x * 2^-e`` in [1/2, 1) (x > 0 finite)."""
+    return math.ldexp(1.0, -math.frexp(x)[1])
+
+
+def _unit64(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(unit rows float64, 1 / |row| float64): each row divided by its largest magnitude first,
+    so that no square over- or underflows (float64 elements from 1e-300 to 1e300)."""
+    x = rows.double()
+    peak = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else torch.ones((x.shape[0], 1), dtype=x.dtype,
+                                                                           device=x.device)
+    peak = torch.where(peak > 0, peak, 1.0)
+    y = x / peak
+    inv = 1.0 / torch.linalg.vector_norm(y, dim=1, keepdim=True)
+    return y * inv, (inv / peak).flatten()
+
+
+def _chunks(n: int, d: int):
+    rows = max(1, PREP_CHUNK_ELEMENTS // max(1, d))
+    for r0 in range(0, n, rows):
+        yield r0, min(n, r0 + rows)
+
+
+def working_frame(targets: torch.Tensor, metric: str) -> Frame:
+    """The frame of a target block (rows finite; non-zero for cosine): ``center`` the float64
+    mean of the rows (of the unit rows for cosine), ``scale`` the power of two that brings the
+    largest ``|t - center|`` into [1/2, 1). Where every row equals the centre, the scale comes
+    from the centre's largest magnitude (or is 1). One host sync (the scale)."""
+    n, d = targets.shape
+    if n == 0 or d == 0:
+        return Frame(None, 1.0, metric == "inner_product")
+    total = torch.zeros(d, dtype=torch.float64, device=targets.device)
+    for r0, r1 in _chunks(n, d):
+        rows = _unit64(targets[r0:r1])[0] if metric == "cosine" else targets[r0:r1].double()
+        total += rows.sum(dim=0)
+    center = total / n
+    extent = torch.zeros((), dtype=torch.float64, device=targets.device)
+    for r0, r1 in _chunks(n, d):
+        rows = _unit64(targets[r0:r1])[0] if metric == "cosine" else targets[r0:r1].double()
+        extent = torch.maximum(extent, torch.linalg.vector_norm(rows - center, dim=1).max())
+    extent, peak, center_norm = torch.stack([extent, center.abs().max(),
+                                             torch.linalg.vector_norm(center)]).tolist()
+    if not (extent > 0 and math.isfinite(extent)):
+        extent = peak if peak > 0 and math.isfinite(peak) else 1.0
+    return Frame(center, _pow2_below(extent), metric == "inner_product", center_norm)
+
+
+# Query rows whose working norm exceeds this are searched apart (:func:`far_topk`): their
+# squared working distances (up to (FAR_NORM + 1)^2 < 2^128) would leave float32's range.
+FAR_NORM = 2.0 ** 60
+
+
+def may_be_far(metric: str, frame: Frame, peak: float, d: int) -> bool:
+    """Whether some query row whose largest magnitude is at most ``peak`` could work beyond
+    FAR_NORM: ``scale (|q| + |center|)`` bounds its working norm. Never for cosine (unit rows)
+    or inner product (rows scaled each by its own power of two). NaN ``peak``: maybe."""
+    if metric not in ("l2", "sqeuclidean"):
+        return False
+    reach = frame.scale * (peak * math.sqrt(max(1, d)) + frame.center_norm)
+    return not reach <= FAR_NORM / 2
+
+
+def far_rows(queries: PreparedSide) -> torch.Tensor | None:
+    """Boolean mask of the query rows beyond FAR_NORM (their float32 working norm, +inf where
+    it overflowed), or None when there is none (one host sync)."""
+    far = ~(queries.norm <= FAR_NORM)
+    return far if bool(far.any()) else None
+
+
+def far_topk(queries: PreparedSide, targets: PreparedSide, k: int,
+             chunk_elements: int = 1 << 26) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k (values float32, indices int64) of l2 / sqeuclidean query rows far from the block
+    (FAR_NORM), in float64: each row is scaled by its own power of two ``r`` (``r |q - c|``
+    in [1/2, 1)) and ranks by ``r |t - c|^2 - 2 r (q - c).(t - c)`` (a float64 product; for a
+    far row its error, ~d 2^-52 r |q - c| |t - c|, is far inside RTOL of the shifted
+    problem's size ~|q - c|^2), ties to the lower index; the values of the k best come from
+    the float64 difference form. Rows far from the block are rare: nothing here is tuned."""
+    m, nt, d = queries.rows, targets.rows, queries.dim
+    device = queries.exact.device
+    center = targets.frame.center
+    q = queries.source.double()
+    qc = q if center is None else q - center
+    spread = torch.linalg.vector_norm(qc, dim=1)
+    exp = torch.frexp(torch.where(spread > 0, spread, 1.0))[1]
+    r = torch.ldexp(torch.ones_like(spread), -exp.to(torch.float64))
+    qr = qc * r[:, None]
+    width = min(k, nt)
+    vals = torch.empty((m, 0), dtype=torch.float64, device=device)
+    idx = torch.empty((m, 0), dtype=torch.int64, device=device)
+    t_chunk = max(width, chunk_elements // max(1, m, d))
+    for t0 in range(0, nt, t_chunk):
+        t1 = min(nt, t0 + t_chunk)
+        tc = targets.source[t0:t1].double()
+        tc = tc if center is None else tc - center
+        keys = (tc * tc).sum(dim=1)[None, :] * r[:, None] - 2.0 * (qr @ tc.T)
+        vals = torch.cat([vals, keys], dim=1)
+        idx = torch.cat([idx, torch.arange(t0, t1, device=device).expand(m, -1)], dim=1)
+        order = best_order(vals, idx, width, descending=False)
+        vals, idx = torch.gather(vals, 1, order), torch.gather(idx, 1, order)
+    diff = (q[:, None, :] - targets.source[idx].double()) * r[:, None, None]
+    w = (diff * diff).sum(dim=2)
+    out = torch.sqrt(w) / r[:, None] if queries.metric == "l2" else w / r[:, None] / r[:, None]
+    out_v = torch.full((m, k), math.inf, dtype=torch.float32, device=device)
+    out_i = torch.full((m, k), -1, dtype=torch.int64, device=device)
+    out_v[:, :width] = out.to(torch.float32)
+    out_i[:, :width] = idx
+    return out_v, out_i
+
+
 # ----------------------------------------------------------------------------- preparation
 @dataclass
 class PreparedSide:
     """One side's tensors for a search, computed once (a target block stays on the device).
 
-    ``exact`` float32 rows for the re-rank (unit rows for cosine); ``operand`` what the
-    low-precision product reads (float32, tf32-rounded float32, or bfloat16); ``norm`` and
-    ``operand_norm`` are ``|exact|`` and ``|operand|``; ``residual`` is ``|operand - exact|``;
-    ``bias`` is ``|t|^2`` for the l2 family, 0 otherwise (used on the target side).
+    ``source`` the rows as given (float32 or float64: the re-rank's input); ``exact`` the
+    float32 working rows (``frame``; unit rows for cosine), what the bound calls exact;
+    ``operand`` what the low-precision product reads (float32, tf32-rounded float32, or
+    bfloat16); ``norm`` and ``operand_norm`` are ``|exact|`` and ``|operand|`` (rounded up);
+    ``residual`` is ``|operand - exact|``; ``bias`` is ``|exact|^2`` for the l2 form
+    (:func:`l2_form`), 0 otherwise (used on the target side). ``factor`` (float64, per row)
+    maps a source row to working units in the re-rank (:func:`exact_values`): ``scale``,
+    ``scale / |x|`` (cosine) or the row's power of two (inner product queries); ``offset``
+    (inner product queries) is ``q . center``, float64, added back to the values.
     """
 
     exact: torch.Tensor
@@ -183,8 +366,13 @@ class PreparedSide:
     bias: torch.Tensor
     metric: str
     precision: str
+    source: torch.Tensor | None = None
+    factor: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+    frame: Frame = field(default_factory=Frame.identity)
     # Derived tensors computed once per prepared side: a block's lower-key weights, rows'
-    # rank-1 form and bias tables (carried to widened rows by exact_topk, not by take).
+    # rank-1 form and bias tables (carried to widened rows by exact_topk, not by take), the
+    # float32 view of a low-precision block (:meth:`as_fp32`).
     cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -200,80 +388,166 @@ class PreparedSide:
         of the queries)."""
         return PreparedSide(self.exact[rows], self.operand[rows], self.norm[rows],
                             self.operand_norm[rows], self.residual[rows], self.bias[rows],
-                            self.metric, self.precision)
+                            self.metric, self.precision, self.source[rows], self.factor[rows],
+                            None if self.offset is None else self.offset[rows], self.frame)
+
+    def as_fp32(self) -> "PreparedSide":
+        """The same rows with IEEE float32 operands: the working rows themselves (no copy),
+        residual 0. The precision that low-precision rows switch to when their bound admits
+        too many targets (:func:`exact_topk`). Kept in the cache for a target block."""
+        if self.precision == "fp32":
+            return self
+        view = self.cache.get("fp32")
+        if view is None:
+            view = PreparedSide(self.exact, self.exact, self.norm, self.norm,
+                                torch.zeros_like(self.residual), self.bias, self.metric, "fp32",
+                                self.source, self.factor, self.offset, self.frame)
+            self.cache["fp32"] = view
+        return view
 
 
-def _row_norm(x: torch.Tensor) -> torch.Tensor:
-    # float64 accumulation: the norms enter the bound and must not be underestimated.
-    return torch.linalg.vector_norm(x.double(), dim=1)
+def _norm_up(x64: torch.Tensor) -> torch.Tensor:
+    """Row norms of float64 rows, rounded up to float32 (the bound's inputs never round down)."""
+    return (torch.linalg.vector_norm(x64, dim=1) * (1 + 4 * U32)).to(torch.float32)
 
 
-def prepare_side(x: torch.Tensor, metric: str, precision: str) -> PreparedSide:
-    """Operands, norms and residuals of one side (rows must be finite; non-zero for cosine)."""
+def prepare_side(x: torch.Tensor, metric: str, precision: str, frame: Frame | None = None,
+                 *, queries: bool = False) -> PreparedSide:
+    """Working rows, operands, norms and residuals of one side (rows must be finite; non-zero
+    for cosine), in ``frame`` (default :meth:`Frame.identity`; a search prepares its target
+    block with :func:`working_frame` and its queries with that frame: :func:`prepare_queries`).
+    ``queries``: the query side (inner product queries are scaled per row, not shifted).
+    Computed in float64 chunk by chunk, then rounded once to float32."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
-    exact = x.to(torch.float32).contiguous()
-    if metric == "cosine":
-        exact = (exact / _row_norm(exact).to(torch.float32)[:, None]).contiguous()
+    frame = frame or Frame.identity()
+    source = x if x.dtype in (torch.float32, torch.float64) else x.to(torch.float32)
+    source = source.contiguous()
+    n, d = source.shape
+    device = source.device
+    l2 = l2_form(metric)
+    exact = torch.empty((n, d), dtype=torch.float32, device=device)
+    factor = torch.empty(n, dtype=torch.float64, device=device)
+    offset = torch.zeros(n, dtype=torch.float64, device=device) if (queries and not l2) else None
+    center = frame.center
+    for r0, r1 in _chunks(n, d):
+        if metric == "cosine":
+            rows, inv = _unit64(source[r0:r1])
+            factor[r0:r1] = inv * frame.scale
+        else:
+            rows = source[r0:r1].double()
+            factor[r0:r1] = frame.scale
+        if queries and not l2:
+            # q . t ranks as q . (t - center): the query is not shifted; its own power of two
+            # keeps the product in range (a positive factor per row leaves its order alone).
+            if center is not None:
+                offset[r0:r1] = rows @ center
+            if frame.row_scaled:
+                peak = rows.abs().amax(dim=1) if d else torch.ones(r1 - r0, dtype=torch.float64, device=device)
+                exp = torch.frexp(torch.where(peak > 0, peak, 1.0))[1]
+                factor[r0:r1] = torch.ldexp(torch.ones_like(peak), -exp.to(torch.float64))
+            else:
+                factor[r0:r1] = 1.0
+            work = rows * factor[r0:r1, None]
+        else:
+            work = rows if center is None else rows - center
+            work = work * frame.scale
+        exact[r0:r1] = work.to(torch.float32)
     if precision == "fp32":
         operand = exact
-        rounded = exact
     elif precision == "tf32":
         operand = round_to_tf32(exact)
-        rounded = operand
     else:
-        operand = exact.to(torch.bfloat16).contiguous()
-        rounded = operand.to(torch.float32)
-    norm64 = _row_norm(exact)
-    norm = norm64.to(torch.float32)
-    # Round the bound's inputs up, never down.
-    norm_up = (norm64 * (1 + 4 * U32)).to(torch.float32)
-    operand_norm = (_row_norm(rounded) * (1 + 4 * U32)).to(torch.float32)
-    residual = (_row_norm(rounded.double() - exact.double()) * (1 + 4 * U32)).to(torch.float32)
-    if metric in ("l2", "sqeuclidean"):
-        bias = (norm64 * norm64).to(torch.float32)
-    else:
-        bias = torch.zeros_like(norm)
-    del norm
-    return PreparedSide(exact, operand, norm_up, operand_norm, residual, bias, metric, precision)
+        operand = exact.to(torch.bfloat16)
+    norm = torch.empty(n, dtype=torch.float32, device=device)
+    operand_norm = torch.empty_like(norm)
+    residual = torch.empty_like(norm)
+    bias = torch.zeros_like(norm)
+    for r0, r1 in _chunks(n, d):
+        w64 = exact[r0:r1].double()
+        norm64 = torch.linalg.vector_norm(w64, dim=1)
+        norm[r0:r1] = (norm64 * (1 + 4 * U32)).to(torch.float32)
+        if precision == "fp32":
+            operand_norm[r0:r1] = norm[r0:r1]
+            residual[r0:r1] = 0.0
+        else:
+            o64 = operand[r0:r1].double()
+            operand_norm[r0:r1] = _norm_up(o64)
+            residual[r0:r1] = _norm_up(o64 - w64)
+        if l2:
+            bias[r0:r1] = (norm64 * norm64).to(torch.float32)
+    return PreparedSide(exact, operand, norm, operand_norm, residual, bias, metric, precision,
+                        source, factor, offset, frame)
+
+
+def prepare_targets_side(targets: torch.Tensor, metric: str, precision: str) -> PreparedSide:
+    """A target block in its own working frame (:func:`working_frame`)."""
+    return prepare_side(targets, metric, precision, working_frame(targets, metric))
+
+
+def prepare_queries(queries: torch.Tensor, targets: PreparedSide) -> PreparedSide:
+    """Query rows in the frame, metric and precision of a prepared target block."""
+    return prepare_side(queries, targets.metric, targets.precision, targets.frame, queries=True)
+
+
+def prepare_pair(queries: torch.Tensor, targets: torch.Tensor, metric: str,
+                 precision: str) -> tuple[PreparedSide, PreparedSide]:
+    """(queries, targets) prepared for one search, in the targets' working frame."""
+    ts = prepare_targets_side(targets, metric, precision)
+    return prepare_queries(queries, ts), ts
 
 
 def key_alpha(metric: str) -> float:
-    """Keys are ``bias_t - alpha * dot``: alpha 2 for the l2 family, 1 for similarities."""
-    return 2.0 if metric in ("l2", "sqeuclidean") else 1.0
+    """Keys are ``bias_t - alpha * dot``: alpha 2 for the l2 form, 1 for inner product."""
+    return 2.0 if l2_form(metric) else 1.0
 
 
 @dataclass(frozen=True)
 class TargetStats:
-    """Maxima over a target block of the terms the bound needs (plain floats)."""
+    """Maxima over a target block of the terms the bound needs (plain floats), and the
+    block's frame scale (the cosine term of the bound)."""
 
     norm: float
     operand_norm: float
     residual: float
     sq_norm: float
+    scale: float = 1.0
 
     @classmethod
     def of(cls, targets: PreparedSide) -> "TargetStats":
         if targets.rows == 0:
-            return cls(0.0, 0.0, 0.0, 0.0)
+            return cls(0.0, 0.0, 0.0, 0.0, targets.frame.scale)
         n = float(targets.norm.max())
-        return cls(n, float(targets.operand_norm.max()), float(targets.residual.max()), n * n)
+        return cls(n, float(targets.operand_norm.max()), float(targets.residual.max()), n * n,
+                   targets.frame.scale)
+
+    def as_fp32(self) -> "TargetStats":
+        """The stats of :meth:`PreparedSide.as_fp32`: operands are the working rows."""
+        return TargetStats(self.norm, self.norm, 0.0, self.sq_norm, self.scale)
 
 
 def key_error_bound(queries: PreparedSide, stats: TargetStats, metric: str) -> torch.Tensor:
-    """Per-query bound E on |approximate key - exact key| + the re-rank's error (module notes)."""
+    """Per-query bound E on |approximate key - key of the re-ranked value| (module notes)."""
     g = gamma(queries.dim)
     a = key_alpha(metric)
     qn, qop, rq = queries.norm.double(), queries.operand_norm.double(), queries.residual.double()
     T, Top, Rt, T2 = stats.norm, stats.operand_norm, stats.residual, stats.sq_norm
+    # The product of the operands against that of the working rows, and its accumulation.
     dot_err = qop * Rt + rq * T + g * qop * Top
+    # The key's one rounding (|key| <= |t|^2 + alpha |q||t|) and the bias's.
     bound = a * dot_err + 2 * U32 * (T2 + a * qn * T)
-    if metric in ("l2", "sqeuclidean"):
-        bound = bound + g * T2 + g * (qn + T) ** 2
+    if l2_form(metric):
+        # Working rows against the exact shifted rows (each coordinate rounded once: the
+        # squared differences move by <= 2u (|q| + |t|)^2) and the re-ranked value's float32
+        # rounding and float64 sum (<= (u + (d + 4) 2^-52) (|q| + |t|)^2).
+        bound = bound + 4 * U32 * (qn + T) ** 2
+        if metric == "cosine":
+            # The float64 unit rows of the preparation and of the re-rank, computed apart.
+            bound = bound + 8 * (queries.dim + 4) * 2.0 ** -53 * stats.scale * (qn + T)
     else:
-        bound = bound + g * qn * T
-    if metric == "cosine":
-        bound = bound + 4 * (g + 2 * U32)
+        # Working rows against the exact ones (2u |q||t|), the value's rounding and sum (u + d 2^-52).
+        bound = bound + 4 * U32 * qn * T
+    bound = bound + _TINY * (1 + qn + T) ** 2
     return (bound * _SAFETY).to(torch.float32)
 
 
@@ -505,27 +779,43 @@ CandidateFn = Callable[[PreparedSide, PreparedSide, int], tuple]
 
 
 # ----------------------------------------------------------------------------- re-rank
-def exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor,
-                 *, chunk_elements: int = 1 << 25) -> torch.Tensor:
-    """float32 values of the (query, idx) pairs: sq. distance for the l2 family, else dot.
-
-    The l2 family uses the difference form sum((q - t)^2): no cancellation between the norms,
-    so close pairs keep full relative accuracy. Empty slots (-1) get NaN.
-    """
+def rerank_rows(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor,
+                chunk_elements: int = 1 << 24):
+    """The re-rank's float64 rows in working units, chunk by chunk: yields
+    ``(r0, r1, q (r, d), t (r, c, d), sel)`` with ``q`` the query rows times their factor and
+    ``t`` the candidates' source rows times theirs (inner product: ``scale (t - center)``)."""
     m, c = idx.shape
-    out = torch.empty((m, c), dtype=torch.float32, device=idx.device)
     rows = max(1, chunk_elements // max(1, c * queries.dim))
+    center = targets.frame.center
     for r0 in range(0, m, rows):
         r1 = min(m, r0 + rows)
         sel = idx[r0:r1]
-        tg = targets.exact[sel.clamp(min=0)]                 # (r, c, d)
-        q = queries.exact[r0:r1, None, :]
-        if queries.metric in ("l2", "sqeuclidean"):
-            diff = tg - q
+        safe = sel.clamp(min=0)
+        t = targets.source[safe].double()
+        if not l2_form(queries.metric) and center is not None:
+            t = t - center
+        t = t * targets.factor[safe][..., None]
+        q = queries.source[r0:r1].double() * queries.factor[r0:r1, None]
+        yield r0, r1, q, t, sel
+
+
+def exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor,
+                 *, chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """float32 ranking values of the (query, idx) pairs, in working units, computed in float64
+    from the SOURCE rows (not the rounded working rows): the squared difference
+    ``sum((f_q q - f_t t)^2)`` for the l2 form (cosine: of the unit rows), else the dot
+    ``sum(f_q q * s (t - center))``. Each scaled coordinate is O(1) (no over- or underflow for
+    float32 elements of any size); the float64 sum is rounded once. Empty slots (-1) get NaN.
+    """
+    m, c = idx.shape
+    out = torch.empty((m, c), dtype=torch.float32, device=idx.device)
+    for r0, r1, q, t, sel in rerank_rows(queries, targets, idx, chunk_elements):
+        if l2_form(queries.metric):
+            diff = q[:, None, :] - t
             val = (diff * diff).sum(dim=2)
         else:
-            val = (tg * q).sum(dim=2)
-        out[r0:r1] = torch.where(sel >= 0, val, torch.nan)
+            val = (t * q[:, None, :]).sum(dim=2)
+        out[r0:r1] = torch.where(sel >= 0, val.to(torch.float32), torch.nan)
     return out
 
 
@@ -591,7 +881,7 @@ def value_limit(values_k: torch.Tensor, bound: torch.Tensor, queries: PreparedSi
     row without one gives a limit that proves nothing.
     """
     v = values_k.double()
-    if queries.metric in ("l2", "sqeuclidean"):
+    if l2_form(queries.metric):
         # |q|^2 rounded down: bias is float32 |q|^2, within 2^-24 of it.
         key = v - queries.bias.double() * (1 - 2.0 ** -22)
     else:
@@ -622,7 +912,7 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
     candidate pass, and the GPU runs it without waiting for Python between the steps.
     """
     values = values or exact_values
-    descending = queries.metric in ("inner_product", "cosine")
+    descending = not l2_form(queries.metric)
     head = min(k, idx.shape[1])
     vals = values(queries, targets, idx[:, :head])
     if idx.shape[1] > head:
@@ -643,11 +933,45 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
 TailFn = Callable[..., tuple | None]
 
 
-def final_values(values: torch.Tensor, metric: str) -> torch.Tensor:
-    """The user's value from the ranking value: sqrt for l2, unchanged otherwise."""
+def final_values(values: torch.Tensor, queries: PreparedSide) -> torch.Tensor:
+    """The user's float32 values from working ranking values (module notes): l2
+    ``sqrt(W) / s``, sqeuclidean ``W / s^2``, cosine ``1 - W / (2 s^2)``, inner product
+    ``W / (f_q s) + q . center``; in float64, so that +-inf appears only where the true value
+    exceeds float32's range. Empty slots (+inf for the l2 form, -inf else) become the
+    metric's worst value."""
+    metric = queries.metric
+    s = queries.frame.scale
+    w = values.double()
     if metric == "l2":
-        return torch.sqrt(torch.clamp(values, min=0.0))
-    return values
+        out = torch.sqrt(torch.clamp(w, min=0.0)) / s
+    elif metric == "sqeuclidean":
+        out = torch.clamp(w, min=0.0) / s / s
+    elif metric == "cosine":
+        out = 1.0 - torch.clamp(w, min=0.0) / s / s / 2.0
+    else:
+        out = w / queries.factor[:, None] / s
+        if queries.offset is not None:
+            out = out + queries.offset[:, None]
+    return out.to(torch.float32)
+
+
+# Low-precision rows whose next list would hold more than this share of the target block
+# (and more than FALLBACK_MIN_CANDIDATES), or more than the fused kernel's longest list, switch
+# to float32 operands instead (:func:`exact_topk`): their bound admits too much of the block
+# for low precision to pay. Small blocks keep widening in low precision up to every target:
+# such lists cost little, and seeded rounds skip most of them.
+FALLBACK_SHARE = 1 / 16
+FALLBACK_MIN_CANDIDATES = 256
+
+
+def falls_back(precision: str, wider: int, nt: int, max_candidates: int | None) -> bool:
+    """Whether rows of ``precision`` that need a list of ``wider`` candidates of ``nt`` switch
+    to float32 operands (FALLBACK_SHARE)."""
+    if precision == "fp32":
+        return False
+    if max_candidates is not None and wider > max_candidates:
+        return True
+    return wider > max(nt * FALLBACK_SHARE, FALLBACK_MIN_CANDIDATES)
 
 
 def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
@@ -740,13 +1064,27 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         # of the first round's rows, at least the subset's own), so no new launches for it.
         bound = bound[retry]
         wider = min(widened(n_cand), next_pow2(nt))
+        if falls_back(subset.precision, wider, nt, max_candidates):
+            # The bound admits too much of the block for low precision: these rows search
+            # again with float32 operands (the working rows, no copy) and the float32 bound,
+            # through cuBLAS; the list keeps its width (it widens from there in float32, up to
+            # every target: bounded). The seed and lower keys were the low precision's.
+            logger.debug("%d rows switch from %s to fp32 at %d candidates", retry.numel(),
+                         subset.precision, n_cand)
+            subset = subset.as_fp32()
+            targets = targets.as_fp32()
+            stats = stats.as_fp32()
+            bound = key_error_bound(subset, stats, metric)
+            lower, extra, seed = False, {}, None
+            generator = torch_candidates
+            continue
         if wider == n_cand:
             # A generator with a floor may hold back targets even at n_cand >= nt (the
             # segmented kernel's segments each keep their best few): the torch path's list
             # of every target ends the loop.
             generator = torch_candidates
         n_cand = wider
-    return final_values(out_v, metric), out_i
+    return final_values(out_v, queries), out_i
 
 
 def _widened_rows(rows: PreparedSide, retry: torch.Tensor, lower: bool) -> PreparedSide:
@@ -772,9 +1110,8 @@ def approximate_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     n_cand = max(MIN_CANDIDATES, next_pow2(k))
     found = candidates(queries, targets, n_cand)   # a floor, if any, is not needed here
     keys, idx = found[0][:, :k], found[1][:, :k]
-    metric = queries.metric
-    if metric in ("l2", "sqeuclidean"):
+    if l2_form(queries.metric):
         vals = keys + queries.bias[:, None] if queries.bias.numel() else keys
     else:
         vals = -keys
-    return final_values(vals, metric), idx
+    return final_values(vals, queries), idx

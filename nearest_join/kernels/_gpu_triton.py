@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._gpu_torch import PreparedSide, key_alpha, lower_bias_table, lower_levels
+from ._gpu_torch import PreparedSide, key_alpha, l2_form, lower_bias_table, lower_levels
 
 logger = logging.getLogger(__name__)
 
@@ -828,10 +828,33 @@ RERANK_D = 64
 
 
 @triton.jit
-def _rerank_kernel(q_ptr, t_ptr, idx_ptr, out_ptr, m, c, d, stride_q, stride_t,
+def _pair_value(q_ptr, t_ptr, qf, tf, c_ptr, rows64, live, ix, ok, d, stride_q, stride_t,
+                L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """float64 working value of BLOCK_R (query row, target ix) pairs from the source rows:
+    ``sum((qf q - tf t)^2)`` (l2 form) or ``sum(qf q * tf (t - c))``; each scaled coordinate is
+    O(1), so nothing over- or underflows (the torch form, ``_gpu_torch.exact_values``)."""
+    acc = tl.zeros([BLOCK_R], dtype=tl.float64)
+    for d0 in range(0, d, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        inside = cols < d
+        tv = tl.load(t_ptr + ix[:, None] * stride_t + cols[None, :],
+                     mask=ok[:, None] & inside[None, :], other=0.0).to(tl.float64)
+        qv = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :],
+                     mask=(live & ok)[:, None] & inside[None, :], other=0.0).to(tl.float64)
+        if L2:
+            diff = qv * qf[:, None] - tv * tf[:, None]
+            acc += tl.sum(diff * diff, axis=1)
+        else:
+            cv = tl.load(c_ptr + cols, mask=inside, other=0.0)
+            acc += tl.sum((qv * qf[:, None]) * ((tv - cv[None, :]) * tf[:, None]), axis=1)
+    return acc
+
+
+@triton.jit
+def _rerank_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, out_ptr, m, c, d, stride_q, stride_t,
                    L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """float32 values of (query row, candidate) pairs: ``sum((t - q)^2)`` (l2 family) or
-    ``sum(t * q)``, in float32 from the exact rows; NaN in empty slots (index -1).
+    """float32 working values of (query row, candidate) pairs (:func:`_pair_value`, summed
+    in float64 from the source rows, float32 or float64, rounded once); NaN in empty slots.
 
     One program owns BLOCK_R query rows and walks their c candidate columns; each column
     gathers one target row per query row, d in BLOCK_D chunks. Nothing is materialised
@@ -841,38 +864,38 @@ def _rerank_kernel(q_ptr, t_ptr, idx_ptr, out_ptr, m, c, d, stride_q, stride_t,
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < m
     rows64 = rows.to(tl.int64)
+    qf = tl.load(qf_ptr + rows, mask=live, other=0.0)
     for j in range(0, c):
         ix = tl.load(idx_ptr + rows64 * c + j, mask=live, other=-1)
         ok = ix >= 0
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for d0 in range(0, d, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            inside = cols < d
-            tv = tl.load(t_ptr + ix[:, None] * stride_t + cols[None, :],
-                         mask=ok[:, None] & inside[None, :], other=0.0)
-            qv = tl.load(q_ptr + rows64[:, None] * stride_q + cols[None, :],
-                         mask=(live & ok)[:, None] & inside[None, :], other=0.0)
-            if L2:
-                diff = tv - qv
-                acc += tl.sum(diff * diff, axis=1)
-            else:
-                acc += tl.sum(tv * qv, axis=1)
-        tl.store(out_ptr + rows64 * c + j, tl.where(ok, acc, float("nan")), mask=live)
+        tf = tl.load(tf_ptr + ix, mask=ok, other=0.0)
+        acc = _pair_value(q_ptr, t_ptr, qf, tf, c_ptr, rows64, live, ix, ok, d, stride_q, stride_t,
+                          L2, BLOCK_R, BLOCK_D)
+        tl.store(out_ptr + rows64 * c + j, tl.where(ok, acc.to(tl.float32), float("nan")), mask=live)
+
+
+def _center(queries: PreparedSide, targets: PreparedSide) -> torch.Tensor:
+    """The frame's centre as the kernels read it (zeros for the origin; l2 never reads it)."""
+    center = targets.frame.center
+    if center is None:
+        return torch.zeros(max(1, queries.dim), dtype=torch.float64, device=targets.source.device)
+    return center.contiguous()
 
 
 def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor) -> torch.Tensor:
     """:func:`_gpu_torch.exact_values` by :func:`_rerank_kernel`: the same values up to the
-    order of float32 summation (the error bound covers any order)."""
+    order of the float64 summation (the error bound covers any order)."""
     m, c = idx.shape
     out = torch.empty((m, c), dtype=torch.float32, device=idx.device)
     if m == 0 or c == 0:
         return out
-    q, t = queries.exact, targets.exact
+    q, t = queries.source, targets.source
     idx = idx.contiguous()
     block_d = min(RERANK_D, max(16, triton.next_power_of_2(queries.dim)))
     _rerank_kernel[(triton.cdiv(m, RERANK_ROWS),)](
-        q, t, idx, out, m, c, queries.dim, q.stride(0), t.stride(0),
-        L2=queries.metric in ("l2", "sqeuclidean"), BLOCK_R=RERANK_ROWS, BLOCK_D=block_d, num_warps=4)
+        q, t, queries.factor.contiguous(), targets.factor, _center(queries, targets), idx, out, m, c,
+        queries.dim, q.stride(0), t.stride(0), L2=l2_form(queries.metric), BLOCK_R=RERANK_ROWS,
+        BLOCK_D=block_d, num_warps=4)
     return out
 
 
@@ -893,8 +916,8 @@ def _next_up(x):
 
 
 @triton.jit
-def _exact_tail_kernel(q_ptr, t_ptr, idx_ptr, keys_ptr, floor_ptr, bound_ptr, qbias_ptr,
-                       out_v_ptr, out_i_ptr, limit_ptr, ok_ptr, m, d, k, stride_q, stride_t,
+def _exact_tail_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, keys_ptr, floor_ptr, bound_ptr,
+                       qbias_ptr, out_v_ptr, out_i_ptr, limit_ptr, ok_ptr, m, d, k, stride_q, stride_t,
                        L2: tl.constexpr, DESCENDING: tl.constexpr, W: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Re-rank and proof of BLOCK_R candidate rows of W columns, in one pass.
@@ -907,31 +930,21 @@ def _exact_tail_kernel(q_ptr, t_ptr, idx_ptr, keys_ptr, floor_ptr, bound_ptr, qb
     ``margin_holds``: about 25 small kernels and a host sync per round) is the reference in
     the tests. Columns past ``key(V0) + E`` are not skipped here (the torch form skips them
     to save reads); they are strictly worse than V_k, so the top k is the same. The values
-    loop is a copy of ``_rerank_kernel``'s (same sums in the same order): a shared helper
-    would change the production re-rank, which only a GPU run can check.
+    are :func:`_pair_value`'s, as in ``_rerank_kernel`` (same sums in the same order).
     """
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < m
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, W)
+    qf = tl.load(qf_ptr + rows, mask=live, other=0.0)
     vals = tl.zeros((BLOCK_R, W), dtype=tl.float32)
     for j in range(0, W):
         ix = tl.load(idx_ptr + rows64 * W + j, mask=live, other=-1)
         ok = ix >= 0
-        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for d0 in range(0, d, BLOCK_D):
-            dc = d0 + tl.arange(0, BLOCK_D)
-            inside = dc < d
-            tv = tl.load(t_ptr + ix[:, None] * stride_t + dc[None, :],
-                         mask=ok[:, None] & inside[None, :], other=0.0)
-            qv = tl.load(q_ptr + rows64[:, None] * stride_q + dc[None, :],
-                         mask=(live & ok)[:, None] & inside[None, :], other=0.0)
-            if L2:
-                diff = tv - qv
-                acc += tl.sum(diff * diff, axis=1)
-            else:
-                acc += tl.sum(tv * qv, axis=1)
+        tf = tl.load(tf_ptr + ix, mask=ok, other=0.0)
+        acc = _pair_value(q_ptr, t_ptr, qf, tf, c_ptr, rows64, live, ix, ok, d, stride_q, stride_t,
+                          L2, BLOCK_R, BLOCK_D).to(tl.float32)
         vals = tl.where(cols[None, :] == j, acc[:, None], vals)
     idx = tl.load(idx_ptr + rows64[:, None] * W + cols[None, :], mask=live[:, None], other=-1)
     filled = idx >= 0
@@ -984,12 +997,13 @@ def triton_exact_tail(queries: PreparedSide, targets: PreparedSide, keys: torch.
     ok = torch.empty((m,), dtype=torch.int8, device=device)
     if m == 0:
         return out_v, out_i, limit, ok.bool()
-    q, t = queries.exact, targets.exact
-    metric = queries.metric
+    q, t = queries.source, targets.source
+    l2 = l2_form(queries.metric)
     block_d = min(RERANK_D, max(16, triton.next_power_of_2(queries.dim)))
     _exact_tail_kernel[(triton.cdiv(m, TAIL_ROWS),)](
-        q, t, idx.contiguous(), keys.contiguous(), floor.contiguous(), bound.contiguous(),
+        q, t, queries.factor.contiguous(), targets.factor, _center(queries, targets), idx.contiguous(),
+        keys.contiguous(), floor.contiguous(), bound.contiguous(),
         queries.bias.contiguous(), out_v, out_i, limit, ok, m, queries.dim, k, q.stride(0), t.stride(0),
-        L2=metric in ("l2", "sqeuclidean"), DESCENDING=metric in ("inner_product", "cosine"),
+        L2=l2, DESCENDING=not l2,
         W=w, BLOCK_R=TAIL_ROWS, BLOCK_D=block_d, num_warps=4)
     return out_v, out_i, limit, ok.bool()

@@ -10,8 +10,12 @@ then an exact float32 re-rank whose candidate list is proven complete by an erro
 * ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
 
 ``precision`` picks the operands of the candidate pass: ``"fp32"`` (IEEE float32, no
-tensor-core rounding; the default), ``"tf32"`` or ``"bf16"`` (tensor cores). Results are
-exact float32 results in every precision; the precision only changes the speed.
+tensor-core rounding; the default), ``"tf32"`` or ``"bf16"`` (tensor cores). Every search runs
+in the target block's working frame (both sides shifted by the block's mean, scaled by a power
+of two: the rounding bound follows the spread of the data, not its offset) and re-ranks its
+candidates from the input rows in float64; results are the same in every precision (within
+:data:`RTOL`), which only changes the speed. Rows whose bound admits too much of the block in
+bf16 / tf32 switch to float32 operands.
 
 :func:`knn_torch` takes torch tensors (CUDA or CPU) and keeps the results on their device;
 ``knn(..., backend="gpu")`` takes numpy arrays and goes through :data:`BACKEND`.
@@ -41,10 +45,21 @@ else:
 PRECISIONS = ("fp32", "tf32", "bf16")
 IMPLEMENTATIONS = ("auto", "triton", "torch")
 
+# The backend's tolerance against the float64 difference-form oracle (``rtol`` of
+# tests/adversarial.py's assert_true_topk): relative to the size of the shifted problem, (|q - c|
+# + max |t - c|)^2 for the l2 family (cosine: of the unit rows), |q| max |t - c| for inner
+# product, c the targets' mean. Every result is the exact top k, ties to the lower index, of
+# float32 roundings of values computed in float64 from the input rows in the working frame
+# (``_gpu_torch`` notes); each is within 2^-24 (and a float64 sum's d 2^-53) of the true value,
+# which is at most that size, so a returned key exceeds the true k-th by at most about
+# 2 x 2^-24 of it. 2^-22 leaves a factor of two. (float64 inputs are searched from their own
+# float64 rows: the same tolerance.)
+RTOL = 2.0 ** -22
+
+
 # Value tolerances of the exact results against the float64 reference, per float32 value:
 # l2 family relative to the squared distance (difference form), similarities relative to
-# |q||t| (cosine: 1). gamma_{d+2}(2^-24) per the bound in _gpu_torch, times 4 for the slack of
-# the float64 reference's own expansion.
+# |q||t| (cosine: 1); tests/kernels/test_gpu.py's tie-aware check on centred data.
 def value_tolerance(d: int) -> float:
     n_u = (d + 2) * 2.0 ** -24
     return 4 * n_u / (1 - n_u)
@@ -101,14 +116,16 @@ def rankable_mask(x, metric: str):
 
 
 def prepare_targets(targets, metric: str, precision: str = "fp32") -> PreparedTargets:
-    """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls."""
-    from ._gpu_torch import TargetStats, prepare_side
+    """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls: the block's
+    working frame (its mean and a power-of-two scale, ``_gpu_torch.working_frame``), operands,
+    norms and bound terms. float64 rows stay float64 for the re-rank."""
+    from ._gpu_torch import TargetStats, prepare_targets_side
 
     m = resolve_metric(metric).name
     _check_precision(precision)
     ok = rankable_mask(targets, m)
     rows = None if bool(ok.all()) else ok.nonzero().flatten()
-    side = prepare_side(targets if rows is None else targets[rows], m, precision)
+    side = prepare_targets_side(targets if rows is None else targets[rows], m, precision)
     return PreparedTargets(side, TargetStats.of(side), ok, rows)
 
 
@@ -195,11 +212,19 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     values = torch.full((nq, k), m.worst, dtype=torch.float32, device=device)
     indices = torch.full((nq, k), -1, dtype=torch.int64, device=device)
     q_ok = rankable_mask(queries, metric)
-    q_rows = None if bool(q_ok.all()) else q_ok.nonzero().flatten()
+    frame = targets.side.frame
+    # One host sync for both: whether every row ranks, and whether some row could lie so far
+    # from the block (in its scale) that its working values would leave float32's range.
+    all_ok, peak = torch.stack([q_ok.all().double(), queries.abs().amax().double()]).tolist() \
+        if nq else (1.0, 0.0)
+    q_rows = None if all_ok else q_ok.nonzero().flatten()
     q_run = queries if q_rows is None else queries[q_rows]
     if q_run.shape[0] == 0 or targets.side.rows == 0:
         return values, indices
-    side = gt.prepare_side(q_run, metric, precision)
+    side = gt.prepare_queries(q_run, targets.side)
+    far = None
+    if gt.may_be_far(metric, frame, peak, side.dim):
+        far = gt.far_rows(side)
     lower = exact and uses_lower_keys(k, precision, side.dim)
     chosen, reason = choose_implementation(k, precision, device, impl)
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
@@ -215,12 +240,21 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
         few_rows = gt.TORCH_ROUND_ROWS
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
+    near = side if far is None else side.take(~far)
     if exact:
-        v, i = gt.exact_topk(side, targets.side, k, candidates, max_candidates=max_cand,
+        v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                              stats=targets.stats, values=values_fn, seeded=seeded, tail=tail,
                              lower=lower, few_rows=few_rows)
     else:
-        v, i = gt.approximate_topk(side, targets.side, k, candidates)
+        v, i = gt.approximate_topk(near, targets.side, k, candidates)
+    if far is not None:
+        # Rows too far from the block for its working frame: the float64 difference form over
+        # every target, each row in its own scale (rare: 2^60 block extents away).
+        v_all = torch.empty((side.rows, k), dtype=torch.float32, device=device)
+        i_all = torch.empty((side.rows, k), dtype=torch.int64, device=device)
+        v_all[~far], i_all[~far] = v, i
+        v_all[far], i_all[far] = gt.far_topk(side.take(far), targets.side, k)
+        v, i = v_all, i_all
     if targets.rows is not None:
         i = torch.where(i >= 0, targets.rows[i.clamp(min=0)], -1)
     if q_rows is None:
@@ -300,7 +334,7 @@ class GpuBackend:
 
     name = "gpu"
     devices = ("cuda",)
-    dtypes = ("float32", "float64")   # float64 input is searched in float32, like the contract's values
+    dtypes = ("float32", "float64")   # float64 rows are re-ranked from float64; values are float32
     metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
     max_k = None                      # k beyond the fused kernel's lists runs the torch path
 
@@ -325,8 +359,9 @@ class GpuBackend:
         precision = _check_precision(options.get("precision", "fp32"))
         dev = cuda_device(options.get("device"))
         with torch.cuda.device(dev):
-            q = torch.from_numpy(np.ascontiguousarray(queries, dtype=np.float32)).to(dev, non_blocking=True)
-            t = torch.from_numpy(np.ascontiguousarray(targets, dtype=np.float32)).to(dev, non_blocking=True)
+            # float64 rows stay float64: the working frame and the re-rank read them as given.
+            q = torch.from_numpy(np.ascontiguousarray(queries)).to(dev, non_blocking=True)
+            t = torch.from_numpy(np.ascontiguousarray(targets)).to(dev, non_blocking=True)
             v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision, impl=options.get("impl", "auto"))
             return v.cpu().numpy(), i.cpu().numpy()
 

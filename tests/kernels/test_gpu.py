@@ -409,7 +409,7 @@ def test_lower_keys_bound_every_exact_key_from_below(metric, precision):
     lower, l_idx = gt.torch_candidates(qs, ts, ts.rows, lower=True)
     plain, p_idx = gt.torch_candidates(qs, ts, ts.rows)
     t64 = ts.exact.double()
-    bias = (t64 ** 2).sum(1) if metric in ("l2", "sqeuclidean") else torch.zeros(ts.rows, dtype=torch.float64)
+    bias = (t64 ** 2).sum(1) if gt.l2_form(metric) else torch.zeros(ts.rows, dtype=torch.float64)
     exact = bias[None, :] - gt.key_alpha(metric) * (qs.exact.double() @ t64.T)
     assert bool((lower.double() - rest <= exact.gather(1, l_idx)).all())
     assert bool((plain.double() - rest > exact.gather(1, p_idx)).any())
