@@ -6,6 +6,7 @@ Run on a CUDA machine from the repository root:
     python benchmarks/gpu_kernel.py --quick               # small shapes, smoke run
     python benchmarks/gpu_kernel.py --variants --out results/   # kernel variants: check + time
     python benchmarks/gpu_kernel.py --tma-ab --ks 10,100         # TMA vs pointer target tiles
+    python benchmarks/gpu_kernel.py --compare-base .bench_base/kernels   # EXACT: this tree vs another
 
 For nq x nt x d (default 65,536 x 1,000,000 x 128, plus d=768 in tf32/bf16 at k=10) and
 k in {10, 100}, in fp32, tf32 and bf16, it times with CUDA events (median of repeats, after
@@ -503,8 +504,7 @@ def run_variants(args, record) -> None:
                                                         (300, 7_001, 33, "gaussian", "inner_product"),
                                                         (1000, 30_000, 128, "gaussian", "l2")]):
             q, t = make_data(kind, nq, nt, d, 1000 * n + n_cand + len(name))
-            qs = gt.prepare_side(torch.from_numpy(q).to(dev), metric, precision)
-            ts = gt.prepare_side(torch.from_numpy(t).to(dev), metric, precision)
+            qs, ts = gt.prepare_pair(torch.from_numpy(q).to(dev), torch.from_numpy(t).to(dev), metric, precision)
             k = served_k(n_cand, precision)
             try:
                 fn = lambda a, b, c: tr.triton_candidates(a, b, c, config=cfg if c == n_cand else None)
@@ -530,8 +530,7 @@ def run_variants(args, record) -> None:
     T = torch.randn(args.nt, args.d, device=dev, generator=gen)
     flops = 2.0 * args.nq * args.nt * args.d
     for precision in args.precisions.split(","):
-        qs = gt.prepare_side(Q, "l2", precision)
-        ts = gt.prepare_side(T, "l2", precision)
+        qs, ts = gt.prepare_pair(Q, T, "l2", precision)
         bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "l2")
         for name, p, n_cand, cfg, min_only in kernel_variants(args.only):
             if p != precision or not checked.get((name.replace("-min-only", ""), p, n_cand), min_only):
@@ -782,7 +781,7 @@ def tma_ab(args, ks, precisions, record) -> None:
     default = set(tr.TMA_DEVICES)
     for precision in precisions:
         prepared = prepare_targets(T, "l2", precision)
-        qs = gt.prepare_side(Q, "l2", precision)
+        qs = gt.prepare_queries(Q, prepared.side)
         n_cand = gt.candidate_width(ks[0], precision)
 
         passes = {f"plain_k{k}": lambda k=k: search_prepared(Q, prepared, k, exact=False) for k in ks}
@@ -818,6 +817,98 @@ def tma_ab(args, ks, precisions, record) -> None:
                    tma_tflops=round(flops / ms["tma"] / 1e9, 1),
                    runs={form: [round(x, 1) for x in times[(form, name)]] for form in forms})
         del prepared, qs
+        torch.cuda.empty_cache()
+
+
+# (data, metric, d, precisions, ks) of --compare-base: the main table's shape at d=128, d=384,
+# embedding-like unit rows (cosine), and the issue's offset data (new code only: the old one
+# widened towards brute force there).
+COMPARE_SHAPES = [
+    ("gaussian", "l2", 128, ("fp32", "tf32", "bf16"), (10, 100)),
+    ("gaussian", "l2", 384, ("tf32", "bf16"), (10,)),
+    ("embedding", "cosine", 384, ("tf32", "bf16"), (10, 100)),
+    ("offset", "l2", 128, ("tf32", "bf16"), (10,)),
+]
+
+
+def _load_base_kernels(folder: Path):
+    """The kernels package of another commit (a copy of its ``nearest_join/kernels``) as the
+    top-level package ``base_kernels``: its modules import each other relatively."""
+    import importlib
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["base_kernels"] = module
+    spec.loader.exec_module(module)
+    return importlib.import_module("base_kernels.gpu")
+
+
+def compare_data(kind: str, n: int, d: int, gen) -> torch.Tensor:
+    """Benchmark rows on the device: ``gaussian`` N(0, 1); ``embedding`` unit rows around a
+    shared direction with power-law variances (sentence embeddings have a large common
+    component: random pairs at cosine ~0.4); ``offset`` 10 + 0.1 N(0, 1) (issue 18)."""
+    dev = torch.device("cuda")
+    x = torch.randn(n, d, device=dev, generator=gen)
+    if kind == "embedding":
+        g = torch.Generator(device=dev).manual_seed(1234)     # the same direction for both sides
+        mean = torch.randn(d, device=dev, generator=g)
+        mean = mean / mean.norm()
+        decay = (torch.arange(1, d + 1, device=dev, dtype=torch.float32) ** -0.5)
+        x = x * (decay / decay.norm())
+        x = 0.8 * mean + x
+        x = x / x.norm(dim=1, keepdim=True)
+    elif kind == "offset":
+        x = 10.0 + 0.1 * x
+    return x
+
+
+def compare_base(args, record) -> None:
+    """The EXACT search of this tree against ``--compare-base`` (another commit's kernels
+    package), interleaved in one process: per shape, both prepare the same target block, run
+    once (compiling), then alternate ``--reps`` timed runs each; the median of each and how
+    many rows' indices agree."""
+    base = _load_base_kernels(Path(args.compare_base))
+    nq, nt = args.nq, args.nt
+    for kind, metric, d, precisions, ks in COMPARE_SHAPES:
+        name = f"{kind}-{metric}-d{d}"
+        if args.only and not any(part in name for part in args.only.split(",")):
+            continue
+        gen = torch.Generator(device=torch.device("cuda")).manual_seed(d)
+        Q = compare_data(kind, nq, d, gen)
+        T = compare_data(kind, nt, d, gen)
+        for precision in precisions:
+            new_t = prepare_targets(T, metric, precision)
+            base_t = base.prepare_targets(T, metric, precision) if kind != "offset" else None
+            for k in ks:
+                new_fn = lambda: search_prepared(Q, new_t, k)
+                base_fn = (lambda: base.search_prepared(Q, base_t, k)) if base_t is not None else None
+                t0 = time.perf_counter()
+                v_new, i_new = new_fn()
+                torch.cuda.synchronize()
+                first_new = time.perf_counter() - t0
+                same = None
+                if base_fn is not None:
+                    v_base, i_base = base_fn()
+                    same = float((i_new == i_base).all(dim=1).double().mean())
+                    del v_base, i_base
+                del v_new, i_new
+                times = collections.defaultdict(list)
+                for _ in range(args.reps):
+                    if base_fn is not None:
+                        times["base"] += cuda_ms(base_fn, 1, warmup=0)
+                    times["new"] += cuda_ms(new_fn, 1, warmup=0)
+                new_ms = statistics.median(times["new"])
+                base_ms = statistics.median(times["base"]) if base_fn is not None else float("nan")
+                record(what="compare_base", data=kind, metric=metric, d=d, precision=precision, k=k,
+                       nq=nq, nt=nt, base_ms=round(base_ms, 2), new_ms=round(new_ms, 2),
+                       new_over_base=round(new_ms / base_ms, 3) if base_fn is not None else None,
+                       rows_same_indices=same, first_new_s=round(first_new, 2),
+                       runs={key: [round(x, 1) for x in v] for key, v in times.items()})
+            del new_t, base_t
+            torch.cuda.empty_cache()
+        del Q, T
         torch.cuda.empty_cache()
 
 
@@ -883,6 +974,9 @@ def main(argv=None) -> None:
                     help="only: one warm broadcast task's stage timeline per broadcast shape (bf16, first k)")
     ap.add_argument("--arrow-breakdown", action="store_true",
                     help="also time the Arrow path's stages (bf16; a separate, instrumented run)")
+    ap.add_argument("--compare-base", default=None,
+                    help="only: the EXACT search against another commit's nearest_join/kernels copied to "
+                         "this folder (git show), interleaved, on COMPARE_SHAPES (--only picks by name part)")
     args = ap.parse_args(argv)
     if args.widen_factor:
         gt.WIDEN_FACTOR = args.widen_factor
@@ -943,6 +1037,17 @@ def main(argv=None) -> None:
                 print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | FAILED {r.get('error', '')[:150]} | |")
         return
 
+    if args.compare_base:
+        compare_base(args, record)
+        print("\n| data | metric | d | precision | k | base ms | new ms | new / base | rows same |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r["what"] == "compare_base":
+                ratio = "" if r["new_over_base"] is None else f"{r['new_over_base']:.3f}"
+                same = "" if r["rows_same_indices"] is None else f"{r['rows_same_indices']:.4f}"
+                print(f"| {r['data']} | {r['metric']} | {r['d']} | {r['precision']} | {r['k']} | "
+                      f"{r['base_ms']:.1f} | {r['new_ms']:.1f} | {ratio} | {same} |")
+        return
     if args.exact_breakdown:
         exact_breakdown(args, ks, precisions, record)
         return
