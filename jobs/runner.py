@@ -212,6 +212,8 @@ def _read_side(spark, side) -> Any:
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
+    from nearest_join.ranking import quote
+
     try:
         df = spark.read.parquet(*side.paths)
     except AnalysisException as exc:
@@ -235,9 +237,9 @@ def _read_side(spark, side) -> Any:
                 f"column(s) {missing} not found in {', '.join(side.paths)}; columns: {df.columns}",
             )
         keep = list(side.columns) + ([side.vector] if side.vector not in side.columns else [])
-        df = df.select(*keep)
+        df = df.select(*[F.col(quote(c)) for c in keep])
     if side.prefix:
-        df = df.select(*[F.col(f"`{c}`").alias(side.prefix + c) for c in df.columns])
+        df = df.select(*[F.col(quote(c)).alias(side.prefix + c) for c in df.columns])
     return df
 
 
@@ -367,6 +369,7 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
 
     import nearest_join
     from nearest_join import nearest_by_join
+    from nearest_join.ranking import quote
 
     started_at, start = _now(), time.perf_counter()
     phases = _Phases()
@@ -384,7 +387,7 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
                     counts = joined.agg(
                         F.count(F.lit(1)).alias("rows"),
                         F.countDistinct(
-                            F.when(F.col(f"`{prepared.target_vector}`").isNotNull(), F.col(QUERY_ROW_ID))
+                            F.when(F.col(quote(prepared.target_vector)).isNotNull(), F.col(QUERY_ROW_ID))
                         ).alias("matched"),
                     ).first()
                 except Exception as exc:  # a ragged row surfaces as a failed Spark job

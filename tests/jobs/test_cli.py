@@ -281,7 +281,9 @@ def test_ragged_vector_exits_2_and_publishes_nothing(job, capsys):
                  "--set", f"target.path={ragged}", "--set", "target.columns=null"])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert "query.vector/target.vector: a row's vector has another dimension" in err
+    # found by the planner's facts job, before the search: both lengths named
+    assert "query.vector/target.vector: [VECTOR_DIMENSION_MISMATCH]" in err, err
+    assert f"of dimension {DIM - 1} and of dimension {DIM}" in err, err
     assert not out.exists() and not [p for p in job.base.iterdir() if p.name.startswith(".out.nj-staging")]
 
 
@@ -491,3 +493,22 @@ def test_failure_line_names_the_innermost_error():
                           "module named 'udfs'\n\tat org.apache.spark.Foo(Foo.scala:1)")
     assert _cause(worker) == "RuntimeError: ModuleNotFoundError: No module named 'udfs'"
     assert _cause(OSError("disk full")) == "OSError: disk full"
+
+
+def test_column_names_with_dots_and_backticks(job, capsys):
+    """Input columns named ``emb.v`` and ``la`bel`` are read, selected, prefixed and joined
+    as the columns they name (not as struct fields, not as a syntax error)."""
+    odd = job.base / "in" / "odd"
+    _write(odd, {"id": pa.array(job.target_ids, pa.int64()),
+                 "la`bel": pa.array([f"t{i}" for i in job.target_ids]),
+                 "emb.v": _vectors(job.target)}, files=1)
+    document = job.document()
+    document["target"].update(path=str(odd), vector="emb.v", columns=["id", "la`bel"])
+    document["output"]["path"] = str(job.base / "out")
+    job.write_spec(document)
+    assert main(["run", str(job.spec)]) == 0, capsys.readouterr().err
+    table = pq.read_table(job.base / "out")
+    assert {"t_la`bel", "t_id"} <= set(table.column_names)
+    found = _read(job.base / "out")
+    for qid, pairs in job.reference(5).items():
+        assert [t for t, _ in found.get(qid, [])] == [t for t, _ in pairs], qid
