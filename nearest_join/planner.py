@@ -32,6 +32,10 @@ from .ranking import column, quote
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_BROADCAST_LIMIT = 1 * GiB
+# A broadcast target takes at most this fraction (1 / N) of the driver's and each executor's
+# heap (see broadcast_memory_cap), and at most Spark's own limit on a broadcast table.
+BROADCAST_MEMORY_SHARE = 4
+SPARK_MAX_BROADCAST_BYTES = 8 * GiB
 # Target blocks of the broadcast plan: small enough for Arrow batches and binary values
 # (2 GiB), large enough that per-block overheads vanish.
 BROADCAST_TARGET_BLOCK_BYTES = 64 * MiB
@@ -213,10 +217,35 @@ def task_memory_bytes(spark) -> int:
     return int(min(max(memory // max(cores, 1) // 2, 64 * MiB), 4 * GiB))
 
 
+def broadcast_memory_cap(spark) -> tuple[int, str]:
+    """(bytes, why): the largest target the driver and the executors can hold as a broadcast.
+
+    The driver collects the whole target and serialises it into the broadcast's chunks (two
+    copies of it at least, with the JVM's overheads on top), and every executor holds it
+    whole while its tasks decode blocks of it: a broadcast may take at most
+    1 / ``BROADCAST_MEMORY_SHARE`` of the smaller of the two heaps, and never more than
+    Spark's own limit on a broadcast table. In local mode the executors are the driver.
+    """
+    master = str(_conf(spark, "spark.master", "local[*]"))
+    driver = parse_bytes(_conf(spark, "spark.driver.memory", "1g"))
+    local = master.startswith("local[") or master == "local"
+    executor = driver if local else parse_bytes(_conf(spark, "spark.executor.memory", "1g"))
+    heap, name = (driver, "spark.driver.memory") if driver <= executor else (executor, "spark.executor.memory")
+    cap = heap // BROADCAST_MEMORY_SHARE
+    if cap >= SPARK_MAX_BROADCAST_BYTES:
+        return SPARK_MAX_BROADCAST_BYTES, "Spark's 8 GiB limit on a broadcast table"
+    return cap, f"1/{BROADCAST_MEMORY_SHARE} of {name} {heap} B"
+
+
 def broadcast_limit(spark, override: int | None) -> int:
+    """The target size (vector bytes) up to which the broadcast plan is chosen: the
+    argument, else ``spark.nearestJoin.broadcastLimitBytes``, never above what memory allows
+    (:func:`broadcast_memory_cap`)."""
     if override is not None:
-        return int(override)
-    return parse_bytes(_conf(spark, CONF_PREFIX + "broadcastLimitBytes", DEFAULT_BROADCAST_LIMIT))
+        configured = int(override)
+    else:
+        configured = parse_bytes(_conf(spark, CONF_PREFIX + "broadcastLimitBytes", DEFAULT_BROADCAST_LIMIT))
+    return min(configured, broadcast_memory_cap(spark)[0])
 
 
 def broadcast_target_block_bytes(spark) -> int:
@@ -313,6 +342,9 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
         spread = query_input_partitions is None or query_input_partitions < cores or work >= SPREAD_WORK
     else:
         plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
+        cap, why = broadcast_memory_cap(spark)
+        if limit == cap:
+            reason += f" ({why})"
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
     q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0

@@ -175,3 +175,26 @@ def test_query_blocks_per_task_and_broadcast_target_block_size():
                         ({"broadcastTargetBlockBytes": "lots"}, "broadcastTargetBlockBytes: expected a size such as")]:
         with pytest.raises(ValueError, match=match):
             _plan_with(conf)
+
+
+def test_broadcast_limit_respects_driver_and_executor_memory():
+    """A 0.92 GB target under the 1 GiB default limit, with a 1g driver: broadcasting it
+    killed the driver JVM (OutOfMemoryError); the plan is blocked and says why."""
+    from nearest_join.planner import broadcast_limit
+
+    rows = 920_000_000 // (128 * 4)
+    one_gig = _Spark(spark__master="local[2]", spark__driver__memory="1g")
+    plan = choose_plan(spark=one_gig, ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact",
+                       join_type="inner", distance_col=None, backend="auto", dimension=128,
+                       itemsize=4, query_rows=1000, target_rows=rows)
+    assert plan.plan == "blocked"
+    assert "1/4 of spark.driver.memory 1073741824 B" in plan.reason
+    assert broadcast_limit(one_gig, None) == 256 << 20
+    # a cluster: the smaller heap decides; an explicit limit is capped the same way
+    cluster = _Spark(spark__master="yarn", spark__driver__memory="16g", spark__executor__memory="4g")
+    assert broadcast_limit(cluster, None) == 1 << 30          # the default limit is below 1g
+    assert broadcast_limit(cluster, 10 << 30) == 1 << 30      # 4g executors / 4
+    huge = _Spark(spark__master="yarn", spark__driver__memory="256g", spark__executor__memory="128g",
+                  spark__nearestJoin__broadcastLimitBytes="64g")
+    assert broadcast_limit(huge, None) == 8 << 30             # Spark's broadcast table limit
+    assert broadcast_limit(huge, 0) == 0
