@@ -1,0 +1,306 @@
+"""Memory check of the blocked plan: peak RSS of the Python workers and the JVMs against
+``spark.nearestJoin.taskMemoryBytes``, for a target several times the driver's memory.
+
+What it does, in one Spark session (``local[2]`` by default, or ``local-cluster[2,1,1024]``):
+
+1. Writes the target (``--target-rows`` float32 vectors of ``--d`` elements, several times
+   ``--driver-memory``) and the query side as Parquet, chunk by chunk with pyarrow (never
+   whole in memory), under ``--data-dir`` (a fresh temporary directory by default), which
+   is removed at the end, whatever happens.
+2. Warms the Python workers with a tiny blocked join (imports, numba's compiled kernels) and
+   reads their RSS then: the worker's fixed cost, measured.
+3. For each budget of ``--budgets`` (``spark.nearestJoin.taskMemoryBytes``), runs the blocked
+   join into Spark's ``noop`` sink while a sampler reads the RSS (``/proc/PID/status``) of
+   every Python worker and every JVM of this process's tree a few times a second; before a
+   run it resets each process's peak (``/proc/PID/clear_refs``: 5) and after it reads the
+   kernel's own peak (``VmHWM``), so that a spike between two samples still counts.
+4. Prints one row per budget: block rows chosen, peak RSS per Python worker, the fixed cost,
+   peak per JVM, and ``(peak - fixed) / budget``.
+
+Only processes descended from this one are measured (other jobs on the machine are not).
+
+Usage: python benchmarks/memory.py [--budgets 32m,128m] [--target-rows 2500000] [--query-rows 4000]
+       [--k 10] [--master local[2]] [--driver-memory 1g] [--data-dir DIR] [--keep-data]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+MiB = 1 << 20
+CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
+ROWS_PER_FILE = 1 << 18       # several files: several input partitions
+
+
+# ----------------------------------------------------------------------------- data
+def write_side(path: str, rows: int, d: int, seed: int, id_name: str, vec_name: str) -> int:
+    """Write ``rows`` Gaussian float32 vectors as Parquet files under ``path``; bytes written."""
+    os.makedirs(path, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    schema = pa.schema([(id_name, pa.int64()), (vec_name, pa.list_(pa.float32()))])
+    written = 0
+    for file_start in range(0, rows, ROWS_PER_FILE):
+        file_rows = min(ROWS_PER_FILE, rows - file_start)
+        name = os.path.join(path, f"part-{file_start // ROWS_PER_FILE:05d}.parquet")
+        with pq.ParquetWriter(name, schema, compression="none") as writer:
+            for start in range(file_start, file_start + file_rows, CHUNK_ROWS):
+                n = min(CHUNK_ROWS, file_start + file_rows - start)
+                values = pa.array(rng.standard_normal(n * d, dtype=np.float32))
+                vectors = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * d, d, dtype=np.int32)), values)
+                writer.write_table(pa.table([pa.array(np.arange(start, start + n, dtype=np.int64)), vectors],
+                                            schema=schema), row_group_size=1 << 15)
+        written += os.path.getsize(name)
+    return written
+
+
+# ----------------------------------------------------------------------------- processes
+def _status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of a process in bytes (empty when it is gone)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key, value, _ = line.split()
+                    out[key[:-1]] = int(value) * 1024
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(root: int) -> dict[int, str]:
+    """{pid: kind} of this process tree's JVMs ("driver JVM", "executor JVM") and Python
+    workers ("worker"; pyspark's daemon, which only forks them, is "daemon")."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = {}, list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        stack.extend(children.get(pid, []))
+        cmd = _cmdline(pid)
+        if "java" in cmd.split(" ")[0]:
+            found[pid] = "executor JVM" if "CoarseGrainedExecutorBackend" in cmd else "driver JVM"
+        elif "pyspark.daemon" in cmd or "pyspark.worker" in cmd:
+            # The daemon (a JVM's child) forks the workers: a worker's parent is a daemon.
+            forked = "pyspark.daemon" in _cmdline(parent.get(pid, 0))
+            found[pid] = "worker" if forked or "pyspark.daemon" not in cmd else "daemon"
+    return found
+
+
+class Sampler:
+    """Samples the RSS of this tree's JVMs and workers every ``interval`` seconds."""
+
+    def __init__(self, interval: float, stages=None):
+        self.interval = interval
+        self.stages = stages            # () -> active stage ids, to attribute each sample
+        self.phase_peak: dict[tuple[int, int], int] = {}   # (pid, newest active stage) -> peak
+        self.kinds: dict[int, str] = {}
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.peak, self.phase_peak = {}, {}
+        for pid in descendants(os.getpid()):     # the kernel's peak, from now on
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                pass
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        self.kinds.update(descendants(os.getpid()))
+        stage = max(self.stages() or [-1]) if self.stages else -1
+        for pid in list(self.kinds):
+            status = _status(pid)
+            value = max(status.get("VmRSS", 0), status.get("VmHWM", 0))
+            if value:
+                self.peak[pid] = max(self.peak.get(pid, 0), value)
+            if status.get("VmRSS") and stage >= 0:
+                key = (pid, stage)
+                self.phase_peak[key] = max(self.phase_peak.get(key, 0), status["VmRSS"])
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def stop(self) -> dict[int, int]:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return dict(self.peak)
+
+
+def rss_now(kind: str) -> list[int]:
+    return sorted(_status(pid).get("VmRSS", 0) for pid, k in descendants(os.getpid()).items() if k == kind)
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", default="32m,128m", help="spark.nearestJoin.taskMemoryBytes values")
+    ap.add_argument("--target-rows", type=int, default=2_500_000)
+    ap.add_argument("--query-rows", type=int, default=4_000)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--master", default="local[2]", help="local[2] or local-cluster[2,1,1024]")
+    ap.add_argument("--driver-memory", default="1g")
+    ap.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
+    ap.add_argument("--data-dir", help="where the Parquet inputs go (default: a new temporary directory)")
+    ap.add_argument("--keep-data", action="store_true", help="do not delete the data directory")
+    args = ap.parse_args(argv)
+
+    data = args.data_dir or tempfile.mkdtemp(prefix="nj-memory-")
+    # Remove what this run wrote: the temporary directory, or the inputs it wrote under
+    # --data-dir (inputs already there are reused and kept).
+    ours = [data] if args.data_dir is None else [
+        os.path.join(data, side) for side in ("target", "query") if not os.path.exists(os.path.join(data, side))]
+    try:
+        return run(args, data)
+    finally:
+        if not args.keep_data:
+            for path in ours:
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def run(args, data: str) -> int:
+    from pyspark.sql import SparkSession
+    from pyspark.sql import functions as F
+
+    from nearest_join import explain_nearest_join, nearest_by_join
+    from nearest_join.planner import parse_bytes
+
+    t0 = time.perf_counter()
+    t_path, q_path = os.path.join(data, "target"), os.path.join(data, "query")
+    if not os.path.exists(t_path):
+        t_bytes = write_side(t_path, args.target_rows, args.d, 2, "tid", "tv")
+        write_side(q_path, args.query_rows, args.d, 1, "qid", "qv")
+    else:
+        t_bytes = sum(os.path.getsize(os.path.join(t_path, f)) for f in os.listdir(t_path))
+    print(f"data: target {args.target_rows} x {args.d} float32 = {t_bytes / MiB:.0f} MiB Parquet "
+          f"({t_bytes / parse_bytes(args.driver_memory):.1f}x driver memory {args.driver_memory}), "
+          f"query {args.query_rows} rows; written in {time.perf_counter() - t0:.0f} s", flush=True)
+
+    builder = (SparkSession.builder.master(args.master).appName("nearest_join-memory")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.memory", args.driver_memory)
+               .config("spark.sql.shuffle.partitions", "4")
+               .config("spark.executorEnv.PYTHONPATH", ROOT))
+    if args.master.startswith("local-cluster"):
+        builder = builder.config("spark.executor.memory", args.master.rstrip("]").split(",")[-1] + "m")
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    try:
+        q = spark.read.parquet(q_path)
+        t = spark.read.parquet(t_path)
+        ranking = F.vector_l2_distance(q.qv, t.tv)
+
+        # Warm-up: every worker imports the stack and loads the compiled kernels; its RSS
+        # afterwards is the fixed cost of a worker (nothing of the budget is held any more).
+        warm_q, warm_t = q.limit(200), t.limit(4000)
+        nearest_by_join(warm_q, warm_t, F.vector_l2_distance(warm_q.qv, warm_t.tv), args.k,
+                        broadcast_limit_bytes=0, query_block_rows=50, target_block_rows=500
+                        ).write.format("noop").mode("overwrite").save()
+        time.sleep(1.0)
+        fixed_by_pid = {pid: _status(pid).get("VmRSS", 0) for pid, kind in descendants(os.getpid()).items()
+                        if kind == "worker"}
+        fixed = sorted(fixed_by_pid.values())
+        fixed_cost = max(fixed) if fixed else 0
+        print(f"workers after warm-up (fixed cost): {[f'{v / MiB:.0f}' for v in fixed]} MiB; "
+              f"daemon {[f'{v / MiB:.0f}' for v in rss_now('daemon')]} MiB; "
+              f"JVMs {[f'{v / MiB:.0f}' for v in rss_now('driver JVM') + rss_now('executor JVM')]} MiB", flush=True)
+
+        sampler = Sampler(args.interval, spark.sparkContext.statusTracker().getActiveStageIds)
+        table = []
+        for budget_text in args.budgets.split(","):
+            budget = parse_bytes(budget_text)
+            spark.conf.set("spark.nearestJoin.taskMemoryBytes", str(budget))
+            plan = explain_nearest_join(q, t, ranking, args.k)
+            if plan.plan != "blocked":
+                raise SystemExit(f"expected the blocked plan, got {plan.plan}: {plan.reason}")
+            sampler.start()
+            start = time.perf_counter()
+            nearest_by_join(q, t, ranking, args.k).write.format("noop").mode("overwrite").save()
+            seconds = time.perf_counter() - start
+            peaks = sampler.stop()
+            workers = sorted((v for pid, v in peaks.items() if sampler.kinds[pid] == "worker"), reverse=True)
+            # Above its own fixed cost (a worker started after the warm-up: the largest one).
+            above = max((v - fixed_by_pid.get(pid, fixed_cost) for pid, v in peaks.items()
+                         if sampler.kinds[pid] == "worker"), default=0)
+            # The join's stages in order: packing (both sides), search (pairs), merge + emit.
+            stages = sorted({stage for _, stage in sampler.phase_peak})
+            names = {stage: "merge" if i == len(stages) - 1 else "search" if i == len(stages) - 2 else "pack"
+                     for i, stage in enumerate(stages)}
+            phases = {}
+            for (pid, stage), value in sampler.phase_peak.items():
+                if sampler.kinds[pid] == "worker":
+                    phases[names[stage]] = max(phases.get(names[stage], 0), value - fixed_by_pid.get(pid, fixed_cost))
+            print(f"  largest sampled worker RSS above its fixed cost, by stage: "
+                  f"{ {name: round(v / MiB) for name, v in sorted(phases.items())} } MiB", flush=True)
+            jvms = sorted((v for pid, v in peaks.items() if sampler.kinds[pid].endswith("JVM")), reverse=True)
+            table.append((budget_text, plan.query_block_rows, plan.target_block_rows, plan.target_blocks,
+                          workers, fixed_cost, jvms, seconds, above / budget))
+            print(f"budget {budget_text}: {seconds:.0f} s, workers {[round(v / MiB) for v in workers]} MiB, "
+                  f"JVMs {[round(v / MiB) for v in jvms]} MiB", flush=True)
+    finally:
+        spark.stop()
+
+    print()
+    print(f"machine: {platform.node()} {os.cpu_count()} cores, master {args.master}, driver memory "
+          f"{args.driver_memory}, d={args.d}, k={args.k}, {args.query_rows} x {args.target_rows}, "
+          f"commit {_commit()}")
+    print("| budget | query block rows | target block rows | target blocks | peak RSS per worker MiB "
+          "| worker fixed MiB | peak RSS per JVM MiB | join s | (peak - fixed) / budget |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for budget, q_rows, t_rows, t_blocks, workers, fixed_cost, jvms, seconds, ratio in table:
+        print(f"| {budget} | {q_rows} | {t_rows} | {t_blocks} | {', '.join(str(round(v / MiB)) for v in workers)} "
+              f"| {fixed_cost / MiB:.0f} | {', '.join(str(round(v / MiB)) for v in jvms)} | {seconds:.0f} "
+              f"| {ratio:.2f} |")
+    return 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip() or "?"
+    except OSError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
