@@ -207,17 +207,25 @@ def inverse_norms(rows):
     return out
 
 
+# Rows of a block whose mean is the shift's reference point (evenly spaced over the block).
+MEAN_SAMPLE = 4096
+
+
 @njit(nogil=True, cache=True)
 def weighted_mean(rows, factors):
-    """The mean of ``rows[i] * factors[i]`` in float64 (the shift's reference point; any
-    point is exact, a central one keeps the shifted values small)."""
+    """The mean of ``rows[i] * factors[i]`` over at most MEAN_SAMPLE evenly spaced rows, in
+    float64: the shift's reference point. Any point keeps the search exact (the bound uses
+    the shifted rows as they are); one near the block's centre keeps the shifted values small."""
+    step = max(1, (rows.shape[0] + MEAN_SAMPLE - 1) // MEAN_SAMPLE)
     out = np.zeros(rows.shape[1], dtype=np.float64)
-    for i in range(rows.shape[0]):
+    count = 0
+    for i in range(0, rows.shape[0], step):
         f = factors[i]
         for j in range(rows.shape[1]):
             out[j] += np.float64(rows[i, j]) * f
-    if rows.shape[0]:
-        out /= rows.shape[0]
+        count += 1
+    if count:
+        out /= count
     return out
 
 
@@ -235,14 +243,20 @@ def row_peaks(rows, factors, center):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def shift_scale(rows, factors, center, scales, out):
+def shift_scale(rows, factors, center, scales, out, out_sq):
     """``out[i, j] = float32((rows[i, j] * factors[i] - center[j]) * scales[i])``: the
-    shifted, scaled float32 operand of the sgemm, computed in float64 and rounded once."""
+    shifted, scaled float32 operand of the sgemm, computed in float64 and rounded once; and
+    ``out_sq[i]`` = |out[i]|^2 accumulated in float64 in a fixed order (equal rows, equal
+    norms)."""
     for i in prange(rows.shape[0]):
         f = factors[i]
         s = scales[i]
+        total = 0.0
         for j in range(rows.shape[1]):
-            out[i, j] = np.float32((np.float64(rows[i, j]) * f - center[j]) * s)
+            v = np.float32((np.float64(rows[i, j]) * f - center[j]) * s)
+            out[i, j] = v
+            total += np.float64(v) * np.float64(v)
+        out_sq[i] = total
 
 
 @njit(nogil=True, cache=True)
@@ -296,39 +310,87 @@ def take_rows_parallel(matrix, rows, out):
 # caller's original rows, each scaled by a per-row factor, in one fixed summation order, so that
 # equal rows get equal keys wherever they sit. ``difference``: sum((q f_q - t f_t)^2), the
 # squared distance in difference form (l2 family; with f = s / |row| for cosine); otherwise
-# -sum((q f_q) (t f_t)), the negated inner product.
+# -sum((q f_q) (t f_t)), the negated inner product. With ``factor_after`` the factors are
+# powers of two applied to the sum instead of to each element: the same bits wherever no
+# float64 term over- or underflows unscaled, which the caller guarantees (float32 rows: a
+# term is at most (2 x 3.4e38)^2 and at least 2^-298), and two multiplications less per element.
 @njit(inline="always", cache=True)
-def _pair_key(queries, i, fq, targets, j, ft, difference):
-    acc = 0.0
+def _pair_key(queries, i, fq, targets, j, ft, difference, factor_after):
+    # Eight partial sums, combined in a fixed order: the same bits for the same rows, and
+    # eight independent additions in flight instead of one dependent chain.
+    d = queries.shape[1]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
+    gq, gt = (1.0, 1.0) if factor_after else (fq, ft)
+    c = 0
     if difference:
-        for c in range(queries.shape[1]):
-            diff = np.float64(queries[i, c]) * fq - np.float64(targets[j, c]) * ft
-            acc += diff * diff
-        return acc
-    for c in range(queries.shape[1]):
-        acc += (np.float64(queries[i, c]) * fq) * (np.float64(targets[j, c]) * ft)
-    return -acc
+        while c + 8 <= d:
+            x0 = np.float64(queries[i, c]) * gq - np.float64(targets[j, c]) * gt
+            x1 = np.float64(queries[i, c + 1]) * gq - np.float64(targets[j, c + 1]) * gt
+            x2 = np.float64(queries[i, c + 2]) * gq - np.float64(targets[j, c + 2]) * gt
+            x3 = np.float64(queries[i, c + 3]) * gq - np.float64(targets[j, c + 3]) * gt
+            x4 = np.float64(queries[i, c + 4]) * gq - np.float64(targets[j, c + 4]) * gt
+            x5 = np.float64(queries[i, c + 5]) * gq - np.float64(targets[j, c + 5]) * gt
+            x6 = np.float64(queries[i, c + 6]) * gq - np.float64(targets[j, c + 6]) * gt
+            x7 = np.float64(queries[i, c + 7]) * gq - np.float64(targets[j, c + 7]) * gt
+            a0 += x0 * x0
+            a1 += x1 * x1
+            a2 += x2 * x2
+            a3 += x3 * x3
+            a4 += x4 * x4
+            a5 += x5 * x5
+            a6 += x6 * x6
+            a7 += x7 * x7
+            c += 8
+        while c < d:
+            x0 = np.float64(queries[i, c]) * gq - np.float64(targets[j, c]) * gt
+            a0 += x0 * x0
+            c += 1
+        total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+        return total * (fq * ft) if factor_after else total
+    while c + 8 <= d:
+        a0 += (np.float64(queries[i, c]) * gq) * (np.float64(targets[j, c]) * gt)
+        a1 += (np.float64(queries[i, c + 1]) * gq) * (np.float64(targets[j, c + 1]) * gt)
+        a2 += (np.float64(queries[i, c + 2]) * gq) * (np.float64(targets[j, c + 2]) * gt)
+        a3 += (np.float64(queries[i, c + 3]) * gq) * (np.float64(targets[j, c + 3]) * gt)
+        a4 += (np.float64(queries[i, c + 4]) * gq) * (np.float64(targets[j, c + 4]) * gt)
+        a5 += (np.float64(queries[i, c + 5]) * gq) * (np.float64(targets[j, c + 5]) * gt)
+        a6 += (np.float64(queries[i, c + 6]) * gq) * (np.float64(targets[j, c + 6]) * gt)
+        a7 += (np.float64(queries[i, c + 7]) * gq) * (np.float64(targets[j, c + 7]) * gt)
+        c += 8
+    while c < d:
+        a0 += (np.float64(queries[i, c]) * gq) * (np.float64(targets[j, c]) * gt)
+        c += 1
+    total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    return -(total * (fq * ft)) if factor_after else -total
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def pair_keys(queries, q_factors, targets, t_factors, candidates, difference, out):
-    """``out[i, c]``: the exact key of (queries[i], targets[candidates[i, c]]); +inf where
-    the candidate is -1."""
-    for i in prange(candidates.shape[0]):
-        for c in range(candidates.shape[1]):
+def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out):
+    """``out[i, c]``: the exact key of (queries[i], targets[candidates[i, c]]) for the flat
+    positions ``i * width + c`` listed in ``pairs``, which the caller sorts by target: each
+    target row is then read once per run of its pairs while the query rows stay in cache
+    (reading one random target row per pair made this stage memory-bound)."""
+    width = candidates.shape[1]
+    n = pairs.shape[0]
+    chunks = 64
+    for chunk in prange(chunks):
+        for p in range(chunk * n // chunks, (chunk + 1) * n // chunks):
+            i = pairs[p] // width
+            c = pairs[p] - i * width
             j = candidates[i, c]
-            out[i, c] = np.inf if j < 0 else _pair_key(queries, i, q_factors[i], targets, j,
-                                                       t_factors[j], difference)
+            out[i, c] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
+                                  factor_after)
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def all_keys(queries, rows, q_factors, targets, t_factors, difference, out):
+def all_keys(queries, rows, q_factors, targets, t_factors, difference, factor_after, out):
     """``out[r, j]``: the exact key of (queries[rows[r]], targets[j]) for every target: the
     float64 search of the rows the sgemm's bound cannot decide."""
     for r in prange(rows.shape[0]):
         i = rows[r]
         for j in range(targets.shape[0]):
-            out[r, j] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference)
+            out[r, j] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
+                                  factor_after)
 
 
 # Merge of partial top-k lists (``merge.merge_topk``): each part's row is already best first.

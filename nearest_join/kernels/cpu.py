@@ -356,31 +356,33 @@ class _Operands:
         if self.difference:
             # a = s (q - c), b = s (t - c): |a - b|^2 = s^2 |q - t|^2 exactly, whatever c;
             # c near the targets makes the expansion see the spread, not the offset.
-            q_peak = float(_cpu_kernels.row_peaks(self.queries, q_unit, center).max(initial=0.0))
-            scale = min(t_scale, float(_power_of_two_scale(q_peak)) * 2.0 ** QUERY_HEADROOM)
+            q_peaks = _cpu_kernels.row_peaks(self.queries, q_unit, center)
+            scale = min(t_scale, float(_power_of_two_scale(q_peaks.max(initial=0.0))) * 2.0 ** QUERY_HEADROOM)
             q_scales = np.full(nq, scale)
             q_shift, t_scales = center, np.full(nt, scale)
         else:
             # a = s_i q (a power of two per row), b = s (t - c): a . b = s_i s (q . t - q . c),
             # and q . c is constant along the row: the ranking is that of q . t.
-            q_scales = _power_of_two_scale(_cpu_kernels.row_peaks(self.queries, q_unit, np.zeros(d)))
+            q_peaks = _cpu_kernels.row_peaks(self.queries, q_unit, np.zeros(d))
+            q_scales = _power_of_two_scale(q_peaks)
             q_shift, t_scales = np.zeros(d), np.full(nt, t_scale)
         a = np.empty(self.queries.shape, np.float32)
-        _cpu_kernels.shift_scale(self.queries, q_unit, q_shift, q_scales, a)
+        a_sq = np.empty(nq)
+        _cpu_kernels.shift_scale(self.queries, q_unit, q_shift, q_scales, a, a_sq)
         self.targets32 = np.empty(self.targets.shape, np.float32)
-        _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, self.targets32)
+        b_sq = np.empty(nt)
+        _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, self.targets32, b_sq)
         self.q_factors = q_unit * q_scales
         self.t_factors = t_unit * t_scales
-        a_sq = _cpu_kernels.squared_norms(a)
-        b_sq = _cpu_kernels.squared_norms(self.targets32)
+        # Powers of two (no unit factors) on float32 rows: applied once to each key's sum.
+        self.factor_after = metric.name != "cosine" and \
+            self.queries.dtype == np.float32 and self.targets.dtype == np.float32
         # Norm bounds of the exact shifted rows: the float32 ones, their rounding (relative
         # u32, float32 subnormals absolute) and the float64 shift's rounding (relative to the
-        # unshifted magnitude).
-        origin = np.zeros(d)
-        q_raw = _cpu_kernels.row_peaks(self.queries, q_unit, origin) * np.sqrt(d) * q_scales
-        t_raw = float(_cpu_kernels.row_peaks(self.targets, t_unit, origin).max(initial=0.0)
-                      * np.sqrt(d) * t_scale)
+        # unshifted magnitude, at most the shifted one plus |c|).
         shift = np.sqrt((center * center).sum())
+        q_raw = (q_peaks * np.sqrt(d) + shift) * q_scales
+        t_raw = (t_peak * np.sqrt(d) + shift) * t_scale
         q_err = _U32 * np.sqrt(a_sq) + 4 * _U64 * (q_raw + shift * q_scales) + np.sqrt(d) * _ETA32
         t_err = _U32 * np.sqrt(b_sq.max(initial=0.0)) + 4 * _U64 * (t_raw + shift * t_scale) + np.sqrt(d) * _ETA32
         A = np.sqrt(a_sq) + q_err
@@ -418,11 +420,14 @@ class _Operands:
         else:
             self.values = lambda keys: -keys / (q_scales[:, None] * t_scale)
 
-    def exact_keys(self, candidates: np.ndarray) -> np.ndarray:
-        """float64 keys of each row's candidates (+inf for -1)."""
-        out = np.empty(candidates.shape, dtype=np.float64)
+    def exact_keys(self, candidates: np.ndarray, needed: np.ndarray) -> np.ndarray:
+        """float64 keys of each row's ``needed`` candidates (+inf elsewhere and for -1)."""
+        out = np.full(candidates.shape, np.inf)
+        flat = candidates.reshape(-1)
+        pairs = np.flatnonzero(needed.reshape(-1) & (flat >= 0))
+        pairs = pairs[np.argsort(flat[pairs], kind="stable")]
         _cpu_kernels.pair_keys(self.queries, self.q_factors, self.targets, self.t_factors,
-                               candidates, self.difference, out)
+                               candidates, pairs, self.difference, self.factor_after, out)
         return out
 
     def search_rows(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -436,7 +441,7 @@ class _Operands:
             part = np.ascontiguousarray(rows[start:start + chunk], dtype=np.int64)
             all_keys = np.empty((part.shape[0], nt))
             _cpu_kernels.all_keys(self.queries, part, self.q_factors, self.targets, self.t_factors,
-                                  self.difference, all_keys)
+                                  self.difference, self.factor_after, all_keys)
             for r in range(part.shape[0]):
                 row = all_keys[r]
                 kth = np.partition(row, width - 1)[width - 1]
@@ -512,7 +517,11 @@ class CpuBackend:
             keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
             scores, cand = _cpu_kernels.decode(np.sort(keys, axis=1)[:, :kept])
             cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
-            exact = ops.exact_keys(cand)
+            # Only candidates whose score is within twice the bound of the k-th score can
+            # rank (key >= score + offset - margin > k-th score + offset + margin >= the
+            # k-th key); the others keep +inf, and so never rank.
+            needed = ~(scores > scores[:, width - 1:width] + 2 * ops.margin[:, None])
+            exact = ops.exact_keys(cand, needed)
             order = np.lexsort((np.where(cand >= 0, cand, nt), exact), axis=1)[:, :width]
             best_key = np.take_along_axis(exact, order, axis=1)
             best_i = np.take_along_axis(cand, order, axis=1)
