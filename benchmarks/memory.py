@@ -28,6 +28,7 @@ import argparse
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -190,6 +191,8 @@ def main(argv=None) -> int:
     # --data-dir (inputs already there are reused and kept).
     ours = [data] if args.data_dir is None else [
         os.path.join(data, side) for side in ("target", "query") if not os.path.exists(os.path.join(data, side))]
+    # A SIGTERM (a timeout, a kill) still removes the data: turn it into SystemExit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(args, data)
     finally:
