@@ -115,8 +115,13 @@ SEG_CAND = 16
 # tiles: ~SEG_CAND / j survivors per row at tile j) its tiles take the bitonic merge, so
 # segments much shorter than a few SEG_CAND tiles cost mostly merges.
 SEGMENT_MIN_TILES = 8
-# One tl.dot per tile (query tile loaded once) when the query tile is at most this large.
+# One tl.dot per tile (query tile loaded once) when the query tile is at most this large,
+# and the query tile with one target tile at most SINGLE_DOT_SMEM_BYTES: the 32-row buffer
+# kernel at d = 384 in tf32 (a 64 KiB query tile, 256 KiB target tiles) asked for 320 KiB of
+# shared memory and did not compile (H200: 227 KiB); the bf16 forms up to d = 512 (160 and
+# 192 KiB) compile and run.
 SINGLE_DOT_BYTES = 64 * 1024
+SINGLE_DOT_SMEM_BYTES = 192 * 1024
 # Register-list kernels read target tiles by TMA (a tensor descriptor) on these device types
 # (CUDA: Hopper and later, :func:`has_tma`) where the operand allows it
 # (:func:`target_descriptor`); elsewhere pointer tiles (cp.async). The interpreter runs both
@@ -739,7 +744,8 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     q_op, t_op = queries.operand, targets.operand
     d_pad = max(16, triton.next_power_of_2(d))
     single_dot = ((rowlist or cfg.pipelined)
-                  and cfg.block_m * d_pad * q_op.element_size() <= SINGLE_DOT_BYTES)
+                  and cfg.block_m * d_pad * q_op.element_size() <= SINGLE_DOT_BYTES
+                  and (cfg.block_m + cfg.block_n) * d_pad * t_op.element_size() <= SINGLE_DOT_SMEM_BYTES)
     if single_dot:
         block_d = d_pad
     else:
