@@ -406,9 +406,9 @@ class PreparedSide:
         return view
 
 
-def _norm_up(x64: torch.Tensor) -> torch.Tensor:
-    """Row norms of float64 rows, rounded up to float32 (the bound's inputs never round down)."""
-    return (torch.linalg.vector_norm(x64, dim=1) * (1 + 4 * U32)).to(torch.float32)
+def _up32(norm64: torch.Tensor) -> torch.Tensor:
+    """float64 norms to float32, inflated so that they never round down (the bound's inputs)."""
+    return (norm64 * (1 + 4 * U32)).to(torch.float32)
 
 
 def prepare_side(x: torch.Tensor, metric: str, precision: str, frame: Frame | None = None,
@@ -435,11 +435,12 @@ def prepare_side(x: torch.Tensor, metric: str, precision: str, frame: Frame | No
             rows, inv = _unit64(source[r0:r1])
             factor[r0:r1] = inv * frame.scale
         else:
-            rows = source[r0:r1].double()
+            rows = source[r0:r1]
             factor[r0:r1] = frame.scale
         if queries and not l2:
             # q . t ranks as q . (t - center): the query is not shifted; its own power of two
             # keeps the product in range (a positive factor per row leaves its order alone).
+            rows = rows.double()
             if center is not None:
                 offset[r0:r1] = rows @ center
             if frame.row_scaled:
@@ -450,9 +451,10 @@ def prepare_side(x: torch.Tensor, metric: str, precision: str, frame: Frame | No
                 factor[r0:r1] = 1.0
             work = rows * factor[r0:r1, None]
         else:
-            work = rows if center is None else rows - center
-            work = work * frame.scale
-        exact[r0:r1] = work.to(torch.float32)
+            # float32 rows promote to float64 inside the subtraction (no separate copy)
+            work = rows.double() if center is None else rows - center
+            work = work.mul_(frame.scale) if work is not rows else work * frame.scale
+        exact[r0:r1] = work
     if precision == "fp32":
         operand = exact
     elif precision == "tf32":
@@ -464,16 +466,16 @@ def prepare_side(x: torch.Tensor, metric: str, precision: str, frame: Frame | No
     residual = torch.empty_like(norm)
     bias = torch.zeros_like(norm)
     for r0, r1 in _chunks(n, d):
-        w64 = exact[r0:r1].double()
-        norm64 = torch.linalg.vector_norm(w64, dim=1)
-        norm[r0:r1] = (norm64 * (1 + 4 * U32)).to(torch.float32)
+        norm64 = torch.linalg.vector_norm(exact[r0:r1], dim=1, dtype=torch.float64)
+        norm[r0:r1] = _up32(norm64)
         if precision == "fp32":
             operand_norm[r0:r1] = norm[r0:r1]
             residual[r0:r1] = 0.0
         else:
-            o64 = operand[r0:r1].double()
-            operand_norm[r0:r1] = _norm_up(o64)
-            residual[r0:r1] = _norm_up(o64 - w64)
+            operand_norm[r0:r1] = _up32(torch.linalg.vector_norm(operand[r0:r1], dim=1, dtype=torch.float64))
+            # A float32 value less its tf32 / bf16 rounding is exact in float32.
+            residual[r0:r1] = _up32(torch.linalg.vector_norm(operand[r0:r1] - exact[r0:r1], dim=1,
+                                                             dtype=torch.float64))
         if l2:
             bias[r0:r1] = (norm64 * norm64).to(torch.float32)
     return PreparedSide(exact, operand, norm, operand_norm, residual, bias, metric, precision,
