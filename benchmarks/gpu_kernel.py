@@ -878,7 +878,7 @@ def compare_base(args, record) -> None:
         gen = torch.Generator(device=torch.device("cuda")).manual_seed(d)
         Q = compare_data(kind, nq, d, gen)
         T = compare_data(kind, nt, d, gen)
-        for precision in precisions:
+        for precision in [p for p in precisions if p in args.precisions.split(",")]:
             new_t = prepare_targets(T, metric, precision)
             base_t = base.prepare_targets(T, metric, precision) if kind != "offset" else None
             for k in ks:
