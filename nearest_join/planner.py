@@ -206,15 +206,20 @@ def cluster_cores(spark) -> int:
 
 
 def task_memory_bytes(spark) -> int:
-    """Memory one task may spend on its blocks: configured, or executor memory per core / 2."""
+    """Memory one task may spend on its blocks: configured, or executor memory per core / 2;
+    in local mode the driver's memory per local core / 4 (its tasks share the driver's heap
+    with the driver's own work: a 1g ``local[2]`` driver ran out of heap at 256m per task)."""
     forced = _conf(spark, CONF_PREFIX + "taskMemoryBytes")
     if forced:
         return parse_bytes(forced)
     master = str(_conf(spark, "spark.master", ""))
-    key = "spark.driver.memory" if master.startswith("local[") or master == "local" else "spark.executor.memory"
-    memory = parse_bytes(_conf(spark, key, "1g"))
-    cores = int(_conf(spark, "spark.executor.cores", 1)) if key == "spark.executor.memory" else 1
-    return int(min(max(memory // max(cores, 1) // 2, 64 * MiB), 4 * GiB))
+    if master.startswith("local[") or master == "local":
+        memory = parse_bytes(_conf(spark, "spark.driver.memory", "1g"))
+        share = memory // max(cluster_cores(spark), 1) // 4
+    else:
+        memory = parse_bytes(_conf(spark, "spark.executor.memory", "1g"))
+        share = memory // max(int(_conf(spark, "spark.executor.cores", 1)), 1) // 2
+    return int(min(max(share, 64 * MiB), 4 * GiB))
 
 
 def broadcast_memory_cap(spark) -> tuple[int, str]:

@@ -96,6 +96,9 @@ def test_cores_and_memory_from_configuration():
     assert task_memory_bytes(_Spark(spark__master="yarn", spark__executor__memory="8g",
                                     spark__executor__cores="4")) == 1 << 30
     assert task_memory_bytes(_Spark(**{"spark__nearestJoin__taskMemoryBytes": "128m"})) == 128 << 20
+    # local mode: the tasks share the driver's heap (a 1g local[2] driver failed at 256m)
+    assert task_memory_bytes(_Spark(spark__master="local[2]", spark__driver__memory="1g")) == 128 << 20
+    assert task_memory_bytes(_Spark(spark__master="local[4]", spark__driver__memory="8g")) == 512 << 20
     assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="expected a size"):
         parse_bytes("lots")
