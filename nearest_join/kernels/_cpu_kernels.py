@@ -364,6 +364,29 @@ def _pair_key(queries, i, fq, targets, j, ft, difference, factor_after):
     return -(total * (fq * ft)) if factor_after else -total
 
 
+@njit(nogil=True, cache=True)
+def pairs_by_target(candidates, needed, n_targets):
+    """The flat positions ``i * width + c`` of the needed, valid candidates, ordered by target
+    (a counting sort: one pass to count, one to place; stable, so by position within a target)."""
+    width = candidates.shape[1]
+    counts = np.zeros(n_targets + 1, np.int64)
+    for i in range(candidates.shape[0]):
+        for c in range(width):
+            j = candidates[i, c]
+            if j >= 0 and needed[i, c]:
+                counts[j + 1] += 1
+    for j in range(n_targets):
+        counts[j + 1] += counts[j]
+    pairs = np.empty(counts[n_targets], np.int64)
+    for i in range(candidates.shape[0]):
+        for c in range(width):
+            j = candidates[i, c]
+            if j >= 0 and needed[i, c]:
+                pairs[counts[j]] = i * width + c
+                counts[j] += 1
+    return pairs
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out):
     """``out[i, c]``: the exact key of (queries[i], targets[candidates[i, c]]) for the flat

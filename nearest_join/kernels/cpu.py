@@ -423,9 +423,7 @@ class _Operands:
     def exact_keys(self, candidates: np.ndarray, needed: np.ndarray) -> np.ndarray:
         """float64 keys of each row's ``needed`` candidates (+inf elsewhere and for -1)."""
         out = np.full(candidates.shape, np.inf)
-        flat = candidates.reshape(-1)
-        pairs = np.flatnonzero(needed.reshape(-1) & (flat >= 0))
-        pairs = pairs[np.argsort(flat[pairs], kind="stable")]
+        pairs = _cpu_kernels.pairs_by_target(candidates, needed, self.targets.shape[0])
         _cpu_kernels.pair_keys(self.queries, self.q_factors, self.targets, self.t_factors,
                                candidates, pairs, self.difference, self.factor_after, out)
         return out
