@@ -36,6 +36,8 @@ DEFAULT_BROADCAST_LIMIT = 1 * GiB
 # heap (see broadcast_memory_cap), and at most Spark's own limit on a broadcast table.
 BROADCAST_MEMORY_SHARE = 4
 SPARK_MAX_BROADCAST_BYTES = 8 * GiB
+# The heap Spark reserves before its unified (execution + storage) memory.
+RESERVED_HEAP = 300 * MiB
 # Target blocks of the broadcast plan: small enough for Arrow batches and binary values
 # (2 GiB), large enough that per-block overheads vanish.
 BROADCAST_TARGET_BLOCK_BYTES = 64 * MiB
@@ -206,20 +208,28 @@ def cluster_cores(spark) -> int:
 
 
 def task_memory_bytes(spark) -> int:
-    """Memory one task may spend on its blocks: configured, or executor memory per core / 2;
-    in local mode the driver's memory per local core / 4 (its tasks share the driver's heap
-    with the driver's own work: a 1g ``local[2]`` driver ran out of heap at 256m per task)."""
+    """Memory one task may spend on its blocks: configured, or a quarter of a task's share of
+    the JVM's unified memory, (heap - 300 MiB) x ``spark.memory.fraction`` / cores, of the
+    executors (in local mode: of the driver, whose heap the local tasks share).
+
+    The JVM holds a few copies of each packed block a task ships (shuffle, the grouped Arrow
+    input), so the blocks must fit its memory as well as the Python worker's: with a 1g
+    ``local[2]`` driver, 128m per task ran the JVM out of heap and 64m did not
+    (benchmarks/memory.py).
+    """
     forced = _conf(spark, CONF_PREFIX + "taskMemoryBytes")
     if forced:
         return parse_bytes(forced)
     master = str(_conf(spark, "spark.master", ""))
     if master.startswith("local[") or master == "local":
-        memory = parse_bytes(_conf(spark, "spark.driver.memory", "1g"))
-        share = memory // max(cluster_cores(spark), 1) // 4
+        heap = parse_bytes(_conf(spark, "spark.driver.memory", "1g"))
+        cores = cluster_cores(spark)
     else:
-        memory = parse_bytes(_conf(spark, "spark.executor.memory", "1g"))
-        share = memory // max(int(_conf(spark, "spark.executor.cores", 1)), 1) // 2
-    return int(min(max(share, 64 * MiB), 4 * GiB))
+        heap = parse_bytes(_conf(spark, "spark.executor.memory", "1g"))
+        cores = int(_conf(spark, "spark.executor.cores", 1))
+    fraction = float(_conf(spark, "spark.memory.fraction", 0.6))
+    unified = max(heap - RESERVED_HEAP, 0) * fraction
+    return int(min(max(unified / max(cores, 1) / 4, 64 * MiB), 4 * GiB))
 
 
 def broadcast_memory_cap(spark) -> tuple[int, str]:

@@ -93,12 +93,15 @@ def test_cores_and_memory_from_configuration():
     assert cluster_cores(_Spark(spark__master="local-cluster[2,2,1024]", spark__task__cpus="2")) == 2
     assert cluster_cores(_Spark(spark__master="yarn", spark__executor__instances="10",
                                 spark__executor__cores="4")) == 40
+    # a quarter of a task's share of the executor's unified memory: (8g - 300m) x 0.6 / 4 / 4
     assert task_memory_bytes(_Spark(spark__master="yarn", spark__executor__memory="8g",
-                                    spark__executor__cores="4")) == 1 << 30
+                                    spark__executor__cores="4")) == int(((8 << 30) - (300 << 20)) * 0.6 / 16)
     assert task_memory_bytes(_Spark(**{"spark__nearestJoin__taskMemoryBytes": "128m"})) == 128 << 20
-    # local mode: the tasks share the driver's heap (a 1g local[2] driver failed at 256m)
-    assert task_memory_bytes(_Spark(spark__master="local[2]", spark__driver__memory="1g")) == 128 << 20
-    assert task_memory_bytes(_Spark(spark__master="local[4]", spark__driver__memory="8g")) == 512 << 20
+    # local mode: the tasks share the driver's heap (a 1g local[2] driver's JVM ran out of
+    # heap at 128m per task, not at 64m); at least 64m
+    assert task_memory_bytes(_Spark(spark__master="local[2]", spark__driver__memory="1g")) == 64 << 20
+    assert task_memory_bytes(_Spark(spark__master="local[4]", spark__driver__memory="8g")) == \
+        int(((8 << 30) - (300 << 20)) * 0.6 / 16)
     assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4096") == 4096
     with pytest.raises(ValueError, match="expected a size"):
         parse_bytes("lots")
