@@ -209,8 +209,8 @@ def cluster_cores(spark) -> int:
 
 def task_memory_bytes(spark) -> int:
     """Memory one task may spend on its blocks: configured, or a quarter of a task's share of
-    the JVM's unified memory, (heap - 300 MiB) x ``spark.memory.fraction`` / cores, of the
-    executors (in local mode: of the driver, whose heap the local tasks share).
+    the JVM's unified memory, (heap - 300 MiB) x ``spark.memory.fraction`` / concurrent tasks,
+    of the executors (in local mode: of the driver, whose heap the local tasks share).
 
     The JVM holds a few copies of each packed block a task ships (shuffle, the grouped Arrow
     input), so the blocks must fit its memory as well as the Python worker's: with a 1g
@@ -226,7 +226,8 @@ def task_memory_bytes(spark) -> int:
         cores = cluster_cores(spark)
     else:
         heap = parse_bytes(_conf(spark, "spark.executor.memory", "1g"))
-        cores = int(_conf(spark, "spark.executor.cores", 1))
+        # tasks at once in one executor
+        cores = int(_conf(spark, "spark.executor.cores", 1)) // int(_conf(spark, "spark.task.cpus", 1))
     fraction = float(_conf(spark, "spark.memory.fraction", 0.6))
     unified = max(heap - RESERVED_HEAP, 0) * fraction
     return int(min(max(unified / max(cores, 1) / 4, 64 * MiB), 4 * GiB))

@@ -100,6 +100,10 @@ def test_cores_and_memory_from_configuration():
     # local mode: the tasks share the driver's heap (a 1g local[2] driver's JVM ran out of
     # heap at 128m per task, not at 64m); at least 64m
     assert task_memory_bytes(_Spark(spark__master="local[2]", spark__driver__memory="1g")) == 64 << 20
+    # concurrent tasks, not cores: 16 cores of 8 per task (the GPU profile) are two tasks
+    assert task_memory_bytes(_Spark(spark__master="yarn", spark__executor__memory="32g",
+                                    spark__executor__cores="16", spark__task__cpus="8")) == \
+        int(((32 << 30) - (300 << 20)) * 0.6 / 8)
     assert task_memory_bytes(_Spark(spark__master="local[4]", spark__driver__memory="8g")) == \
         int(((8 << 30) - (300 << 20)) * 0.6 / 16)
     assert parse_bytes("1.5g") == 3 << 29 and parse_bytes("4096") == 4096
