@@ -55,17 +55,15 @@ class BlockSearcher:
     def __init__(self, settings: SearchSettings, threads: int | None = None):
         self.settings = settings
         self.threads = threads or task_cpus()
-        self.backend = "cpu" if settings.backend in ("auto", "gpu") else settings.backend
+        # An explicit "cpu" or "reference" runs that backend (an error names why it cannot);
+        # "auto" is the dispatcher's choice on this executor.
+        self.backend = settings.backend if settings.backend in ("cpu", "reference") else "auto"
         self.device = "cpu"
 
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
                target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
         s = self.settings
-        backend = self.backend
-        if backend == "cpu":
-            # Fall back to the dispatcher's choice when numba is unusable on this executor.
-            backend = "auto"
-        return knn(query_vectors, target_vectors, s.k, s.metric, backend=backend,
+        return knn(query_vectors, target_vectors, s.k, s.metric, backend=self.backend,
                    threads=self.threads)
 
 

@@ -1,0 +1,31 @@
+"""The executor's CPU searcher runs the backend the caller asked for."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nearest_join.kernels import knn
+from udfs import searcher as S
+
+
+@pytest.mark.parametrize("asked, runs", [("cpu", "cpu"), ("reference", "reference"), ("auto", "auto")])
+def test_block_searcher_runs_the_backend_asked_for(monkeypatch, asked, runs):
+    """backend="cpu" used to become "auto" here, and "auto" prefers a visible GPU."""
+    seen = []
+
+    def spy(q, t, k, metric, backend, **options):
+        seen.append(backend)
+        return knn(q, t, k, metric, backend="reference")
+
+    monkeypatch.setattr(S, "knn", spy)
+    q = np.array([[0.0, 0.0]], np.float32)
+    t = np.array([[3.0, 4.0], [1.0, 0.0]], np.float32)
+    values, indices = S.BlockSearcher(S.SearchSettings(2, "l2", asked), threads=1).search(q, t)
+    assert seen == [runs]
+    assert indices.tolist() == [[1, 0]] and values.tolist() == [[1.0, 5.0]]
+
+
+def test_an_explicit_cpu_backend_never_opens_a_gpu_searcher(monkeypatch):
+    monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
+    chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "cpu"))
+    assert type(chosen) is S.BlockSearcher and chosen.backend == "cpu"
