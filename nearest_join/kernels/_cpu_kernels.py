@@ -175,19 +175,6 @@ def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def squared_norms(rows):
-    """|row|^2 of each float32 row, accumulated in float64 in a fixed order, so equal rows
-    get equal norms (numpy's reductions may peel differently by alignment)."""
-    out = np.empty(rows.shape[0], dtype=np.float64)
-    for i in prange(rows.shape[0]):
-        total = 0.0
-        for j in range(rows.shape[1]):
-            total += np.float64(rows[i, j]) * np.float64(rows[i, j])
-        out[i] = total
-    return out
-
-
-@njit(parallel=True, nogil=True, cache=True)
 def inverse_norms(rows):
     """1 / |row| of each row in float64, each row first divided by its largest magnitude so
     that no square over- or underflows (elements from 1e-300 to 1e300); 0 for a zero row."""

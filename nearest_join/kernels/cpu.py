@@ -437,11 +437,11 @@ class _Operands:
         chunk = max(1, FALLBACK_KEYS // max(1, nt))
         for start in range(0, rows.shape[0], chunk):
             part = np.ascontiguousarray(rows[start:start + chunk], dtype=np.int64)
-            all_keys = np.empty((part.shape[0], nt))
+            row_keys = np.empty((part.shape[0], nt))
             _cpu_kernels.all_keys(self.queries, part, self.q_factors, self.targets, self.t_factors,
-                                  self.difference, self.factor_after, all_keys)
+                                  self.difference, self.factor_after, row_keys)
             for r in range(part.shape[0]):
-                row = all_keys[r]
+                row = row_keys[r]
                 kth = np.partition(row, width - 1)[width - 1]
                 near = np.flatnonzero(row <= kth)
                 near = near[np.lexsort((near, row[near]))][:width]
