@@ -1,0 +1,218 @@
+"""Benchmark records: one JSON line per measured case, in ``benchmarks/results/<benchmark>.jsonl``.
+
+Every benchmark writes its figures through :class:`Recorder`; ``benchmarks/report.py``
+(``make bench-report``) turns the files into the tables of ``benchmarks/RESULTS.md`` and the
+plots in ``benchmarks/plots/``. The files are committed: they hold the current figures, and
+git holds their history.
+
+A record is a flat JSON object::
+
+    {"benchmark": "spark_join", "table": "operator", "run": "20261201T080400Z-4242",
+     "date": "2026-12-01T08:04:00+00:00", "commit": "9a08caa",
+     "command": ".venv/bin/python benchmarks/spark_join.py --quick",
+     "machine": {"cpu": "...", "cores": 2, "memory_gib": 24, "blas": {...}}, ...its own fields}
+
+``table`` names one table of the benchmark (a benchmark may have several). The first record a
+run writes to a table removes the records of earlier runs of that same table, so each table
+holds one run: the current one. Use::
+
+    rec = Recorder("spark_join")                 # CPU benchmark: machine names the BLAS kernel
+    rec.add("operator", engine="nearest_by_join", seconds=1.28, pairs_per_s=3.1e7)
+
+    rec = Recorder("gpu_kernel", blas=False)     # GPU benchmark: machine names the GPU
+    rec.add(row.pop("what"), **row)
+
+On a machine without git (a device that receives the working tree only) pass ``commit=`` or
+set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, with ``+dirty``
+when library code (``nearest_join/``, ``udfs/``) differs from it.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+RESERVED = ("benchmark", "table", "run", "date", "commit", "command", "machine")
+LIBRARY_DIRS = ("nearest_join", "udfs")
+
+
+def now() -> str:
+    """The current time, UTC, ISO 8601 to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def git_commit() -> str:
+    """``BENCH_COMMIT`` if set, else the short HEAD (``+dirty`` when library code differs
+    from it), else ``unknown``."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *LIBRARY_DIRS], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran this process, as one could type it again from the repository
+    root: the interpreter (relative to the working directory where it lies under it), the
+    script and its arguments, shell-quoted."""
+    argv = sys.argv if argv is None else argv
+    exe = Path(sys.executable)
+    try:
+        exe_text = str(Path(os.path.relpath(exe, Path.cwd()))) if exe.is_relative_to(Path.cwd()) else exe.name
+    except ValueError:
+        exe_text = exe.name
+    return shlex.join([exe_text, *argv])
+
+
+def _cpu_model() -> str:
+    """lscpu's model name, family/model, caches and hypervisor; /proc/cpuinfo without lscpu."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        facts = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+        extras = [f"family {facts['CPU family']} model {facts['Model']}" if "CPU family" in facts else "",
+                  f"L2 {facts['L2 cache']}" if "L2 cache" in facts else "",
+                  f"L3 {facts['L3 cache']}" if "L3 cache" in facts else "",
+                  facts.get("Hypervisor vendor", "")]
+        return f"{facts['Model name']} ({', '.join(e for e in extras if e)})"
+    except (OSError, subprocess.CalledProcessError, KeyError):
+        pass
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    return None
+
+
+def blas_info() -> dict:
+    """The BLAS kernel selection of this process: ``OPENBLAS_CORETYPE`` (or ``unset``) and
+    each loaded BLAS library with the kernel it reports (threadpoolctl's ``architecture``).
+    Loads scipy's BLAS first: numba's ``np.dot``, the cpu kernel's sgemm, binds to it."""
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401
+    except ImportError:
+        pass
+    libraries = []
+    try:
+        from threadpoolctl import threadpool_info
+
+        libraries = sorted({f"{lib.get('prefix')} {lib.get('version')} {lib.get('architecture')}"
+                            for lib in threadpool_info() if lib.get("user_api") == "blas"})
+    except ImportError:
+        pass
+    return {"OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset"), "libraries": libraries}
+
+
+def _gpus() -> list[str]:
+    """GPU models, through nvidia-smi (no torch import needed); [] without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             check=False, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()] if out.returncode == 0 else []
+
+
+def machine_info(blas: bool = True, gpu: bool | None = None) -> dict:
+    """CPU model, cores this process may use, memory; the GPUs (``gpu=None``: when
+    nvidia-smi finds any); for CPU benchmarks (``blas=True``) the BLAS kernel selection."""
+    info: dict = {"cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)),
+                  "memory_gib": _memory_gib()}
+    gpus = _gpus() if gpu is not False else []
+    if gpus:
+        info["gpu"] = f"{len(gpus)} x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
+    if blas:
+        info["blas"] = blas_info()
+    return info
+
+
+class Recorder:
+    """Appends one benchmark run's records to ``<results_dir>/<benchmark>.jsonl``.
+
+    Parameters
+    ----------
+    benchmark : the file's name (the script's name, without ``.py``).
+    blas : record the BLAS kernel selection in ``machine`` (CPU benchmarks).
+    gpu : record the GPUs (None: when there are any).
+    command, commit, machine, date : override what is found (transcribing older figures).
+    results_dir : where the files lie (default ``benchmarks/results``).
+    """
+
+    def __init__(self, benchmark: str, *, blas: bool = True, gpu: bool | None = None,
+                 command: str | None = None, commit: str | None = None, machine: dict | None = None,
+                 date: str | None = None, results_dir: Path | None = None) -> None:
+        self.benchmark = benchmark
+        self.path = Path(results_dir or RESULTS_DIR) / f"{benchmark}.jsonl"
+        self.run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
+        self.command = command if command is not None else command_line()
+        self.commit = commit if commit is not None else git_commit()
+        self.machine = machine if machine is not None else machine_info(blas=blas, gpu=gpu)
+        self.date = date
+        self._tables: set[str] = set()
+
+    def add(self, table: str, **fields) -> dict:
+        """Write one record to ``table``; the run's first record of a table replaces the
+        records of earlier runs of it. Returns the record."""
+        clash = sorted(set(fields) & set(RESERVED))
+        if clash:
+            raise ValueError(f"record fields {clash} are reserved ({', '.join(RESERVED)})")
+        record = {"benchmark": self.benchmark, "table": table, "run": self.run,
+                  "date": self.date or now(), "commit": self.commit, "command": self.command,
+                  "machine": self.machine, **fields}
+        line = json.dumps(record, sort_keys=False, default=_plain)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = Path(tempfile.gettempdir()) / f"nj-bench-{self.benchmark}.lock"   # not in git
+        with open(lock_path, "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)       # two runs of one benchmark at once stay whole
+            kept = read_records(self.path)
+            if table not in self._tables:
+                kept = [r for r in kept if r.get("table") != table or r.get("run") == self.run]
+                self._tables.add(table)
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, default=_plain) + "\n" for r in kept) + line + "\n")
+            os.replace(tmp, self.path)
+        return record
+
+
+def _plain(value):
+    """numpy scalars and paths as JSON values."""
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of one ``.jsonl`` file, in file order ([] when it does not exist)."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
