@@ -11,7 +11,7 @@ PIP := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
 TRITON := triton==3.6.0
 
-.PHONY: run test check-java bench-cpu bench-spark clean
+.PHONY: run test check-java bench-cpu bench-spark bench-report clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,10 @@ bench-cpu: $(VENV)/.installed-dev
 
 bench-spark: $(VENV)/.installed-dev check-java
 	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) benchmarks/spark_join.py
+
+# RESULTS.md's tables and plots/*.png from the benchmarks' records in benchmarks/results/.
+bench-report: $(VENV)/.installed-dev
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
