@@ -42,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
+SMOKE_DIR = ROOT / "benchmarks" / "out" / "results"    # --quick runs: not in git, replace nothing
 RESERVED = ("benchmark", "table", "run", "date", "commit", "command", "machine")
 LIBRARY_DIRS = ("nearest_join", "udfs")
 
@@ -113,8 +114,9 @@ def _memory_gib() -> float | None:
 
 
 def blas_info() -> dict:
-    """The BLAS kernel selection of this process: ``OPENBLAS_CORETYPE`` (or ``unset``) and
-    each loaded BLAS library with the kernel it reports (threadpoolctl's ``architecture``).
+    """The BLAS kernel selection of this process: ``OPENBLAS_CORETYPE`` (or ``unset``), any
+    other ``OPENBLAS_*`` setting, and each loaded BLAS library with the kernel it reports
+    (threadpoolctl's ``architecture``).
     Loads scipy's BLAS first: numba's ``np.dot``, the cpu kernel's sgemm, binds to it."""
     try:
         import scipy.linalg.cython_blas  # noqa: F401
@@ -128,7 +130,10 @@ def blas_info() -> dict:
                             for lib in threadpool_info() if lib.get("user_api") == "blas"})
     except ImportError:
         pass
-    return {"OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset"), "libraries": libraries}
+    info = {"OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset")}
+    info.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("OPENBLAS_") and k not in info})
+    info["libraries"] = libraries
+    return info
 
 
 def _gpus() -> list[str]:
