@@ -15,6 +15,10 @@ Usage::
     python benchmarks/cpu_kernel.py --dims 768 --nq 5000 --metrics l2
     python benchmarks/cpu_kernel.py --quick --out benchmarks/out/cpu
 
+Each row is recorded in ``benchmarks/results/cpu_kernel.jsonl`` (table
+``OPENBLAS_CORETYPE=<value or unset>``: a run replaces the records of its BLAS selection;
+``--quick`` runs go to ``benchmarks/out/results/``); ``make bench-report`` renders them.
+
 Run it alone on the machine: on a shared machine take the exclusive CPU lock
 (``flock -x /tmp/nj-cpu.lock python benchmarks/cpu_kernel.py``). Each timing records the share
 of the cores that other processes used meanwhile (/proc/stat), so a disturbed number shows.
@@ -22,10 +26,8 @@ of the cores that other processes used meanwhile (/proc/stat), so a disturbed nu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -33,12 +35,20 @@ import time
 from pathlib import Path
 
 import numpy as np
-from threadpoolctl import threadpool_info, threadpool_limits
+from threadpoolctl import threadpool_limits
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nearest_join.kernels import knn  # noqa: E402
+from benchmarks._record import (
+    SMOKE_DIR,
+    Recorder,
+    command_line,
+    git_commit,
+    machine_info,
+    now,
+)
+from nearest_join.kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
 SKLEARN_METRIC = {"l2": "euclidean", "cosine": "cosine"}
@@ -56,38 +66,14 @@ print(time.perf_counter() - start)
 
 
 def machine() -> dict:
-    """Where the numbers come from: CPU model, cores, BLAS cores, commit, date."""
-    model = platform.processor()
-    try:
-        lscpu = dict(line.split(":", 1) for line in subprocess.run(
-            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if ":" in line)
-        model = (f"{lscpu['Model name'].strip()} (family {lscpu['CPU family'].strip()}, "
-                 f"model {lscpu['Model'].strip()}, L2 {lscpu.get('L2 cache', '?').strip()})")
-    except (OSError, KeyError):
-        pass
-    # Load every BLAS a method will use, so that the report names each one's kernel choice.
+    """Where the numbers come from (``benchmarks/_record.py``): CPU, cores, BLAS kernels, commit."""
+    # Load every BLAS a method will use, so that the record names each one's kernel choice.
     import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot: the cpu kernel's sgemm)
     try:
         import faiss  # noqa: F401
     except ImportError:
         pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nearest_join/kernels"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit, dirty = "unknown", ""
-    return {
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "commit": commit + ("+dirty kernels" if dirty else ""),
-        "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "(unset)"),
-        "blas": sorted({f"{lib['prefix']} {lib.get('version')} {lib.get('architecture')}"
-                        for lib in threadpool_info() if lib["user_api"] == "blas"}),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-    }
+    return {"date": now(), "commit": git_commit(), "command": command_line(), **machine_info(gpu=False)}
 
 
 def _busy_cpu_seconds() -> float:
@@ -283,6 +269,15 @@ def main(argv=None):
                 rows += bench_config(d, metric, k, args, ceiling, rng)
                 print(f"done d={d} {metric} k={k}", file=sys.stderr, flush=True)
     print_table(rows, ceiling, ceiling_others)
+    rec = Recorder("cpu_kernel", gpu=False, results_dir=SMOKE_DIR if args.quick else None,
+                   commit=info["commit"], command=info["command"],
+                   machine={k: v for k, v in info.items() if k not in ("date", "commit", "command", "threads")})
+    table = f"OPENBLAS_CORETYPE={info['blas']['OPENBLAS_CORETYPE']}"
+    for row in rows:
+        rec.add(table, engine=row["method"].split()[0], **row, nq=args.nq, nt=args.nt, threads=args.threads,
+                repeat=args.repeat, sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3),
+                **compile_info)
+    print(f"recorded {len(rows)} rows in {rec.path}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         payload = {"machine": info, "compile": compile_info, "sgemm_gflops": ceiling,
