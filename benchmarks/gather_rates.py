@@ -1,8 +1,8 @@
 """Where the Arrow path's row emission goes: gather rates of 128-float payload rows.
 
-The broadcast plan emits ~1 KB per output row (both vectors); on the lent H200's host it
-ran at ~8 GB/s with 16 threads, where the pinned memcpy reaches 33 GB/s. This script times,
-for one output batch (65,536 rows, d=128) gathered from a 10^6-row target table:
+The broadcast plan emits ~1 KB per output row (both vectors), so the gather rate bounds the
+Arrow path's row emission. This script times, for one output batch (65,536 rows, d=128)
+gathered from a 10^6-row target table:
 
 * ``np.take`` and the compiled ``take_rows`` on one thread; ``udfs.rows.take_matrix``
   (compiled chunks) over 1..N threads, into a reused
@@ -11,7 +11,9 @@ for one output batch (65,536 rows, d=128) gathered from a 10^6-row target table:
 * a numba ``prange`` gather (no per-chunk Python dispatch), reused and fresh;
 * ``udfs.blocks.emit_rows`` for a whole query block (query + target payload + distance).
 
-Prints GB/s of output written. Run: ``python benchmarks/gather_rates.py [--threads 1,4,16]``.
+Prints GB/s of output written and records each row in ``benchmarks/results/gather_rates.jsonl``
+(table ``gather``, or ``emit`` for ``emit_rows``) for ``make bench-report``.
+Run: ``python benchmarks/gather_rates.py [--threads 1,4,16]``.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._record import Recorder  # noqa: E402
 
 from udfs.rows import pooled_empty, take_matrix  # noqa: E402
 
@@ -135,6 +139,11 @@ def main(argv=None) -> None:
                                   state.rows - bounds[which])
                 for rep in range(2):
                     _emit_once(args, qt, multi, ctx, emit_rows, results, None, label=f"{n_sources} sources")
+    rec = Recorder("gather_rates")
+    for r in results:
+        fields = {k.replace("GB/s", "gb_per_s"): v for k, v in r.items() if k != "what"}
+        rec.add("gather" if "ms_per_batch" in r else "emit", case=r["what"], nt=args.nt, batch_rows=args.rows,
+                d=args.d, batches=args.batches, **fields)
     print("\n| gather | GB/s | ms per batch |\n|---|---|---|")
     for r in results:
         if "ms_per_batch" in r:

@@ -17,7 +17,9 @@ What it does, in one Spark session (``local[2]`` by default, or ``local-cluster[
 4. Prints one row per budget: block rows chosen, peak RSS per Python worker, the fixed cost,
    peak per JVM, and ``(peak - fixed) / budget``.
 
-Only processes descended from this one are measured (other jobs on the machine are not).
+Only processes descended from this one are measured (other jobs on the machine are not). The
+rows are recorded in ``benchmarks/results/memory.jsonl`` (table ``blocked``) for
+``make bench-report``.
 
 Usage: python benchmarks/memory.py [--budgets 32m,128m] [--target-rows 2500000] [--query-rows 4000]
        [--k 10] [--master local[2]] [--driver-memory 1g] [--data-dir DIR] [--keep-data]
@@ -42,6 +44,8 @@ os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+
+from benchmarks._record import Recorder  # noqa: E402
 
 MiB = 1 << 20
 CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
@@ -283,6 +287,14 @@ def run(args, data: str) -> int:
     finally:
         spark.stop()
 
+    rec = Recorder("memory", gpu=False)
+    for budget, q_rows, t_rows, t_blocks, workers, fixed_cost, jvms, seconds, ratio in table:
+        rec.add("blocked", master=args.master, driver_memory=args.driver_memory, d=args.d, k=args.k, metric="l2",
+                query_rows=args.query_rows, target_rows=args.target_rows,
+                target_parquet_mib=round(t_bytes / MiB), budget=budget,
+                query_block_rows=q_rows, target_block_rows=t_rows, target_blocks=t_blocks,
+                worker_peak_mib=[round(v / MiB) for v in workers], worker_fixed_mib=round(fixed_cost / MiB),
+                jvm_peak_mib=[round(v / MiB) for v in jvms], join_s=round(seconds, 1), over_budget=round(ratio, 2))
     print()
     print(f"machine: {platform.node()} {os.cpu_count()} cores, master {args.master}, driver memory "
           f"{args.driver_memory}, d={args.d}, k={args.k}, {args.query_rows} x {args.target_rows}, "

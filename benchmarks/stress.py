@@ -11,7 +11,9 @@ returned target is a true top-k row (``tests.adversarial.assert_true_topk``, wit
 value rounding as the tie tolerance, as in tests/join/test_exactness.py).
 
 It prints one line per join that went wrong (with its seed: ``--replay SEED`` runs that one
-again) and the totals; ``--out FILE`` appends the totals as a JSON line.
+again) and the totals; a timed run (not ``--replay``) records them in
+``benchmarks/results/stress.jsonl`` (table ``totals``) for ``make bench-report``, and ``--out FILE``
+also appends them as a JSON line.
 
 Usage::
 
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
+from benchmarks._record import Recorder  # noqa: E402
 from tests import adversarial  # noqa: E402
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
@@ -242,6 +245,10 @@ def main() -> int:
                    mismatches=mismatches, crashes=crashes,
                    openblas_coretype=os.environ.get("OPENBLAS_CORETYPE", "unset"))
     print(json.dumps(summary))
+    if args.replay is None:
+        Recorder("stress", gpu=False).add(
+            "totals", master=args.master, first_seed=args.seed, minutes=round(elapsed / 60, 1), joins=joins,
+            rows_checked=rows_checked, mismatches=mismatches, crashes=crashes, check_rows=args.check_rows)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
