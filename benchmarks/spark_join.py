@@ -8,6 +8,9 @@ In one run, on cached DataFrames in local[2]:
    alone on the same arrays (same process, all cores).
 
 Usage: python benchmarks/spark_join.py [--quick] [--skip-spark] [--out DIR]
+
+Each row is recorded in ``benchmarks/results/spark_join.jsonl`` (table ``operator``; ``--quick``
+runs go to ``benchmarks/out/results/``); ``make bench-report`` renders it.
 """
 from __future__ import annotations
 
@@ -22,9 +25,13 @@ import time
 
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
+
+from benchmarks._record import SMOKE_DIR, Recorder  # noqa: E402
 
 
 def make_side(path, n, d, seed, id_name, vec_name):
@@ -54,7 +61,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     ap.add_argument("--skip-spark", action="store_true", help="do not time Spark's own nearestByJoin")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--out", help="directory for results.json and a plot")
+    ap.add_argument("--out", help="directory for spark_join.json (plans and all timings)")
     args = ap.parse_args(argv)
 
     from pyspark.sql import SparkSession
@@ -73,6 +80,8 @@ def main(argv=None) -> int:
     scale = [(2_000, 20_000, 64), (2_000, 20_000, 128)] if args.quick else [(20_000, 200_000, 64), (20_000, 200_000, 128)]
     k = 10
     rows, results = [], {}
+    rec = Recorder("spark_join", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
+    common = dict(k=k, metric="l2", master="local[2]", repeat=args.repeat)
 
     def load(nq, nt, d):
         qp, tp = f"{tmp}/q_{nq}_{d}.parquet", f"{tmp}/t_{nt}_{d}.parquet"
@@ -103,6 +112,11 @@ def main(argv=None) -> int:
     spark_rate = nq * nt / spark_small
     rows.append(("Spark nearestByJoin", f"{nq}x{nt}", d, spark_small, nq * nt / spark_small, 1.0))
     rows.append(("nearest_by_join", f"{nq}x{nt}", d, ours_small, nq * nt / ours_small, spark_small / ours_small))
+    if not args.skip_spark:
+        rec.add("operator", engine="Spark nearestByJoin", nq=nq, nt=nt, d=d, seconds=spark_small,
+                pairs_per_s=nq * nt / spark_small, **common)
+    rec.add("operator", engine="nearest_by_join", nq=nq, nt=nt, d=d, seconds=ours_small,
+            pairs_per_s=nq * nt / ours_small, identical_rows=identical, **common)
     results.update(small=dict(nq=nq, nt=nt, d=d, k=k, spark_s=spark_small, ours_s=ours_small,
                               speedup=spark_small / ours_small, identical_rows=identical))
     q.unpersist(), t.unpersist()
@@ -115,6 +129,7 @@ def main(argv=None) -> int:
         secs = timed(lambda: run(df()), args.repeat)
         rate = nq * nt / secs
         rows.append(("nearest_by_join", f"{nq}x{nt}", d, secs, rate, rate / spark_rate))
+        kernel = None
         entry = dict(nq=nq, nt=nt, d=d, k=k, ours_s=secs, pairs_per_s=rate,
                      vs_spark_small_pairs_per_s=rate / spark_rate,
                      plan=explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), k).to_dict())
@@ -124,6 +139,11 @@ def main(argv=None) -> int:
             kernel = timed(lambda: knn(Q, T, k, "l2", backend="cpu", threads=threads), args.repeat)
             rows.append(("kernel alone (cpu)", f"{nq}x{nt}", d, kernel, nq * nt / kernel, float("nan")))
             entry.update(kernel_s=kernel, fraction_of_kernel=kernel / secs)
+        rec.add("operator", engine="nearest_by_join", nq=nq, nt=nt, d=d, seconds=secs, pairs_per_s=rate,
+                **({"fraction_of_kernel": kernel / secs} if kernel else {}), **common)
+        if kernel:
+            rec.add("operator", engine="kernel alone (cpu)", nq=nq, nt=nt, d=d, seconds=kernel,
+                    pairs_per_s=nq * nt / kernel, **common)
         results[f"scale_d{d}"] = entry
         q.unpersist(), t.unpersist()
 
@@ -146,23 +166,6 @@ def main(argv=None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "spark_join.json"), "w") as f:
             json.dump(dict(results, commit=commit, rows=rows), f, indent=2, default=str)
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            labels = [f"{n}\n{sz} d={dd}" for n, sz, dd, *_ in rows]
-            plt.figure(figsize=(9, 4))
-            plt.bar(range(len(rows)), [r[4] for r in rows])
-            plt.yscale("log")
-            plt.xticks(range(len(rows)), labels, fontsize=7)
-            plt.ylabel("pairs / s (log)")
-            plt.title("nearest_by_join vs Spark nearestByJoin, local[2]")
-            plt.tight_layout()
-            plt.savefig(os.path.join(args.out, "spark_join.png"), dpi=120)
-        except ImportError:
-            pass
     spark.stop()
     return 0
 
