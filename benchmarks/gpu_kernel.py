@@ -405,7 +405,6 @@ def kernel_variants(only: str = ""):
         wide = precision != "bf16"
         stages = 2 if wide else 3
         out += [
-            ("rowlist-min-only", precision, n10, tr.tile_config(n10, 128, precision), True),
             ("legacy", precision, n10, tr.legacy_tile_config(n10), False),
             ("rowlist", precision, n10, tr.tile_config(n10, 128, precision), False),
             ("legacy", precision, 256, tr.legacy_tile_config(256), False),
@@ -536,7 +535,7 @@ def run_variants(args, record) -> None:
             if p != precision or not checked.get((name.replace("-min-only", ""), p, n_cand), min_only):
                 continue
             try:
-                ms = cuda_ms(lambda: tr.triton_candidates(qs, ts, n_cand, config=cfg, min_only=min_only), args.reps)
+                ms = cuda_ms(lambda: tr.triton_candidates(qs, ts, n_cand, config=cfg), args.reps)
                 extra = {}
                 k_head = 100 if n_cand > 64 else 10
                 if not min_only and k_head <= n_cand:   # also lists narrower than the exact width
@@ -786,7 +785,7 @@ def tma_ab(args, ks, precisions, record) -> None:
 
         passes = {f"plain_k{k}": lambda k=k: search_prepared(Q, prepared, k, exact=False) for k in ks}
         passes.update({f"exact_k{k}": lambda k=k: search_prepared(Q, prepared, k) for k in ks})
-        passes[f"min_only_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand, min_only=True)
+        passes[f"candidates_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand)
         want = {}
         try:
             for form in forms:   # warm-up (compiles) and the answers
@@ -798,7 +797,7 @@ def tma_ab(args, ks, precisions, record) -> None:
                     else:
                         record(what="tma_ab_check", precision=precision, k=k,
                                **_answers_differ(Q, T, k, want[k], got))
-                passes[f"min_only_{n_cand}"]()
+                passes[f"candidates_{n_cand}"]()
             times = collections.defaultdict(list)
             for _ in range(args.reps):
                 times["gemm"] += cuda_ms(lambda: gemm_alone(Q, T, bias, precision), 1, warmup=0)

@@ -47,7 +47,7 @@ def compile_rowlist(n_cand: int, precision: str, block_m: int, num_warps: int, n
     constants = dict(N_CAND=n_cand, BLOCK_M=block_m, BLOCK_N=tr.BLOCK_N, BLOCK_D=d,
                      EXTRA_PASSES=extra_passes, SINGLE_DOT=True,
                      INPUT_PRECISION="ieee" if precision == "fp32" else "tf32",
-                     DOT_UPCAST=False, EVEN_D=True, MIN_ONLY=False, STRIDED=strided, SEEDED=seeded,
+                     DOT_UPCAST=False, EVEN_D=True, STRIDED=strided, SEEDED=seeded,
                      LEVELS=levels, SKIP_TEST=skip_test, T_DESC=tma)
     signature.update({name: "constexpr" for name in constants})
     # 16-byte aligned pointers, d and the row strides multiples of 16 (d=128 contiguous rows);

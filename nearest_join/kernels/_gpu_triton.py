@@ -40,6 +40,7 @@ Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -115,13 +116,10 @@ SEG_CAND = 16
 # tiles: ~SEG_CAND / j survivors per row at tile j) its tiles take the bitonic merge, so
 # segments much shorter than a few SEG_CAND tiles cost mostly merges.
 SEGMENT_MIN_TILES = 8
-# One tl.dot per tile (query tile loaded once) when the query tile is at most this large,
-# and the query tile with one target tile at most SINGLE_DOT_SMEM_BYTES: the 32-row buffer
-# kernel at d = 384 in tf32 (a 64 KiB query tile, 256 KiB target tiles) asked for 320 KiB of
-# shared memory and did not compile (H200: 227 KiB); the bf16 forms up to d = 512 (160 and
-# 192 KiB) compile and run.
+# One tl.dot per tile (query tile loaded once) when the query tile is at most this large and
+# the configuration fits the device's shared memory (:func:`plan_candidates`: fewer target
+# tiles in flight, then d in chunks, where it does not).
 SINGLE_DOT_BYTES = 64 * 1024
-SINGLE_DOT_SMEM_BYTES = 192 * 1024
 # Register-list kernels read target tiles by TMA (a tensor descriptor) on these device types
 # (CUDA: Hopper and later, :func:`has_tma`) where the operand allows it
 # (:func:`target_descriptor`); elsewhere pointer tiles (cp.async). The interpreter runs both
@@ -413,7 +411,7 @@ def _rowlist_kernel(
     nq, nt, d, tiles_per_split, stride_q, stride_t, alpha, stride_level,
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False, MIN_ONLY: tl.constexpr = False,
+    DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False,
     STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True, SEEDED: tl.constexpr = False,
     LEVELS: tl.constexpr = False, T_DESC: tl.constexpr = False,
 ):
@@ -434,7 +432,6 @@ def _rowlist_kernel(
     No inner loop and no global buffer: the target loop is software-pipelined (target tiles
     prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
     target tile read once per program, shared through L2) and one (BLOCK_M, N_CAND) store.
-    ``MIN_ONLY`` (timing only): GEMM + row minimum, no candidate work.
     ``STRIDED`` (segments): split ``s`` of ``n_splits`` scans tiles s, s + n_splits, ... instead
     of a contiguous range (``tiles_per_split`` unused), so that targets stored next to each
     other (a cluster, data sorted by place) spread over the segments at tile granularity
@@ -478,60 +475,54 @@ def _rowlist_kernel(
         best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
         worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
     worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
-    low = tl.full([BLOCK_M], float("inf"), tl.float32)
     for tile in range(0, n_tiles):
         n0 = t_start + tile * t_step
         key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
                          BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D,
                          T_DESC)
         row_min = tl.min(key, axis=1)
-        if MIN_ONLY:
-            low = tl.minimum(low, row_min)
+        thr = _unpack_key(worst)
+        if SKIP_TEST:
+            reached = tl.max((row_min <= thr).to(tl.int32), axis=0) > 0
         else:
-            thr = _unpack_key(worst)
-            if SKIP_TEST:
-                reached = tl.max((row_min <= thr).to(tl.int32), axis=0) > 0
+            reached = True
+        if reached:
+            # Survivors counted against the key alone (ties at the threshold included):
+            # a superset of the entries that beat ``worst``; only the path choice uses it.
+            most = tl.max(tl.sum((key <= thr[:, None]).to(tl.int32), axis=1), axis=0)
+        else:
+            most = 0
+        if most == 1:
+            col = _row_argmin(key, row_min, BLOCK_N)
+            best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+        elif most == 2:
+            col = _row_argmin(key, row_min, BLOCK_N)
+            best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+            rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), key)
+            second = tl.min(rest, axis=1)
+            col = _row_argmin(rest, second, BLOCK_N)
+            best, worst, worst_slot = _insert(best, worst, worst_slot, second, n0 + col, N_CAND)
+        elif most > 2:
+            if most <= 1 + EXTRA_PASSES:
+                rest = key
+                for _ in tl.static_range(0, 1 + EXTRA_PASSES):
+                    low_key = tl.min(rest, axis=1)
+                    col = _row_argmin(rest, low_key, BLOCK_N)
+                    best, worst, worst_slot = _insert(best, worst, worst_slot, low_key,
+                                                      n0 + col, N_CAND)
+                    rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
             else:
-                reached = True
-            if reached:
-                # Survivors counted against the key alone (ties at the threshold included):
-                # a superset of the entries that beat ``worst``; only the path choice uses it.
-                most = tl.max(tl.sum((key <= thr[:, None]).to(tl.int32), axis=1), axis=0)
-            else:
-                most = 0
-            if most == 1:
-                col = _row_argmin(key, row_min, BLOCK_N)
-                best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-            elif most == 2:
-                col = _row_argmin(key, row_min, BLOCK_N)
-                best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-                rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), key)
-                second = tl.min(rest, axis=1)
-                col = _row_argmin(rest, second, BLOCK_N)
-                best, worst, worst_slot = _insert(best, worst, worst_slot, second, n0 + col, N_CAND)
-            elif most > 2:
-                if most <= 1 + EXTRA_PASSES:
-                    rest = key
-                    for _ in tl.static_range(0, 1 + EXTRA_PASSES):
-                        low_key = tl.min(rest, axis=1)
-                        col = _row_argmin(rest, low_key, BLOCK_N)
-                        best, worst, worst_slot = _insert(best, worst, worst_slot, low_key,
-                                                          n0 + col, N_CAND)
-                        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
-                else:
-                    cols = n0 + offs_n
-                    packed = tl.where(key < float("inf"),
-                                      _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
-                                      _EMPTY)
-                    # topk keeps the largest: complement (an order-reversing bijection on int64).
-                    tile_best = ~tl.topk(~packed, N_CAND)
-                    both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
-                    best = ~tl.topk(~both, N_CAND)
-                    worst, worst_slot = tl.max(best, axis=1, return_indices=True)
+                cols = n0 + offs_n
+                packed = tl.where(key < float("inf"),
+                                  _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
+                                  _EMPTY)
+                # topk keeps the largest: complement (an order-reversing bijection on int64).
+                tile_best = ~tl.topk(~packed, N_CAND)
+                both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
+                best = ~tl.topk(~both, N_CAND)
+                worst, worst_slot = tl.max(best, axis=1, return_indices=True)
     rows = m0 + tl.arange(0, BLOCK_M)
     out = out_ptr + rows.to(tl.int64)[:, None] * (n_splits * N_CAND) + pid_s * N_CAND + slots[None, :]
-    if MIN_ONLY:
-        best = tl.where(slots[None, :] == 0, _pack(low, tl.zeros([BLOCK_M], dtype=tl.int32))[:, None], best)
     tl.store(out, best, mask=(rows < nq)[:, None])
 
 
@@ -665,9 +656,226 @@ def target_descriptor(t_op: torch.Tensor, block_n: int, block_d: int):
     return TensorDescriptor.from_tensor(t_op, [block_n, block_d])
 
 
+# ----------------------------------------------------------------------------- launch limits
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a launch configuration must fit on a device: the opt-in shared memory of one
+    block (bytes), the multiprocessor count (the split choice) and whether target tiles may
+    go by TMA (:func:`has_tma`)."""
+
+    name: str
+    shared_bytes: int
+    sms: int
+    tma: bool
+
+
+# The two compute capabilities the fused kernel is built for (CUDA's opt-in limits per block).
+SM80 = DeviceLimits("sm_80", 166912, 108, False)
+SM90 = DeviceLimits("sm_90", 232448, 132, True)
+
+
+class LaunchRefused(RuntimeError):
+    """No configuration of a fused kernel fits the device: the caller runs the torch path."""
+
+
+def device_limits(device: torch.device) -> DeviceLimits:
+    """The limits of ``device``; the interpreter (CPU tensors) gets sm_90's shared memory, so
+    the tests see the configurations an H100/H200 gets, and four "multiprocessors"."""
+    if device.type != "cuda":
+        return DeviceLimits("interpreter", SM90.shared_bytes, 4, has_tma(device))
+    return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_limits(index: int) -> DeviceLimits:
+    props = torch.cuda.get_device_properties(index)
+    shared = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
+    return DeviceLimits(f"sm_{props.major}{props.minor}", int(shared), props.multi_processor_count,
+                        has_tma(torch.device("cuda", index)))
+
+
+# Shared memory beyond the operand tiles: barriers, and the layout conversions of the row
+# reductions and of the bitonic merges, which the compiler overlaps with the operand buffers
+# where their lifetimes allow (not always: tests/kernels/test_gpu_launch.py compares this
+# estimate with compiled kernels for both limits).
+SHARED_SLACK = 4 * 1024
+
+
+def shared_estimate(cfg: TileConfig, block_d: int, single_dot: bool, element_size: int,
+                    list_len: int) -> int:
+    """Bytes of shared memory a configuration asks for: the query tile once and
+    ``num_stages`` target tiles in flight (single dot), or ``num_stages`` (query, target)
+    chunk pairs (d in ``block_d`` chunks); the bitonic merges' exchange of
+    (BLOCK_M, 2 list_len) packed keys (register lists) or the selection's SEL_ROWS x CAP
+    (buffer kernel) where that is larger; plus :data:`SHARED_SLACK`."""
+    stages = max(1, cfg.num_stages)
+    if single_dot:
+        tiles = (cfg.block_m + stages * cfg.block_n) * block_d * element_size
+    else:
+        tiles = stages * (cfg.block_m + cfg.block_n) * block_d * element_size
+    if cfg.kernel == "buffer":
+        exchange = min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)) * cfg.cap * 8
+    else:
+        exchange = cfg.block_m * 2 * list_len * 8
+    return max(tiles, exchange) + SHARED_SLACK
+
+
+@dataclass(frozen=True)
+class CandidatePlan:
+    """One launch configuration of the candidate pass, as :func:`plan_candidates` returns it.
+
+    ``config``: tiles, warps, stages and kernel (``rowlist``, ``segmented`` or ``buffer``);
+    ``list_len`` the kernel's N_CAND (a segment's list in the segmented mode); ``n_splits``
+    target splits (segments) and ``per_split`` targets per split (0: strided segments);
+    ``block_d`` the d-chunk (the padded d with ``single_dot``); ``t_desc``: target tiles by TMA.
+    """
+
+    config: TileConfig
+    list_len: int
+    n_splits: int
+    per_split: int
+    block_d: int
+    single_dot: bool
+    t_desc: bool
+    shared_estimate: int
+
+    @property
+    def segmented(self) -> bool:
+        return self.config.kernel == "segmented"
+
+    @property
+    def rowlist(self) -> bool:
+        return self.config.kernel in ("rowlist", "segmented")
+
+
+def _layouts(cfg: TileConfig, d: int, element_size: int, single_dot_kernel: bool):
+    """(config, block_d, single_dot) in order of preference: the chosen tiles with the whole
+    query tile (single dot) and fewer target tiles in flight down to two, then d in BLOCK_D
+    chunks with fewer stages down to one (no software pipelining). Every later entry needs
+    less shared memory than an earlier one of its form."""
+    d_pad = max(16, triton.next_power_of_2(d))
+    chunk_d = BLOCK_D if d > 32 else d_pad
+    if single_dot_kernel and cfg.block_m * d_pad * element_size <= SINGLE_DOT_BYTES:
+        for stages in range(cfg.num_stages, 1, -1):
+            yield dataclasses.replace(cfg, num_stages=stages), d_pad, True
+    for stages in range(cfg.num_stages, 0, -1):
+        yield dataclasses.replace(cfg, num_stages=stages), chunk_d, False
+
+
+def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits: DeviceLimits,
+                    *, config: TileConfig | None = None, splits: int | None = None
+                    ) -> list[CandidatePlan]:
+    """Every launch configuration of the candidate pass for this shape that fits ``limits``
+    by :func:`shared_estimate`, best first (:func:`_layouts`); empty when none does.
+
+    :func:`triton_candidates` launches the first whose compiled kernel the device can load
+    (:func:`_loads`); tests/kernels/test_gpu_launch.py compiles them for sm_80 and sm_90.
+    """
+    cfg = config or tile_config(n_cand, d, precision)
+    n_splits = 0
+    if cfg.kernel == "segmented":
+        seg = cfg.seg_cand
+        if seg < 1 or seg & (seg - 1) or seg > cfg.block_n:
+            raise ValueError(f"config: seg_cand must be a power of two <= BLOCK_N {cfg.block_n}, "
+                             f"got {seg}")
+        n_splits = splits or segment_count(m, nt, n_cand, cfg, limits.sms)
+        if n_splits == 0 and n_cand <= min(ROWLIST_MAX, cfg.block_n):
+            cfg = TileConfig(cfg.block_m, cfg.block_n, 0, cfg.num_warps, num_stages=cfg.num_stages,
+                             kernel="rowlist")
+        elif n_splits == 0 and n_cand <= BUFFER_MAX_CANDIDATES:
+            cfg = buffer_tile_config(n_cand, precision)
+        elif n_splits == 0:
+            return []   # too few targets for segments, a list too long for a quick compile
+    segmented = cfg.kernel == "segmented"
+    rowlist = cfg.kernel == "rowlist" or segmented
+    list_len = cfg.seg_cand if segmented else n_cand
+    if rowlist and list_len > cfg.block_n:
+        raise ValueError(f"config: rowlist needs n_cand {list_len} <= BLOCK_N {cfg.block_n}")
+    if not rowlist and cfg.cap < n_cand + cfg.block_n:
+        raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
+    element_size = 2 if precision == "bf16" else 4
+    plans = []
+    for c, block_d, single_dot in _layouts(cfg, d, element_size, rowlist or cfg.pipelined):
+        estimate = shared_estimate(c, block_d, single_dot, element_size, list_len)
+        if estimate > limits.shared_bytes:
+            continue
+        if segmented:   # strided segments (see _rowlist_kernel): at most one per tile
+            n_split, per_split = min(n_splits, math.ceil(nt / c.block_n)), 0
+        else:
+            n_split = splits or split_count(m, nt, c.block_m, limits.sms)
+            n_split, per_split = _split_targets(nt, n_split, c.block_n)
+        t_desc = rowlist and single_dot and limits.tma and block_d <= 256 and c.block_n <= 256
+        plans.append(CandidatePlan(c, list_len, n_split, per_split, block_d, single_dot, t_desc, estimate))
+    return plans
+
+
+# The buffer kernel's widest list: its selection sorts BLOCK_M x CAP packed keys, and the
+# CAP = 2048 form (n_cand 1024) took most of a minute to compile; wider lists over targets too
+# few for segments run the torch path (:class:`LaunchRefused`).
+BUFFER_MAX_CANDIDATES = 256
+
+
+# Verdicts of _loads: (kernel name, compiled kernel's hash, device) -> None or the refusal.
+_LOAD_VERDICTS: dict[tuple, str | None] = {}
+
+
+def _loads(kernel, grid, args, kwargs, device: torch.device) -> str | None:
+    """Why the compiled ``kernel`` for these arguments cannot run on ``device`` (shared
+    memory or registers over its limits, read from the compiled kernel's metadata as the
+    launch would), or None. Compiles without launching (``warmup``); the launch that follows
+    reuses the compiled kernel. Under the interpreter nothing is compiled: None."""
+    if device.type != "cuda":
+        return None
+    from triton.runtime.errors import OutOfResources
+
+    compiled = kernel.warmup(*args, grid=grid, **kwargs)
+    key = (kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), compiled.hash, str(device))
+    if key not in _LOAD_VERDICTS:
+        try:
+            compiled._init_handles()
+            verdict = None
+        except OutOfResources as exc:
+            verdict = str(exc)
+        _LOAD_VERDICTS[key] = verdict
+    return _LOAD_VERDICTS[key]
+
+
+def rowlist_arguments(plan: CandidatePlan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level,
+                      rows: int, nt: int, d: int, alpha: float, stride_level: int, *,
+                      seeded: bool, skip_test: bool, lower: bool, precision: str, upcast: bool):
+    """(grid, args, kwargs) of one ``_rowlist_kernel`` launch of ``plan``."""
+    cfg = plan.config
+    grid = (math.ceil(rows / cfg.block_m), plan.n_splits)
+    args = (q_chunk, t_arg, bias, out, seed_chunk, level, rows, nt, d,
+            plan.per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha, stride_level)
+    kwargs = dict(N_CAND=plan.list_len, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d,
+                  EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=plan.single_dot,
+                  INPUT_PRECISION="ieee" if precision == "fp32" else "tf32", DOT_UPCAST=upcast,
+                  EVEN_D=d % plan.block_d == 0, STRIDED=plan.segmented, SKIP_TEST=skip_test,
+                  SEEDED=seeded, LEVELS=lower, T_DESC=t_arg is not t_op,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grid, args, kwargs
+
+
+def buffer_arguments(plan: CandidatePlan, n_cand: int, q_chunk, t_op, bias, buf, scratch, level,
+                     rows: int, nt: int, d: int, alpha: float, stride_level: int, *,
+                     lower: bool, precision: str, upcast: bool):
+    """(grid, args, kwargs) of one ``_fused_candidates_kernel`` launch of ``plan``."""
+    cfg = plan.config
+    grid = (math.ceil(rows / cfg.block_m), plan.n_splits)
+    args = (q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, plan.per_split // cfg.block_n,
+            q_chunk.stride(0), t_op.stride(0), alpha, stride_level)
+    kwargs = dict(N_CAND=n_cand, CAP=cfg.cap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                  BLOCK_D=plan.block_d, SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
+                  INPUT_PRECISION="ieee" if precision == "fp32" else "tf32", DOT_UPCAST=upcast,
+                  PIPELINED=cfg.pipelined, SINGLE_DOT=plan.single_dot, EVEN_D=d % plan.block_d == 0,
+                  LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return grid, args, kwargs
+
+
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
-                      buffer_bytes: int = 1 << 30, min_only: bool = False,
+                      buffer_bytes: int = 1 << 30,
                       seed: torch.Tensor | None = None, lower: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``n_cand`` best approximate keys per query from the fused kernel, and a floor.
@@ -685,22 +893,23 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     :func:`merge_segments`; the list may then miss some of the row's n_cand best, but never
     one below the floor, which is what the margin test needs. Memory traffic against one
     long list: the target tiles are read as often as before (once per query tile); each
-    segment program loads its query tile once (S reads in all: 0.54 GB for 65,536 x 128 bf16
-    at S = 32, n_cand 256) and stores rows x S x
-    seg_cand int64 (0.27 GB at S x seg_cand = 512), which the merge reads back: well under a
-    millisecond each at HBM bandwidth. The cost is list work: S lists that each start empty
-    take ~S * seg_cand * (1 + ln(targets per segment / seg_cand)) insertions per row (4,400
-    at nt = 10^6, S x seg_cand = 512) against ~2,400 for one 256-long list, but each is a
-    register update, not a buffer append and a 256-wide selection.
-    The union (2 n_cand wide) is cut to n_cand: the re-rank gathers one d-vector per column
-    (65,536 x 512 x 128 float32 is 17 GB of gathers, twice n_cand's), the cut keeps the floor
-    valid, and a row that the cut leaves unproven needed more than n_cand candidates within
-    its margin, more than ``candidate_width`` plans for. Where the targets are too few for
-    enough segments the buffer kernel runs instead (:func:`buffer_tile_config`).
+    segment program loads its query tile once and stores rows x S x seg_cand int64, which
+    the merge reads back. The cost is list work: S lists that each start empty take
+    ~S * seg_cand * (1 + ln(targets per segment / seg_cand)) insertions per row against
+    ~n_cand * (1 + ln(nt / n_cand)) for one list, but each is a register update, not a
+    buffer append and a wide selection.
+    The union (2 n_cand wide) is cut to n_cand: the re-rank gathers one d-vector per column,
+    the cut keeps the floor valid, and a row that the cut leaves unproven needed more than
+    n_cand candidates within its margin, more than ``candidate_width`` plans for. Where the
+    targets are too few for enough segments the buffer kernel runs instead
+    (:func:`buffer_tile_config`).
+
+    The launch configuration is the first of :func:`plan_candidates` (shared memory within
+    the device's limit by estimate) whose compiled kernel the device can load (:func:`_loads`);
+    :class:`LaunchRefused` when none can (the caller then runs the torch path).
 
     ``splits`` forces the number of target splits (segments in the segmented mode).
     ``buffer_bytes`` bounds the candidate buffer: queries run in chunks that fit it.
-    ``min_only`` (timing only, register-list kernels): GEMM + row minimum, no candidate lists.
     ``seed`` (float32 (m,), +inf = none): keys above a row's seed cannot matter to the caller
     (the widening rounds of :func:`_gpu_torch.exact_topk`); the register-list kernels then
     never insert them and the row's floor is at most just above its seed (:func:`floor_key`).
@@ -720,111 +929,101 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     if m == 0 or nt == 0:
         return keys_out, idx_out, floor_out
     precision = queries.precision
-    cfg = config or tile_config(n_cand, d, precision)
-    if cfg.kernel == "segmented":
-        seg = cfg.seg_cand
-        if seg < 1 or seg & (seg - 1) or seg > cfg.block_n:
-            raise ValueError(f"config: seg_cand must be a power of two <= BLOCK_N {cfg.block_n}, "
-                             f"got {seg}")
-        n_splits = splits or segment_count(m, nt, n_cand, cfg, _num_sms(device))
-        if n_splits == 0 and n_cand <= min(ROWLIST_MAX, cfg.block_n):
-            logger.debug("n_cand %d over %d targets: too few for segments, one register list", n_cand, nt)
-            cfg = TileConfig(cfg.block_m, cfg.block_n, 0, cfg.num_warps, num_stages=cfg.num_stages,
-                             kernel="rowlist")
-        elif n_splits == 0:
-            logger.debug("n_cand %d over %d targets: too few for segments, buffer kernel", n_cand, nt)
-            cfg = buffer_tile_config(n_cand, precision)
-    segmented = cfg.kernel == "segmented"
-    rowlist = cfg.kernel == "rowlist" or segmented
-    list_len = cfg.seg_cand if segmented else n_cand
-    if rowlist and list_len > cfg.block_n:
-        raise ValueError(f"config: rowlist needs n_cand {list_len} <= BLOCK_N {cfg.block_n}")
-    if not rowlist and cfg.cap < n_cand + cfg.block_n:
-        raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
+    limits = device_limits(device)
+    plans = plan_candidates(m, nt, d, n_cand, precision, limits, config=config, splits=splits)
+    if not plans:
+        raise LaunchRefused(f"no fused-kernel configuration for n_cand={n_cand} at d={d} in "
+                            f"{precision} fits {limits.shared_bytes} bytes of shared memory ({limits.name})")
     q_op, t_op = queries.operand, targets.operand
-    d_pad = max(16, triton.next_power_of_2(d))
-    single_dot = ((rowlist or cfg.pipelined)
-                  and cfg.block_m * d_pad * q_op.element_size() <= SINGLE_DOT_BYTES
-                  and (cfg.block_m + cfg.block_n) * d_pad * t_op.element_size() <= SINGLE_DOT_SMEM_BYTES)
-    if single_dot:
-        block_d = d_pad
-    else:
-        block_d = BLOCK_D if d > 32 else d_pad
-    input_precision = "ieee" if precision == "fp32" else "tf32"
-    if segmented:   # strided segments (see _rowlist_kernel): at most one per tile
-        n_splits, per_split = min(n_splits, math.ceil(nt / cfg.block_n)), 0
-    else:
-        n_splits = splits or split_count(m, nt, cfg.block_m, _num_sms(device))
-        n_splits, per_split = _split_targets(nt, n_splits, cfg.block_n)
-    slots = list_len if rowlist else cfg.cap
-    rows_per_launch = max(cfg.block_m, (buffer_bytes // (8 * slots * n_splits)) // cfg.block_m * cfg.block_m)
     alpha = key_alpha(queries.metric)
-    common = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=d % block_d == 0,
-                  INPUT_PRECISION=input_precision, DOT_UPCAST=device.type != "cuda",
-                  LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    t_arg = target_descriptor(t_op, cfg.block_n, block_d) if rowlist and single_dot else t_op
+    upcast = device.type != "cuda"
+    seeded = seed is not None
     if lower:   # one table for every row of the call: the bound's rank-1 form (lower_key_bound)
-        table, levels = lower_bias_table(queries, targets, cfg.block_m, lower_levels(n_cand))
-    for r0 in range(0, m, rows_per_launch):
-        r1 = min(m, r0 + rows_per_launch)
-        rows = r1 - r0
-        grid_m = math.ceil(rows / cfg.block_m)
-        q_chunk = q_op[r0:r1]
-        if lower:   # rows_per_launch is a multiple of block_m: programs stay aligned
-            bias, level, stride_level = table, levels[r0 // cfg.block_m:], table.stride(0)
-        else:
-            bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
+        table, levels = lower_bias_table(queries, targets, plans[0].config.block_m, lower_levels(n_cand))
+    refusals = []
+    for plan in plans:
+        cfg = plan.config
+        if lower and cfg.block_m != plans[0].config.block_m:   # the table's levels are per program
+            table, levels = lower_bias_table(queries, targets, cfg.block_m, lower_levels(n_cand))
+        rowlist, segmented, list_len = plan.rowlist, plan.segmented, plan.list_len
+        slots = list_len if rowlist else cfg.cap
+        rows_per_launch = max(cfg.block_m,
+                              (buffer_bytes // (8 * slots * plan.n_splits)) // cfg.block_m * cfg.block_m)
+        t_arg = target_descriptor(t_op, cfg.block_n, plan.block_d) if plan.t_desc else t_op
         if rowlist:
-            program_tiles = (math.ceil(math.ceil(nt / cfg.block_n) / n_splits) if segmented
-                             else per_split // cfg.block_n)
+            program_tiles = (math.ceil(math.ceil(nt / cfg.block_n) / plan.n_splits) if segmented
+                             else plan.per_split // cfg.block_n)
             skip_test = (cfg.skip_test if cfg.skip_test is not None
                          else skip_share(program_tiles, cfg.block_m, list_len) >= SKIP_TEST_SHARE)
-            out = torch.empty((rows, n_splits * list_len), dtype=torch.int64, device=device)
-            if POISON_BUFFERS:  # checks: every slot must be written
-                out.fill_(0x5A5A5A5A5A5A5A5A)
-            seeded = seed is not None
-            seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
-                          if seeded else q_chunk)
-            _rowlist_kernel[(grid_m, n_splits)](
-                q_chunk, t_arg, bias, out, seed_chunk, level,
-                rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha,
-                stride_level, N_CAND=list_len, EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=single_dot,
-                MIN_ONLY=min_only, STRIDED=segmented, SKIP_TEST=skip_test, SEEDED=seeded,
-                T_DESC=t_arg is not t_op, **common)
-            lists = out
-        else:
-            buf = torch.empty((grid_m, n_splits, cfg.block_m, cfg.cap), dtype=torch.int64, device=device)
-            scratch = torch.empty((grid_m * n_splits * cfg.block_m,), dtype=torch.int32, device=device)
-            if POISON_BUFFERS:  # checks: stale garbage must never leak into a result
-                buf.fill_(0x5A5A5A5A5A5A5A5A)
-                scratch.fill_(-7)
-            _fused_candidates_kernel[(grid_m, n_splits)](
-                q_chunk, t_op, bias, buf, scratch, level,
-                rows, nt, d, per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0),
-                alpha, stride_level, N_CAND=n_cand, CAP=cfg.cap,
-                SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
-                PIPELINED=cfg.pipelined, SINGLE_DOT=single_dot, **common)
-            lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(grid_m * cfg.block_m, n_splits * n_cand)[:rows]
-        if segmented:
-            lists, floor = merge_segments(lists, n_splits, n_cand)
-            floor_out[r0:r1] = floor
-        elif n_splits > 1:
-            # Merge the splits' lists: sorting packed keys sorts by (key, index).
-            lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values
-        elif rowlist:  # register lists come back unsorted
-            lists = torch.sort(lists, dim=1).values
-        k_vals, k_idx = unpack(lists)
-        if rowlist and seed is not None:   # placeholders of seeded lists: empty slots
-            virtual = k_idx == VIRTUAL_INDEX
-            k_vals = torch.where(virtual, math.inf, k_vals)
-            k_idx = torch.where(virtual, -1, k_idx)
-        width = lists.shape[1]
-        keys_out[r0:r1, :width] = k_vals
-        idx_out[r0:r1, :width] = k_idx
-        if not segmented and (nt > n_cand or (rowlist and seed is not None)):
-            # The list's n_cand best: the last key (just above a seed's placeholder).
-            floor_out[r0:r1] = floor_key(lists[:, -1])
-    return keys_out, idx_out, floor_out
+        launched = False
+        for r0 in range(0, m, rows_per_launch):
+            r1 = min(m, r0 + rows_per_launch)
+            rows = r1 - r0
+            grid_m = math.ceil(rows / cfg.block_m)
+            q_chunk = q_op[r0:r1]
+            if lower:   # rows_per_launch is a multiple of block_m: programs stay aligned
+                bias, level, stride_level = table, levels[r0 // cfg.block_m:], table.stride(0)
+            else:
+                bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
+            if rowlist:
+                out = torch.empty((rows, plan.n_splits * list_len), dtype=torch.int64, device=device)
+                if POISON_BUFFERS:  # checks: every slot must be written
+                    out.fill_(0x5A5A5A5A5A5A5A5A)
+                seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
+                              if seeded else q_chunk)
+                grid, args, kwargs = rowlist_arguments(
+                    plan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level, rows, nt, d, alpha,
+                    stride_level, seeded=seeded, skip_test=skip_test, lower=lower, precision=precision,
+                    upcast=upcast)
+                kernel = _rowlist_kernel
+            else:
+                buf = torch.empty((grid_m, plan.n_splits, cfg.block_m, cfg.cap), dtype=torch.int64,
+                                  device=device)
+                scratch = torch.empty((grid_m * plan.n_splits * cfg.block_m,), dtype=torch.int32,
+                                      device=device)
+                if POISON_BUFFERS:  # checks: stale garbage must never leak into a result
+                    buf.fill_(0x5A5A5A5A5A5A5A5A)
+                    scratch.fill_(-7)
+                grid, args, kwargs = buffer_arguments(
+                    plan, n_cand, q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, alpha,
+                    stride_level, lower=lower, precision=precision, upcast=upcast)
+                kernel = _fused_candidates_kernel
+            if not launched:
+                refusal = _loads(kernel, grid, args, kwargs, device)
+                if refusal is not None:
+                    refusals.append(f"{cfg} block_d={plan.block_d} single_dot={plan.single_dot}: {refusal}")
+                    logger.info("fused kernel configuration refused by the device, trying the next: %s",
+                                refusals[-1])
+                    break
+                launched = True
+            kernel[grid](*args, **kwargs)
+            if rowlist:
+                lists = out
+            else:
+                lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(
+                    grid_m * cfg.block_m, plan.n_splits * n_cand)[:rows]
+            if segmented:
+                lists, floor = merge_segments(lists, plan.n_splits, n_cand)
+                floor_out[r0:r1] = floor
+            elif plan.n_splits > 1:
+                # Merge the splits' lists: sorting packed keys sorts by (key, index).
+                lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values
+            elif rowlist:  # register lists come back unsorted
+                lists = torch.sort(lists, dim=1).values
+            k_vals, k_idx = unpack(lists)
+            if rowlist and seeded:   # placeholders of seeded lists: empty slots
+                virtual = k_idx == VIRTUAL_INDEX
+                k_vals = torch.where(virtual, math.inf, k_vals)
+                k_idx = torch.where(virtual, -1, k_idx)
+            width = lists.shape[1]
+            keys_out[r0:r1, :width] = k_vals
+            idx_out[r0:r1, :width] = k_idx
+            if not segmented and (nt > n_cand or (rowlist and seeded)):
+                # The list's n_cand best: the last key (just above a seed's placeholder).
+                floor_out[r0:r1] = floor_key(lists[:, -1])
+        if launched:
+            return keys_out, idx_out, floor_out
+    raise LaunchRefused("no fused-kernel configuration loads on this device: " + "; ".join(refusals))
 
 
 # ----------------------------------------------------------------------------- exact re-rank

@@ -1,0 +1,149 @@
+"""Every launch configuration the fused kernel's chooser can return fits the device.
+
+:func:`nearest_join.kernels._gpu_triton.plan_candidates` filters its configurations by its own
+shared-memory estimate; on a device the compiled kernel's metadata has the last word
+(``_loads``). Here, with no GPU, the configurations are compiled for sm_80 and sm_90 by
+Triton's own ptxas (``tests/kernels/_compile_target.py``) and their shared memory is checked
+against both limits (and against the estimate, which must not be below it, or the chooser
+would offer configurations only the device check catches).
+
+The shapes: d = 1..1536 (the common embedding sizes and odd ones), every candidate-list width
+a search can ask for (k = 1, 10, 100 and the largest the fused kernel takes, widening rounds
+included), bf16 / tf32 / fp32, many and few queries, targets enough for segments and too few.
+The grid has about 700 distinct configurations (a few seconds of compilation each, up to a
+minute for the widest buffer kernels): ``make test`` compiles the most demanding one (largest
+estimate) of each (target, kernel, layout), ``-m slow`` that of each precision too; every one
+of them is checked against the limits by its estimate, and on a device by its metadata.
+"""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+triton = pytest.importorskip("triton", reason="triton is not installed")
+
+from nearest_join.kernels import _gpu_torch as gt  # noqa: E402
+from nearest_join.kernels import _gpu_triton as tr  # noqa: E402
+
+DIMS = [1, 3, 17, 31, 33, 64, 96, 100, 128, 200, 256, 300, 384, 512, 768, 1024, 1536]
+N_CANDS = [1 << e for e in range(3, 11)]          # 8 .. MAX_CANDIDATES
+SHAPES = [(65_536, 1_000_000), (65_536, 63_681), (2_048, 60_000), (1, 20_000), (7, 300)]
+PRECISIONS = ["bf16", "tf32", "fp32"]
+TARGETS = {"sm_80": (tr.SM80, 80), "sm_90": (tr.SM90, 90)}
+
+
+def _compiles():
+    try:
+        from tests.kernels._compile_target import compile_for  # noqa: F401
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the triton build
+        return f"triton cannot compile for a GPU target here ({type(exc).__name__}: {exc})"
+    return None
+
+
+def test_the_widths_cover_every_k_the_fused_kernel_takes():
+    # k = 1, 10, 100 and the largest k each precision's first list allows, and each widening.
+    for precision in PRECISIONS:
+        for k in (1, 10, 100):
+            n = gt.candidate_width(k, precision)
+            while n <= tr.MAX_CANDIDATES:
+                assert n in N_CANDS
+                n = gt.widened(n)
+
+
+def plans_of_the_grid():
+    """{(target, configuration key): (plan, d, precision, n_cand)} over the grid."""
+    found = {}
+    for name, (limits, _) in TARGETS.items():
+        for precision in PRECISIONS:
+            for d in DIMS:
+                for n_cand in N_CANDS:
+                    for m, nt in SHAPES:
+                        plans = tr.plan_candidates(m, nt, d, n_cand, precision, limits)
+                        if not plans:   # the torch path: too few targets for segments
+                            assert n_cand > tr.BUFFER_MAX_CANDIDATES, (name, d, n_cand, precision, m, nt)
+                            continue
+                        for plan in plans:
+                            assert plan.shared_estimate <= limits.shared_bytes
+                        plan = plans[0]
+                        key = (name, precision, plan.config, plan.list_len, plan.block_d,
+                               plan.single_dot, plan.t_desc, d % plan.block_d == 0,
+                               plan.n_splits > 1 and not plan.segmented)
+                        found.setdefault(key, (plan, d, precision, n_cand))
+    return found
+
+
+def test_every_shape_has_a_configuration_within_both_limits():
+    found = plans_of_the_grid()
+    assert {key[0] for key in found} == set(TARGETS)
+    # The shape that crashed on the H200 (issue 20): bf16 at d=256 asked for 262,200 bytes.
+    plan = tr.plan_candidates(2_048, 60_000, 256, 16, "bf16", tr.SM90)[0]
+    assert plan.shared_estimate <= tr.SM90.shared_bytes
+    # No TMA below sm_90 (Triton would rewrite descriptors into a form never measured).
+    assert not any(key[6] for key in found if key[0] == "sm_80")
+
+
+def _arguments(plan, d, precision, n_cand):
+    """A launch of ``plan`` on small CPU tensors of the right dtypes and alignment: the
+    compiled kernel depends on them, not on the row counts (not specialised)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    dt = torch.bfloat16 if precision == "bf16" else torch.float32
+    rows, nt = 256, 4096
+    q = torch.zeros((rows, d), dtype=dt)
+    t = torch.zeros((nt, d), dtype=dt)
+    bias = torch.zeros(nt)
+    level = torch.zeros(8, dtype=torch.int32)
+    aligned = (d * t.element_size()) % 16 == 0
+    t_arg = TensorDescriptor.from_tensor(t, [plan.config.block_n, plan.block_d]) if plan.t_desc and aligned else t
+    if plan.rowlist:
+        out = torch.zeros((rows, plan.n_splits * plan.list_len), dtype=torch.int64)
+        return tr._rowlist_kernel, tr.rowlist_arguments(
+            plan, q, t_arg, t, bias, out, bias, level, rows, nt, d, 2.0, 0, seeded=True, skip_test=True,
+            lower=False, precision=precision, upcast=False)
+    buf = torch.zeros(1, dtype=torch.int64)
+    scratch = torch.zeros(1, dtype=torch.int32)
+    return tr._fused_candidates_kernel, tr.buffer_arguments(
+        plan, n_cand, q, t, bias, buf, scratch, level, rows, nt, d, 2.0, 0, lower=False,
+        precision=precision, upcast=False)
+
+
+def _check_compiled(entry, name):
+    from tests.kernels._compile_target import compile_for
+
+    plan, d, precision, n_cand = entry
+    limits, arch = TARGETS[name]
+    kernel, (_, args, kwargs) = _arguments(plan, d, precision, n_cand)
+    shared = compile_for(kernel, args, kwargs, arch).metadata.shared
+    where = f"{name} d={d} n_cand={n_cand} {precision} {plan.config} block_d={plan.block_d}"
+    assert shared <= limits.shared_bytes, f"{where}: {shared} bytes of shared memory"
+    assert shared <= plan.shared_estimate, f"{where}: {shared} bytes, estimated {plan.shared_estimate}"
+
+
+def _representative(found, by_precision: bool):
+    """The configuration with the largest estimate per (target, kernel, layout), and per
+    precision too with ``by_precision``."""
+    best = {}
+    for key, entry in found.items():
+        group = (key[0], key[1] if by_precision else "", entry[0].config.kernel, entry[0].single_dot)
+        if group not in best or entry[0].shared_estimate > best[group][1][0].shared_estimate:
+            best[group] = (key, entry)
+    return [pytest.param(entry, key[0], id=f"{key[0]}-{key[1]}-{entry[0].config.kernel}-"
+                         f"{'single' if entry[0].single_dot else 'chunked'}-d{entry[1]}-n{entry[3]}")
+            for key, entry in best.values()]
+
+
+REASON = _compiles()
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.parametrize("entry,name", _representative(plans_of_the_grid(), by_precision=False))
+def test_the_most_demanding_configurations_compile_within_the_limits(entry, name):
+    _check_compiled(entry, name)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.parametrize("entry,name", _representative(plans_of_the_grid(), by_precision=True))
+def test_the_most_demanding_configuration_of_each_precision_compiles_within_the_limits(entry, name):
+    _check_compiled(entry, name)
