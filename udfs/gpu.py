@@ -232,11 +232,12 @@ class GpuBlockSearcher:
                  batch_rows: int | None = None, impl: str = "auto"):
         import torch
 
-        from nearest_join.kernels.gpu import _check_precision
+        from nearest_join.kernels.gpu import choose, resolve_precision
 
         self.settings = settings
-        self.precision = _check_precision(settings.precision)
         self.device = torch.device(device)
+        # "auto" resolved once for this task's device; the executor logs and reports it.
+        self.precision = resolve_precision(settings.precision, self.device)
         self.backend = "gpu"
         self.impl = impl
         self._cuda = self.device.type == "cuda"
@@ -262,7 +263,10 @@ class GpuBlockSearcher:
         self._ahead_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pinned: dict[str, torch.Tensor] = {}
-        logger.info("GPU searcher on %s, memory budget %.1f GiB", self.device, memory_bytes / 2**30)
+        self.implementation, reasons = choose(settings.k, self.precision, self.device, impl)
+        logger.info("GPU searcher on %s: precision %s (asked %s), %s candidates%s, memory budget %.1f GiB",
+                    self.device, self.precision, settings.precision, self.implementation.name,
+                    "".join(f" ({r})" for r in reasons), memory_bytes / 2**30)
 
     # ------------------------------------------------------------------ host staging
     def _host_buffer(self, name: str, shape: tuple[int, ...], dtype) -> "torch.Tensor":

@@ -44,7 +44,7 @@ class SearchSettings:
     k: int
     metric: str
     backend: str = "auto"       # "auto" | "cpu" | "gpu" | "reference"
-    precision: str = "fp32"     # GPU only: "fp32" | "tf32" | "bf16" (results stay exact)
+    precision: str = "auto"     # GPU only: "auto" | "fp32" | "tf32" | "bf16" (results stay exact)
     keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
     gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
 
@@ -55,8 +55,8 @@ class BlockSearcher:
     def __init__(self, settings: SearchSettings, threads: int | None = None):
         self.settings = settings
         self.threads = threads or task_cpus()
-        # An explicit "cpu" or "reference" runs that backend (an error names why it cannot);
-        # "auto" is the dispatcher's choice on this executor.
+        # The backend open_block_searcher chose (an explicit "cpu" or "reference" runs that
+        # backend; an error names why it cannot); "auto" lets knn's dispatcher choose per call.
         self.backend = settings.backend if settings.backend in ("cpu", "reference") else "auto"
         self.device = "cpu"
 
@@ -84,21 +84,28 @@ def cuda_may_exist() -> bool:
 
 
 def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
-    """The searcher for this task: the GPU Spark assigned to it when there is one, else CPU.
+    """The searcher for this task, chosen by the kernels' dispatcher
+    (:func:`nearest_join.kernels.dispatch.choose_task_backend`): the GPU Spark assigned to the
+    task when the gpu backend accepts it, else the CPU kernel.
 
-    ``backend="gpu"`` without a usable GPU is an error; ``"auto"`` falls back to the CPU
-    without configuration.
+    ``backend="cpu"`` / ``"reference"`` run that backend; ``"gpu"`` without a usable GPU is
+    an error naming why; ``"auto"`` falls back to the CPU without configuration (and does not
+    import torch where no NVIDIA device can exist: :func:`cuda_may_exist`). The choice and
+    the reasons of the backends refused before it are logged.
     """
-    if settings.backend == "gpu" or (settings.backend == "auto" and cuda_may_exist()):
-        try:
-            from udfs.gpu import gpu_searcher_or_none
-        except ImportError as exc:
-            if settings.backend == "gpu":
-                raise RuntimeError(f"backend 'gpu' requested but the GPU path cannot load: {exc}")
-        else:
-            searcher = gpu_searcher_or_none(settings)
-            if searcher is not None:
-                return searcher
-            if settings.backend == "gpu":
-                raise RuntimeError("backend 'gpu' requested but this executor has no usable CUDA device")
+    from nearest_join.kernels.dispatch import choose_task_backend
+
+    skip = {}
+    if settings.backend == "auto" and not cuda_may_exist():
+        skip["gpu"] = "no GPU assigned to this task and no NVIDIA driver on this host"
+    name, reasons = choose_task_backend(settings.backend, skip=skip)
+    logger.info("task backend %s%s", name, "".join(f" ({r})" for r in reasons))
+    if name == "gpu":
+        from udfs.gpu import gpu_searcher_or_none
+
+        searcher = gpu_searcher_or_none(settings)
+        if searcher is not None:
+            return searcher
+        if settings.backend == "gpu":
+            raise RuntimeError("backend 'gpu' requested but this executor has no usable CUDA device")
     return BlockSearcher(settings)

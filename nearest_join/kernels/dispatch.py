@@ -119,6 +119,36 @@ def choose_backend(queries, targets, k: int, metric: Metric, backend: str = "aut
     raise ValueError("no backend accepts this input:\n  " + "\n  ".join(reasons))
 
 
+def choose_task_backend(backend: str = "auto", *, skip: dict[str, str] | None = None
+                        ) -> tuple[str, list[str]]:
+    """(backend name, reasons of the backends refused before it) for an executor task,
+    before it has data: the first backend in preference order that loads and whose
+    ``refuse_task()`` (where it has one: devices, drivers) says nothing. ``skip``: backends the
+    caller knows cannot run here, with the reason (the executor's cheap probe for a GPU, which
+    spares a CPU executor the import of torch). A named backend is returned as it is: its own
+    errors name why it cannot run.
+    """
+    if backend != "auto":
+        if backend not in _REGISTRY:
+            raise ValueError(f"backend: expected one of {['auto', *_REGISTRY]}, got {backend!r}")
+        return backend, []
+    reasons = []
+    for name, entry in _REGISTRY.items():
+        if skip and name in skip:
+            reasons.append(f"{name}: {skip[name]}")
+            continue
+        candidate = _load(entry)
+        if candidate is None:
+            reasons.append(f"{name}: {entry.import_error}")
+            continue
+        refuse_task = getattr(candidate, "refuse_task", None)
+        reason = refuse_task() if refuse_task is not None else None
+        if reason is None:
+            return name, reasons
+        reasons.append(f"{name}: {reason}")
+    raise ValueError("no backend can run on this executor:\n  " + "\n  ".join(reasons))
+
+
 def knn(queries, targets, k: int, metric: str = "l2", backend: str = "auto", **options):
     """Exact k nearest targets of every query row, without the full distance matrix.
 
@@ -135,7 +165,8 @@ def knn(queries, targets, k: int, metric: str = "l2", backend: str = "auto", **o
         ``auto`` picks the first backend in :func:`backend_names` order that accepts the input.
     **options
         Passed to the backend: ``threads`` (CPU threads, default: this process's share of
-        cores), ``precision`` (GPU: "fp32", "tf32" or "bf16"), ``device`` (GPU ordinal).
+        cores), ``precision`` (GPU: "auto", the default: bf16 on compute capability >= 8.0,
+        else fp32; or "fp32", "tf32", "bf16"), ``device`` (GPU ordinal).
 
     Returns
     -------

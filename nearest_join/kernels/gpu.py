@@ -9,8 +9,11 @@ then an exact float32 re-rank whose candidate list is proven complete by an erro
   entries: k up to 1024 in fp32, 819 in tf32, 512 in bf16.
 * ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
 
-``precision`` picks the operands of the candidate pass: ``"fp32"`` (IEEE float32, no
-tensor-core rounding; the default), ``"tf32"`` or ``"bf16"`` (tensor cores). Every search runs
+``precision`` picks the operands of the candidate pass: ``"auto"`` (the default: bf16 on GPUs
+of compute capability 8.0 or newer, fp32 elsewhere; :func:`resolve_precision`), ``"fp32"``
+(IEEE float32, no tensor-core rounding), ``"tf32"`` or ``"bf16"`` (tensor cores). Which
+implementation computes the candidates is chosen like the backends (:func:`choose`, reasons
+logged at DEBUG). Every search runs
 in the target block's working frame (both sides shifted by the block's mean, scaled by a power
 of two: the rounding bound follows the spread of the data, not its offset) and re-ranks its
 candidates from the input rows in float64; results are the same in every precision (within
@@ -42,7 +45,7 @@ except ImportError as _exc:  # pragma: no cover - exercised only without torch
 else:
     _TORCH_ERROR = None
 
-PRECISIONS = ("fp32", "tf32", "bf16")
+PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 IMPLEMENTATIONS = ("auto", "triton", "torch")
 
 # The backend's tolerance against the float64 difference-form oracle (``rtol`` of
@@ -69,6 +72,26 @@ def _check_precision(precision: str) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
     return precision
+
+
+def resolve_precision(precision: str, device) -> str:
+    """The precision a search runs in: ``"auto"`` is the fastest exact one of ``device`` (a
+    torch.device): bf16 on CUDA devices of compute capability 8.0 or newer (tensor cores;
+    the re-rank keeps results exact), fp32 elsewhere (older GPUs, CPU tensors)."""
+    _check_precision(precision)
+    if precision != "auto":
+        return precision
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 8:
+        resolved = "bf16"
+    else:
+        resolved = "fp32"
+    if (str(device), resolved) not in _LOGGED_AUTO:
+        _LOGGED_AUTO.add((str(device), resolved))
+        logger.info("precision auto -> %s on %s", resolved, device)
+    return resolved
+
+
+_LOGGED_AUTO: set = set()
 
 
 def _interpreting() -> bool:
@@ -115,47 +138,92 @@ def rankable_mask(x, metric: str):
     return ok
 
 
-def prepare_targets(targets, metric: str, precision: str = "fp32") -> PreparedTargets:
+def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTargets:
     """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls: the block's
     working frame (its mean and a power-of-two scale, ``_gpu_torch.working_frame``), operands,
-    norms and bound terms. float64 rows stay float64 for the re-rank."""
+    norms and bound terms. float64 rows stay float64 for the re-rank. ``precision="auto"`` is
+    resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which)."""
     from ._gpu_torch import TargetStats, prepare_targets_side
 
     m = resolve_metric(metric).name
-    _check_precision(precision)
+    precision = resolve_precision(precision, targets.device)
     ok = rankable_mask(targets, m)
     rows = None if bool(ok.all()) else ok.nonzero().flatten()
     side = prepare_targets_side(targets if rows is None else targets[rows], m, precision)
     return PreparedTargets(side, TargetStats.of(side), ok, rows)
 
 
-def choose_implementation(k: int, precision: str, device, impl: str = "auto") -> tuple[str, str]:
-    """(implementation, reason): the fused kernel when it can run this call, else torch."""
-    from ._gpu_torch import candidate_width
+@dataclass(frozen=True)
+class Implementation:
+    """One way of computing the GPU backend's candidates, chosen like the backends
+    (:mod:`nearest_join.kernels.dispatch`): it states its devices, precisions and widest
+    candidate list, and :meth:`refuse` says why it cannot run a call (None: it can).
+    ``preferred_precisions``: where ``impl="auto"`` takes it (a named one runs any of
+    ``precisions``)."""
 
+    name: str
+    devices: tuple[str, ...]
+    precisions: tuple[str, ...]
+    preferred_precisions: tuple[str, ...]
+    max_candidates: int | None
+
+    def refuse(self, k: int, precision: str, device, named: bool = False) -> str | None:
+        from ._gpu_torch import candidate_width
+
+        if self.name == "triton":
+            reason = triton_refusal(device)
+            if reason is not None:
+                return reason
+        elif device.type not in self.devices:
+            return f"device {device} is not one of {list(self.devices)}"
+        if precision not in self.precisions:
+            return f"precision {precision} is not one of {list(self.precisions)}"
+        if not named and precision not in self.preferred_precisions:
+            # IEEE float32 products run on CUDA cores, where the fused kernel's one dot per
+            # tile is far off cuBLAS sgemm (benchmarks/RESULTS.md): fp32 candidates come from
+            # the torch path, and the fused kernel still re-ranks them.
+            return f"{precision} candidates run cuBLAS sgemm + topk (the fused kernel is built for tensor cores)"
+        if self.max_candidates is not None:
+            width = candidate_width(k, precision)
+            if width > self.max_candidates:
+                return (f"k={k} in {precision} needs {width} candidates, more than the "
+                        f"{self.max_candidates} of its lists")
+        return None
+
+
+def _max_fused_candidates() -> int:
+    try:
+        from ._gpu_triton import MAX_CANDIDATES
+    except ImportError:   # no triton: triton_refusal names it
+        return 0
+    return MAX_CANDIDATES
+
+
+# Preference order for impl="auto": the fused kernel, then the torch path (any k, any device).
+IMPLEMENTATION_ORDER = (
+    Implementation("triton", ("cuda",), ("fp32", "tf32", "bf16"), ("tf32", "bf16"), 1024),
+    Implementation("torch", ("cuda", "cpu"), ("fp32", "tf32", "bf16"), ("fp32", "tf32", "bf16"), None),
+)
+
+
+def choose(k: int, precision: str, device, impl: str = "auto") -> tuple[Implementation, list[str]]:
+    """(implementation, the reasons of those before it) for a search of ``k`` in a resolved
+    ``precision`` on ``device``; a named ``impl`` runs or says why it cannot (ValueError)."""
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"impl: expected one of {list(IMPLEMENTATIONS)}, got {impl!r}")
-    if impl == "torch":
-        return "torch", "requested"
-    refusal = triton_refusal(device)
-    if refusal is None:
-        from ._gpu_triton import MAX_CANDIDATES
-
-        width = candidate_width(k, precision)
-        if width > MAX_CANDIDATES:
-            refusal = (f"k={k} in {precision} needs {width} candidates, more than the fused "
-                       f"kernel's {MAX_CANDIDATES}")
-    if refusal is None and impl == "auto" and precision == "fp32":
-        # IEEE float32 products run on CUDA cores, where the fused kernel's single 128-deep
-        # dot per tile is far off cuBLAS (H200, 65,536 x 10^6 x 128, k=10: 51 s against
-        # 1.2 s for sgemm + topk, 2026-11-30): the torch path, until a float32 tile config is
-        # measured. impl="triton" still runs the kernel.
-        return "torch", "fp32 runs cuBLAS sgemm + topk (the fused kernel is tuned for tensor cores)"
-    if refusal is None:
-        return "triton", "fused kernel"
-    if impl == "triton":
-        raise ValueError(f"impl 'triton' cannot run: {refusal}")
-    return "torch", refusal
+    if impl != "auto":
+        chosen = next(i for i in IMPLEMENTATION_ORDER if i.name == impl)
+        reason = chosen.refuse(k, precision, device, named=True)
+        if reason is not None:
+            raise ValueError(f"impl {impl!r} cannot run: {reason}")
+        return chosen, []
+    reasons = []
+    for candidate in IMPLEMENTATION_ORDER:
+        reason = candidate.refuse(k, precision, device)
+        if reason is None:
+            return candidate, reasons
+        reasons.append(f"{candidate.name}: {reason}")
+    raise ValueError("no GPU implementation accepts this search:\n  " + "\n  ".join(reasons))
 
 
 # Widening rounds seed the fused kernel's lists with each row's limit (keys above it cannot
@@ -226,21 +294,30 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     if gt.may_be_far(metric, frame, peak, side.dim):
         far = gt.far_rows(side)
     lower = exact and uses_lower_keys(k, precision, side.dim)
-    chosen, reason = choose_implementation(k, precision, device, impl)
-    logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s (%s)", side.rows, targets.side.rows,
-                 side.dim, k, metric, precision, chosen, reason)
+    implementation, reasons = choose(k, precision, device, impl)
+    chosen = implementation.name
+    logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s%s", side.rows, targets.side.rows,
+                 side.dim, k, metric, precision, chosen, "".join(f" ({r})" for r in reasons))
     tail, few_rows = None, 0
     if chosen == "triton":
-        from ._gpu_triton import MAX_CANDIDATES, triton_candidates, triton_exact_tail, triton_exact_values
+        from ._gpu_triton import (MAX_CANDIDATES, LaunchRefused, triton_candidates, triton_exact_tail,
+                                  triton_exact_values)
 
         def candidates(q, t, n_cand, seed=None, lower=False):
-            return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed, lower=lower)
+            try:
+                return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed, lower=lower)
+            except LaunchRefused as exc:
+                # No configuration of the fused kernel fits the device for this list: the
+                # torch path computes the same keys (lower keys too) and a list without a seed.
+                logger.info("torch candidates for %d rows: %s", q.rows, exc)
+                return gt.torch_candidates(q, t, n_cand, lower=lower)
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, SEED_WIDENING
         tail = triton_exact_tail if FUSED_TAIL else None
         few_rows = gt.TORCH_ROUND_ROWS
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
-        if impl != "torch" and device.type == "cuda" and triton_refusal(device) is None:
+        if impl != "torch" and device.type == "cuda" and choose(k, precision, device, "auto")[0].name == "torch" \
+                and triton_refusal(device) is None:
             # fp32's cuBLAS candidates, re-ranked by the fused kernel: it reads candidates'
             # rows in place, where the torch form gathers them into float64 (rows, candidates,
             # d) tensors (H200, 65,536 x 10^6 x 128, k=100: 17 ms of 1.4 s). impl="torch" stays
@@ -270,7 +347,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     return values, indices
 
 
-def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "fp32",
+def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "auto",
               *, impl: str = "auto"):
     """Exact k nearest targets of every query row, for torch tensors (CUDA or CPU).
 
@@ -279,10 +356,12 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "fp
     queries, targets : torch.Tensor (nq, d), (nt, d), float32/float64/bfloat16, one device
     k : int >= 1
     metric : {"l2", "sqeuclidean", "inner_product", "cosine"}
-    precision : {"fp32", "tf32", "bf16"}
+    precision : {"auto", "fp32", "tf32", "bf16"}
         Operands of the candidate pass; results are exact float32 in every precision.
+        ``auto``: bf16 on GPUs of compute capability >= 8.0, else fp32 (:func:`resolve_precision`).
     impl : {"auto", "triton", "torch"}
-        ``auto``: the fused kernel where it can run (see :func:`choose_implementation`).
+        ``auto``: the first of :data:`IMPLEMENTATION_ORDER` that accepts the search
+        (:func:`choose`); a named one runs or raises ValueError with its reason.
 
     Returns
     -------
@@ -311,7 +390,7 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "fp
         raise ValueError(f"targets: expected device {queries.device} (the queries'), got {targets.device}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k: expected an integer >= 1, got {k!r}")
-    prepared = prepare_targets(targets, metric, _check_precision(precision))
+    prepared = prepare_targets(targets, metric, precision)
     return search_prepared(queries, prepared, int(k), impl=impl)
 
 
@@ -344,26 +423,34 @@ class GpuBackend:
     metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
     max_k = None                      # k beyond the fused kernel's lists runs the torch path
 
-    def refuse(self, queries, targets, k, metric: Metric, **options) -> str | None:
-        _check_precision(options.get("precision", "fp32"))
+    def refuse_task(self) -> str | None:
+        """Why no search of this process can run here (no torch, no CUDA device), or None."""
         if torch is None:
             return _TORCH_ERROR
         if not torch.cuda.is_available():
             return f"no CUDA device (torch {torch.__version__})"
+        return None
+
+    def refuse(self, queries, targets, k, metric: Metric, **options) -> str | None:
+        _check_precision(options.get("precision", "auto"))
+        reason = self.refuse_task()
+        if reason is not None:
+            return reason
         if queries.dtype not in (np.float32, np.float64):
             return f"dtype {queries.dtype} is not float32/float64"
         cuda_device(options.get("device"))
         return None
 
     def explain(self, queries, targets, k, metric, **options) -> str:
-        """Which implementation would run and why (the torch path names its reason)."""
+        """Which precision and implementation would run, and why the ones before it refused."""
         dev = cuda_device(options.get("device"))
-        impl, reason = choose_implementation(k, _check_precision(options.get("precision", "fp32")), dev)
-        return f"{impl}: {reason}"
+        precision = resolve_precision(options.get("precision", "auto"), dev)
+        chosen, reasons = choose(k, precision, dev, options.get("impl", "auto"))
+        return f"{precision} {chosen.name}" + "".join(f"; {r}" for r in reasons)
 
     def run(self, queries, targets, k, metric: Metric, **options):
-        precision = _check_precision(options.get("precision", "fp32"))
         dev = cuda_device(options.get("device"))
+        precision = resolve_precision(options.get("precision", "auto"), dev)
         with torch.cuda.device(dev):
             # float64 rows stay float64: the working frame and the re-rank read them as given.
             q = torch.from_numpy(np.ascontiguousarray(queries)).to(dev, non_blocking=True)

@@ -29,3 +29,32 @@ def test_an_explicit_cpu_backend_never_opens_a_gpu_searcher(monkeypatch):
     monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
     chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "cpu"))
     assert type(chosen) is S.BlockSearcher and chosen.backend == "cpu"
+
+
+def test_auto_opens_the_gpu_searcher_the_dispatcher_chooses(monkeypatch):
+    import udfs.gpu as G
+    from nearest_join.kernels import dispatch
+
+    monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
+    monkeypatch.setattr(dispatch, "choose_task_backend", lambda backend, skip=None: ("gpu", []))
+    sentinel = object()
+    monkeypatch.setattr(G, "gpu_searcher_or_none", lambda settings: sentinel)
+    assert S.open_block_searcher(S.SearchSettings(2, "l2", "auto")) is sentinel
+
+
+def test_auto_without_a_gpu_probe_skips_the_gpu_backend_with_a_reason(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(S, "cuda_may_exist", lambda: False)
+    with caplog.at_level(logging.INFO, logger="udfs.searcher"):
+        chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "auto"))
+    assert type(chosen) is S.BlockSearcher
+    assert "task backend cpu (gpu: no GPU assigned" in caplog.text
+
+
+def test_an_explicit_gpu_backend_without_a_device_is_an_error(monkeypatch):
+    import udfs.gpu as G
+
+    monkeypatch.setattr(G, "gpu_searcher_or_none", lambda settings: None)
+    with pytest.raises(RuntimeError, match="backend 'gpu' requested"):
+        S.open_block_searcher(S.SearchSettings(2, "l2", "gpu"))

@@ -1,0 +1,60 @@
+"""The GPU backend's one dispatcher: precision "auto" and the choice of implementation."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is not installed")
+
+from nearest_join.kernels import gpu  # noqa: E402
+
+
+@pytest.mark.parametrize("capability, expected", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")])
+def test_auto_precision_is_bf16_from_compute_capability_8(monkeypatch, capability, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert gpu.resolve_precision("auto", torch.device("cuda", 0)) == expected
+    assert gpu.resolve_precision("tf32", torch.device("cuda", 0)) == "tf32"
+
+
+def test_auto_precision_on_cpu_tensors_is_fp32_and_is_reported():
+    t = torch.randn(50, 8)
+    prepared = gpu.prepare_targets(t, "l2", "auto")
+    assert prepared.precision == "fp32"
+    with pytest.raises(ValueError, match=r"precision: expected one of \['auto', 'fp32', 'tf32', 'bf16'\], got 'fp16'"):
+        gpu.resolve_precision("fp16", torch.device("cpu"))
+
+
+def test_auto_takes_the_fused_kernel_on_a_capable_gpu_for_low_precision(monkeypatch):
+    monkeypatch.setattr(gpu, "triton_refusal", lambda device: None)
+    dev = torch.device("cuda", 0)
+    chosen, reasons = gpu.choose(10, "bf16", dev)
+    assert chosen.name == "triton" and reasons == []
+    chosen, reasons = gpu.choose(10, "fp32", dev)
+    assert chosen.name == "torch" and "cuBLAS sgemm" in reasons[0]
+    # A named implementation runs fp32 too.
+    assert gpu.choose(10, "fp32", dev, "triton")[0].name == "triton"
+
+
+def test_lists_longer_than_the_fused_kernel_keeps_run_the_torch_path(monkeypatch):
+    monkeypatch.setattr(gpu, "triton_refusal", lambda device: None)
+    chosen, reasons = gpu.choose(1500, "bf16", torch.device("cuda", 0))
+    assert chosen.name == "torch"
+    assert reasons == ["triton: k=1500 in bf16 needs 2048 candidates, more than the 1024 of its lists"]
+    with pytest.raises(ValueError, match="impl 'triton' cannot run: k=1500 in bf16 needs 2048"):
+        gpu.choose(1500, "bf16", torch.device("cuda", 0), "triton")
+
+
+def test_without_triton_support_the_reason_is_named(monkeypatch):
+    monkeypatch.setattr(gpu, "triton_refusal", lambda device: "compute capability 7.5 < 8.0 (tf32/bf16 tl.dot)")
+    chosen, reasons = gpu.choose(10, "bf16", torch.device("cuda", 0))
+    assert chosen.name == "torch" and reasons == ["triton: compute capability 7.5 < 8.0 (tf32/bf16 tl.dot)"]
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        gpu.choose(10, "bf16", torch.device("cuda", 0), "cutlass")
+
+
+def test_the_gpu_backend_refuses_a_task_without_cuda(monkeypatch):
+    from nearest_join.kernels import dispatch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    name, reasons = dispatch.choose_task_backend("auto")
+    assert name == "cpu" and reasons[0].startswith("gpu: no CUDA device")
+    assert dispatch.choose_task_backend("cpu") == ("cpu", [])
