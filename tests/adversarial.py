@@ -118,6 +118,7 @@ def cases(dims=DIMS) -> list[Case]:
         out.append(offset_case(d, 1e4, 1.0, seed=20 + i))             # spread 1e-4 of the offset
     out.append(offset_case(3, 1e3, 1e-1, seed=30, dtype=np.float64))  # map coordinates, doubles
     out.append(offset_case(64, 10.0, 1e-3, seed=31, dtype=np.float64))
+    out.append(offset_case(128, 0.02, 1.0, seed=32))   # nearly centred: searched unshifted
     for scale in (1e-30, 1e-24, 1e20, 1e30):
         out.append(magnitude_case(scale, seed=40))
     for scale in (1e-30, 1e30):

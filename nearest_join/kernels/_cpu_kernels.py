@@ -199,21 +199,45 @@ MEAN_SAMPLE = 4096
 
 
 @njit(nogil=True, cache=True)
-def weighted_mean(rows, factors):
+def sample_center(rows, factors):
     """The mean of ``rows[i] * factors[i]`` over at most MEAN_SAMPLE evenly spaced rows, in
-    float64: the shift's reference point. Any point keeps the search exact (the bound uses
-    the shifted rows as they are); one near the block's centre keeps the shifted values small."""
+    float64 (the shift's reference point), and the mean squared distance of those rows from
+    it (the sample's spread). Any point keeps the search exact (the bound uses the shifted rows
+    as they are); one near the block's centre keeps the shifted values small."""
     step = max(1, (rows.shape[0] + MEAN_SAMPLE - 1) // MEAN_SAMPLE)
-    out = np.zeros(rows.shape[1], dtype=np.float64)
+    center = np.zeros(rows.shape[1], dtype=np.float64)
     count = 0
     for i in range(0, rows.shape[0], step):
         f = factors[i]
         for j in range(rows.shape[1]):
-            out[j] += np.float64(rows[i, j]) * f
+            center[j] += np.float64(rows[i, j]) * f
         count += 1
-    if count:
-        out /= count
-    return out
+    if count == 0:
+        return center, 0.0
+    center /= count
+    spread = 0.0
+    for i in range(0, rows.shape[0], step):
+        f = factors[i]
+        for j in range(rows.shape[1]):
+            x = np.float64(rows[i, j]) * f - center[j]
+            spread += x * x
+    return center, spread / count
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def norms_and_peaks(rows, out_sq, out_peak):
+    """``out_sq[i]`` = |rows[i]|^2 in float64 in a fixed order (equal rows, equal norms) and
+    ``out_peak[i]`` = max_j |rows[i, j]|: the operand's norms when a float32 block is used as
+    it is (one read, no copy)."""
+    for i in prange(rows.shape[0]):
+        total = 0.0
+        peak = 0.0
+        for j in range(rows.shape[1]):
+            v = np.float64(rows[i, j])
+            total += v * v
+            peak = max(peak, abs(v))
+        out_sq[i] = total
+        out_peak[i] = peak
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -294,60 +318,43 @@ def take_rows_parallel(matrix, rows, out):
 
 
 # Exact keys (see ``cpu.CpuBackend.run``): the ranking key of a pair in float64 from the
-# caller's original rows, each scaled by a per-row factor, in one fixed summation order, so that
-# equal rows get equal keys wherever they sit. ``difference``: sum((q f_q - t f_t)^2), the
-# squared distance in difference form (l2 family; with f = s / |row| for cosine); otherwise
+# caller's original rows, each scaled by a per-row factor. ``difference``: sum((q f_q - t f_t)^2),
+# the squared distance in difference form (l2 family; with f = s / |row| for cosine); otherwise
 # -sum((q f_q) (t f_t)), the negated inner product. With ``factor_after`` the factors are
 # powers of two applied to the sum instead of to each element: the same bits wherever no
 # float64 term over- or underflows unscaled, which the caller guarantees (float32 rows: a
 # term is at most (2 x 3.4e38)^2 and at least 2^-298), and two multiplications less per element.
+#
+# The sums are compiled with ``reassoc`` alone, so that LLVM vectorises them (several vector
+# accumulators, combined in an order it fixes at compile time): one compiled loop for every
+# pair, so equal rows get equal keys wherever they sit. Any summation order keeps the error
+# within (d - 1) u64 of the sum of the terms' magnitudes, which is what the proof assumes
+# (``keys64`` in ``cpu._Operands``). They are not inlined at numba's level: numba would
+# compile an inlined body with the caller's (strict) flags and the loops would stay scalar.
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _difference_sum(q, gq, t, gt):
+    total = 0.0
+    for c in range(q.shape[0]):
+        x = np.float64(q[c]) * gq - np.float64(t[c]) * gt
+        total += x * x
+    return total
+
+
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _product_sum(q, gq, t, gt):
+    total = 0.0
+    for c in range(q.shape[0]):
+        total += (np.float64(q[c]) * gq) * (np.float64(t[c]) * gt)
+    return total
+
+
 @njit(inline="always", cache=True)
 def _pair_key(queries, i, fq, targets, j, ft, difference, factor_after):
-    # Eight partial sums, combined in a fixed order: the same bits for the same rows, and
-    # eight independent additions in flight instead of one dependent chain.
-    d = queries.shape[1]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = 0.0
     gq, gt = (1.0, 1.0) if factor_after else (fq, ft)
-    c = 0
     if difference:
-        while c + 8 <= d:
-            x0 = np.float64(queries[i, c]) * gq - np.float64(targets[j, c]) * gt
-            x1 = np.float64(queries[i, c + 1]) * gq - np.float64(targets[j, c + 1]) * gt
-            x2 = np.float64(queries[i, c + 2]) * gq - np.float64(targets[j, c + 2]) * gt
-            x3 = np.float64(queries[i, c + 3]) * gq - np.float64(targets[j, c + 3]) * gt
-            x4 = np.float64(queries[i, c + 4]) * gq - np.float64(targets[j, c + 4]) * gt
-            x5 = np.float64(queries[i, c + 5]) * gq - np.float64(targets[j, c + 5]) * gt
-            x6 = np.float64(queries[i, c + 6]) * gq - np.float64(targets[j, c + 6]) * gt
-            x7 = np.float64(queries[i, c + 7]) * gq - np.float64(targets[j, c + 7]) * gt
-            a0 += x0 * x0
-            a1 += x1 * x1
-            a2 += x2 * x2
-            a3 += x3 * x3
-            a4 += x4 * x4
-            a5 += x5 * x5
-            a6 += x6 * x6
-            a7 += x7 * x7
-            c += 8
-        while c < d:
-            x0 = np.float64(queries[i, c]) * gq - np.float64(targets[j, c]) * gt
-            a0 += x0 * x0
-            c += 1
-        total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+        total = _difference_sum(queries[i], gq, targets[j], gt)
         return total * (fq * ft) if factor_after else total
-    while c + 8 <= d:
-        a0 += (np.float64(queries[i, c]) * gq) * (np.float64(targets[j, c]) * gt)
-        a1 += (np.float64(queries[i, c + 1]) * gq) * (np.float64(targets[j, c + 1]) * gt)
-        a2 += (np.float64(queries[i, c + 2]) * gq) * (np.float64(targets[j, c + 2]) * gt)
-        a3 += (np.float64(queries[i, c + 3]) * gq) * (np.float64(targets[j, c + 3]) * gt)
-        a4 += (np.float64(queries[i, c + 4]) * gq) * (np.float64(targets[j, c + 4]) * gt)
-        a5 += (np.float64(queries[i, c + 5]) * gq) * (np.float64(targets[j, c + 5]) * gt)
-        a6 += (np.float64(queries[i, c + 6]) * gq) * (np.float64(targets[j, c + 6]) * gt)
-        a7 += (np.float64(queries[i, c + 7]) * gq) * (np.float64(targets[j, c + 7]) * gt)
-        c += 8
-    while c < d:
-        a0 += (np.float64(queries[i, c]) * gq) * (np.float64(targets[j, c]) * gt)
-        c += 1
-    total = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
+    total = _product_sum(queries[i], gq, targets[j], gt)
     return -(total * (fq * ft)) if factor_after else -total
 
 
@@ -390,6 +397,50 @@ def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, differe
             j = candidates[i, c]
             out[i, c] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
                                   factor_after)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def best_by_key(keys, candidates, best_key, best_index):
+    """Each row's first ``best_key.shape[1]`` candidates by (key, target index), -1 (an empty
+    slot) after every target. The rows arrive ordered by float32 score, which the exact keys
+    only permute among near-ties: an insertion sort is then linear; a row with many
+    inversions (exact ties, the float64 search) is sorted by two stable merge sorts instead."""
+    rows, width = keys.shape
+    out_width = best_key.shape[1]
+    limit = 8 * width
+    for i in prange(rows):
+        row_keys = keys[i].copy()
+        row_index = candidates[i].copy()
+        for a in range(width):
+            if row_index[a] < 0:
+                row_index[a] = np.iinfo(np.int64).max
+        moves = 0
+        for a in range(1, width):
+            key, index = row_keys[a], row_index[a]
+            b = a
+            while b > 0 and (row_keys[b - 1] > key or (row_keys[b - 1] == key and row_index[b - 1] > index)):
+                row_keys[b] = row_keys[b - 1]
+                row_index[b] = row_index[b - 1]
+                b -= 1
+            row_keys[b] = key
+            row_index[b] = index
+            moves += a - b
+            if moves > limit:
+                break
+        if moves > limit:
+            row_keys = keys[i].copy()
+            row_index = candidates[i].copy()
+            for a in range(width):
+                if row_index[a] < 0:
+                    row_index[a] = np.iinfo(np.int64).max
+            by_index = np.argsort(row_index, kind="mergesort")
+            by_key = np.argsort(row_keys[by_index], kind="mergesort")
+            order = by_index[by_key]
+            row_keys = row_keys[order]
+            row_index = row_index[order]
+        for a in range(out_width):
+            best_key[i, a] = row_keys[a]
+            best_index[i, a] = row_index[a] if row_index[a] != np.iinfo(np.int64).max else -1
 
 
 @njit(parallel=True, nogil=True, cache=True)

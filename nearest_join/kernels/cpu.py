@@ -235,10 +235,16 @@ RERANK_EXTRA = 4
 _U32 = 2.0 ** -24
 _U64 = 2.0 ** -53
 _ETA32 = 2.0 ** -150
-# Operand scaling: the shifted targets' largest element lands in [2^-1, 1); queries may reach
-# 2^QUERY_HEADROOM before the common scale shrinks to fit them (the l2 family), so that no
-# square, product or sum of d of them over- or underflows float32 for d < 2^40.
+# Operand scaling: the shifted targets' largest element lands in [2^-1, 1) (or, for a float32
+# block multiplied as it is, anywhere in AS_IS_PEAKS); queries may reach 2^QUERY_HEADROOM
+# before the common scale shrinks to fit them (the l2 family), so that no square, product or
+# sum of d of them over- or underflows float32 for d < 2^40 (products at most 2^60 each).
 QUERY_HEADROOM = 40
+AS_IS_PEAKS = (2.0 ** -20, 2.0 ** 20)
+# The targets are shifted by their sample mean c unless |c| is below 1/SHIFT_RATIO of the
+# sample's spread (root mean square distance from c): the norms would then shrink by less
+# than a fraction SHIFT_RATIO^-2 / 2, and the unshifted float32 block can be used as it is.
+SHIFT_RATIO = 16
 # Rows of the float64 fallback search per chunk bound its (rows x targets) key matrix.
 FALLBACK_KEYS = 1 << 23
 
@@ -350,14 +356,27 @@ class _Operands:
             t_unit = _cpu_kernels.inverse_norms(self.targets)
         else:
             q_unit, t_unit = np.ones(nq), np.ones(nt)
-        center = _cpu_kernels.weighted_mean(self.targets, t_unit)
-        t_peak = float(_cpu_kernels.row_peaks(self.targets, t_unit, center).max(initial=0.0))
-        t_scale = float(_power_of_two_scale(t_peak))
+        center, spread = _cpu_kernels.sample_center(self.targets, t_unit)
+        if float(center @ center) * SHIFT_RATIO ** 2 <= spread:
+            center = np.zeros(d)    # a shift this small would not shrink the operands
+        # A float32 block that needs neither a shift nor a scale is multiplied as it is: one
+        # read for its norms instead of a shifted copy.
+        as_is = metric.name != "cosine" and self.targets.dtype == np.float32 and not center.any()
+        b_sq = np.empty(nt)
+        if as_is:
+            t_peaks = np.empty(nt)
+            _cpu_kernels.norms_and_peaks(self.targets, b_sq, t_peaks)
+            t_peak = float(t_peaks.max(initial=0.0))
+            as_is = AS_IS_PEAKS[0] <= t_peak < AS_IS_PEAKS[1]
+        else:
+            t_peak = float(_cpu_kernels.row_peaks(self.targets, t_unit, center).max(initial=0.0))
+        t_scale = 1.0 if as_is else float(_power_of_two_scale(t_peak))
         if self.difference:
             # a = s (q - c), b = s (t - c): |a - b|^2 = s^2 |q - t|^2 exactly, whatever c;
             # c near the targets makes the expansion see the spread, not the offset.
             q_peaks = _cpu_kernels.row_peaks(self.queries, q_unit, center)
             scale = min(t_scale, float(_power_of_two_scale(q_peaks.max(initial=0.0))) * 2.0 ** QUERY_HEADROOM)
+            as_is = as_is and scale == t_scale
             q_scales = np.full(nq, scale)
             q_shift, t_scales = center, np.full(nt, scale)
         else:
@@ -369,9 +388,11 @@ class _Operands:
         a = np.empty(self.queries.shape, np.float32)
         a_sq = np.empty(nq)
         _cpu_kernels.shift_scale(self.queries, q_unit, q_shift, q_scales, a, a_sq)
-        self.targets32 = np.empty(self.targets.shape, np.float32)
-        b_sq = np.empty(nt)
-        _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, self.targets32, b_sq)
+        if as_is:
+            self.targets32 = self.targets
+        else:
+            self.targets32 = np.empty(self.targets.shape, np.float32)
+            _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, self.targets32, b_sq)
         self.q_factors = q_unit * q_scales
         self.t_factors = t_unit * t_scales
         # Powers of two (no unit factors) on float32 rows: applied once to each key's sum.
@@ -520,9 +541,9 @@ class CpuBackend:
             # k-th key); the others keep +inf, and so never rank.
             needed = ~(scores > scores[:, width - 1:width] + 2 * ops.margin[:, None])
             exact = ops.exact_keys(cand, needed)
-            order = np.lexsort((np.where(cand >= 0, cand, nt), exact), axis=1)[:, :width]
-            best_key = np.take_along_axis(exact, order, axis=1)
-            best_i = np.take_along_axis(cand, order, axis=1)
+            best_key = np.empty((nq, width))
+            best_i = np.empty((nq, width), dtype=np.int64)
+            _cpu_kernels.best_by_key(exact, cand, best_key, best_i)
             if kept < nt:
                 floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
                 unproven = np.flatnonzero(~(floor > best_key[:, -1]))

@@ -1,0 +1,89 @@
+"""The CPU backend's operand choice and exact ranking step (``nearest_join.kernels.cpu``).
+
+The search's exactness on every input is checked in ``test_exactness.py``; these tests pin the
+two decisions that exactness must not depend on: whether a block is multiplied as it is or
+shifted and scaled, and the (key, index) order of the candidates.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nearest_join.kernels import _cpu_kernels, cpu
+from nearest_join.kernels._common import resolve_metric
+from tests import adversarial
+
+
+def _operands(targets, metric="l2", queries=None):
+    queries = targets[:7] if queries is None else queries
+    return cpu._Operands(queries, targets, resolve_metric(metric))
+
+
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "inner_product"])
+def test_centred_float32_block_is_multiplied_as_it_is(metric):
+    targets = np.random.default_rng(0).standard_normal((500, 16)).astype(np.float32)
+    ops = _operands(targets, metric)
+    assert ops.targets32 is ops.targets
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda t: t + np.float32(10.0), "offset: shifted by the mean"),
+    (lambda t: t.astype(np.float64), "float64 rows are rounded to float32"),
+    (lambda t: t * np.float32(1e-30), "tiny: scaled up"),
+    (lambda t: t * np.float32(1e20), "huge: scaled down"),
+])
+def test_other_blocks_are_shifted_or_scaled(make, why):
+    targets = make(np.random.default_rng(1).standard_normal((500, 16)).astype(np.float32))
+    ops = _operands(targets)
+    assert ops.targets32 is not ops.targets, why
+    assert ops.targets32.dtype == np.float32
+
+
+def test_cosine_always_uses_unit_copies():
+    targets = np.random.default_rng(2).standard_normal((300, 8)).astype(np.float32)
+    assert _operands(targets, "cosine").targets32 is not targets
+
+
+def test_queries_far_beyond_the_targets_rescale_both():
+    targets = np.random.default_rng(3).standard_normal((300, 8)).astype(np.float32)
+    queries = targets[:5] * np.float32(2.0 ** 50)
+    ops = _operands(targets, "l2", queries)
+    assert ops.targets32 is not ops.targets
+    assert np.abs(ops.scaled).max() <= 2.0 * 2.0 ** cpu.QUERY_HEADROOM
+
+
+@pytest.mark.parametrize("offset, spread, as_is", [(0.02, 1.0, True), (10.0, 0.1, False)],
+                         ids=["nearly centred", "offset"])
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_both_operand_choices_agree_with_the_oracle(offset, spread, as_is, metric):
+    case = adversarial.offset_case(128, offset, spread, nq=40, nt=2000, seed=32)
+    assert (_operands(case.targets, metric).targets32 is case.targets) is as_is
+    values, indices = cpu.BACKEND.run(case.queries, case.targets, 10, resolve_metric(metric), threads=1)
+    adversarial.assert_true_topk(case.queries, case.targets, 10, metric, values, indices,
+                                 rtol=cpu.RANK_TOLERANCE, case=case.name)
+
+
+def _lexsorted(keys, cand, width):
+    order = np.lexsort((np.where(cand >= 0, cand, np.iinfo(np.int64).max), keys), axis=1)[:, :width]
+    return np.take_along_axis(keys, order, 1), np.take_along_axis(cand, order, 1)
+
+
+@pytest.mark.parametrize("kind", ["nearly sorted", "ties", "shuffled", "one column"])
+def test_best_by_key_orders_by_key_then_index(kind):
+    rng = np.random.default_rng(hash(kind) % 2 ** 32)
+    rows, n = 40, {"one column": 1}.get(kind, 150)
+    if kind == "nearly sorted":      # what the search hands over: float32 order, exact keys
+        keys = np.sort(rng.standard_normal((rows, n)), axis=1) + 1e-3 * rng.standard_normal((rows, n))
+    elif kind == "ties":             # integer data: the insertion sort gives up, merge sorts
+        keys = rng.integers(0, 3, (rows, n)).astype(np.float64)
+    else:
+        keys = rng.standard_normal((rows, n))
+    cand = np.stack([rng.permutation(4 * n)[:n] for _ in range(rows)]).astype(np.int64)
+    empty = rng.random((rows, n)) < 0.1
+    cand[empty], keys[empty] = -1, np.inf
+    for width in sorted({1, n // 2 or 1, n}):
+        best_key, best_index = np.empty((rows, width)), np.empty((rows, width), np.int64)
+        _cpu_kernels.best_by_key(keys, cand, best_key, best_index)
+        want_key, want_index = _lexsorted(keys, cand, width)
+        np.testing.assert_array_equal(best_key, want_key)
+        np.testing.assert_array_equal(best_index, want_index)
