@@ -1,6 +1,7 @@
 """``nearest_by_join``: Spark's ``nearestByJoin`` contract, computed by blocked kernels.
 
-The driver validates, plans and builds a DataFrame; executors do the work in
+The driver validates the arguments once into a :class:`~nearest_join.options.JoinOptions`,
+plans (:func:`plan_join`: one facts job) and builds a DataFrame; executors do the work in
 ``udfs.blocks``; the numeric core is ``nearest_join.kernels``. No SparkContext, RDD or JVM
 handle is touched, so the same code runs under classic PySpark and Spark Connect.
 """
@@ -9,83 +10,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from dataclasses import dataclass
 from typing import Iterator, Tuple
 
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import (ArrayType, BinaryType, DoubleType, FloatType, LongType,
-                               StructField, StructType)
+from pyspark.sql.types import BinaryType, FloatType, LongType, StructField, StructType
 
 from udfs import blocks
 from udfs import columns as C
 from udfs.searcher import SearchSettings
 
-from .errors import NearestByJoinError
-from .planner import (JoinPlan, choose_plan, cluster_cores, task_memory_bytes, broadcast_limit,
-                      gpu_task_share, join_dimension, keep_gpu_targets, side_facts)
-from .ranking import DIRECTIONS, Ranking, parse_ranking, quote
+from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
+from .options import JoinOptions
+from .planner import (JoinPlan, choose_plan, gpu_task_share, join_dimension, keep_gpu_targets,
+                      side_facts, spark_plan)
+from .ranking import DIRECTIONS, Ranking, column_index, parse_ranking, quote, vector_itemsize
 
 logger = logging.getLogger(__name__)
-
-MIN_RESULTS, MAX_RESULTS = 1, 100_000
-MODES = ("exact", "approx")
-BACKENDS = ("auto", "cpu", "gpu", "reference")
-PRECISIONS = ("fp32", "tf32", "bf16")
-
-
-def _normalise_join_type(join_type) -> str:
-    # Spark's own normalisation: case-insensitive, underscores ignored ("left_outer" == "leftouter").
-    key = str(join_type).lower().replace("_", "")
-    if key == "inner":
-        return "inner"
-    if key in ("left", "leftouter"):
-        return "leftouter"
-    raise NearestByJoinError("NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE", joinType=join_type)
-
-
-def _validate_arguments(num_results, mode, direction, join_type, backend, precision):
-    """Spark's checks, in Spark's order, raised before any job runs."""
-    if isinstance(num_results, bool) or not isinstance(num_results, int):
-        raise TypeError(f"num_results: expected an int between {MIN_RESULTS} and {MAX_RESULTS}, "
-                        f"got {type(num_results).__name__} {num_results!r}")
-    if not MIN_RESULTS <= num_results <= MAX_RESULTS:
-        raise NearestByJoinError("NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE",
-                                 numResults=num_results, min=MIN_RESULTS, max=MAX_RESULTS)
-    if not isinstance(mode, str) or mode.lower() not in MODES:
-        raise NearestByJoinError("NEAREST_BY_JOIN.UNSUPPORTED_MODE", mode=mode)
-    if direction is not None and (not isinstance(direction, str)
-                                  or direction.lower() not in ("distance", "similarity")):
-        raise NearestByJoinError("NEAREST_BY_JOIN.UNSUPPORTED_DIRECTION", direction=direction)
-    join = _normalise_join_type(join_type)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {list(BACKENDS)}, got {backend!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision: expected one of {list(PRECISIONS)}, got {precision!r}")
-    return mode.lower(), (direction.lower() if direction else None), join
-
-
-def _column_index(df: DataFrame, name: str) -> int:
-    positions = [i for i, c in enumerate(df.columns) if c == name]
-    if len(positions) != 1:
-        raise ValueError(f"column {name!r}: expected exactly one column of that name, found {len(positions)}")
-    return positions[0]
-
-
-def _vector_itemsize(df: DataFrame, name: str, side: str) -> int:
-    """Bytes per element of a supported vector column; TypeError naming anything else."""
-    field = df.schema.fields[_column_index(df, name)]
-    dtype = field.dataType
-    if isinstance(dtype, ArrayType) and isinstance(dtype.elementType, FloatType):
-        return 4
-    if isinstance(dtype, ArrayType) and isinstance(dtype.elementType, DoubleType):
-        return 8
-    if type(dtype).__name__ == "VectorUDT":
-        return 8
-    raise TypeError(
-        f"{side} column {name!r}: expected array<float>, array<double> or a dense "
-        f"pyspark.ml VectorUDT, got {dtype.simpleString()}"
-    )
 
 
 def _check_direction(ranking: Ranking, direction: str | None) -> str:
@@ -94,6 +37,14 @@ def _check_direction(ranking: Ranking, direction: str | None) -> str:
         raise NearestByJoinError("NEAREST_BY_JOIN.DIRECTION_CONTRADICTS_METRIC",
                                  direction=direction, metric=ranking.metric, expected=expected)
     return expected
+
+
+def _check_inputs(query, target, ranking) -> None:
+    if not isinstance(query, DataFrame) or not isinstance(target, DataFrame):
+        raise ArgumentTypeError("query, target", f"expected DataFrames, got {type(query).__name__} and "
+                                                 f"{type(target).__name__}")
+    if not isinstance(ranking, (str, Column)):
+        raise ArgumentTypeError("ranking", f"expected a Column or a metric name, got {type(ranking).__name__}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,70 +59,83 @@ def _partial_schema() -> StructType:
     ])
 
 
-def _prepare(query, target, ranking, num_results, mode, direction, vectors, join_type,
-             distance_col, backend, precision, broadcast_limit_bytes, query_block_rows,
-             target_block_rows):
-    if not isinstance(query, DataFrame) or not isinstance(target, DataFrame):
-        raise TypeError(f"query, target: expected DataFrames, got {type(query).__name__} and "
-                        f"{type(target).__name__}")
-    if not isinstance(ranking, (str, Column)):
-        raise TypeError(f"ranking: expected a Column or a metric name, got {type(ranking).__name__}")
-    mode, direction, join = _validate_arguments(num_results, mode, direction, join_type, backend, precision)
-    if distance_col is not None and (not isinstance(distance_col, str) or not distance_col):
-        raise ValueError(f"distance_col: expected a non-empty column name, got {distance_col!r}")
-    parsed = parse_ranking(ranking, query, target, vectors)
+@dataclass(frozen=True)
+class PlannedJoin:
+    """A join whose inputs have been read for facts and whose plan is chosen.
+
+    :func:`plan_join` builds it with the planner's one facts job; :meth:`dataframe` builds the
+    join's DataFrame from it without reading the inputs again. ``explain_nearest_join``
+    returns its ``plan``; the job runner uses one for the explanation, the summary and the run.
+    """
+
+    query: DataFrame
+    target: DataFrame
+    ranking: object            # what the user passed (a Column or a metric name)
+    options: JoinOptions
+    plan: JoinPlan
+    parsed: Ranking | None     # None: Spark's own nearestByJoin runs the ranking
+    direction: str | None
+
+    def dataframe(self) -> DataFrame:
+        """The joined rows (lazy: the search runs when the DataFrame is evaluated)."""
+        if self.parsed is None:
+            return _spark_fallback(self)
+        return _execute(self)
+
+
+def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions) -> PlannedJoin:
+    """Resolve the ranking against both sides, read their facts (one Spark job) and plan.
+
+    Raises what :func:`nearest_by_join` documents, before any output exists. The plan is
+    logged at INFO.
+    """
+    _check_inputs(query, target, ranking)
+    parsed = parse_ranking(ranking, query, target, options.vectors)
     spark = query.sparkSession
     if parsed is None:
-        plan = JoinPlan(
-            plan="spark", reason=f"ranking {ranking} is not one of the vector functions over one "
-            "column of each side, as Spark's analyzer places its columns: Spark's own "
-            "nearestByJoin runs it (correct, slow)",
-            metric=None, k=num_results, mode=mode, join_type=join, query_column=None,
-            target_column=None, dimension=None, query_rows=None, target_rows=None,
-            target_bytes=None, broadcast_limit_bytes=broadcast_limit(spark, broadcast_limit_bytes),
-            task_memory_bytes=task_memory_bytes(spark), cores=cluster_cores(spark),
-            query_block_rows=None, target_block_rows=None, query_blocks=None, target_blocks=None,
-            query_partitions=None, target_partitions=None, backend="spark", distance_col=distance_col)
-        return plan, None, direction
-    direction = _check_direction(parsed, direction)
-    q_item = _vector_itemsize(query, parsed.query_column, "query")
-    t_item = _vector_itemsize(target, parsed.target_column, "target")
-    q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
-    dimension = join_dimension(parsed, q_facts, t_facts)
-    plan = choose_plan(
-        spark=spark, ranking=parsed, k=num_results, mode=mode, join_type=join,
-        distance_col=distance_col, backend=backend, dimension=dimension,
-        itemsize=max(q_item, t_item), query_rows=q_facts.rows, target_rows=t_facts.rows,
-        query_input_partitions=q_facts.partitions,
-        broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
-        target_block_rows=target_block_rows)
-    if mode == "approx":
-        plan.reason += "; approx mode runs the exact plan (a valid approximation)"
-    return plan, parsed, direction
+        planned = PlannedJoin(query, target, ranking, options, spark_plan(spark, ranking, options),
+                              None, options.direction)
+    else:
+        direction = _check_direction(parsed, options.direction)
+        q_item = vector_itemsize(query, parsed.query_column, "query")
+        t_item = vector_itemsize(target, parsed.target_column, "target")
+        q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
+        plan = choose_plan(
+            spark=spark, ranking=parsed, options=options,
+            dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
+            query_rows=q_facts.rows, target_rows=t_facts.rows,
+            query_input_partitions=q_facts.partitions)
+        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction)
+    logger.info("%s", planned.plan)
+    return planned
 
 
 def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1,
                          mode: str = "exact", direction: str | None = None, *, vectors=None,
                          join_type: str = "inner", distance_col: str | None = None,
-                         backend: str = "auto", precision: str = "fp32",
+                         backend: str = "auto", precision: str = "auto",
                          broadcast_limit_bytes: int | None = None,
                          query_block_rows: int | None = None,
                          target_block_rows: int | None = None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
     Runs only the one small job the planner needs (row counts, partitions, vector lengths).
+    The arguments and errors are those of :func:`nearest_by_join`; ``print(plan)`` says,
+    among the rest, what ``precision="auto"`` will run.
     """
-    plan, _, _ = _prepare(query, target, ranking, num_results, mode, direction, vectors,
-                          join_type, distance_col, backend, precision, broadcast_limit_bytes,
-                          query_block_rows, target_block_rows)
-    logger.info("%s", plan)
-    return plan
+    _check_inputs(query, target, ranking)
+    options = JoinOptions(
+        num_results=num_results, mode=mode, direction=direction, vectors=vectors,
+        join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
+        broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
+        target_block_rows=target_block_rows)
+    return plan_join(query, target, ranking, options).plan
 
 
 def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1,
                     mode: str = "exact", direction: str | None = None, *, vectors=None,
                     join_type: str = "inner", distance_col: str | None = None,
-                    backend: str = "auto", precision: str = "fp32",
+                    backend: str = "auto", precision: str = "auto",
                     broadcast_limit_bytes: int | None = None,
                     query_block_rows: int | None = None,
                     target_block_rows: int | None = None) -> DataFrame:
@@ -202,8 +166,11 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         found no candidate).
     backend : {"auto", "cpu", "gpu", "reference"}, keyword-only
         Kernel backend on the executors; ``auto`` takes the task's GPU when it has one.
-    precision : {"fp32", "tf32", "bf16"}, keyword-only
-        GPU arithmetic; results stay exact (candidates are re-ranked in fp32).
+    precision : {"auto", "fp32", "tf32", "bf16"}, keyword-only
+        GPU arithmetic; results stay exact in every precision (candidates are re-ranked).
+        ``auto`` (the default) is resolved by each executor for its device: bf16 on a GPU of
+        compute capability 8.0 or more, fp32 on older GPUs. CPU executors search in float32
+        and re-rank in float64 whatever the precision.
     broadcast_limit_bytes, query_block_rows, target_block_rows : int, keyword-only
         Override the planner (see :mod:`nearest_join.planner`).
 
@@ -225,7 +192,11 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         A ranking over two different columns that both sides share (a DataFrame joined
         with itself), whose query column cannot be told from its target column.
     TypeError
-        A vector column of another type (the message names the column and its type).
+        A vector column of another type (the message names the column and its type), or an
+        argument of the wrong type.
+
+    Every error about an argument carries ``argument``, the name of the keyword argument
+    to change (:mod:`nearest_join.errors`).
 
     Notes
     -----
@@ -248,37 +219,45 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     +---+----------+----+----------+----+
     <BLANKLINE>
     """
-    plan, parsed, direction = _prepare(query, target, ranking, num_results, mode, direction,
-                                       vectors, join_type, distance_col, backend, precision,
-                                       broadcast_limit_bytes, query_block_rows, target_block_rows)
-    logger.info("%s", plan)
-    if parsed is None:
-        return _spark_fallback(query, target, ranking, plan, direction)
-    return _execute(query, target, parsed, plan, precision)
+    _check_inputs(query, target, ranking)
+    options = JoinOptions(
+        num_results=num_results, mode=mode, direction=direction, vectors=vectors,
+        join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
+        broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
+        target_block_rows=target_block_rows)
+    return plan_join(query, target, ranking, options).dataframe()
 
 
-def _spark_fallback(query, target, ranking, plan: JoinPlan, direction):
+def _spark_fallback(planned: PlannedJoin) -> DataFrame:
+    plan, ranking = planned.plan, planned.ranking
     logger.warning("nearest_by_join: %s", plan.reason)
-    if direction is None:
-        raise ValueError("direction: required ('distance' or 'similarity') when the ranking is "
-                         "not one of the vector functions")
-    out = query.nearestByJoin(target, ranking, plan.k, plan.mode, direction, joinType=plan.join_type)
+    if planned.direction is None:
+        raise ArgumentError("direction", "required ('distance' or 'similarity') when the ranking is "
+                                         "not one of the vector functions, got None")
+    out = planned.query.nearestByJoin(planned.target, ranking, plan.k, plan.mode, planned.direction,
+                                      joinType=plan.join_type)
     if plan.distance_col:
         out = out.withColumn(plan.distance_col, ranking.cast("float"))
     return out
 
 
-def _execute(query: DataFrame, target: DataFrame, ranking: Ranking, plan: JoinPlan,
-             precision: str) -> DataFrame:
+def _search_settings(spark, ranking: Ranking, options: JoinOptions) -> SearchSettings:
+    """The executors' search settings: the options the kernels need, as plain values."""
+    return SearchSettings(k=options.k, metric=ranking.metric, backend=options.backend,
+                          precision=options.precision, keep_targets=keep_gpu_targets(spark),
+                          gpu_share=gpu_task_share(spark))
+
+
+def _execute(planned: PlannedJoin) -> DataFrame:
     from pyspark.sql.pandas.types import to_arrow_schema
 
+    query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
     spark = query.sparkSession
     q_name, t_name = ranking.query_column, ranking.target_column
-    settings = SearchSettings(k=plan.k, metric=ranking.metric, backend=plan.backend, precision=precision,
-                              keep_targets=keep_gpu_targets(spark), gpu_share=gpu_task_share(spark))
-    q_layout = blocks.SideLayout(q_name, _column_index(query, q_name), plan.dimension,
+    settings = _search_settings(spark, ranking, planned.options)
+    q_layout = blocks.SideLayout(q_name, column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
-    t_layout = blocks.SideLayout(t_name, _column_index(target, t_name), plan.dimension,
+    t_layout = blocks.SideLayout(t_name, column_index(target, t_name), plan.dimension,
                                  plan.target_block_rows, expected_from=f"query column {quote(q_name)}")
     out_fields = list(query.schema.fields) + [
         StructField(f.name, f.dataType, True if plan.join_type == "leftouter" else f.nullable)

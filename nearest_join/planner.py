@@ -27,6 +27,7 @@ from pyspark.sql import functions as F
 from udfs.columns import MAX_BLOCK_ROWS
 
 from .errors import NearestByJoinError
+from .options import JoinOptions
 from .ranking import column, quote
 
 GiB = 1 << 30
@@ -86,6 +87,7 @@ class JoinPlan:
     query_partitions: int | None
     target_partitions: int | None
     backend: str
+    precision: str | None          # as asked; "auto" is resolved per executor (see describe_precision)
     distance_col: str | None
 
     def to_dict(self) -> dict:
@@ -104,8 +106,20 @@ class JoinPlan:
                 f"<= {self.target_block_rows} rows ({self.target_partitions} partitions)",
                 f"  executors: {self.cores} cores, task memory budget {self.task_memory_bytes} bytes, "
                 f"backend {self.backend}",
+                f"  precision: {describe_precision(self.backend, self.precision)}",
             ]
         return "\n".join(lines)
+
+
+def describe_precision(backend: str, precision: str | None) -> str:
+    """What a precision setting will run, in words (the plan's explanation)."""
+    if backend in ("cpu", "reference"):
+        searches = "float64" if backend == "reference" else "float32 with a float64 re-rank"
+        return f"{precision} asked; backend {backend} searches in {searches}"
+    gpu = ("bf16 on GPUs of compute capability >= 8.0, fp32 on older GPUs" if precision == "auto"
+           else f"{precision} on GPUs")
+    cpu = "" if backend == "gpu" else "; CPU executors search in float32 with a float64 re-rank"
+    return f"{precision}: {gpu}{cpu}; results are exact in every precision"
 
 
 @dataclass(frozen=True)
@@ -327,15 +341,15 @@ def _clamp_rows(rows: float) -> int:
     return int(min(max(1, rows), MAX_BLOCK_ROWS))
 
 
-def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_col, backend: str,
-                dimension: int | None, itemsize: int, query_rows: int, target_rows: int,
-                broadcast_limit_bytes: int | None = None, query_block_rows: int | None = None,
-                target_block_rows: int | None = None,
+def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, itemsize: int,
+                query_rows: int, target_rows: int,
                 query_input_partitions: int | None = None) -> JoinPlan:
-    """Pick the plan and block sizes from the sizes and configuration."""
+    """Pick the plan and block sizes from the sizes, the options and configuration."""
+    k = options.k
+    query_block_rows, target_block_rows = options.query_block_rows, options.target_block_rows
     cores = cluster_cores(spark)
     budget = task_memory_bytes(spark)
-    limit = broadcast_limit(spark, broadcast_limit_bytes)
+    limit = broadcast_limit(spark, options.broadcast_limit_bytes)
     d = max(dimension or 1, 1)
     row_bytes = d * itemsize
     target_bytes = target_rows * row_bytes
@@ -371,12 +385,31 @@ def choose_plan(*, spark, ranking, k: int, mode: str, join_type: str, distance_c
         t_parts = None
     else:
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)
+    if options.mode == "approx":
+        reason += "; approx mode runs the exact plan (a valid approximation)"
     return JoinPlan(
-        plan=plan, reason=reason, metric=ranking.metric, k=k, mode=mode, join_type=join_type,
-        query_column=ranking.query_column, target_column=ranking.target_column,
-        dimension=dimension, query_rows=query_rows, target_rows=target_rows,
-        target_bytes=target_bytes, broadcast_limit_bytes=limit, task_memory_bytes=budget,
-        cores=cores, query_block_rows=q_rows, target_block_rows=t_rows, query_blocks=q_blocks,
-        target_blocks=t_blocks, query_partitions=q_parts, target_partitions=t_parts,
-        backend=backend, distance_col=distance_col,
+        plan=plan, reason=reason, metric=ranking.metric, k=k, mode=options.mode,
+        join_type=options.join_type, query_column=ranking.query_column,
+        target_column=ranking.target_column, dimension=dimension, query_rows=query_rows,
+        target_rows=target_rows, target_bytes=target_bytes, broadcast_limit_bytes=limit,
+        task_memory_bytes=budget, cores=cores, query_block_rows=q_rows, target_block_rows=t_rows,
+        query_blocks=q_blocks, target_blocks=t_blocks, query_partitions=q_parts,
+        target_partitions=t_parts, backend=options.backend, precision=options.precision,
+        distance_col=options.distance_col,
     )
+
+
+def spark_plan(spark, ranking, options: JoinOptions) -> JoinPlan:
+    """The plan of a ranking the fast path cannot run: Spark's own ``nearestByJoin`` runs it."""
+    return JoinPlan(
+        plan="spark", reason=f"ranking {ranking} is not one of the vector functions over one "
+        "column of each side, as Spark's analyzer places its columns: Spark's own "
+        "nearestByJoin runs it (correct, slow)",
+        metric=None, k=options.k, mode=options.mode, join_type=options.join_type,
+        query_column=None, target_column=None, dimension=None, query_rows=None,
+        target_rows=None, target_bytes=None,
+        broadcast_limit_bytes=broadcast_limit(spark, options.broadcast_limit_bytes),
+        task_memory_bytes=task_memory_bytes(spark), cores=cluster_cores(spark),
+        query_block_rows=None, target_block_rows=None, query_blocks=None, target_blocks=None,
+        query_partitions=None, target_partitions=None, backend="spark", precision=None,
+        distance_col=options.distance_col)

@@ -31,6 +31,8 @@ from pyspark.errors import AnalysisException
 
 from nearest_join.kernels import METRICS
 
+from .errors import ArgumentError, VectorTypeError
+
 logger = logging.getLogger(__name__)
 
 # Spark function name -> kernel metric.
@@ -77,6 +79,37 @@ def _reference(name: str) -> str:
 def column(df, name: str):
     """The Column of ``df`` called ``name`` (any characters; the name must be unique)."""
     return df[quote(name)]
+
+
+def column_index(df, name: str) -> int:
+    """The position of the one column of ``df`` called ``name``."""
+    positions = [i for i, c in enumerate(df.columns) if c == name]
+    if len(positions) != 1:
+        raise ValueError(f"column {name!r}: expected exactly one column of that name, found {len(positions)}")
+    return positions[0]
+
+
+def vector_itemsize(df, name: str, side: str) -> int:
+    """Bytes per element of the vector column ``name`` of ``df`` (the ``side`` of the join).
+
+    The one check of a vector column's type, shared by the join and the job runner.
+
+    Raises
+    ------
+    VectorTypeError
+        The column is not ``array<float>``, ``array<double>`` or a pyspark.ml ``VectorUDT``;
+        the error names the side, the column and its type.
+    """
+    from pyspark.sql.types import ArrayType, DoubleType, FloatType
+
+    dtype = df.schema.fields[column_index(df, name)].dataType
+    if isinstance(dtype, ArrayType) and isinstance(dtype.elementType, FloatType):
+        return 4
+    if isinstance(dtype, ArrayType) and isinstance(dtype.elementType, DoubleType):
+        return 8
+    if type(dtype).__name__ == "VectorUDT":
+        return 8
+    raise VectorTypeError(side, name, dtype.simpleString())
 
 
 def _name_parts(text: str) -> list[str] | None:
@@ -211,8 +244,8 @@ def _all_named_on(splits, cols) -> bool:
 
 def _on_both_sides_error(ranking, metric: str, readings) -> ValueError:
     (a, b) = readings[0]
-    return ValueError(
-        f"ranking {ranking}: its columns `{a}` and `{b}` resolve on both the query and the target "
+    return ArgumentError(
+        "ranking", f"{ranking}: its columns `{a}` and `{b}` resolve on both the query and the target "
         "(the same DataFrame on both sides, DataFrames derived from one another, or plain names "
         "present on both), so which one is the query's column cannot be known; Spark's "
         "nearestByJoin cannot tell them apart either. Name the columns per side: "
@@ -235,27 +268,26 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     q_cols, t_cols = list(query.columns), list(target.columns)
     if isinstance(ranking, str):
         if ranking not in METRICS:
-            raise ValueError(
-                f"ranking: expected a vector function Column or one of {sorted(METRICS)}, got {ranking!r}"
-            )
+            raise ArgumentError("ranking", f"expected a vector function Column or one of {sorted(METRICS)}, "
+                                           f"got {ranking!r}")
         if isinstance(vectors, str):
             q_name = t_name = vectors
         elif isinstance(vectors, (tuple, list)) and len(vectors) == 2 and all(isinstance(v, str) for v in vectors):
             q_name, t_name = vectors
         else:
-            raise ValueError(
-                "vectors: expected a column name present on both sides or a (query_column, "
-                f"target_column) pair when ranking is a metric name, got {vectors!r}"
-            )
+            raise ArgumentError("vectors", "expected a column name present on both sides or a "
+                                           "(query_column, target_column) pair when ranking is a "
+                                           f"metric name, got {vectors!r}")
         q_col, t_col = _find(q_name, q_cols), _find(t_name, t_cols)
         if q_col is None:
-            raise ValueError(f"vectors: query column {q_name!r} not found (query columns: {q_cols})")
+            raise ArgumentError("vectors", f"query column {q_name!r} not found (query columns: {q_cols})")
         if t_col is None:
-            raise ValueError(f"vectors: target column {t_name!r} not found (target columns: {t_cols})")
+            raise ArgumentError("vectors", f"target column {t_name!r} not found (target columns: {t_cols})")
         return Ranking(ranking, q_col, t_col, ranking)
 
     if vectors is not None:
-        raise ValueError("vectors: only used with a metric-name ranking; the ranking Column names its columns")
+        raise ArgumentError("vectors", "only used with a metric-name ranking; the ranking Column names "
+                                       f"its columns, got {vectors!r}")
     text = str(ranking)
     call = _call(ranking)
     if call is None or call[0] not in SPARK_FUNCTIONS:

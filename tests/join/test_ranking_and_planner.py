@@ -9,6 +9,7 @@ from pyspark.sql import functions as F
 import nearest_join.join
 from nearest_join.planner import (JoinPlan, choose_plan, cluster_cores, gpu_task_share, keep_gpu_targets,
                                   parse_bytes, task_memory_bytes)
+from nearest_join.options import JoinOptions
 from nearest_join.ranking import Ranking, parse_ranking
 
 
@@ -127,11 +128,15 @@ def test_keep_gpu_targets_setting():
         keep_gpu_targets(_Spark(spark__nearestJoin__gpu__keepTargets="sometimes"))
 
 
-def _plan(target_rows, **kw) -> JoinPlan:
+def _options(**kw) -> JoinOptions:
+    return JoinOptions(num_results=10, **kw)
+
+
+def _plan(target_rows, query_input_partitions=None, **kw) -> JoinPlan:
     spark = _Spark(spark__master="local[2]", spark__driver__memory="1g")
-    return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact",
-                       join_type="inner", distance_col=None, backend="auto", dimension=128,
-                       itemsize=4, query_rows=20_000, target_rows=target_rows, **kw)
+    return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(**kw),
+                       dimension=128, itemsize=4, query_rows=20_000, target_rows=target_rows,
+                       query_input_partitions=query_input_partitions)
 
 
 def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
@@ -144,9 +149,8 @@ def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
     assert tiny.plan == "broadcast" and tiny.query_partitions == 0
     # a per-task memory budget smaller than one block per core gives more blocks, a multiple of the cores
     tight = choose_plan(spark=_Spark(spark__master="local[2]", **{"spark__nearestJoin__taskMemoryBytes": "64m"}),
-                        ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact", join_type="inner",
-                        distance_col=None, backend="auto", dimension=128, itemsize=4,
-                        query_rows=200_000, target_rows=1_000)
+                        ranking=Ranking("l2", "v", "w", "l2"), options=_options(), dimension=128,
+                        itemsize=4, query_rows=200_000, target_rows=1_000)
     assert tight.query_blocks % 2 == 0 and tight.query_block_rows * (128 * 4 + 160) <= (64 << 20) // 4
     big = _plan(10_000_000)
     assert big.plan == "blocked"
@@ -167,9 +171,8 @@ def test_docstring_example_runs(spark):
 def _plan_with(conf, **kw) -> JoinPlan:
     spark = _Spark(spark__master="local[2]", spark__driver__memory="1g",
                    **{"spark__nearestJoin__" + k: v for k, v in conf.items()})
-    return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact",
-                       join_type="inner", distance_col=None, backend="auto", dimension=128,
-                       itemsize=4, query_rows=20_000, target_rows=200_000, **kw)
+    return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(**kw),
+                       dimension=128, itemsize=4, query_rows=20_000, target_rows=200_000)
 
 
 def test_query_blocks_per_task_and_broadcast_target_block_size():
@@ -194,9 +197,8 @@ def test_broadcast_limit_respects_driver_and_executor_memory():
 
     rows = 920_000_000 // (128 * 4)
     one_gig = _Spark(spark__master="local[2]", spark__driver__memory="1g")
-    plan = choose_plan(spark=one_gig, ranking=Ranking("l2", "v", "w", "l2"), k=10, mode="exact",
-                       join_type="inner", distance_col=None, backend="auto", dimension=128,
-                       itemsize=4, query_rows=1000, target_rows=rows)
+    plan = choose_plan(spark=one_gig, ranking=Ranking("l2", "v", "w", "l2"), options=_options(),
+                       dimension=128, itemsize=4, query_rows=1000, target_rows=rows)
     assert plan.plan == "blocked"
     assert "1/4 of spark.driver.memory 1073741824 B" in plan.reason
     assert broadcast_limit(one_gig, None) == 256 << 20

@@ -1,0 +1,149 @@
+"""The options of one join, validated once: :class:`JoinOptions`.
+
+``nearest_by_join`` and ``explain_nearest_join`` take Spark-like keyword arguments (that is
+the public contract); the first thing either does is build one ``JoinOptions`` from them, and
+from then on planning and execution read that object, never the loose arguments. The job
+runner builds the same object from a YAML spec (``jobs.spec``), so a spec and a call are
+checked by the same code and fail with the same words.
+
+Every check lives in ``__post_init__``: a ``JoinOptions`` that exists is valid, whether it was
+built from a call, from a spec or by ``dataclasses.replace``. Errors name the argument, the
+value found and what was expected, and carry ``argument`` (see :mod:`nearest_join.errors`).
+Spark's own checks (k, mode, direction, join type) raise Spark's error conditions, in Spark's
+order.
+
+A new option is a new field here (with its default and its check) plus the keyword argument
+of the two public functions; planning and the executors receive it through this object.
+Options that name columns (``vectors``) are checked for their shape here and resolved
+against the DataFrames by the planner (:func:`nearest_join.ranking.parse_ranking`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from udfs.columns import MAX_BLOCK_ROWS
+
+from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError, describe, short
+
+MIN_RESULTS, MAX_RESULTS = 1, 100_000
+MODES = ("exact", "approx")
+DIRECTIONS = ("distance", "similarity")
+BACKENDS = ("auto", "cpu", "gpu", "reference")
+# "auto": the fastest exact precision of the device a task gets (see JoinOptions.precision).
+PRECISIONS = ("auto", "fp32", "tf32", "bf16")
+
+
+def _join_type(value) -> str:
+    # Spark's own normalisation: case-insensitive, underscores ignored ("left_outer" == "leftouter").
+    key = value.lower().replace("_", "") if isinstance(value, str) else None
+    if key == "inner":
+        return "inner"
+    if key in ("left", "leftouter"):
+        return "leftouter"
+    raise NearestByJoinError("NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE",
+                             joinType=value if isinstance(value, str) else short(value))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _optional_int(name: str, value, low: int, high: int | None = None) -> int | None:
+    if value is None:
+        return None
+    bound = f">= {low}" if high is None else f"between {low} and {high}"
+    if not _is_int(value):
+        raise ArgumentTypeError(name, f"expected None or an int {bound}, got {describe(value)}")
+    if value < low or (high is not None and value > high):
+        raise ArgumentError(name, f"expected None or an int {bound}, got {short(value)}")
+    return value
+
+
+def _choice(name: str, value, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ArgumentError(name, f"expected one of {list(choices)}, got {short(value)}")
+    return value
+
+
+def _vectors(value) -> str | tuple[str, str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value:
+        return value
+    if isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, str) and v for v in value):
+        return (value[0], value[1])
+    raise ArgumentError("vectors", "expected a column name present on both sides or a (query_column, "
+                                   f"target_column) pair, got {short(value)}")
+
+
+@dataclass(frozen=True)
+class JoinOptions:
+    """Everything about a join except its inputs and ranking, validated and normalised.
+
+    Fields are named after the keyword arguments of :func:`nearest_join.nearest_by_join` (see
+    its docstring for their meaning); values are normalised (``mode`` and ``direction`` lower
+    case, ``join_type`` ``"inner"`` or ``"leftouter"``, ``vectors`` a name or a pair).
+
+    ``precision="auto"`` is resolved by each executor for the device its task got: bf16 on a
+    GPU of compute capability 8.0 or more, fp32 on older GPUs; CPU executors search in
+    float32 and re-rank in float64 whatever the precision. Results are exact in every
+    precision.
+
+    Examples
+    --------
+    >>> JoinOptions(num_results=5, join_type="left_outer").join_type
+    'leftouter'
+    >>> JoinOptions(num_results=0)
+    Traceback (most recent call last):
+    ...
+    nearest_join.errors.NearestByJoinError: [NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE] Invalid nearest-by join. The number of results 0 must be between 1 and 100000.
+    """
+
+    num_results: int = 1
+    mode: str = "exact"
+    direction: str | None = None
+    vectors: str | tuple[str, str] | None = None
+    join_type: str = "inner"
+    distance_col: str | None = None
+    backend: str = "auto"
+    precision: str = "auto"
+    broadcast_limit_bytes: int | None = None
+    query_block_rows: int | None = None
+    target_block_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        # Spark's checks first, in Spark's order, with Spark's error conditions.
+        k = self.num_results
+        if not _is_int(k):
+            raise ArgumentTypeError("num_results", f"expected an int between {MIN_RESULTS} and "
+                                                   f"{MAX_RESULTS}, got {describe(k)}")
+        if not MIN_RESULTS <= k <= MAX_RESULTS:
+            raise NearestByJoinError("NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE",
+                                     numResults=k, min=MIN_RESULTS, max=MAX_RESULTS)
+        if not isinstance(self.mode, str) or self.mode.lower() not in MODES:
+            raise NearestByJoinError("NEAREST_BY_JOIN.UNSUPPORTED_MODE",
+                                     mode=self.mode if isinstance(self.mode, str) else short(self.mode))
+        direction = self.direction
+        if direction is not None and (not isinstance(direction, str) or direction.lower() not in DIRECTIONS):
+            raise NearestByJoinError("NEAREST_BY_JOIN.UNSUPPORTED_DIRECTION",
+                                     direction=direction if isinstance(direction, str) else short(direction))
+        normalised = {
+            "mode": self.mode.lower(),
+            "direction": direction.lower() if direction else None,
+            "join_type": _join_type(self.join_type),
+            "vectors": _vectors(self.vectors),
+            "backend": _choice("backend", self.backend, BACKENDS),
+            "precision": _choice("precision", self.precision, PRECISIONS),
+            "broadcast_limit_bytes": _optional_int("broadcast_limit_bytes", self.broadcast_limit_bytes, 0),
+            "query_block_rows": _optional_int("query_block_rows", self.query_block_rows, 1, MAX_BLOCK_ROWS),
+            "target_block_rows": _optional_int("target_block_rows", self.target_block_rows, 1, MAX_BLOCK_ROWS),
+        }
+        if self.distance_col is not None and (not isinstance(self.distance_col, str) or not self.distance_col):
+            raise ArgumentError("distance_col", f"expected None or a non-empty column name, got {short(self.distance_col)}")
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)   # frozen: normalise in place, once
+
+    @property
+    def k(self) -> int:
+        """``num_results``, under the name the planner and the kernels use."""
+        return self.num_results
