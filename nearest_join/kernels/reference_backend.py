@@ -4,6 +4,12 @@ from __future__ import annotations
 from ._common import Metric
 from .reference import knn_reference
 
+# The backend's tolerance against the float64 difference-form oracle (``rtol`` of
+# tests/oracle.py's assert_true_topk), relative to the size of the shifted problem: it ranks by
+# float64 difference-form keys (the oracle's own form), whose rounding is ~d 2^-53 of that size,
+# and rounds each value once to float32 (which the check allows for separately).
+RTOL = 1e-12
+
 
 class ReferenceBackend:
     name = "reference"

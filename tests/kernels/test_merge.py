@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nearest_join.kernels import METRICS, knn, merge_topk
-from tests.kernels.test_knn import assert_matches_reference, tolerance_of
+from tests.kernels.test_knn import check_knn
 
 
 def seeded_rng(request) -> np.random.Generator:
@@ -60,8 +60,7 @@ def test_merged_random_blocks_match_reference(request, metric):
     queries = rng.standard_normal((40, 16)).astype(np.float32)
     targets = rng.standard_normal((3001, 16)).astype(np.float32)
     v, i = split_search(queries, targets, 10, metric, "cpu", [0, 1100, 1101, 3001])
-    tol = tolerance_of("cpu", queries, targets, 10, metric)
-    assert_matches_reference(queries, targets, 10, metric, v, i, tol)
+    check_knn(queries, targets, 10, metric, v, i, "cpu")
 
 
 def test_return_sources_points_into_the_concatenated_parts():

@@ -1,0 +1,254 @@
+"""The tests' one oracle: float64 difference-form keys, the true-top-k check every kernel and
+join result goes through, and the comparison with Spark's own ``nearestByJoin``.
+
+The oracle ranks by the difference form, in float64: sum((q - t)^2) for l2 / sqeuclidean,
+sum((q/|q| - t/|t|)^2) = 2 - 2 cos for cosine, and -q.t for inner product (which has no
+difference form). The expansion |q|^2 - 2 q.t + |t|^2 cancels catastrophically on offset
+data even in float64; the difference form does not. It is written here, apart from
+``nearest_join.kernels.reference`` (the reference *backend*), so that the reference is checked
+against it rather than against itself.
+
+:func:`assert_true_topk` is the check: every returned row must be a true top-k row of the
+oracle, with ties decided within a tolerance the backend declares next to its code
+(:func:`backend_rtol`: ``cpu.RANK_TOLERANCE``, ``gpu.RTOL``, ``reference_backend.RTOL``),
+relative to :func:`key_scale` (the size of the shifted problem: how far a query and the
+targets lie from the targets' mean). Squared distances are compared, not their roots: the
+root divides an error by twice the distance, so a tolerance on roots would either pass wrong
+rankings of far pairs or fail correct ones of near pairs.
+
+Join outputs (rows) are checked by the same function through :func:`assert_join_true_topk`.
+Only the comparison with Spark's ``nearestByJoin`` (:func:`assert_same_neighbours`) has its
+own, looser tolerance, :data:`SPARK_VALUE_TOL`, for the reason given there.
+
+Pure numpy (the GPU machine imports it without Spark).
+"""
+from __future__ import annotations
+
+import importlib
+from collections import Counter, defaultdict
+
+import numpy as np
+
+# Rows of the oracle's float64 difference tensor per chunk (chunk x nt x d values).
+_CHUNK_VALUES = 1 << 22
+
+# Where each backend declares its tolerance for assert_true_topk (module, constant).
+_RTOL_OF = {
+    "cpu": ("nearest_join.kernels.cpu", "RANK_TOLERANCE"),
+    "gpu": ("nearest_join.kernels.gpu", "RTOL"),
+    "reference": ("nearest_join.kernels.reference_backend", "RTOL"),
+}
+
+# Spark computes its vector functions (vector_l2_distance & co.) of array<float> columns in
+# float, in the expanded form, so a value of Spark's carries an error of a few float32 ulps of
+# the norms, not of the distance: 1e-4 relative is far above that and far below the gaps in
+# the random test data.
+# Used only where Spark's own nearestByJoin is the other side; a result of ours is checked
+# against the float64 oracle at the kernel's tolerance (assert_join_true_topk).
+SPARK_VALUE_TOL = 1e-4
+
+
+def backend_rtol(name: str) -> float:
+    """The tolerance the backend ``name`` declares next to its code (see the module docstring)."""
+    module, constant = _RTOL_OF[name]
+    return float(getattr(importlib.import_module(module), constant))
+
+
+# ----------------------------------------------------------------------------- keys
+def _unit(rows: np.ndarray) -> np.ndarray:
+    """Rows divided by their norms in float64, scaled first so no square overflows."""
+    rows = rows.astype(np.float64)
+    peak = np.abs(rows).max(axis=1, keepdims=True)
+    peak[peak == 0] = 1.0
+    scaled = rows / peak
+    return scaled / np.sqrt((scaled * scaled).sum(axis=1, keepdims=True))
+
+
+def oracle_keys(queries: np.ndarray, targets: np.ndarray, metric: str) -> np.ndarray:
+    """Ranking keys of every pair in float64, smaller is better (see the module docstring)."""
+    q = queries.astype(np.float64)
+    t = targets.astype(np.float64)
+    if metric == "inner_product":
+        return -np.einsum("ij,kj->ik", q, t)
+    if metric == "cosine":
+        q, t = _unit(q), _unit(t)
+    keys = np.empty((q.shape[0], t.shape[0]))
+    chunk = max(1, _CHUNK_VALUES // max(1, t.size))
+    for start in range(0, q.shape[0], chunk):
+        diff = q[start:start + chunk, None, :] - t[None, :, :]
+        keys[start:start + chunk] = np.einsum("ijk,ijk->ij", diff, diff)
+    return keys
+
+
+def key_values(keys: np.ndarray, metric: str) -> np.ndarray:
+    """The values the metric reports for oracle keys (float64)."""
+    if metric == "l2":
+        return np.sqrt(keys)
+    if metric == "sqeuclidean":
+        return keys
+    if metric == "cosine":
+        return 1.0 - keys / 2.0
+    return -keys
+
+
+def key_scale(queries: np.ndarray, targets: np.ndarray, metric: str) -> np.ndarray:
+    """Per query, the size of the shifted problem that a correct kernel's rounding error is
+    relative to: (|q - c| + max |t - c|)^2 for the l2 family (c = the targets' mean; unit
+    vectors for cosine), |q| max |t - c| for inner product. Shifting by c is exact in real
+    arithmetic and leaves the ranking unchanged (for inner product: a per-query constant)."""
+    q = queries.astype(np.float64)
+    t = targets.astype(np.float64)
+    if metric == "cosine":
+        q, t = _unit(q), _unit(t)
+    c = t.mean(axis=0)
+    t_far = np.sqrt(((t - c) ** 2).sum(axis=1)).max(initial=0.0)
+    if metric == "inner_product":
+        return np.sqrt((q * q).sum(axis=1)) * t_far
+    return (np.sqrt(((q - c) ** 2).sum(axis=1)) + t_far) ** 2
+
+
+def _float32_of(values: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return values.astype(np.float32)
+
+
+# ----------------------------------------------------------------------------- the check
+def assert_true_topk(queries, targets, k: int, metric: str, values, indices, rtol: float,
+                     case: str = "") -> None:
+    """Every returned row is a true top-k row of the oracle and every value is right.
+
+    Per query row: exactly min(k, nt) distinct valid indices (every row passed must rank);
+    each one's oracle key within ``tol`` of the true k-th key, with tol = ``rtol`` x
+    :func:`key_scale` plus the float64 oracle's own rounding; keys best first within tol;
+    values equal to the oracle's for the same pair within float32 rounding and tol (l2 is
+    compared squared), and +-inf exactly where the true value exceeds float32's range;
+    missing slots (k > nt) hold index -1 and a non-finite value.
+    """
+    values = np.asarray(values)
+    indices = np.asarray(indices)
+    nq, nt = queries.shape[0], targets.shape[0]
+    width = min(k, nt)
+    assert values.shape == (nq, k) and indices.shape == (nq, k), (values.shape, indices.shape)
+    keys = oracle_keys(queries, targets, metric)
+    scale = key_scale(queries, targets, metric)
+    d = queries.shape[1]
+    q64 = queries.astype(np.float64)
+    tnorm = np.sqrt((targets.astype(np.float64) ** 2).sum(axis=1)).max(initial=0.0)
+    f64 = 2.0 ** -50 * (d + 2)
+    problems = []
+    for i in range(nq):
+        got = indices[i]
+        if (got[:width] < 0).any() or (got[width:] >= 0).any() or len(set(got[:width])) != width:
+            problems.append(f"row {i}: indices {got.tolist()} (expected {width} distinct valid)")
+            continue
+        kth = np.partition(keys[i], width - 1)[width - 1]
+        extra = np.abs(kth) + (np.sqrt((q64[i] ** 2).sum()) * tnorm if metric == "inner_product" else 0.0)
+        tol = rtol * scale[i] + f64 * extra
+        mine = keys[i, got[:width]]
+        if (mine > kth + tol).any():
+            worst = int(np.argmax(mine))
+            problems.append(f"row {i}: target {got[worst]} has key {mine[worst]!r} beyond the true "
+                            f"k-th {kth!r} (+ tol {tol:.3g})")
+        if (np.diff(mine) < -tol).any():
+            problems.append(f"row {i}: keys not best first: {mine.tolist()}")
+        want = key_values(mine, metric)
+        have = values[i, :width].astype(np.float64)
+        if metric == "l2":
+            want_cmp, have_cmp, vtol = mine, have * have, tol + 2.0 ** -21 * mine + 2.0 ** -200
+        else:
+            want_cmp, have_cmp = want, have
+            # float32 rounding of the value, down to its subnormals (1e-60 reads 0)
+            vtol = tol / (2.0 if metric == "cosine" else 1.0) + 2.0 ** -22 * np.abs(want) + 2.0 ** -148
+        overflow = np.isinf(_float32_of(want))
+        if (have[overflow] != _float32_of(want)[overflow]).any():
+            problems.append(f"row {i}: values {have.tolist()} should be inf where {want.tolist()} "
+                            "exceeds float32")
+        ok = overflow | (np.abs(have_cmp - want_cmp) <= vtol)
+        if not ok.all():
+            problems.append(f"row {i}: values {have.tolist()} vs oracle {want.tolist()} (tol {vtol})")
+        if np.isfinite(values[i, width:]).any():
+            problems.append(f"row {i}: missing slots hold {values[i, width:].tolist()}")
+    assert not problems, f"{case} {metric} k={k}: {len(problems)} of {nq} rows wrong:\n  " + \
+        "\n  ".join(problems[:8])
+
+
+def assert_knn_result(queries, targets, k: int, metric: str, values, indices, rtol: float,
+                      case: str = "") -> None:
+    """A ``knn``-style result: float32 values, int64 indices, missing slots exactly -1 and the
+    metric's worst value (+inf for distances, -inf for similarities), then
+    :func:`assert_true_topk`."""
+    values = np.asarray(values)
+    indices = np.asarray(indices)
+    assert values.dtype == np.float32 and indices.dtype == np.int64, (values.dtype, indices.dtype)
+    worst = -np.inf if metric in ("cosine", "inner_product") else np.inf
+    missing = indices < 0
+    assert (values[missing] == worst).all(), f"{case}: missing slots must hold {worst}"
+    assert_true_topk(queries, targets, k, metric, values, indices, rtol, case=case)
+
+
+# ----------------------------------------------------------------------------- join outputs
+def group_rows(rows, qkey, tkey, value):
+    """{query key: [(value, target key), ...]} from output rows (target key None = NULL)."""
+    out = defaultdict(list)
+    for r in rows:
+        out[qkey(r)].append((value(r), tkey(r)))
+    return out
+
+
+def assert_join_true_topk(grouped, queries, targets, k: int, metric: str, query_keys,
+                          target_keys, rtol: float, case: str = "") -> None:
+    """A join's rows (``grouped`` by :func:`group_rows`) are each query's true top k of the
+    oracle at the backend's tolerance (:func:`assert_true_topk`).
+
+    ``query_keys[i]`` / ``target_keys[j]`` name row i of ``queries`` / row j of ``targets``.
+    A query's rows arrive in no particular order (Spark promises none), so they are put best
+    first (ties: block order, i.e. the lower target row) before the check; a query key the
+    output lacks fails as a row with no indices.
+    """
+    position = {key: j for j, key in enumerate(target_keys)}
+    assert len(position) == len(target_keys), "target keys must be unique"
+    descending = metric in ("cosine", "inner_product")
+    values = np.full((len(query_keys), k), -np.inf if descending else np.inf, dtype=np.float64)
+    indices = np.full((len(query_keys), k), -1, dtype=np.int64)
+    unknown = set(grouped) - set(query_keys)
+    assert not unknown, f"{case}: rows for query keys not asked for: {sorted(unknown)[:10]}"
+    for i, key in enumerate(query_keys):
+        pairs = [(float(v), position[t]) for v, t in grouped.get(key, []) if t is not None]
+        assert len(pairs) <= k, f"{case}: query {key} has {len(pairs)} rows > k = {k}"
+        pairs.sort(key=lambda vt: (-vt[0] if descending else vt[0], vt[1]))
+        for slot, (v, j) in enumerate(pairs):
+            values[i, slot], indices[i, slot] = v, j
+    assert_true_topk(np.asarray(queries), np.asarray(targets), k, metric, values, indices, rtol,
+                     case=case)
+
+
+def assert_same_neighbours(ours, theirs, descending: bool, value_tol: float = SPARK_VALUE_TOL):
+    """Both outputs (grouped by :func:`group_rows`) pick the same neighbours for every query
+    key: Spark's ``nearestByJoin`` against ours (see :data:`SPARK_VALUE_TOL`).
+
+    Per query key: the multisets of values agree (within ``value_tol`` relative) and so do the
+    target keys, except targets whose value ties with the worst kept value (either side may
+    pick any of those: Spark leaves tie order unspecified).
+    """
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= value_tol * max(1.0, abs(a), abs(b))
+
+    def best_first(pairs):
+        return sorted(pairs, key=lambda vt: (vt[0] is None, -(vt[0] or 0) if descending else (vt[0] or 0)))
+
+    assert set(ours) == set(theirs), f"query keys differ: {set(ours) ^ set(theirs)}"
+    for key in ours:
+        a, b = best_first(ours[key]), best_first(theirs[key])
+        assert len(a) == len(b), f"query {key}: {len(a)} rows vs {len(b)}: {a} vs {b}"
+        for (va, _), (vb, _) in zip(a, b):
+            assert (va is None) == (vb is None), f"query {key}: {a} vs {b}"
+            if va is not None:
+                assert close(va, vb), f"query {key}: values {a} vs {b}"
+        values = [v for v, _ in a if v is not None]
+        if not values:
+            assert Counter(t for _, t in a) == Counter(t for _, t in b)
+            continue
+        boundary = values[-1]
+        strict_a = Counter(t for v, t in a if v is not None and not close(v, boundary))
+        strict_b = Counter(t for v, t in b if v is not None and not close(v, boundary))
+        assert strict_a == strict_b, f"query {key}: {a} vs {b}"
