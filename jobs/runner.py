@@ -26,7 +26,7 @@ from typing import Any, Iterator
 
 from .inputs import check_parquet_input
 from .output import StagedOutput, data_files
-from .spec import JobSpec, SpecError, check_paths, is_local, local_path, redact_settings
+from .spec import JobSpec, SpecError, check_paths, is_local, local_path, option_key, redact_settings
 
 logger = logging.getLogger(__name__)
 
@@ -34,18 +34,6 @@ logger = logging.getLogger(__name__)
 # candidate can be counted for inner joins too. Dropped before writing.
 QUERY_ROW_ID = "_nearest_join_query_row"
 
-# Library error conditions -> the spec key a user should change.
-_CONDITION_KEYS = {
-    "NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE": "join.k",
-    "NEAREST_BY_JOIN.UNSUPPORTED_MODE": "join.mode",
-    "NEAREST_BY_JOIN.UNSUPPORTED_DIRECTION": "join.direction",
-    "NEAREST_BY_JOIN.DIRECTION_CONTRADICTS_METRIC": "join.direction",
-    "NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE": "join.join_type",
-    "VECTOR_DIMENSION_MISMATCH": "query.vector/target.vector",
-}
-# Argument names in the library's own ValueError/TypeError messages -> spec keys.
-_ARGUMENT_KEYS = {"backend": "join.backend", "precision": "join.precision",
-                  "distance_col": "join.distance_col", "direction": "join.direction"}
 # Spark's error conditions for an input file it cannot read: not Parquet, or a column whose
 # type differs from the schema Spark took from another file. Local inputs are checked before
 # Spark reads them (jobs.inputs); these catch the others (s3a://, hdfs://).
@@ -138,15 +126,26 @@ def _fmt(value: Any) -> str:
 
 @dataclass
 class Prepared:
-    """The inputs as the library will see them, and the plan it chose."""
+    """The inputs as the library will see them, and the join it planned (one facts job)."""
 
     query: Any          # pyspark DataFrame, renamed, with QUERY_ROW_ID
     target: Any
-    query_rows: int
-    target_rows: int
     query_vector: str   # output names of the vector columns
     target_vector: str
-    plan: Any           # nearest_join JoinPlan
+    planned: Any        # nearest_join.join.PlannedJoin: the plan and how to run it
+
+    @property
+    def plan(self) -> Any:
+        """The library's JoinPlan."""
+        return self.planned.plan
+
+    @property
+    def query_rows(self) -> int:
+        return self.plan.query_rows
+
+    @property
+    def target_rows(self) -> int:
+        return self.plan.target_rows
 
 
 def _first_line(exc: BaseException | str) -> str:
@@ -244,24 +243,20 @@ def _read_side(spark, side) -> Any:
 
 
 def _check_vector_type(df, side) -> None:
-    from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql.types import ArrayType, DoubleType, FloatType
+    """The library's own check of the vector column's type, naming the spec key."""
+    from nearest_join.errors import VectorTypeError
+    from nearest_join.ranking import vector_itemsize
 
-    dtype = df.schema[side.vector].dataType
-    ok = isinstance(dtype, VectorUDT) or (
-        isinstance(dtype, ArrayType) and isinstance(dtype.elementType, (FloatType, DoubleType))
-    )
-    if not ok:
-        raise SpecError(
-            f"{side.side}.vector",
-            f"column {side.vector!r} has type {dtype.simpleString()}; expected array<float>, "
-            "array<double> or an ML vector (VectorUDT)",
-        )
+    try:
+        vector_itemsize(df, side.vector, side.side)
+    except VectorTypeError as exc:
+        raise SpecError(f"{side.side}.vector", str(exc)) from None
 
 
 def _check_output_columns(spec: JobSpec, query, target) -> None:
     seen: dict[str, str] = {}
-    extra = [(spec.join.distance_col, "join.distance_col")] if spec.join.distance_col else []
+    distance_col = spec.join.options.distance_col
+    extra = [(distance_col, "join.distance_col")] if distance_col else []
     names = [(c, "query.columns") for c in query.columns] + [
         (c, "target.columns") for c in target.columns
     ] + extra
@@ -281,31 +276,33 @@ def _check_output_columns(spec: JobSpec, query, target) -> None:
             )
 
 
-def _library_arguments(spec: JobSpec, query_vector: str, target_vector: str) -> tuple[tuple, dict]:
-    join = spec.join
-    return (join.metric, join.k, join.mode, join.direction), dict(
-        vectors=(query_vector, target_vector),
-        join_type=join.join_type,
-        distance_col=join.distance_col,
-        backend=join.backend,
-        precision=join.precision,
-        broadcast_limit_bytes=join.broadcast_limit_bytes,
-        query_block_rows=join.query_block_rows,
-        target_block_rows=join.target_block_rows,
-    )
+def _library_error(exc: BaseException) -> SpecError | None:
+    """The SpecError for an error the library raised about its arguments or the inputs'
+    vectors (the spec key comes from the error's ``argument``, never from its text)."""
+    from nearest_join.errors import ArgumentError, ArgumentTypeError, NearestByJoinError, VectorTypeError
+
+    if isinstance(exc, VectorTypeError):
+        return SpecError(f"{exc.side}.vector", str(exc))
+    if isinstance(exc, (ArgumentError, ArgumentTypeError)):
+        return SpecError(option_key(exc.argument), exc.problem)
+    if isinstance(exc, NearestByJoinError):
+        return SpecError(option_key(exc.argument), str(exc))
+    return None
 
 
 def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
-    """Validate paths, read both inputs, check columns, and plan. Writes nothing."""
+    """Validate paths, read both inputs, check columns, and plan (the inputs' one facts job,
+    which the explanation, the summary and the run share). Writes nothing."""
+    import dataclasses
+
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
-    from nearest_join import explain_nearest_join
-    from nearest_join.errors import NearestByJoinError
+    from nearest_join.join import plan_join
 
     phases = phases or _Phases()
     check_paths(spec)
-    with phases("read") as facts, _input_errors(spec):
+    with phases("read"), _input_errors(spec):
         # Every file's footer, before Spark takes a schema from one file of either side.
         check_parquet_input(spec.query)
         if spec.target.paths != spec.query.paths:  # a self-join reads one input twice
@@ -316,26 +313,23 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
             raise SpecError("query.columns", f"column name {QUERY_ROW_ID!r} is reserved")
         _check_output_columns(spec, query, target)
         query = query.withColumn(QUERY_ROW_ID, F.monotonically_increasing_id())
-        facts["query rows"] = query_rows = query.count()
-        facts["target rows"] = target_rows = target.count()
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector
-    args, kwargs = _library_arguments(spec, query_vector, target_vector)
+    options = dataclasses.replace(spec.join.options, vectors=(query_vector, target_vector))
     with phases("plan") as facts, _input_errors(spec):
         try:
-            plan = explain_nearest_join(query, target, *args, **kwargs)
-        except NearestByJoinError as exc:
-            raise SpecError(_CONDITION_KEYS.get(exc.getCondition(), "join"), str(exc)) from None
+            planned = plan_join(query, target, spec.join.metric, options)
         except (TypeError, ValueError, AnalysisException) as exc:
-            text = _first_line(exc)
-            argument = text.split(":", 1)[0]
-            key = _CONDITION_KEYS["VECTOR_DIMENSION_MISMATCH"] if (
-                "VECTOR_DIMENSION_MISMATCH" in str(exc)) else _ARGUMENT_KEYS.get(argument, "join")
-            raise SpecError(key, text) from None
-        described = plan.to_dict()
-        facts["plan"] = described.get("plan")
-        facts["backend"] = described.get("backend")
-    return Prepared(query, target, query_rows, target_rows, query_vector, target_vector, plan)
+            error = _library_error(exc)
+            if error is None and isinstance(exc, AnalysisException):
+                error = SpecError("join", _first_line(exc))
+            if error is None:
+                raise
+            raise error from None
+        plan = planned.plan
+        facts["query rows"], facts["target rows"] = plan.query_rows, plan.target_rows
+        facts["plan"], facts["backend"] = plan.plan, plan.backend
+    return Prepared(query, target, query_vector, target_vector, planned)
 
 
 def write_parquet(df, path: str, partition_by: tuple[str, ...], num_files: int | None) -> None:
@@ -368,7 +362,7 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     import nearest_join
-    from nearest_join import nearest_by_join
+    from nearest_join.planner import describe_precision
     from nearest_join.ranking import quote
 
     started_at, start = _now(), time.perf_counter()
@@ -378,8 +372,7 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         # in seconds, not after the search. prepare() re-checks the output under the lock.
         staged = _lock_output(spec, stack)
         prepared = prepare(spec, spark, phases)
-        args, kwargs = _library_arguments(spec, prepared.query_vector, prepared.target_vector)
-        joined = nearest_by_join(prepared.query, prepared.target, *args, **kwargs)
+        joined = prepared.planned.dataframe()
         joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
         try:
             with phases("search+merge") as facts:
@@ -391,9 +384,10 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
                         ).alias("matched"),
                     ).first()
                 except Exception as exc:  # a ragged row surfaces as a failed Spark job
+                    # An executor's error reaches the driver as the text of a failed job.
                     if "VECTOR_DIMENSION_MISMATCH" in str(exc):
                         raise SpecError(
-                            _CONDITION_KEYS["VECTOR_DIMENSION_MISMATCH"],
+                            option_key("vectors"),
                             "a row's vector has another dimension than the rest "
                             "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
                             "query.where: size(vec) = 64",
@@ -428,6 +422,10 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
                 "queries_without_candidates": unmatched,
                 "plan": plan,
                 "backend": plan.get("backend"),
+                # What the plan asked for; "auto" is resolved by each executor for its device
+                # (the driver is not told which one ran: see describe_precision's words).
+                "precision": plan.get("precision"),
+                "precision_runs": describe_precision(plan.get("backend"), plan.get("precision")),
                 "wall_time_s": round(time.perf_counter() - start, 3),
                 "phases_s": dict(phases.seconds),
                 "pairs": pairs,
@@ -482,7 +480,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"nearest-join: job {summary['job']!r} {summary['status']} in {summary['wall_time_s']:.1f} s",
         f"  query        {rows['query']:,} rows  <- {', '.join(summary['inputs']['query'])}",
         f"  target       {rows['target']:,} rows  <- {', '.join(summary['inputs']['target'])}",
-        f"  plan         {plan.get('plan')} | backend {summary['backend']} | metric "
+        f"  plan         {plan.get('plan')} | backend {summary['backend']} | precision "
+        f"{summary['precision']} | metric "
         f"{plan.get('metric')} | k {plan.get('k')} | mode {plan.get('mode')} | "
         f"join {plan.get('join_type')}",
         f"  output       {summary['output_rows']:,} rows in {summary['output']['files']} files"

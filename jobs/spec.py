@@ -22,7 +22,6 @@ import fnmatch
 import glob
 import os
 import re
-import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,14 +29,15 @@ from urllib.parse import urlparse
 
 import yaml
 
+from nearest_join.errors import describe, short
+from nearest_join.options import JoinOptions
+
 __all__ = [
     "SpecError",
     "InputSpec",
     "JoinSpec",
     "OutputSpec",
     "JobSpec",
-    "K_MIN",
-    "K_MAX",
     "WRITE_MODES",
     "SUMMARY_FILE",
     "load_spec",
@@ -51,7 +51,6 @@ __all__ = [
     "conf_dir",
 ]
 
-K_MIN, K_MAX = 1, 100_000
 WRITE_MODES = ("overwrite", "error-if-exists")
 # Written by jobs.output beside the Parquet files; its presence marks a directory as ours.
 SUMMARY_FILE = "_nearest_join_summary.json"
@@ -75,7 +74,7 @@ _JOIN_KEYS: dict[str, Any] = {
     "join_type": "inner",
     "distance_col": None,
     "backend": "auto",
-    "precision": "fp32",
+    "precision": "auto",
     "broadcast_limit_bytes": None,
     "query_block_rows": None,
     "target_block_rows": None,
@@ -117,20 +116,15 @@ class InputSpec:
 
 @dataclass(frozen=True)
 class JoinSpec:
-    """The arguments of :func:`nearest_join.nearest_by_join`."""
+    """The ranking and the options of :func:`nearest_join.nearest_by_join`.
+
+    ``options`` is the library's own :class:`nearest_join.options.JoinOptions`, built and
+    validated by the library from the ``join`` section (``k`` is its ``num_results``); its
+    ``vectors`` are set by the runner from ``query.vector`` and ``target.vector``.
+    """
 
     metric: str
-    k: int
-    mode: str
-    direction: str | None
-    join_type: str
-    distance_col: str | None
-    backend: str
-    precision: str
-    broadcast_limit_bytes: int | None
-    query_block_rows: int | None
-    target_block_rows: int | None
-
+    options: JoinOptions
 
 @dataclass(frozen=True)
 class OutputSpec:
@@ -399,7 +393,7 @@ def _check_known(section: dict, known, prefix: str) -> None:
 
 def _mapping(value: Any, key: str) -> dict:
     if not isinstance(value, dict):
-        raise SpecError(key, f"expected a mapping, got {_describe(value)}")
+        raise SpecError(key, f"expected a mapping, got {describe(value)}")
     return value
 
 
@@ -417,33 +411,11 @@ def _section(document: dict, name: str, schema: dict[str, Any]) -> dict[str, Any
     return values
 
 
-# Messages quote bad values through this: at most a few items of two levels and a few dozen
-# characters, so describing a huge (or self-referencing) value costs nothing.
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlong = 2, 60, 60, 40
-_SHORT.maxlist = _SHORT.maxtuple = _SHORT.maxdict = _SHORT.maxset = 4
-_MAX_QUOTED = 120
-
-
-def _short(value: Any) -> str:
-    """A repr of ``value`` that never walks more than 20 items nor exceeds ~120 characters."""
-    text = _SHORT.repr(value)
-    return text if len(text) <= _MAX_QUOTED else text[: _MAX_QUOTED - 3] + "..."
-
-
-def _describe(value: Any) -> str:
-    """``type value`` for messages; collections also say how many items they hold."""
-    size = ""
-    if isinstance(value, (list, dict, tuple, set)):
-        size = f" of {len(value):,} item{'' if len(value) == 1 else 's'}"
-    return f"{type(value).__name__}{size} {_short(value)}"
-
-
 def _text(value: Any, key: str, *, optional: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise SpecError(key, f"expected a non-empty string, got {_describe(value)}")
+        raise SpecError(key, f"expected a non-empty string, got {describe(value)}")
     return value
 
 
@@ -452,7 +424,7 @@ def _integer(value: Any, key: str, *, low: int, high: int | None = None,
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(key, f"expected an integer, got {_describe(value)}")
+        raise SpecError(key, f"expected an integer, got {describe(value)}")
     if value < low or (high is not None and value > high):
         bound = f"between {low} and {high}" if high is not None else f">= {low}"
         raise SpecError(key, f"must be {bound}, got {value}")
@@ -463,9 +435,9 @@ def _names(value: Any, key: str) -> tuple[str, ...]:
     if isinstance(value, str):
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise SpecError(key, f"expected a list of column names, got {_describe(value)}")
+        raise SpecError(key, f"expected a list of column names, got {describe(value)}")
     if len(set(value)) != len(value):
-        raise SpecError(key, f"lists a column twice: {_short(value)}")
+        raise SpecError(key, f"lists a column twice: {short(value)}")
     return tuple(value)
 
 
@@ -488,7 +460,7 @@ def _input(values: dict[str, Any], side: str) -> InputSpec:
     if not isinstance(paths, list) or not paths or not all(
         isinstance(p, str) and p.strip() for p in paths
     ):
-        raise SpecError(f"{side}.path", f"expected a path or a list of paths, got {_describe(paths)}")
+        raise SpecError(f"{side}.path", f"expected a path or a list of paths, got {describe(paths)}")
     columns = values["columns"]
     return InputSpec(
         side=side,
@@ -504,35 +476,38 @@ def _prefix(value: Any, key: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise SpecError(key, f"expected a string, got {_describe(value)}")
+        raise SpecError(key, f"expected a string, got {describe(value)}")
     return value
 
 
+# JoinOptions arguments whose spec key is not ``join.<argument>``.
+_OPTION_KEYS = {"num_results": "join.k", "vectors": "query.vector/target.vector"}
+
+
+def option_key(argument: str | None) -> str:
+    """The spec key of a :func:`nearest_join.nearest_by_join` argument (``num_results`` -> ``join.k``)."""
+    if not argument:
+        return "join"
+    return _OPTION_KEYS.get(argument, f"join.{argument}")
+
+
 def _join(values: dict[str, Any]) -> JoinSpec:
+    from nearest_join.errors import ArgumentError, ArgumentTypeError, NearestByJoinError
     from nearest_join.kernels import METRICS  # pure numpy; the library's list of metrics
 
     metric = values["metric"]
     if not isinstance(metric, str) or metric not in METRICS:
-        raise SpecError("join.metric", f"unknown metric {_short(metric)}; expected one of {sorted(METRICS)}")
-    return JoinSpec(
-        metric=metric,
-        k=_integer(values["k"], "join.k", low=K_MIN, high=K_MAX),
-        mode=_text(values["mode"], "join.mode"),
-        direction=_text(values["direction"], "join.direction", optional=True),
-        join_type=_text(values["join_type"], "join.join_type"),
-        distance_col=_text(values["distance_col"], "join.distance_col", optional=True),
-        backend=_text(values["backend"], "join.backend"),
-        precision=_text(values["precision"], "join.precision"),
-        broadcast_limit_bytes=_integer(
-            values["broadcast_limit_bytes"], "join.broadcast_limit_bytes", low=0, optional=True
-        ),
-        query_block_rows=_integer(
-            values["query_block_rows"], "join.query_block_rows", low=1, optional=True
-        ),
-        target_block_rows=_integer(
-            values["target_block_rows"], "join.target_block_rows", low=1, optional=True
-        ),
-    )
+        raise SpecError("join.metric", f"unknown metric {short(metric)}; expected one of {sorted(METRICS)}")
+    # The library validates its own options; the spec only renames k.
+    arguments = {("num_results" if key == "k" else key): value
+                 for key, value in values.items() if key != "metric"}
+    try:
+        options = JoinOptions(**arguments)
+    except (ArgumentError, ArgumentTypeError) as exc:
+        raise SpecError(option_key(exc.argument), exc.problem) from None
+    except NearestByJoinError as exc:
+        raise SpecError(option_key(exc.argument), str(exc)) from None
+    return JoinSpec(metric=metric, options=options)
 
 
 def _output(values: dict[str, Any]) -> OutputSpec:
@@ -545,10 +520,10 @@ def _output(values: dict[str, Any]) -> OutputSpec:
         )
     mode = values["mode"]
     if mode not in WRITE_MODES:
-        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {_short(mode)}")
+        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {short(mode)}")
     include_vectors = values["include_vectors"]
     if not isinstance(include_vectors, bool):
-        raise SpecError("output.include_vectors", f"expected true or false, got {_describe(include_vectors)}")
+        raise SpecError("output.include_vectors", f"expected true or false, got {describe(include_vectors)}")
     return OutputSpec(
         path=local_path(path),
         mode=mode,
@@ -567,7 +542,7 @@ def _spark_settings(value: Any, key: str) -> dict[str, str]:
         if not isinstance(name, str) or not (name == "master" or name.startswith("spark.")):
             raise SpecError(f"{key}.{name}", "Spark settings are 'master' or names starting with 'spark.'")
         if isinstance(setting, (dict, list)) or setting is None:
-            raise SpecError(f"{key}.{name}", f"expected a scalar value, got {_describe(setting)}")
+            raise SpecError(f"{key}.{name}", f"expected a scalar value, got {describe(setting)}")
         # Spark wants strings; YAML booleans must become Spark's lower-case spelling.
         result[name] = str(setting).lower() if isinstance(setting, bool) else str(setting)
     return result
@@ -598,7 +573,7 @@ def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
         Naming the first bad key; nothing is read or written.
     """
     if not isinstance(document, dict):
-        raise SpecError(source, f"a job spec is a YAML mapping, got {_describe(document)}")
+        raise SpecError(source, f"a job spec is a YAML mapping, got {describe(document)}")
     _check_known(document, _TOP_KEYS, "")
     query = _input(_section(document, "query", _SIDE_KEYS), "query")
     target = _input(_section(document, "target", _SIDE_KEYS), "target")
@@ -608,7 +583,7 @@ def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
     settings.update(_spark_settings(document.get("spark"), "spark"))
     name = document.get("name") or Path(source).stem
     if not isinstance(name, str):
-        raise SpecError("name", f"expected a string, got {_describe(name)}")
+        raise SpecError("name", f"expected a string, got {describe(name)}")
     return JobSpec(
         name=name, source=source, query=query, target=target, join=join, output=output,
         spark_profile=profile, spark_settings=settings, document=document,
@@ -621,7 +596,7 @@ def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> Jo
     Examples
     --------
     >>> spec = load_spec("conf/demo.yaml", ["join.k=3"])  # doctest: +SKIP
-    >>> spec.join.k  # doctest: +SKIP
+    >>> spec.join.options.num_results  # doctest: +SKIP
     3
     """
     source = str(path)
@@ -629,7 +604,7 @@ def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> Jo
     if document is None:
         raise SpecError(source, "the file is empty")
     if not isinstance(document, dict):
-        raise SpecError(source, f"a job spec is a YAML mapping, got {_describe(document)}")
+        raise SpecError(source, f"a job spec is a YAML mapping, got {describe(document)}")
     return parse_spec(apply_overrides(document, list(overrides or [])), source)
 
 

@@ -243,7 +243,8 @@ BAD_SPECS = [
     ("missing input path", lambda d: d["query"].update(path="/nonexistent/query"),
      "query.path: does not exist: '/nonexistent/query'"),
     ("wrong vector type", lambda d: d["target"].update(vector="ivec"),
-     "target.vector: column 'ivec' has type array<int>; expected array<float>, array<double>"),
+     "target.vector: target column 'ivec': expected array<float>, array<double> or a dense "
+     "pyspark.ml VectorUDT, got array<int>"),
     ("missing vector column", lambda d: d["query"].update(vector="embedding"),
      "query.vector: column 'embedding' not found"),
     ("missing payload column", lambda d: d["target"].update(columns=["id", "colour"]),
@@ -254,7 +255,8 @@ BAD_SPECS = [
     ("bad join type", lambda d: d["join"].update(join_type="full_outer"),
      "join.join_type: [NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE] Invalid nearest-by join. "
      "Unsupported nearest-by join type full_outer"),
-    ("bad backend", lambda d: d["join"].update(backend="tpu"), "join.backend: backend: expected one of"),
+    ("bad backend", lambda d: d["join"].update(backend="tpu"),
+     "join.backend: expected one of ['auto', 'cpu', 'gpu', 'reference'], got 'tpu'"),
 ]
 
 

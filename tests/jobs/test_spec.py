@@ -53,9 +53,10 @@ def test_valid_spec_gets_defaults(inputs):
     assert spec.query.paths == (str(inputs / "in" / "query"),)
     assert (spec.query.where, spec.query.columns, spec.query.prefix) == (None, None, "")
     assert spec.target.prefix == "t_"
-    assert (spec.join.metric, spec.join.k, spec.join.mode, spec.join.join_type) == (
+    options = spec.join.options
+    assert (spec.join.metric, options.num_results, options.mode, options.join_type) == (
         "cosine", 4, "exact", "inner")
-    assert spec.join.distance_col is None and spec.join.backend == "auto"
+    assert options.distance_col is None and options.backend == "auto" and options.precision == "auto"
     assert spec.output.mode == "error-if-exists"
     assert spec.output.partition_by == () and spec.output.num_files is None
     assert spec.output.include_vectors is False
@@ -88,10 +89,17 @@ BAD = [
     ("unknown metric", lambda d: {**d, "join": {"metric": "manhattan"}}, "join.metric",
      "unknown metric 'manhattan'"),
     ("k zero", lambda d: {**d, "join": {"metric": "l2", "k": 0}}, "join.k", "between 1 and 100000"),
-    ("k too big", lambda d: {**d, "join": {"metric": "l2", "k": 100_001}}, "join.k", "got 100001"),
+    ("k too big", lambda d: {**d, "join": {"metric": "l2", "k": 100_001}}, "join.k",
+     "NUM_RESULTS_OUT_OF_RANGE] Invalid nearest-by join. The number of results 100001 must be"),
     ("k string", lambda d: {**d, "join": {"metric": "l2", "k": "10"}}, "join.k",
-     "expected an integer, got str '10'"),
-    ("k bool", lambda d: {**d, "join": {"metric": "l2", "k": True}}, "join.k", "expected an integer"),
+     "expected an int between 1 and 100000, got str '10'"),
+    ("k bool", lambda d: {**d, "join": {"metric": "l2", "k": True}}, "join.k", "expected an int"),
+    ("bad precision", lambda d: {**d, "join": {"metric": "l2", "precision": "fp16"}}, "join.precision",
+     "expected one of ['auto', 'fp32', 'tf32', 'bf16'], got 'fp16'"),
+    ("bad join type", lambda d: {**d, "join": {"metric": "l2", "join_type": "full"}}, "join.join_type",
+     "UNSUPPORTED_JOIN_TYPE"),
+    ("zero block rows", lambda d: {**d, "join": {"metric": "l2", "query_block_rows": 0}},
+     "join.query_block_rows", "expected None or an int between 1 and 16777215, got 0"),
     ("typo", lambda d: {**d, "join": {"metric": "l2", "kk": 3}}, "join.kk", "did you mean join.k?"),
     ("top-level typo", lambda d: {**d, "outptu": {}}, "outptu", "did you mean output?"),
     ("write mode", lambda d: {**d, "output": {"path": "/tmp/x", "mode": "append"}}, "output.mode",
@@ -195,7 +203,7 @@ def test_messages_describe_a_huge_value_briefly(inputs):
         parse_spec({**_document(inputs), "join": {"metric": "l2", "k": huge}})
     assert time.perf_counter() - start < 1.0
     assert info.value.key == "join.k"
-    assert info.value.message.startswith("expected an integer, got list of 9 items [[[...], ")
+    assert info.value.message.startswith("expected an int between 1 and 100000, got list of 9 items [[[...], ")
     assert len(info.value.message) < 200
     with pytest.raises(SpecError, match=r"^join.metric: unknown metric 'x+\.\.\.x+'; expected") as info:
         parse_spec({**_document(inputs), "join": {"metric": "x" * 10**6}})
@@ -250,7 +258,7 @@ def test_overrides_apply_in_order_and_do_not_touch_the_input(inputs):
                                         "spark.spark.sql.shuffle.partitions=5"])
     assert result["join"]["k"] == 9 and document["join"]["k"] == 4
     spec = parse_spec(result)
-    assert spec.join.k == 9 and spec.output.num_files == 3
+    assert spec.join.options.num_results == 9 and spec.output.num_files == 3
     # spec settings win over the profile's; YAML ints become Spark strings
     assert spec.spark_settings["spark.sql.shuffle.partitions"] == "5"
     with pytest.raises(SpecError, match=r"^join.metric.x: cannot set it: join.metric is not a mapping"):
@@ -258,7 +266,7 @@ def test_overrides_apply_in_order_and_do_not_touch_the_input(inputs):
 
 
 def test_an_override_can_introduce_an_error_that_names_the_key(inputs):
-    with pytest.raises(SpecError, match=r"^join.k: must be between 1 and 100000, got 0"):
+    with pytest.raises(SpecError, match=r"^join.k: \[NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE\] .* 0 must be between 1 and 100000"):
         parse_spec(apply_overrides(_document(inputs), ["join.k=0"]))
 
 

@@ -1,0 +1,65 @@
+"""A batch job reads its inputs once for facts: one facts job serves the plan, the explanation
+and the summary (issue 21: it used to count each side, explain, then plan again)."""
+import json
+
+import nearest_join.join
+from jobs import runner
+from jobs.spec import SUMMARY_FILE, load_spec
+from nearest_join.planner import side_facts
+
+from .test_cli import QUERY_ROWS, TARGET_ROWS, job  # noqa: F401 - job is a fixture
+
+
+def _counting_side_facts(monkeypatch) -> list:
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return side_facts(*args, **kwargs)
+
+    monkeypatch.setattr(nearest_join.join, "side_facts", counted)
+    return calls
+
+
+def _spark_jobs(spark, group: str, fn):
+    """(fn's result, the Spark jobs it ran), through a job group of this thread."""
+    sc = spark.sparkContext
+    sc.setJobGroup(group, group)
+    try:
+        result = fn()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+        sc.setLocalProperty("spark.job.description", None)
+    return result, sorted(sc.statusTracker().getJobIdsForGroup(group))
+
+
+def test_prepare_runs_exactly_one_facts_job(job, spark, monkeypatch):  # noqa: F811
+    calls = _counting_side_facts(monkeypatch)
+    spec = load_spec(job.spec, [f"output.path={job.base / 'out'}"])
+    prepared, prepare_jobs = _spark_jobs(spark, "nj-test-prepare", lambda: runner.prepare(spec, spark))
+    assert len(calls) == 1
+    assert (prepared.query_rows, prepared.target_rows) == (QUERY_ROWS, TARGET_ROWS)
+    # The Spark jobs of reading, checking and planning are those of opening both inputs
+    # (Spark reads Parquet footers for the schema) and of one facts job, no more: no counts,
+    # no second facts job.
+    _, open_jobs = _spark_jobs(spark, "nj-test-open", lambda: [
+        runner._read_side(spark, side) for side in (spec.query, spec.target)])
+    _, facts_jobs = _spark_jobs(spark, "nj-test-facts", lambda: side_facts(
+        prepared.query, prepared.query_vector, prepared.target, prepared.target_vector))
+    assert len(facts_jobs) >= 1
+    assert len(prepare_jobs) == len(open_jobs) + len(facts_jobs), (prepare_jobs, open_jobs, facts_jobs)
+
+
+def test_a_run_plans_once_and_its_summary_uses_those_facts(job, spark, monkeypatch):  # noqa: F811
+    calls = _counting_side_facts(monkeypatch)
+    out = job.base / "out"
+    spec = load_spec(job.spec, [f"output.path={out}"])
+    summary = runner.run_job(spec, spark)
+    assert len(calls) == 1
+    assert summary["input_rows"] == {"query": QUERY_ROWS, "target": TARGET_ROWS}
+    written = json.loads((out / SUMMARY_FILE).read_text())
+    assert written["plan"]["query_rows"] == QUERY_ROWS and written["plan"]["target_rows"] == TARGET_ROWS
+    assert summary["output_rows"] == (QUERY_ROWS - 1) * spec.join.options.num_results  # one NaN query
+    # the default precision, and what it runs on each kind of executor
+    assert summary["precision"] == written["plan"]["precision"] == "auto"
+    assert summary["precision_runs"].startswith("auto: bf16 on GPUs of compute capability >= 8.0, fp32 on older")
