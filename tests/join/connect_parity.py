@@ -14,7 +14,7 @@ from pyspark.sql import functions as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
 from nearest_join.errors import NearestByJoinError  # noqa: E402
-from tests.join.helpers import assert_same_neighbours, group_rows  # noqa: E402
+from tests.oracle import assert_same_neighbours, group_rows  # noqa: E402
 
 
 def main() -> int:

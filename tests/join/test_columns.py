@@ -12,8 +12,7 @@ import pytest
 from pyspark.sql import functions as F
 
 from nearest_join import explain_nearest_join, nearest_by_join
-
-from .helpers import assert_same_neighbours, group_rows
+from tests.oracle import assert_same_neighbours, group_rows
 
 # Blocked with several blocks per side, so names also travel through the merge.
 PLANS = {"broadcast": {}, "blocked": dict(broadcast_limit_bytes=0, query_block_rows=2, target_block_rows=3)}

@@ -6,8 +6,7 @@ import pytest
 from pyspark.sql import functions as F
 
 from nearest_join import nearest_by_join
-
-from .helpers import assert_same_neighbours, group_rows
+from tests.oracle import assert_same_neighbours, group_rows
 
 FUNCTIONS = {
     "l2": (F.vector_l2_distance, "distance"),
