@@ -2,7 +2,7 @@
 
 The driver validates the arguments once into a :class:`~nearest_join.options.JoinOptions`,
 plans (:func:`plan_join`: one facts job) and builds a DataFrame; executors do the work in
-``udfs.blocks``; the numeric core is ``nearest_join.kernels``. No SparkContext, RDD or JVM
+``udfs`` (packing, the plan loops of ``udfs.blocks``, emission); the numeric core is ``nearest_join.kernels``. No SparkContext, RDD or JVM
 handle is touched, so the same code runs under classic PySpark and Spark Connect.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, FloatType, LongType, StructField, StructType
 
-from udfs import blocks
+from udfs import blocks, packing
 from udfs import columns as C
 from udfs.searcher import SearchSettings
 
@@ -255,9 +255,9 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     spark = query.sparkSession
     q_name, t_name = ranking.query_column, ranking.target_column
     settings = _search_settings(spark, ranking, planned.options)
-    q_layout = blocks.SideLayout(q_name, column_index(query, q_name), plan.dimension,
+    q_layout = packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
-    t_layout = blocks.SideLayout(t_name, column_index(target, t_name), plan.dimension,
+    t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
                                  plan.target_block_rows, expected_from=f"query column {quote(q_name)}")
     out_fields = list(query.schema.fields) + [
         StructField(f.name, f.dataType, True if plan.join_type == "leftouter" else f.nullable)
@@ -285,10 +285,10 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
         q_input = q_input.repartition(plan.query_partitions)
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
-    q_packed = (q_input.mapInArrow(functools.partial(blocks.pack_blocks, layout=q_layout), packed)
+    q_packed = (q_input.mapInArrow(functools.partial(packing.pack_blocks, layout=q_layout), packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_packed = (t_input.mapInArrow(functools.partial(blocks.pack_blocks, layout=t_layout), packed)
+    t_packed = (t_input.mapInArrow(functools.partial(packing.pack_blocks, layout=t_layout), packed)
                 .unionByName(empty)
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":

@@ -1,7 +1,7 @@
 """Row gathers over Arrow tables: the payload half of every plan.
 
 A top-k state refers to its payload rows as ``(source table, row)`` pairs and gathers them
-once, when its rows are emitted or shipped (see ``udfs.blocks.TopkState``). This module does
+once, when its rows are emitted or shipped (see ``udfs.topk.TopkState``). This module does
 those gathers:
 
 * vector columns (``list`` / ``large_list`` / ``fixed_size_list`` of float or double, no

@@ -5,8 +5,10 @@ import pytest
 
 from nearest_join.kernels import knn
 from udfs import columns as C
-from udfs.blocks import (JoinContext, SideLayout, TopkState, blob_to_table, local_join,
-                         pack_blocks)
+from udfs.blocks import JoinContext
+from udfs.local import local_join
+from udfs.packing import SideLayout, blob_to_table, pack_blocks
+from udfs.topk import TopkState
 from udfs.searcher import SearchSettings
 
 
@@ -96,7 +98,7 @@ def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatc
     the one-thread emission; a consumer that stops early leaves nothing running."""
     import threading
 
-    from udfs import blocks as B
+    from udfs import emit as B
 
     rng = np.random.default_rng(5)
     Q, T, qt, tt = _tables(rng, 40, 9, 3)
@@ -197,7 +199,7 @@ def test_state_blob_round_trip_and_absorb():
 
 
 def test_state_ships_each_payload_row_once_and_folds_many_blocks():
-    from udfs.blocks import MAX_SOURCES
+    from udfs.topk import MAX_SOURCES
 
     rng = np.random.default_rng(9)
     nq, k, d = 7, 4, 3
@@ -278,14 +280,16 @@ def test_combining_many_states_at_once_equals_folding_them_one_by_one(metric):
 def test_broadcast_refuses_pairs_that_do_not_arrive_grouped():
     """The broadcast plan's order check: a query block meeting a different set of target
     blocks, or one target block twice, is an internal error, never a silent wrong answer."""
-    from udfs.blocks import PACKED_SCHEMA, _pairs_batch, search_broadcast
+    from udfs.blocks import search_broadcast
+    from udfs.local import pair_batches
+    from udfs.packing import PACKED_SCHEMA
 
     rng = np.random.default_rng(5)
     _, _, qt, tt = _tables(rng, 8, 40, 3)
     ctx = _ctx(2, "l2", 3, 4, 20, schema=tt.schema)
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(), ctx.query, 0)), schema=PACKED_SCHEMA)
     t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(), ctx.target, 1)), schema=PACKED_SCHEMA)
-    pairs = list(_pairs_batch(q_packed, t_packed))          # 2 query blocks x 2 target blocks
+    pairs = list(pair_batches(q_packed, t_packed))          # 2 query blocks x 2 target blocks
     assert len(pairs) == 4
     assert sum(b.num_rows for b in search_broadcast(iter(pairs), ctx)) == 8 * 2
     with pytest.raises(RuntimeError, match="did not arrive together"):
@@ -298,7 +302,9 @@ def test_blocked_plan_ships_each_query_blocks_rows_once():
     """Stage 1 sends a query block's rows with its empty-target-block partial only; stage 2
     finds them wherever that partial comes in its group, and refuses a group without them
     (its rows would silently be missing from the output)."""
-    from udfs.blocks import PACKED_SCHEMA, _pairs_batch, empty_target_block, merge_partials, search_pairs
+    from udfs.blocks import merge_partials, search_pairs
+    from udfs.local import pair_batches
+    from udfs.packing import PACKED_SCHEMA, empty_target_block
 
     rng = np.random.default_rng(8)
     Q, T, qt, tt = _tables(rng, 30, 90, 4)
@@ -306,7 +312,7 @@ def test_blocked_plan_ships_each_query_blocks_rows_once():
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(), ctx.query, 0)), schema=PACKED_SCHEMA)
     t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(), ctx.target, 1)) + [empty_target_block()],
                                      schema=PACKED_SCHEMA)
-    partials = list(search_pairs(_pairs_batch(q_packed, t_packed), ctx))
+    partials = list(search_pairs(pair_batches(q_packed, t_packed), ctx))
     assert len(partials) == 3 * 4                    # 3 query blocks x (3 target blocks + empty)
     groups: dict[int, list] = {}
     for b in partials:

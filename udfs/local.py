@@ -1,0 +1,61 @@
+"""An in-process driver of the executor functions: Arrow tables in, joined rows out.
+
+:func:`local_join` packs, pairs and searches exactly as Spark feeds the functions of
+``udfs.packing`` and ``udfs.blocks``, without Spark (tests, GPU benchmarks).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pyarrow as pa
+
+from . import columns as C
+from .blocks import JoinContext, merge_partials, search_broadcast, search_pairs
+from .packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
+
+
+def pair_batches(q_packed: pa.Table, t_packed: pa.Table) -> Iterator[pa.RecordBatch]:
+    for qi in range(q_packed.num_rows):
+        for ti in range(t_packed.num_rows):
+            yield pa.RecordBatch.from_pydict({
+                C.Q_BLOCK_ID: [q_packed.column(0)[qi].as_py()],
+                C.Q_BLOB: [q_packed.column(1)[qi].as_py()],
+                C.T_BLOCK_ID: [t_packed.column(0)[ti].as_py()],
+                C.T_BLOB: [t_packed.column(1)[ti].as_py()],
+            }, schema=pa.schema([(C.Q_BLOCK_ID, pa.int64()), (C.Q_BLOB, pa.binary()),
+                                 (C.T_BLOCK_ID, pa.int64()), (C.T_BLOB, pa.binary())]))
+
+
+
+def local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str = "broadcast",
+               partitions: int = 1) -> pa.Table:
+    """Run the executor functions in-process on Arrow tables, as Spark would feed them.
+
+    ``partitions`` splits each side into that many packing tasks. Returns the joined rows
+    with the positional output names.
+    """
+    def pack(table: pa.Table, layout: SideLayout) -> pa.Table:
+        out = []
+        bounds = np.linspace(0, table.num_rows, partitions + 1).astype(int)
+        for p in range(partitions):
+            part = table.slice(bounds[p], bounds[p + 1] - bounds[p])
+            out.extend(pack_blocks(part.to_batches(max_chunksize=1000), layout, partition=p))
+        return pa.Table.from_batches(out, schema=PACKED_SCHEMA)
+
+    q_packed = pack(query, ctx.query)
+    t_packed = pa.concat_tables([pack(target, ctx.target),
+                                 pa.Table.from_batches([empty_target_block()])])
+    if plan == "broadcast":
+        out = list(search_broadcast(pair_batches(q_packed, t_packed), ctx))
+    elif plan == "blocked":
+        partial = list(search_pairs(pair_batches(q_packed, t_packed), ctx))
+        groups: dict[int, list[pa.RecordBatch]] = {}
+        for b in partial:
+            groups.setdefault(b.column(0)[0].as_py(), []).append(b)
+        out = [b for key, bs in groups.items() for b in merge_partials((key,), bs, ctx)]
+    else:
+        raise ValueError(f"plan: expected 'broadcast' or 'blocked', got {plan!r}")
+    if not out:
+        return None
+    return pa.Table.from_batches(out)
