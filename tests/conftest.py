@@ -1,6 +1,7 @@
-"""One SparkSession for the whole test run (local[2], UI off, few shuffle partitions).
+"""One SparkSession for the whole test run (local[2], UI off, few shuffle partitions), and the
+subprocess suites that run beside the main run (tests/background.py).
 
-Kernel tests never touch it: the fixture is created only when a test asks for ``spark``.
+Kernel tests never touch the session: the fixture is created only when a test asks for ``spark``.
 """
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import os
 import sys
 
 import pytest
+
+from tests import background
 
 # Spark's Python workers must run this interpreter (the one with numpy/numba/pyarrow).
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -33,3 +36,33 @@ def spark():
     session.sparkContext.setLogLevel("ERROR")
     yield session
     session.stop()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """Start the background suites of the selected tests (after -k / -m deselection: trylast)
+    and run those tests last, in the order their suites run."""
+    waiting = [item for item in items if background.is_background(item)]
+    if not waiting or config.option.collectonly:
+        return
+    background.start([background.name_of(item) for item in waiting if not background.will_skip(item)])
+    waiting.sort(key=lambda item: background.rank(background.name_of(item)))
+    items[:] = [item for item in items if not background.is_background(item)] + waiting
+
+
+def pytest_sessionfinish(session, exitstatus):
+    background.stop()
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = background.summary()
+    if lines:
+        terminalreporter.write_sep("-", "background suites (ran beside the main run)")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+@pytest.fixture
+def background_result(request) -> background.Suite:
+    """The finished suite named by the test's ``background`` marker."""
+    return background.result(background.name_of(request.node))

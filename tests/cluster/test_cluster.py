@@ -1,19 +1,23 @@
-"""Distributed and fault tests on Spark's local-cluster master (two executor JVMs)."""
+"""Distributed and fault tests on Spark's local-cluster master (two executor JVMs), in a
+process of their own (cluster_join.py) started beside the main run (tests/background.py)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 
+from tests import background
+
 pytestmark = pytest.mark.cluster
 
+background.register("local-cluster", [sys.executable, os.path.join(os.path.dirname(__file__), "cluster_join.py")],
+                    timeout=1200)
 
-def test_join_on_two_executors_and_after_losing_one():
-    script = os.path.join(os.path.dirname(__file__), "cluster_join.py")
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable)
-    proc = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+
+@pytest.mark.background("local-cluster")
+def test_join_on_two_executors_and_after_losing_one(background_result):
+    proc = background_result
+    assert proc.returncode == 0, proc.tail()
     for check in ("two-executors", "broadcast-plan", "blocked-plan", "executor-killed-mid-join"):
         assert f"{check} OK" in proc.stdout, proc.stdout

@@ -5,27 +5,25 @@ OpenBLAS picks its sgemm kernel at load time: the AVX-512 one by itself on this 
 the Haswell one where ``OPENBLAS_CORETYPE=Haswell`` is set (some machines set it because older
 builds fail on their CPUs). The kernels round differently (Haswell rounds a column by its
 position), and the CPU backend must be exact under either, so the checks run in a subprocess
-per setting; the suite itself never depends on what the environment sets.
+per setting (started beside the main run: tests/background.py); the suite itself never depends
+on what the environment sets.
 """
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
-from nearest_join.kernels import cpu
-from tests import adversarial
+from nearest_join.kernels import cpu, knn
+from tests import adversarial, background
+from tests.oracle import assert_true_topk, backend_rtol
 
-REPO = Path(__file__).resolve().parents[2]
 KS = (1, 10, 100)
 CASES = adversarial.cases()
-RTOL = {"cpu": cpu.RANK_TOLERANCE, "reference": 1e-12}
+RTOL = {name: backend_rtol(name) for name in ("cpu", "reference")}
 
 
 def _larger_cases():
@@ -47,7 +45,7 @@ def check_cases(cases, backend: str = "cpu", threads: int = 2) -> list[str]:
                                       threads=threads) if backend == "cpu" else \
                     knn(case.queries, case.targets, k, metric, backend=backend)
                 try:
-                    adversarial.assert_true_topk(case.queries, case.targets, k, metric, values,
+                    assert_true_topk(case.queries, case.targets, k, metric, values,
                                                  indices, RTOL[backend], case=case.name)
                 except AssertionError as exc:
                     failures.append(str(exc).splitlines()[0])
@@ -76,22 +74,35 @@ def test_cpu_on_one_thread():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("coretype", [None, "Haswell"], ids=["blas-default", "blas-haswell"])
-def test_exact_under_each_blas_kernel(coretype):
+_CHILD = (
+    "import json\n"
+    "from tests.kernels import test_exactness as t\n"
+    "fails = t.check_cases(t.CASES + t._larger_cases())\n"
+    "print(json.dumps({'blas': t._blas_report(), 'failures': fails}))\n"
+)
+_BLAS_SETTINGS = {"blas-default": None, "blas-haswell": "Haswell"}
+
+
+def _register_blas_suites() -> None:
+    """One fresh interpreter per kernel selection (tests/background.py runs them beside the
+    main run): OPENBLAS_CORETYPE is removed from the child's environment, then set or not."""
+    for name, coretype in _BLAS_SETTINGS.items():
+        background.register(name, [sys.executable, "-c", _CHILD],
+                            env={"OPENBLAS_CORETYPE": coretype} if coretype else {},
+                            unset=("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"), timeout=900)
+
+
+_register_blas_suites()
+
+
+@pytest.mark.parametrize("coretype", [
+    pytest.param(coretype, id=name, marks=pytest.mark.background(name))
+    for name, coretype in _BLAS_SETTINGS.items()])
+def test_exact_under_each_blas_kernel(coretype, background_result):
     """The same checks in a fresh interpreter per kernel selection; the child reports the
     kernel OpenBLAS actually loaded, so a setting that did not take effect fails here."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
-    if coretype:
-        env["OPENBLAS_CORETYPE"] = coretype
-    script = (
-        "import json, sys\n"
-        "from tests.kernels import test_exactness as t\n"
-        "fails = t.check_cases(t.CASES + t._larger_cases())\n"
-        "print(json.dumps({'blas': t._blas_report(), 'failures': fails}))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = background_result
+    assert done.returncode == 0, done.tail()
     report = json.loads(done.stdout.strip().splitlines()[-1])
     architectures = {str(a).lower() for a in report["blas"].values()}
     if coretype:
@@ -118,7 +129,7 @@ def test_checker_rejects_a_wrong_answer():
     indices = np.argsort(expansion, axis=1, kind="stable")[:, :10].astype(np.int64)
     values = np.sqrt(np.maximum(np.take_along_axis(expansion, indices, axis=1), 0)).astype(np.float32)
     with pytest.raises(AssertionError, match="rows wrong"):
-        adversarial.assert_true_topk(q, t, 10, "l2", values, indices, cpu.RANK_TOLERANCE)
+        assert_true_topk(q, t, 10, "l2", values, indices, cpu.RANK_TOLERANCE)
 
 
 def test_extreme_magnitudes_keep_every_row_and_overflow_only_past_float32():

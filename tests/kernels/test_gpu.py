@@ -1,23 +1,19 @@
 """The gpu backend against the float64 reference.
 
-Here (no GPU): the torch path on CPU tensors, the fused Triton kernel under
-``TRITON_INTERPRET=1`` (in a subprocess, so the variable never reaches other tests), and the
-backend's refusal. On a CUDA machine (``-m gpu``): the full matrix of metrics x precisions x
+Here (no GPU): the torch path on CPU tensors, the fused Triton kernels under
+``TRITON_INTERPRET=1`` (the modules of ``tests/kernels/interp``, run in one subprocess so the
+variable never reaches other tests), and the backend's refusal. On a CUDA machine (``-m gpu``): the full matrix of metrics x precisions x
 k x data, with near-tie (clustered) data, poisoned kernel buffers and fresh data per check.
 
-Every comparison is tie-aware: a returned index may differ from the reference's only where
-its exact (float64) score equals the reference's score at that slot within the float32
-tolerance of ``nearest_join.kernels.gpu.value_tolerance``. Distances are compared squared: the
-square root halves relative errors and would hide a wrong ranking of close pairs.
+Every result goes through the tests' one oracle (:func:`check_result`, which is
+:func:`tests.oracle.assert_knn_result` at ``nearest_join.kernels.gpu.RTOL``): the true top k
+of the float64 difference form, ties within that tolerance, squared distances compared.
 """
 from __future__ import annotations
 
 import importlib.util
 import math
-import os
-import subprocess
 import sys
-import textwrap
 import zlib
 from pathlib import Path
 
@@ -25,7 +21,8 @@ import numpy as np
 import pytest
 
 from nearest_join.kernels import knn, resolve_metric
-from nearest_join.kernels.reference import knn_reference, scores_float64
+from tests import background
+from tests.oracle import assert_knn_result, backend_rtol
 
 try:
     import torch
@@ -55,67 +52,11 @@ def make_data(kind: str, nq: int, nt: int, d: int, seed: int):
     return q.astype(np.float32), t.astype(np.float32)
 
 
-def _tolerance(q, t, metric: str) -> np.ndarray:
-    """Per-query absolute tolerance on the ranking value (squared distance or similarity)."""
-    from nearest_join.kernels.gpu import value_tolerance
-
-    tol = value_tolerance(q.shape[1])
-    if metric in ("l2", "sqeuclidean"):
-        return None  # relative, applied per slot
-    if metric == "cosine":
-        return np.full(q.shape[0], 4 * tol + 8 * 2.0 ** -24)
-    qn = np.linalg.norm(q.astype(np.float64), axis=1)
-    tn = np.linalg.norm(t.astype(np.float64), axis=1).max() if len(t) else 0.0
-    return 4 * tol * qn * tn
-
-
-def check_result(q, t, k, metric, values, indices) -> int:
-    """Assert the contract against the float64 reference; return the number of near-tie swaps."""
-    from nearest_join.kernels.gpu import value_tolerance
-
-    m = resolve_metric(metric)
-    values = np.asarray(values)
-    indices = np.asarray(indices)
-    assert values.dtype == np.float32 and indices.dtype == np.int64
-    assert values.shape == indices.shape == (q.shape[0], k)
-    ref_v, ref_i = knn_reference(q, t, k, m)
-    np.testing.assert_array_equal(indices < 0, ref_i < 0, err_msg="empty slots differ")
-    assert np.all(values[indices < 0] == m.worst)
-    valid = indices >= 0
-    for row in range(q.shape[0]):
-        picked = indices[row][valid[row]]
-        assert len(np.unique(picked)) == len(picked), f"row {row}: duplicate targets {picked}"
-    # Exact float64 scores of what was returned, and of the reference's choice.
-    scores = scores_float64(q, t, m)
-    if metric == "l2":
-        scores = scores ** 2           # compare squared distances (see the module notes)
-        ref_rank = ref_v.astype(np.float64) ** 2
-        got_val = values.astype(np.float64) ** 2
-    else:
-        ref_rank = ref_v.astype(np.float64)
-        got_val = values.astype(np.float64)
-    got_exact = np.where(valid, np.take_along_axis(scores, np.maximum(indices, 0), 1), 0.0)
-    ref_rank = np.where(valid, ref_rank, 0.0)
-    got_val = np.where(valid, got_val, 0.0)
-    if metric in ("l2", "sqeuclidean"):
-        rel = 4 * value_tolerance(q.shape[1]) + 8 * 2.0 ** -24
-        tol = rel * np.maximum(np.abs(ref_rank), np.abs(got_exact)) + 1e-30
-    else:
-        tol = np.broadcast_to(_tolerance(q, t, metric)[:, None], values.shape)
-    # The k-th best exact score must be as good as the reference's, slot by slot.
-    bad = valid & (np.abs(got_exact - ref_rank) > tol)
-    assert not bad.any(), (
-        f"{int(bad.sum())} slots rank a target whose exact score is off the reference's by more "
-        f"than the float32 tolerance; first at {np.argwhere(bad)[0]}: got index "
-        f"{indices[bad][0]} score {got_exact[bad][0]!r}, reference index {ref_i[bad][0]} score "
-        f"{ref_rank[bad][0]!r}")
-    off = valid & (np.abs(got_val - got_exact) > tol)
-    assert not off.any(), f"{int(off.sum())} returned values differ from their pair's exact score"
-    # Best first within each row (allowing float32-level near ties).
-    sign = -1.0 if m.descending else 1.0
-    steps = sign * np.diff(got_exact, axis=1)
-    assert np.all((steps >= -tol[:, 1:]) | ~valid[:, 1:]), "rows are not sorted best first"
-    return int((indices != ref_i).sum())
+def check_result(q, t, k, metric, values, indices) -> None:
+    """The oracle's check (:func:`tests.oracle.assert_knn_result`) at the tolerance the gpu
+    backend declares (``nearest_join.kernels.gpu.RTOL``)."""
+    assert_knn_result(q, t, k, metric, np.asarray(values), np.asarray(indices), backend_rtol("gpu"),
+                      case=f"gpu {q.shape} x {t.shape}")
 
 
 # ----------------------------------------------------------------------------- no GPU needed
@@ -595,297 +536,33 @@ def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch)
     assert not tr.has_tma(torch.device("cpu"))
 
 
-# The start of every interpreter script (run with TRITON_INTERPRET=1 in a subprocess).
+# What an interpreter script of another module execs first (tests/kernels/test_gpu_exactness.py):
+# the interpreter patch (importing tests.kernels.interp applies it) and the names it uses.
 _INTERPRETER_PRELUDE = """
 import numpy as np, torch
-import triton.runtime.interpreter as interp
-# triton 3.6's interpreter turns scalar arguments into 1-element arrays; numpy >= 2.4 no
-# longer converts those with int(): index them explicitly.
-_patch = interp._patch_lang_tensor
-def _patched(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-interp._patch_lang_tensor = _patched
-
+import tests.kernels.interp
 from nearest_join.kernels import _gpu_torch as gt, _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data
 """
 
-_INTERPRETER_SCRIPT = _INTERPRETER_PRELUDE + """
-tr.POISON_BUFFERS = True
-# Tiny tiles make segments of 2+ tiles (203 targets: up to 3 segments; 603: up to 9).
-tr.SEGMENT_MIN_TILES = 2
 
-import sys
-KERNEL = sys.argv[1]
-SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
-
-SEEDS = []   # the seeds exact_topk's widening rounds passed
-
-def small(q, t, n_cand, seed=None, lower=False):
-    # Tiny tiles so that 203 targets make several tiles and splits; every path is taken.
-    if seed is not None:
-        SEEDS.append(seed)
-    cap = max(64, gt.next_pow2(n_cand + 32))
-    if KERNEL == "segmented":   # 8-long lists per segment; the buffer kernel where too few
-        return tr.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed, lower=lower)
-    if KERNEL == "rowlist" and n_cand <= 32:
-        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
-    else:
-        cfg = tr.TileConfig(16, 32, cap, 4, pipelined=KERNEL != "legacy")
-    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
-
-def check_seeded(qs, ts, n_cand, gen):
-    # Seeds: +inf, midway between the 3rd and 4th best keys and between the 12th and 13th,
-    # below every key (midway: the kernel's float32 keys differ from these by rounding).
-    # Each row's list must hold the n_cand best targets with key <= seed (all of them when
-    # fewer) and nothing else; every target left out must have key >= floor (to rounding),
-    # and a row with room left must have a floor above its seed.
-    ref = (ts.bias[None, :] - gt.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)).float()
-    tol = 1e-5 * float(ref.abs().max())
-    ordered = torch.sort(ref, dim=1).values
-    m = ref.shape[0]
-    seed = torch.full((m,), float("inf"))
-    seed[1::4] = (ordered[1::4, 2] + ordered[1::4, 3]) / 2
-    seed[2::4] = (ordered[2::4, 11] + ordered[2::4, 12]) / 2
-    seed[3::4] = ordered[3::4, 0] - 1.0
-    keys, idx, floor = gen(qs, ts, n_cand, seed)
-    for r in range(m):
-        allowed = (ref[r] <= seed[r]).nonzero().flatten()
-        got = idx[r][idx[r] >= 0]
-        assert set(got.tolist()) <= set(allowed.tolist()), r
-        if KERNEL != "segmented":   # segments may hold back more (their floors say so)
-            assert got.numel() == min(n_cand, allowed.numel()), (r, got.numel(), allowed.numel())
-        left = torch.ones(ref.shape[1], dtype=torch.bool)
-        left[got] = False
-        assert bool((ref[r][left] >= floor[r] - tol).all()), r
-        if got.numel() < n_cand and torch.isfinite(seed[r]):
-            assert floor[r] > seed[r] or KERNEL == "segmented", (r, float(floor[r]), float(seed[r]))
-            if KERNEL != "segmented":
-                assert set(got.tolist()) == set(allowed.tolist()), r
-    return len(SEEDS)
-
-def prepared(q, t, metric, precision):
-    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
-            gt.prepare_side(torch.from_numpy(t), metric, precision))
-
-cases = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
-         ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
-for n, (metric, precision, kind, k) in enumerate(cases):
-    q, t = make_data(kind, 21, 203, 33, n)
-    qs, ts = prepared(q, t, metric, precision)
-    # The kernel's candidate keys equal the torch path's exactly computed keys.
-    keys, idx, _ = small(qs, ts, 16)
-    ref = ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T)
-    order = torch.sort(ref.float(), dim=1, stable=True)
-    if kind == "gaussian":  # no near ties: the same order as float64 keys
-        assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
-    # Lower keys (EXACT mode's per-target bound): each 16-row program reads its row of the
-    # bias table; the keys are that table's, to float32 rounding, and never above the
-    # per-row lower keys of the torch path (the table's levels only lower them).
-    keys, idx, _ = small(qs, ts, 16, lower=True)
-    table, level = gt.lower_bias_table(qs, ts, 16, gt.lower_levels(16))
-    prod = qs.operand.double() @ ts.operand.double().T
-    lower = table.double()[level.long().repeat_interleave(16)[:21]] - gt.key_alpha(metric) * prod
-    q_w, t_w = gt.lower_key_weights(qs, ts)
-    per_row = ref - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
-    tol = 1e-5 * float(ref.abs().max())
-    assert bool((lower <= per_row + tol).all()), metric
-    assert (idx >= 0).all() and torch.allclose(keys.double(), torch.gather(lower, 1, idx), rtol=1e-5, atol=tol), metric
-    if kind == "gaussian":
-        assert torch.equal(idx[:, :8], torch.sort(lower.float(), dim=1, stable=True).indices[:, :8]), metric
-    # Half the cases rank by the lower key (EXACT bf16's default).
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values,
-                         seeded=True, lower=n % 2 == 1)
-    check_result(q, t, k, metric, v.numpy(), i.numpy())
-
-if KERNEL in ("rowlist", "segmented"):
-    # Seeded lists (the widening rounds' limit): fp32 keys, so the reference order is exact.
-    q, t = make_data("gaussian", 12, 203, 33, 21)
-    qs, ts = prepared(q, t, "l2", "fp32")
-    check_seeded(qs, ts, 16, small)
-    # exact_topk passes seeds in its widening rounds: a first list too short to prove the
-    # clustered rows (near ties within the bf16 error) makes them widen, seeded.
-    q, t = make_data("clustered", 21, 203, 33, 22)
-    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
-    before = len(SEEDS)
-    v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
-    check_result(q, t, 5, "sqeuclidean", v.numpy(), i.numpy())
-    assert len(SEEDS) > before, "no widening round: the seeded path went untested"
-    cases.append("seeded")
-
-if KERNEL in ("rowlist", "segmented"):
-    # Target tiles by tensor descriptor (TMA on a GPU; tr.TMA_DEVICES): d=40 rows are 16-byte
-    # aligned in bf16 and float32, so the descriptor form runs here (d=33 above does not). Its
-    # lists must be the pointer form's (keys to float32 rounding: the interpreter may sum the
-    # products in another order): plain lists, lower keys (bf16) and seeded lists (fp32).
-    for n, (metric, precision) in enumerate((("l2", "fp32"), ("sqeuclidean", "bf16"), ("inner_product", "tf32"))):
-        q, t = make_data("gaussian", 21, 203, 40, 30 + n)
-        qs, ts = prepared(q, t, metric, precision)
-        ordered = torch.sort(ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T),
-                             dim=1).values
-        seed = torch.full((21,), float("inf"))
-        seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]   # midway: no key at the seed
-        for kw in [{}] + [{"lower": True}] * (precision == "bf16") + [{"seed": seed}] * (precision == "fp32"):
-            got = {}
-            for form, devices in (("descriptor", {"cpu"}), ("pointer", set())):
-                tr.TMA_DEVICES = devices
-                assert isinstance(tr.target_descriptor(ts.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
-                got[form] = small(qs, ts, 16, **kw)
-            tr.TMA_DEVICES = {"cuda"}
-            (k1, i1, f1), (k2, i2, f2) = got["descriptor"], got["pointer"]
-            assert torch.equal(i1, i2), (metric, list(kw))
-            tol = 1e-5 * float(k2[torch.isfinite(k2)].abs().max())
-            assert torch.allclose(k1, k2, rtol=1e-5, atol=tol) and torch.allclose(f1, f2, rtol=1e-5, atol=tol)
-    cases.append("descriptor")
-
-if KERNEL == "rowlist":
-    # The re-rank kernel against the torch form: d within one chunk and over two, empty
-    # slots (NaN there), both value forms.
-    rng = np.random.default_rng(3)
-    for metric, d in (("sqeuclidean", 33), ("inner_product", 70), ("cosine", 16)):
-        q, t = make_data("gaussian", 37, 50, d, d)
-        qs, ts = prepared(q, t, metric, "fp32")
-        idx = torch.from_numpy(rng.integers(-1, 50, (37, 9)))
-        want = gt.exact_values(qs, ts, idx)
-        got = tr.triton_exact_values(qs, ts, idx[:, 2:])
-        assert torch.equal(torch.isnan(got), idx[:, 2:] < 0), metric
-        assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want[:, 2:]), rtol=1e-5, atol=1e-5), metric
-    # One long scan (128 tiles of 32, one split): late tiles mostly have no survivor or one
-    # per row, the paths the first tiles never take. The lists must be the exact 8 best.
-    # With and without the row-minimum test (skip_test): the same lists. Then exact ties:
-    # every target three times in a row (the copies meet in one tile or across a tile edge),
-    # so a list of 8 takes two triples and two of a third: the lower indices (tie rule).
-    q, t = make_data("gaussian", 16, 4096, 33, 7)
-    for name, targets in (("long scan", t), ("triples", np.repeat(t[:1365], 3, axis=0))):
-        qs, ts = prepared(q, targets, "l2", "fp32")
-        ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
-        want = torch.sort(ref, dim=1, stable=True).indices[:, :8]
-        for skip_test in (True, False):
-            cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2, skip_test=skip_test)
-            keys, idx, _ = tr.triton_candidates(qs, ts, 8, config=cfg, splits=1)
-            assert torch.equal(idx, want), (name, skip_test)
-    cases.append("long scan")
-
-if KERNEL == "segmented":
-    # 603 targets = 19 tiles; 8 segments (segment s: tiles s, s + 8, s + 16), 8-long lists,
-    # n_cand 32 (bf16, k=10).
-    # Crowding: each of queries 0-3 has 12 near targets inside one tile, so one segment holds
-    # them all and keeps only 8. The union's last key is far above theta + 2E (the plain
-    # rule would prove the row and miss some neighbours); the segment's floor must not.
-    # Spread ties: queries 4 and 5 have 36 targets at near-equal distances (1e-3 apart in
-    # squared distance, within bf16's error), 2 per tile in tiles 0-17, so at most 6 per
-    # segment: every segment list keeps its ties, but cutting the union to 32 drops 4, so
-    # only the first dropped key, not the segments' floors, keeps the row from being proven.
-    # A run: query 6 has 64 near targets (spread distances) stored together in tiles 14-17;
-    # strided segments give each of 4 segments 16 of them, and the row is proven at once
-    # (contiguous segments would crowd 48 into one and widen it).
-    rng = np.random.default_rng(11)
-    q = rng.standard_normal((16, 33)).astype(np.float32)
-    t = rng.standard_normal((603, 33)).astype(np.float32)
-    crowded, spread, run = [0, 1, 2, 3], [4, 5], 6
-    for j in crowded:
-        t[32 * (4 * j + 1):32 * (4 * j + 1) + 12] = q[j] + 0.3 * rng.standard_normal((12, 33))
-    for j, cols in zip(spread, ((20, 24), (28, 30))):
-        at = np.array([32 * m + c for m in range(18) for c in cols])
-        u = rng.standard_normal((len(at), 33))
-        u /= np.linalg.norm(u, axis=1, keepdims=True)
-        r = np.sqrt(4 + 1e-3 * rng.permutation(len(at)))
-        t[at] = q[j] + r[:, None] * u
-    at = np.array([32 * m + c for m in range(14, 18) for c in range(16)])
-    u = rng.standard_normal((len(at), 33))
-    u /= np.linalg.norm(u, axis=1, keepdims=True)
-    t[at] = q[run] + np.sqrt(4 + 0.5 * rng.permutation(len(at)))[:, None] * u
-    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
-    k = 10
-    n_cand = gt.candidate_width(k, "bf16")
-    assert tr.segment_count(16, 603, n_cand, SEGMENTED, 4) == 8
-    keys, idx, floor = small(qs, ts, n_cand)
-    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "sqeuclidean")
-    plain = gt.margin_holds(keys, bound, k)
-    proven = gt.margin_holds(keys, bound, k, floor)
-    ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
-    top = torch.sort(ref, dim=1, stable=True).indices[:, :k]
-    for j in crowded:
-        missing = set(top[j].tolist()) - set(idx[j].tolist())
-        assert plain[j] and missing and not proven[j], (j, missing, bool(proven[j]))
-    assert not proven[spread].any(), proven
-    assert proven[run:].all(), proven         # elsewhere the floor proves the rows
-    # Widening: 128 candidates need more segments than 603 targets allow -> buffer kernel.
-    assert tr.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values)
-    check_result(q, t, k, "sqeuclidean", v.numpy(), i.numpy())
-    cases.append("crowded")
-    # Two segments at least (config.segments), as the bf16 n_cand 32 default: the union of
-    # two 8-long lists is the 16-candidate list; exact through the re-ranked margin.
-    two = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, segments=2, extra_passes=2)
-    assert tr.segment_count(3, 603, 16, two, 4) == 2
-    q, t = make_data("gaussian", 3, 603, 33, 12)
-    qs, ts = prepared(q, t, "l2", "bf16")
-    keys, idx, floor = tr.triton_candidates(qs, ts, 16, config=two)
-    assert torch.isfinite(floor).all()
-    v, i = gt.exact_topk(qs, ts, 5, lambda a, b, n: tr.triton_candidates(a, b, n, config=two if n == 16 else None),
-                         max_candidates=256, values=tr.triton_exact_values)
-    check_result(q, t, 5, "l2", v.numpy(), i.numpy())
-print("interpreter ok", len(cases))
-"""
+background.register(
+    "triton-interpreter",
+    [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/kernels/interp"],
+    env={"TRITON_INTERPRET": "1"}, timeout=1200, junit=True)
 
 
-_TAIL_SCRIPT = _INTERPRETER_PRELUDE + """
-inf = float("inf")
-cases = [("l2", "bf16", 33, 16, 5), ("sqeuclidean", "tf32", 70, 32, 10),
-         ("inner_product", "bf16", 16, 8, 8), ("cosine", "fp32", 33, 16, 3), ("l2", "bf16", 33, 64, 20)]
-for n, (metric, precision, d, w, k) in enumerate(cases):
-    q, t = make_data("clustered", 19, 120, d, n)
-    t[60:90] = t[0:30]                     # exact duplicates: equal values tie by index
-    if metric == "inner_product":
-        q[5] = 0.0                         # every value +-0: the index decides
-    qs, ts = gt.prepare_side(torch.from_numpy(q), metric, precision), gt.prepare_side(torch.from_numpy(t), metric, precision)
-    keys, idx = gt.torch_candidates(qs, ts, w)
-    keys[0, w - 3:], idx[0, w - 3:] = inf, -1          # a short list (empty slots)
-    floor = keys[:, -1].clone()
-    floor[1] = inf                                     # a list of every target
-    floor[2] = keys[2, k - 1]                          # a floor that proves nothing
-    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)
-    v, i, limit, ok = tr.triton_exact_tail(qs, ts, keys, idx, floor, bound, k)
-    rv, ri = gt.rerank(qs, ts, keys, idx, bound, k, tr.triton_exact_values)
-    rlimit = gt.value_limit(rv[:, k - 1], bound, qs)
-    rok = gt.margin_holds(keys, bound, k, floor) | (floor > rlimit)
-    assert torch.equal(i, ri), (metric, (i != ri).nonzero()[:5])
-    assert torch.equal(v, rv), metric
-    assert torch.equal(limit, rlimit), metric
-    assert torch.equal(ok, rok) and bool(ok[1]) and not bool(ok[2]), (metric, ok, rok)
-    assert 0 < int(ok.sum()) < ok.numel() or metric == "cosine", (metric, ok)
-    # Through exact_topk: widening from w to 4w (the kernel again up to 64, then torch).
-    vv, ii = gt.exact_topk(qs, ts, k, gt.torch_candidates, values=tr.triton_exact_values,
-                           tail=tr.triton_exact_tail)
-    check_result(q, t, k, metric, vv.numpy(), ii.numpy())
-assert tr.triton_exact_tail(qs, ts, keys[:, :3], idx[:, :3], floor, bound, 5) is None   # shorter than k
-print("tail ok", len(cases))
-"""
-
-
+@pytest.mark.background("triton-interpreter")
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-def test_fused_exact_tail_under_the_triton_interpreter():
-    """triton_exact_tail equals the torch sequence it replaces (rerank, value_limit, the
-    margin tests), bit for bit under the interpreter: ties, empty slots, +-0 values, floors
-    of every kind; and exact_topk with it returns the exact top-k."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_TAIL_SCRIPT)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "tail ok 5" in proc.stdout
-
-
-@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-@pytest.mark.parametrize("kernel,n_cases", [("rowlist", 7), ("segmented", 7), ("pipelined", 4),
-                                            ("legacy", 4)])
-def test_fused_kernel_under_the_triton_interpreter(kernel, n_cases):
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT), kernel],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"interpreter ok {n_cases}" in proc.stdout
+def test_kernels_under_the_triton_interpreter(background_result):
+    """Every module of tests/kernels/interp (the fused kernels with tiny tiles, the fused
+    exact tail) in one pytest run under ``TRITON_INTERPRET=1``: one interpreter start for all
+    of them, started beside the main run (tests/background.py). Every test there must pass;
+    none may skip."""
+    report = background_result.junit()
+    assert background_result.returncode == 0, background_result.tail()
+    assert report["tests"] >= 40 and report["failures"] == report["errors"] == 0, report
+    assert report["skipped"] == 0, report
 
 
 # ----------------------------------------------------------------------------- on a GPU

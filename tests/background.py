@@ -1,0 +1,180 @@
+"""Subprocess suites that run beside the main pytest run.
+
+Some checks need a process of their own: the Triton interpreter (``TRITON_INTERPRET`` is read
+when triton loads), each OpenBLAS kernel selection (chosen when the library loads), Spark's
+local-cluster master and a Spark Connect server (neither can share a process with the suite's
+local[2] session). Each used to run in the test that checks it, so the main run waited for it.
+
+A test module registers such a suite at import (:func:`register`) and marks the test that
+checks it ``@pytest.mark.background("name")``. After collection, ``tests/conftest.py`` starts
+the suites of the selected tests, one at a time in registration order, on a worker thread, and
+moves their tests to the end of the run; each of those tests then waits for its suite's result
+(the ``background_result`` fixture) and asserts on it. So the suites overlap the main run: on
+2 cores the main run leaves one mostly idle (Spark's job start-ups, py4j round trips, Python
+loops), and the suites fill it. A suite whose test is deselected never starts; one still
+running when the session ends is killed.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The order the suites run in: the longest first, so the last to finish overlaps the main run.
+# A suite not named here runs after these.
+ORDER = ("triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+
+
+@dataclass
+class Suite:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    timeout: float
+    junit_path: str | None = None
+    # filled in when it has run
+    returncode: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    seconds: float = 0.0
+    started: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    process: subprocess.Popen | None = None
+
+    def tail(self, chars: int = 4000) -> str:
+        """The end of the suite's output, for assertion messages."""
+        return f"[{self.name}: rc {self.returncode}, {self.seconds:.0f} s]\n" + \
+            self.stdout[-chars:] + "\n--- stderr ---\n" + self.stderr[-chars:]
+
+    def junit(self) -> dict:
+        """tests / failures / errors / skipped of a pytest suite's JUnit report."""
+        assert self.junit_path and os.path.exists(self.junit_path), self.tail()
+        suite = ET.parse(self.junit_path).getroot()
+        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+
+
+_SUITES: dict[str, Suite] = {}
+_QUEUE: queue.Queue = queue.Queue()
+_WORKER: threading.Thread | None = None
+_LOCK = threading.Lock()
+_STOPPED = threading.Event()
+
+
+def register(name: str, argv: list[str], env: dict[str, str] | None = None,
+             unset: tuple[str, ...] = (), timeout: float = 900, junit: bool = False) -> None:
+    """Declare a suite: ``argv`` run from the repository root with this process's environment
+    less the variables in ``unset``, plus ``env`` (and PYTHONPATH pointing at the repository).
+    With ``junit``, the argv gets ``--junitxml=<file>`` appended (a pytest run) and
+    :meth:`Suite.junit` reads it."""
+    full_env = {k: v for k, v in os.environ.items() if k not in unset}
+    full_env.update(PYTHONPATH=str(REPO), PYSPARK_PYTHON=sys.executable)
+    full_env.update(env or {})
+    argv = list(argv)
+    junit_path = None
+    if junit:
+        junit_path = os.path.join(tempfile.mkdtemp(prefix=f"nj-{name}-"), "junit.xml")
+        argv.append(f"--junitxml={junit_path}")
+    _SUITES.setdefault(name, Suite(name, argv, full_env, timeout, junit_path))
+
+
+def _run(suite: Suite) -> None:
+    start = time.perf_counter()
+    try:
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            with _LOCK:
+                if _STOPPED.is_set():
+                    raise RuntimeError("the session ended before the suite started")
+                suite.process = subprocess.Popen(suite.argv, cwd=REPO, env=suite.env,
+                                                 stdout=out, stderr=err, text=True)
+            try:
+                suite.returncode = suite.process.wait(timeout=suite.timeout)
+            except subprocess.TimeoutExpired:
+                suite.process.kill()
+                suite.process.wait()
+                suite.returncode = -9
+                err.write(f"\n[killed after the suite's timeout of {suite.timeout:.0f} s]\n")
+            out.seek(0)
+            err.seek(0)
+            suite.stdout, suite.stderr = out.read(), err.read()
+    except Exception as exc:  # noqa: BLE001 (reported through the suite's test)
+        suite.returncode = -1
+        suite.stderr += f"\n[could not run: {exc!r}]"
+    finally:
+        suite.seconds = time.perf_counter() - start
+        suite.done.set()
+
+
+def _work() -> None:
+    while True:
+        suite = _QUEUE.get()
+        if suite is None:
+            return
+        _run(suite)
+
+
+def start(names) -> None:
+    """Queue the named suites (in :data:`ORDER`) on the worker thread."""
+    global _WORKER
+    with _LOCK:
+        for name in sorted(set(names), key=rank):
+            suite = _SUITES[name]
+            if not suite.started:
+                suite.started = True
+                _QUEUE.put(suite)
+        if _WORKER is None:
+            _WORKER = threading.Thread(target=_work, name="background-suites", daemon=True)
+            _WORKER.start()
+
+
+def rank(name: str) -> tuple[int, str]:
+    return (ORDER.index(name) if name in ORDER else len(ORDER), name)
+
+
+def result(name: str) -> Suite:
+    """The suite's result, waiting for it (and starting it first if nothing did)."""
+    if name not in _SUITES:
+        raise KeyError(f"no background suite {name!r} registered (known: {sorted(_SUITES)})")
+    start([name])
+    suite = _SUITES[name]
+    suite.done.wait()
+    return suite
+
+
+def stop() -> None:
+    """Kill a suite still running (its test was not reached), start no other, end the worker."""
+    with _LOCK:
+        _STOPPED.set()
+        for suite in _SUITES.values():
+            if suite.process is not None and suite.process.poll() is None:
+                suite.process.kill()
+    _QUEUE.put(None)
+
+
+def summary() -> list[str]:
+    """One line per suite that ran: name, exit status, seconds (its test's "setup" time in
+    --durations is only the wait for it)."""
+    return [f"{s.name}: rc {s.returncode}, {s.seconds:.1f} s" for s in
+            sorted(_SUITES.values(), key=lambda s: rank(s.name)) if s.done.is_set()]
+
+
+def is_background(item) -> bool:
+    return item.get_closest_marker("background") is not None
+
+
+def will_skip(item) -> bool:
+    """Whether a ``skipif`` mark with a plain condition skips the item (its suite need not run)."""
+    return any(bool(m.args[0]) for m in item.iter_markers("skipif")
+               if m.args and not isinstance(m.args[0], str))
+
+
+def name_of(item) -> str:
+    return item.get_closest_marker("background").args[0]

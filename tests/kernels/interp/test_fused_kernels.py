@@ -1,0 +1,260 @@
+"""The fused Triton kernels under the Triton interpreter, with tiny tiles (16 x 32) so that
+a few hundred targets make several tiles, splits and segments and every path is taken: their
+candidate keys equal the torch path's, their lower keys (EXACT mode's per-target bound) never
+exceed the per-row ones, exact_topk through them returns the exact top k, seeded lists hold
+what the seed allows, the tensor-descriptor (TMA) form equals the pointer form, the re-rank
+kernel equals the torch form, and a segment's floor keeps a crowded row from being proven.
+
+Collected only under ``TRITON_INTERPRET=1`` (see ``conftest.py`` here): the main run runs this
+folder in one subprocess, ``tests/kernels/test_gpu.py::test_kernels_under_the_triton_interpreter``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nearest_join.kernels import _gpu_torch as gt
+from nearest_join.kernels import _gpu_triton as tr
+from tests.kernels.test_gpu import check_result, make_data
+
+KERNELS = ["rowlist", "segmented", "pipelined", "legacy"]
+SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
+CASES = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
+         ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
+
+
+@pytest.fixture(autouse=True)
+def poisoned_tiny_segments(monkeypatch):
+    monkeypatch.setattr(tr, "POISON_BUFFERS", True)
+    # Tiny tiles make segments of 2+ tiles (203 targets: up to 3 segments; 603: up to 9).
+    monkeypatch.setattr(tr, "SEGMENT_MIN_TILES", 2)
+
+
+class Small:
+    """The candidate generator of one kernel with tiny tiles; records the seeds that
+    exact_topk's widening rounds pass."""
+
+    def __init__(self, kernel: str):
+        self.kernel = kernel
+        self.seeds = []
+
+    def __call__(self, q, t, n_cand, seed=None, lower=False):
+        if seed is not None:
+            self.seeds.append(seed)
+        cap = max(64, gt.next_pow2(n_cand + 32))
+        if self.kernel == "segmented":   # 8-long lists per segment; the buffer kernel where too few
+            return tr.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed, lower=lower)
+        if self.kernel == "rowlist" and n_cand <= 32:
+            cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
+        else:
+            cfg = tr.TileConfig(16, 32, cap, 4, pipelined=self.kernel != "legacy")
+        return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
+
+
+def check_seeded(qs, ts, n_cand, gen, kernel):
+    # Seeds: +inf, midway between the 3rd and 4th best keys and between the 12th and 13th,
+    # below every key (midway: the kernel's float32 keys differ from these by rounding).
+    # Each row's list must hold the n_cand best targets with key <= seed (all of them when
+    # fewer) and nothing else; every target left out must have key >= floor (to rounding),
+    # and a row with room left must have a floor above its seed.
+    ref = (ts.bias[None, :] - gt.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)).float()
+    tol = 1e-5 * float(ref.abs().max())
+    ordered = torch.sort(ref, dim=1).values
+    m = ref.shape[0]
+    seed = torch.full((m,), float("inf"))
+    seed[1::4] = (ordered[1::4, 2] + ordered[1::4, 3]) / 2
+    seed[2::4] = (ordered[2::4, 11] + ordered[2::4, 12]) / 2
+    seed[3::4] = ordered[3::4, 0] - 1.0
+    _keys, idx, floor = gen(qs, ts, n_cand, seed)
+    for r in range(m):
+        allowed = (ref[r] <= seed[r]).nonzero().flatten()
+        got = idx[r][idx[r] >= 0]
+        assert set(got.tolist()) <= set(allowed.tolist()), r
+        if kernel != "segmented":   # segments may hold back more (their floors say so)
+            assert got.numel() == min(n_cand, allowed.numel()), (r, got.numel(), allowed.numel())
+        left = torch.ones(ref.shape[1], dtype=torch.bool)
+        left[got] = False
+        assert bool((ref[r][left] >= floor[r] - tol).all()), r
+        if got.numel() < n_cand and torch.isfinite(seed[r]):
+            assert floor[r] > seed[r] or kernel == "segmented", (r, float(floor[r]), float(seed[r]))
+            if kernel != "segmented":
+                assert set(got.tolist()) == set(allowed.tolist()), r
+
+
+def prepared(q, t, metric, precision):
+    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
+            gt.prepare_side(torch.from_numpy(t), metric, precision))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("n", range(len(CASES)), ids=lambda n: "-".join(map(str, CASES[n])))
+def test_candidates_lower_keys_and_exact_topk(kernel, n):
+    metric, precision, kind, k = CASES[n]
+    small = Small(kernel)
+    q, t = make_data(kind, 21, 203, 33, n)
+    qs, ts = prepared(q, t, metric, precision)
+    # The kernel's candidate keys equal the torch path's exactly computed keys.
+    keys, idx, _ = small(qs, ts, 16)
+    ref = ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T)
+    order = torch.sort(ref.float(), dim=1, stable=True)
+    if kind == "gaussian":  # no near ties: the same order as float64 keys
+        assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
+    # Lower keys (EXACT mode's per-target bound): each 16-row program reads its row of the
+    # bias table; the keys are that table's, to float32 rounding, and never above the
+    # per-row lower keys of the torch path (the table's levels only lower them).
+    keys, idx, _ = small(qs, ts, 16, lower=True)
+    table, level = gt.lower_bias_table(qs, ts, 16, gt.lower_levels(16))
+    prod = qs.operand.double() @ ts.operand.double().T
+    lower = table.double()[level.long().repeat_interleave(16)[:21]] - gt.key_alpha(metric) * prod
+    q_w, t_w = gt.lower_key_weights(qs, ts)
+    per_row = ref - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
+    tol = 1e-5 * float(ref.abs().max())
+    assert bool((lower <= per_row + tol).all()), metric
+    assert (idx >= 0).all() and torch.allclose(keys.double(), torch.gather(lower, 1, idx), rtol=1e-5, atol=tol), metric
+    if kind == "gaussian":
+        assert torch.equal(idx[:, :8], torch.sort(lower.float(), dim=1, stable=True).indices[:, :8]), metric
+    # Half the cases rank by the lower key (EXACT bf16's default).
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values,
+                         seeded=True, lower=n % 2 == 1)
+    check_result(q, t, k, metric, v.numpy(), i.numpy())
+
+
+@pytest.mark.parametrize("kernel", ["rowlist", "segmented"])
+def test_seeded_lists(kernel):
+    small = Small(kernel)
+    # Seeded lists (the widening rounds' limit): fp32 keys, so the reference order is exact.
+    q, t = make_data("gaussian", 12, 203, 33, 21)
+    qs, ts = prepared(q, t, "l2", "fp32")
+    check_seeded(qs, ts, 16, small, kernel)
+    # exact_topk passes seeds in its widening rounds: a first list too short to prove the
+    # clustered rows (near ties within the bf16 error) makes them widen, seeded.
+    q, t = make_data("clustered", 21, 203, 33, 22)
+    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
+    before = len(small.seeds)
+    v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
+    check_result(q, t, 5, "sqeuclidean", v.numpy(), i.numpy())
+    assert len(small.seeds) > before, "no widening round: the seeded path went untested"
+
+
+@pytest.mark.parametrize("kernel", ["rowlist", "segmented"])
+def test_descriptor_form_equals_pointer_form(kernel, monkeypatch):
+    small = Small(kernel)
+    # Target tiles by tensor descriptor (TMA on a GPU; tr.TMA_DEVICES): d=40 rows are 16-byte
+    # aligned in bf16 and float32, so the descriptor form runs here (d=33 above does not). Its
+    # lists must be the pointer form's (keys to float32 rounding: the interpreter may sum the
+    # products in another order): plain lists, lower keys (bf16) and seeded lists (fp32).
+    for n, (metric, precision) in enumerate((("l2", "fp32"), ("sqeuclidean", "bf16"), ("inner_product", "tf32"))):
+        q, t = make_data("gaussian", 21, 203, 40, 30 + n)
+        qs, ts = prepared(q, t, metric, precision)
+        ordered = torch.sort(ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T),
+                             dim=1).values
+        seed = torch.full((21,), float("inf"))
+        seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]   # midway: no key at the seed
+        for kw in [{}] + [{"lower": True}] * (precision == "bf16") + [{"seed": seed}] * (precision == "fp32"):
+            got = {}
+            for form, devices in (("descriptor", {"cpu"}), ("pointer", set())):
+                tr.TMA_DEVICES = devices
+                assert isinstance(tr.target_descriptor(ts.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
+                got[form] = small(qs, ts, 16, **kw)
+            tr.TMA_DEVICES = {"cuda"}
+            (k1, i1, f1), (k2, i2, f2) = got["descriptor"], got["pointer"]
+            assert torch.equal(i1, i2), (metric, list(kw))
+            tol = 1e-5 * float(k2[torch.isfinite(k2)].abs().max())
+            assert torch.allclose(k1, k2, rtol=1e-5, atol=tol) and torch.allclose(f1, f2, rtol=1e-5, atol=tol)
+
+
+def test_rowlist_rerank_kernel_equals_the_torch_form():
+    # The re-rank kernel against the torch form: d within one chunk and over two, empty
+    # slots (NaN there), both value forms.
+    rng = np.random.default_rng(3)
+    for metric, d in (("sqeuclidean", 33), ("inner_product", 70), ("cosine", 16)):
+        q, t = make_data("gaussian", 37, 50, d, d)
+        qs, ts = prepared(q, t, metric, "fp32")
+        idx = torch.from_numpy(rng.integers(-1, 50, (37, 9)))
+        want = gt.exact_values(qs, ts, idx)
+        got = tr.triton_exact_values(qs, ts, idx[:, 2:])
+        assert torch.equal(torch.isnan(got), idx[:, 2:] < 0), metric
+        assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want[:, 2:]), rtol=1e-5, atol=1e-5), metric
+
+
+def test_rowlist_long_scan_and_exact_ties():
+    # One long scan (128 tiles of 32, one split): late tiles mostly have no survivor or one
+    # per row, the paths the first tiles never take. The lists must be the exact 8 best.
+    # With and without the row-minimum test (skip_test): the same lists. Then exact ties:
+    # every target three times in a row (the copies meet in one tile or across a tile edge),
+    # so a list of 8 takes two triples and two of a third: the lower indices (tie rule).
+    q, t = make_data("gaussian", 16, 4096, 33, 7)
+    for name, targets in (("long scan", t), ("triples", np.repeat(t[:1365], 3, axis=0))):
+        qs, ts = prepared(q, targets, "l2", "fp32")
+        ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
+        want = torch.sort(ref, dim=1, stable=True).indices[:, :8]
+        for skip_test in (True, False):
+            cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2, skip_test=skip_test)
+            _keys, idx, _ = tr.triton_candidates(qs, ts, 8, config=cfg, splits=1)
+            assert torch.equal(idx, want), (name, skip_test)
+
+
+def test_segment_floors_keep_crowded_rows_unproven():
+    small = Small("segmented")
+    # 603 targets = 19 tiles; 8 segments (segment s: tiles s, s + 8, s + 16), 8-long lists,
+    # n_cand 32 (bf16, k=10).
+    # Crowding: each of queries 0-3 has 12 near targets inside one tile, so one segment holds
+    # them all and keeps only 8. The union's last key is far above theta + 2E (the plain
+    # rule would prove the row and miss some neighbours); the segment's floor must not.
+    # Spread ties: queries 4 and 5 have 36 targets at near-equal distances (1e-3 apart in
+    # squared distance, within bf16's error), 2 per tile in tiles 0-17, so at most 6 per
+    # segment: every segment list keeps its ties, but cutting the union to 32 drops 4, so
+    # only the first dropped key, not the segments' floors, keeps the row from being proven.
+    # A run: query 6 has 64 near targets (spread distances) stored together in tiles 14-17;
+    # strided segments give each of 4 segments 16 of them, and the row is proven at once
+    # (contiguous segments would crowd 48 into one and widen it).
+    rng = np.random.default_rng(11)
+    q = rng.standard_normal((16, 33)).astype(np.float32)
+    t = rng.standard_normal((603, 33)).astype(np.float32)
+    crowded, spread, run = [0, 1, 2, 3], [4, 5], 6
+    for j in crowded:
+        t[32 * (4 * j + 1):32 * (4 * j + 1) + 12] = q[j] + 0.3 * rng.standard_normal((12, 33))
+    for j, cols in zip(spread, ((20, 24), (28, 30))):
+        at = np.array([32 * m + c for m in range(18) for c in cols])
+        u = rng.standard_normal((len(at), 33))
+        u /= np.linalg.norm(u, axis=1, keepdims=True)
+        r = np.sqrt(4 + 1e-3 * rng.permutation(len(at)))
+        t[at] = q[j] + r[:, None] * u
+    at = np.array([32 * m + c for m in range(14, 18) for c in range(16)])
+    u = rng.standard_normal((len(at), 33))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    t[at] = q[run] + np.sqrt(4 + 0.5 * rng.permutation(len(at)))[:, None] * u
+    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
+    k = 10
+    n_cand = gt.candidate_width(k, "bf16")
+    assert tr.segment_count(16, 603, n_cand, SEGMENTED, 4) == 8
+    keys, idx, floor = small(qs, ts, n_cand)
+    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "sqeuclidean")
+    plain = gt.margin_holds(keys, bound, k)
+    proven = gt.margin_holds(keys, bound, k, floor)
+    ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
+    top = torch.sort(ref, dim=1, stable=True).indices[:, :k]
+    for j in crowded:
+        missing = set(top[j].tolist()) - set(idx[j].tolist())
+        assert plain[j] and missing and not proven[j], (j, missing, bool(proven[j]))
+    assert not proven[spread].any(), proven
+    assert proven[run:].all(), proven         # elsewhere the floor proves the rows
+    # Widening: 128 candidates need more segments than 603 targets allow -> buffer kernel.
+    assert tr.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
+    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values)
+    check_result(q, t, k, "sqeuclidean", v.numpy(), i.numpy())
+
+
+def test_two_segments_make_the_list_exact():
+    # Two segments at least (config.segments), as the bf16 n_cand 32 default: the union of
+    # two 8-long lists is the 16-candidate list; exact through the re-ranked margin.
+    two = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, segments=2, extra_passes=2)
+    assert tr.segment_count(3, 603, 16, two, 4) == 2
+    q, t = make_data("gaussian", 3, 603, 33, 12)
+    qs, ts = prepared(q, t, "l2", "bf16")
+    _, _, floor = tr.triton_candidates(qs, ts, 16, config=two)
+    assert torch.isfinite(floor).all()
+    v, i = gt.exact_topk(qs, ts, 5, lambda a, b, n: tr.triton_candidates(a, b, n, config=two if n == 16 else None),
+                         max_candidates=256, values=tr.triton_exact_values)
+    check_result(q, t, 5, "l2", v.numpy(), i.numpy())
