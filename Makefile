@@ -32,8 +32,9 @@ check-java:
 run: $(VENV)/.installed check-java
 	PYSPARK_PYTHON=$(abspath $(PY)) $(VENV)/bin/nearest-join demo
 
+# --durations=15: the slowest tests in every run's output (CI included), to see where time goes.
 test: $(VENV)/.installed-dev check-java
-	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) -m pytest -q
+	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) -m pytest -q --durations=15
 
 bench-cpu: $(VENV)/.installed-dev
 	$(PY) benchmarks/cpu_kernel.py
