@@ -87,3 +87,30 @@ def test_best_by_key_orders_by_key_then_index(kind):
         want_key, want_index = _lexsorted(keys, cand, width)
         np.testing.assert_array_equal(best_key, want_key)
         np.testing.assert_array_equal(best_index, want_index)
+
+
+@pytest.mark.parametrize("nq, nt, d, kept", [
+    (7, 700, 8, 1000),    # heap wider than the first tile, which is the padded tail
+    (50, 300, 4, 64),     # one tile, padded: padding must never enter
+    (50, 3000, 3, 100),   # seeded, then folded
+    (30, 2000, 1, 63),    # just below SEED_WIDTH: inserts only
+], ids=["wide", "tail only", "seeded", "inserts"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_search_keeps_the_smallest_scores_ties_to_the_lower_index(nq, nt, d, kept, threads):
+    """The fused search (seeded by a selection for wide heaps) keeps exactly each row's
+    ``kept`` smallest float32 scores, ties to the lower target, whatever the target split."""
+    rng = np.random.default_rng(nq + nt)
+    queries = rng.integers(-2, 3, (nq, d)).astype(np.float32)     # integers: many ties
+    targets = rng.integers(-2, 3, (nt, d)).astype(np.float32)
+    bias = (targets.astype(np.float64) ** 2).sum(axis=1).astype(np.float32)
+    kept = min(kept, nt)
+    with cpu.thread_limits(threads) as used:
+        query_tile, target_tile, n_split = cpu.plan_tiles(nq, nt, used)
+        tail, tail_bias = cpu._tail_tile(targets, bias, target_tile)
+        heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+        _cpu_kernels.search_tiles(-2 * queries, targets, bias, tail, tail_bias, heaps, query_tile)
+    keys = np.sort(np.concatenate(list(heaps), axis=1), axis=1)[:, :kept]
+    _, found = _cpu_kernels.decode(keys)
+    scores = ((-2 * queries) @ targets.T + bias).astype(np.float32)   # exact: small integers
+    for i in range(nq):
+        np.testing.assert_array_equal(found[i], np.lexsort((np.arange(nt), scores[i]))[:kept])
