@@ -9,7 +9,7 @@ gathered from a 10^6-row target table:
   buffer and into a fresh Arrow pool buffer per batch (first-touch page faults, or zeroing of
   fresh huge pages, show up as the difference);
 * a numba ``prange`` gather (no per-chunk Python dispatch), reused and fresh;
-* ``udfs.blocks.emit_rows`` for a whole query block (query + target payload + distance).
+* ``udfs.emit.emit_rows`` for a whole query block (query + target payload + distance).
 
 Prints GB/s of output written and records each row in ``benchmarks/results/gather_rates.jsonl``
 (table ``gather``, or ``emit`` for ``emit_rows``) for ``make bench-report``.
@@ -52,7 +52,7 @@ def main(argv=None) -> None:
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--batches", type=int, default=10)
     ap.add_argument("--threads", default="")
-    ap.add_argument("--emit", action="store_true", help="also time udfs.blocks.emit_rows")
+    ap.add_argument("--emit", action="store_true", help="also time udfs.emit.emit_rows")
     ap.add_argument("--profile", action="store_true", help="cProfile the last emit_rows run (with --emit)")
     ap.add_argument("--emit-sources", default="1",
                     help="with --emit: also emit states whose payload rows come from this many "
@@ -100,7 +100,10 @@ def main(argv=None) -> None:
         timed("numba prange, fresh pool buffer",
               lambda: gather(table, rows, pooled_empty(out.shape, np.float32)[0]))
     if args.emit:
-        from udfs.blocks import JoinContext, SideLayout, TopkState, emit_rows
+        from udfs.blocks import JoinContext
+        from udfs.emit import emit_rows
+        from udfs.packing import SideLayout
+        from udfs.topk import TopkState
         from udfs.searcher import SearchSettings
 
         k, nq = 10, args.rows * args.batches // 10
@@ -115,16 +118,16 @@ def main(argv=None) -> None:
         ctx = JoinContext(SearchSettings(k, "l2", "cpu", "fp32"), SideLayout("qv", 1, d, nq),
                           SideLayout("tv", 1, d, args.nt), "inner", True, tt.schema)
         state = TopkState.from_search(rng.random((nq, k), dtype=np.float32), rng.integers(0, args.nt, (nq, k)), 0, tt)
-        from udfs import blocks
+        from udfs import emit
 
         configs = [None] + [tuple(int(x) for x in c.split(":")) for c in args.emit_configs.split(",") if c]
         for config in configs:
             if config is not None:   # module settings; the helper pool is rebuilt for its size
-                blocks.OUTPUT_BATCH_ROWS, blocks.EMIT_AHEAD = config[0], config[1]
+                emit.OUTPUT_BATCH_ROWS, emit.EMIT_AHEAD = config[0], config[1]
                 os.environ["NEAREST_JOIN_THREADS"] = str(config[2])
-                if blocks._EMIT_POOL is not None:
-                    blocks._EMIT_POOL.shutdown()
-                    blocks._EMIT_POOL = None
+                if emit._EMIT_POOL is not None:
+                    emit._EMIT_POOL.shutdown()
+                    emit._EMIT_POOL = None
             for rep in range(3 if config is None else 2):
                 _emit_once(args, qt, state, ctx, emit_rows, results, config, profile=args.profile and rep == 2)
             if config is not None:
