@@ -686,7 +686,7 @@ def device_limits(device: torch.device) -> DeviceLimits:
     return _cuda_limits(device.index if device.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_limits(index: int) -> DeviceLimits:
     props = torch.cuda.get_device_properties(index)
     shared = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
@@ -702,15 +702,19 @@ SHARED_SLACK = 4 * 1024
 
 
 def shared_estimate(cfg: TileConfig, block_d: int, single_dot: bool, element_size: int,
-                    list_len: int) -> int:
+                    list_len: int, t_desc: bool = False) -> int:
     """Bytes of shared memory a configuration asks for: the query tile once and
     ``num_stages`` target tiles in flight (single dot), or ``num_stages`` (query, target)
     chunk pairs (d in ``block_d`` chunks); the bitonic merges' exchange of
     (BLOCK_M, 2 list_len) packed keys (register lists) or the selection's SEL_ROWS x CAP
-    (buffer kernel) where that is larger; plus :data:`SHARED_SLACK`."""
+    (buffer kernel) where that is larger; plus :data:`SHARED_SLACK`. Without TMA
+    (``t_desc``) the single-dot form holds two copies of each target tile in flight (the
+    cp.async buffer and the transposed operand: sm_80, 128 x 128 bf16 tiles at d=128 and
+    three stages compiled to 229,376 bytes, seven tiles)."""
     stages = max(1, cfg.num_stages)
     if single_dot:
-        tiles = (cfg.block_m + stages * cfg.block_n) * block_d * element_size
+        copies = 1 if t_desc else 2
+        tiles = (cfg.block_m + copies * stages * cfg.block_n) * block_d * element_size
     else:
         tiles = stages * (cfg.block_m + cfg.block_n) * block_d * element_size
     if cfg.kernel == "buffer":
@@ -796,7 +800,10 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
     element_size = 2 if precision == "bf16" else 4
     plans = []
     for c, block_d, single_dot in _layouts(cfg, d, element_size, rowlist or cfg.pipelined):
-        estimate = shared_estimate(c, block_d, single_dot, element_size, list_len)
+        # TMA needs 16-byte rows (target_descriptor; the operand is contiguous, d wide).
+        t_desc = (rowlist and single_dot and limits.tma and block_d <= 256 and c.block_n <= 256
+                  and (d * element_size) % 16 == 0)
+        estimate = shared_estimate(c, block_d, single_dot, element_size, list_len, t_desc)
         if estimate > limits.shared_bytes:
             continue
         if segmented:   # strided segments (see _rowlist_kernel): at most one per tile
@@ -804,7 +811,6 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
         else:
             n_split = splits or split_count(m, nt, c.block_m, limits.sms)
             n_split, per_split = _split_targets(nt, n_split, c.block_n)
-        t_desc = rowlist and single_dot and limits.tma and block_d <= 256 and c.block_n <= 256
         plans.append(CandidatePlan(c, list_len, n_split, per_split, block_d, single_dot, t_desc, estimate))
     return plans
 
