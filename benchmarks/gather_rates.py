@@ -120,11 +120,12 @@ def main(argv=None) -> None:
         state = TopkState.from_search(rng.random((nq, k), dtype=np.float32), rng.integers(0, args.nt, (nq, k)), 0, tt)
         from udfs import emit
 
+        all_cpus = os.sched_getaffinity(0)
         configs = [None] + [tuple(int(x) for x in c.split(":")) for c in args.emit_configs.split(",") if c]
         for config in configs:
             if config is not None:   # module settings; the helper pool is rebuilt for its size
                 emit.OUTPUT_BATCH_ROWS, emit.EMIT_AHEAD = config[0], config[1]
-                os.environ["NEAREST_JOIN_THREADS"] = str(config[2])
+                os.sched_setaffinity(0, sorted(all_cpus)[:config[2]])   # the task's share
                 if emit._EMIT_POOL is not None:
                     emit._EMIT_POOL.shutdown()
                     emit._EMIT_POOL = None

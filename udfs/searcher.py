@@ -19,13 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def task_cpus() -> int:
-    """This task's share of cores: ``spark.task.cpus`` inside Spark, else the usable cores.
-
-    ``NEAREST_JOIN_THREADS`` overrides both (benchmarks, or a user who knows better).
-    """
-    forced = os.environ.get("NEAREST_JOIN_THREADS")
-    if forced:
-        return max(1, int(forced))
+    """This task's share of cores: ``spark.task.cpus`` inside Spark, else the cores this
+    process may run on (outside Spark, e.g. in a benchmark, set it with ``taskset``)."""
     try:
         from pyspark import TaskContext  # only present inside Spark
 
