@@ -16,7 +16,9 @@ targets lie from the targets' mean). Squared distances are compared, not their r
 root divides an error by twice the distance, so a tolerance on roots would either pass wrong
 rankings of far pairs or fail correct ones of near pairs.
 
-Join outputs (rows) are checked by the same function through :func:`assert_join_true_topk`.
+Join outputs (rows) are checked by the same function through :func:`assert_join_true_topk`,
+at the kernel's tolerance plus float32's rounding of the k-th value (:func:`operator_rtol`:
+the operator returns float32 values and merges blocks on them).
 Only the comparison with Spark's ``nearestByJoin`` (:func:`assert_same_neighbours`) has its
 own, looser tolerance, :data:`SPARK_VALUE_TOL`, for the reason given there.
 
@@ -38,6 +40,12 @@ _RTOL_OF = {
     "gpu": ("nearest_join.kernels.gpu", "RTOL"),
     "reference": ("nearest_join.kernels.reference_backend", "RTOL"),
 }
+
+# A join's values are float32, and the blocked plans merge the partial top k of target blocks on
+# those values: two targets whose values round to one float32 value are a tie there, broken by
+# block order. So a join's rows are the true top k to within float32's rounding of the k-th
+# value (2^-24 relative; a squared l2 key twice that), on top of the kernel's own tolerance.
+OPERATOR_VALUE_RTOL = 2.0 ** -21
 
 # Spark computes its vector functions (vector_l2_distance & co.) of array<float> columns in
 # float, in the expanded form, so a value of Spark's carries an error of a few float32 ulps of
@@ -196,6 +204,39 @@ def assert_knn_result(queries, targets, k: int, metric: str, values, indices, rt
     assert_true_topk(queries, targets, k, metric, values, indices, rtol, case=case)
 
 
+def oracle_within_cap(queries, targets, metric: str, cap: float) -> np.ndarray:
+    """(nq, nt) bool: the pairs whose oracle value is within ``cap`` (inclusive: a distance
+    ``<= cap``, a similarity ``>= cap``). Tests pick caps that no value lies near unless it
+    equals the cap exactly (integer data), so the float64 values decide every pair."""
+    values = key_values(oracle_keys(queries, targets, metric), metric)
+    return values >= cap if metric in ("cosine", "inner_product") else values <= cap
+
+
+def assert_capped_topk(queries, targets, k: int, metric: str, cap: float, values, indices,
+                       rtol: float, case: str = "") -> None:
+    """Under a cap: each row holds its true top ``min(k, n_i)`` of the ``n_i`` targets within
+    the cap (:func:`assert_true_topk` on those targets), then empty slots (-1, non-finite)."""
+    queries, targets = np.asarray(queries), np.asarray(targets)
+    values, indices = np.asarray(values), np.asarray(indices)
+    within = oracle_within_cap(queries, targets, metric, cap)
+    for i in range(queries.shape[0]):
+        allowed = np.flatnonzero(within[i])
+        width = min(k, allowed.size)
+        got = indices[i]
+        assert (got[width:] < 0).all() and not np.isfinite(values[i, width:]).any(), (
+            f"{case} {metric} cap={cap!r} row {i}: {allowed.size} targets within the cap, k={k}, "
+            f"got indices {got.tolist()} values {values[i].tolist()}")
+        if width == 0:
+            continue
+        local = np.searchsorted(allowed, got[:width])
+        ok = (got[:width] >= 0) & (local < allowed.size)
+        assert ok.all() and (allowed[np.minimum(local, allowed.size - 1)] == got[:width]).all(), (
+            f"{case} {metric} cap={cap!r} row {i}: indices {got[:width].tolist()} not all within "
+            f"the cap (within: {allowed[:20].tolist()}...)")
+        assert_true_topk(queries[i:i + 1], targets[allowed], width, metric, values[i:i + 1, :width],
+                         local[None, :], rtol, case=f"{case} cap={cap!r} row {i}")
+
+
 # ----------------------------------------------------------------------------- join outputs
 def group_rows(rows, qkey, tkey, value):
     """{query key: [(value, target key), ...]} from output rows (target key None = NULL)."""
@@ -205,16 +246,42 @@ def group_rows(rows, qkey, tkey, value):
     return out
 
 
+def operator_rtol(queries, targets, k: int, metric: str, backend: str = "cpu") -> float:
+    """The tolerance of a join's rows for :func:`assert_true_topk`: float32's rounding of each
+    query's k-th value (:data:`OPERATOR_VALUE_RTOL`; for cosine, whose key is 2 - 2 cos, the
+    similarity's rounding is absolute), relative to the row's key scale, plus the tolerance of
+    the ``backend`` the executors ran."""
+    queries, targets = np.asarray(queries), np.asarray(targets)
+    width = min(k, targets.shape[0])
+    if width == 0 or queries.shape[0] == 0:
+        return backend_rtol(backend)
+    keys = oracle_keys(queries, targets, metric)
+    kth = np.partition(keys, width - 1, axis=1)[:, width - 1]
+    rounding = OPERATOR_VALUE_RTOL * (np.maximum(np.abs(kth), 2.0) if metric == "cosine" else np.abs(kth))
+    scale = key_scale(queries, targets, metric)
+    return float(np.max(rounding / np.maximum(scale, 1e-300))) + backend_rtol(backend)
+
+
 def assert_join_true_topk(grouped, queries, targets, k: int, metric: str, query_keys,
-                          target_keys, rtol: float, case: str = "") -> None:
+                          target_keys, rtol: float | None = None, case: str = "") -> None:
     """A join's rows (``grouped`` by :func:`group_rows`) are each query's true top k of the
-    oracle at the backend's tolerance (:func:`assert_true_topk`).
+    oracle (:func:`assert_true_topk`) at ``rtol``, by default :func:`operator_rtol`.
 
     ``query_keys[i]`` / ``target_keys[j]`` name row i of ``queries`` / row j of ``targets``.
     A query's rows arrive in no particular order (Spark promises none), so they are put best
     first (ties: block order, i.e. the lower target row) before the check; a query key the
     output lacks fails as a row with no indices.
     """
+    values, indices = join_arrays(grouped, k, metric, query_keys, target_keys, case)
+    if rtol is None:
+        rtol = operator_rtol(queries, targets, k, metric)
+    assert_true_topk(np.asarray(queries), np.asarray(targets), k, metric, values, indices, rtol,
+                     case=case)
+
+
+def join_arrays(grouped, k: int, metric: str, query_keys, target_keys, case: str = ""):
+    """(values, indices) arrays (nq, k) of a join's rows (``grouped`` by :func:`group_rows`),
+    each query's rows best first (ties: the lower target row), -1 / worst where it has fewer."""
     position = {key: j for j, key in enumerate(target_keys)}
     assert len(position) == len(target_keys), "target keys must be unique"
     descending = metric in ("cosine", "inner_product")
@@ -228,8 +295,7 @@ def assert_join_true_topk(grouped, queries, targets, k: int, metric: str, query_
         pairs.sort(key=lambda vt: (-vt[0] if descending else vt[0], vt[1]))
         for slot, (v, j) in enumerate(pairs):
             values[i, slot], indices[i, slot] = v, j
-    assert_true_topk(np.asarray(queries), np.asarray(targets), k, metric, values, indices, rtol,
-                     case=case)
+    return values, indices
 
 
 def assert_same_neighbours(ours, theirs, descending: bool, value_tol: float = SPARK_VALUE_TOL):

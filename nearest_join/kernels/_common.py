@@ -17,6 +17,9 @@ __all__ = [
     "check_inputs",
     "rankable_rows",
     "empty_result",
+    "check_cap",
+    "within_cap",
+    "drop_beyond_cap",
 ]
 
 
@@ -105,3 +108,32 @@ def empty_result(nq: int, k: int, metric: Metric) -> tuple[np.ndarray, np.ndarra
         np.full((nq, k), metric.worst, dtype=np.float32),
         np.full((nq, k), -1, dtype=np.int64),
     )
+
+
+def check_cap(cap) -> float | None:
+    """A ``cap`` option of :func:`nearest_join.kernels.knn`: None or a finite number."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(cap):
+        raise ValueError(f"cap: expected None or a finite number, got {cap!r}")
+    return float(cap)
+
+
+def within_cap(values: np.ndarray, cap: float, metric: Metric) -> np.ndarray:
+    """Where ``values`` (the metric's units, float64) are within the cap, which is inclusive:
+    a distance ``<= cap`` or a similarity ``>= cap`` (Sedona's ``max_distance`` is inclusive
+    too). NaN is never within."""
+    return values >= cap if metric.descending else values <= cap
+
+
+def drop_beyond_cap(values: np.ndarray, indices: np.ndarray, cap: float | None,
+                    metric: Metric) -> tuple[np.ndarray, np.ndarray]:
+    """Empty (index -1, the worst value) every slot whose value is beyond ``cap``. Rows are
+    best first, so the slots dropped are each row's last: rows stay best first."""
+    if cap is None:
+        return values, indices
+    beyond = ~within_cap(values, cap, metric)
+    values = np.where(beyond, np.asarray(metric.worst, values.dtype), values)
+    indices = np.where(beyond, -1, indices)
+    return values, indices

@@ -131,17 +131,19 @@ SEED_WIDTH = 64
 @njit(cache=True)
 def _seed_row(scores, r, bias, t0, heaps, q, row_scores, row_bits, keys):
     """Fill query q's heap from row ``r`` of the first score tile of its target range: the
-    heap's width smallest keys, heapified. Padding (score +inf) stays EMPTY_KEY, as the strict
-    test of :func:`_fold_row` keeps it out."""
+    heap's width smallest keys, heapified. The heap arrives filled with one key, EMPTY_KEY or
+    a distance cap's (see :func:`search_tiles`); a candidate not below it, padding (score +inf)
+    included, becomes that key, as the strict test of :func:`_fold_row` keeps it out."""
     width = scores.shape[1]
     kept = heaps.shape[1]
+    limit = heaps[q, 0]
     for j in range(width):
         row_scores[j] = scores[r, j] + bias[j]
     for j in range(width):
         keys[j] = (np.uint64(_order_bits(row_bits[j])) << _SHIFT) | np.uint64(t0 + j)
     for j in range(width):
-        if not row_scores[j] < np.inf:
-            keys[j] = EMPTY_KEY
+        if not row_scores[j] < np.inf or keys[j] >= limit:
+            keys[j] = limit
     n = width
     if n > kept:
         _select_smallest(keys, n, kept)
@@ -195,7 +197,9 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     a 1031-wide call scores copies of one row differently). So the target tile width is a
     multiple of 64 and the last, partial tile is ``tail_targets`` (target_tile, d): the
     remaining targets padded with zero rows whose ``tail_bias`` is +inf, so they never enter.
-    The heaps arrive filled with EMPTY_KEY. Split ``s`` covers an equal share of the target
+    The heaps arrive filled with EMPTY_KEY, or, under a distance cap, each row's with the key
+    of the largest score that can be within the cap (:func:`cap_key`): a target enters only
+    below it, so the cap prunes from the first tile on. Split ``s`` covers an equal share of the target
     tiles, in order. Call with BLAS limited to one thread: each numba thread runs its own sgemm.
     """
     nq = queries.shape[0]
@@ -236,6 +240,21 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
                 continue
             for r in range(rows):
                 _fold_row(scores, r, tile_bias, t0, split_heaps, q0 + r, scratch, scratch_bits)
+
+
+def cap_key(scores: np.ndarray) -> np.ndarray:
+    """Heap keys (uint64) that admit exactly the float32 scores ``<= scores`` (float64,
+    rounded up to float32; +inf or NaN: EMPTY_KEY, which admits every finite score): the
+    score's order bits and EMPTY_INDEX, so a target of equal score ranks before it."""
+    up = scores.astype(np.float32)
+    up = np.where(up.astype(np.float64) < scores, np.nextafter(up, np.float32(np.inf)), up)
+    up = np.nextafter(up, np.float32(np.inf))   # the fold admits scores strictly below
+    # -0.0 would rank below a score of +0.0 (see _order_bits): the least positive admits it.
+    up = np.where(up == 0, np.float32(2.0 ** -149), up)
+    bits = up.view(np.uint32)
+    order = np.where(bits & np.uint32(0x80000000), ~bits, bits | np.uint32(0x80000000))
+    keys = (order.astype(np.uint64) << np.uint64(32)) | np.uint64(EMPTY_INDEX)
+    return np.where(np.isfinite(up), keys, EMPTY_KEY)
 
 
 def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

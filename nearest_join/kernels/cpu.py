@@ -28,7 +28,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ._common import Metric
+from ._common import Metric, check_cap, drop_beyond_cap
 
 
 def _ensure_numba_cache_dir() -> None:
@@ -432,6 +432,18 @@ class _Operands:
                       + gamma * A * B + tiny                   # the sgemm
                       + keys64 * A * (B + c_scaled + t_err))   # the offset and the exact key
         self.margin = 1.25 * margin
+        # The cap's key: the largest key (this row's units) whose value is within the cap,
+        # and the rounding of that translation (absolute, in keys): a relative 2^-40 of the
+        # key, and for cosine of the key of 1 - cap (which cancels when the cap is near 1).
+        if metric.name == "l2":
+            self._cap_key = lambda cap: np.full(nq, (cap * scale) ** 2 if cap >= 0 else -1.0)  # keys >= 0
+        elif metric.name == "sqeuclidean":
+            self._cap_key = lambda cap: np.full(nq, cap * scale * scale)
+        elif metric.name == "cosine":
+            self._cap_key = lambda cap: np.full(nq, 2.0 * scale * scale * (1.0 - cap))
+        else:
+            self._cap_key = lambda cap: -cap * q_scales * t_scale
+        self._cap_unit = 2.0 * scale * scale if metric.name == "cosine" else 0.0
         if metric.name == "l2":
             self.values = lambda keys: np.sqrt(keys) / scale
         elif metric.name == "sqeuclidean":
@@ -440,6 +452,12 @@ class _Operands:
             self.values = lambda keys: 1.0 - keys / (2.0 * scale * scale)
         else:
             self.values = lambda keys: -keys / (q_scales[:, None] * t_scale)
+
+    def cap_keys(self, cap: float) -> np.ndarray:
+        """(nq,) float64: a key above which no target is within ``cap`` (its value's units):
+        the cap's key, rounded outwards."""
+        keys = self._cap_key(cap)
+        return keys + 2.0 ** -40 * (np.abs(keys) + self._cap_unit)
 
     def exact_keys(self, candidates: np.ndarray, needed: np.ndarray) -> np.ndarray:
         """float64 keys of each row's ``needed`` candidates (+inf elsewhere and for -1)."""
@@ -497,11 +515,15 @@ class CpuBackend:
             return f"at most {_cpu_kernels.EMPTY_INDEX - 1} targets per call (32-bit heap index)"
         return _scipy_blas_missing()
 
-    def run(self, queries, targets, k, metric: Metric, threads=None, **options):
+    caps = True     # takes knn's ``cap`` option
+
+    def run(self, queries, targets, k, metric: Metric, threads=None, cap=None, **options):
         """Top-k of clean rows (the dispatcher removed rows that cannot rank).
 
         ``threads`` (int >= 1): threads to use; default: the CPUs this process may run on.
-        Other options (``precision``, ``device``) are for other backends and are ignored.
+        ``cap``: only targets whose value is within it (inclusive: a distance ``<= cap``, a
+        similarity ``>= cap``) rank; a row may then have fewer than k. Other options
+        (``precision``, ``device``) are for other backends and are ignored.
 
         Two stages, exact by construction for every finite input:
 
@@ -519,8 +541,16 @@ class CpuBackend:
            The rows it cannot prove (exact ties at the k-th place, nearly parallel vectors
            the float32 sgemm cannot separate) are searched in float64 against every target.
            No decision depends on which sgemm kernel the BLAS library picked.
+
+        Under a cap, the heaps start full of the cap's key (``_cpu_kernels.cap_key``): the
+        largest score that can belong to a target within the cap, i.e. the cap's key less the
+        row's offset plus its proven bound, so nothing within the cap is pruned and nothing
+        beyond it far enough to be proven enters. After the exact ranking the candidates
+        beyond the cap are dropped; a row is proven when its floor is above its k-th key or
+        above the cap's key (no target outside the heap is then within the cap).
         """
         threads = _check_threads(threads)
+        cap = check_cap(cap)
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)
         with thread_limits(threads) as used:
@@ -529,6 +559,9 @@ class CpuBackend:
             kept = heap_width(k, nt)
             tail, tail_bias = _tail_tile(ops.targets32, ops.bias, target_tile)
             heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+            if cap is not None:
+                cap_keys = ops.cap_keys(cap)
+                heaps[:] = _cpu_kernels.cap_key(cap_keys - ops.offset + ops.margin)[None, :, None]
             _cpu_kernels.search_tiles(ops.scaled, ops.targets32, ops.bias, tail, tail_bias, heaps,
                                       query_tile)
             # Sorting the keys orders each row by (score, index). With several target
@@ -546,7 +579,8 @@ class CpuBackend:
             _cpu_kernels.best_by_key(exact, cand, best_key, best_i)
             if kept < nt:
                 floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
-                unproven = np.flatnonzero(~(floor > best_key[:, -1]))
+                bound = best_key[:, -1] if cap is None else np.minimum(best_key[:, -1], cap_keys)
+                unproven = np.flatnonzero(~(floor > bound))
                 if len(unproven):
                     best_key[unproven], best_i[unproven] = ops.search_rows(unproven, width)
             else:
@@ -555,8 +589,9 @@ class CpuBackend:
                      nq, nt, k, used, query_tile, target_tile, n_split, len(unproven))
         values = np.full((nq, k), metric.worst, dtype=np.float32)
         indices = np.full((nq, k), -1, dtype=np.int64)
+        best_values, best_i = drop_beyond_cap(ops.values(best_key), best_i, cap, metric)
         with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
-            values[:, :width] = ops.values(best_key)
+            values[:, :width] = best_values
         indices[:, :width] = best_i
         return values, indices
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import Metric, empty_result, rankable_rows
+from ._common import Metric, drop_beyond_cap, empty_result, rankable_rows
 
 # Bound on the float64 values of one chunk's difference tensor (rows x targets x dimension).
 CHUNK_ELEMENTS = 1 << 22
@@ -76,8 +76,10 @@ def scores_float64(queries: np.ndarray, targets: np.ndarray, metric: Metric) -> 
     return values_of_keys(keys_float64(queries, targets, metric), metric)
 
 
-def knn_reference(queries: np.ndarray, targets: np.ndarray, k: int, metric: Metric):
-    """Exact top-k in float64. See :func:`nearest_join.kernels.knn` for the contract."""
+def knn_reference(queries: np.ndarray, targets: np.ndarray, k: int, metric: Metric,
+                  cap: float | None = None):
+    """Exact top-k in float64. See :func:`nearest_join.kernels.knn` for the contract;
+    ``cap``: only targets whose float64 value is within it (inclusive) rank."""
     nq = queries.shape[0]
     values, indices = empty_result(nq, k, metric)
     q_ok = rankable_rows(queries, metric)
@@ -95,9 +97,10 @@ def knn_reference(queries: np.ndarray, targets: np.ndarray, k: int, metric: Metr
         # Stable sort: equal keys keep target order, so the lower index wins ties.
         order = np.argsort(key, axis=1, kind="stable")[:, :width]
         best = values_of_keys(np.take_along_axis(key, order, axis=1), metric)
+        best, chosen = drop_beyond_cap(best, t_idx[order], cap, metric)
         with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
             values[start:stop, :width] = best
-        indices[start:stop, :width] = t_idx[order]
+        indices[start:stop, :width] = chosen
     indices[~q_ok] = -1
     values[~q_ok] = metric.worst
     return values, indices

@@ -1,7 +1,7 @@
 """Registers the float64 reference as a backend (always available, slowest, the oracle)."""
 from __future__ import annotations
 
-from ._common import Metric
+from ._common import Metric, check_cap
 from .reference import knn_reference
 
 # The backend's tolerance against the float64 difference-form oracle (``rtol`` of
@@ -17,12 +17,13 @@ class ReferenceBackend:
     dtypes = ("float32", "float64")
     metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
     max_k = None
+    caps = True     # takes knn's ``cap`` option
 
     def refuse(self, queries, targets, k, metric: Metric, **options) -> str | None:
         return None
 
-    def run(self, queries, targets, k, metric: Metric, **options):
-        return knn_reference(queries, targets, k, metric)
+    def run(self, queries, targets, k, metric: Metric, cap=None, **options):
+        return knn_reference(queries, targets, k, metric, check_cap(cap))
 
 
 BACKEND = ReferenceBackend()
