@@ -213,9 +213,11 @@ def oracle_within_cap(queries, targets, metric: str, cap: float) -> np.ndarray:
 
 
 def assert_capped_topk(queries, targets, k: int, metric: str, cap: float, values, indices,
-                       rtol: float, case: str = "") -> None:
+                       rtol, case: str = "") -> None:
     """Under a cap: each row holds its true top ``min(k, n_i)`` of the ``n_i`` targets within
-    the cap (:func:`assert_true_topk` on those targets), then empty slots (-1, non-finite)."""
+    the cap (:func:`assert_true_topk` on those targets), then empty slots (-1, non-finite).
+    ``rtol``: a number, or a function of (query row, its targets, width) such as
+    :func:`operator_rtol` for a join's rows."""
     queries, targets = np.asarray(queries), np.asarray(targets)
     values, indices = np.asarray(values), np.asarray(indices)
     within = oracle_within_cap(queries, targets, metric, cap)
@@ -233,8 +235,9 @@ def assert_capped_topk(queries, targets, k: int, metric: str, cap: float, values
         assert ok.all() and (allowed[np.minimum(local, allowed.size - 1)] == got[:width]).all(), (
             f"{case} {metric} cap={cap!r} row {i}: indices {got[:width].tolist()} not all within "
             f"the cap (within: {allowed[:20].tolist()}...)")
+        row_rtol = rtol(queries[i:i + 1], targets[allowed], width, metric) if callable(rtol) else rtol
         assert_true_topk(queries[i:i + 1], targets[allowed], width, metric, values[i:i + 1, :width],
-                         local[None, :], rtol, case=f"{case} cap={cap!r} row {i}")
+                         local[None, :], row_rtol, case=f"{case} cap={cap!r} row {i}")
 
 
 # ----------------------------------------------------------------------------- join outputs

@@ -23,7 +23,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
-from tests.oracle import assert_join_true_topk, backend_rtol, group_rows  # noqa: E402
+from tests.oracle import assert_join_true_topk, group_rows  # noqa: E402
 
 NQ, NT, D, K = 400, 3000, 16, 5
 
@@ -62,7 +62,7 @@ def main() -> int:
         rows = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), K, distance_col="d", **options).collect()
         assert len(rows) == NQ * K, len(rows)
         ours = group_rows(rows, lambda r: r["qid"], lambda r: r["tid"], lambda r: float(r["d"]))
-        assert_join_true_topk(ours, Q, T, K, "l2", list(range(NQ)), list(range(NT)), backend_rtol("cpu"))
+        assert_join_true_topk(ours, Q, T, K, "l2", list(range(NQ)), list(range(NT)))
 
     def two_executors():
         pids = executor_pids()

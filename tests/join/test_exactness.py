@@ -4,8 +4,9 @@ float64 difference-form oracle, and against Spark's own nearestByJoin on small c
 Target blocks are searched on their own (each with its own shift and scale) and their
 partials merged on the float32 values the operator returns, so two targets whose values round
 to one float32 value are a tie there (broken by block order): the operator's rank tolerance is
-float32's rounding of the k-th value (for cosine near 1 that is 2^-24 of the similarity, which
-is as far as a float32 similarity can tell nearly parallel vectors apart). Values beyond
+float32's rounding of the k-th value (tests.oracle.operator_rtol; for cosine near 1 that is
+2^-24 of the similarity, which is as far as a float32 similarity can tell nearly parallel
+vectors apart). Values beyond
 float32's range (squared distances of 1e20-sized vectors, inner products of 1e-24-sized ones)
 read +-inf or 0 and tie the same way.
 """
@@ -17,6 +18,7 @@ from pyspark.sql import functions as F
 
 from nearest_join import nearest_by_join
 from tests import adversarial
+from tests.oracle import assert_join_true_topk, group_rows
 
 PLANS = {
     "broadcast": {},
@@ -34,8 +36,6 @@ CASES = [
     (adversarial.integer_case(4, nq=20, nt=300, seed=8), ("l2", "inner_product")),
 ]
 K = 7
-# float32 rounding of a value, relative, as a bound on the keys (squared for l2: twice)
-OPERATOR_RTOL = 2.0 ** -21
 
 
 def _frames(spark, case):
@@ -47,34 +47,13 @@ def _frames(spark, case):
     return q, t
 
 
-def _as_result(rows, nq, k, metric):
-    values = np.full((nq, k), -np.inf if metric in ("cosine", "inner_product") else np.inf, np.float32)
-    indices = np.full((nq, k), -1, np.int64)
-    by_query: dict[int, list] = {}
-    for r in rows:
-        by_query.setdefault(r["qid"], []).append((r["d"], r["tid"]))
-    descending = metric in ("cosine", "inner_product")
-    for qid, pairs in by_query.items():
-        pairs.sort(key=lambda p: -p[0] if descending else p[0])
-        for slot, (value, tid) in enumerate(pairs[:k]):
-            values[qid, slot] = value
-            indices[qid, slot] = tid
-    return values, indices, by_query
-
-
 def _assert_exact(case, metric, rows, k):
-    values, indices, by_query = _as_result(rows, case.queries.shape[0], k, metric)
-    assert set(by_query) == set(range(case.queries.shape[0])), "queries were dropped"
-    assert all(len(p) == min(k, case.targets.shape[0]) for p in by_query.values())
-    scale = adversarial.key_scale(case.queries, case.targets, metric)
-    keys = adversarial.oracle_keys(case.queries, case.targets, metric)
-    kth = np.sort(keys, axis=1)[:, min(k, keys.shape[1]) - 1]
-    # float32 value rounding, expressed relative to the key scale of each row (cosine's
-    # key 2 - 2 cos: the similarity's rounding is absolute)
-    rounding = OPERATOR_RTOL * (np.maximum(np.abs(kth), 2.0) if metric == "cosine" else np.abs(kth))
-    rtol = float(np.max(rounding / np.maximum(scale, 1e-300))) + 1e-12
-    adversarial.assert_true_topk(case.queries, case.targets, k, metric, values, indices, rtol,
-                                 case=case.name)
+    """Every query's rows are its true top k at the operator's tolerance (float32 values:
+    tests.oracle.operator_rtol); a query with no rows fails."""
+    grouped = group_rows(rows, lambda r: r["qid"], lambda r: r["tid"], lambda r: r["d"])
+    assert_join_true_topk(grouped, case.queries, case.targets, k, metric,
+                          list(range(case.queries.shape[0])), list(range(case.targets.shape[0])),
+                          case=case.name)
 
 
 @pytest.mark.parametrize("plan", list(PLANS))

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from nearest_join import nearest_by_join
-from tests.oracle import assert_join_true_topk, backend_rtol, group_rows
+from tests.oracle import assert_join_true_topk, group_rows
 from udfs.blocks import _binary_values
 from udfs.rows import take_rows, vector_matrix
 from udfs.vectors import decode_vectors, value_offsets
@@ -101,5 +101,4 @@ def test_join_under_large_var_types(spark, large_var_types, plan):
             np.testing.assert_array_equal(np.asarray(r["tv"], np.float32), T[r["tid"]])
     ours = group_rows([r for r in rows if r["qid"] != 0], lambda r: r["qid"], lambda r: r["tid"],
                       lambda r: float(r["d"]))
-    assert_join_true_topk(ours, Q[1:], T, K, "l2", list(range(1, NQ)), list(range(NT)),
-                          backend_rtol("cpu"))
+    assert_join_true_topk(ours, Q[1:], T, K, "l2", list(range(1, NQ)), list(range(NT)))
