@@ -561,7 +561,8 @@ def test_kernels_under_the_triton_interpreter(background_result):
     none may skip."""
     report = background_result.junit()
     assert background_result.returncode == 0, background_result.tail()
-    assert report["tests"] >= 40 and report["failures"] == report["errors"] == 0, report
+    # 29 tests at this commit (24 fused-kernel, 5 fused-tail): fewer means one was not collected.
+    assert report["tests"] >= 29 and report["failures"] == report["errors"] == 0, report
     assert report["skipped"] == 0, report
 
 
