@@ -78,6 +78,8 @@ _JOIN_KEYS: dict[str, Any] = {
     "broadcast_limit_bytes": None,
     "query_block_rows": None,
     "target_block_rows": None,
+    "max_distance": None,
+    "min_similarity": None,
 }
 _OUTPUT_KEYS: dict[str, Any] = {
     "path": _REQUIRED,
@@ -503,6 +505,7 @@ def _join(values: dict[str, Any]) -> JoinSpec:
                  for key, value in values.items() if key != "metric"}
     try:
         options = JoinOptions(**arguments)
+        options.cap(metric)     # the cap argument that fits the metric
     except (ArgumentError, ArgumentTypeError) as exc:
         raise SpecError(option_key(exc.argument), exc.problem) from None
     except NearestByJoinError as exc:

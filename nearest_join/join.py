@@ -93,6 +93,10 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     parsed = parse_ranking(ranking, query, target, options.vectors)
     spark = query.sparkSession
     if parsed is None:
+        if options.max_distance is not None or options.min_similarity is not None:
+            argument = "max_distance" if options.max_distance is not None else "min_similarity"
+            raise ArgumentError(argument, f"applies to the vector functions over one column of each "
+                                          f"side, got the ranking {ranking}")
         planned = PlannedJoin(query, target, ranking, options, spark_plan(spark, ranking, options),
                               None, options.direction)
     else:
@@ -116,7 +120,9 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
                          backend: str = "auto", precision: str = "auto",
                          broadcast_limit_bytes: int | None = None,
                          query_block_rows: int | None = None,
-                         target_block_rows: int | None = None) -> JoinPlan:
+                         target_block_rows: int | None = None,
+                         max_distance: float | None = None,
+                         min_similarity: float | None = None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
     Runs only the one small job the planner needs (row counts, partitions, vector lengths).
@@ -128,7 +134,8 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
         num_results=num_results, mode=mode, direction=direction, vectors=vectors,
         join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
-        target_block_rows=target_block_rows)
+        target_block_rows=target_block_rows, max_distance=max_distance,
+        min_similarity=min_similarity)
     return plan_join(query, target, ranking, options).plan
 
 
@@ -138,7 +145,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
                     backend: str = "auto", precision: str = "auto",
                     broadcast_limit_bytes: int | None = None,
                     query_block_rows: int | None = None,
-                    target_block_rows: int | None = None) -> DataFrame:
+                    target_block_rows: int | None = None,
+                    max_distance: float | None = None,
+                    min_similarity: float | None = None) -> DataFrame:
     """For every query row, the ``num_results`` nearest target rows (Spark's ``nearestByJoin``).
 
     Parameters
@@ -173,6 +182,15 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         and re-rank in float64 whatever the precision.
     broadcast_limit_bytes, query_block_rows, target_block_rows : int, keyword-only
         Override the planner (see :mod:`nearest_join.planner`).
+    max_distance : float, keyword-only
+        With ``l2`` or ``sqeuclidean`` (for sqeuclidean a squared distance), >= 0: only
+        targets at most this far match (inclusive, ``<=``, as Sedona's ``max_distance``).
+    min_similarity : float, keyword-only
+        With ``cosine`` or ``inner_product``: only targets at least this similar match
+        (inclusive, ``>=``). Under either cap a query may get fewer than ``num_results``
+        rows; INNER drops a query with none, LEFT OUTER keeps it once with NULL target
+        columns. The cap prunes inside the CPU kernel; the gpu backend does not take a cap
+        yet (``auto`` then searches on CPU; ``backend="gpu"`` is an error).
 
     Returns
     -------
@@ -190,7 +208,10 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         side's rows do); raised at call time, before any output.
     ValueError
         A ranking over two different columns that both sides share (a DataFrame joined
-        with itself), whose query column cannot be told from its target column.
+        with itself), whose query column cannot be told from its target column; a cap that
+        does not fit the metric (``max_distance`` with a similarity, ``min_similarity``
+        with a distance), is negative (``max_distance``) or not finite, or comes with a
+        ranking Spark's own ``nearestByJoin`` runs.
     TypeError
         A vector column of another type (the message names the column and its type), or an
         argument of the wrong type.
@@ -224,7 +245,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         num_results=num_results, mode=mode, direction=direction, vectors=vectors,
         join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
-        target_block_rows=target_block_rows)
+        target_block_rows=target_block_rows, max_distance=max_distance,
+        min_similarity=min_similarity)
     return plan_join(query, target, ranking, options).dataframe()
 
 
@@ -241,9 +263,10 @@ def _spark_fallback(planned: PlannedJoin) -> DataFrame:
     return out
 
 
-def _search_settings(spark, ranking: Ranking, options: JoinOptions) -> SearchSettings:
-    """The executors' search settings: the options the kernels need, as plain values."""
-    return SearchSettings(k=options.k, metric=ranking.metric, backend=options.backend,
+def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPlan) -> SearchSettings:
+    """The executors' search settings: the options the kernels need, as plain values (the
+    backend is the plan's: a cap runs ``auto`` on CPU)."""
+    return SearchSettings(k=options.k, metric=ranking.metric, backend=plan.backend,
                           precision=options.precision, keep_targets=keep_gpu_targets(spark),
                           gpu_share=gpu_task_share(spark))
 
@@ -254,7 +277,7 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
     spark = query.sparkSession
     q_name, t_name = ranking.query_column, ranking.target_column
-    settings = _search_settings(spark, ranking, planned.options)
+    settings = _search_settings(spark, ranking, planned.options, plan)
     q_layout = packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
     t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
@@ -277,7 +300,7 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     timezone = spark.conf.get("spark.sql.session.timeZone", "UTC")
     target_arrow = to_arrow_schema(t_input.schema, timezone=timezone)
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
-                             plan.distance_col is not None, target_arrow)
+                             plan.distance_col is not None, target_arrow, cap=plan.cap)
 
     packed = _packed_schema()
     if plan.plan == "broadcast" and plan.query_partitions:

@@ -19,6 +19,7 @@ against the DataFrames by the planner (:func:`nearest_join.ranking.parse_ranking
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from udfs.columns import MAX_BLOCK_ROWS
@@ -76,6 +77,22 @@ def _vectors(value) -> str | tuple[str, str] | None:
                                    f"target_column) pair, got {short(value)}")
 
 
+DISTANCE_METRICS = ("l2", "sqeuclidean")
+SIMILARITY_METRICS = ("cosine", "inner_product")
+
+
+def _optional_cap(name: str, value, nonnegative: bool) -> float | None:
+    if value is None:
+        return None
+    expected = "None or a finite number" + (" >= 0" if nonnegative else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(name, f"expected {expected}, got {describe(value)}")
+    value = float(value)
+    if not math.isfinite(value) or (nonnegative and value < 0):
+        raise ArgumentError(name, f"expected {expected}, got {short(value)}")
+    return value
+
+
 @dataclass(frozen=True)
 class JoinOptions:
     """Everything about a join except its inputs and ranking, validated and normalised.
@@ -110,6 +127,8 @@ class JoinOptions:
     broadcast_limit_bytes: int | None = None
     query_block_rows: int | None = None
     target_block_rows: int | None = None
+    max_distance: float | None = None
+    min_similarity: float | None = None
 
     def __post_init__(self) -> None:
         # Spark's checks first, in Spark's order, with Spark's error conditions.
@@ -137,11 +156,41 @@ class JoinOptions:
             "broadcast_limit_bytes": _optional_int("broadcast_limit_bytes", self.broadcast_limit_bytes, 0),
             "query_block_rows": _optional_int("query_block_rows", self.query_block_rows, 1, MAX_BLOCK_ROWS),
             "target_block_rows": _optional_int("target_block_rows", self.target_block_rows, 1, MAX_BLOCK_ROWS),
+            "max_distance": _optional_cap("max_distance", self.max_distance, nonnegative=True),
+            "min_similarity": _optional_cap("min_similarity", self.min_similarity, nonnegative=False),
         }
+        if normalised["max_distance"] is not None and normalised["min_similarity"] is not None:
+            raise ArgumentError("min_similarity",
+                                f"expected None when max_distance is given (max_distance caps "
+                                f"{' and '.join(DISTANCE_METRICS)}, min_similarity {' and '.join(SIMILARITY_METRICS)}), "
+                                f"got {short(self.min_similarity)} with max_distance {short(self.max_distance)}")
         if self.distance_col is not None and (not isinstance(self.distance_col, str) or not self.distance_col):
             raise ArgumentError("distance_col", f"expected None or a non-empty column name, got {short(self.distance_col)}")
         for name, value in normalised.items():
             object.__setattr__(self, name, value)   # frozen: normalise in place, once
+
+    def cap(self, metric: str) -> float | None:
+        """The distance cap of a join ranked by ``metric``, in its units (inclusive): the
+        ``max_distance`` of l2 and sqeuclidean (for sqeuclidean a squared distance), the
+        ``min_similarity`` of cosine and inner_product; None without one. The argument that
+        does not fit the metric is an ArgumentError naming both.
+
+        >>> JoinOptions(max_distance=2).cap("l2")
+        2.0
+        >>> JoinOptions(max_distance=2).cap("cosine")
+        Traceback (most recent call last):
+        ...
+        nearest_join.errors.ArgumentError: max_distance: caps the distance metrics l2 and sqeuclidean, not the similarity 'cosine'; pass min_similarity instead
+        """
+        if metric in DISTANCE_METRICS:
+            if self.min_similarity is not None:
+                raise ArgumentError("min_similarity", f"caps the similarity metrics {' and '.join(SIMILARITY_METRICS)}, "
+                                                      f"not the distance {metric!r}; pass max_distance instead")
+            return self.max_distance
+        if self.max_distance is not None:
+            raise ArgumentError("max_distance", f"caps the distance metrics {' and '.join(DISTANCE_METRICS)}, "
+                                                f"not the similarity {metric!r}; pass min_similarity instead")
+        return self.min_similarity
 
     @property
     def k(self) -> int:

@@ -26,7 +26,7 @@ from pyspark.sql import functions as F
 
 from udfs.columns import MAX_BLOCK_ROWS
 
-from .errors import NearestByJoinError
+from .errors import ArgumentError, NearestByJoinError
 from .options import JoinOptions
 from .ranking import column, quote
 
@@ -89,6 +89,8 @@ class JoinPlan:
     backend: str
     precision: str | None          # as asked; "auto" is resolved per executor (see describe_precision)
     distance_col: str | None
+    cap_argument: str | None = None    # "max_distance" | "min_similarity" | None
+    cap: float | None = None           # in the metric's units, inclusive
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -108,6 +110,10 @@ class JoinPlan:
                 f"backend {self.backend}",
                 f"  precision: {describe_precision(self.backend, self.precision)}",
             ]
+            if self.cap_argument is not None:
+                bound = "<=" if self.cap_argument == "max_distance" else ">="
+                lines.append(f"  cap: {self.cap_argument}, only targets whose {self.metric} is {bound} "
+                             f"{self.cap!r} match (a query may get fewer than k rows)")
         return "\n".join(lines)
 
 
@@ -387,6 +393,18 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)
     if options.mode == "approx":
         reason += "; approx mode runs the exact plan (a valid approximation)"
+    cap = options.cap(ranking.metric)
+    cap_argument = None if cap is None else (
+        "max_distance" if options.max_distance is not None else "min_similarity")
+    backend = options.backend
+    if cap is not None:
+        # The gpu backend takes no cap yet (issue 20): under a cap the executors search on CPU.
+        if backend == "gpu":
+            raise ArgumentError("backend", f"expected 'auto', 'cpu' or 'reference' with {cap_argument} "
+                                           "(the gpu backend does not take a cap yet), got 'gpu'")
+        if backend == "auto":
+            backend = "cpu"
+            reason += f"; backend cpu: the gpu backend does not take {cap_argument} yet"
     return JoinPlan(
         plan=plan, reason=reason, metric=ranking.metric, k=k, mode=options.mode,
         join_type=options.join_type, query_column=ranking.query_column,
@@ -394,8 +412,8 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         target_rows=target_rows, target_bytes=target_bytes, broadcast_limit_bytes=limit,
         task_memory_bytes=budget, cores=cores, query_block_rows=q_rows, target_block_rows=t_rows,
         query_blocks=q_blocks, target_blocks=t_blocks, query_partitions=q_parts,
-        target_partitions=t_parts, backend=options.backend, precision=options.precision,
-        distance_col=options.distance_col,
+        target_partitions=t_parts, backend=backend, precision=options.precision,
+        distance_col=options.distance_col, cap_argument=cap_argument, cap=cap,
     )
 
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from nearest_join.kernels import knn
+
 from . import columns as C
 from .emit import emit_rows
 from .packing import SideLayout, binary_array, binary_values, blob_to_table
@@ -49,6 +51,7 @@ class JoinContext:
     with_distance: bool
     target_schema: pa.Schema            # Arrow schema of the target's columns (NULL padding)
     output_names: tuple[str, ...] = field(default=())
+    cap: float | None = None            # knn's cap (the metric's units, inclusive) or None
 
     @property
     def k(self) -> int:
@@ -98,13 +101,26 @@ class _PairSearch:
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray]:
         return self._decode(blob, self.ctx.target)
 
+    def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id: int):
+        """(values, rows) of one block pair: the task's searcher, or under a cap the kernels'
+        ``knn`` with ``cap`` on the backend the planner chose (cpu or reference: the gpu
+        searcher takes no cap yet, and ``SearchSettings`` carries none while issue 20 owns
+        ``udfs/searcher.py``; this goes to ``BlockSearcher.search`` then)."""
+        if self.ctx.cap is None:
+            return self.searcher.search(q_vectors, t_vectors, target_key=t_block_id)
+        s = self.ctx.settings
+        if s.backend not in ("cpu", "reference"):
+            raise RuntimeError(f"internal error: a capped join planned on backend {s.backend!r}")
+        return knn(q_vectors, t_vectors, s.k, s.metric, backend=s.backend,
+                   threads=self.searcher.threads, cap=self.ctx.cap)
+
     def search(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> TopkState | None:
         if t_block_id == C.EMPTY_BLOCK_ID:
             return None
         table, t_vectors = self.target_block(t_blob)
         if q_vectors.shape[0] == 0 or t_vectors.shape[0] == 0:
             return None
-        values, rows = self.searcher.search(q_vectors, t_vectors, target_key=t_block_id)
+        values, rows = self.search_block(q_vectors, t_vectors, t_block_id)
         return TopkState.from_search(values, rows, t_block_id, table)
 
     def submit(self, fn, *args) -> Future:
@@ -138,13 +154,13 @@ class _QueryBlock:
         if t_vectors.shape[0] == 0:
             return
         searcher = pair.searcher
-        if hasattr(searcher, "search_fold"):
+        if hasattr(searcher, "search_fold") and pair.ctx.cap is None:
             self.tables.append(table)
             # Broadcast blocks are the same for every task of the stage: kept for the next.
             self.device_state = searcher.search_fold(self.vectors, t_vectors, t_block_id, t_block_id,
                                                      len(self.tables) - 1, self.device_state, keep=True)
         else:
-            values, rows = searcher.search(self.vectors, t_vectors, target_key=t_block_id)
+            values, rows = pair.search_block(self.vectors, t_vectors, t_block_id)
             self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
 
     def result(self, views: ColumnViews | None = None) -> TopkState | None:

@@ -89,6 +89,18 @@ BAD = [
     ("unknown metric", lambda d: {**d, "join": {"metric": "manhattan"}}, "join.metric",
      "unknown metric 'manhattan'"),
     ("k zero", lambda d: {**d, "join": {"metric": "l2", "k": 0}}, "join.k", "between 1 and 100000"),
+    ("max_distance negative", lambda d: {**d, "join": {"metric": "l2", "max_distance": -1}},
+     "join.max_distance", "expected None or a finite number >= 0, got -1.0"),
+    ("max_distance nan", lambda d: {**d, "join": {"metric": "l2", "max_distance": float("nan")}},
+     "join.max_distance", "expected None or a finite number >= 0, got nan"),
+    ("max_distance string", lambda d: {**d, "join": {"metric": "l2", "max_distance": "1"}},
+     "join.max_distance", "expected None or a finite number >= 0, got str '1'"),
+    ("max_distance with cosine", lambda d: {**d, "join": {"metric": "cosine", "max_distance": 1}},
+     "join.max_distance", "not the similarity 'cosine'; pass min_similarity instead"),
+    ("min_similarity with l2", lambda d: {**d, "join": {"metric": "l2", "min_similarity": 0.5}},
+     "join.min_similarity", "not the distance 'l2'; pass max_distance instead"),
+    ("both caps", lambda d: {**d, "join": {"metric": "l2", "max_distance": 1, "min_similarity": 0.5}},
+     "join.min_similarity", "expected None when max_distance is given"),
     ("k too big", lambda d: {**d, "join": {"metric": "l2", "k": 100_001}}, "join.k",
      "NUM_RESULTS_OUT_OF_RANGE] Invalid nearest-by join. The number of results 100001 must be"),
     ("k string", lambda d: {**d, "join": {"metric": "l2", "k": "10"}}, "join.k",
@@ -429,3 +441,11 @@ def test_gpu_discovery_script_prints_cuda_ordinals(visible, addresses):
     done = subprocess.run([str(script)], capture_output=True, text=True,
                           env={**os.environ, "CUDA_VISIBLE_DEVICES": visible}, check=True)
     assert done.stdout.strip() == '{"name":"gpu","addresses":[%s]}' % addresses
+
+
+def test_caps_reach_the_options(inputs):
+    document = _document(inputs)
+    spec = load_spec(_write(inputs / "job.yaml", {**document, "join": {"metric": "cosine", "min_similarity": 0.25}}))
+    assert spec.join.options.min_similarity == 0.25 and spec.join.options.cap("cosine") == 0.25
+    spec = load_spec(_write(inputs / "job.yaml", {**document, "join": {"metric": "l2", "max_distance": 3}}))
+    assert spec.join.options.max_distance == 3.0 and spec.join.options.cap("l2") == 3.0
