@@ -33,6 +33,7 @@ class Backend(Protocol):
     dtypes: tuple[str, ...]
     metrics: tuple[str, ...]
     max_k: int | None
+    caps: bool          # takes knn's ``cap`` option (else the dispatcher refuses a capped call)
 
     def refuse(self, queries: np.ndarray, targets: np.ndarray, k: int, metric: Metric,
                **options) -> str | None:
@@ -97,12 +98,20 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
+def _refusal(candidate: Backend, queries, targets, k: int, metric: Metric, **options) -> str | None:
+    """Why ``candidate`` cannot run this call, or None. A ``cap`` needs a backend that
+    declares ``caps`` (it prunes with the cap; ignoring it would return rows beyond it)."""
+    if options.get("cap") is not None and not getattr(candidate, "caps", False):
+        return "does not take a distance cap (max_distance / min_similarity)"
+    return candidate.refuse(queries, targets, k, metric, **options)
+
+
 def choose_backend(queries, targets, k: int, metric: Metric, backend: str = "auto",
                    **options) -> Backend:
     """The backend that will run this call; every refusal reason if none will."""
     if backend != "auto":
         chosen = get_backend(backend)
-        reason = chosen.refuse(queries, targets, k, metric, **options)
+        reason = _refusal(chosen, queries, targets, k, metric, **options)
         if reason:
             raise ValueError(f"backend {backend!r} refuses this input: {reason}")
         return chosen
@@ -112,7 +121,7 @@ def choose_backend(queries, targets, k: int, metric: Metric, backend: str = "aut
         if candidate is None:
             reasons.append(f"{name}: {entry.import_error}")
             continue
-        reason = candidate.refuse(queries, targets, k, metric, **options)
+        reason = _refusal(candidate, queries, targets, k, metric, **options)
         if reason is None:
             return candidate
         reasons.append(f"{name}: {reason}")
@@ -166,7 +175,8 @@ def knn(queries, targets, k: int, metric: str = "l2", backend: str = "auto", **o
     **options
         Passed to the backend: ``threads`` (CPU threads, default: this process's share of
         cores), ``precision`` (GPU: "auto", the default: bf16 on compute capability >= 8.0,
-        else fp32; or "fp32", "tf32", "bf16"), ``device`` (GPU ordinal).
+        else fp32; or "fp32", "tf32", "bf16"), ``device`` (GPU ordinal), ``cap`` (an inclusive
+        limit on the value: only backends that declare ``caps`` take it).
 
     Returns
     -------

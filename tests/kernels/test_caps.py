@@ -111,3 +111,33 @@ def test_bad_cap(cap):
     for backend in BACKENDS:
         with pytest.raises(ValueError, match="cap: expected None or a finite number"):
             knn(q, q, 1, "l2", backend=backend, cap=cap)
+
+
+def test_a_backend_without_caps_is_refused_a_capped_call(monkeypatch):
+    """A backend that does not declare ``caps`` would ignore the cap and return rows beyond it:
+    the dispatcher refuses it by name, and ``auto`` passes over it to one that takes caps."""
+    from nearest_join.kernels import dispatch
+    from nearest_join.kernels.reference_backend import BACKEND as reference
+
+    class Uncapped:
+        name, devices, dtypes, metrics, max_k, caps = "uncapped", ("cpu",), ("float32",), \
+            ("l2",), None, False
+
+        def refuse(self, *args, **options):
+            return None
+
+        def run(self, queries, targets, k, metric, **options):
+            return reference.run(queries, targets, k, metric)
+
+    monkeypatch.setitem(dispatch._REGISTRY, "uncapped",
+                        dispatch._Entry("uncapped", "unused", loaded=Uncapped(), tried=True))
+    monkeypatch.setattr(dispatch, "_REGISTRY", {"uncapped": dispatch._REGISTRY.pop("uncapped"),
+                                                **dispatch._REGISTRY})
+    q = np.zeros((1, 2), np.float32)
+    t = np.array([[1.0, 0.0], [5.0, 0.0]], np.float32)
+    with pytest.raises(ValueError, match="uncapped.*distance cap"):
+        knn(q, t, 2, "l2", backend="uncapped", cap=2.0)
+    values, indices = knn(q, t, 2, "l2", cap=2.0)          # auto: the next backend takes it
+    assert indices.tolist() == [[0, -1]] and values[0, 0] == 1.0
+    _, indices = knn(q, t, 2, "l2")                          # no cap: the uncapped one runs
+    assert indices.tolist() == [[0, 1]]
