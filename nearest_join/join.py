@@ -26,7 +26,8 @@ from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
 from .options import JoinOptions
 from .planner import (JoinPlan, choose_plan, gpu_task_share, join_dimension, keep_gpu_targets,
                       side_facts, spark_plan)
-from .ranking import DIRECTIONS, Ranking, column_index, parse_ranking, quote, vector_itemsize
+from .ranking import (DIRECTIONS, JoinKey, Ranking, column, column_index, parse_keys, parse_ranking,
+                      quote, vector_itemsize)
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class PlannedJoin:
     plan: JoinPlan
     parsed: Ranking | None     # None: Spark's own nearestByJoin runs the ranking
     direction: str | None
+    keys: tuple[JoinKey, ...] | None = None   # on=, resolved against both sides
 
     def dataframe(self) -> DataFrame:
         """The joined rows (lazy: the search runs when the DataFrame is evaluated)."""
@@ -97,19 +99,29 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             argument = "max_distance" if options.max_distance is not None else "min_similarity"
             raise ArgumentError(argument, f"applies to the vector functions over one column of each "
                                           f"side, got the ranking {ranking}")
+        if options.on is not None:
+            raise ArgumentError("on", f"applies to the vector functions over one column of each side "
+                                      f"(Spark's own nearestByJoin takes no keys), got the ranking {ranking}")
         planned = PlannedJoin(query, target, ranking, options, spark_plan(spark, ranking, options),
                               None, options.direction)
     else:
         direction = _check_direction(parsed, options.direction)
         q_item = vector_itemsize(query, parsed.query_column, "query")
         t_item = vector_itemsize(target, parsed.target_column, "target")
-        q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
+        keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
+        if keys is None:
+            q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
+            key_facts = None
+        else:
+            q_facts, t_facts, key_facts = side_facts(
+                query, parsed.query_column, target, parsed.target_column,
+                target_keys=[column(target, k.target_column).cast(k.common) for k in keys])
         plan = choose_plan(
             spark=spark, ranking=parsed, options=options,
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
             query_rows=q_facts.rows, target_rows=t_facts.rows,
-            query_input_partitions=q_facts.partitions)
-        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction)
+            query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts)
+        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys)
     logger.info("%s", planned.plan)
     return planned
 
@@ -122,7 +134,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
                          query_block_rows: int | None = None,
                          target_block_rows: int | None = None,
                          max_distance: float | None = None,
-                         min_similarity: float | None = None) -> JoinPlan:
+                         min_similarity: float | None = None, on=None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
     Runs only the one small job the planner needs (row counts, partitions, vector lengths).
@@ -135,7 +147,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
         join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
         target_block_rows=target_block_rows, max_distance=max_distance,
-        min_similarity=min_similarity)
+        min_similarity=min_similarity, on=on)
     return plan_join(query, target, ranking, options).plan
 
 
@@ -147,7 +159,7 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
                     query_block_rows: int | None = None,
                     target_block_rows: int | None = None,
                     max_distance: float | None = None,
-                    min_similarity: float | None = None) -> DataFrame:
+                    min_similarity: float | None = None, on=None) -> DataFrame:
     """For every query row, the ``num_results`` nearest target rows (Spark's ``nearestByJoin``).
 
     Parameters
@@ -191,6 +203,15 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         rows; INNER drops a query with none, LEFT OUTER keeps it once with NULL target
         columns. The cap prunes inside the CPU kernel; the gpu backend does not take a cap
         yet (``auto`` then searches on CPU; ``backend="gpu"`` is an error).
+    on : str, list or Column, keyword-only
+        Equality keys: for each query row, the nearest target rows *whose keys are equal*. A
+        column name present on both sides, a list of them, a list of ``(query_column,
+        target_column)`` pairs, or a Column equality between one query and one target column
+        (``q.country == t.country``, or ``&`` of such equalities; each column's side is
+        found by Spark's analyzer). SQL equality: both sides are cast to the common type
+        Spark's ``=`` would use, and a NULL key matches nothing, so a query with a NULL key
+        or a key absent from the target has no candidate. Needs the broadcast plan (a target
+        under the broadcast limit).
 
     Returns
     -------
@@ -211,7 +232,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         with itself), whose query column cannot be told from its target column; a cap that
         does not fit the metric (``max_distance`` with a similarity, ``min_similarity``
         with a distance), is negative (``max_distance``) or not finite, or comes with a
-        ranking Spark's own ``nearestByJoin`` runs.
+        ranking Spark's own ``nearestByJoin`` runs; an ``on`` of another shape, naming a
+        missing column, of a type Spark cannot compare for equality (a map), with a ranking
+        Spark's own ``nearestByJoin`` runs, or with a target too large to broadcast.
     TypeError
         A vector column of another type (the message names the column and its type), or an
         argument of the wrong type.
@@ -246,7 +269,7 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
         broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
         target_block_rows=target_block_rows, max_distance=max_distance,
-        min_similarity=min_similarity)
+        min_similarity=min_similarity, on=on)
     return plan_join(query, target, ranking, options).dataframe()
 
 
@@ -299,6 +322,15 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     t_input = target.toDF(*[C.output_name(n_query + j) for j in range(len(target.columns))])
     timezone = spark.conf.get("spark.sql.session.timeZone", "UTC")
     target_arrow = to_arrow_schema(t_input.schema, timezone=timezone)
+    if planned.keys is not None:
+        q_input, t_input = _with_groups(
+            q_input, t_input, planned.keys,
+            [C.output_name(column_index(query, k.query_column)) for k in planned.keys],
+            [C.output_name(n_query + column_index(target, k.target_column)) for k in planned.keys])
+        # The group id is each side's last column; the executors drop it from the blocks'
+        # rows before they search or emit them.
+        q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
+        t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
                              plan.distance_col is not None, target_arrow, cap=plan.cap)
 
@@ -329,6 +361,32 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
     return joined.toDF(*names)
+
+
+def _with_groups(q_input: DataFrame, t_input: DataFrame, keys, q_names: list[str],
+                 t_names: list[str]) -> tuple[DataFrame, DataFrame]:
+    """Both sides with a dense int group id (``C.GROUP``) per distinct non-NULL target key.
+
+    The keys are cast to their common type (as Spark's ``=`` compares them) and the distinct
+    target keys numbered 0..G-1 in key order (deterministic: the same ids however often
+    Spark evaluates it). The target keeps the rows whose key has an id (a NULL key matches
+    nothing); the query keeps every row, with a NULL id where its key has no group. The ids
+    are the keyed plan's only notion of a key, so any grouping (an IVF list id) can take
+    their place.
+    """
+    from pyspark.sql import Window
+
+    names = [C.key_name(i) for i in range(len(keys))]
+
+    def keyed(df: DataFrame, sources: list[str]) -> DataFrame:
+        return df.select("*", *[F.col(src).cast(k.common).alias(n) for src, k, n in zip(sources, keys, names)])
+
+    t_keyed = keyed(t_input, t_names)
+    groups = (t_keyed.select(*names).where(" AND ".join(f"{n} IS NOT NULL" for n in names)).distinct()
+              .withColumn(C.GROUP, (F.row_number().over(Window.orderBy(*names)) - 1).cast("int")))
+    t_out = t_keyed.join(F.broadcast(groups), names, "inner").select(*t_input.columns, C.GROUP)
+    q_out = keyed(q_input, q_names).join(F.broadcast(groups), names, "left").select(*q_input.columns, C.GROUP)
+    return q_out, t_out
 
 
 def _merge_function(ctx: blocks.JoinContext):

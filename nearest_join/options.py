@@ -14,13 +14,16 @@ order.
 
 A new option is a new field here (with its default and its check) plus the keyword argument
 of the two public functions; planning and the executors receive it through this object.
-Options that name columns (``vectors``) are checked for their shape here and resolved
-against the DataFrames by the planner (:func:`nearest_join.ranking.parse_ranking`).
+Options that name columns (``vectors``, ``on``) are checked for their shape here and resolved
+against the DataFrames by the planner (:func:`nearest_join.ranking.parse_ranking`,
+:func:`nearest_join.ranking.parse_keys`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from pyspark.sql import Column
 
 from udfs.columns import MAX_BLOCK_ROWS
 
@@ -77,6 +80,33 @@ def _vectors(value) -> str | tuple[str, str] | None:
                                    f"target_column) pair, got {short(value)}")
 
 
+def _on(value):
+    """``on`` normalised: None, a tuple of (query column, target column) name pairs, or a
+    pyspark Column (an equality, or ``&`` of equalities, resolved by the planner)."""
+    if value is None:
+        return None
+    if isinstance(value, Column):
+        return value
+    expected = ("expected None, a column name present on both sides, a list of them, a list of "
+                "(query_column, target_column) pairs, or a Column equality between a query and a "
+                "target column (or & of them)")
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not items:
+        raise ArgumentError("on", f"{expected}, got {short(value)}")
+    pairs = []
+    for item in items:
+        if isinstance(item, str) and item:
+            pairs.append((item, item))
+        elif (isinstance(item, (list, tuple)) and len(item) == 2
+              and all(isinstance(n, str) and n for n in item)):
+            pairs.append((item[0], item[1]))
+        else:
+            raise ArgumentError("on", f"{expected}, got {short(value)} (item {short(item)})")
+    if len(set(pairs)) != len(pairs):
+        raise ArgumentError("on", f"{expected}, each pair once, got {short(value)}")
+    return tuple(pairs)
+
+
 DISTANCE_METRICS = ("l2", "sqeuclidean")
 SIMILARITY_METRICS = ("cosine", "inner_product")
 
@@ -99,7 +129,8 @@ class JoinOptions:
 
     Fields are named after the keyword arguments of :func:`nearest_join.nearest_by_join` (see
     its docstring for their meaning); values are normalised (``mode`` and ``direction`` lower
-    case, ``join_type`` ``"inner"`` or ``"leftouter"``, ``vectors`` a name or a pair).
+    case, ``join_type`` ``"inner"`` or ``"leftouter"``, ``vectors`` a name or a pair, ``on``
+    None, a tuple of ``(query_column, target_column)`` pairs or the Column as given).
 
     ``precision="auto"`` is resolved by each executor for the device its task got: bf16 on a
     GPU of compute capability 8.0 or more, fp32 on older GPUs; CPU executors search in
@@ -129,6 +160,7 @@ class JoinOptions:
     target_block_rows: int | None = None
     max_distance: float | None = None
     min_similarity: float | None = None
+    on: object = None   # None | ((query_column, target_column), ...) | a Column equality
 
     def __post_init__(self) -> None:
         # Spark's checks first, in Spark's order, with Spark's error conditions.
@@ -158,6 +190,7 @@ class JoinOptions:
             "target_block_rows": _optional_int("target_block_rows", self.target_block_rows, 1, MAX_BLOCK_ROWS),
             "max_distance": _optional_cap("max_distance", self.max_distance, nonnegative=True),
             "min_similarity": _optional_cap("min_similarity", self.min_similarity, nonnegative=False),
+            "on": _on(self.on),
         }
         if normalised["max_distance"] is not None and normalised["min_similarity"] is not None:
             raise ArgumentError("min_similarity",

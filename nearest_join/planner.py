@@ -91,6 +91,10 @@ class JoinPlan:
     distance_col: str | None
     cap_argument: str | None = None    # "max_distance" | "min_similarity" | None
     cap: float | None = None           # in the metric's units, inclusive
+    # on= keys: [query column, target column, common type] per key, or None without keys
+    keys: list | None = None
+    key_groups: int | None = None      # distinct non-NULL target keys
+    largest_group: int | None = None   # target rows of the largest of them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -114,6 +118,13 @@ class JoinPlan:
                 bound = "<=" if self.cap_argument == "max_distance" else ">="
                 lines.append(f"  cap: {self.cap_argument}, only targets whose {self.metric} is {bound} "
                              f"{self.cap!r} match (a query may get fewer than k rows)")
+            if self.keys is not None:
+                equal = " and ".join(f"query.{q} = target.{t} (as {common})" for q, t, common in self.keys)
+                lines.append(
+                    f"  keys: {equal}; {self.key_groups} target groups, the largest {self.largest_group} "
+                    "rows; the broadcast target is grouped by key and each query block searches "
+                    "only its keys' target rows, one kernel call per group present in the block and "
+                    "target block (a NULL key or one absent from the target matches nothing)")
         return "\n".join(lines)
 
 
@@ -153,8 +164,19 @@ def _vector_length(df, name: str):
     return F.when(col.isNotNull(), length)
 
 
-def side_facts(query, query_column: str, target, target_column: str) -> tuple[SideFacts, SideFacts]:
-    """Rows, partitions and vector lengths of both sides, in one small Spark job."""
+@dataclass(frozen=True)
+class KeyFacts:
+    """What the planner knows of the target's ``on=`` keys: its groups of non-NULL keys."""
+
+    groups: int
+    largest: int
+
+
+def side_facts(query, query_column: str, target, target_column: str,
+               target_keys: list | None = None):
+    """Rows, partitions and vector lengths of both sides, in one small Spark job; with
+    ``target_keys`` (Columns of the target) also the number of distinct non-NULL keys and
+    the rows of the largest group, as a third item (:class:`KeyFacts`)."""
     def facts(df, name: str, prefix: str):
         # Spark forbids the non-deterministic partition id inside an aggregate: project first.
         projected = df.select(_vector_length(df, name).alias("n"), F.spark_partition_id().alias("p"))
@@ -162,11 +184,22 @@ def side_facts(query, query_column: str, target, target_column: str) -> tuple[Si
                              F.min("n").alias(prefix + "shortest"), F.max("n").alias(prefix + "longest"),
                              (F.max("p") + 1).alias(prefix + "partitions"))
 
-    row = facts(query, query_column, "q_").crossJoin(facts(target, target_column, "t_")).collect()[0]
-    return tuple(
+    both = facts(query, query_column, "q_").crossJoin(facts(target, target_column, "t_"))
+    if target_keys is not None:
+        names = [f"k{i}" for i in range(len(target_keys))]
+        groups = (target.select(*[c.alias(n) for c, n in zip(target_keys, names)])
+                  .where(" AND ".join(f"{n} IS NOT NULL" for n in names))
+                  .groupBy(*names).count()
+                  .agg(F.count(F.lit(1)).alias("groups"), F.max("count").alias("largest")))
+        both = both.crossJoin(groups)
+    row = both.collect()[0]
+    sides = tuple(
         SideFacts(rows=int(row[side + "rows"]), partitions=int(row[side + "partitions"] or 0),
                   shortest=row[side + "shortest"], longest=row[side + "longest"])
         for side in ("q_", "t_"))
+    if target_keys is None:
+        return sides
+    return sides + (KeyFacts(groups=int(row["groups"]), largest=int(row["largest"] or 0)),)
 
 
 def _describe(label: str, facts: SideFacts) -> str:
@@ -349,8 +382,13 @@ def _clamp_rows(rows: float) -> int:
 
 def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, itemsize: int,
                 query_rows: int, target_rows: int,
-                query_input_partitions: int | None = None) -> JoinPlan:
-    """Pick the plan and block sizes from the sizes, the options and configuration."""
+                query_input_partitions: int | None = None, keys: list | None = None,
+                key_facts: KeyFacts | None = None) -> JoinPlan:
+    """Pick the plan and block sizes from the sizes, the options and configuration.
+
+    ``keys`` (the resolved ``on=``, :class:`nearest_join.ranking.JoinKey`) need the
+    broadcast plan: with a target too large for it this raises an ArgumentError naming
+    ``on``."""
     k = options.k
     query_block_rows, target_block_rows = options.query_block_rows, options.target_block_rows
     cores = cluster_cores(spark)
@@ -381,6 +419,12 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         cap, why = broadcast_memory_cap(spark)
         if limit == cap:
             reason += f" ({why})"
+        if keys is not None:
+            raise ArgumentError(
+                "on", f"the blocked plan ({reason}) does not take on= keys yet; keys need the "
+                "broadcast plan: raise broadcast_limit_bytes (or spark.nearestJoin.broadcastLimitBytes, "
+                "within 1/4 of the driver's and executors' memory) above the target's vector bytes, "
+                f"or filter the target, got on={[[k.query_column, k.target_column] for k in keys]}")
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
     q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0
@@ -414,6 +458,9 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         query_blocks=q_blocks, target_blocks=t_blocks, query_partitions=q_parts,
         target_partitions=t_parts, backend=backend, precision=options.precision,
         distance_col=options.distance_col, cap_argument=cap_argument, cap=cap,
+        keys=None if keys is None else [[k.query_column, k.target_column, k.common] for k in keys],
+        key_groups=None if key_facts is None else key_facts.groups,
+        largest_group=None if key_facts is None else key_facts.largest,
     )
 
 

@@ -329,3 +329,145 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
         logger.debug("ranking %s: %d readings resolve as one query and one target column", text, len(held))
         return None
     return Ranking(metric, held[0][0], held[0][1], text)
+
+
+# ----------------------------------------------------------------------------- on= keys
+@dataclass(frozen=True)
+class JoinKey:
+    """One key of ``on=``: a query column equal to a target column, compared in ``common``
+    (the type Spark's equality casts both to, as a simple string)."""
+
+    query_column: str
+    target_column: str
+    query_type: str
+    target_type: str
+    common: str
+
+
+def _equality_terms(text: str) -> list[list[tuple[str, str]]]:
+    """Readings of a classic Column's prefix text (``=(a, b)``, ``and(X, Y)``) as an AND of
+    equalities: each a list of (first argument text, second argument text). A name holding
+    ", " or parentheses makes a split ambiguous: every split is returned, the analyzer picks."""
+    out = []
+    for head, combine in (("=(", False), ("and(", True)):
+        if not (text.startswith(head) and text.endswith(")")):
+            continue
+        inner = text[len(head):-1]
+        for i in range(len(inner)):
+            if not inner.startswith(", ", i):
+                continue
+            left, right = inner[:i], inner[i + 2:]
+            if not combine:
+                out.append([(left, right)])
+                continue
+            for a in _equality_terms(left):
+                for b in _equality_terms(right):
+                    out.append(a + b)
+    return out
+
+
+def _connect_terms(expr) -> list[list[tuple[str, str]]]:
+    """The same readings from a Spark Connect Column's expression tree (exact)."""
+    name, args = getattr(expr, "_name", None), getattr(expr, "_args", None)
+    if args is None or len(args) != 2:
+        return []
+    if name == "==":
+        names = [getattr(arg, "_unparsed_identifier", None) for arg in args]
+        return [] if None in names else [[(names[0], names[1])]]
+    if name == "and":
+        return [a + b for a in _connect_terms(args[0]) for b in _connect_terms(args[1])]
+    return []
+
+
+def _column_keys(on, query, target) -> list[tuple[str, str]]:
+    """(query column, target column) pairs of a Column equality (or ``&`` of them), each
+    side placed by Spark's analyzer as :func:`parse_ranking` places a ranking's columns."""
+    import itertools
+
+    expected = ("expected an equality between one query column and one target column "
+                "(q.a == t.b), or & of such equalities")
+    if type(on).__module__.startswith("pyspark.sql.connect"):
+        decompositions = _connect_terms(getattr(on, "_expr", None))
+    else:
+        match = re.match(r"^Column<'(.*)'>$", str(on), re.DOTALL)
+        decompositions = _equality_terms(match.group(1)) if match else []
+    if not decompositions:
+        raise ArgumentError("on", f"{expected}, got {on}")
+    q_cols, t_cols = list(query.columns), list(target.columns)
+    on_query, on_target = _resolves(query, on), _resolves(target, on)
+    if on_query or on_target:
+        where = "both the query and the target" if on_query and on_target else (
+            "the query alone" if on_query else "the target alone")
+        raise ArgumentError("on", f"{expected}, got {on}, whose columns all resolve on {where} "
+                                  "(with one DataFrame on both sides, alias the sides: "
+                                  "F.col('q.a') == F.col('t.b'))")
+    held = []
+    for terms in decompositions:
+        options = [_readings([term], q_cols, t_cols) for term in terms]
+        for combo in itertools.product(*options):
+            q_names = list(dict.fromkeys(q for q, _ in combo))
+            t_names = list(dict.fromkeys(t for _, t in combo))
+            try:
+                with _probing():
+                    pair = query.select(*[column(query, n) for n in q_names]).crossJoin(
+                        target.select(*[column(target, n) for n in t_names]))
+            except AnalysisException:
+                continue
+            if _resolves(pair, on):
+                held.append(tuple(combo))
+    held = list(dict.fromkeys(held))
+    if len(held) != 1:
+        found = "no reading" if not held else f"{len(held)} readings"
+        raise ArgumentError("on", f"{expected}, got {on}: {found} of its columns as one query "
+                                  f"column and one target column per equality resolves "
+                                  f"(query columns: {q_cols}, target columns: {t_cols})")
+    return list(held[0])
+
+
+def parse_keys(on, query, target) -> list[JoinKey]:
+    """Resolve ``on`` (as :class:`~nearest_join.options.JoinOptions` normalised it: name
+    pairs or a Column) against both sides and type its keys.
+
+    Each pair is compared the way Spark's SQL equality compares it: both sides are cast to
+    the common type Spark's analyzer chooses (``int`` and ``bigint`` as ``bigint``, ``date``
+    and ``timestamp`` as ``timestamp``, a string and a number as a number).
+
+    Raises
+    ------
+    ValueError
+        A column missing from its side (the message lists the side's columns), a Column that
+        is not an equality between one query and one target column (or ``&`` of them), or a
+        key type Spark cannot compare for equality (a map; a boolean with a number).
+    """
+    from pyspark.sql import functions as F
+
+    q_cols, t_cols = list(query.columns), list(target.columns)
+    if isinstance(on, tuple):
+        pairs = []
+        for q_name, t_name in on:
+            q_col, t_col = _find(q_name, q_cols), _find(t_name, t_cols)
+            if q_col is None:
+                raise ArgumentError("on", f"query column {q_name!r} not found (query columns: {q_cols})")
+            if t_col is None:
+                raise ArgumentError("on", f"target column {t_name!r} not found (target columns: {t_cols})")
+            pairs.append((q_col, t_col))
+    else:
+        pairs = _column_keys(on, query, target)
+    keys = []
+    for q_col, t_col in pairs:
+        q_type = query.schema.fields[column_index(query, q_col)].dataType.simpleString()
+        t_type = target.schema.fields[column_index(target, t_col)].dataType.simpleString()
+        pair = query.select(column(query, q_col).alias("q")).crossJoin(
+            target.select(column(target, t_col).alias("t")))
+        try:
+            with _probing():
+                # The equality checks that Spark can compare the two; coalesce's result type is
+                # the common type that equality casts both sides to.
+                schema = pair.select((F.col("q") == F.col("t")).alias("e"), F.coalesce("q", "t").alias("c")).schema
+        except AnalysisException as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise ArgumentError("on", f"expected key columns Spark can compare for equality, got query "
+                                      f"column {q_col!r} of type {q_type} and target column {t_col!r} "
+                                      f"of type {t_type} ({first})") from None
+        keys.append(JoinKey(q_col, t_col, q_type, t_type, schema["c"].dataType.simpleString()))
+    return keys

@@ -28,6 +28,7 @@ from nearest_join.kernels import knn
 
 from . import columns as C
 from .emit import emit_rows
+from .groups import GroupSegments, group_ids, grouped_search
 from .packing import SideLayout, binary_array, binary_values, blob_to_table
 from .rows import ColumnViews
 from .searcher import SearchSettings, open_block_searcher
@@ -57,6 +58,11 @@ class JoinContext:
     def k(self) -> int:
         return self.settings.k
 
+    @property
+    def keyed(self) -> bool:
+        """Whether rows carry a group id (``on=`` keys): each query row meets only its group."""
+        return self.query.group_index is not None
+
 
 
 class _PairSearch:
@@ -72,37 +78,52 @@ class _PairSearch:
         self.ctx = ctx
         self.searcher = open_block_searcher(ctx.settings)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="nj-search")
-        self._decoded: dict[int, tuple[pa.Table, np.ndarray]] = {}
+        self._decoded: dict[int, tuple] = {}
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
     @staticmethod
-    def _decode(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray]:
+    def _decode(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
+        """(rows, vectors, group ids or None): a keyed side's group id column is dropped
+        from the rows (the output has the user's columns only)."""
         table = blob_to_table(blob)
+        groups = None
+        if side.group_index is not None:
+            groups = group_ids(table.column(side.group_index))
+            table = table.remove_column(side.group_index)
         vectors = decode_vectors(table.column(side.vector_index), side.dimension, label=side.label,
                                  expected_from=side.expected_from)
-        return table, vectors
+        return table, vectors, groups
 
-    def query_block(self, blob) -> tuple[pa.Table, np.ndarray]:
+    def query_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         return self._decode(blob, self.ctx.query)
 
-    def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray]:
+    def broadcast_target(self, block_id: int, blob) -> tuple:
         """A broadcast target block, decoded once per task: every query block meets it.
 
         The decoded blocks stay referenced for the task (the broadcast target is bounded by
         ``spark.nearestJoin.broadcastLimitBytes``; float32 vectors decode as zero-copy views).
+        Keyed: (rows, vectors sorted by group, :class:`GroupSegments`), sorted once per task
+        (a copy of the block's vectors, so each group's are one contiguous segment).
         """
         hit = self._decoded.get(block_id)
         if hit is None:
-            hit = self._decoded[block_id] = self.target_block(blob)
+            table, vectors, groups = self.target_block(blob)
+            if groups is None:
+                hit = (table, vectors)
+            else:
+                segments = GroupSegments.of(groups)
+                hit = (table, np.ascontiguousarray(vectors[segments.order]), segments)
+            self._decoded[block_id] = hit
         return hit
 
-    def target_block(self, blob) -> tuple[pa.Table, np.ndarray]:
+    def target_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         return self._decode(blob, self.ctx.target)
 
-    def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id: int):
-        """(values, rows) of one block pair: the task's searcher, or under a cap the kernels'
+    def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
+        """(values, rows) of one block pair (``t_block_id``: the searcher's key for the target
+        vectors, None when they are no whole block): the task's searcher, or under a cap the kernels'
         ``knn`` with ``cap`` on the backend the planner chose (cpu or reference: the gpu
         searcher takes no cap yet, and ``SearchSettings`` carries none while issue 20 owns
         ``udfs/searcher.py``; this goes to ``BlockSearcher.search`` then)."""
@@ -117,7 +138,7 @@ class _PairSearch:
     def search(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> TopkState | None:
         if t_block_id == C.EMPTY_BLOCK_ID:
             return None
-        table, t_vectors = self.target_block(t_blob)
+        table, t_vectors, _ = self.target_block(t_blob)
         if q_vectors.shape[0] == 0 or t_vectors.shape[0] == 0:
             return None
         values, rows = self.search_block(q_vectors, t_vectors, t_block_id)
@@ -138,8 +159,9 @@ def _pair_columns(batch: pa.RecordBatch):
 class _QueryBlock:
     """One query block of the broadcast plan while its target blocks are folded in."""
 
-    def __init__(self, block_id, table: pa.Table, vectors: np.ndarray):
+    def __init__(self, block_id, table: pa.Table, vectors: np.ndarray, groups: np.ndarray | None = None):
         self.id, self.table, self.vectors = block_id, table, vectors
+        self.groups = groups                   # on= keys: each row's group id (-1: none)
         self.state: TopkState | None = None    # host fold (CPU searchers)
         self.device_state = None               # device fold (udfs.gpu.DeviceFold)
         self.tables: list[pa.Table] = []       # payload tables, by source ordinal
@@ -149,6 +171,14 @@ class _QueryBlock:
     def fold(self, pair: "_PairSearch", t_block_id: int, t_blob, metric: str) -> None:
         """Worker thread: search one target block and fold it into this block's top-k."""
         if t_block_id == C.EMPTY_BLOCK_ID or self.vectors.shape[0] == 0:
+            return
+        if self.groups is not None:
+            table, t_sorted, segments = pair.broadcast_target(t_block_id, t_blob)
+            worst = -np.inf if metric in ("cosine", "inner_product") else np.inf
+            # target_key None: a segment is no block a GPU searcher may keep resident.
+            values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
+                                          self.groups, t_sorted, segments, pair.ctx.k, worst)
+            self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
             return
         table, t_vectors = pair.broadcast_target(t_block_id, t_blob)
         if t_vectors.shape[0] == 0:
@@ -244,6 +274,8 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
 
     The search of the next pair runs while the current partial is serialised.
     """
+    if ctx.keyed:
+        raise RuntimeError("internal error: on= keys planned on the blocked plan, which takes none")
     pair = _PairSearch(ctx)
 
     def partial_batch(q_id, q_blob, t_id, future) -> pa.RecordBatch:
@@ -263,7 +295,7 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
         for batch in batches:
             q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
             for r in range(batch.num_rows):
-                _, q_vectors = pair.query_block(q_blobs[r])
+                _, q_vectors, _ = pair.query_block(q_blobs[r])
                 submitted = (q_ids[r], q_blobs[r], int(t_ids[r]),
                              pair.submit(pair.search, q_vectors, int(t_ids[r]), t_blobs[r]))
                 if pending is not None:

@@ -11,6 +11,13 @@ Q_BLOB = "__nj_q_blob"
 T_BLOCK_ID = "__nj_t_block_id"
 T_BLOB = "__nj_t_blob"
 PARTIAL = "__nj_partial"
+# on= keys: a side's key columns cast to their common type, and the dense group id of a key.
+GROUP = "__nj_group"
+
+
+def key_name(position: int) -> str:
+    """Internal name of key ``position`` of ``on=`` (cast to the common type)."""
+    return f"__nj_key_{position}"
 
 # Inside a partial blob: per (query row, rank) slot.
 SLOT_VALUE = "__nj_value"

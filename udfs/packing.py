@@ -31,6 +31,7 @@ class SideLayout:
     dimension: int | None   # expected vector length; None = take the first vector's
     block_rows: int         # rows per packed block
     expected_from: str = "the other side"
+    group_index: int | None = None   # on= keys: position of the int group id column (the last)
 
 
 
