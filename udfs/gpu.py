@@ -11,8 +11,8 @@ CPU executor needs no configuration. Otherwise the searcher
   the same target blocks copy each once;
 * keeps broadcast target blocks for the next task of the same stage that this Python
   worker runs (Spark reuses workers): every task of a broadcast stage searches the same
-  target, which a GPU would otherwise copy and prepare again per task (about 30 ms per
-  10^6 x 128 floats on an H200 host). Kept blocks belong to one stage; the first
+  target, which a GPU would otherwise copy and prepare again per task (a cost that
+  grows with the block; benchmarks/RESULTS.md). Kept blocks belong to one stage; the first
   searcher opened for any other stage (or with ``SearchSettings.keep_targets`` off) frees
   them, and a cheap fingerprint guards every reuse;
 * stages query batches in pinned host memory (the copy into it split over the task's
@@ -305,8 +305,8 @@ class GpuBlockSearcher:
         can decode the next block before the worker has taken the previous one: at a task's
         start the first search waits for the target block); a further one replaces the
         oldest, whose copy is waited for first. One caller at a time (the main thread); the
-        lock is not held during the copy, so the worker's search never waits for it (it
-        did: 2.5 ms before a task's first search on the H200 host).
+        lock is not held during the copy, so the worker's search never waits for it (when
+        it was, a task's first search waited for the copy).
         """
         import torch
 
