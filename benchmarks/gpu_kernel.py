@@ -14,7 +14,8 @@ a warm-up that includes compilation):
 
 * ``gemm``: chunked ``addmm`` writing the distance matrix (the issue's ceiling);
 * ``addmm+topk``: the same chunks followed by ``torch.topk`` (the issue's baseline);
-* ``fused``: the plain low-precision search through the fused kernel (no re-rank);
+* ``fused``: the fused kernel's candidate pass alone at k's plain list width (no re-rank and
+  no proof: what the exact search costs on top of it; :func:`fused_pass`);
 * ``exact``: the backend's answer (fused candidates + exact float32 re-rank);
 * ``arrow``: the executor path of the blocked plan (``udfs.blocks.search_pairs`` then
   ``merge_partials``) fed Arrow batches, host-device copies and Arrow work included.
@@ -86,14 +87,26 @@ def addmm_topk(Q, T, bias, precision, k):
     return out
 
 
+def fused_pass(Q, prepared, k):
+    """(keys, indices) of the fused kernel's candidate pass alone at k's plain list width, the
+    first k of each row: the plain low-precision search, no re-rank and no proof. The library
+    always re-ranks; this is the peer that says what exactness costs on top of the pass."""
+    from nearest_join.kernels import _gpu_triton as tr
+
+    qs = gt.prepare_queries(Q, prepared.side)
+    keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gt.MIN_CANDIDATES, gt.next_pow2(k)))
+    return keys[:, :k], idx[:, :k]
+
+
 def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str = "gpu"):
     """(JoinContext, pair batches) as the Spark plans feed them: ``list<float>`` vector columns
     (what Spark sends for ``array<float>``), blocks packed by ``pack_blocks`` plus the empty
     target block, every pair row carrying its two blobs."""
     import pyarrow as pa
 
-    from udfs.blocks import (JoinContext, SideLayout, _pairs_batch, empty_target_block, pack_blocks,
-                             PACKED_SCHEMA)
+    from udfs.blocks import JoinContext
+    from udfs.local import pair_batches
+    from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
     from udfs.searcher import SearchSettings
 
     d = Qn.shape[1]
@@ -111,7 +124,7 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     # With the empty target block, as the plans union it: every query block meets it.
     t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1))
                                      + [empty_target_block()], schema=PACKED_SCHEMA)
-    return ctx, list(_pairs_batch(q_packed, t_packed))
+    return ctx, list(pair_batches(q_packed, t_packed))
 
 
 def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked", profile=False,
@@ -215,7 +228,8 @@ def install_stage_timers() -> dict:
     import collections
 
     from nearest_join.kernels import gpu as kg
-    from udfs import blocks, gpu as ug, rows
+    from udfs import blocks, emit, rows, topk
+    from udfs import gpu as ug
 
     acc = collections.defaultdict(float)
 
@@ -224,13 +238,15 @@ def install_stage_timers() -> dict:
             acc[label] += t1 - t0
         _timed(owner, name, add)
 
+    # Wrapped where they are looked up: the modules import these names.
     wrap(blocks, "blob_to_table", "blob_to_table")
     wrap(blocks, "decode_vectors", "decode_vectors")
-    wrap(blocks, "merge_topk", "merge_topk")
-    wrap(blocks, "gather_rows", "gather_rows (states, emit)")
-    wrap(blocks.TopkState, "absorb", "TopkState.absorb")
-    wrap(blocks.TopkState, "to_blob", "TopkState.to_blob")
-    wrap(blocks.TopkState, "from_blob", "TopkState.from_blob")
+    wrap(topk, "merge_topk", "merge_topk")
+    wrap(topk, "gather_rows", "gather_rows (states, emit)")
+    wrap(emit, "gather_rows", "gather_rows (states, emit)")
+    wrap(topk.TopkState, "absorb", "TopkState.absorb")
+    wrap(topk.TopkState, "to_blob", "TopkState.to_blob")
+    wrap(topk.TopkState, "from_blob", "TopkState.from_blob")
     wrap(blocks._PairSearch, "search", "worker: pair search")
     wrap(ug.GpuBlockSearcher, "search", "worker: GpuBlockSearcher.search")
     wrap(ug.GpuBlockSearcher, "_resident_targets", "worker: target upload+prepare")
@@ -259,7 +275,8 @@ def install_timeline() -> list:
     import threading
 
     from nearest_join.kernels import gpu as kg
-    from udfs import blocks, gpu as ug
+    from udfs import blocks
+    from udfs import gpu as ug
 
     events: list = []
 
@@ -339,14 +356,13 @@ def exact_breakdown(args, ks, precisions, record) -> None:
         prepared = prepare_targets(T, "l2", precision)
         for k in ks:
             search_prepared(Q, prepared, k)        # compile
-            plain = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k, exact=False), args.reps))
+            plain = statistics.median(cuda_ms(lambda: fused_pass(Q, prepared, k), args.reps))
             whole = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k), args.reps))
             originals = [(tr, "triton_candidates", wrap(tr, "triton_candidates", "candidates (kernel)"))]
             originals += [(gt, n, wrap(gt, n, n)) for n in
                           ("prepare_side", "key_error_bound", "margin_holds", "skip_beyond", "exact_values",
                            "rank_exact", "torch_candidates", "value_limit")]
             originals.append((tr, "triton_exact_values", wrap(tr, "triton_exact_values", "triton_exact_values")))
-            originals.append((tr, "triton_exact_tail", wrap(tr, "triton_exact_tail", "triton_exact_tail")))
             rows_in = []     # (query rows, n_cand) of each candidate pass: the widening rounds
             timed_candidates = tr.triton_candidates
 
@@ -405,15 +421,12 @@ def kernel_variants(only: str = ""):
         wide = precision != "bf16"
         stages = 2 if wide else 3
         out += [
-            ("legacy", precision, n10, tr.legacy_tile_config(n10), False),
             ("rowlist", precision, n10, tr.tile_config(n10, 128, precision), False),
-            ("legacy", precision, 256, tr.legacy_tile_config(256), False),
-            ("buffer-pipelined", precision, 256, tr.buffer_tile_config(256, precision), False),
+            ("buffer", precision, 256, tr.buffer_tile_config(256, precision), False),
             ("rowlist-64x128-w4", precision, n10, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist"), False),
             ("rowlist-x1", precision, n10, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
                                                          kernel="rowlist", extra_passes=1), False),
-            ("buffer-pipelined-64", precision, 256, tr.TileConfig(64, 128, 512, 8, num_stages=stages,
-                                                                  pipelined=True), False),
+            ("buffer-64", precision, 256, tr.TileConfig(64, 128, 512, 8, num_stages=stages), False),
             # Segmented register lists (the default above ROWLIST_MAX is seg_cand 16, 128 x 128).
             *[("segmented-32", precision, n_cand, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
                                                                 kernel="segmented", seg_cand=32), False)
@@ -491,7 +504,11 @@ def run_variants(args, record) -> None:
         return max(k for k in range(1, n_cand + 1) if gt.candidate_width(k, precision) <= n_cand)
 
     dev = torch.device("cuda")
-    tr.POISON_BUFFERS = True
+    # The checks run with the kernels' buffers filled with garbage first: every slot a
+    # kernel reads back must have been written (tests/kernels/test_gpu.py does the same).
+    allocate = tr._kernel_buffer
+    tr._kernel_buffer = lambda shape, dtype, device: allocate(shape, dtype, device).fill_(
+        0x5A5A5A5A5A5A5A5A if dtype == torch.int64 else -7)
     checked = {}
     for name, precision, n_cand, cfg, min_only in kernel_variants(args.only):
         if args.no_check:
@@ -523,7 +540,7 @@ def run_variants(args, record) -> None:
         checked[(name, precision, n_cand)] = ok
         if ok:
             record(what="variant_check", name=name, precision=precision, n_cand=n_cand, ok=True)
-    tr.POISON_BUFFERS = False
+    tr._kernel_buffer = allocate
     gen = torch.Generator(device=dev).manual_seed(args.d)
     Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
     T = torch.randn(args.nt, args.d, device=dev, generator=gen)
@@ -702,10 +719,10 @@ def exact_variants(args, record) -> None:
         finally:
             _restore_settings(saved)
     for k in ks:
-        search_prepared(Q, prepared, k, exact=False)
+        fused_pass(Q, prepared, k)
     for _ in range(args.reps):
         for k in ks:
-            plain[k] += cuda_ms(lambda: search_prepared(Q, prepared, k, exact=False), 1, warmup=0)
+            plain[k] += cuda_ms(lambda: fused_pass(Q, prepared, k), 1, warmup=0)
         for name, k, settings in variants:
             saved = _apply_settings(settings)
             try:
@@ -783,7 +800,7 @@ def tma_ab(args, ks, precisions, record) -> None:
         qs = gt.prepare_queries(Q, prepared.side)
         n_cand = gt.candidate_width(ks[0], precision)
 
-        passes = {f"plain_k{k}": lambda k=k: search_prepared(Q, prepared, k, exact=False) for k in ks}
+        passes = {f"plain_k{k}": lambda k=k: fused_pass(Q, prepared, k) for k in ks}
         passes.update({f"exact_k{k}": lambda k=k: search_prepared(Q, prepared, k) for k in ks})
         passes[f"candidates_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand)
         want = {}
@@ -791,7 +808,7 @@ def tma_ab(args, ks, precisions, record) -> None:
             for form in forms:   # warm-up (compiles) and the answers
                 tr.TMA_DEVICES = forms[form]
                 for k in ks:
-                    got = (search_prepared(Q, prepared, k), search_prepared(Q, prepared, k, exact=False))
+                    got = (search_prepared(Q, prepared, k), fused_pass(Q, prepared, k))
                     if form == "tma":
                         want[k] = got
                     else:
@@ -931,7 +948,7 @@ def main(argv=None) -> None:
                          "calls with this)")
     ap.add_argument("--widen-factor", type=int, default=None,
                     help="exact mode: widen unproven rows this many times (default: the backend's "
-                         "WIDEN_FACTOR); tf32 k=100 widens ~1.6%% of rows from 128 candidates")
+                         "WIDEN_FACTOR)")
     ap.add_argument("--torch-round-rows", type=int, default=None,
                     help="exact mode: widening rounds over at most this many rows run addmm + topk "
                          "(default: the backend's TORCH_ROUND_ROWS)")
@@ -946,12 +963,6 @@ def main(argv=None) -> None:
     ap.add_argument("--arrow-reps", type=int, default=3,
                     help="Arrow path: next-task runs per shape (the median is reported)")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
-    ap.add_argument("--no-seeded-widening", action="store_true",
-                    help="exact mode: widening rounds without the seeded lists (the backend seeds "
-                         "them with each row's limit: nearest_join.kernels.gpu.SEED_WIDENING)")
-    ap.add_argument("--fused-tail", action="store_true",
-                    help="exact mode: one kernel per round for re-rank and proof "
-                         "(nearest_join.kernels.gpu.FUSED_TAIL)")
     ap.add_argument("--bf16-extra", type=float, default=None,
                     help="exact bf16 without lower keys: first candidate width next_pow2(k + F * k) "
                          "(default: F = 1 below k = 64, else 0, the plain width)")
@@ -981,10 +992,6 @@ def main(argv=None) -> None:
         gt.WIDEN_FACTOR = args.widen_factor
     from nearest_join.kernels import gpu as kgpu
 
-    if args.no_seeded_widening:
-        kgpu.SEED_WIDENING = False
-    if args.fused_tail:
-        kgpu.FUSED_TAIL = True
     if args.bf16_extra is not None:
         factor = args.bf16_extra
         gt._EXTRA["bf16"] = lambda k: int(factor * k)
@@ -1014,7 +1021,6 @@ def main(argv=None) -> None:
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
           f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
           f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
-          f"seeded_widening={kgpu.SEED_WIDENING} fused_tail={kgpu.FUSED_TAIL} "
           f"lower_keys={kgpu.LOWER_KEYS or 'none'} torch_round_rows={gt.TORCH_ROUND_ROWS}",
           flush=True)
 
@@ -1103,11 +1109,10 @@ def main(argv=None) -> None:
             for k in shape_ks:
                 reps_base = 1 if d > 256 or precision == "fp32" else args.reps
                 t_base = statistics.median(cuda_ms(lambda: addmm_topk(Q, T, bias, precision, k), reps_base))
-                t_fused = statistics.median(cuda_ms(
-                    lambda: search_prepared(Q, prepared, k, exact=False), args.reps))
+                t_fused = statistics.median(cuda_ms(lambda: fused_pass(Q, prepared, k), args.reps))
                 t_exact = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k), args.reps))
                 # The plain search's own accuracy, for the record (recall of the exact answer).
-                _, i_plain = search_prepared(Q[:2048], prepared, k, exact=False)
+                _, i_plain = fused_pass(Q[:2048], prepared, k)
                 _, i_exact = search_prepared(Q[:2048], prepared, k)
                 recall = float((i_plain[:, :, None] == i_exact[:, None, :]).any(2).float().mean())
                 record(d=d, precision=precision, k=k, what="compare", gemm_ms=t_gemm,
@@ -1157,8 +1162,8 @@ def main(argv=None) -> None:
                 q_rows, t_rows = -(-nq_a // q_blocks), -(-nt_a // t_blocks)
                 os.environ[SCOPE_ENV] = f"benchmark {plan} {q_blocks}x{t_blocks} {precision} k={k}"
                 res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
-                # The next tasks of the stage: the median of --arrow-reps (the host side moves
-                # by ~10 ms between runs).
+                # The next tasks of the stage: the median of --arrow-reps (the host side's
+                # time moves between runs).
                 warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan,
                                         profile=precision == "bf16" and args.profile and r == 0)
                              for r in range(max(1, args.arrow_reps))]

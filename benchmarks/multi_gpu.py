@@ -33,7 +33,8 @@ sys.path.insert(0, str(REPO))
 
 
 def _context(k, d, precision, q_rows, t_rows, schema, backend="gpu"):
-    from udfs.blocks import JoinContext, SideLayout
+    from udfs.blocks import JoinContext
+    from udfs.packing import SideLayout
     from udfs.searcher import SearchSettings
 
     return JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_rows),
@@ -134,7 +135,7 @@ def merge(n_procs, work_dir, params, schema):
 def main(argv=None):
     import pyarrow as pa
 
-    from udfs.blocks import PACKED_SCHEMA, empty_target_block, pack_blocks
+    from udfs.packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nq", type=int, default=262_144)

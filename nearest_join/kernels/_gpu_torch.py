@@ -109,7 +109,7 @@ tests above need only that direction, so they hold with ``L`` for the keys and `
 against 71%, a list of 16 at k=10 99.6% against 95%.
 
 The torch path subtracts each pair's terms (:func:`lower_key_weights`). The fused kernel,
-where two more FMAs per key cost 16-24% (measured, H200), uses a rank-1 form with one bias
+where two more FMAs per key would slow the pass noticeably (benchmarks/gpu_notes.md), uses a rank-1 form with one bias
 row per program instead (:func:`lower_bias_table`): rows sorted by their factor share a
 level, and the keys cost what plain keys cost. Simulated, it keeps most of the gain (a list
 of 128 at k=100: 99.2% of the rows proven with rows sorted, 97.3% unsorted).
@@ -131,30 +131,25 @@ U32 = 2.0 ** -24                  # unit roundoff of float32 round-to-nearest
 _SAFETY = 1.01                    # inflation for the rounding of the bound's own arithmetic
 
 # Candidate-list width per precision: next power of two >= k + extra(k). The widths cover
-# the margin on unclustered data (measured: Gaussian d=128, 10^6 targets, the margin held at
-# most 15 / 28 targets for k=10 in tf32 / bf16 and 112 / 179 for k=100; on the H200,
-# 65,536 x 10^6: a tf32 list of 128 proved all rows at k=100, a bf16 list of 128 almost none,
-# of 16 a third at k=10); rows where the bound says a neighbour could be missing are widened
-# (:func:`widened`), then left to the torch path. Without lower keys bf16 from k = 64 starts
-# at the plain width: seeded widening rounds (``gpu.SEED_WIDENING``) finish the unproven
-# third for less than the wider first list costs (H200, k=100: 150 ms against 161; at k=10
-# the other way: 77 against 70).
+# the margin on unclustered data (simulated on Gaussian d=128, 10^6 targets: the margin held
+# at most 15 / 28 targets for k=10 in tf32 / bf16 and 112 / 179 for k=100); rows where the
+# bound says a neighbour could be missing are widened (:func:`widened`), then left to the
+# torch path. Without lower keys bf16 from k = 64 starts at the plain width: the seeded
+# widening rounds finish the unproven rows for less than a wider first list costs, while at
+# small k the wider first list is cheaper (benchmarks/gpu_notes.md).
 _EXTRA = {
     "fp32": lambda k: 1,
     "tf32": lambda k: k // 8 + 4,
     "bf16": lambda k: k if k < 64 else 0,
 }
-# With lower keys (``gpu.LOWER_KEYS``) the first list is the plain width (no extra): on the
-# H200 (65,536 x 10^6, 2026-11-30) a bf16 list of 16 at k=10 leaves ~2,600-2,800 rows to a
-# widening round, at k=100 a list of 128 4,915 rows (24,974 with the block-wide bound).
+# With lower keys (``gpu.LOWER_KEYS``) the first list is the plain width (no extra): few
+# enough rows are left unproven that a widening round over them costs less than a wider list.
 MIN_CANDIDATES = 8
 WIDEN_FACTOR = 4
 # Lists of at most SHORT_LIST candidates widen SHORT_WIDEN-fold: the rows a bf16 list of 16
-# leaves unproven at k=10 (~2,500-2,800 of 65,536 with lower keys) a list of 32 proves, for
-# less than one of 64 costs (H200, 65,536 x 10^6, 2026-11-30, each pair in one call: exact
-# 69.6 ms against 71.9; 73.0 against 74.2). Longer lists widen WIDEN_FACTOR-fold (k=100's
-# ~4,600-4,900 rows from 128: 512 proves them in one round, 256 leaves 4 rows to a third:
-# 149.1 ms against 153.4, 130.5 against 133.8).
+# leaves unproven at k=10 a list of 32 proves, for less than one of 64 costs. Longer lists
+# widen WIDEN_FACTOR-fold: from k=100's list of 128, 512 proves the unproven rows in one round
+# where 256 leaves a few to a third (benchmarks/gpu_notes.md).
 SHORT_LIST = 32
 SHORT_WIDEN = 2
 # Widening rounds over at most this many rows run the torch generator (one addmm + topk over
@@ -626,8 +621,8 @@ def lower_key_bound(queries: PreparedSide, stats: TargetStats, metric: str) -> t
 
 # Bias levels of the fused kernel's lower keys (:func:`lower_bias_table`), by the first
 # list's width: each program reads its level's bias row (nt floats) from L2 beside the target
-# tiles, so more levels prove more rows but cost the pass more (H200, 65,536 x 10^6 bf16,
-# 2026-11-30: k=10's pass + widening 62.7 ms with 16 levels, 61.5 with 8).
+# tiles, so more levels prove more rows but cost the pass more; short lists, whose pass is
+# cheap, gain less from the extra rows proven than the reads cost.
 LOWER_LEVELS = 16
 LOWER_LEVELS_SHORT = 8      # lists of at most SHORT_LIST candidates
 
@@ -928,13 +923,6 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
     return rank_exact(vals, idx, k, descending)
 
 
-# tail(queries, targets, keys, idx, floor, bound, k) -> (values, indices, limit, ok) or None:
-# one round's re-rank and proof in one step (the fused kernel's
-# ``_gpu_triton.triton_exact_tail``), equal to :func:`rerank`, :func:`value_limit` and the
-# margin tests below; None where it does not take the list (the torch sequence then runs).
-TailFn = Callable[..., tuple | None]
-
-
 def final_values(values: torch.Tensor, queries: PreparedSide) -> torch.Tensor:
     """The user's float32 values from working ranking values (module notes): l2
     ``sqrt(W) / s``, sqeuclidean ``W / s^2``, cosine ``1 - W / (2 s^2)``, inner product
@@ -979,7 +967,7 @@ def falls_back(precision: str, wider: int, nt: int, max_candidates: int | None) 
 def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
-               seeded: bool = False, tail: TailFn | None = None,
+               seeded: bool = False,
                lower: bool = False, few_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
@@ -991,9 +979,8 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     ``seeded``: ``candidates`` takes ``seed=`` (float32 per row): the widening rounds pass
     each row's ``value_limit`` of the round before, above which no target can rank (module
     notes), so the generator need not keep such targets (the fused kernel then skips them).
-    ``tail``: a fused re-rank and proof (:data:`TailFn`) for the lists it takes.
     ``lower``: every generator ranks by the lower key (``lower=True``, module notes) and the
-    proofs use :func:`lower_key_bound`; ``tail`` is then not used (it runs the keys-only test).
+    proofs use :func:`lower_key_bound`.
     ``few_rows``: widening rounds over at most this many rows run :func:`torch_candidates`.
     """
     metric = queries.metric
@@ -1011,7 +998,6 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     widening = False                   # the first round runs the given generator
     extra = {"lower": True} if lower else {}
     if lower:
-        tail = None
         # Rows in order of their lower key's factor: a fused program's rows share one bias
         # level (lower_bias_table), the tighter the more alike they are.
         c, rho = lower_rank1(queries)
@@ -1025,8 +1011,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         elif widening and pending.numel() <= few_rows:
             generator = torch_candidates   # a widening round over a few rows
         # The pass first: the bound, the re-rank and the proof (no host sync until
-        # ``ok.all()``) queue behind it while it runs (H200, bf16 k=100, one call: exact
-        # 131.3 ms against 133.3 with the bound before the pass; k=10 alike).
+        # ``ok.all()``) queue behind it while it runs.
         if seed is not None and generator is candidates:
             found = generator(subset, targets, n_cand, seed=seed, **extra)
         else:
@@ -1039,16 +1024,12 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             floor = keys[:, -1]
             if n_cand >= nt:                  # a list of the n_cand best holds every target
                 floor = torch.full_like(floor, math.inf)
-        fused = tail(subset, targets, keys, idx, floor, bound, k) if tail is not None else None
-        if fused is not None:
-            v, i, limit, ok = fused
-        else:
-            v, i = rerank(subset, targets, keys, idx, bound, k, values)
-            # Proven by the keys alone, or by the re-ranked k-th value (module notes).
-            limit = value_limit(v[:, k - 1], bound, subset)
-            ok = torch.isinf(floor) | (floor > limit)
-            if not lower:
-                ok |= margin_holds(keys, bound, k, floor)
+        v, i = rerank(subset, targets, keys, idx, bound, k, values)
+        # Proven by the keys alone, or by the re-ranked k-th value (module notes).
+        limit = value_limit(v[:, k - 1], bound, subset)
+        ok = torch.isinf(floor) | (floor > limit)
+        if not lower:
+            ok |= margin_holds(keys, bound, k, floor)
         # Every row of the round: a row widened below is written again by a later round.
         out_v[pending] = v
         out_i[pending] = i
@@ -1100,20 +1081,3 @@ def _widened_rows(rows: PreparedSide, retry: torch.Tensor, lower: bool) -> Prepa
         subset.cache.update({key: entry for key, entry in rows.cache.items()
                              if isinstance(key, tuple) and key[0] == "table"})
     return subset
-
-
-def approximate_topk(queries: PreparedSide, targets: PreparedSide, k: int,
-                     candidates: CandidateFn) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain low-precision top-k from the keys alone (no re-rank): benchmarks only.
-
-    Values come from the approximate keys (norm expansion), so they carry the precision's
-    error; the EXACT path (:func:`exact_topk`) is what the backend returns.
-    """
-    n_cand = max(MIN_CANDIDATES, next_pow2(k))
-    found = candidates(queries, targets, n_cand)   # a floor, if any, is not needed here
-    keys, idx = found[0][:, :k], found[1][:, :k]
-    if l2_form(queries.metric):
-        vals = keys + queries.bias[:, None] if queries.bias.numel() else keys
-    else:
-        vals = -keys
-    return final_values(vals, queries), idx

@@ -7,9 +7,8 @@ below, keeps them in a candidate buffer. Longer lists (k = 100 and up) run by de
 *segmented* mode: the register-list kernel with ``SEG_CAND``-long lists over S target
 segments, whose union, with a floor on every key it left out, is the candidate list (see
 :func:`triton_candidates`: exact because the margin test uses the floor). :func:`tile_config`
-picks; :func:`buffer_tile_config` is the buffer kernel for long lists (used where the targets
-are too few for segments) and :func:`legacy_tile_config` the 2026-11-29 one, both kept for
-comparison.
+picks; :func:`buffer_tile_config` is the buffer kernel for long lists, used where the targets
+are too few for segments.
 
 One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes
@@ -65,15 +64,11 @@ _EMPTY = tl.constexpr(EMPTY)
 VIRTUAL_INDEX = 0x7FFFFFFF
 _VIRTUAL = tl.constexpr(VIRTUAL_INDEX)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
-# Above this many survivors in some row of a tile, append them in bulk, else one by one.
-FEW = tl.constexpr(4)
 # Largest candidate list the kernels keep: the buffer kernel (the fallback at any width) sorts
 # BLOCK_M x CAP int64 in registers; the segmented mode merges 2 x n_cand per row on the host.
 MAX_CANDIDATES = 1024
 # The selection sorts SEL_ROWS x CAP packed keys at a time (registers: 16 int64 per thread at 8 warps).
 SELECT_ELEMENTS = 4096
-# Checks fill the buffers with garbage first (benchmarks/gpu_kernel.py --check).
-POISON_BUFFERS = False
 
 
 @dataclass(frozen=True)
@@ -81,10 +76,9 @@ class TileConfig:
     """One compiled variant. ``kernel``: ``"rowlist"`` (register lists, small n_cand),
     ``"segmented"`` (register lists of ``seg_cand`` entries over several target segments,
     long n_cand; see :func:`triton_candidates`) or ``"buffer"`` (candidate buffer +
-    selection). ``pipelined`` (buffer kernel only): query tile loaded once, bulk appends only
-    and an unrolled selection, so that the target loop holds no inner loop and triton's
-    software pipeliner prefetches target tiles across iterations (it skips loops that
-    contain loops). ``pipelined=False`` is the 2026-11-29 kernel. ``extra_passes``: the
+    selection; its target loop appends survivors in bulk and unrolls the selection, so that
+    it holds no inner loop and triton's software pipeliner prefetches target tiles across
+    iterations (it skips loops that contain loops). ``extra_passes``: the
     register-list kernel's unrolled argmin passes and ``skip_test`` its row-minimum test
     (see ``_rowlist_kernel``)."""
 
@@ -94,7 +88,6 @@ class TileConfig:
     num_warps: int
     num_stages: int = 3
     kernel: str = "buffer"
-    pipelined: bool = False
     extra_passes: int = 3
     seg_cand: int = 0
     skip_test: bool | None = None   # register lists: None = by skip_share (SKIP_TEST_SHARE)
@@ -106,10 +99,8 @@ class TileConfig:
 ROWLIST_MAX = 64
 # Segment list length. S x SEG_CAND = 2 n_cand whatever SEG_CAND, and so is the number of
 # insertions per row; shorter lists make each insert (a reduction over the list) and each
-# merge cheaper. Measured on the H200 (65,536 x 10^6, candidate pass, ms): n_cand 128 bf16
-# 141 -> 113 (16 vs 32), tf32 165 -> 136; n_cand 256 bf16 194 -> 151, tf32 217 -> 173; 64
-# was slower than 32. Plain-mode recall of the first 100 against the torch path's: 0.99998
-# at 16. The floor keeps EXACT mode exact whatever a segment holds back.
+# merge cheaper: 16 was the fastest of 16, 32 and 64 in bf16 and tf32 (benchmarks/gpu_notes.md).
+# The floor keeps the search exact whatever a segment holds back.
 SEG_CAND = 16
 # Each segment scans at least this many target tiles (as split_count). A segment's list
 # starts empty: while a row still gains several entries per tile (about the first SEG_CAND
@@ -127,37 +118,23 @@ SINGLE_DOT_BYTES = 64 * 1024
 TMA_DEVICES = {"cuda"}
 
 
-def legacy_tile_config(n_cand: int) -> TileConfig:
-    """The 2026-11-29 kernel (benchmarks/gpu_notes.md version 2), kept for comparison."""
-    if n_cand <= 64:
-        return TileConfig(64, BLOCK_N, 256, 8)
-    if n_cand <= 256:
-        return TileConfig(32, BLOCK_N, 512, 8)
-    if n_cand <= 512:
-        return TileConfig(16, BLOCK_N, 1024, 8)
-    return TileConfig(16, BLOCK_N, 2048, 16)
-
-
 def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
     """Tile shapes by list width and operand size.
 
     Short lists: register lists, 128 x 128 tiles (two wgmma warpgroups of 64 x 128), three
     target tiles in flight (two for 4-byte operands: 64 KiB query tile + 64 KiB per stage);
-    bf16 lists of up to 32 at d <= 128: 64 x 128 tiles, 4 warps, two programs per SM
-    (H200, 65,536 x 10^6 candidate pass: n_cand 16 64.0 -> 59.6 ms; n_cand 32 84.2 -> 78.6 ms
-    with an earlier version of the epilogue).
+    bf16 lists of up to 32 at d <= 128: 64 x 128 tiles, 4 warps, two programs per SM (one
+    program's list work overlaps the other's MMAs; benchmarks/gpu_notes.md).
     Long lists: the same kernel and tiles over target segments, ``SEG_CAND`` entries per
     segment (``triton_candidates`` falls back to :func:`buffer_tile_config` when the targets
     are too few for enough segments).
     """
     wide = precision != "bf16"
     if not wide and n_cand == 32 and d <= 128:
-        # EXACT bf16 k = 9..16: two 16-entry segments, as many insertions as one list of 32,
-        # each a reduction over 16 entries (H200, 65,536 x 10^6: 65.7 ms against 69.7); the
-        # floor (the lesser segment's 16th key) with the re-ranked margin proves 99.8% of the
-        # rows at k=10, 95.7% at k=16 (simulated, Gaussian d=128), the rest widen. (The
-        # plain search at k = 17..32, benchmarks only, loses the entries of a segment that
-        # holds more than 16 of a row's best 32; EXACT mode's floor accounts for them.)
+        # bf16 k = 9..16: two 16-entry segments, as many insertions as one list of 32, each
+        # a reduction over 16 entries, so cheaper; the floor (the lesser segment's 16th key)
+        # with the re-ranked margin proves 99.8% of the rows at k=10, 95.7% at k=16
+        # (simulated, Gaussian d=128), the rest widen.
         return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2)
     if not wide and n_cand <= 32 and d <= 128:
         # Two 4-warp programs of 64 rows per SM (112 KiB of shared memory and <= 255
@@ -171,12 +148,17 @@ def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
 
 
 def buffer_tile_config(n_cand: int, precision: str = "bf16") -> TileConfig:
-    """The pipelined buffer kernel, whose selection's BLOCK_M x CAP int64 registers bound
-    BLOCK_M; CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
+    """The buffer kernel, whose selection's BLOCK_M x CAP int64 registers bound BLOCK_M;
+    CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
     """
-    legacy = legacy_tile_config(n_cand)
-    return TileConfig(legacy.block_m, legacy.block_n, legacy.cap, legacy.num_warps,
-                      num_stages=2 if precision != "bf16" else 3, pipelined=True)
+    stages = 2 if precision != "bf16" else 3
+    if n_cand <= 64:
+        return TileConfig(64, BLOCK_N, 256, 8, num_stages=stages)
+    if n_cand <= 256:
+        return TileConfig(32, BLOCK_N, 512, 8, num_stages=stages)
+    if n_cand <= 512:
+        return TileConfig(16, BLOCK_N, 1024, 8, num_stages=stages)
+    return TileConfig(16, BLOCK_N, 2048, 16, num_stages=stages)
 
 
 @triton.jit
@@ -317,8 +299,7 @@ def _fused_candidates_kernel(
     alpha, stride_level, N_CAND: tl.constexpr, CAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     SEL_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    PIPELINED: tl.constexpr = False, SINGLE_DOT: tl.constexpr = False, EVEN_D: tl.constexpr = False,
-    LEVELS: tl.constexpr = False,
+    SINGLE_DOT: tl.constexpr = False, EVEN_D: tl.constexpr = False, LEVELS: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -344,7 +325,6 @@ def _fused_candidates_kernel(
         n0 = t_start + tile * BLOCK_N
         if n0 < nt:  # the last split may be shorter
             cols = n0 + offs_n
-            col_ok = cols < nt
             key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha,
                              pid_m * BLOCK_M, n0, BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT,
                              INPUT_PRECISION, DOT_UPCAST, EVEN_D)
@@ -353,29 +333,18 @@ def _fused_candidates_kernel(
                 survive = key < thr[:, None]
                 n_new = tl.sum(survive.to(tl.int32), axis=1)
                 if tl.max(count + n_new, axis=0) > CAP:
+                    # Unrolled (no scf loop): keeps the target loop pipelinable.
                     count, thr = _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
-                                         N_CAND, CAP, BLOCK_M, SEL_ROWS, PIPELINED)
+                                         N_CAND, CAP, BLOCK_M, SEL_ROWS, True)
                     thr = tl.where(row_ok, thr, float("-inf"))
                     survive = key < thr[:, None]
                     n_new = tl.sum(survive.to(tl.int32), axis=1)
-                most = tl.max(n_new, axis=0)
-                if PIPELINED or most > FEW:
-                    # Early tiles, many survivors per row: append them all (row-wise prefix sum).
-                    pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
-                    packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
-                    tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
-                    count += n_new
-                else:  # (an inner loop: the 2026-11-29 kernel only)
-                    # Steady state, a survivor or two per row: take them one at a time with a
-                    # row argmin (ties to the lower column, i.e. the lower index).
-                    rest = tl.where(survive, key, float("inf"))
-                    for _ in range(0, most):
-                        best, col = tl.min(rest, axis=1, return_indices=True,
-                                           return_indices_tie_break_left=True)
-                        found = best < float("inf")
-                        tl.store(prog_buf + row_base + count, _pack(best, n0 + col), mask=found)
-                        count += found.to(tl.int32)
-                        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+                # Append every survivor (row-wise prefix sum): no inner loop, so the target
+                # loop stays pipelinable.
+                pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
+                packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
+                tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
+                count += n_new
     _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count, N_CAND, CAP, BLOCK_M, SEL_ROWS)
 
 
@@ -585,9 +554,8 @@ def skip_share(n_tiles: int, block_m: int, list_len: int) -> float:
 
 # The row-minimum test before the survivor count (SKIP_TEST) costs a second block-wide
 # reduction on tiles with survivors and saves the count on tiles without: worth it from this
-# share. Measured (H200, 65,536 x 10^6, candidate pass): share 0.67 (bf16, 16, 64 rows) 60.1 ->
-# 59.6 ms with the test; 0.505 (tf32, 16, 128 rows) 91.9 -> 89.7; 0.505 (bf16, 32, 64 rows)
-# 69.7 -> 72.2 (worse); segments (share ~0) 217 -> 225 (tf32, 256). Near 0.5 it is a wash.
+# share: it helped clearly above it, was a wash near 0.5 and cost time on segments, where the
+# share is about 0 (benchmarks/gpu_notes.md).
 SKIP_TEST_SHARE = 0.6
 
 
@@ -752,14 +720,14 @@ class CandidatePlan:
         return self.config.kernel in ("rowlist", "segmented")
 
 
-def _layouts(cfg: TileConfig, d: int, element_size: int, single_dot_kernel: bool):
+def _layouts(cfg: TileConfig, d: int, element_size: int):
     """(config, block_d, single_dot) in order of preference: the chosen tiles with the whole
     query tile (single dot) and fewer target tiles in flight down to two, then d in BLOCK_D
     chunks with fewer stages down to one (no software pipelining). Every later entry needs
     less shared memory than an earlier one of its form."""
     d_pad = max(16, triton.next_power_of_2(d))
     chunk_d = BLOCK_D if d > 32 else d_pad
-    if single_dot_kernel and cfg.block_m * d_pad * element_size <= SINGLE_DOT_BYTES:
+    if cfg.block_m * d_pad * element_size <= SINGLE_DOT_BYTES:
         for stages in range(cfg.num_stages, 1, -1):
             yield dataclasses.replace(cfg, num_stages=stages), d_pad, True
     for stages in range(cfg.num_stages, 0, -1):
@@ -799,7 +767,7 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
         raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
     element_size = 2 if precision == "bf16" else 4
     plans = []
-    for c, block_d, single_dot in _layouts(cfg, d, element_size, rowlist or cfg.pipelined):
+    for c, block_d, single_dot in _layouts(cfg, d, element_size):
         # TMA needs 16-byte rows (target_descriptor; the operand is contiguous, d wide).
         t_desc = (rowlist and single_dot and limits.tma and block_d <= 256 and c.block_n <= 256
                   and (d * element_size) % 16 == 0)
@@ -874,9 +842,15 @@ def buffer_arguments(plan: CandidatePlan, n_cand: int, q_chunk, t_op, bias, buf,
     kwargs = dict(N_CAND=n_cand, CAP=cfg.cap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                   BLOCK_D=plan.block_d, SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
                   INPUT_PRECISION="ieee" if precision == "fp32" else "tf32", DOT_UPCAST=upcast,
-                  PIPELINED=cfg.pipelined, SINGLE_DOT=plan.single_dot, EVEN_D=d % plan.block_d == 0,
+                  SINGLE_DOT=plan.single_dot, EVEN_D=d % plan.block_d == 0,
                   LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, args, kwargs
+
+
+def _kernel_buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialised output or scratch buffer of a candidate kernel, which writes every
+    slot it reads back (the tests fill these with garbage to check it)."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
@@ -972,9 +946,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             else:
                 bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
             if rowlist:
-                out = torch.empty((rows, plan.n_splits * list_len), dtype=torch.int64, device=device)
-                if POISON_BUFFERS:  # checks: every slot must be written
-                    out.fill_(0x5A5A5A5A5A5A5A5A)
+                out = _kernel_buffer((rows, plan.n_splits * list_len), torch.int64, device)
                 seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
                               if seeded else q_chunk)
                 grid, args, kwargs = rowlist_arguments(
@@ -983,13 +955,8 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                     upcast=upcast)
                 kernel = _rowlist_kernel
             else:
-                buf = torch.empty((grid_m, plan.n_splits, cfg.block_m, cfg.cap), dtype=torch.int64,
-                                  device=device)
-                scratch = torch.empty((grid_m * plan.n_splits * cfg.block_m,), dtype=torch.int32,
-                                      device=device)
-                if POISON_BUFFERS:  # checks: stale garbage must never leak into a result
-                    buf.fill_(0x5A5A5A5A5A5A5A5A)
-                    scratch.fill_(-7)
+                buf = _kernel_buffer((grid_m, plan.n_splits, cfg.block_m, cfg.cap), torch.int64, device)
+                scratch = _kernel_buffer((grid_m * plan.n_splits * cfg.block_m,), torch.int32, device)
                 grid, args, kwargs = buffer_arguments(
                     plan, n_cand, q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, alpha,
                     stride_level, lower=lower, precision=precision, upcast=upcast)
@@ -1108,113 +1075,3 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
         queries.dim, q.stride(0), t.stride(0), L2=l2_form(queries.metric), BLOCK_R=RERANK_ROWS,
         BLOCK_D=block_d, num_warps=4)
     return out
-
-
-# ----------------------------------------------------------------------------- exact tail
-# Candidate lists up to this long are re-ranked and proven by one kernel (the whole list
-# in registers); longer ones take the torch sequence (:func:`_gpu_torch.rerank`).
-TAIL_MAX = 64
-TAIL_ROWS = 16
-_LAST = tl.constexpr(0x7FFFFFFFFFFFFFFF)   # packed empty slot: after every real one
-
-
-@triton.jit
-def _next_up(x):
-    """``nextafter(x, +inf)`` of float32 values (torch's, NaN and +inf unchanged)."""
-    bits = x.to(tl.int32, bitcast=True)
-    up = tl.where(x > 0, bits + 1, tl.where(x < 0, bits - 1, 1)).to(tl.float32, bitcast=True)
-    return tl.where((x != x) | (x == float("inf")), x, up)
-
-
-@triton.jit
-def _exact_tail_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, keys_ptr, floor_ptr, bound_ptr,
-                       qbias_ptr, out_v_ptr, out_i_ptr, limit_ptr, ok_ptr, m, d, k, stride_q, stride_t,
-                       L2: tl.constexpr, DESCENDING: tl.constexpr, W: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Re-rank and proof of BLOCK_R candidate rows of W columns, in one pass.
-
-    Per row: the float32 values of all W candidates (the sums of :func:`_rerank_kernel`, in
-    the same order, so the same bits), the k best by (value, index) (ties to the lower
-    index, empty slots last), ``limit = key(V_k) + E`` rounded up, and whether the list is
-    proven: its floor is +inf, above ``theta + 2E`` (theta: the k-th approximate key) or
-    above the limit. The torch sequence it replaces (``rerank``, ``value_limit``,
-    ``margin_holds``: about 25 small kernels and a host sync per round) is the reference in
-    the tests. Columns past ``key(V0) + E`` are not skipped here (the torch form skips them
-    to save reads); they are strictly worse than V_k, so the top k is the same. The values
-    are :func:`_pair_value`'s, as in ``_rerank_kernel`` (same sums in the same order).
-    """
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
-    live = rows < m
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, W)
-    qf = tl.load(qf_ptr + rows, mask=live, other=0.0)
-    vals = tl.zeros((BLOCK_R, W), dtype=tl.float32)
-    for j in range(0, W):
-        ix = tl.load(idx_ptr + rows64 * W + j, mask=live, other=-1)
-        ok = ix >= 0
-        tf = tl.load(tf_ptr + ix, mask=ok, other=0.0)
-        acc = _pair_value(q_ptr, t_ptr, qf, tf, c_ptr, rows64, live, ix, ok, d, stride_q, stride_t,
-                          L2, BLOCK_R, BLOCK_D).to(tl.float32)
-        vals = tl.where(cols[None, :] == j, acc[:, None], vals)
-    idx = tl.load(idx_ptr + rows64[:, None] * W + cols[None, :], mask=live[:, None], other=-1)
-    filled = idx >= 0
-    vals = vals + 0.0                       # -0.0 -> +0.0: equal values tie by index
-    order = -vals if DESCENDING else vals
-    packed = tl.where(filled, _pack(order, idx), _LAST)
-    packed = tl.sort(packed, 1)
-    empty = packed == _LAST
-    best = _unpack_key(packed)
-    best = -best if DESCENDING else best
-    worst = float("-inf") if DESCENDING else float("inf")
-    best = tl.where(empty, worst, best)
-    best_i = tl.where(empty, -1, packed.to(tl.int32).to(tl.int64))   # the low 32 bits
-    first_k = live[:, None] & (cols[None, :] < k)
-    tl.store(out_v_ptr + rows64[:, None] * k + cols[None, :], best, mask=first_k)
-    tl.store(out_i_ptr + rows64[:, None] * k + cols[None, :], best_i, mask=first_k)
-    # V_k, its key and the limit (``_gpu_torch.value_limit``: float64, then one step up).
-    v_k = tl.sum(tl.where(cols[None, :] == k - 1, best, 0.0), axis=1)
-    bound = tl.load(bound_ptr + rows, mask=live, other=0.0).to(tl.float64)
-    if L2:
-        qb = tl.load(qbias_ptr + rows, mask=live, other=0.0).to(tl.float64)
-        key = v_k.to(tl.float64) - qb * (1.0 - 2.384185791015625e-07)
-    else:
-        key = -(v_k.to(tl.float64))
-    limit = _next_up((key + bound).to(tl.float32))
-    # The proof (``margin_holds`` | floor > limit); theta is the k-th approximate key.
-    floor = tl.load(floor_ptr + rows, mask=live, other=0.0)
-    theta = tl.load(keys_ptr + rows64 * W + (k - 1), mask=live, other=0.0).to(tl.float64)
-    margin = _next_up((theta + 2.0 * bound).to(tl.float32))
-    proven = (floor == float("inf")) | (floor > margin) | (floor > limit)
-    tl.store(limit_ptr + rows, limit, mask=live)
-    tl.store(ok_ptr + rows, proven.to(tl.int8), mask=live)
-
-
-def triton_exact_tail(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx: torch.Tensor,
-                      floor: torch.Tensor, bound: torch.Tensor, k: int):
-    """One round's re-rank and proof by :func:`_exact_tail_kernel` (see ``_gpu_torch.TailFn``).
-
-    Returns (values float32 (m, k) ranking values, indices int64 (m, k), limit float32 (m,),
-    ok bool (m,)), or None for lists it does not take (longer than ``TAIL_MAX``, shorter than
-    k, or not a power of two).
-    """
-    m, w = idx.shape
-    if w > TAIL_MAX or w < k or w & (w - 1):
-        return None
-    device = idx.device
-    out_v = torch.empty((m, k), dtype=torch.float32, device=device)
-    out_i = torch.empty((m, k), dtype=torch.int64, device=device)
-    limit = torch.empty((m,), dtype=torch.float32, device=device)
-    ok = torch.empty((m,), dtype=torch.int8, device=device)
-    if m == 0:
-        return out_v, out_i, limit, ok.bool()
-    q, t = queries.source, targets.source
-    l2 = l2_form(queries.metric)
-    block_d = min(RERANK_D, max(16, triton.next_power_of_2(queries.dim)))
-    _exact_tail_kernel[(triton.cdiv(m, TAIL_ROWS),)](
-        q, t, queries.factor.contiguous(), targets.factor, _center(queries, targets), idx.contiguous(),
-        keys.contiguous(), floor.contiguous(), bound.contiguous(),
-        queries.bias.contiguous(), out_v, out_i, limit, ok, m, queries.dim, k, q.stride(0), t.stride(0),
-        L2=l2, DESCENDING=not l2,
-        W=w, BLOCK_R=TAIL_ROWS, BLOCK_D=block_d, num_warps=4)
-    return out_v, out_i, limit, ok.bool()

@@ -226,31 +226,14 @@ def choose(k: int, precision: str, device, impl: str = "auto") -> tuple[Implemen
     raise ValueError("no GPU implementation accepts this search:\n  " + "\n  ".join(reasons))
 
 
-# Widening rounds seed the fused kernel's lists with each row's limit (keys above it cannot
-# rank: the kernel skips them). The device matrix passed with it (143 tests, H200,
-# 2026-11-30); bf16 k=100 exact 161 -> 150 ms with the narrower first list it allows
-# (``gpu_kernel.py --exact-breakdown``; ``--no-seeded-widening`` for the rounds without it).
-SEED_WIDENING = True
-# Lists of up to 64 candidates re-ranked and proven by one kernel per round
-# (``_gpu_triton.triton_exact_tail``) instead of ~25 small torch kernels and a host sync.
-# Interpreter-tested (equal to the torch sequence bit for bit). Off: on the H200 (65,536 x
-# 10^6, bf16 k=10, 2026-11-30) it saved nothing measurable (exact 71.3 ms against 70.4
-# without; the tail was ~1.5 ms of the ~10 ms exact overhead, the 32-wide candidate pass
-# the rest), and its device test ran 20 of 24 cases (all passed) before the call's limit.
-FUSED_TAIL = False
 # EXACT searches that rank candidates by the per-target lower key (``_gpu_torch`` module
-# notes, "Per-target bounds"), as {precision: smallest k}: a margin ~1.4x tighter for a bias
-# row per fused program, so the first list is the plain width. bf16 (H200, 65,536 x 10^6,
-# 2026-11-30): k=100 exact 130-132 ms against 151.8 without (rows widened 24,974 -> 4,915);
-# k=10 (a list of 16, ~2,800 rows widened to 32, against a list of 32 without), each pair
-# in one call: 69.5 against 71.8 ms, 69.6 against 72.5, 73.0 against 72.7, 72.0 against 71.9;
-# device time 65.8 against 69.1 ms (the rest is the host launching the widening round, whose
-# preparation now reuses the first round's bound and table). Not tf32: it proves
-# nearly every row without it (k=10 94.6 ms; 103.4 with).
+# notes, "Per-target bounds"), as {precision: smallest k}: a margin about 1.4x tighter for
+# one bias row per fused program, so that the first list can be the plain width and far
+# fewer rows widen. Not tf32: its plain bound already proves nearly every row, and the
+# bias rows cost more than the widening they save (benchmarks/gpu_notes.md).
 LOWER_KEYS = {"bf16": 1}
-# Below k = LOWER_KEYS_ANY_D_FROM_K, only up to this dimension: at d=768 bf16 k=10 the list of
-# 16 with lower keys cost 371 ms against 240 for the plain search (1.54; a list of 32 without
-# them: 1.07, H200, 2026-11-30).
+# Below k = LOWER_KEYS_ANY_D_FROM_K, only up to this dimension: at larger d a short list with
+# lower keys costs more than a wider list without them (benchmarks/gpu_notes.md).
 LOWER_KEYS_SMALL_K_MAX_D = 128
 LOWER_KEYS_ANY_D_FROM_K = 64
 
@@ -264,12 +247,11 @@ def uses_lower_keys(k: int, precision: str, d: int) -> bool:
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
-                    exact: bool = True, buffer_bytes: int = 1 << 30):
-    """Top-k of every query row (a float tensor on the targets' device) against ``targets``.
+                    buffer_bytes: int = 1 << 30):
+    """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
-    :func:`nearest_join.kernels.knn`. ``exact=False`` returns the plain low-precision search
-    (no re-rank; benchmarks only).
+    :func:`nearest_join.kernels.knn`.
     """
     from . import _gpu_torch as gt
 
@@ -293,15 +275,19 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     far = None
     if gt.may_be_far(metric, frame, peak, side.dim):
         far = gt.far_rows(side)
-    lower = exact and uses_lower_keys(k, precision, side.dim)
+    lower = uses_lower_keys(k, precision, side.dim)
     implementation, reasons = choose(k, precision, device, impl)
     chosen = implementation.name
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s%s", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, "".join(f" ({r})" for r in reasons))
-    tail, few_rows = None, 0
+    few_rows = 0
     if chosen == "triton":
-        from ._gpu_triton import (MAX_CANDIDATES, LaunchRefused, triton_candidates, triton_exact_tail,
-                                  triton_exact_values)
+        from ._gpu_triton import (
+            MAX_CANDIDATES,
+            LaunchRefused,
+            triton_candidates,
+            triton_exact_values,
+        )
 
         def candidates(q, t, n_cand, seed=None, lower=False):
             try:
@@ -311,8 +297,9 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
                 # torch path computes the same keys (lower keys too) and a list without a seed.
                 logger.info("torch candidates for %d rows: %s", q.rows, exc)
                 return gt.torch_candidates(q, t, n_cand, lower=lower)
-        max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, SEED_WIDENING
-        tail = triton_exact_tail if FUSED_TAIL else None
+        # Widening rounds seed the fused kernel's lists with each row's limit: keys above it
+        # cannot rank, so the kernel never inserts them.
+        max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, True
         few_rows = gt.TORCH_ROUND_ROWS
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
@@ -320,16 +307,12 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
                 and triton_refusal(device) is None:
             # fp32's cuBLAS candidates, re-ranked by the fused kernel: it reads candidates'
             # rows in place, where the torch form gathers them into float64 (rows, candidates,
-            # d) tensors (H200, 65,536 x 10^6 x 128, k=100: 17 ms of 1.4 s). impl="torch" stays
-            # torch throughout.
+            # d) tensors. impl="torch" stays torch throughout.
             from ._gpu_triton import triton_exact_values as values_fn
     near = side if far is None else side.take(~far)
-    if exact:
-        v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
-                             stats=targets.stats, values=values_fn, seeded=seeded, tail=tail,
-                             lower=lower, few_rows=few_rows)
-    else:
-        v, i = gt.approximate_topk(near, targets.side, k, candidates)
+    v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
+                         stats=targets.stats, values=values_fn, seeded=seeded,
+                         lower=lower, few_rows=few_rows)
     if far is not None:
         # Rows too far from the block for its working frame: the float64 difference form over
         # every target, each row in its own scale (rare: 2^60 block extents away).

@@ -211,7 +211,7 @@ def small(q, t, n_cand, seed=None, lower=False):
     if n_cand <= 32:
         cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
     else:
-        cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4, pipelined=True)
+        cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
     return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
 
 cases = [adv.offset_case(16, 10.0, 0.1, nq=6, nt=150, seed=3),

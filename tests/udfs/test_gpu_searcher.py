@@ -254,6 +254,7 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
     import pyarrow as pa
 
     from udfs import blocks as B
+    from udfs.local import local_join
 
     rng = np.random.default_rng(21)
     nq, nt, d, k = 37, 260, 5, 7
@@ -268,7 +269,7 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
                                                      impl="torch" if device == "cpu" else "auto"))
     ctx = B.JoinContext(settings, B.SideLayout("qv", 1, d, 10), B.SideLayout("tv", 1, d, 20),
                         "inner", True, tt.schema)
-    out = B.local_join(qt, tt, ctx, plan="broadcast", partitions=2)
+    out = local_join(qt, tt, ctx, plan="broadcast", partitions=2)
     values, indices = knn(Q, T, k, metric, backend="reference")
     got = {}
     for qid, tid, tv in zip(out.column(0).to_pylist(), out.column(2).to_pylist(), out.column(3).to_pylist()):

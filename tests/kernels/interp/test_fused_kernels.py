@@ -4,6 +4,8 @@ candidate keys equal the torch path's, their lower keys (EXACT mode's per-target
 exceed the per-row ones, exact_topk through them returns the exact top k, seeded lists hold
 what the seed allows, the tensor-descriptor (TMA) form equals the pointer form, the re-rank
 kernel equals the torch form, and a segment's floor keeps a crowded row from being proven.
+The kernels' output and scratch buffers start filled with garbage: every slot they read back
+must have been written.
 
 Collected only under ``TRITON_INTERPRET=1`` (see ``conftest.py`` here): the main run runs this
 folder in one subprocess, ``tests/kernels/test_gpu.py::test_kernels_under_the_triton_interpreter``.
@@ -16,9 +18,9 @@ import torch
 
 from nearest_join.kernels import _gpu_torch as gt
 from nearest_join.kernels import _gpu_triton as tr
-from tests.kernels.test_gpu import check_result, make_data
+from tests.kernels.test_gpu import check_result, make_data, poison_kernel_buffers
 
-KERNELS = ["rowlist", "segmented", "pipelined", "legacy"]
+KERNELS = ["rowlist", "segmented", "buffer"]
 SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
 CASES = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
          ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
@@ -26,7 +28,7 @@ CASES = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
 
 @pytest.fixture(autouse=True)
 def poisoned_tiny_segments(monkeypatch):
-    monkeypatch.setattr(tr, "POISON_BUFFERS", True)
+    poison_kernel_buffers(monkeypatch)
     # Tiny tiles make segments of 2+ tiles (203 targets: up to 3 segments; 603: up to 9).
     monkeypatch.setattr(tr, "SEGMENT_MIN_TILES", 2)
 
@@ -48,7 +50,7 @@ class Small:
         if self.kernel == "rowlist" and n_cand <= 32:
             cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
         else:
-            cfg = tr.TileConfig(16, 32, cap, 4, pipelined=self.kernel != "legacy")
+            cfg = tr.TileConfig(16, 32, cap, 4)
         return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
 
 
