@@ -315,7 +315,10 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
         query = query.withColumn(QUERY_ROW_ID, F.monotonically_increasing_id())
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector
-    options = dataclasses.replace(spec.join.options, vectors=(query_vector, target_vector))
+    on = spec.join.options.on
+    if on is not None:   # spec names are the inputs' names; the join sees them prefixed
+        on = tuple((spec.query.prefix + q_name, spec.target.prefix + t_name) for q_name, t_name in on)
+    options = dataclasses.replace(spec.join.options, vectors=(query_vector, target_vector), on=on)
     with phases("plan") as facts, _input_errors(spec):
         try:
             planned = plan_join(query, target, spec.join.metric, options)

@@ -80,6 +80,7 @@ _JOIN_KEYS: dict[str, Any] = {
     "target_block_rows": None,
     "max_distance": None,
     "min_similarity": None,
+    "on": None,            # key columns (input names, before prefix): name, [names], [[query, target]]
 }
 _OUTPUT_KEYS: dict[str, Any] = {
     "path": _REQUIRED,
@@ -186,6 +187,9 @@ def _construct_unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, 
     loader.flatten_mapping(node)
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if isinstance(key_node, yaml.ScalarNode) and key_node.tag == "tag:yaml.org,2002:bool":
+            # Keys are names: YAML 1.1 reads a plain `on:` (and yes/no/off) as a boolean.
+            key_node.tag = "tag:yaml.org,2002:str"
         key = loader.construct_object(key_node, deep=True)
         try:
             hash(key)

@@ -66,6 +66,13 @@ def test_valid_spec_gets_defaults(inputs):
     assert spec.spark_settings["spark.ui.showConsoleProgress"] == "true"
 
 
+def test_join_on_is_a_key_not_yaml_true(inputs):
+    # YAML 1.1 reads a plain `on` as the boolean true; as a spec key it is the name "on".
+    text = yaml.safe_dump(_document(inputs)).replace("join:\n", "join:\n  on: [country, [q_id, id]]\n")
+    spec = load_spec(_write(inputs / "job.yaml", text))
+    assert spec.join.options.on == (("country", "country"), ("q_id", "id"))
+
+
 def test_relative_paths_resolve_against_the_working_directory(inputs, monkeypatch):
     monkeypatch.chdir(inputs)
     document = _document(inputs)
@@ -101,6 +108,10 @@ BAD = [
      "join.min_similarity", "not the distance 'l2'; pass max_distance instead"),
     ("both caps", lambda d: {**d, "join": {"metric": "l2", "max_distance": 1, "min_similarity": 0.5}},
      "join.min_similarity", "expected None when max_distance is given"),
+    ("on not a name", lambda d: {**d, "join": {"metric": "l2", "on": 3}}, "join.on",
+     "expected None, a column name present on both sides, a list of them, a list of (query_column, "),
+    ("on pair of three", lambda d: {**d, "join": {"metric": "l2", "on": [["a", "b", "c"]]}}, "join.on",
+     "(item ['a', 'b', 'c'])"),
     ("k too big", lambda d: {**d, "join": {"metric": "l2", "k": 100_001}}, "join.k",
      "NUM_RESULTS_OUT_OF_RANGE] Invalid nearest-by join. The number of results 100001 must be"),
     ("k string", lambda d: {**d, "join": {"metric": "l2", "k": "10"}}, "join.k",
