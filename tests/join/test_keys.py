@@ -18,7 +18,13 @@ from pyspark.sql import functions as F
 from nearest_join import explain_nearest_join, nearest_by_join
 from nearest_join.errors import ArgumentError
 from nearest_join.options import JoinOptions
-from tests.oracle import assert_capped_topk, assert_same_neighbours, group_rows, join_arrays, operator_rtol
+from tests.oracle import (
+    assert_capped_topk,
+    assert_same_neighbours,
+    group_rows,
+    join_arrays,
+    operator_rtol,
+)
 from udfs.groups import GroupSegments, grouped_search
 
 SIMILARITY = ("cosine", "inner_product")
@@ -238,8 +244,8 @@ def test_bad_on_against_the_frames(spark, frames):
         (q, t, q.k > t.k, "expected an equality between one query column and one target column"),
         (q, t, q.k == q.qid, "whose columns all resolve on the query alone"),
         (q, t, t.k == F.lit("a"), "expected an equality between one query column and one target column"),
-        (maps_q, maps_t, "mk", "expected key columns Spark can compare for equality, got query column 'mk' "
-                               "of type map<string,int>"),
+        (maps_q, maps_t, "mk", ("expected key columns Spark can compare for equality, got query column 'mk' "
+                                "of type map<string,int>")),
     ]
     for query, target, on, text in cases:
         for call in (nearest_by_join, explain_nearest_join):
