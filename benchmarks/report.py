@@ -59,9 +59,10 @@ def fmt(value, spec: str = "") -> str:
     if spec == ",":
         return f"{value:,}" if isinstance(value, int) else f"{value:,.0f}"
     try:
-        return format(value, spec)
+        text = format(value, spec)
     except (TypeError, ValueError):
         return str(value)
+    return text[1:] if text.startswith("-") and not text.strip("-0.") else text   # "-0.0" -> "0.0"
 
 
 def auto(value) -> str:
@@ -280,6 +281,25 @@ TABLES: dict[tuple[str, str], Table] = {
          col("join s", "join_s", ".0f"), col("(peak - fixed) / budget", "over_budget", ".1f")],
         about="Peak RSS (sampled, and the kernel's `VmHWM`) of every Python worker and JVM of the run "
               "against `spark.nearestJoin.taskMemoryBytes`; the fixed cost is a warm worker's RSS."),
+    ("gpu_kernel", "shapes"): Table(
+        "GPU exact search at embedding sizes against torch and the GEMM alone",
+        [col("shape", "shape"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
+         col("exact auto ms", "exact_auto_bf16_ms", ".1f"), col("exact tf32 ms", "tf32_ms", ".1f"),
+         col("exact fp32 ms", "fp32_ms", ".1f"), col("torch fp32 addmm+topk ms", "torch_fp32_addmm_topk_ms", ".1f"),
+         col("torch bf16 addmm+topk ms", "torch_bf16_addmm_topk_ms", ".1f"),
+         col("its wrong rows", "torch_bf16_wrong_of_sample"), col("bf16 GEMM alone ms", "gemm_bf16_ms", ".1f"),
+         col("auto / torch fp32", "auto_over_torch_fp32", ".2f"), col("auto / GEMM", "auto_over_gemm", ".2f")],
+        about="Offset Gaussian data, l2, medians of 3. Wrong rows: of `sample_rows` sampled query rows "
+              "against the float64 oracle (every exact search: 0)."),
+    ("gpu_kernel", "compile"): Table(
+        "GPU first-call compile time (fresh Triton cache)",
+        [col("precision", "precision"), col("d", "d"),
+         *[pcol(f"k={k} s", k, "compile_s", ".1f") for k in (10, 100, 1000)]],
+        about="2,048 x 60,000 in one process; compile = first call less a warm call. 0.0: the torch "
+              "path (k=1000) or a kernel compiled for an earlier d; rows where every k reads 0.0 are "
+              "left out (all are in the records).",
+        group=lambda records: [row for row in pivot(("k",), ("precision", "d"))(records)
+                               if any((r.get("compile_s") or 0) >= 0.05 for r in row["by"].values())]),
     ("gpu_kernel", "compare"): Table(
         "GPU kernel: fused top-k against the GEMM alone and addmm + topk",
         [col("d", "d"), col("precision", "precision"), col("k", "k"), col("GEMM ms", "gemm_ms", ".1f"),
@@ -423,10 +443,13 @@ def render_table(benchmark: str, table: str, records: list[dict], plots_dir: Pat
         if len(values) == 1 and all(name in r for r in records):
             fixed[name] = records[0][name]
     tables = ", ".join(f"`{t}`" for t in dict.fromkeys(r["table"] for r in records))
-    out = [f"## {spec.title}",
-           f"`benchmarks/{benchmark}.py` ({'tables' if ',' in tables else 'table'} {tables}), {when(records)}."]
-    for m, which in distinct(records, "machine"):
-        out.append(f"- machine{' (' + which + ')' if which else ''}: {machine_text(m)}")
+    source = f"`benchmarks/{benchmark}.py` ({'tables' if ',' in tables else 'table'} {tables}), {when(records)}"
+    machines = distinct(records, "machine")
+    if len(machines) == 1:
+        out = [f"## {spec.title}", f"{source}, on {machine_text(machines[0][0])}."]
+    else:
+        out = [f"## {spec.title}", f"{source}."]
+        out += [f"- machine{' (' + which + ')' if which else ''}: {machine_text(m)}" for m, which in machines]
     commits, commands = distinct(records, "commit"), distinct(records, "command")
     if len(commits) == 1 and len(commands) == 1:
         out.append(f"- commit `{commits[0][0]}`, command `{commands[0][0]}`")
