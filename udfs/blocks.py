@@ -31,7 +31,7 @@ from .emit import emit_rows
 from .groups import GroupSegments, group_ids, grouped_search
 from .packing import SideLayout, binary_array, binary_values, blob_to_table
 from .rows import ColumnViews
-from .searcher import SearchSettings, open_block_searcher
+from .searcher import SearchSettings, open_block_searcher, task_cpus
 from .topk import MAX_SOURCES, TopkState, fold_state
 from .vectors import decode_vectors
 
@@ -174,10 +174,10 @@ class _QueryBlock:
             return
         if self.groups is not None:
             table, t_sorted, segments = pair.broadcast_target(t_block_id, t_blob)
-            worst = -np.inf if metric in ("cosine", "inner_product") else np.inf
             # target_key None: a segment is no block a GPU searcher may keep resident.
             values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
-                                          self.groups, t_sorted, segments, pair.ctx.k, worst)
+                                          self.groups, t_sorted, segments, pair.ctx.k, metric,
+                                          cap=pair.ctx.cap, threads=task_cpus())
             self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
             return
         table, t_vectors = pair.broadcast_target(t_block_id, t_blob)

@@ -3,14 +3,24 @@
 A group is a dense int id per row (``-1``: none): the driver numbers the distinct keys of
 ``on=`` (``nearest_join.join._with_groups``); an IVF plan would number its lists the same
 way. A target block is sorted by group once per task (:class:`GroupSegments`), so each
-group's rows are one contiguous segment; a query block is searched group by group against
-those segments (:func:`grouped_search`) and gives the same ``(values, rows)`` as one search
-of the whole block would, rows being the block's own rows. The result therefore folds into
-the top-k state and emits exactly as an unkeyed search does (``udfs.topk``, ``udfs.emit``),
-and the tie rule holds: the sort is stable, so within a segment block order is kept.
+group's rows are one contiguous segment; a query block is searched against those segments
+(:func:`grouped_search`) and gives the same ``(values, rows)`` as one search of the whole
+block would, rows being the block's own rows. The result therefore folds into the top-k
+state and emits exactly as an unkeyed search does (``udfs.topk``, ``udfs.emit``), and the
+tie rule holds: the sort is stable, so within a segment block order is kept.
 
-This first version calls the kernel once per group present in both the query block and the
-target block; batching many tiny groups into one kernel call is still to come.
+Groups are searched two ways, by their work (queries x targets x d of the pair):
+
+* small groups, all of them at once, in one call of
+  :func:`nearest_join.kernels.segments.knn_segments`: every query row of the block against
+  its group's segment in one compiled loop, float64 keys ranked by (key, row), exact for
+  every metric. 100,000 keys of ~10 targets then cost one call, not 100,000; an IVF plan
+  passes several segments (its probed lists) per query to the same call;
+* large groups one :func:`~nearest_join.kernels.knn` call each (the task's searcher: sgemm
+  or GPU), where the call's fixed cost is small against the arithmetic it speeds up.
+
+Both are exact with the same tie rule, so where the line falls changes the time, not the
+answer.
 """
 from __future__ import annotations
 
@@ -21,6 +31,11 @@ import numpy as np
 import pyarrow as pa
 
 NO_GROUP = -1
+# A group whose query rows x target rows x d is at most this goes to the batched segment
+# search; above it, to its own kernel call. The segment loop runs without BLAS, so its cost
+# grows with the work, while a kernel call pays a fixed set-up first: this is the work at
+# which that set-up stops dominating (benchmarks/keyed_join.py measures both sides).
+SEGMENT_WORK = 1 << 20
 
 
 def group_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
@@ -50,29 +65,47 @@ class GroupSegments:
 
 def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                    query_vectors: np.ndarray, query_groups: np.ndarray, sorted_targets: np.ndarray,
-                   segments: GroupSegments, k: int, worst: float) -> tuple[np.ndarray, np.ndarray]:
+                   segments: GroupSegments, k: int, metric: str, *, cap: float | None = None,
+                   threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched only
     against its group's segment.
 
-    ``search(queries, targets)`` is the task's kernel call (the knn contract: (nq, k) float32
-    values and int64 rows, -1 for an empty slot); ``sorted_targets`` are the target block's
-    vectors in ``segments.order``. Query rows of no group, or of a group the block lacks,
-    get empty slots (value ``worst``, row -1).
+    ``search(queries, targets)`` is the task's kernel call for a large group (the knn
+    contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied);
+    small groups go to one :func:`~nearest_join.kernels.segments.knn_segments` call with
+    ``cap`` and ``threads``. ``sorted_targets`` are the target block's vectors in
+    ``segments.order``. Query rows of no group, or of a group the block lacks, get empty
+    slots (the metric's worst value, row -1).
     """
+    from nearest_join.kernels import resolve_metric
+    from nearest_join.kernels.segments import knn_segments  # numba: on executors only
+
     nq = query_vectors.shape[0]
+    worst = resolve_metric(metric).worst
     values = np.full((nq, k), worst, np.float32)
     rows = np.full((nq, k), -1, np.int64)
     if nq == 0 or segments.groups.size == 0:
         return values, rows
-    q_order = np.argsort(query_groups, kind="stable")
-    q_sorted = query_groups[q_order]
-    q_present, q_first = np.unique(q_sorted, return_index=True)
-    q_bounds = np.append(q_first, nq)
-    at = np.searchsorted(segments.groups, q_present)
-    hit = (at < segments.groups.size) & (segments.groups[np.minimum(at, segments.groups.size - 1)] == q_present)
-    for i in np.flatnonzero(hit & (q_present >= 0)):
-        members = q_order[q_bounds[i]:q_bounds[i + 1]]
-        lo, hi = segments.starts[at[i]], segments.starts[at[i] + 1]
+    # Each query row's segment (-1: its group is absent from the block, or it has none).
+    at = np.minimum(np.searchsorted(segments.groups, query_groups), segments.groups.size - 1)
+    segment = np.where((query_groups >= 0) & (segments.groups[at] == query_groups), at, -1)
+    present = segment >= 0
+    sizes = np.diff(segments.starts)
+    queries_per_segment = np.bincount(segment[present], minlength=sizes.size)
+    large = queries_per_segment * sizes * query_vectors.shape[1] > SEGMENT_WORK
+
+    small_rows = np.flatnonzero(present & ~large[np.maximum(segment, 0)])
+    if small_rows.size:
+        # One probe per query row: probe_starts 0, 1, ..., n.
+        v, local = knn_segments(query_vectors[small_rows], sorted_targets, segments.starts,
+                                np.arange(small_rows.size + 1, dtype=np.int64), segment[small_rows],
+                                k, metric, cap=cap, threads=threads)
+        values[small_rows] = v
+        rows[small_rows] = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
+
+    for s in np.flatnonzero(large):
+        members = np.flatnonzero(segment == s)
+        lo, hi = segments.starts[s], segments.starts[s + 1]
         v, local = search(query_vectors[members], sorted_targets[lo:hi])
         width = min(k, v.shape[1])
         values[members, :width] = v[:, :width]

@@ -286,7 +286,7 @@ def test_grouped_search_keeps_block_rows_and_order():
         return (np.pad(values, ((0, 0), (0, pad)), constant_values=np.inf).astype(np.float32),
                 np.pad(rows, ((0, 0), (0, pad)), constant_values=-1))
 
-    values, rows = grouped_search(search, queries, q_groups, targets[segments.order], segments, 3, np.inf)
+    values, rows = grouped_search(search, queries, q_groups, targets[segments.order], segments, 3, "l2")
     assert rows.tolist() == [[2, 4, 0], [3, 1, -1], [-1, -1, -1], [-1, -1, -1]]
     np.testing.assert_allclose(values[:2, :2], [[0.2, 0.8], [0.1, 0.9]], atol=1e-6)
     assert np.isinf(values[1, 2]) and np.isinf(values[2:]).all()

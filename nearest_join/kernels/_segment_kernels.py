@@ -1,0 +1,46 @@
+"""Numba loop of :func:`nearest_join.kernels.segments.knn_segments` (imported after ``cpu``,
+which chooses numba's cache directory)."""
+from __future__ import annotations
+
+from numba import njit, prange
+
+from ._cpu_kernels import _difference_sum, _product_sum
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def segment_topk(queries, q_factors, q_ok, targets, t_factors, t_ok, segment_starts, probe_starts,
+                 probe_segments, difference, keys, indices):
+    """Per query row (in parallel), the ``k = keys.shape[1]`` smallest (key, target index) of
+    the rankable targets of its segments, best first, into ``keys`` (pre-filled +inf) and
+    ``indices`` (pre-filled -1). A key is the float64 difference-form sum (``difference``) or
+    the negated product of the rows scaled by their factors. The top k is kept by insertion:
+    a segment is a few rows, and k slots stay in one cache line or two."""
+    k = keys.shape[1]
+    for i in prange(queries.shape[0]):
+        if not q_ok[i]:
+            continue
+        count = 0
+        for p in range(probe_starts[i], probe_starts[i + 1]):
+            s = probe_segments[p]
+            for j in range(segment_starts[s], segment_starts[s + 1]):
+                if not t_ok[j]:
+                    continue
+                if difference:
+                    key = _difference_sum(queries[i], q_factors[i], targets[j], t_factors[j])
+                else:
+                    key = -_product_sum(queries[i], q_factors[i], targets[j], t_factors[j])
+                if count == k:
+                    last_key, last_j = keys[i, k - 1], indices[i, k - 1]
+                    if not (key < last_key or (key == last_key and j < last_j)):
+                        continue
+                    pos = k - 1
+                else:
+                    pos = count
+                    count += 1
+                while pos > 0 and (keys[i, pos - 1] > key or
+                                   (keys[i, pos - 1] == key and indices[i, pos - 1] > j)):
+                    keys[i, pos] = keys[i, pos - 1]
+                    indices[i, pos] = indices[i, pos - 1]
+                    pos -= 1
+                keys[i, pos] = key
+                indices[i, pos] = j

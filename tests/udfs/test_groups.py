@@ -1,0 +1,134 @@
+"""The keyed search of many tiny groups (udfs.groups, kernels.segments; issue 22): thousands of
+groups of 1-12 targets (some smaller than k, some with rows that cannot rank) and one large
+group in one target block, against the float64 oracle over each query's own group, with and
+without a cap; small groups must share one batched call (the task's kernel sees only the large
+group). Then knn_segments itself: several segments per query (an IVF plan's probes), the tie
+rule, and its argument errors.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nearest_join.kernels import knn
+from nearest_join.kernels.segments import knn_segments
+from tests.oracle import (
+    assert_capped_topk,
+    assert_knn_result,
+    backend_rtol,
+    key_values,
+    oracle_keys,
+)
+from udfs.groups import SEGMENT_WORK, GroupSegments, grouped_search
+
+METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
+SIMILARITY = ("cosine", "inner_product")
+N_KEYS, D, K = 2000, 8, 5
+LARGE_GROUP = N_KEYS          # one group big enough for its own kernel call
+LARGE_TARGETS, LARGE_QUERIES = 520, 300
+RTOL = backend_rtol("cpu")
+
+
+@pytest.fixture(scope="module")
+def block():
+    rng = np.random.default_rng(2202)
+    sizes = rng.integers(1, 13, N_KEYS)                      # 1-12 targets: many below k
+    t_groups = np.concatenate([np.repeat(np.arange(N_KEYS), sizes), np.full(LARGE_TARGETS, LARGE_GROUP),
+                               [-1, -1]])
+    rng.shuffle(t_groups)                                      # groups interleaved in the block
+    targets = (rng.standard_normal((t_groups.size, D)) + 0.3).astype(np.float32)
+    targets[rng.choice(t_groups.size, 40, replace=False)] = 0.0    # cosine cannot rank these
+    targets[rng.choice(t_groups.size, 40, replace=False), 3] = np.nan
+    # Queries of small groups, of the large one, of a group the block lacks, and of none.
+    q_groups = np.concatenate([rng.integers(0, N_KEYS, 2 * N_KEYS), np.full(LARGE_QUERIES, LARGE_GROUP),
+                               [N_KEYS + 7, -1]])
+    rng.shuffle(q_groups)
+    queries = (rng.standard_normal((q_groups.size, D)) + 0.3).astype(np.float32)
+    queries[0] = np.nan
+    assert LARGE_QUERIES * LARGE_TARGETS * D > SEGMENT_WORK and 4 * 12 * D < SEGMENT_WORK
+    return queries, q_groups, targets, t_groups
+
+
+def _cap(queries, q_groups, targets, t_groups, metric):
+    """A cap that leaves some queries fewer than k of their group and some none: the value of
+    a middling pair of the large group, moved half-way to its neighbour."""
+    values = np.sort(key_values(oracle_keys(queries[q_groups == LARGE_GROUP][:20],
+                                            targets[t_groups == LARGE_GROUP], metric), metric).ravel())
+    values = values[np.isfinite(values)]
+    at = int(values.size * (0.9 if metric in SIMILARITY else 0.1))
+    return float((values[at] + values[at + 1]) / 2)
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "capped"])
+@pytest.mark.parametrize("metric", METRICS)
+def test_many_tiny_groups_against_the_oracle(block, metric, capped):
+    queries, q_groups, targets, t_groups = block
+    cap = _cap(queries, q_groups, targets, t_groups, metric) if capped else None
+    segments = GroupSegments.of(t_groups)
+    calls = []
+
+    def search(q, t):
+        calls.append((q.shape[0], t.shape[0]))
+        return knn(q, t, K, metric, backend="cpu", threads=2, cap=cap)
+
+    values, rows = grouped_search(search, queries, q_groups, targets[segments.order], segments, K,
+                                  metric, cap=cap, threads=2)
+    # The 2,000 small groups share one batched call: the task's kernel sees the large group only.
+    assert calls == [(LARGE_QUERIES, LARGE_TARGETS)]
+    unbounded = -np.inf if metric in SIMILARITY else np.inf
+    worst = -np.inf if metric in SIMILARITY else np.inf
+    fewer = 0
+    for g in np.unique(q_groups):
+        members = np.flatnonzero(q_groups == g)
+        allowed = np.flatnonzero(t_groups == g) if g >= 0 else np.zeros(0, np.int64)
+        if allowed.size == 0:   # no group, or one the block lacks: empty slots
+            assert (rows[members] == -1).all() and (values[members] == worst).all(), g
+            continue
+        local = np.where(rows[members] >= 0, np.searchsorted(allowed, rows[members]), -1)
+        in_group = np.isin(rows[members], allowed) | (rows[members] < 0)
+        assert in_group.all(), f"group {g}: rows {rows[members].tolist()} outside {allowed.tolist()}"
+        assert (values[members][rows[members] < 0] == worst).all(), g
+        assert_capped_topk(queries[members], targets[allowed], K, metric,
+                           unbounded if cap is None else cap, values[members], local, RTOL,
+                           case=f"group {g}")
+        fewer += int((rows[members][:, -1] < 0).sum())
+    assert fewer > 0    # some queries had fewer than k (small groups, the cap)
+
+
+def test_knn_segments_probes_several_segments_per_query():
+    # An IVF plan's shape: each query searches the union of 1-3 segments.
+    rng = np.random.default_rng(7)
+    starts = np.concatenate([[0], np.cumsum(rng.integers(0, 30, 40))])
+    targets = rng.standard_normal((starts[-1], 33)).astype(np.float32)
+    queries = rng.standard_normal((60, 33)).astype(np.float32)
+    probes = [rng.choice(40, rng.integers(1, 4), replace=False) for _ in range(60)]
+    probe_starts = np.concatenate([[0], np.cumsum([p.size for p in probes])])
+    for metric in METRICS:
+        values, indices = knn_segments(queries, targets, starts, probe_starts, np.concatenate(probes), 7,
+                                       metric, threads=2)
+        for i, p in enumerate(probes):
+            rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in p])
+            rows.sort()
+            local = np.where(indices[i] >= 0, np.searchsorted(rows, indices[i]), -1)
+            assert np.isin(indices[i][indices[i] >= 0], rows).all(), (metric, i)
+            assert_knn_result(queries[i:i + 1], targets[rows], 7, metric, values[i:i + 1], local[None],
+                              RTOL, case=f"{metric} query {i}")
+
+
+def test_knn_segments_ties_go_to_the_lower_row():
+    targets = np.array([[1.0], [3.0], [1.0], [1.0], [9.0]], np.float32)
+    values, indices = knn_segments(np.array([[2.0]], np.float32), targets, np.array([0, 2, 5]),
+                                   np.array([0, 2]), np.array([1, 0]), 4, "l2")
+    assert indices.tolist() == [[0, 1, 2, 3]] and values.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("starts, probe_starts, probes, argument", [
+    ([0, 3, 2], [0, 1], [0], "segment_starts"),
+    ([0, 9], [0, 1], [0], "segment_starts"),
+    ([0, 2], [0, 2], [0], "probe_starts"),
+    ([0, 2], [0, 1], [1], "probe_segments"),
+])
+def test_knn_segments_errors_name_the_argument(starts, probe_starts, probes, argument):
+    with pytest.raises(ValueError, match=f"^{argument}:"):
+        knn_segments(np.zeros((1, 2), np.float32), np.zeros((3, 2), np.float32), np.array(starts),
+                     np.array(probe_starts), np.array(probes), 2)
