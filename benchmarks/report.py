@@ -281,6 +281,18 @@ TABLES: dict[tuple[str, str], Table] = {
          col("join s", "join_s", ".0f"), col("(peak - fixed) / budget", "over_budget", ".1f")],
         about="Peak RSS (sampled, and the kernel's `VmHWM`) of every Python worker and JVM of the run "
               "against `spark.nearestJoin.taskMemoryBytes`; the fixed cost is a warm worker's RSS."),
+    ("keyed_join", "executor"): Table(
+        "Keyed search (`on=`): many small groups, executor level",
+        [col("engine", "engine"), col("seconds", "seconds", ".3f"),
+         peer_ratio("speed-up", "seconds", {"engine": "knn per group (b6555db)"}, invert=True)],
+        about="`udfs.groups.grouped_search` on one broadcast block against one kernel call per key group "
+              "(the first keyed version); the same rows."),
+    ("keyed_join", "spark"): Table(
+        "Keyed join (`on=`) against Spark's equi-join + window",
+        [col("engine", "engine"), col("seconds", "seconds", ".3f"),
+         peer_ratio("speed-up vs the window", "seconds", {"engine": "equi-join + row_number window"},
+                    invert=True)],
+        about="Both compute the k nearest targets of the same key; the same rows."),
     ("gpu_kernel", "shapes"): Table(
         "GPU exact search at embedding sizes against torch and the GEMM alone",
         [col("shape", "shape"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
