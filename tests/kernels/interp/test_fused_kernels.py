@@ -1,5 +1,5 @@
 """The fused Triton kernels under the Triton interpreter, with tiny tiles (16 x 32) so that
-a few hundred targets make several tiles, splits and segments and every path is taken: their
+about a hundred targets make several tiles, splits and segments and every path is taken: their
 candidate keys equal the torch path's, their lower keys (EXACT mode's per-target bound) never
 exceed the per-row ones, exact_topk through them returns the exact top k, seeded lists hold
 what the seed allows, the tensor-descriptor (TMA) form equals the pointer form, the re-rank
@@ -24,12 +24,22 @@ KERNELS = ["rowlist", "segmented", "buffer"]
 SEGMENTED = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
 CASES = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
          ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
+# The interpreter runs every program instance in Python, so each kernel gets two cases, not
+# all four (the GPU runs the full metric x precision x data matrix: tests/kernels/test_gpu.py,
+# -m gpu): one on gaussian data (no near ties: the candidate order is checked) and one on
+# clustered data (widening rounds), one ranking by the lower key and one not, and between
+# them every case, every precision and a k beyond the first list.
+PAIRS = [("rowlist", 0), ("rowlist", 1), ("segmented", 2), ("segmented", 3), ("buffer", 2), ("buffer", 3)]
+# 21 queries: two query tiles, the second partial. 101 targets: four target tiles (the last
+# partial) in two splits or two segments; the clustered data's two clusters widen the lists
+# from 16 to every target (128) in three rounds. d = 33: two d-chunks, the second of one.
+NQ, NT, D = 21, 101, 33
 
 
 @pytest.fixture(autouse=True)
 def poisoned_tiny_segments(monkeypatch):
     poison_kernel_buffers(monkeypatch)
-    # Tiny tiles make segments of 2+ tiles (203 targets: up to 3 segments; 603: up to 9).
+    # Tiny tiles make segments of 2+ tiles (101 targets: up to 2 segments; 603: up to 9).
     monkeypatch.setattr(tr, "SEGMENT_MIN_TILES", 2)
 
 
@@ -89,12 +99,20 @@ def prepared(q, t, metric, precision):
             gt.prepare_side(torch.from_numpy(t), metric, precision))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("n", range(len(CASES)), ids=lambda n: "-".join(map(str, CASES[n])))
+def test_the_pairs_cover_every_kernel_case_and_mode():
+    assert {kernel for kernel, _ in PAIRS} == set(KERNELS)
+    assert {n for _, n in PAIRS} == set(range(len(CASES)))
+    for kernel in KERNELS:
+        cases = [CASES[n] for kk, n in PAIRS if kk == kernel]
+        assert {kind for _, _, kind, _ in cases} == {"gaussian", "clustered"}, kernel
+        assert {n % 2 for kk, n in PAIRS if kk == kernel} == {0, 1}, kernel   # lower keys or not
+
+
+@pytest.mark.parametrize("kernel,n", PAIRS, ids=[f"{kk}-" + "-".join(map(str, CASES[n])) for kk, n in PAIRS])
 def test_candidates_lower_keys_and_exact_topk(kernel, n):
     metric, precision, kind, k = CASES[n]
     small = Small(kernel)
-    q, t = make_data(kind, 21, 203, 33, n)
+    q, t = make_data(kind, NQ, NT, D, n)
     qs, ts = prepared(q, t, metric, precision)
     # The kernel's candidate keys equal the torch path's exactly computed keys.
     keys, idx, _ = small(qs, ts, 16)
@@ -108,7 +126,7 @@ def test_candidates_lower_keys_and_exact_topk(kernel, n):
     keys, idx, _ = small(qs, ts, 16, lower=True)
     table, level = gt.lower_bias_table(qs, ts, 16, gt.lower_levels(16))
     prod = qs.operand.double() @ ts.operand.double().T
-    lower = table.double()[level.long().repeat_interleave(16)[:21]] - gt.key_alpha(metric) * prod
+    lower = table.double()[level.long().repeat_interleave(16)[:NQ]] - gt.key_alpha(metric) * prod
     q_w, t_w = gt.lower_key_weights(qs, ts)
     per_row = ref - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
     tol = 1e-5 * float(ref.abs().max())
@@ -126,12 +144,12 @@ def test_candidates_lower_keys_and_exact_topk(kernel, n):
 def test_seeded_lists(kernel):
     small = Small(kernel)
     # Seeded lists (the widening rounds' limit): fp32 keys, so the reference order is exact.
-    q, t = make_data("gaussian", 12, 203, 33, 21)
+    q, t = make_data("gaussian", 12, NT, D, 21)
     qs, ts = prepared(q, t, "l2", "fp32")
     check_seeded(qs, ts, 16, small, kernel)
     # exact_topk passes seeds in its widening rounds: a first list too short to prove the
     # clustered rows (near ties within the bf16 error) makes them widen, seeded.
-    q, t = make_data("clustered", 21, 203, 33, 22)
+    q, t = make_data("clustered", NQ, NT, D, 22)
     qs, ts = prepared(q, t, "sqeuclidean", "bf16")
     before = len(small.seeds)
     v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
@@ -147,11 +165,11 @@ def test_descriptor_form_equals_pointer_form(kernel, monkeypatch):
     # lists must be the pointer form's (keys to float32 rounding: the interpreter may sum the
     # products in another order): plain lists, lower keys (bf16) and seeded lists (fp32).
     for n, (metric, precision) in enumerate((("l2", "fp32"), ("sqeuclidean", "bf16"), ("inner_product", "tf32"))):
-        q, t = make_data("gaussian", 21, 203, 40, 30 + n)
+        q, t = make_data("gaussian", NQ, NT, 40, 30 + n)
         qs, ts = prepared(q, t, metric, precision)
         ordered = torch.sort(ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T),
                              dim=1).values
-        seed = torch.full((21,), float("inf"))
+        seed = torch.full((NQ,), float("inf"))
         seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]   # midway: no key at the seed
         for kw in [{}] + [{"lower": True}] * (precision == "bf16") + [{"seed": seed}] * (precision == "fp32"):
             got = {}
