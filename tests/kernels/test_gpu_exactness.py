@@ -5,20 +5,16 @@ Every check is :func:`tests.adversarial.assert_true_topk` with the tolerance the
 declares (``nearest_join.kernels.gpu.RTOL``, relative to the size of the shifted problem).
 
 Here (no GPU): the torch path on CPU tensors over a subset of the cases, the working frame and
-the precision switch by their own tests, and the fused Triton kernels under
-``TRITON_INTERPRET=1`` (in a subprocess) on small adversarial shapes. On a CUDA machine
+the precision switch by their own tests; the fused Triton kernels on small adversarial shapes
+run under ``TRITON_INTERPRET=1`` in tests/kernels/interp/test_adversarial_kernels.py (the
+interpreter suite's one subprocess, tests/kernels/test_gpu.py). On a CUDA machine
 (``-m gpu``): every case of :func:`tests.adversarial.cases` plus the issue's 500 x 20,000
 offset case at d = 16, 64, 128, in every precision and k in {1, 10, 100}, each within a time
 bound (:data:`CASE_SECONDS`, compilation excluded: a slow case is run again warm).
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,7 +27,6 @@ try:
 except ImportError:  # the torch tests skip with a reason
     torch = None
 
-REPO = Path(__file__).resolve().parents[2]
 PRECISIONS = ["fp32", "tf32", "bf16"]
 KS = [1, 10, 100]
 # A search slower than this (warm: a first run that took longer is run again, so that the
@@ -41,11 +36,6 @@ CASE_SECONDS = 20.0
 needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
 needs_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(),
                                 reason="needs a CUDA device (run on the GPU machine: pytest -m gpu)")
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
 
 
 def _rtol() -> float:
@@ -195,61 +185,6 @@ def test_queries_far_from_a_tight_block_are_exact_and_overflow_only_where_true(m
     adv.assert_true_topk(q, t, 7, metric, v.numpy(), i.numpy(), _rtol(), case="far")
     assert np.isinf(v.numpy()[:5]).all() == (metric == "sqeuclidean")
     assert np.isfinite(v.numpy()[5:]).all()
-
-
-# Under the interpreter: the fused kernels with tiny tiles (16 x 32, every path of a 150-row
-# block) through exact_topk, and the default configurations through knn_torch, on small
-# adversarial shapes; the re-rank kernel against the torch form on float32 and float64 rows.
-_INTERPRETER_SCRIPT = """
-import numpy as np, torch
-from tests.kernels.test_gpu import _INTERPRETER_PRELUDE
-exec(_INTERPRETER_PRELUDE)
-from tests import adversarial as adv
-from nearest_join.kernels.gpu import RTOL, knn_torch
-
-def small(q, t, n_cand, seed=None, lower=False):
-    if n_cand <= 32:
-        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
-    else:
-        cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
-    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
-
-cases = [adv.offset_case(16, 10.0, 0.1, nq=6, nt=150, seed=3),
-         adv.offset_case(3, 1e3, 0.1, nq=6, nt=150, seed=4, dtype=np.float64),
-         adv.magnitude_case(1e20, nq=6, nt=150, seed=5),
-         adv.parallel_case(16, nq=6, nt=150, seed=6)]
-runs = 0
-for n, case in enumerate(cases):
-    q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
-    for metric in case.metrics:
-        precision = ("bf16", "tf32")[n % 2]
-        qs, ts = gt.prepare_pair(q, t, metric, precision)
-        # the re-rank kernel equals the torch form (float64 sums, rounded once)
-        idx = torch.from_numpy(np.random.default_rng(n).integers(-1, 150, (6, 9)))
-        want, got = gt.exact_values(qs, ts, idx), tr.triton_exact_values(qs, ts, idx)
-        assert torch.equal(torch.isnan(got), idx < 0), (case.name, metric)
-        assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want), rtol=2.0 ** -22, atol=0), \
-            (case.name, metric)
-        v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values,
-                             seeded=True, lower=metric != "inner_product")
-        adv.assert_true_topk(case.queries, case.targets, 5, metric, v.numpy(), i.numpy(), RTOL, case=case.name)
-        runs += 1
-    # the default tile configurations, as the backend runs them (auto: the fused kernel in tf32/bf16)
-    metric = case.metrics[0]
-    v, i = knn_torch(q, t, 10, metric, "bf16")
-    adv.assert_true_topk(case.queries, case.targets, 10, metric, v.numpy(), i.numpy(), RTOL, case=case.name)
-    runs += 1
-print("adversarial interpreter ok", runs)
-"""
-
-
-@pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
-def test_fused_kernels_under_the_triton_interpreter_on_adversarial_cases():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_INTERPRETER_SCRIPT)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "adversarial interpreter ok 19" in proc.stdout, proc.stdout[-2000:]
 
 
 # ----------------------------------------------------------------------------- on a GPU

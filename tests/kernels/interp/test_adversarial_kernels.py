@@ -1,0 +1,64 @@
+"""The fused Triton kernels on adversarial data (issue 18) under the Triton interpreter: offsets
+far larger than the spread (float32 and float64 rows), magnitudes near 1e20, nearly parallel
+vectors. Each case, in every metric it declares: the re-rank kernel equals the torch form, and
+exact_topk through the kernels with tiny tiles (16 x 32: several tiles and splits of a 150-row
+block) returns the true top k; then the default tile configurations through ``knn_torch``, as
+the backend runs them. Every check is :func:`tests.adversarial.assert_true_topk` at the
+tolerance the backend declares (``nearest_join.kernels.gpu.RTOL``).
+
+The GPU runs every adversarial case in every precision (tests/kernels/test_gpu_exactness.py,
+``-m gpu``); here one precision per case, alternating bf16 / tf32, keeps the interpreter's
+cost to a few program instances per search.
+
+Collected only under ``TRITON_INTERPRET=1`` (see ``conftest.py`` here).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from nearest_join.kernels import _gpu_torch as gt
+from nearest_join.kernels import _gpu_triton as tr
+from nearest_join.kernels.gpu import RTOL, knn_torch
+from tests import adversarial as adv
+
+CASES = [lambda: adv.offset_case(16, 10.0, 0.1, nq=6, nt=150, seed=3),
+         lambda: adv.offset_case(3, 1e3, 0.1, nq=6, nt=150, seed=4, dtype=np.float64),
+         lambda: adv.magnitude_case(1e20, nq=6, nt=150, seed=5),
+         lambda: adv.parallel_case(16, nq=6, nt=150, seed=6)]
+IDS = ["offset10-d16-float32", "offset1000-d3-float64", "magnitude1e20", "parallel-d16"]
+
+
+def small(q, t, n_cand, seed=None, lower=False):
+    """Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones."""
+    if n_cand <= 32:
+        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
+    else:
+        cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
+    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
+
+
+@pytest.mark.parametrize("n", range(len(CASES)), ids=IDS)
+def test_fused_kernels_return_the_true_top_k_on_adversarial_cases(n):
+    case = CASES[n]()
+    q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
+    precision = ("bf16", "tf32")[n % 2]
+    assert case.metrics, case.name
+    for metric in case.metrics:
+        qs, ts = gt.prepare_pair(q, t, metric, precision)
+        # The re-rank kernel equals the torch form (float64 sums, rounded once).
+        idx = torch.from_numpy(np.random.default_rng(n).integers(-1, len(case.targets), (len(case.queries), 9)))
+        want, got = gt.exact_values(qs, ts, idx), tr.triton_exact_values(qs, ts, idx)
+        assert torch.equal(torch.isnan(got), idx < 0), (case.name, metric)
+        assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want), rtol=2.0 ** -22, atol=0), \
+            (case.name, metric)
+        v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values,
+                             seeded=True, lower=metric != "inner_product")
+        adv.assert_true_topk(case.queries, case.targets, 5, metric, v.numpy(), i.numpy(), RTOL,
+                             case=f"{case.name} {metric} {precision}")
+    # The default tile configurations, as the backend runs them (auto: the fused kernel in bf16).
+    metric = case.metrics[0]
+    v, i = knn_torch(q, t, 10, metric, "bf16")
+    adv.assert_true_topk(case.queries, case.targets, 10, metric, v.numpy(), i.numpy(), RTOL,
+                         case=f"{case.name} {metric} default tiles")
