@@ -343,17 +343,3 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
         )
     if q_table is not None:
         yield from emit_rows(q_table, state, ctx)
-
-
-def __getattr__(name: str):
-    # Names that moved out of this module when it was split (issue 21); the tests and
-    # benchmarks outside udfs/ that import them from here should import them from their
-    # new modules, and then this goes.
-    moved = {"local_join": "local", "_pairs_batch": "local", "pack_blocks": "packing",
-             "empty_target_block": "packing", "PACKED_SCHEMA": "packing", "_binary_values": "packing"}
-    if name in moved:
-        import importlib
-
-        module = importlib.import_module(f"{__name__.rsplit('.', 1)[0]}.{moved[name]}")
-        return getattr(module, {"_pairs_batch": "pair_batches", "_binary_values": "binary_values"}.get(name, name))
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -10,7 +10,7 @@ import pytest
 
 from nearest_join import nearest_by_join
 from tests.oracle import assert_join_true_topk, group_rows
-from udfs.blocks import _binary_values
+from udfs.packing import binary_values as _binary_values
 from udfs.rows import take_rows, vector_matrix
 from udfs.vectors import decode_vectors, value_offsets
 
