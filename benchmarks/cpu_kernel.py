@@ -322,7 +322,7 @@ def main(argv=None):
                    machine={k: v for k, v in info.items() if k not in ("date", "commit", "command", "threads")})
     table = f"OPENBLAS_CORETYPE={info['blas']['OPENBLAS_CORETYPE']}"
     for row in rows:
-        rec.add(table, engine=row["method"].split()[0], **row, nq=args.nq, nt=args.nt, threads=args.threads,
+        rec.add(table, engine=row["method"] if " at " in row["method"] else row["method"].split()[0], **row, nq=args.nq, nt=args.nt, threads=args.threads,
                 repeat=args.repeat, sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3),
                 **compile_info)
     print(f"recorded {len(rows)} rows in {rec.path}")
