@@ -142,12 +142,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
     among the rest, what ``precision="auto"`` will run.
     """
     _check_inputs(query, target, ranking)
-    options = JoinOptions(
-        num_results=num_results, mode=mode, direction=direction, vectors=vectors,
-        join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
-        broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
-        target_block_rows=target_block_rows, max_distance=max_distance,
-        min_similarity=min_similarity, on=on)
+    options = JoinOptions.from_arguments(locals())
     return plan_join(query, target, ranking, options).plan
 
 
@@ -264,12 +259,7 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     <BLANKLINE>
     """
     _check_inputs(query, target, ranking)
-    options = JoinOptions(
-        num_results=num_results, mode=mode, direction=direction, vectors=vectors,
-        join_type=join_type, distance_col=distance_col, backend=backend, precision=precision,
-        broadcast_limit_bytes=broadcast_limit_bytes, query_block_rows=query_block_rows,
-        target_block_rows=target_block_rows, max_distance=max_distance,
-        min_similarity=min_similarity, on=on)
+    options = JoinOptions.from_arguments(locals())
     return plan_join(query, target, ranking, options).dataframe()
 
 

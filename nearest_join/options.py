@@ -21,7 +21,7 @@ against the DataFrames by the planner (:func:`nearest_join.ranking.parse_ranking
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pyspark.sql import Column
 
@@ -161,6 +161,12 @@ class JoinOptions:
     max_distance: float | None = None
     min_similarity: float | None = None
     on: object = None   # None | ((query_column, target_column), ...) | a Column equality
+
+    @classmethod
+    def from_arguments(cls, arguments: dict) -> JoinOptions:
+        """The options among a public function's keyword arguments (``locals()`` at its top):
+        the fields by name, so that a new field cannot be forgotten by one of the functions."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
     def __post_init__(self) -> None:
         # Spark's checks first, in Spark's order, with Spark's error conditions.
