@@ -1,0 +1,233 @@
+"""k-means for the IVF plan's lists: centroids of a sample, assigned with our own exact kernel.
+
+:func:`kmeans` clusters a sample of the target into ``n_clusters`` lists; the IVF plan
+(:mod:`nearest_join.ivf`) then assigns every target row to its nearest centroid and routes
+every query to its ``nprobe`` nearest ones. Three properties matter more than speed here:
+
+* **Exact assignment.** The assignment step is :func:`nearest_join.kernels.knn` with k=1 on
+  the cpu backend: the true nearest centroid of the float64 difference form, ties to the lower
+  centroid. Training, target assignment and query routing all use that one kernel
+  (:func:`route`), so a row's list is the same on the driver and on every executor.
+* **Deterministic for a seed.** Seeded k-means++ initialisation (``numpy.random.default_rng``;
+  drawn from a seeded subsample of ``INIT_ROWS_PER_CLUSTER`` rows per cluster),
+  a fixed iteration cap, float64 centroid sums in row order, and an empty cluster re-seeded
+  with the row farthest from its centroid (ties to the lower row): the same sample and seed
+  give the same centroids, bit for bit, on any machine.
+* **Spherical k-means for the similarities.** ``cosine`` and ``inner_product`` cluster the
+  *normalised* copies of the rows, keep unit centroids, and route by cosine. For cosine that
+  is the metric itself. Inner product on unnormalised data has no such geometry (a long
+  vector can beat a close one), so its lists are built and probed by direction only, while
+  the ranking inside the probed lists is the exact inner product: only the candidate set is
+  approximate, and the recall estimate of the plan measures how much that costs. A zero
+  vector has no direction; it cannot rank under cosine, and under inner product it goes to
+  list 0 (its score is 0 against every query, so any list is as good).
+
+Pure numpy + numba (the cpu backend's kernels); no pyspark.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit, prange
+
+from . import cpu  # noqa: F401  (first: it points numba's cache at a writable directory)
+from ._common import as_matrix, resolve_metric
+from .dispatch import knn
+
+__all__ = ["MAX_ITERATIONS", "KMeansResult", "kmeans", "route", "routing_metric", "training_rows"]
+
+# Lloyd iterations at most: the lists only need to be good enough for routing, and the recall
+# estimate picks nprobe for whatever lists came out (faiss's IVF training runs 10 to 25).
+MAX_ITERATIONS = 20
+# k-means++ draws its centres from at most this many rows per cluster (a seeded subsample):
+# each centre costs one pass over the rows it draws from, and the Lloyd iterations that
+# follow move the centres anyway.
+INIT_ROWS_PER_CLUSTER = 8
+
+
+def routing_metric(metric: str) -> str:
+    """The metric lists are trained and probed with: ``l2`` for the l2 family (sqeuclidean
+    has the same order), ``cosine`` for cosine and inner product (spherical k-means)."""
+    return "l2" if resolve_metric(metric).name in ("l2", "sqeuclidean") else "cosine"
+
+
+def _unit_rows(rows: np.ndarray) -> np.ndarray:
+    """Rows divided by their norms in float64 (scaled first, so no square overflows), as float32."""
+    rows = rows.astype(np.float64)
+    peak = np.abs(rows).max(axis=1, keepdims=True)
+    peak[peak == 0] = 1.0
+    scaled = rows / peak
+    norms = np.sqrt((scaled * scaled).sum(axis=1, keepdims=True))
+    norms[norms == 0] = 1.0
+    return (scaled / norms).astype(np.float32)
+
+
+def training_rows(vectors: np.ndarray, metric: str) -> np.ndarray:
+    """The rows k-means clusters, float32: the finite rows (a NaN or infinite element never
+    ranks); for cosine and inner product their non-zero rows, normalised."""
+    vectors = as_matrix("vectors", vectors)
+    ok = np.isfinite(vectors).all(axis=1)
+    if routing_metric(metric) == "cosine":
+        ok &= np.any(vectors != 0, axis=1)
+        return _unit_rows(vectors[ok])
+    return np.ascontiguousarray(vectors[ok], dtype=np.float32)
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _lower_nearest(points, centre, nearest):
+    """nearest[i] = min(nearest[i], |points[i] - centre|^2), float64 difference form (one
+    pass over the points per chosen centre: k-means++ picks n_clusters of them)."""
+    for i in prange(points.shape[0]):
+        total = 0.0
+        for j in range(points.shape[1]):
+            diff = np.float64(points[i, j]) - np.float64(centre[j])
+            total += diff * diff
+        nearest[i] = min(nearest[i], total)
+
+
+def _kmeans_plus_plus(points: np.ndarray, n_clusters: int, rng: np.random.Generator) -> np.ndarray:
+    """Seeded k-means++ (D^2 sampling) over ``points``: the rows chosen as first centroids."""
+    n = points.shape[0]
+    chosen = np.empty(n_clusters, np.int64)
+    chosen[0] = rng.integers(n)
+    nearest = np.full(n, np.inf)
+    for c in range(1, n_clusters):
+        _lower_nearest(points, points[chosen[c - 1]], nearest)
+        cumulative = np.cumsum(nearest)
+        total = cumulative[-1]
+        draw = rng.random()
+        if total > 0 and np.isfinite(total):
+            chosen[c] = min(int(np.searchsorted(cumulative, draw * total, side="right")), n - 1)
+        else:   # every row sits on a chosen centre (duplicates): any row; its list stays empty
+            chosen[c] = min(int(draw * n), n - 1)
+    return chosen
+
+
+def route(vectors: np.ndarray, centroids: np.ndarray, metric: str, nprobe: int = 1,
+          threads: int | None = None) -> np.ndarray:
+    """The ``nprobe`` nearest centroids of every row, nearest first (int64 (n, nprobe)).
+
+    The one assignment of the IVF plan (training, targets, queries): the cpu kernel's exact
+    top-k under :func:`routing_metric`, ties to the lower centroid. A row that cannot rank
+    (a NaN or infinite element; a zero vector under cosine) gets -1 in every slot, except a
+    finite zero vector under inner product, which probes lists 0, 1, ... (any list is as good:
+    its score is 0 against every target).
+    """
+    vectors = as_matrix("vectors", vectors)
+    centroids = np.ascontiguousarray(as_matrix("centroids", centroids), dtype=vectors.dtype)
+    nprobe = min(int(nprobe), centroids.shape[0])
+    if vectors.shape[0] == 0:
+        return np.empty((0, nprobe), np.int64)
+    _, lists = knn(vectors, centroids, nprobe, routing_metric(metric), backend="cpu", threads=threads)
+    if resolve_metric(metric).name == "inner_product":
+        zero = np.isfinite(vectors).all(axis=1) & ~np.any(vectors != 0, axis=1)
+        lists[zero] = np.arange(nprobe, dtype=np.int64)
+    return lists
+
+
+@dataclass(frozen=True)
+class KMeansResult:
+    """Centroids (float32, unit rows for the similarities), the final assignment of the
+    training rows to them (exact, as :func:`route` gives it), the Lloyd iterations run."""
+
+    centroids: np.ndarray
+    assignment: np.ndarray
+    iterations: int
+
+
+def kmeans(vectors: np.ndarray, n_clusters: int, metric: str = "l2", *, seed: int = 0,
+           max_iterations: int = MAX_ITERATIONS, threads: int | None = None) -> KMeansResult:
+    """Lloyd's k-means of ``vectors`` (spherical for cosine and inner product), deterministic.
+
+    Parameters
+    ----------
+    vectors : ndarray (n, d), float32 or float64
+        The sample to cluster; rows that cannot rank are left out (:func:`training_rows`).
+    n_clusters : int
+        Between 1 and the number of rows left.
+    metric : {"l2", "sqeuclidean", "cosine", "inner_product"}
+        The join's metric; training follows :func:`routing_metric`.
+    seed : int
+        Seeds k-means++; the same rows and seed give the same centroids.
+    max_iterations : int
+        Lloyd iterations at most (it stops earlier when no row changes its cluster).
+    threads : int, optional
+        Threads of the assignment kernel.
+
+    Returns
+    -------
+    KMeansResult
+        ``assignment[i]`` is the nearest centroid of training row ``i``
+        (``training_rows(vectors, metric)[i]``) under the final centroids.
+
+    Raises
+    ------
+    ValueError
+        ``n_clusters`` out of range (it names the rows available), ``max_iterations < 0``,
+        or input that is no 2-D float array.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.array([[0.0], [0.1], [10.0], [10.2]], np.float32)
+    >>> result = kmeans(x, 2, seed=0)
+    >>> sorted(np.round(result.centroids[:, 0].astype(float), 2).tolist())
+    [0.05, 10.1]
+    """
+    points = training_rows(vectors, metric)
+    n = points.shape[0]
+    if isinstance(n_clusters, bool) or not isinstance(n_clusters, (int, np.integer)) \
+            or not 1 <= n_clusters <= max(n, 1) or n == 0:
+        raise ValueError(f"n_clusters: expected an int between 1 and {n} (the rankable training rows), "
+                         f"got {n_clusters!r}")
+    if isinstance(max_iterations, bool) or not isinstance(max_iterations, (int, np.integer)) or max_iterations < 0:
+        raise ValueError(f"max_iterations: expected an int >= 0, got {max_iterations!r}")
+    spherical = routing_metric(metric) == "cosine"
+    rng = np.random.default_rng(seed)
+    pool = np.arange(n)
+    if n > INIT_ROWS_PER_CLUSTER * n_clusters:
+        pool = np.sort(rng.choice(n, INIT_ROWS_PER_CLUSTER * int(n_clusters), replace=False))
+    centroids = points[pool[_kmeans_plus_plus(points[pool], int(n_clusters), rng)]].copy()
+    assignment = None
+    iterations = 0
+    for iterations in range(1, max_iterations + 1):
+        previous = assignment
+        assignment, distance = _assign(points, centroids, metric, threads)
+        if previous is not None and np.array_equal(previous, assignment):
+            iterations -= 1   # this pass changed nothing: the centroids are final
+            break
+        centroids = _update(points, assignment, distance, centroids.shape[0], spherical)
+    else:
+        assignment, _ = _assign(points, centroids, metric, threads)
+    return KMeansResult(centroids, assignment, iterations)
+
+
+def _assign(points: np.ndarray, centroids: np.ndarray, metric: str, threads) -> tuple[np.ndarray, np.ndarray]:
+    """Each point's nearest centroid and its squared distance to it (for re-seeding)."""
+    nearest = route(points, centroids, metric, 1, threads)[:, 0]
+    diff = points.astype(np.float64) - centroids[nearest].astype(np.float64)
+    return nearest, np.einsum("ij,ij->i", diff, diff)
+
+
+def _update(points: np.ndarray, assignment: np.ndarray, distance: np.ndarray, n_clusters: int,
+            spherical: bool) -> np.ndarray:
+    """New centroids: float64 means in row order (unit means when spherical); an empty
+    cluster (or a spherical one whose mean is 0) takes the point farthest from its own
+    centroid, farthest first, ties to the lower row, each point at most once."""
+    sums = np.zeros((n_clusters, points.shape[1]))
+    np.add.at(sums, assignment, points.astype(np.float64))
+    counts = np.bincount(assignment, minlength=n_clusters)
+    centroids = sums / np.maximum(counts, 1)[:, None]
+    if spherical:
+        norms = np.sqrt((centroids * centroids).sum(axis=1))
+        empty = (counts == 0) | (norms == 0)
+        centroids = centroids / np.where(norms == 0, 1.0, norms)[:, None]
+    else:
+        empty = counts == 0
+    lost = np.flatnonzero(empty)
+    if lost.size:
+        # lexsort: by distance descending, then row ascending
+        farthest = np.lexsort((np.arange(points.shape[0]), -distance))[:lost.size]
+        centroids[lost[:farthest.size]] = points[farthest]
+    return centroids.astype(np.float32)
