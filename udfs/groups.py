@@ -38,9 +38,15 @@ NO_GROUP = -1
 SEGMENT_WORK = 1 << 20
 
 
-def group_ids(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """int64 group ids of an Arrow column; NULL (no group) reads ``NO_GROUP``."""
+def group_ids(column: pa.ChunkedArray | pa.Array):
+    """int64 group ids of an Arrow column; NULL (no group) reads ``NO_GROUP``. A ``list<int>``
+    column (the IVF plan's probed lists: several groups per row) reads as
+    :class:`udfs.probes.Probes`, which :func:`grouped_search` takes in place of the ids."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        from .probes import Probes
+
+        return Probes.of_arrow(array)
     return array.fill_null(NO_GROUP).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
@@ -80,6 +86,11 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
     from nearest_join.kernels import resolve_metric
     from nearest_join.kernels.segments import knn_segments  # numba: on executors only
 
+    if not isinstance(query_groups, np.ndarray):   # several groups per row (IVF probes)
+        from .probes import probed_search
+
+        return probed_search(search, query_vectors, query_groups, sorted_targets, segments, k,
+                             metric, cap=cap, threads=threads)
     nq = query_vectors.shape[0]
     worst = resolve_metric(metric).worst
     values = np.full((nq, k), worst, np.float32)

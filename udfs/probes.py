@@ -1,0 +1,126 @@
+"""Query rows in several groups at once: the IVF plan's probed lists.
+
+In the IVF plan (``nearest_join.ivf``) the group of a target row is its list (nearest
+centroid) and a query row carries the ``nprobe`` lists it probes, as an Arrow ``list<int>``
+column: :class:`Probes` is that column as CSR (row ``i`` probes
+``groups[starts[i]:starts[i + 1]]``). :func:`probed_search` is
+:func:`udfs.groups.grouped_search` for such rows (``grouped_search`` hands them over): the
+same target block sorted by group once per task (:class:`udfs.groups.GroupSegments`), the
+same split of the work,
+
+* probes of small segments in one :func:`~nearest_join.kernels.segments.knn_segments` call,
+  a query's small segments ranked together (float64 keys, exact for every metric);
+* each large segment (a dense list: queries x rows x d above ``SEGMENT_WORK``) one call of
+  the task's searcher for all the queries that probe it, whatever the list's size;
+
+and the parts of a query (its small segments, then its large ones in probe order) merged by
+the shared :func:`nearest_join.kernels.merge_topk`. Every pair searched is exact; only
+which lists a query probes is approximate. Ties between targets of equal value go to the
+lower block row, except within the small segments' one call, where they go to the lower
+list first (the segments' order); both are deterministic for a given input.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+__all__ = ["Probes", "probed_search"]
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Each row's groups, CSR: row ``i`` is in ``groups[starts[i]:starts[i + 1]]`` (distinct)."""
+
+    starts: np.ndarray   # int64 (rows + 1,)
+    groups: np.ndarray   # int64
+
+    @property
+    def rows(self) -> int:
+        return self.starts.shape[0] - 1
+
+    @classmethod
+    def of_arrow(cls, array: pa.Array) -> Probes:
+        """A ``list<int>`` column; a NULL list (or a NULL item) probes nothing."""
+        lengths = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False)
+        starts = np.zeros(len(array) + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        groups = pc.list_flatten(array).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        return cls(starts, groups)
+
+
+def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
+                  query_vectors: np.ndarray, probes: Probes, sorted_targets: np.ndarray, segments,
+                  k: int, metric: str, *, cap: float | None = None, threads: int = 1,
+                  segment_work: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(values, rows) of a query block against a target block, each query row searched
+    against the segments of all its groups (the contract of
+    :func:`udfs.groups.grouped_search`, with :class:`Probes` for the query groups).
+
+    ``segment_work`` (tests) overrides the work above which a segment gets its own call.
+    """
+    from nearest_join.kernels import merge_topk, resolve_metric
+    from nearest_join.kernels.segments import knn_segments  # numba: on executors only
+
+    from .groups import SEGMENT_WORK
+
+    limit = SEGMENT_WORK if segment_work is None else segment_work
+    nq, d = query_vectors.shape
+    if probes.rows != nq:
+        raise RuntimeError(f"internal error: {probes.rows} probe rows for {nq} query rows")
+    worst = resolve_metric(metric).worst
+    values = np.full((nq, k), worst, np.float32)
+    rows = np.full((nq, k), -1, np.int64)
+    if nq == 0 or segments.groups.size == 0 or probes.groups.size == 0:
+        return values, rows
+    # Each probe's segment; probes of groups the block lacks are dropped.
+    owner = np.repeat(np.arange(nq, dtype=np.int64), np.diff(probes.starts))
+    at = np.minimum(np.searchsorted(segments.groups, probes.groups), segments.groups.size - 1)
+    present = (probes.groups >= 0) & (segments.groups[at] == probes.groups)
+    owner, segment = owner[present], at[present]
+    if segment.size == 0:
+        return values, rows
+    sizes = np.diff(segments.starts)
+    large = np.bincount(segment, minlength=sizes.size) * sizes * d > limit
+    parts_values, parts_rows = [], []
+
+    small = ~large[segment]
+    if small.any():
+        # owner is non-decreasing (CSR order), so the small probes are CSR too.
+        counts = np.bincount(owner[small], minlength=nq)
+        probe_starts = np.zeros(nq + 1, np.int64)
+        np.cumsum(counts, out=probe_starts[1:])
+        v, local = knn_segments(query_vectors, sorted_targets, segments.starts, probe_starts,
+                                segment[small], k, metric, cap=cap, threads=threads)
+        parts_values.append(v)
+        parts_rows.append(np.where(local >= 0, segments.order[np.maximum(local, 0)], -1))
+
+    big = np.flatnonzero(~small)
+    if big.size:
+        b_owner, b_segment = owner[big], segment[big]
+        # The j-th large probe of its query goes to part j (parts are (nq, k), best first).
+        slot = np.arange(big.size) - np.searchsorted(b_owner, b_owner, side="left")
+        n_parts = int(slot.max()) + 1
+        part_values = np.full((n_parts, nq, k), worst, np.float32)
+        part_rows = np.full((n_parts, nq, k), -1, np.int64)
+        by_segment = np.argsort(b_segment, kind="stable")
+        bounds = np.flatnonzero(np.diff(b_segment[by_segment])) + 1
+        for chunk in np.split(by_segment, bounds):
+            s = int(b_segment[chunk[0]])
+            members = b_owner[chunk]
+            lo, hi = segments.starts[s], segments.starts[s + 1]
+            v, local = search(query_vectors[members], sorted_targets[lo:hi])
+            width = min(k, v.shape[1])
+            block_rows = segments.order[lo:hi]
+            part_values[slot[chunk], members, :width] = v[:, :width]
+            part_rows[slot[chunk], members, :width] = np.where(
+                local[:, :width] >= 0, block_rows[np.maximum(local[:, :width], 0)], -1)
+        parts_values.extend(part_values)
+        parts_rows.extend(part_rows)
+
+    if len(parts_values) == 1:
+        return parts_values[0], parts_rows[0]
+    return merge_topk(parts_values, parts_rows, k, metric)
