@@ -12,6 +12,8 @@ _LAZY = {
     "nearest_by_join": "nearest_join.join",
     "explain_nearest_join": "nearest_join.join",
     "JoinPlan": "nearest_join.planner",
+    "build_ivf_index": "nearest_join.ivf",
+    "IVFIndex": "nearest_join.ivf",
 }
 
 __all__ = sorted(_LAZY)

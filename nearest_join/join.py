@@ -77,6 +77,7 @@ class PlannedJoin:
     parsed: Ranking | None     # None: Spark's own nearestByJoin runs the ranking
     direction: str | None
     keys: tuple[JoinKey, ...] | None = None   # on=, resolved against both sides
+    ivf: object = None   # mode="approx" running IVF: its nearest_join.ivf.IvfSearch
 
     def dataframe(self) -> DataFrame:
         """The joined rows (lazy: the search runs when the DataFrame is evaluated)."""
@@ -122,6 +123,10 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             query_rows=q_facts.rows, target_rows=t_facts.rows,
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts)
         planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys)
+    if options.mode == "approx" and planned.parsed is not None:
+        from .ivf import plan_approx
+
+        planned = plan_approx(planned)
     logger.info("%s", planned.plan)
     return planned
 
@@ -134,10 +139,14 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_resul
                          query_block_rows: int | None = None,
                          target_block_rows: int | None = None,
                          max_distance: float | None = None,
-                         min_similarity: float | None = None, on=None) -> JoinPlan:
+                         min_similarity: float | None = None, on=None,
+                         recall: float = 0.95, nlist: int | None = None,
+                         nprobe: int | None = None, seed: int = 0, index=None) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
-    Runs only the one small job the planner needs (row counts, partitions, vector lengths).
+    Runs only the one small job the planner needs (row counts, partitions, vector lengths);
+    an approx plan that runs IVF also trains its lists (unless ``index`` is given) and
+    estimates its recall (a sample job and an exact join of sampled queries).
     The arguments and errors are those of :func:`nearest_by_join`; ``print(plan)`` says,
     among the rest, what ``precision="auto"`` will run.
     """
@@ -154,7 +163,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
                     query_block_rows: int | None = None,
                     target_block_rows: int | None = None,
                     max_distance: float | None = None,
-                    min_similarity: float | None = None, on=None) -> DataFrame:
+                    min_similarity: float | None = None, on=None,
+                    recall: float = 0.95, nlist: int | None = None,
+                    nprobe: int | None = None, seed: int = 0, index=None) -> DataFrame:
     """For every query row, the ``num_results`` nearest target rows (Spark's ``nearestByJoin``).
 
     Parameters
@@ -169,7 +180,12 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     num_results : int
         k, between 1 and 100000.
     mode : {"exact", "approx"}
-        ``approx`` currently runs the exact plan.
+        ``approx``: the IVF plan (:mod:`nearest_join.ivf`): the target is grouped into
+        ``nlist`` lists around k-means centroids of a sample, each query searches the
+        ``nprobe`` lists nearest to it, exactly; the values returned are exact for the rows
+        returned, only the candidate set is approximate. Below a size where IVF cannot win,
+        with ``on=`` keys, or for a target too large to broadcast, it runs the exact plan;
+        the plan says which and why (``explain_nearest_join``).
     direction : {"distance", "similarity"} or None
         Inferred from the metric when None; an error when it contradicts the metric.
     vectors : str or (str, str), keyword-only
@@ -207,6 +223,22 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         Spark's ``=`` would use, and a NULL key matches nothing, so a query with a NULL key
         or a key absent from the target has no candidate. Needs the broadcast plan (a target
         under the broadcast limit).
+    recall : float in (0, 1], keyword-only
+        ``mode="approx"``: the recall@k to reach (default 0.95). The planner estimates recall
+        on a sample of the queries against their exact search and probes the fewest lists
+        whose estimate's lower 95% bound meets it; the estimate and its interval are in the
+        plan. Ignored in exact mode.
+    nlist, nprobe : int, keyword-only
+        ``mode="approx"``: lists of the index (default about sqrt(target rows)) and lists
+        probed per query (default: chosen by ``recall``); ``nprobe == nlist`` searches
+        every list (the exact result). Either forces the IVF plan at any size.
+    seed : int, keyword-only
+        ``mode="approx"``: seeds the samples and k-means; the same input and seed give the
+        same lists and rows.
+    index : IVFIndex, keyword-only
+        ``mode="approx"``: lists built before (:func:`nearest_join.build_ivf_index`,
+        ``IVFIndex.load``) instead of training them in this call; of the join's metric
+        family and dimension.
 
     Returns
     -------
@@ -319,6 +351,12 @@ def _execute(planned: PlannedJoin) -> DataFrame:
             [C.output_name(n_query + column_index(target, k.target_column)) for k in planned.keys])
         # The group id is each side's last column; the executors drop it from the blocks'
         # rows before they search or emit them.
+        q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
+        t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
+    if planned.ivf is not None:
+        # The IVF lists take the place of the keyed plan's group ids: a target row's list,
+        # a query row's probed lists, as each side's last column (nearest_join.ivf).
+        q_input, t_input = planned.ivf.with_lists(q_input, t_input, q_layout, t_layout)
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,

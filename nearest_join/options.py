@@ -123,6 +123,40 @@ def _optional_cap(name: str, value, nonnegative: bool) -> float | None:
     return value
 
 
+def _approx_options(options, mode: str) -> dict:
+    """``recall``, ``nlist``, ``nprobe``, ``seed`` and ``index`` checked (the IVF plan of
+    ``mode="approx"``; nlist, nprobe and index mean nothing to the exact mode)."""
+    from .ivf import MAX_LISTS, IVFIndex
+
+    recall = options.recall
+    if isinstance(recall, bool) or not isinstance(recall, (int, float)):
+        raise ArgumentTypeError("recall", f"expected a number in (0, 1], got {describe(recall)}")
+    if not 0 < recall <= 1:
+        raise ArgumentError("recall", f"expected a number in (0, 1] (the target recall@k), got {short(recall)}")
+    nlist = _optional_int("nlist", options.nlist, 1, MAX_LISTS)
+    nprobe = _optional_int("nprobe", options.nprobe, 1)
+    if not _is_int(options.seed):
+        raise ArgumentTypeError("seed", f"expected an int >= 0, got {describe(options.seed)}")
+    if options.seed < 0:
+        raise ArgumentError("seed", f"expected an int >= 0, got {short(options.seed)}")
+    index = options.index
+    if index is not None and not isinstance(index, IVFIndex):
+        raise ArgumentTypeError("index", f"expected None or an IVFIndex (build_ivf_index, IVFIndex.load), "
+                                         f"got {describe(index)}")
+    if mode != "approx":
+        for name, value in (("nlist", nlist), ("nprobe", nprobe), ("index", index)):
+            if value is not None:
+                raise ArgumentError(name, f"applies to mode='approx' (the IVF plan), got {short(value)} "
+                                          f"with mode={mode!r}")
+    if index is not None and nlist is not None:
+        raise ArgumentError("nlist", f"expected None with index (the index has its {index.nlist} lists), "
+                                     f"got {nlist}")
+    lists = index.nlist if index is not None else nlist
+    if nprobe is not None and lists is not None and nprobe > lists:
+        raise ArgumentError("nprobe", f"expected at most nlist = {lists} (lists probed per query), got {nprobe}")
+    return {"recall": float(recall), "nlist": nlist, "nprobe": nprobe}
+
+
 @dataclass(frozen=True)
 class JoinOptions:
     """Everything about a join except its inputs and ranking, validated and normalised.
@@ -161,6 +195,13 @@ class JoinOptions:
     max_distance: float | None = None
     min_similarity: float | None = None
     on: object = None   # None | ((query_column, target_column), ...) | a Column equality
+    # mode="approx" (the IVF plan, nearest_join.ivf): target recall@k, lists, lists probed
+    # per query, the seed of sampling and k-means, a prebuilt nearest_join.ivf.IVFIndex.
+    recall: float = 0.95
+    nlist: int | None = None
+    nprobe: int | None = None
+    seed: int = 0
+    index: object = None
 
     @classmethod
     def from_arguments(cls, arguments: dict) -> JoinOptions:
@@ -203,6 +244,7 @@ class JoinOptions:
                                 f"expected None when max_distance is given (max_distance caps "
                                 f"{' and '.join(DISTANCE_METRICS)}, min_similarity {' and '.join(SIMILARITY_METRICS)}), "
                                 f"got {short(self.min_similarity)} with max_distance {short(self.max_distance)}")
+        normalised.update(_approx_options(self, normalised["mode"]))
         if self.distance_col is not None and (not isinstance(self.distance_col, str) or not self.distance_col):
             raise ArgumentError("distance_col", f"expected None or a non-empty column name, got {short(self.distance_col)}")
         for name, value in normalised.items():

@@ -95,6 +95,8 @@ class JoinPlan:
     keys: list | None = None
     key_groups: int | None = None      # distinct non-NULL target keys
     largest_group: int | None = None   # target rows of the largest of them
+    # mode="approx": the IVF plan's figures, or why the exact plan runs (nearest_join.ivf)
+    ivf: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -125,6 +127,8 @@ class JoinPlan:
                     "rows; the broadcast target is grouped by key and each query block searches "
                     "only its keys' target rows, one kernel call per group present in the block and "
                     "target block (a NULL key or one absent from the target matches nothing)")
+        if self.ivf is not None:
+            lines.append(f"  approx: {self.ivf['explanation']}")
         return "\n".join(lines)
 
 
@@ -435,8 +439,6 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         t_parts = None
     else:
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)
-    if options.mode == "approx":
-        reason += "; approx mode runs the exact plan (a valid approximation)"
     cap = options.cap(ranking.metric)
     cap_argument = None if cap is None else (
         "max_distance" if options.max_distance is not None else "min_similarity")

@@ -111,11 +111,10 @@ SEGMENT_MIN_TILES = 8
 # the configuration fits the device's shared memory (:func:`plan_candidates`: fewer target
 # tiles in flight, then d in chunks, where it does not).
 SINGLE_DOT_BYTES = 64 * 1024
-# Register-list kernels read target tiles by TMA (a tensor descriptor) on these device types
-# (CUDA: Hopper and later, :func:`has_tma`) where the operand allows it
-# (:func:`target_descriptor`); elsewhere pointer tiles (cp.async). The interpreter runs both
-# forms ("cpu": tests).
-TMA_DEVICES = {"cuda"}
+# Register-list kernels read target tiles by TMA (a tensor descriptor) on Hopper and later
+# (:func:`has_tma`) where the operand allows it (:func:`target_descriptor`); elsewhere pointer
+# tiles (cp.async). The interpreter (CPU tensors) takes the descriptor form like Hopper, and
+# the pointer form where the operand's rows are not 16-byte aligned: tests run both.
 
 
 def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
@@ -600,12 +599,13 @@ def merge_segments(lists: torch.Tensor, n_segments: int, n_cand: int
 
 
 def has_tma(device: torch.device) -> bool:
-    """Whether target tiles go by TMA on ``device``: a type in ``TMA_DEVICES`` and, for CUDA,
-    compute capability 9.0+ (Hopper; Triton rewrites descriptors into pointer loads below it,
-    a form this kernel was never measured in)."""
-    if device.type not in TMA_DEVICES:
-        return False
-    return device.type != "cuda" or _cuda_major(device.index or 0) >= 9
+    """Whether target tiles go by TMA on ``device``: CUDA devices of compute capability 9.0+
+    (Hopper; Triton rewrites descriptors into pointer loads below it, a form this kernel was
+    never measured in), and CPU tensors (the interpreter, which then checks the form Hopper
+    runs)."""
+    if device.type == "cuda":
+        return _cuda_major(device.index or 0) >= 9
+    return device.type == "cpu"
 
 
 @functools.lru_cache(maxsize=None)

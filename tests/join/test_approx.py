@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from nearest_join import explain_nearest_join, nearest_by_join
 from nearest_join.kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
@@ -113,3 +114,267 @@ def test_probes_of_arrow():
     sliced = Probes.of_arrow(_probe_column([[9], [3, 1], None, [2]]).slice(1))
     np.testing.assert_array_equal(sliced.starts, [0, 2, 2, 3])
     np.testing.assert_array_equal(sliced.groups, [3, 1, 2])
+
+
+# ----------------------------------------------------------------------------- the index
+def _clustered(n: int, d: int, clusters: int, seed: int, spread: float = 0.3):
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((clusters, d)) * 3
+    return (centres[rng.integers(0, clusters, n)] + spread * rng.standard_normal((n, d))).astype(np.float32)
+
+
+def test_index_save_load_round_trip(tmp_path):
+    from nearest_join.ivf import IVFIndex
+
+    x = _clustered(2000, 7, 12, seed=1)
+    index = IVFIndex.train(x, "cosine", 12, seed=4)
+    assert (index.nlist, index.dimension, index.metric, index.seed, index.sample_rows) == (12, 7, "cosine", 4, 2000)
+    index.save(tmp_path / "ix")
+    loaded = IVFIndex.load(tmp_path / "ix")
+    np.testing.assert_array_equal(loaded.centroids, index.centroids)
+    assert (loaded.nlist, loaded.metric, loaded.seed, loaded.sample_rows, loaded.iterations) == \
+        (index.nlist, index.metric, index.seed, index.sample_rows, index.iterations)
+    np.testing.assert_array_equal(loaded.route(x, 3), index.route(x, 3))
+    assert not loaded.centroids.flags.writeable
+    # the same sample and seed: the same index
+    np.testing.assert_array_equal(IVFIndex.train(x, "cosine", 12, seed=4).centroids, index.centroids)
+
+
+def test_index_load_errors(tmp_path):
+    from nearest_join.ivf import IVFIndex
+
+    with pytest.raises(ValueError, match="expected an IVF index directory"):
+        IVFIndex.load(tmp_path)
+    IVFIndex.train(_clustered(100, 3, 2, seed=0), "l2", 2).save(tmp_path / "ix")
+    (tmp_path / "ix" / "ivf_index.json").write_text('{"format": "other"}')
+    with pytest.raises(ValueError, match="expected format 'nearest_join.ivf_index/1'"):
+        IVFIndex.load(tmp_path / "ix")
+
+
+def test_index_serves_its_metric_family_and_dimension():
+    from nearest_join.errors import ArgumentError
+    from nearest_join.ivf import IVFIndex
+
+    index = IVFIndex.train(_clustered(300, 4, 3, seed=0), "l2", 3)
+    index.check_join("sqeuclidean", 4)
+    with pytest.raises(ArgumentError, match="index: expected an index built for cosine and inner_product "
+                                            r"\(the join ranks by 'inner_product'\), got one built for 'l2'"):
+        index.check_join("inner_product", 4)
+    with pytest.raises(ArgumentError, match="index: expected an index of dimension 5"):
+        index.check_join("l2", 5)
+    with pytest.raises(ArgumentError, match="nlist: expected at most the 300 rankable"):
+        IVFIndex.train(_clustered(300, 4, 3, seed=0), "l2", 301)
+
+
+def test_default_sizes():
+    from nearest_join.ivf import (
+        MAX_LISTS,
+        MAX_SAMPLE_ROWS,
+        default_nlist,
+        default_sample_rows,
+    )
+
+    assert default_nlist(1_000_000) == 1000 and default_nlist(0) == 1 and default_nlist(10**12) == MAX_LISTS
+    assert default_sample_rows(1000, 1_000_000) == 50_000
+    assert default_sample_rows(1000, 20_000) == 20_000
+    assert default_sample_rows(60_000, 10**9) == MAX_SAMPLE_ROWS
+
+
+# ----------------------------------------------------------------------------- recall
+def test_recall_curve_counts_neighbours_in_probed_lists():
+    from nearest_join.ivf import recall_curve
+
+    order = np.array([[2, 0, 1, 3], [1, 3, 0, 2], [0, 1, 2, 3]])
+    lists = [np.array([2, 2, 0, 3]), np.array([1]), np.array([], np.int64)]   # the third: no neighbour
+    curve = recall_curve(order, lists)
+    assert curve.queries == 2
+    # nprobe 1: (2/4 + 1) / 2; 2: (3/4 + 1) / 2; 3: same; 4: all
+    np.testing.assert_allclose(curve.recall, [0.75, 0.875, 0.875, 1.0])
+    assert curve.at(4) == (1.0, 1.0, 1.0)
+    estimate, lower, upper = curve.at(2)
+    assert estimate == 0.875 and lower < estimate < upper <= 1.0
+
+
+def test_wilson_interval_and_the_choice_of_nprobe():
+    from nearest_join.ivf import RecallCurve, wilson_interval
+
+    lower, upper = wilson_interval(1.0, 1000)
+    assert 0.995 < lower < 1.0 and upper == 1.0
+    lower, upper = wilson_interval(0.5, 100)
+    assert abs(lower - 0.4038) < 1e-3 and abs(upper - 0.5962) < 1e-3
+    curve = RecallCurve(np.array([0.5, 0.9, 0.96, 0.99, 0.999, 1.0, 1.0, 1.0]), 1000)
+    assert curve.smallest_nprobe(0.95) == 4        # 0.96's lower bound is below 0.95
+    assert curve.smallest_nprobe(0.9) == 3
+    assert curve.smallest_nprobe(1.0) == 8         # only every list is certain
+    assert curve.smallest_nprobe(0.1) == 1
+
+
+def test_recall_estimate_against_measured_recall_without_spark():
+    """The estimate's mechanism (lists of the true neighbours against the query's probe
+    order) is the measured recall of the probed search, on the whole query set."""
+    from nearest_join.ivf import IVFIndex, recall_curve
+    from nearest_join.kernels import knn
+    from udfs.probes import Probes, probed_search
+
+    targets = _clustered(4000, 8, 30, seed=2, spread=0.8)
+    queries = _clustered(300, 8, 30, seed=3, spread=0.8)
+    index = IVFIndex.train(targets, "l2", 30, seed=0)
+    t_lists = index.route(targets)[:, 0]
+    _, true = knn(queries, targets, 10, "l2", backend="cpu")
+    curve = recall_curve(index.route(queries, index.nlist), [t_lists[row] for row in true])
+    segments = GroupSegments.of(t_lists)
+    sorted_targets = np.ascontiguousarray(targets[segments.order])
+    for nprobe in (1, 2, 5):
+        probes = index.route(queries, nprobe)
+        starts = np.arange(0, probes.size + 1, nprobe, dtype=np.int64)
+        _, rows = probed_search(_knn_search(10, "l2"), queries, Probes(starts, probes.reshape(-1)),
+                                sorted_targets, segments, 10, "l2")
+        measured = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows.tolist(), true.tolist())])
+        assert abs(measured - curve.recall[nprobe - 1]) < 1e-12
+
+
+# ----------------------------------------------------------------------------- options
+@pytest.mark.parametrize("arguments, argument, message", [
+    ({"recall": 0}, "recall", r"expected a number in \(0, 1\]"),
+    ({"recall": 1.5}, "recall", r"expected a number in \(0, 1\]"),
+    ({"recall": "high"}, "recall", "expected a number"),
+    ({"nlist": 0}, "nlist", "expected None or an int between 1 and 65536"),
+    ({"nprobe": 0}, "nprobe", "expected None or an int >= 1"),
+    ({"nlist": 4, "nprobe": 5}, "nprobe", "expected at most nlist = 4"),
+    ({"seed": -1}, "seed", "expected an int >= 0"),
+    ({"seed": 1.5}, "seed", "expected an int >= 0"),
+    ({"index": "path/to/index"}, "index", "expected None or an IVFIndex"),
+    ({"mode": "exact", "nlist": 4}, "nlist", "applies to mode='approx'"),
+    ({"mode": "exact", "nprobe": 2}, "nprobe", "applies to mode='approx'"),
+])
+def test_bad_approx_options(arguments, argument, message):
+    from nearest_join.options import JoinOptions
+
+    with pytest.raises((ValueError, TypeError), match=message) as caught:
+        JoinOptions(**{"mode": "approx", **arguments})
+    assert caught.value.argument == argument
+
+
+def test_index_options_checked_against_the_index():
+    from nearest_join.ivf import IVFIndex
+    from nearest_join.options import JoinOptions
+
+    index = IVFIndex.train(_clustered(200, 3, 4, seed=0), "l2", 4)
+    with pytest.raises(ValueError, match="nprobe: expected at most nlist = 4"):
+        JoinOptions(mode="approx", index=index, nprobe=5)
+    with pytest.raises(ValueError, match="nlist: expected None with index"):
+        JoinOptions(mode="approx", index=index, nlist=4)
+    with pytest.raises(ValueError, match="index: applies to mode='approx'"):
+        JoinOptions(index=index)
+    assert JoinOptions(mode="APPROX", index=index, nprobe=4, recall=1).recall == 1.0
+
+
+# ----------------------------------------------------------------------------- Spark
+NT, NQ, D = 2400, 160, 6
+
+
+@pytest.fixture(scope="module")
+def frames(spark):
+    """Clustered targets with one dense cluster (60% of the rows: a huge list) and duplicate
+    rows (k-means then has more centroids than distinct points there: empty lists), NULL
+    vectors on both sides, a zero query vector."""
+    rng = np.random.default_rng(11)
+    targets = _clustered(NT, D, 25, seed=5, spread=0.4)
+    targets[: NT * 6 // 10] = (2.0 + 0.05 * rng.standard_normal((NT * 6 // 10, D))).astype(np.float32)
+    targets[NT - 40:] = targets[NT - 80: NT - 40]
+    queries = _clustered(NQ, D, 25, seed=6, spread=0.4)
+    queries[: NQ // 3] = (2.0 + 0.05 * rng.standard_normal((NQ // 3, D))).astype(np.float32)
+    queries[5] = 0.0
+    q_rows = [(i, None if i == 7 else queries[i].tolist()) for i in range(NQ)]
+    t_rows = [(j, None if j == 9 else targets[j].tolist()) for j in range(NT)]
+    q = spark.createDataFrame(q_rows, "qid int, v array<float>").repartition(2)
+    t = spark.createDataFrame(t_rows, "tid int, w array<float>").repartition(3)
+    return queries, targets, q, t
+
+
+def _rows(df):
+    return sorted((r.qid, r.tid, r.d) for r in df.collect())
+
+
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_all_lists_give_exactly_the_exact_result(frames, metric):
+    _, _, q, t = frames
+    args = {"vectors": ("v", "w"), "join_type": "left_outer", "distance_col": "d"}
+    exact = _rows(nearest_by_join(q, t, metric, 7, **args))
+    approx = _rows(nearest_by_join(q, t, metric, 7, "approx", nlist=20, nprobe=20, **args))
+    assert [(a, b) for a, b, _ in approx] == [(a, b) for a, b, _ in exact]
+    np.testing.assert_allclose([c for *_, c in approx if c is not None],
+                               [c for *_, c in exact if c is not None], rtol=1e-6)
+
+
+def _exact_pairs(queries, targets, metric: str, k: int) -> set:
+    """The exact (qid, tid) pairs, NULL vectors (query 7, target 9) as NaN rows: never ranked
+    (the float64 reference backend; these rows have no ties)."""
+    from nearest_join.kernels import knn
+
+    queries, targets = queries.copy(), targets.copy()
+    queries[7], targets[9] = np.nan, np.nan
+    _, rows = knn(queries, targets, k, metric, backend="reference")
+    return {(i, int(j)) for i, row in enumerate(rows) for j in row if j >= 0}
+
+
+def test_recall_target_met_and_explained(frames):
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    queries, targets, q, t = frames
+    target = 0.9
+    planned = plan_join(q, t, "l2", JoinOptions(num_results=10, mode="approx", vectors=("v", "w"),
+                                                nlist=40, recall=target, distance_col="d"))
+    ivf = planned.plan.ivf
+    assert ivf["runs"] == "ivf" and ivf["nlist"] == 40 and ivf["recall_target"] == target
+    lower, upper = ivf["recall_interval"]
+    assert target <= lower <= ivf["recall_estimate"] <= upper <= 1.0
+    assert 1 <= ivf["nprobe"] < 40, "clustered data should need a few lists, not all"
+    assert "estimated recall@10" in str(planned.plan) and f"nprobe={ivf['nprobe']}" in str(planned.plan)
+    approx = planned.dataframe().collect()
+    found = {(r.qid, r.tid) for r in approx}
+    assert len(found) == len(approx)
+    exact = _exact_pairs(queries, targets, "l2", 10)
+    assert len(found & exact) / len(exact) >= target
+    # the distances returned are exact for the pairs returned
+    for r in approx:
+        want = np.sqrt(((queries[r.qid].astype(np.float64) - targets[r.tid]) ** 2).sum())
+        assert abs(r.d - want) <= 1e-5 * max(want, 1.0)
+
+
+def test_same_seed_same_rows_and_a_saved_index(frames, tmp_path):
+    from nearest_join import IVFIndex, build_ivf_index
+
+    _, _, q, t = frames
+    index = build_ivf_index(t, column="w", metric="cosine", nlist=16, seed=3)
+    assert (index.nlist, index.dimension, index.seed) == (16, D, 3)
+    index.save(tmp_path / "ix")
+    loaded = IVFIndex.load(tmp_path / "ix")
+    args = {"vectors": ("v", "w"), "distance_col": "d", "nprobe": 2}
+    trained = _rows(nearest_by_join(q, t, "cosine", 5, "approx", nlist=16, seed=3, **args))
+    reused = _rows(nearest_by_join(q, t, "cosine", 5, "approx", index=loaded, **args))
+    assert reused == trained
+    assert len(trained) == 5 * (NQ - 2)   # NULL and zero query vectors: no cosine candidate
+
+
+def test_small_joins_and_keys_run_exact(frames):
+    _, _, q, t = frames
+    plan = explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"))
+    assert plan.ivf["runs"] == "exact" and "too few for IVF to win" in str(plan)
+    keyed = explain_nearest_join(q.withColumn("g", q.qid % 2), t.withColumn("g", t.tid % 2), "l2", 3,
+                                 "approx", vectors=("v", "w"), on="g", nlist=4)
+    assert keyed.ivf["runs"] == "exact" and "on= keys" in str(keyed)
+
+
+def test_index_of_another_metric_or_dimension(frames):
+    from nearest_join.errors import ArgumentError
+    from nearest_join.ivf import IVFIndex
+
+    _, _, q, t = frames
+    with pytest.raises(ArgumentError, match="index: expected an index built for l2 and sqeuclidean"):
+        explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"),
+                             index=IVFIndex.train(_clustered(100, D, 3, seed=0), "cosine", 3))
+    with pytest.raises(ArgumentError, match="index: expected an index of dimension 6"):
+        explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"),
+                             index=IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3))

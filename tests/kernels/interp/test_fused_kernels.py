@@ -12,6 +12,8 @@ folder in one subprocess, ``tests/kernels/test_gpu.py::test_kernels_under_the_tr
 """
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -157,13 +159,23 @@ def test_seeded_lists(kernel):
     assert len(small.seeds) > before, "no widening round: the seeded path went untested"
 
 
+def _unaligned_rows(side):
+    """The same prepared side with its operand in rows of d + 1 elements (a view): rows no
+    longer 16-byte aligned, so target_descriptor keeps pointer tiles (the form below Hopper)."""
+    op = side.operand
+    wide = torch.zeros((op.shape[0], op.shape[1] + 1), dtype=op.dtype)
+    wide[:, :op.shape[1]] = op
+    return dataclasses.replace(side, operand=wide[:, :op.shape[1]], cache={})
+
+
 @pytest.mark.parametrize("kernel", ["rowlist", "segmented"])
-def test_descriptor_form_equals_pointer_form(kernel, monkeypatch):
+def test_descriptor_form_equals_pointer_form(kernel):
     small = Small(kernel)
-    # Target tiles by tensor descriptor (TMA on a GPU; tr.TMA_DEVICES): d=40 rows are 16-byte
-    # aligned in bf16 and float32, so the descriptor form runs here (d=33 above does not). Its
-    # lists must be the pointer form's (keys to float32 rounding: the interpreter may sum the
-    # products in another order): plain lists, lower keys (bf16) and seeded lists (fp32).
+    # Target tiles by tensor descriptor (TMA on Hopper and in the interpreter): d=40 rows are
+    # 16-byte aligned in bf16 and float32, so the descriptor form runs (d=33 above does not);
+    # the same operand in unaligned rows takes pointer tiles. Its lists must be the pointer
+    # form's (keys to float32 rounding: the interpreter may sum the products in another
+    # order): plain lists, lower keys (bf16) and seeded lists (fp32).
     for n, (metric, precision) in enumerate((("l2", "fp32"), ("sqeuclidean", "bf16"), ("inner_product", "tf32"))):
         q, t = make_data("gaussian", NQ, NT, 40, 30 + n)
         qs, ts = prepared(q, t, metric, precision)
@@ -173,11 +185,9 @@ def test_descriptor_form_equals_pointer_form(kernel, monkeypatch):
         seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]   # midway: no key at the seed
         for kw in [{}] + [{"lower": True}] * (precision == "bf16") + [{"seed": seed}] * (precision == "fp32"):
             got = {}
-            for form, devices in (("descriptor", {"cpu"}), ("pointer", set())):
-                tr.TMA_DEVICES = devices
-                assert isinstance(tr.target_descriptor(ts.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
-                got[form] = small(qs, ts, 16, **kw)
-            tr.TMA_DEVICES = {"cuda"}
+            for form, side in (("descriptor", ts), ("pointer", _unaligned_rows(ts))):
+                assert isinstance(tr.target_descriptor(side.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
+                got[form] = small(qs, side, 16, **kw)
             (k1, i1, f1), (k2, i2, f2) = got["descriptor"], got["pointer"]
             assert torch.equal(i1, i2), (metric, list(kw))
             tol = 1e-5 * float(k2[torch.isfinite(k2)].abs().max())

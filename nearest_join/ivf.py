@@ -1,0 +1,480 @@
+"""``mode="approx"``: an inverted-file (IVF) plan with a recall target, on the keyed plan.
+
+The index (:class:`IVFIndex`, built by :func:`build_ivf_index` or by the planner) is
+``nlist`` centroids of a sample of the target, trained by :func:`nearest_join.kernels.kmeans.kmeans`
+(deterministic for a seed). The plan:
+
+1. every target row is assigned to its nearest centroid: its *list*, which takes the place
+   of the keyed plan's group id (``udfs.lists``);
+2. every query row is routed to its ``nprobe`` nearest lists, a ``list<int>`` group column:
+   a query in several groups (``udfs.probes``);
+3. the broadcast keyed search then searches each query row against the target rows of its
+   lists only (small lists batched into one segment search, large ones one kernel call for
+   all the queries that probe them) and the parts merge per query with the shared merge.
+
+Every pair searched is exact, so the distances returned are exact for the pairs returned;
+only the candidate set is approximate. ``nprobe == nlist`` searches every list: the exact
+result.
+
+**Choosing nprobe.** The planner draws a sample of the queries (:data:`RECALL_QUERIES`), runs
+the exact join of that sample against the whole target (one more Spark job), and measures for
+every ``nprobe`` the share of each sampled query's true neighbours whose list it would probe
+(the IVF search inside the probed lists is exact, so that is its recall@k). The smallest
+``nprobe`` whose estimate's lower 95% Wilson bound meets ``recall`` runs; the estimate and
+its interval are in the plan (``JoinPlan.ivf``). Per-query recall lies in [0, 1], so its
+variance is at most ``p (1 - p)``: the Wilson interval of a proportion over the sampled
+queries is conservative for it.
+
+**Similarities.** Lists of ``cosine`` and ``inner_product`` joins are trained on normalised
+copies (spherical k-means) and probed by cosine. For inner product on unnormalised data the
+lists group directions, not scores; the ranking inside the probed lists is the exact inner
+product, and the recall estimate measures what routing by direction costs on the data at hand.
+
+**When it runs.** IVF pays a sample job, k-means on the driver and the estimate's exact
+sample join before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
+:data:`IVF_MIN_WORK_PER_CORE` multiply-adds of exact search per core, ``approx`` runs the exact
+plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``, ``nlist`` or
+``nprobe`` is given. With ``on=`` keys, and for targets too large to broadcast, approx runs
+the exact plan too: see :func:`ivf_carrier`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ArgumentError, ArgumentTypeError, describe, short
+
+logger = logging.getLogger(__name__)
+
+# Sample rows per list for k-means (faiss warns below 39 per centroid) and at most this many.
+SAMPLE_ROWS_PER_LIST = 50
+MAX_SAMPLE_ROWS = 1 << 18
+MAX_LISTS = 1 << 16
+# Sampled queries of the recall estimate (their exact search is one Spark job over the target).
+RECALL_QUERIES = 1000
+# Below these the exact plan runs (IVF's fixed costs are seconds: a sample job, k-means on
+# the driver, the estimate's exact sample join).
+IVF_MIN_TARGET_ROWS = 20_000
+IVF_MIN_WORK_PER_CORE = 2 * 10**11
+# z of the two-sided 95% interval of the recall estimate.
+_Z95 = 1.959963984540054
+FORMAT = "nearest_join.ivf_index/1"
+_CENTROIDS, _META = "centroids.npy", "ivf_index.json"
+
+
+def default_nlist(target_rows: int) -> int:
+    """Lists for ``target_rows``: about sqrt(rows) (lists of ~sqrt(rows) rows each, so a
+    probe's search and the routing cost alike), between 1 and :data:`MAX_LISTS`."""
+    return int(min(max(1, round(math.sqrt(max(target_rows, 0)))), MAX_LISTS))
+
+
+def default_sample_rows(nlist: int, target_rows: int) -> int:
+    """Target rows k-means trains on: :data:`SAMPLE_ROWS_PER_LIST` per list, at most
+    :data:`MAX_SAMPLE_ROWS` and the target's rows."""
+    return int(min(max(target_rows, 0), MAX_SAMPLE_ROWS, SAMPLE_ROWS_PER_LIST * nlist))
+
+
+@dataclass(frozen=True, eq=False)
+class IVFIndex:
+    """An IVF index: ``nlist`` centroids and the parameters they were trained with.
+
+    Small (``nlist x dimension`` float32 numbers): :meth:`save` writes it next to a job's
+    output, :meth:`load` reads it back, and ``nearest_by_join(..., mode="approx", index=...)``
+    reuses it instead of training. ``metric`` is the metric it was trained for; an index of
+    the l2 family (l2, sqeuclidean) serves both, as one of the similarities (cosine,
+    inner_product) serves both (their lists are trained alike, see :mod:`nearest_join.ivf`).
+    """
+
+    centroids: np.ndarray   # float32 (nlist, dimension), read-only
+    metric: str
+    seed: int
+    sample_rows: int        # rows k-means was trained on
+    iterations: int         # Lloyd iterations run
+
+    @property
+    def nlist(self) -> int:
+        return int(self.centroids.shape[0])
+
+    @property
+    def dimension(self) -> int:
+        return int(self.centroids.shape[1])
+
+    @classmethod
+    def train(cls, vectors: np.ndarray, metric: str, nlist: int, seed: int = 0) -> IVFIndex:
+        """The index of a sample of target vectors (numpy; no Spark).
+
+        Raises ArgumentError naming ``nlist`` when the sample has fewer rankable rows."""
+        from .kernels.kmeans import kmeans, training_rows
+
+        rankable = training_rows(vectors, metric).shape[0]
+        if not 1 <= nlist <= rankable:
+            raise ArgumentError("nlist", f"expected at most the {rankable} rankable target rows sampled "
+                                         f"for training (and at least 1), got {nlist}")
+        result = kmeans(vectors, nlist, metric, seed=seed)
+        centroids = np.ascontiguousarray(result.centroids, dtype=np.float32)
+        centroids.setflags(write=False)
+        return cls(centroids, metric, int(seed), int(rankable), int(result.iterations))
+
+    def route(self, vectors: np.ndarray, nprobe: int = 1) -> np.ndarray:
+        """Each row's ``nprobe`` nearest lists, nearest first (-1: a row that cannot rank)."""
+        from .kernels.kmeans import route
+
+        return route(vectors, self.centroids, self.metric, nprobe)
+
+    def check_join(self, metric: str, dimension: int | None) -> None:
+        """Raise ArgumentError naming ``index`` unless it serves a join of this metric and dimension."""
+        from .kernels.kmeans import routing_metric
+
+        if routing_metric(self.metric) != routing_metric(metric):
+            family = "l2 and sqeuclidean" if routing_metric(metric) == "l2" else "cosine and inner_product"
+            raise ArgumentError("index", f"expected an index built for {family} (the join ranks by "
+                                         f"{metric!r}), got one built for {self.metric!r}")
+        if dimension is not None and dimension != self.dimension:
+            raise ArgumentError("index", f"expected an index of dimension {dimension} (the join's "
+                                         f"vectors), got one of dimension {self.dimension}")
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the index as a directory: ``centroids.npy`` and ``ivf_index.json``
+        (parameters; written last, so a directory without it is no index)."""
+        os.makedirs(path, exist_ok=True)
+        np.save(os.path.join(path, _CENTROIDS), np.asarray(self.centroids), allow_pickle=False)
+        meta = {"format": FORMAT, "metric": self.metric, "seed": self.seed, "nlist": self.nlist,
+                "dimension": self.dimension, "sample_rows": self.sample_rows,
+                "iterations": self.iterations}
+        temporary = os.path.join(path, _META + ".tmp")
+        with open(temporary, "w") as f:
+            json.dump(meta, f, indent=1)
+        os.replace(temporary, os.path.join(path, _META))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> IVFIndex:
+        """Read an index :meth:`save` wrote. Raises ValueError naming the path and what is wrong."""
+        meta_path = os.path.join(path, _META)
+        try:
+            with open(meta_path) as f:
+                meta = json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"{str(path)!r}: expected an IVF index directory (with {_META}), "
+                             "found none; build one with build_ivf_index(...).save(path)") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{meta_path!r}: not valid JSON ({exc})") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise ValueError(f"{meta_path!r}: expected format {FORMAT!r}, got "
+                             f"{short(meta.get('format') if isinstance(meta, dict) else meta)}")
+        centroids = np.load(os.path.join(path, _CENTROIDS), allow_pickle=False)
+        if centroids.dtype != np.float32 or centroids.shape != (meta["nlist"], meta["dimension"]):
+            raise ValueError(f"{str(path)!r}: centroids of shape {centroids.shape} and dtype "
+                             f"{centroids.dtype}, expected float32 ({meta['nlist']}, {meta['dimension']})")
+        centroids.setflags(write=False)
+        return cls(centroids, meta["metric"], int(meta["seed"]), int(meta["sample_rows"]),
+                   int(meta["iterations"]))
+
+    def __repr__(self) -> str:
+        return (f"IVFIndex(nlist={self.nlist}, dimension={self.dimension}, metric={self.metric!r}, "
+                f"seed={self.seed}, sample_rows={self.sample_rows}, iterations={self.iterations})")
+
+
+def _int_argument(name: str, value, low: int, high: int | None = None, optional: bool = True):
+    if value is None and optional:
+        return None
+    bound = f">= {low}" if high is None else f"between {low} and {high}"
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ArgumentTypeError(name, f"expected {'None or ' if optional else ''}an int {bound}, "
+                                      f"got {describe(value)}")
+    if value < low or (high is not None and value > high):
+        raise ArgumentError(name, f"expected {'None or ' if optional else ''}an int {bound}, got {short(value)}")
+    return int(value)
+
+
+def sample_vectors(df, column_name: str, rows: int, total_rows: int, seed: int) -> np.ndarray:
+    """About ``rows`` non-NULL vectors of ``df[column_name]``, drawn by Spark's seeded
+    sample (deterministic for the same input partitioning), decoded on the driver."""
+    from pyspark.sql import functions as F
+
+    from udfs.vectors import decode_vectors
+
+    from .ranking import column, quote
+
+    col = column(df, column_name)
+    picked = df.select(col.alias("v")).where(F.col("v").isNotNull())
+    if total_rows > rows:
+        # Oversample a little so that the limit, not the draw, decides the count.
+        picked = picked.sample(withReplacement=False, fraction=min(1.0, 1.2 * rows / total_rows), seed=seed)
+    table = picked.limit(rows).toArrow()
+    return decode_vectors(table.column(0), None, label=quote(column_name))
+
+
+def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = None, seed: int = 0,
+                    sample: int | None = None) -> IVFIndex:
+    """Train an IVF index on a sample of ``target[column]``, for ``nearest_by_join(..., index=...)``.
+
+    Parameters
+    ----------
+    target : DataFrame
+        The target side of the joins the index will serve.
+    column : str
+        Its vector column (``array<float>``, ``array<double>`` or ML ``VectorUDT``).
+    metric : {"l2", "sqeuclidean", "cosine", "inner_product"}
+        The joins' metric (lists of the similarities are trained on normalised copies).
+    nlist : int, optional
+        Lists (centroids); default about sqrt(target rows) (:func:`default_nlist`).
+    seed : int
+        Seeds the sample and k-means: the same input and seed give the same index.
+    sample : int, optional
+        Target rows to train on; default :data:`SAMPLE_ROWS_PER_LIST` per list (at most
+        :data:`MAX_SAMPLE_ROWS`).
+
+    Returns
+    -------
+    IVFIndex
+        ``index.save(path)`` writes it; ``IVFIndex.load(path)`` reads it back.
+
+    Raises
+    ------
+    ValueError
+        An unknown metric, an ``nlist`` above the rankable rows sampled, or a non-positive
+        ``nlist``/``sample``; a TypeError for arguments of the wrong type. Runs two small
+        Spark jobs (the row count and the sample).
+    """
+    from .kernels import resolve_metric
+    from .ranking import column as column_of
+
+    if not isinstance(column, str) or not column:
+        raise ArgumentTypeError("column", f"expected a column name, got {describe(column)}")
+    try:
+        metric = resolve_metric(metric).name
+    except ValueError as exc:
+        raise ArgumentError("metric", str(exc).split(": ", 1)[-1]) from None
+    nlist = _int_argument("nlist", nlist, 1, MAX_LISTS)
+    seed = _int_argument("seed", seed, 0, optional=False)
+    sample = _int_argument("sample", sample, 1)
+    column_of(target, column)   # a missing column fails here, with Spark's message
+    return train_index(target, column, metric, nlist=nlist, seed=seed, sample=sample,
+                       target_rows=target.count())
+
+
+def train_index(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
+                sample: int | None, target_rows: int) -> IVFIndex:
+    """:func:`build_ivf_index` once the arguments are checked and the rows counted."""
+    lists = nlist if nlist is not None else default_nlist(target_rows)
+    rows = sample if sample is not None else default_sample_rows(lists, target_rows)
+    vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
+    if nlist is None:   # the default adapts to what the sample holds
+        from .kernels.kmeans import training_rows
+
+        lists = max(1, min(lists, training_rows(vectors, metric).shape[0]))
+    index = IVFIndex.train(vectors, metric, lists, seed)
+    logger.info("trained %r on %d sampled target rows", index, vectors.shape[0])
+    return index
+
+
+# ----------------------------------------------------------------------------- recall
+def wilson_interval(estimate: float, n: int) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``estimate`` over ``n`` trials."""
+    if n <= 0:
+        return 0.0, 1.0
+    z2 = _Z95 * _Z95
+    centre = (estimate + z2 / (2 * n)) / (1 + z2 / n)
+    half = _Z95 * math.sqrt(max(estimate * (1 - estimate), 0.0) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class RecallCurve:
+    """Estimated recall@k for each nprobe 1..nlist, from ``queries`` sampled query rows."""
+
+    recall: np.ndarray   # float64 (nlist,): recall[p - 1] at nprobe p
+    queries: int         # sampled queries with at least one true neighbour
+
+    def at(self, nprobe: int) -> tuple[float, float, float]:
+        """(estimate, lower, upper) at ``nprobe``: the mean per-query recall and its 95%
+        Wilson interval (conservative for a mean of values in [0, 1])."""
+        estimate = float(self.recall[nprobe - 1]) if self.queries else 1.0
+        if nprobe >= self.recall.shape[0]:
+            return 1.0, 1.0, 1.0   # every list: the exact search, by construction
+        lower, upper = wilson_interval(estimate, self.queries)
+        return estimate, lower, upper
+
+    def smallest_nprobe(self, target: float) -> int:
+        """The smallest nprobe whose lower bound meets ``target`` (nlist: every list)."""
+        for nprobe in range(1, self.recall.shape[0] + 1):
+            if self.at(nprobe)[1] >= target:
+                return nprobe
+        return self.recall.shape[0]
+
+
+def recall_curve(query_order: np.ndarray, neighbour_lists: list[np.ndarray]) -> RecallCurve:
+    """Recall@k for every nprobe from the lists of the sampled queries' true neighbours.
+
+    ``query_order[i]`` is query ``i``'s lists, nearest first (all nlist of them, as
+    :func:`~nearest_join.kernels.kmeans.route` orders them); ``neighbour_lists[i]`` the lists
+    of its exact top k. A neighbour is found at nprobe p exactly when its list is among the
+    query's first p (the search inside probed lists is exact), so query i's recall at p is
+    the share of its neighbours whose list ranks below p. Queries without neighbours (none
+    in the exact result) are left out.
+    """
+    nlist = query_order.shape[1]
+    found = np.zeros(nlist + 1)
+    queries = 0
+    for order, lists in zip(query_order, neighbour_lists):
+        if lists.size == 0:
+            continue
+        rank = np.full(nlist, nlist, np.int64)
+        valid = order >= 0
+        rank[order[valid]] = np.flatnonzero(valid)
+        found += np.bincount(rank[lists], minlength=nlist + 1)[: nlist + 1] / lists.size
+        queries += 1
+    recall = np.cumsum(found[:nlist]) / max(queries, 1)
+    return RecallCurve(recall, queries)
+
+
+def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
+    """The recall curve of ``index`` on a sample of ``planned``'s queries: their exact join
+    against the whole target (one Spark job), then :func:`recall_curve`."""
+    import pyarrow as pa
+
+    from udfs.vectors import decode_vectors
+
+    from .join import plan_join
+    from .ranking import column
+
+    parsed, options, plan = planned.parsed, planned.options, planned.plan
+    spark = planned.query.sparkSession
+    queries = sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, plan.query_rows, seed)
+    if queries.shape[0] == 0:
+        return RecallCurve(np.ones(index.nlist), 0)
+    element = pa.float64() if queries.dtype == np.float64 else pa.float32()
+    ids, vectors = "__nj_sample_id", "__nj_sample_vector"
+    sample = spark.createDataFrame(pa.table({
+        ids: pa.array(np.arange(queries.shape[0], dtype=np.int64)),
+        vectors: pa.array(list(queries), pa.list_(element)),
+    }))
+    target = planned.target.select(column(planned.target, parsed.target_column))
+    exact = dataclasses.replace(options, mode="exact", vectors=(vectors, parsed.target_column),
+                                join_type="inner", distance_col=None, on=None, nlist=None,
+                                nprobe=None, index=None)
+    table = plan_join(sample, target, parsed.metric, exact).dataframe().toArrow()
+    neighbour_ids = table.column(0).to_numpy()
+    neighbours = decode_vectors(table.column(2), index.dimension, label=parsed.target_column)
+    neighbour_list = index.route(neighbours)[:, 0]
+    order = np.argsort(neighbour_ids, kind="stable")
+    starts = np.searchsorted(neighbour_ids[order], np.arange(queries.shape[0] + 1))
+    lists = [neighbour_list[order[starts[i]:starts[i + 1]]] for i in range(queries.shape[0])]
+    query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist)
+                                  for i in range(0, queries.shape[0], 256)])
+    return recall_curve(query_order, lists)
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class IvfSearch:
+    """What the executors need of the IVF plan: the centroids and the lists per query."""
+
+    index: IVFIndex
+    nprobe: int
+
+    def with_lists(self, q_input, t_input, q_layout, t_layout):
+        """Both sides with their lists as the last column (``C.GROUP``): a target row's list,
+        a query row's ``nprobe`` probed lists (``udfs.lists``), computed on the executors.
+        ``q_layout`` / ``t_layout``: the sides' ``udfs.packing.SideLayout``."""
+        from pyspark.sql.pandas.types import from_arrow_type
+        from pyspark.sql.types import StructField, StructType
+
+        from udfs import columns as C
+        from udfs.lists import append_lists, list_type
+
+        def side(df, layout, nprobe: int | None):
+            schema = StructType(df.schema.fields + [StructField(C.GROUP, from_arrow_type(list_type(nprobe)), True)])
+            function = functools.partial(append_lists, vector_index=layout.vector_index,
+                                         dimension=layout.dimension, centroids=np.asarray(self.index.centroids),
+                                         metric=self.index.metric, nprobe=nprobe, label=layout.label,
+                                         expected_from=layout.expected_from)
+            return df.mapInArrow(function, schema)
+
+        return side(q_input, q_layout, self.nprobe), side(t_input, t_layout, None)
+
+
+def ivf_carrier(plan) -> str | None:
+    """Why the IVF lists cannot ride on ``plan`` (None: they can).
+
+    The seam of the blocked plan: IVF lists are keyed-plan groups, and a query row is in
+    ``nprobe`` of them. The broadcast keyed search takes that (``udfs.probes``); the keyed
+    blocked plan (``nearest_join.keyed``) keys each query row by one group, so until it
+    merges a query's partials across its groups, a target too large to broadcast runs the
+    exact blocked plan. This is the one place that decides it.
+    """
+    if plan.plan == "broadcast":
+        return None
+    return (f"the target is too large to broadcast ({plan.reason}), and the IVF lists ride on "
+            "the broadcast keyed search only (the blocked plan keys a query row by one group, "
+            "an IVF query probes several)")
+
+
+def plan_approx(planned):
+    """``planned`` (a ``PlannedJoin`` of ``mode="approx"``) with its IVF plan, or with the
+    reason its exact plan runs, in ``plan.ivf`` (the explanation's ``approx`` line)."""
+    options, plan, parsed = planned.options, planned.plan, planned.parsed
+    explicit = [name for name in ("index", "nlist", "nprobe") if getattr(options, name) is not None]
+
+    def exact(why: str):
+        note = {"runs": "exact", "explanation": f"runs the exact plan (a valid approximation): {why}"}
+        return dataclasses.replace(planned, plan=dataclasses.replace(plan, ivf=note))
+
+    if planned.keys is not None:
+        return exact("with on= keys the keyed plan runs exact (no IVF plan inside each key group yet)")
+    if not plan.dimension or not plan.target_rows:
+        return exact("no target vector to build lists of")
+    if options.index is not None:
+        options.index.check_join(parsed.metric, plan.dimension)
+    blocked = ivf_carrier(plan)
+    if blocked is not None:
+        return exact(blocked)
+    work = plan.query_rows * plan.target_rows * plan.dimension
+    if not explicit:
+        if plan.target_rows < IVF_MIN_TARGET_ROWS:
+            return exact(f"{plan.target_rows} target rows < {IVF_MIN_TARGET_ROWS}, too few for IVF "
+                         "to win (pass nlist, nprobe or index to force it)")
+        if work < IVF_MIN_WORK_PER_CORE * plan.cores:
+            return exact(f"exact search is {work:.3g} multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core "
+                         f"on {plan.cores} cores: too little for IVF's fixed costs (pass nlist, nprobe "
+                         "or index to force it)")
+    index = options.index
+    built = "given"
+    if index is None:
+        index = train_index(planned.target, parsed.target_column, parsed.metric, nlist=options.nlist,
+                            seed=options.seed, sample=None, target_rows=plan.target_rows)
+        built = f"trained on {index.sample_rows} sampled target rows ({index.iterations} Lloyd iterations)"
+    if options.nprobe is not None and options.nprobe > index.nlist:
+        raise ArgumentError("nprobe", f"expected at most nlist = {index.nlist} (the index's lists), "
+                                      f"got {options.nprobe}")
+    routing = ("lists of normalised copies, probed by cosine; ranked by the exact "
+               f"{parsed.metric}" if parsed.metric in ("cosine", "inner_product") else "lists by l2")
+    info = {"runs": "ivf", "nlist": index.nlist, "nprobe": options.nprobe, "seed": index.seed,
+            "index": built, "recall_target": options.recall, "recall_estimate": None,
+            "recall_interval": None, "recall_queries": 0}
+    if options.nprobe is not None:
+        nprobe = options.nprobe
+        chosen = "given; recall not estimated"
+    else:
+        curve = estimate_recall(planned, index, options.seed)
+        nprobe = curve.smallest_nprobe(options.recall)
+        estimate, lower, upper = curve.at(nprobe)
+        chosen = (f"the smallest whose lower bound meets recall={options.recall}: estimated "
+                  f"recall@{plan.k} {estimate:.4f}, 95% interval [{lower:.4f}, {upper:.4f}], "
+                  f"{curve.queries} sampled queries against exact search")
+        info.update(nprobe=nprobe, recall_estimate=estimate, recall_interval=[lower, upper],
+                    recall_queries=curve.queries)
+    text = (f"IVF: nlist={index.nlist} ({built}, seed {index.seed}; {routing}), nprobe={nprobe} "
+            f"({chosen}); targets grouped by list, each query searches its nprobe lists exactly")
+    if nprobe == index.nlist:
+        text += "; nprobe = nlist: every list, the exact result"
+    info["explanation"] = text
+    plan = dataclasses.replace(plan, ivf=info)
+    return dataclasses.replace(planned, plan=plan, ivf=IvfSearch(index, nprobe))
