@@ -5,7 +5,8 @@
 CPU executor needs no configuration. Otherwise the searcher
 
 * uses the GPU Spark assigned to the task (``TaskContext.resources()["gpu"].addresses[0]``);
-  outside Spark, ``$NEAREST_JOIN_GPU`` (benchmarks that simulate executors), else device 0;
+  outside Spark, the address :func:`local_task` names (tests and benchmarks that simulate
+  executors, ``udfs.local.local_join``), else device 0;
 * keeps target blocks resident on the device, keyed by ``target_key`` (least recently used
   out first, within half the memory budget), so the many query blocks of a task that meet
   the same target blocks copy each once;
@@ -26,9 +27,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -37,9 +38,6 @@ from .searcher import SearchSettings
 
 logger = logging.getLogger(__name__)
 
-GPU_ENV = "NEAREST_JOIN_GPU"
-# Outside Spark: the scope of kept target blocks (benchmarks that simulate a stage's tasks).
-SCOPE_ENV = "NEAREST_JOIN_TASK_SCOPE"
 # Share of the free device memory (at open) a searcher may use for targets and batches.
 MEMORY_FRACTION = 0.7
 # Per query row, beyond its vectors: candidate buffer (<= 2048 int64 slots), keys, indices,
@@ -68,15 +66,43 @@ def _task_context():
     return TaskContext.get()
 
 
+@dataclass(frozen=True)
+class LocalTask:
+    """What a Spark task context tells the searcher, for searches run outside Spark
+    (:func:`local_task`): the task's GPU address and the scope of kept target blocks."""
+
+    gpu: str | None = None
+    scope: str | None = None
+
+
+# Outside Spark: the task this process (all its threads) simulates; see local_task.
+_LOCAL_TASK = LocalTask()
+
+
+@contextlib.contextmanager
+def local_task(gpu: str | None = None, scope: str | None = None):
+    """Searchers opened inside run as a Spark task with GPU address ``gpu`` in a stage named
+    ``scope`` would (tests, benchmarks that simulate executors, ``udfs.local.local_join``).
+    Process-wide, not per thread: a simulated task's searches may run on a worker thread.
+    Inside Spark the task context decides and this is ignored."""
+    global _LOCAL_TASK
+    before = _LOCAL_TASK
+    _LOCAL_TASK = LocalTask(gpu, scope)
+    try:
+        yield
+    finally:
+        _LOCAL_TASK = before
+
+
 def task_gpu_address() -> str | None:
-    """The GPU address Spark assigned to this task, else ``$NEAREST_JOIN_GPU``, else None."""
+    """The GPU address Spark assigned to this task, else the :func:`local_task`'s, else None."""
     ctx = _task_context()
     if ctx is not None:
         gpu = ctx.resources().get("gpu")
         if gpu is not None and gpu.addresses:
             return str(gpu.addresses[0])
-    forced = os.environ.get(GPU_ENV)
-    return forced if forced else None
+        return None
+    return _LOCAL_TASK.gpu
 
 
 def task_scope() -> str | None:
@@ -85,13 +111,13 @@ def task_scope() -> str | None:
     Inside Spark the SQL execution and the stage: all tasks of a broadcast stage read the
     same broadcast target (a retried stage keeps its id and its broadcast), and stage ids do
     not repeat within an application (a re-run of the same DataFrame is a new execution and
-    new stages). Outside Spark ``$NEAREST_JOIN_TASK_SCOPE``, else None (nothing is kept past
-    the searcher).
+    new stages). Outside Spark the :func:`local_task`'s scope, else None (nothing is kept
+    past the searcher).
     """
     ctx = _task_context()
     if ctx is not None:
         return f"execution {ctx.getLocalProperty('spark.sql.execution.id')} stage {ctx.stageId()}"
-    return os.environ.get(SCOPE_ENV) or None
+    return _LOCAL_TASK.scope
 
 
 def address_to_ordinal(address: str) -> int:
@@ -125,6 +151,15 @@ def gpu_searcher_or_none(settings: SearchSettings):
         raise RuntimeError(f"GPU address {address!r} maps to CUDA ordinal {ordinal}, but this "
                            f"executor sees {torch.cuda.device_count()} device(s)")
     return GpuBlockSearcher(settings, torch.device("cuda", ordinal))
+
+
+def prepared_bytes(nt: int, d: int, precision: str, source_bytes: int) -> int:
+    """Device bytes of a prepared target block of ``nt`` x ``d``: its rows as uploaded
+    (``source_bytes`` an element, the re-rank's input), the float32 working rows and the
+    product's operand (bf16: 2 bytes; tf32: 4; fp32 reads the working rows), so about 10
+    bytes an element in bf16 and 12 in tf32 for float32 input."""
+    operand = {"bf16": 2, "tf32": 4, "fp32": 0}[precision]
+    return nt * d * (source_bytes + 4 + operand)
 
 
 def _same_memory(held: np.ndarray, array: np.ndarray) -> bool:
@@ -281,11 +316,15 @@ class GpuBlockSearcher:
         return buf[:numel].view(shape)
 
     def _upload(self, array: np.ndarray, name: str, stream=None) -> "torch.Tensor":
+        """``array`` on the device: float64 rows stay float64 (the search re-ranks from the
+        rows as given: a float32 staging copy would lose what float64 inputs resolve), any
+        other dtype arrives as float32."""
         import torch
 
-        host = self._host_buffer(name, array.shape, torch.float32)
-        # One pass, in the task's threads: converts float64 and packs into pinned memory
-        # (a single thread's memcpy is slower than the PCIe copy that follows).
+        dtype = torch.float64 if array.dtype == np.float64 else torch.float32
+        host = self._host_buffer(name, array.shape, dtype)
+        # One pass, in the task's threads: converts and packs into pinned memory (a single
+        # thread's memcpy is slower than the PCIe copy that follows).
         copy_into(host.numpy(), array)
         if stream is None:
             # On a CPU device ``to`` would return the staging buffer itself, which the next
@@ -374,10 +413,9 @@ class GpuBlockSearcher:
                 self._targets = hit
                 return hit
         nt, d = target_vectors.shape
-        # upload + float32 rows + operand (<= 4 bytes), generous; + EXACT mode's lower keys
-        # where they are used: the block's two weight rows (kept) and a search's bias table
-        # with its temporaries
-        needed = nt * d * 4 * 3
+        # the prepared block (prepared_bytes) + EXACT mode's lower keys where they are used:
+        # the block's two weight rows (kept) and a search's bias table with its temporaries
+        needed = prepared_bytes(nt, d, self.precision, 8 if target_vectors.dtype == np.float64 else 4)
         if uses_lower_keys(self.settings.k, self.precision, d):
             needed += nt * 4 * 2 + lower_table_bytes(nt)
         budget = int(self.memory_bytes * TARGET_SHARE)
@@ -390,8 +428,7 @@ class GpuBlockSearcher:
             self._resident.clear()
         t = self._upload(target_vectors, "targets")
         prepared = prepare_targets(t, self.settings.metric, self.precision)
-        side = prepared.side
-        size = side.exact.numel() * 4 + side.operand.numel() * side.operand.element_size() + t.numel() * 4
+        size = prepared_bytes(nt, d, self.precision, t.element_size())
         if target_key is not None:
             store.put(key, prepared, size, fingerprint)
         self._targets = prepared

@@ -12,6 +12,7 @@ import pyarrow as pa
 
 from . import columns as C
 from .blocks import JoinContext, merge_partials, search_broadcast, search_pairs
+from .gpu import local_task
 from .packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
 
 
@@ -29,12 +30,19 @@ def pair_batches(q_packed: pa.Table, t_packed: pa.Table) -> Iterator[pa.RecordBa
 
 
 def local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str = "broadcast",
-               partitions: int = 1) -> pa.Table:
+               partitions: int = 1, *, gpu: str | None = None, task_scope: str | None = None) -> pa.Table:
     """Run the executor functions in-process on Arrow tables, as Spark would feed them.
 
-    ``partitions`` splits each side into that many packing tasks. Returns the joined rows
-    with the positional output names.
+    ``partitions`` splits each side into that many packing tasks. ``gpu`` / ``task_scope``:
+    what a task context would tell the GPU searcher (its GPU address, the stage whose
+    broadcast blocks it may keep; :func:`udfs.gpu.local_task`). Returns the joined rows with
+    the positional output names.
     """
+    with local_task(gpu, task_scope):
+        return _local_join(query, target, ctx, plan, partitions)
+
+
+def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, partitions: int) -> pa.Table:
     def pack(table: pa.Table, layout: SideLayout) -> pa.Table:
         out = []
         bounds = np.linspace(0, table.num_rows, partitions + 1).astype(int)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from nearest_join.kernels import knn
+from tests.oracle import assert_knn_result, backend_rtol
 from udfs.searcher import SearchSettings
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -32,11 +33,14 @@ def test_address_is_the_cuda_ordinal():
         G.address_to_ordinal("GPU-3f2a")
 
 
-def test_task_address_outside_spark_comes_from_the_environment(monkeypatch):
-    monkeypatch.delenv(G.GPU_ENV, raising=False)
-    assert G.task_gpu_address() is None
-    monkeypatch.setenv(G.GPU_ENV, "1")
-    assert G.task_gpu_address() == "1"
+def test_task_address_and_scope_outside_spark_come_from_the_local_task():
+    assert G.task_gpu_address() is None and G.task_scope() is None
+    with G.local_task(gpu="1", scope="stage 2"):
+        assert G.task_gpu_address() == "1" and G.task_scope() == "stage 2"
+        with G.local_task(scope="stage 3"):
+            assert G.task_gpu_address() is None and G.task_scope() == "stage 3"
+        assert G.task_scope() == "stage 2"
+    assert G.task_gpu_address() is None and G.task_scope() is None
 
 
 def test_no_searcher_without_cuda_or_for_cpu_backends(monkeypatch):
@@ -55,7 +59,7 @@ def test_searcher_batches_and_resident_targets_match_the_reference(metric, preci
     t[10] = 0.0
     searcher = G.GpuBlockSearcher(SearchSettings(6, metric, "gpu", precision), torch.device("cpu"),
                                   batch_rows=20, impl="torch")
-    ref_v, ref_i = knn(q.astype(np.float32), t, 6, metric, backend="reference")
+    ref_v, ref_i = knn(q, t, 6, metric, backend="reference")
     for _ in range(2):   # the second call reuses the resident block
         v, i = searcher.search(q, t, target_key=("block", 1))
         np.testing.assert_array_equal(i, ref_i)
@@ -65,7 +69,23 @@ def test_searcher_batches_and_resident_targets_match_the_reference(metric, preci
     assert searcher._targets is resident
     other = t[::-1].copy()
     v, i = searcher.search(q, other, target_key=("block", 2))
-    np.testing.assert_array_equal(i, knn(q.astype(np.float32), other, 6, metric, backend="reference")[1])
+    np.testing.assert_array_equal(i, knn(q, other, 6, metric, backend="reference")[1])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_float64_rows_are_searched_from_their_own_values(precision):
+    """Map-like float64 coordinates 0.01 apart at 1e8 (float32 spacing there: 8): staged as
+    float32 every target would be the same point; the searcher keeps the float64 rows, so
+    the answer is the oracle's true top k."""
+    rng = np.random.default_rng(5)
+    t = 1e8 + 0.01 * rng.permutation(400)[:, None] + np.array([[0.0, 0.0]])
+    q = 1e8 + 4.0 * rng.random((9, 2))
+    assert np.unique(t.astype(np.float32), axis=0).shape[0] < 5     # what float32 would see
+    searcher = G.GpuBlockSearcher(SearchSettings(5, "l2", "gpu", precision), torch.device("cpu"),
+                                  impl="torch")
+    v, i = searcher.search(q, t, target_key="map")
+    assert searcher._targets.side.source.dtype == torch.float64
+    assert_knn_result(q, t, 5, "l2", v, i, backend_rtol("gpu"), case=f"float64 {precision}")
 
 
 def test_a_one_batch_query_block_stays_on_the_device_for_the_same_memory():
@@ -148,7 +168,7 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = 50 * 4 * 4 * 3
+    block_bytes = G.prepared_bytes(50, 4, "fp32", 4)
     # Room for two blocks in TARGET_SHARE of the budget.
     searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
                                   memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
@@ -194,11 +214,8 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     ref = knn(q, t, 4, "l2", backend="reference")[1]
 
     def task(scope, targets=t, keep=True, settings=settings):
-        if scope is None:
-            monkeypatch.delenv(G.SCOPE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(G.SCOPE_ENV, scope)
-        searcher = G.GpuBlockSearcher(settings, torch.device("cpu"), impl="torch")
+        with G.local_task(scope=scope):
+            searcher = G.GpuBlockSearcher(settings, torch.device("cpu"), impl="torch")
         fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
         return searcher, fold.to_numpy()[3]
 
@@ -229,10 +246,10 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     rng = np.random.default_rng(32)
     q = rng.standard_normal((10, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = 50 * 4 * 4 * 3
-    monkeypatch.setenv(G.SCOPE_ENV, "stage 1")
-    searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
-                                  memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
+    block_bytes = G.prepared_bytes(50, 4, "fp32", 4)
+    with G.local_task(scope="stage 1"):
+        searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
+                                      memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
     searcher.search(q, blocks[1], target_key=1)               # a block of this task only
     assert searcher._target_bytes == 2 * block_bytes
@@ -284,13 +301,12 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     DataFrame again is another stage, so nothing kept by the first run is reused."""
     import pyarrow as pa
 
-    monkeypatch.setenv(G.SCOPE_ENV, "ignored inside Spark")
-
     def scopes(batches):
-        from udfs.gpu import task_scope
+        from udfs.gpu import local_task, task_scope
 
-        for _ in batches:
-            yield pa.RecordBatch.from_pydict({"scope": [task_scope()]})
+        with local_task(scope="ignored inside Spark"):
+            for _ in batches:
+                yield pa.RecordBatch.from_pydict({"scope": [task_scope()]})
 
     df = spark.range(0, 64, numPartitions=4).mapInArrow(scopes, "scope string")
     first = {r.scope for r in df.collect()}
