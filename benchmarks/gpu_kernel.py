@@ -5,7 +5,6 @@ Run on a CUDA machine from the repository root:
     python benchmarks/gpu_kernel.py --out results/        # full table (about 3 minutes)
     python benchmarks/gpu_kernel.py --quick               # small shapes, smoke run
     python benchmarks/gpu_kernel.py --variants --out results/   # kernel variants: check + time
-    python benchmarks/gpu_kernel.py --tma-ab --ks 10,100         # TMA vs pointer target tiles
     python benchmarks/gpu_kernel.py --compare-base .bench_base/kernels   # EXACT: this tree vs another
 
 For nq x nt x d (default 65,536 x 1,000,000 x 128, plus d=768 in tf32/bf16 at k=10) and
@@ -27,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import resource
 import statistics
 import subprocess
@@ -48,6 +46,7 @@ CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 
 
 
 def cuda_ms(fn, reps: int, warmup: int = 1) -> list[float]:
+    """Device times (CUDA events, ms) of ``reps`` calls of ``fn`` after ``warmup`` calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -69,6 +68,7 @@ def torch_operands(Q, T, precision):
 
 
 def gemm_alone(Q, T, bias, precision):
+    """The GEMM alone: chunked ``addmm`` writing the (chunk, nt) matrix, in ``precision``."""
     q, t = torch_operands(Q, T, precision)
     b = bias.to(q.dtype)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
@@ -77,6 +77,8 @@ def gemm_alone(Q, T, bias, precision):
 
 
 def addmm_topk(Q, T, bias, precision, k):
+    """Plain squared-l2 top-k indices: ``bias - 2 q.t`` by chunked ``addmm`` in ``precision``
+    (``bias`` = |t|^2), then ``topk``: the naive search, no re-rank."""
     q, t = torch_operands(Q, T, precision)
     b = bias.to(q.dtype)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
@@ -84,7 +86,7 @@ def addmm_topk(Q, T, bias, precision, k):
     for r0 in range(0, q.shape[0], CHUNK_ROWS):
         d = torch.addmm(b, q[r0:r0 + CHUNK_ROWS], t.T, alpha=-2.0)
         out.append(torch.topk(d, k, dim=1, largest=False).indices)
-    return out
+    return torch.cat(out)
 
 
 def fused_pass(Q, prepared, k):
@@ -178,10 +180,15 @@ def _concurrent_worker(rank, spec, barrier, results) -> None:
     """One simulated Python worker of ``--arrow-concurrent`` (a spawned process): the same
     data and packed pairs as the others, two untimed tasks (compiles, the kept target block),
     then ``spec["tasks"]`` timed tasks back to back from a common start."""
-    from udfs.blocks import search_broadcast
-    from udfs.gpu import SCOPE_ENV
+    from udfs.gpu import local_task
 
-    os.environ[SCOPE_ENV] = "concurrent tasks"       # one stage: the target block is kept
+    with local_task(scope="concurrent tasks"):       # one stage: the target block is kept
+        _concurrent_tasks(rank, spec, barrier, results)
+
+
+def _concurrent_tasks(rank, spec, barrier, results) -> None:
+    from udfs.blocks import search_broadcast
+
     rng = np.random.default_rng(7)
     Qn = rng.standard_normal((spec["nq"], spec["d"]), dtype=np.float32)
     Tn = rng.standard_normal((spec["nt"], spec["d"]), dtype=np.float32)
@@ -296,21 +303,20 @@ def install_timeline() -> list:
 
 def arrow_timeline(args, Qn, Tn, precision: str, k: int) -> None:
     """Print one warm broadcast task's stage timeline per broadcast shape (--arrow-timeline)."""
-    from udfs.gpu import SCOPE_ENV
+    from udfs.gpu import local_task
 
     events = install_timeline()
     for plan, q_blocks, t_blocks in ARROW_SHAPES:
         if plan != "broadcast":
             continue
-        os.environ[SCOPE_ENV] = f"timeline {plan} {q_blocks}x{t_blocks} {precision}"
         totals = []
-        for _ in range(3):             # the first task uploads the targets; the others find them
-            events.clear()
-            marks: list = []
-            res = arrow_path(Qn, Tn, k, precision, -(-args.nt // t_blocks), -(-args.nq // q_blocks), plan,
-                             on_start=lambda: marks.append(time.perf_counter()))
-            totals.append((res["search_s"] + res["merge_s"]) * 1e3)
-        del os.environ[SCOPE_ENV]
+        with local_task(scope=f"timeline {plan} {q_blocks}x{t_blocks} {precision}"):
+            for _ in range(3):             # the first task uploads the targets; the others find them
+                events.clear()
+                marks: list = []
+                res = arrow_path(Qn, Tn, k, precision, -(-args.nt // t_blocks), -(-args.nq // q_blocks), plan,
+                                 on_start=lambda: marks.append(time.perf_counter()))
+                totals.append((res["search_s"] + res["merge_s"]) * 1e3)
         t0 = marks[0]
         print(f"# timeline {plan} {q_blocks}x{t_blocks} {precision} k={k}: tasks "
               + ", ".join(f"{t:.1f}" for t in totals) + " ms; the last one (ms from its start):")
@@ -576,264 +582,20 @@ def run_variants(args, record) -> None:
         torch.cuda.empty_cache()
 
 
-# (name, k, settings) of --exact-variants; settings are module attributes set for the
-# variant's calls: lower_from (bf16 LOWER_KEYS threshold, None = no lower keys), extra (bf16
-# first width next_pow2(k + extra * k) without lower keys), widen (WIDEN_FACTOR), short_widen
-# (SHORT_WIDEN), levels (LOWER_LEVELS), levels_short (LOWER_LEVELS_SHORT), round_rows
-# (TORCH_ROUND_ROWS).
-EXACT_VARIANTS = [
-    ("default", 10, {}),
-    ("levels-short-16", 10, {"levels_short": 16}),
-    ("short-widen-4", 10, {"short_widen": 4}),
-    ("no-lower-keys", 10, {"lower_from": None}),
-    ("default", 100, {}),
-    ("widen-2", 100, {"widen": 2}),
-]
-_SETTINGS = {"widen": "WIDEN_FACTOR", "short_widen": "SHORT_WIDEN", "levels": "LOWER_LEVELS",
-             "levels_short": "LOWER_LEVELS_SHORT", "round_rows": "TORCH_ROUND_ROWS"}
 
 
-def _apply_settings(settings: dict) -> dict:
-    """Set a variant's module attributes; returns what to restore."""
-    from nearest_join.kernels import gpu as kgpu
-
-    saved = {"LOWER_KEYS": dict(kgpu.LOWER_KEYS), "extra": gt._EXTRA["bf16"],
-             **{attr: getattr(gt, attr) for attr in _SETTINGS.values()}}
-    if "lower_from" in settings:
-        kgpu.LOWER_KEYS = {} if settings["lower_from"] is None else {"bf16": settings["lower_from"]}
-    if "extra" in settings:
-        factor = settings["extra"]
-        gt._EXTRA["bf16"] = lambda k: int(factor * k)
-    for name, attr in _SETTINGS.items():
-        if name in settings:
-            setattr(gt, attr, settings[name])
-    return saved
 
 
-def _restore_settings(saved: dict) -> None:
-    from nearest_join.kernels import gpu as kgpu
-
-    kgpu.LOWER_KEYS = saved["LOWER_KEYS"]
-    gt._EXTRA["bf16"] = saved["extra"]
-    for attr in _SETTINGS.values():
-        setattr(gt, attr, saved[attr])
 
 
-def _kernel_profile(fn, top: int = 14) -> dict:
-    """Device time per kernel name of one call of ``fn`` (torch.profiler), and its wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    per_kernel = {}
-    for ev in prof.key_averages():
-        dev_us = getattr(ev, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(ev, "self_cuda_time_total", 0)
-        if dev_us > 0:
-            per_kernel[ev.key[:70]] = (dev_us / 1e3, ev.count)
-    busy = sum(v for v, _ in per_kernel.values())
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"wall_ms": round(wall * 1e3, 2), "device_busy_ms": round(busy, 2),
-            "kernels": [f"{ms:.3f} ms x{n} {name}" for name, (ms, n) in ranked],
-            "gaps": _device_gaps(prof)}
 
 
-def _device_gaps(prof, least_us: float = 80.0, top: int = 12) -> list[str]:
-    """Where the device idled within a profiled call: each gap of at least ``least_us`` between
-    device activities, with the kernel before it and the host ops that ran during it (what
-    the GPU waited for: Python and launches, or a host sync)."""
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.load(open(f.name))
-    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    device = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
-                    key=lambda e: e["ts"])
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "python_function")]
-    out, total = [], 0.0
-    for before, after in zip(device, device[1:]):
-        start, stop = before["ts"] + before["dur"], after["ts"]
-        if stop - start < least_us:
-            continue
-        total += stop - start
-        during = collections.Counter()
-        for e in host:
-            if start <= e["ts"] < stop and e.get("cat") == "cpu_op":
-                during[e["name"][:30]] += 1
-        syncs = sum(e["dur"] for e in host if e.get("cat") == "cuda_runtime" and "Synchronize" in e["name"]
-                    and e["ts"] < stop and e["ts"] + e["dur"] > start)
-        out.append((stop - start, f"{(stop - start) / 1e3:.2f} ms after {before['name'][:40]} before "
-                    f"{after['name'][:40]}: host ops {dict(during.most_common(6))} sync_us {syncs:.0f}"))
-    out.sort(key=lambda x: -x[0])
-    lead = (device[0]["ts"] - min(e["ts"] for e in host)) / 1e3 if device and host else 0.0
-    return ([f"total {total / 1e3:.2f} ms in {len(out)} gaps; first device work {lead:.2f} ms after the call"]
-            + [text for _, text in out[:top]])
 
 
-def exact_variants(args, record) -> None:
-    """bf16 EXACT settings against the plain search, interleaved in one process (the device's
-    call-to-call spread cancels): medians over ``--reps`` rounds, rows widened, and a
-    per-kernel device-time profile of one call per variant."""
-    from nearest_join.kernels import _gpu_triton as tr
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(args.d)
-    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
-    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
-    prepared = prepare_targets(T, "l2", "bf16")
-    variants = [v for v in EXACT_VARIANTS if not args.only or any(p in v[0] for p in args.only.split(","))]
-    ks = sorted({k for _, k, _ in variants})
-    times = {(name, k): [] for name, k, _ in variants}
-    plain = {k: [] for k in ks}
-    widened = {}
-    reference = {}
-    for name, k, settings in variants:          # warm-up (compiles), rows widened, exactness
-        saved = _apply_settings(settings)
-        try:
-            passes = []
-            originals = (tr.triton_candidates, gt.torch_candidates)
-
-            def counting(fn, label):
-                def wrapped(q, t, n_cand, **kw):
-                    passes.append(f"{label} {q.rows} x {n_cand}")
-                    return fn(q, t, n_cand, **kw)
-                return wrapped
-            tr.triton_candidates = counting(originals[0], "fused")
-            gt.torch_candidates = counting(originals[1], "torch")
-            try:
-                v, i = search_prepared(Q, prepared, k)
-            finally:
-                tr.triton_candidates, gt.torch_candidates = originals
-            widened[(name, k)] = passes
-            if k in reference:
-                same = bool(torch.equal(v, reference[k][0]) and torch.equal(i, reference[k][1]))
-                widened[(name, k)].append(f"same result as {variants[0][0]}: {same}")
-            else:
-                reference[k] = (v, i)
-        finally:
-            _restore_settings(saved)
-    for k in ks:
-        fused_pass(Q, prepared, k)
-    for _ in range(args.reps):
-        for k in ks:
-            plain[k] += cuda_ms(lambda: fused_pass(Q, prepared, k), 1, warmup=0)
-        for name, k, settings in variants:
-            saved = _apply_settings(settings)
-            try:
-                times[(name, k)] += cuda_ms(lambda: search_prepared(Q, prepared, k), 1, warmup=0)
-            finally:
-                _restore_settings(saved)
-    for name, k, settings in variants:
-        saved = _apply_settings(settings)
-        try:
-            prof = _kernel_profile(lambda: search_prepared(Q, prepared, k))
-        finally:
-            _restore_settings(saved)
-        p = statistics.median(plain[k])
-        e = statistics.median(times[(name, k)])
-        record(what="exact_variant", name=name, k=k, settings=settings, plain_ms=round(p, 2),
-               exact_ms=round(e, 2), exact_over_plain=round(e / p, 3),
-               exact_runs=[round(x, 1) for x in times[(name, k)]], plain_runs=[round(x, 1) for x in plain[k]],
-               passes=widened[(name, k)], **prof)
-    print("\n| k | variant | plain ms | exact ms | exact / plain | passes |")
-    print("|---|---|---|---|---|---|")
-    for name, k, _ in variants:
-        p, e = statistics.median(plain[k]), statistics.median(times[(name, k)])
-        print(f"| {k} | {name} | {p:.1f} | {e:.1f} | {e / p:.3f} | {'; '.join(widened[(name, k)])} |")
 
 
-def _answers_differ(Q, T, k, first, second, most_rows: int = 24) -> dict:
-    """Where two forms' (exact, plain) answers differ: rows, and for up to ``most_rows``
-    differing exact rows the float64 check (tests.kernels.test_gpu.check_result) of each and
-    whether their float32 values agree (indices differing at equal values: the tie rule)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.kernels.test_gpu import check_result
-
-    (v1, i1), (v2, i2) = first[0], second[0]
-    (p1, j1), (p2, j2) = first[1], second[1]
-    rows = (i1 != i2).any(dim=1).nonzero().flatten()
-    plain = (j1 != j2).any(dim=1).nonzero().flatten()
-    out = {"exact_rows_differ": int(rows.numel()), "plain_rows_differ": int(plain.numel())}
-    if plain.numel():
-        r = int(plain[0])
-        out["plain_row"] = {"row": r, "first": [[round(float(x), 6) for x in p1[r]], j1[r].tolist()],
-                            "second": [[round(float(x), 6) for x in p2[r]], j2[r].tolist()]}
-    if rows.numel():
-        rows = rows[:most_rows]
-        out["exact_values_equal_there"] = bool(torch.equal(v1[rows], v2[rows]))
-        q, t = Q[rows].cpu().numpy(), T.cpu().numpy()
-        for name, (v, i) in (("first", (v1, i1)), ("second", (v2, i2))):
-            try:
-                check_result(q, t, k, "l2", v[rows].cpu().numpy(), i[rows].cpu().numpy())
-                out[f"{name}_float64_check"] = "ok"
-            except AssertionError as exc:
-                out[f"{name}_float64_check"] = str(exc)[:300]
-        r = int(rows[0])
-        out["row"] = {"row": r, "first": [[round(float(x), 6) for x in v1[r]], i1[r].tolist()],
-                      "second": [[round(float(x), 6) for x in v2[r]], i2[r].tolist()]}
-    return out
 
 
-def tma_ab(args, ks, precisions, record) -> None:
-    """Target tiles by TMA (tensor descriptors) against pointer tiles (cp.async), interleaved
-    in one process over ``--reps`` rounds: the GEMM alone, the GEMM + row minimum pass
-    (``min_only``, the register-list kernel's floor), the plain and the exact search. Checks
-    that both forms give the same exact answer (and reports whether the plain ones agree)."""
-    from nearest_join.kernels import _gpu_triton as tr
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(args.d)
-    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
-    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
-    bias = (T * T).sum(1)
-    flops = 2.0 * args.nq * args.nt * args.d
-    forms = {"tma": {"cuda"}, "pointer": set()}
-    default = set(tr.TMA_DEVICES)
-    for precision in precisions:
-        prepared = prepare_targets(T, "l2", precision)
-        qs = gt.prepare_queries(Q, prepared.side)
-        n_cand = gt.candidate_width(ks[0], precision)
-
-        passes = {f"plain_k{k}": lambda k=k: fused_pass(Q, prepared, k) for k in ks}
-        passes.update({f"exact_k{k}": lambda k=k: search_prepared(Q, prepared, k) for k in ks})
-        passes[f"candidates_{n_cand}"] = lambda: tr.triton_candidates(qs, prepared.side, n_cand)
-        want = {}
-        try:
-            for form in forms:   # warm-up (compiles) and the answers
-                tr.TMA_DEVICES = forms[form]
-                for k in ks:
-                    got = (search_prepared(Q, prepared, k), fused_pass(Q, prepared, k))
-                    if form == "tma":
-                        want[k] = got
-                    else:
-                        record(what="tma_ab_check", precision=precision, k=k,
-                               **_answers_differ(Q, T, k, want[k], got))
-                passes[f"candidates_{n_cand}"]()
-            times = collections.defaultdict(list)
-            for _ in range(args.reps):
-                times["gemm"] += cuda_ms(lambda: gemm_alone(Q, T, bias, precision), 1, warmup=0)
-                for form in forms:
-                    tr.TMA_DEVICES = forms[form]
-                    for name, fn in passes.items():
-                        times[(form, name)] += cuda_ms(fn, 1, warmup=0)
-        finally:
-            tr.TMA_DEVICES = default
-        gemm = statistics.median(times["gemm"])
-        for name in passes:
-            ms = {form: statistics.median(times[(form, name)]) for form in forms}
-            record(what="tma_ab", precision=precision, name=name, gemm_ms=round(gemm, 2),
-                   **{f"{form}_ms": round(v, 2) for form, v in ms.items()},
-                   **{f"{form}_over_gemm": round(v / gemm, 3) for form, v in ms.items()},
-                   tma_tflops=round(flops / ms["tma"] / 1e9, 1),
-                   runs={form: [round(x, 1) for x in times[(form, name)]] for form in forms})
-        del prepared, qs
-        torch.cuda.empty_cache()
 
 
 # (data, metric, d, precisions, ks) of --compare-base: the main table's shape at d=128, d=384,
@@ -943,15 +705,9 @@ def main(argv=None) -> None:
     ap.add_argument("--variants", action="store_true", help="check and time the kernel variants only")
     ap.add_argument("--no-check", action="store_true", help="--variants: time without the checks")
     ap.add_argument("--only", default="",
-                    help="--variants / --exact-variants: comma-separated name parts; run only the variants "
+                    help="--variants / --compare-base: comma-separated name parts; run only the variants "
                          "whose name has one (--variants' checks take ~30-60 s per variant: plan device "
                          "calls with this)")
-    ap.add_argument("--widen-factor", type=int, default=None,
-                    help="exact mode: widen unproven rows this many times (default: the backend's "
-                         "WIDEN_FACTOR)")
-    ap.add_argument("--torch-round-rows", type=int, default=None,
-                    help="exact mode: widening rounds over at most this many rows run addmm + topk "
-                         "(default: the backend's TORCH_ROUND_ROWS)")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--arrow-shapes", default=None,
                     help="Arrow path: comma-separated plan:QxT shapes, e.g. broadcast:2x1,blocked:1x4 "
@@ -963,23 +719,8 @@ def main(argv=None) -> None:
     ap.add_argument("--arrow-reps", type=int, default=3,
                     help="Arrow path: next-task runs per shape (the median is reported)")
     ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
-    ap.add_argument("--bf16-extra", type=float, default=None,
-                    help="exact bf16 without lower keys: first candidate width next_pow2(k + F * k) "
-                         "(default: F = 1 below k = 64, else 0, the plain width)")
-    ap.add_argument("--lower-keys", default=None,
-                    help="exact mode: comma-separated precision:min_k pairs that rank candidates by the "
-                         "per-target lower key, e.g. bf16:1,tf32:64 ('' for none; default: "
-                         "nearest_join.kernels.gpu.LOWER_KEYS)")
-    ap.add_argument("--seg-cand", type=int, default=None,
-                    help="segment list length of the segmented mode (default: the backend's SEG_CAND)")
     ap.add_argument("--exact-breakdown", action="store_true",
                     help="only: time each stage of the exact search (candidates, bound, re-rank) at d")
-    ap.add_argument("--exact-variants", action="store_true",
-                    help="only: bf16 EXACT settings (EXACT_VARIANTS; --only picks by name part) against "
-                         "the plain search, interleaved, with a per-kernel profile of each")
-    ap.add_argument("--tma-ab", action="store_true",
-                    help="only: target tiles by TMA against pointer tiles, interleaved (GEMM + row "
-                         "minimum, plain and exact search at each k), at d")
     ap.add_argument("--arrow-timeline", action="store_true",
                     help="only: one warm broadcast task's stage timeline per broadcast shape (bf16, first k)")
     ap.add_argument("--arrow-breakdown", action="store_true",
@@ -988,22 +729,6 @@ def main(argv=None) -> None:
                     help="only: the EXACT search against another commit's nearest_join/kernels copied to "
                          "this folder (git show), interleaved, on COMPARE_SHAPES (--only picks by name part)")
     args = ap.parse_args(argv)
-    if args.widen_factor:
-        gt.WIDEN_FACTOR = args.widen_factor
-    from nearest_join.kernels import gpu as kgpu
-
-    if args.bf16_extra is not None:
-        factor = args.bf16_extra
-        gt._EXTRA["bf16"] = lambda k: int(factor * k)
-    if args.lower_keys is not None:
-        kgpu.LOWER_KEYS = {p.split(":")[0]: int(p.split(":")[1]) if ":" in p else 1
-                           for p in args.lower_keys.split(",") if p}
-    if args.seg_cand:
-        from nearest_join.kernels import _gpu_triton as tr
-
-        tr.SEG_CAND = args.seg_cand
-    if args.torch_round_rows is not None:
-        gt.TORCH_ROUND_ROWS = args.torch_round_rows
     if args.arrow_shapes:
         global ARROW_SHAPES
         ARROW_SHAPES = [(p.split(":")[0], *map(int, p.split(":")[1].split("x")))
@@ -1019,9 +744,7 @@ def main(argv=None) -> None:
         out.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"commit {commit or '?'} nq={args.nq} nt={args.nt} widen={gt.WIDEN_FACTOR} seg_cand={args.seg_cand or 'default'} "
-          f"bf16_extra={args.bf16_extra if args.bf16_extra is not None else 'default'} "
-          f"lower_keys={kgpu.LOWER_KEYS or 'none'} torch_round_rows={gt.TORCH_ROUND_ROWS}",
+          f"commit {commit or '?'} nq={args.nq} nt={args.nt}",
           flush=True)
 
     def record(**row):
@@ -1055,18 +778,6 @@ def main(argv=None) -> None:
         return
     if args.exact_breakdown:
         exact_breakdown(args, ks, precisions, record)
-        return
-    if args.exact_variants:
-        exact_variants(args, record)
-        return
-    if args.tma_ab:
-        tma_ab(args, ks, precisions, record)
-        print("\n| precision | pass | GEMM ms | TMA ms | pointer ms | TMA / GEMM | pointer / GEMM |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            if r["what"] == "tma_ab":
-                print(f"| {r['precision']} | {r['name']} | {r['gemm_ms']:.1f} | {r['tma_ms']:.1f} | "
-                      f"{r['pointer_ms']:.1f} | {r['tma_over_gemm']:.3f} | {r['pointer_over_gemm']:.3f} |")
         return
     if args.arrow_concurrent:
         rng = np.random.default_rng(7)
@@ -1156,20 +867,19 @@ def main(argv=None) -> None:
             # Three tasks per shape: the first of its stage in this process (it keeps the
             # broadcast blocks: udfs.gpu.task_scope), the next of the same stage (finds them
             # on the device), and one of a stage that keeps nothing (uploads them again).
-            from udfs.gpu import SCOPE_ENV
+            from udfs.gpu import local_task
 
             for plan, q_blocks, t_blocks in ARROW_SHAPES:
                 q_rows, t_rows = -(-nq_a // q_blocks), -(-nt_a // t_blocks)
-                os.environ[SCOPE_ENV] = f"benchmark {plan} {q_blocks}x{t_blocks} {precision} k={k}"
-                res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
-                # The next tasks of the stage: the median of --arrow-reps (the host side's
-                # time moves between runs).
-                warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan,
-                                        profile=precision == "bf16" and args.profile and r == 0)
-                             for r in range(max(1, args.arrow_reps))]
+                with local_task(scope=f"benchmark {plan} {q_blocks}x{t_blocks} {precision} k={k}"):
+                    res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
+                    # The next tasks of the stage: the median of --arrow-reps (the host side's
+                    # time moves between runs).
+                    warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan,
+                                            profile=precision == "bf16" and args.profile and r == 0)
+                                 for r in range(max(1, args.arrow_reps))]
                 warm_runs.sort(key=lambda r: r["search_s"] + r["merge_s"])
                 res_warm = warm_runs[len(warm_runs) // 2]
-                del os.environ[SCOPE_ENV]
                 res_fresh = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
                 total = res_warm["search_s"] + res_warm["merge_s"]
                 fresh = res_fresh["search_s"] + res_fresh["merge_s"]
@@ -1189,15 +899,14 @@ def main(argv=None) -> None:
 
     if args.arrow_breakdown:   # last: the timers stay installed
         acc = install_stage_timers()
-        from udfs.gpu import SCOPE_ENV
+        from udfs.gpu import local_task
 
         for plan, q_blocks, t_blocks in ARROW_SHAPES:
             # The second task of a stage (kept broadcast blocks): the timers keep its stages.
-            os.environ[SCOPE_ENV] = f"breakdown {plan} {q_blocks}x{t_blocks}"
-            for _ in range(2):
-                res = arrow_path(Qn, Tn, ks[0], "bf16", -(-args.nt // t_blocks), -(-args.nq // q_blocks), plan,
-                                 on_start=acc.clear)
-            del os.environ[SCOPE_ENV]
+            with local_task(scope=f"breakdown {plan} {q_blocks}x{t_blocks}"):
+                for _ in range(2):
+                    res = arrow_path(Qn, Tn, ks[0], "bf16", -(-args.nt // t_blocks), -(-args.nq // q_blocks),
+                                     plan, on_start=acc.clear)
             record(what="arrow_breakdown", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
                    total_ms=round((res["search_s"] + res["merge_s"]) * 1e3, 1), minor_faults=res["minor_faults"],
                    **{name: round(v * 1e3, 1) for name, v in sorted(acc.items())})

@@ -10,8 +10,9 @@ embeddings can be downloaded on the device.
 from __future__ import annotations
 
 import argparse
-import math
 import os
+import re
+import statistics
 import sys
 import tempfile
 import time
@@ -19,24 +20,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from gpu_kernel import addmm_topk, cuda_ms, gemm_alone  # noqa: E402
 
 from nearest_join.kernels.gpu import knn_torch, resolve_precision  # noqa: E402
+from tests import oracle  # noqa: E402
 
 
 def events_ms(fn, reps: int) -> float:
     """Median of ``reps`` timed calls (CUDA events), after one warm call."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(cuda_ms(fn, reps))
 
 
 def data(n, d, gen, offset):
@@ -44,39 +38,56 @@ def data(n, d, gen, offset):
     return (x + offset).contiguous()
 
 
-def addmm_topk(Q, T, k, dtype, chunk=8192):
-    """Plain squared-l2 top-k: |t|^2 - 2 q.t by chunked addmm in ``dtype``, then topk."""
-    Tc = T.to(dtype)
-    bias = (T.float() ** 2).sum(1).to(dtype)
-    vs, ix = [], []
-    for r0 in range(0, Q.shape[0], chunk):
-        s = torch.addmm(bias[None, :], Q[r0:r0 + chunk].to(dtype), Tc.T, beta=1, alpha=-2)
-        v, i = torch.topk(s, k, dim=1, largest=False)
-        vs.append(v)
-        ix.append(i)
-    return torch.cat(vs), torch.cat(ix)
+DEVICE = "cuda"   # where the oracle's keys are computed
 
 
-def gemm_alone(Q, T, chunk=8192):
-    Tc = T.to(torch.bfloat16)
-    out = torch.empty((chunk, T.shape[0]), dtype=torch.bfloat16, device="cuda")
-    for r0 in range(0, Q.shape[0], chunk):
-        q = Q[r0:r0 + chunk].to(torch.bfloat16)
-        torch.mm(q, Tc.T, out=out[:q.shape[0]])
+def _device_l2_keys(queries: np.ndarray, targets: np.ndarray, metric: str) -> np.ndarray:
+    """tests.oracle.oracle_keys for l2, computed on the device: the same float64 difference
+    form sum((q - t)^2), in target chunks (the CPU takes minutes at 10^6 targets)."""
+    assert metric == "l2", metric
+    q = torch.from_numpy(queries).to(DEVICE).double()
+    t = torch.from_numpy(targets).to(DEVICE)
+    keys = torch.empty((q.shape[0], t.shape[0]), dtype=torch.float64, device=DEVICE)
+    step = max(1, (1 << 28) // max(1, q.numel()))
+    for c0 in range(0, t.shape[0], step):
+        diff = q[:, None, :] - t[c0:c0 + step].double()[None, :, :]
+        keys[:, c0:c0 + step] = (diff * diff).sum(2)
+    return keys.cpu().numpy()
 
 
-def wrong_rows(Q, T, k, idx, sample):
-    """Sampled rows whose returned set differs from the float64 difference-form top k by more
-    than ties at the k-th distance (squared distances compared: no square root rounding)."""
-    rows = torch.linspace(0, Q.shape[0] - 1, sample, device="cuda").long()
-    q = Q[rows].double()
-    t = T.double()
-    d2 = ((q * q).sum(1, keepdim=True) - 2 * q @ t.T + (t * t).sum(1)[None, :]).clamp(min=0)
-    kth = torch.topk(d2, k, dim=1, largest=False).values[:, -1]
-    got = torch.gather(d2, 1, idx[rows].clamp(min=0))
-    scale = (kth.abs() + 1e-30)
-    bad = ((got - kth[:, None]) / scale[:, None] > 1e-5).any(dim=1) | (idx[rows] < 0).any(dim=1)
-    return int(bad.sum())
+def _device_key_scale(queries: np.ndarray, targets: np.ndarray, metric: str) -> np.ndarray:
+    """tests.oracle.key_scale for l2, computed on the device (float64)."""
+    assert metric == "l2", metric
+    q = torch.from_numpy(queries).to(DEVICE).double()
+    t = torch.from_numpy(targets).to(DEVICE).double()
+    c = t.mean(0)
+    far = (t - c).norm(dim=1).max()
+    return ((q - c).norm(dim=1) + far).pow(2).cpu().numpy()
+
+
+def wrong_rows(Q, T, k, idx, sample, values=None) -> int:
+    """Sampled rows that are not a true top k of the tests' oracle: ``tests.oracle.
+    assert_true_topk`` (float64 difference form, ties within the gpu backend's RTOL), its
+    keys and scale computed on the device by the same formulas. ``values`` None (a plain
+    search whose values are not exact): the oracle's own values of the returned pairs, so
+    only the choice of targets is judged."""
+    rows = torch.linspace(0, Q.shape[0] - 1, sample, device=DEVICE).long()
+    q, t = Q[rows].cpu().numpy(), T.cpu().numpy()
+    got = idx[rows]
+    if values is None:
+        picked = T[got.clamp(min=0)].double() - Q[rows].double()[:, None, :]
+        v = picked.pow(2).sum(2).sqrt().float().cpu().numpy()
+    else:
+        v = values[rows].cpu().numpy()
+    saved = oracle.oracle_keys, oracle.key_scale
+    oracle.oracle_keys, oracle.key_scale = _device_l2_keys, _device_key_scale
+    try:
+        oracle.assert_true_topk(q, t, k, "l2", v, got.cpu().numpy(), oracle.backend_rtol("gpu"))
+        return 0
+    except AssertionError as exc:
+        return int(re.search(r": (\d+) of \d+ rows wrong", str(exc)).group(1))
+    finally:
+        oracle.oracle_keys, oracle.key_scale = saved
 
 
 def compile_cases(args, rec):
@@ -127,19 +138,20 @@ def shape_cases(args, rec):
                     print(f"budget spent: skipped d={d} {label} k={k}", flush=True)
                     continue
                 row = dict(shape=label, nq=Q.shape[0], nt=T.shape[0], d=d, k=k, auto=auto)
-                row["gemm_bf16_ms"] = round(events_ms(lambda: gemm_alone(Q, T), args.reps), 1)
-                row["torch_fp32_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, k, torch.float32),
+                bias = (T * T).sum(1)
+                row["gemm_bf16_ms"] = round(events_ms(lambda: gemm_alone(Q, T, bias, "bf16"), args.reps), 1)
+                row["torch_fp32_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "fp32", k),
                                                                   args.reps), 1)
-                row["torch_bf16_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, k, torch.bfloat16),
+                row["torch_bf16_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "bf16", k),
                                                                   args.reps), 1)
-                _, bi = addmm_topk(Q, T, k, torch.bfloat16)
+                bi = addmm_topk(Q, T, bias, "bf16", k)
                 row["torch_bf16_wrong_of_sample"] = wrong_rows(Q, T, k, bi, args.sample)
                 for precision in ("auto", "bf16", "tf32", "fp32"):
                     if precision == auto:
                         continue
                     name = precision if precision != "auto" else f"exact_auto_{auto}"
-                    _, idx = knn_torch(Q, T, k, "l2", precision)
-                    row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, k, idx, args.sample)
+                    v, idx = knn_torch(Q, T, k, "l2", precision)
+                    row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, k, idx, args.sample, v)
                     row[f"{name}_ms"] = round(events_ms(lambda p=precision: knn_torch(Q, T, k, "l2", p),
                                                         args.reps), 1)
                 row["sample_rows"] = args.sample
@@ -157,7 +169,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--dims", default="384,768")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--sample", type=int, default=256)
+    ap.add_argument("--sample", type=int, default=64)
     ap.add_argument("--budget-s", type=float, default=400)
     ap.add_argument("--compile-budget-s", type=float, default=200)
     ap.add_argument("--only", choices=["compile", "shapes", "both"], default="both")

@@ -4,7 +4,7 @@ Spark cannot run on the GPU machines (no Java), so each executor is one process 
 running the same executor function Spark calls for the blocked plan,
 :func:`udfs.blocks.search_pairs`, fed the Arrow pair batches of its share of the
 (query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu`` does
-under Spark, from the task's GPU address: here ``$NEAREST_JOIN_GPU``, which
+under Spark, from the task's GPU address: here the address of :func:`udfs.gpu.local_task`, which
 :func:`udfs.gpu.task_gpu_address` reads when there is no TaskContext. The partial top-k of
 all processes then go through the same merge (:func:`udfs.blocks.merge_partials`) and the
 merged rows are compared with the one-GPU run.
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -78,7 +77,13 @@ def _used_device(torch):
 
 def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     """One simulated executor: its GPU from the task address, its share of the pairs."""
-    os.environ["NEAREST_JOIN_GPU"] = gpu_address
+    from udfs.gpu import local_task
+
+    with local_task(gpu=gpu_address):
+        _executor(rank, n_procs, work_dir, params, barrier, results)
+
+
+def _executor(rank, n_procs, work_dir, params, barrier, results):
     import pyarrow as pa
     import torch
 
