@@ -11,9 +11,7 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Iterator, Tuple
 
-import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, FloatType, LongType, StructField, StructType
@@ -22,12 +20,30 @@ from udfs import blocks, packing
 from udfs import columns as C
 from udfs.searcher import SearchSettings
 
+from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
 from .options import JoinOptions
-from .planner import (JoinPlan, choose_plan, gpu_task_share, join_dimension, keep_gpu_targets,
-                      side_facts, spark_plan)
-from .ranking import (DIRECTIONS, JoinKey, Ranking, column, column_index, parse_keys, parse_ranking,
-                      quote, vector_itemsize)
+from .planner import (
+    JoinPlan,
+    KeyedLayout,
+    choose_plan,
+    gpu_task_share,
+    join_dimension,
+    keep_gpu_targets,
+    side_facts,
+    spark_plan,
+)
+from .ranking import (
+    DIRECTIONS,
+    JoinKey,
+    Ranking,
+    column,
+    column_index,
+    parse_keys,
+    parse_ranking,
+    quote,
+    vector_itemsize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +93,7 @@ class PlannedJoin:
     parsed: Ranking | None     # None: Spark's own nearestByJoin runs the ranking
     direction: str | None
     keys: tuple[JoinKey, ...] | None = None   # on=, resolved against both sides
+    layout: KeyedLayout | None = None         # the keyed blocked plan's cells
     ivf: object = None   # mode="approx" running IVF: its nearest_join.ivf.IvfSearch
 
     def dataframe(self) -> DataFrame:
@@ -122,7 +139,14 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
             query_rows=q_facts.rows, target_rows=t_facts.rows,
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts)
-        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys)
+        layout = None
+        if keys is not None and plan.plan == "blocked":
+            # The cells need the groups' sizes: a second small job (one row per group).
+            layout = keyed.layout_of(*_inputs(query, target, keys), target_block_rows=plan.target_block_rows,
+                                     query_block_rows=plan.query_block_rows, cores=plan.cores,
+                                     dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
+            plan = dataclasses.replace(plan, key_cells=layout.summary())
+        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout)
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
@@ -221,8 +245,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         (``q.country == t.country``, or ``&`` of such equalities; each column's side is
         found by Spark's analyzer). SQL equality: both sides are cast to the common type
         Spark's ``=`` would use, and a NULL key matches nothing, so a query with a NULL key
-        or a key absent from the target has no candidate. Needs the broadcast plan (a target
-        under the broadcast limit).
+        or a key absent from the target has no candidate. In the blocked plan both sides are
+        partitioned by key group: small groups batched, a group larger than a target block
+        (a skewed key) split into parts whose partial top-k are merged (:mod:`nearest_join.keyed`).
     recall : float in (0, 1], keyword-only
         ``mode="approx"``: the recall@k to reach (default 0.95). The planner estimates recall
         on a sample of the queries against their exact search and probes the fewest lists
@@ -260,8 +285,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         does not fit the metric (``max_distance`` with a similarity, ``min_similarity``
         with a distance), is negative (``max_distance``) or not finite, or comes with a
         ranking Spark's own ``nearestByJoin`` runs; an ``on`` of another shape, naming a
-        missing column, of a type Spark cannot compare for equality (a map), with a ranking
-        Spark's own ``nearestByJoin`` runs, or with a target too large to broadcast.
+        missing column, of a type Spark cannot compare for equality (a map), or with a ranking
+        Spark's own ``nearestByJoin`` runs.
     TypeError
         A vector column of another type (the message names the column and its type), or an
         argument of the wrong type.
@@ -336,19 +361,12 @@ def _execute(planned: PlannedJoin) -> DataFrame:
                              for i, f in enumerate(out_fields)])
     names = [f.name for f in out_fields]
 
-    # mapInArrow passes its input to the UDF as df[name] for every column name, and Spark
-    # parses those (a dot is a field access, a backtick a syntax error): the mapped inputs get
-    # plain names, those of the columns' output positions. Only positions matter below.
-    n_query = len(query.columns)
-    q_input = query.toDF(*[C.output_name(i) for i in range(n_query)])
-    t_input = target.toDF(*[C.output_name(n_query + j) for j in range(len(target.columns))])
     timezone = spark.conf.get("spark.sql.session.timeZone", "UTC")
-    target_arrow = to_arrow_schema(t_input.schema, timezone=timezone)
+    target_arrow = to_arrow_schema(target.toDF(*[C.output_name(len(query.columns) + j)
+                                                 for j in range(len(target.columns))]).schema,
+                                   timezone=timezone)
+    q_input, t_input = _inputs(query, target, planned.keys)
     if planned.keys is not None:
-        q_input, t_input = _with_groups(
-            q_input, t_input, planned.keys,
-            [C.output_name(column_index(query, k.query_column)) for k in planned.keys],
-            [C.output_name(n_query + column_index(target, k.target_column)) for k in planned.keys])
         # The group id is each side's last column; the executors drop it from the blocks'
         # rows before they search or emit them.
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
@@ -362,6 +380,10 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
                              plan.distance_col is not None, target_arrow, cap=plan.cap)
 
+    if plan.plan == "blocked" and planned.keys is not None:
+        joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
+                                          _partial_schema(), plan.cores)
+        return joined.toDF(*names)
     packed = _packed_schema()
     if plan.plan == "broadcast" and plan.query_partitions:
         # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
@@ -391,6 +413,24 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     return joined.toDF(*names)
 
 
+def _inputs(query: DataFrame, target: DataFrame, keys) -> tuple[DataFrame, DataFrame]:
+    """Both sides with plain positional column names (those of the columns' output
+    positions) and, with ``on=`` keys, each side's group id last (:func:`_with_groups`).
+
+    mapInArrow passes its input to the UDF as df[name] for every column name, and Spark
+    parses those (a dot is a field access, a backtick a syntax error): the mapped inputs get
+    plain names. Only positions matter to the executors.
+    """
+    n_query = len(query.columns)
+    q_input = query.toDF(*[C.output_name(i) for i in range(n_query)])
+    t_input = target.toDF(*[C.output_name(n_query + j) for j in range(len(target.columns))])
+    if keys is None:
+        return q_input, t_input
+    return _with_groups(q_input, t_input, keys,
+                        [C.output_name(column_index(query, k.query_column)) for k in keys],
+                        [C.output_name(n_query + column_index(target, k.target_column)) for k in keys])
+
+
 def _with_groups(q_input: DataFrame, t_input: DataFrame, keys, q_names: list[str],
                  t_names: list[str]) -> tuple[DataFrame, DataFrame]:
     """Both sides with a dense int group id (``C.GROUP``) per distinct non-NULL target key.
@@ -418,8 +458,4 @@ def _with_groups(q_input: DataFrame, t_input: DataFrame, keys, q_names: list[str
 
 
 def _merge_function(ctx: blocks.JoinContext):
-    # Type hints select Spark's streaming (iterator of batches) grouped-map form.
-    def merge(key: Tuple[pa.Scalar, ...], batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        return blocks.merge_partials(key, batches, ctx)
-
-    return merge
+    return blocks.merge_function(ctx)

@@ -22,6 +22,7 @@ import os
 import re
 from dataclasses import asdict, dataclass
 
+import numpy as np
 from pyspark.sql import functions as F
 
 from udfs.columns import MAX_BLOCK_ROWS
@@ -97,6 +98,8 @@ class JoinPlan:
     largest_group: int | None = None   # target rows of the largest of them
     # mode="approx": the IVF plan's figures, or why the exact plan runs (nearest_join.ivf)
     ivf: dict | None = None
+    # the keyed blocked plan's cut of the groups into cells (KeyedLayout.summary()), or None
+    key_cells: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -122,11 +125,15 @@ class JoinPlan:
                              f"{self.cap!r} match (a query may get fewer than k rows)")
             if self.keys is not None:
                 equal = " and ".join(f"query.{q} = target.{t} (as {common})" for q, t, common in self.keys)
-                lines.append(
-                    f"  keys: {equal}; {self.key_groups} target groups, the largest {self.largest_group} "
-                    "rows; the broadcast target is grouped by key and each query block searches "
-                    "only its keys' target rows, one kernel call per group present in the block and "
-                    "target block (a NULL key or one absent from the target matches nothing)")
+                lines.append(f"  keys: {equal}; {self.key_groups} target groups, the largest "
+                             f"{self.largest_group} rows (a NULL key or one absent from the target "
+                             "matches nothing)")
+                if self.plan == "broadcast":
+                    lines.append("  keyed search: the broadcast target is grouped by key; each query "
+                                 "block searches only its keys' target rows (small groups batched into "
+                                 "one segment search, large ones one kernel call each)")
+                elif self.key_cells is not None:
+                    lines.append("  keyed search: " + describe_cells(self.key_cells))
         if self.ivf is not None:
             lines.append(f"  approx: {self.ivf['explanation']}")
         return "\n".join(lines)
@@ -141,6 +148,117 @@ def describe_precision(backend: str, precision: str | None) -> str:
            else f"{precision} on GPUs")
     cpu = "" if backend == "gpu" else "; CPU executors search in float32 with a float64 re-rank"
     return f"{precision}: {gpu}{cpu}; results are exact in every precision"
+
+
+def describe_cells(cells: dict) -> str:
+    """The keyed blocked plan's cut of the key groups into cells, in words (the explanation)."""
+    text = (f"both sides partitioned by key group: {cells['groups']} groups with queries and targets "
+            f"in {cells['bins']} bins of <= {cells['bin_target_rows']} target rows "
+            f"(small groups batched, searched as segments), {cells['cells']} cells of one "
+            "bin's query part x target part, each one task's memory")
+    if cells["split_groups"]:
+        q_parts, t_parts = cells["largest_split"]
+        text += (f"; {cells['split_groups']} groups split (skew), the most into {q_parts} query x "
+                 f"{t_parts} target parts, whose partial top-k are merged per query part")
+    else:
+        text += "; no group split"
+    if cells["unmatched_queries"]:
+        text += f"; {cells['unmatched_queries']} query rows without a group (emitted with NULLs)"
+    return text
+
+
+@dataclass(frozen=True)
+class KeyedLayout:
+    """The keyed blocked plan's cut of the key groups into *cells* (:func:`keyed_layout`).
+
+    Groups are packed, in id order, into bins of at most ``bin_target_rows`` target rows; a
+    group larger than that is a bin of its own, split into ``t_parts`` target parts. A bin's
+    queries are split into ``q_parts`` query parts (by the memory bound, and for a bin whose
+    work alone would keep one core busy far longer than the rest). A cell is one (bin, query
+    part, target part): one cogroup call holds its rows, so its memory is bounded by the block
+    sizes whatever the skew. Cell ids of a bin are ``base .. base + q_parts * t_parts - 1``,
+    query part ``qp`` and target part ``tp`` at ``base + qp * t_parts + tp``. Query rows of
+    no group (LEFT OUTER only) get cells of their own with no target part.
+    """
+
+    groups: np.ndarray          # int64 group ids with both queries and targets, ascending
+    base: np.ndarray            # int64 first cell of each group's bin
+    t_parts: np.ndarray         # int64 target parts of each group's bin
+    q_parts: np.ndarray         # int64 query parts of each group's bin
+    unmatched_base: int         # first cell of the query rows without a group
+    unmatched_parts: int        # their query parts (0: none, or an inner join)
+    unmatched_queries: int
+    cells: int
+    bins: int
+    bin_target_rows: int
+    split_groups: int           # groups whose target rows are split over several parts
+    largest_split: tuple[int, int]   # (query parts, target parts) of the most split group
+
+    def summary(self) -> dict:
+        """JSON-safe figures for the plan (``JoinPlan.key_cells``)."""
+        return {"groups": int(self.groups.size), "bins": self.bins, "cells": self.cells,
+                "bin_target_rows": self.bin_target_rows, "split_groups": self.split_groups,
+                "largest_split": list(self.largest_split),
+                "unmatched_queries": self.unmatched_queries}
+
+
+def keyed_layout(target_counts: np.ndarray, query_counts: np.ndarray, *, unmatched_queries: int,
+                 target_block_rows: int, query_block_rows: int, cores: int, dimension: int,
+                 keep_unmatched: bool) -> KeyedLayout:
+    """Cut key groups into cells (:class:`KeyedLayout`) from their sizes.
+
+    ``target_counts[g]`` and ``query_counts[g]`` are the rows of group ``g`` on each side
+    (groups with none on either side get no cell: they cannot produce a row). A bin holds
+    at most ``min(target_block_rows, targets / cores)`` target rows, so the work spreads over
+    the cores; a query part at most ``query_block_rows`` rows, and a bin's work (query rows x
+    target rows x d) is split over more query parts when it exceeds a ``2 * cores``-th of
+    the join's (and ``SPREAD_WORK / 10``, below which a split costs more than it saves).
+    ``keep_unmatched`` (LEFT OUTER) gives the ``unmatched_queries`` rows without a group
+    cells of their own.
+    """
+    target_counts = np.asarray(target_counts, np.int64)
+    query_counts = np.asarray(query_counts, np.int64)
+    groups = np.flatnonzero((target_counts > 0) & (query_counts > 0)).astype(np.int64)
+    t_rows, q_rows = target_counts[groups], query_counts[groups]
+    total_targets = int(t_rows.sum())
+    # Half the row bits of a block: a cell's target part is split at random (see
+    # nearest_join.keyed), so it may run a little over its expected size.
+    capacity = int(max(1, min(target_block_rows, MAX_BLOCK_ROWS // 2,
+                              math.ceil(total_targets / max(cores, 1)))))
+    # Greedy in group order: a group joins the open bin while the bin stays within capacity;
+    # a larger group is a bin of its own.
+    bin_of = np.empty(groups.size, np.int64)
+    bins, filled = -1, capacity
+    for i, rows in enumerate(t_rows.tolist()):
+        if rows > capacity or filled + rows > capacity:
+            bins += 1
+            filled = 0
+        bin_of[i] = bins
+        filled += rows
+    bins += 1
+    bin_targets = np.bincount(bin_of, t_rows, minlength=bins).astype(np.int64)
+    bin_queries = np.bincount(bin_of, q_rows, minlength=bins).astype(np.int64)
+    bin_work = np.bincount(bin_of, q_rows.astype(np.float64) * t_rows * dimension, minlength=bins)
+    bin_t_parts = np.maximum(1, -(-bin_targets // capacity))
+    cell_work = max(float(bin_work.sum()) / (2 * max(cores, 1)), SPREAD_WORK / 10)
+    by_work = np.ceil(bin_work / bin_t_parts / cell_work).astype(np.int64)
+    bin_q_parts = np.minimum(np.maximum(-(-bin_queries // max(query_block_rows, 1)), by_work),
+                             np.maximum(bin_queries, 1))
+    bin_q_parts = np.maximum(bin_q_parts, 1)
+    bin_cells = bin_q_parts * bin_t_parts
+    bin_base = np.concatenate([[0], np.cumsum(bin_cells)[:-1]]).astype(np.int64) if bins else np.zeros(0, np.int64)
+    cells = int(bin_cells.sum())
+    unmatched_parts = (int(math.ceil(unmatched_queries / max(query_block_rows, 1)))
+                       if keep_unmatched and unmatched_queries else 0)
+    split = bin_t_parts > 1
+    largest = int(np.argmax(bin_cells)) if bins else -1
+    return KeyedLayout(
+        groups=groups, base=bin_base[bin_of], t_parts=bin_t_parts[bin_of], q_parts=bin_q_parts[bin_of],
+        unmatched_base=cells, unmatched_parts=unmatched_parts,
+        unmatched_queries=int(unmatched_queries) if keep_unmatched else 0,
+        cells=cells + unmatched_parts, bins=bins, bin_target_rows=capacity,
+        split_groups=int(split.sum()),
+        largest_split=(int(bin_q_parts[largest]), int(bin_t_parts[largest])) if split.any() else (1, 1))
 
 
 @dataclass(frozen=True)
@@ -390,9 +508,9 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
                 key_facts: KeyFacts | None = None) -> JoinPlan:
     """Pick the plan and block sizes from the sizes, the options and configuration.
 
-    ``keys`` (the resolved ``on=``, :class:`nearest_join.ranking.JoinKey`) need the
-    broadcast plan: with a target too large for it this raises an ArgumentError naming
-    ``on``."""
+    ``keys`` (the resolved ``on=``, :class:`nearest_join.ranking.JoinKey`) are searched in
+    either plan; the keyed blocked plan's cells (``key_cells``) are cut afterwards, from the
+    groups' sizes (:func:`keyed_layout`, ``nearest_join.keyed``)."""
     k = options.k
     query_block_rows, target_block_rows = options.query_block_rows, options.target_block_rows
     cores = cluster_cores(spark)
@@ -423,12 +541,6 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         cap, why = broadcast_memory_cap(spark)
         if limit == cap:
             reason += f" ({why})"
-        if keys is not None:
-            raise ArgumentError(
-                "on", f"the blocked plan ({reason}) does not take on= keys yet; keys need the "
-                "broadcast plan: raise broadcast_limit_bytes (or spark.nearestJoin.broadcastLimitBytes, "
-                "within 1/4 of the driver's and executors' memory) above the target's vector bytes, "
-                f"or filter the target, got on={[[k.query_column, k.target_column] for k in keys]}")
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
     q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0

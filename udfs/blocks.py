@@ -17,6 +17,7 @@ imports pyspark at module level: ``udfs.local.local_join`` runs the same functio
 """
 from __future__ import annotations
 
+import typing
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,8 +30,14 @@ from nearest_join.kernels import knn
 from . import columns as C
 from .emit import emit_rows
 from .groups import GroupSegments, group_ids, grouped_search
-from .packing import SideLayout, binary_array, binary_values, blob_to_table
-from .rows import ColumnViews
+from .packing import (
+    SideLayout,
+    binary_array,
+    binary_values,
+    blob_to_table,
+    table_to_blob,
+)
+from .rows import ColumnViews, take_rows
 from .searcher import SearchSettings, open_block_searcher, task_cpus
 from .topk import MAX_SOURCES, TopkState, fold_state
 from .vectors import decode_vectors
@@ -63,6 +70,20 @@ class JoinContext:
         """Whether rows carry a group id (``on=`` keys): each query row meets only its group."""
         return self.query.group_index is not None
 
+
+
+def block_search(ctx: JoinContext, searcher, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
+    """(values, rows) of one block pair (``t_block_id``: the searcher's key for the target
+    vectors, None when they are no whole block): the task's searcher, or under a cap the kernels'
+    ``knn`` with ``cap`` on the backend the planner chose (cpu or reference: the gpu
+    searcher takes no cap yet, and ``SearchSettings`` carries none while issue 20 owns
+    ``udfs/searcher.py``; this goes to ``BlockSearcher.search`` then)."""
+    if ctx.cap is None:
+        return searcher.search(q_vectors, t_vectors, target_key=t_block_id)
+    s = ctx.settings
+    if s.backend not in ("cpu", "reference"):
+        raise RuntimeError(f"internal error: a capped join planned on backend {s.backend!r}")
+    return knn(q_vectors, t_vectors, s.k, s.metric, backend=s.backend, threads=searcher.threads, cap=ctx.cap)
 
 
 class _PairSearch:
@@ -122,18 +143,8 @@ class _PairSearch:
         return self._decode(blob, self.ctx.target)
 
     def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
-        """(values, rows) of one block pair (``t_block_id``: the searcher's key for the target
-        vectors, None when they are no whole block): the task's searcher, or under a cap the kernels'
-        ``knn`` with ``cap`` on the backend the planner chose (cpu or reference: the gpu
-        searcher takes no cap yet, and ``SearchSettings`` carries none while issue 20 owns
-        ``udfs/searcher.py``; this goes to ``BlockSearcher.search`` then)."""
-        if self.ctx.cap is None:
-            return self.searcher.search(q_vectors, t_vectors, target_key=t_block_id)
-        s = self.ctx.settings
-        if s.backend not in ("cpu", "reference"):
-            raise RuntimeError(f"internal error: a capped join planned on backend {s.backend!r}")
-        return knn(q_vectors, t_vectors, s.k, s.metric, backend=s.backend,
-                   threads=self.searcher.threads, cap=self.ctx.cap)
+        """(values, rows) of one block pair: :func:`block_search` with the task's searcher."""
+        return block_search(self.ctx, self.searcher, q_vectors, t_vectors, t_block_id)
 
     def search(self, q_vectors: np.ndarray, t_block_id: int, t_blob) -> TopkState | None:
         if t_block_id == C.EMPTY_BLOCK_ID:
@@ -343,3 +354,83 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
         )
     if q_table is not None:
         yield from emit_rows(q_table, state, ctx)
+
+
+# One searcher per worker process and settings: a cogroup calls search_cell once per cell,
+# and a searcher's set-up (device choice, JIT warm-up) is paid once, not per cell.
+_CELL_SEARCHERS: dict = {}
+
+
+def _cell_searcher(settings: SearchSettings):
+    searcher = _CELL_SEARCHERS.get(settings)
+    if searcher is None:
+        searcher = _CELL_SEARCHERS[settings] = open_block_searcher(settings)
+    return searcher
+
+
+def _ordered(table: pa.Table, row_id: str) -> pa.Table:
+    """The table in ``row_id`` order (a shuffle delivers a cell's rows in any order)."""
+    ids = table.column(row_id).to_numpy()
+    if ids.size > 1 and not np.all(ids[1:] > ids[:-1]):
+        return take_rows(table, np.argsort(ids, kind="stable"))
+    return table
+
+
+def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Table:
+    """Keyed blocked plan, stage 1 (``nearest_join.keyed``; a cogroup by cell): the partial
+    top-k of one cell, one query part against one target part, as a row of ``PARTIAL_SCHEMA``.
+
+    ``queries``: the side's columns, ``C.GROUP``, ``C.Q_ROW``, ``C.Q_BLOCK_ID`` (the query part:
+    the stage-2 key), ``C.T_BLOCK_ID`` (this cell's target part) and ``C.CELL``; ``targets``:
+    the side's columns, ``C.GROUP``, ``C.T_ROW`` and ``C.CELL``. Each query row is searched
+    against its own group's rows only (:func:`udfs.groups.grouped_search`: small groups in one
+    segment search, large ones by the task's searcher). The query part's rows travel with its
+    target part 0 (every query part has one), as an unkeyed query block's rows travel with its
+    empty target block's partial.
+    """
+    if queries.num_rows == 0:      # a target part no query drew: nothing to search
+        return PARTIAL_SCHEMA.empty_table()
+    q_part = int(queries.column(C.Q_BLOCK_ID)[0].as_py())
+    t_part = int(queries.column(C.T_BLOCK_ID)[0].as_py())
+    queries = _ordered(queries, C.Q_ROW)
+    q_table = queries.select(list(range(ctx.query.group_index)))
+    partial = pa.py_buffer(b"")
+    if targets.num_rows:
+        if targets.num_rows > C.MAX_BLOCK_ROWS:
+            raise RuntimeError(f"internal error: a cell of {targets.num_rows} target rows exceeds "
+                               f"{C.MAX_BLOCK_ROWS}; the layout's target parts are too large")
+        targets = _ordered(targets, C.T_ROW)
+        t_table = targets.select(list(range(ctx.target.group_index)))
+        q_vectors = decode_vectors(q_table.column(ctx.query.vector_index), ctx.query.dimension,
+                                   label=ctx.query.label, expected_from=ctx.query.expected_from)
+        t_vectors = decode_vectors(t_table.column(ctx.target.vector_index), ctx.target.dimension,
+                                   label=ctx.target.label, expected_from=ctx.target.expected_from)
+        segments = GroupSegments.of(group_ids(targets.column(C.GROUP)))
+        searcher = _cell_searcher(ctx.settings)
+        values, rows = grouped_search(
+            lambda q, t: block_search(ctx, searcher, q, t, None), q_vectors,
+            group_ids(queries.column(C.GROUP)), np.ascontiguousarray(t_vectors[segments.order]), segments,
+            ctx.k, ctx.settings.metric, cap=ctx.cap, threads=task_cpus())
+        partial = TopkState.from_search(values, rows, t_part, t_table).to_blob()
+    q_rows = table_to_blob(q_table) if t_part == 0 else pa.py_buffer(b"")
+    return pa.Table.from_batches([pa.RecordBatch.from_arrays(
+        [pa.array([q_part], pa.int64()), pa.array([t_part], pa.int64()),
+         binary_array([q_rows]), binary_array([partial])], schema=PARTIAL_SCHEMA)])
+
+
+def cell_function(ctx: JoinContext):
+    """The cogroup function of the keyed blocked plan's stage 1 (:func:`search_cell`)."""
+    def search(key: tuple, queries: pa.Table, targets: pa.Table) -> pa.Table:
+        return search_cell(queries, targets, ctx)
+
+    return search
+
+
+def merge_function(ctx: JoinContext):
+    """The grouped-map function of the blocked plans' stage 2 (:func:`merge_partials`)."""
+    # Type hints select Spark's streaming (iterator of batches) grouped-map form.
+    def merge(key: typing.Tuple[pa.Scalar, ...],
+              batches: typing.Iterator[pa.RecordBatch]) -> typing.Iterator[pa.RecordBatch]:
+        return merge_partials(key, batches, ctx)
+
+    return merge

@@ -13,6 +13,11 @@ T_BLOB = "__nj_t_blob"
 PARTIAL = "__nj_partial"
 # on= keys: a side's key columns cast to their common type, and the dense group id of a key.
 GROUP = "__nj_group"
+# The keyed blocked plan (nearest_join.keyed): a row's cell, and the row ids that order a
+# cell's rows (each query part's rows in the same order in every cell it is in).
+CELL = "__nj_cell"
+Q_ROW = "__nj_q_row"
+T_ROW = "__nj_t_row"
 
 
 def key_name(position: int) -> str:

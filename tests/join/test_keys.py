@@ -210,7 +210,7 @@ def test_explain_shows_the_keys(spark, data, frames):
     text = str(plan)
     assert (f"keys: query.k = target.k (as string); {len(sizes)} target groups, the largest "
             f"{max(sizes.values())} rows") in text
-    assert "one kernel call per group" in text
+    assert "the broadcast target is grouped by key" in text
     assert plan.to_dict()["keys"] == [["k", "k", "string"]]
     plain = explain_nearest_join(q, t, "l2", 3, vectors=("qv", "tv"))
     assert plain.keys is None and "keys:" not in str(plain)
@@ -254,12 +254,14 @@ def test_bad_on_against_the_frames(spark, frames):
             assert info.value.argument == "on" and text in str(info.value), str(info.value)
 
 
-def test_keys_need_the_broadcast_plan(spark, frames):
+def test_keys_take_the_blocked_plan_too(spark, data, frames):
+    # A target too large to broadcast takes the keyed blocked plan (tests/join/test_keyed_blocked.py
+    # forces its split path); here its plain case: the same rows as the broadcast plan's.
+    queries, targets, q_keys, t_keys = data
     q, t = frames
-    with pytest.raises(ArgumentError) as info:
-        nearest_by_join(q, t, "l2", 2, vectors=("qv", "tv"), on="k", broadcast_limit_bytes=0)
-    assert info.value.argument == "on"
-    assert "the blocked plan (target vectors" in str(info.value) and "raise broadcast_limit_bytes" in str(info.value)
+    rows = nearest_by_join(q, t, "l2", K, vectors=("qv", "tv"), distance_col="d", on="k",
+                           join_type="left", broadcast_limit_bytes=0).collect()
+    check_keyed(rows, queries, targets, q_keys, t_keys, "l2", K, "leftouter", case="blocked")
 
 
 def test_keys_with_a_ranking_spark_runs_is_an_error(spark, frames):
