@@ -31,7 +31,10 @@ the threshold is scanned one by one (after the first tiles, almost none are). A 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 # Candidates tested per vectorised threshold check. A compile-time constant trip count lets LLVM
 # unroll and vectorise the count loop (a run-time bound measured 5x slower); 64 float32 are eight
@@ -185,8 +188,20 @@ def _fold_row(scores, r, bias, t0, heaps, q, scratch, scratch_bits):
                 threshold = scratch[0]
 
 
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _square_sum_and_peak(row):
+    """(|row|^2 in float64, max |row[j]|) of a float32 row (any summation order: a bound)."""
+    total = 0.0
+    peak = 0.0
+    for j in range(row.shape[0]):
+        v = np.float64(row[j])
+        total += v * v
+        peak = max(peak, abs(v))
+    return total, peak
+
+
 @njit(parallel=True, nogil=True, cache=True)
-def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile):
+def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats):
     """Fill ``heaps`` (n_split, nq, k) uint64 with per-split max-heaps of the best keys.
 
     ``queries`` (nq, d) and ``targets`` (nt, d) are C-contiguous float32, ``bias`` (nt,)
@@ -201,6 +216,11 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     of the largest score that can be within the cap (:func:`cap_key`): a target enters only
     below it, so the cap prunes from the first tile on. Split ``s`` covers an equal share of the target
     tiles, in order. Call with BLAS limited to one thread: each numba thread runs its own sgemm.
+
+    ``stats`` (n_items, 2) float64, or (0, 2) for none: item ``i`` writes the largest squared
+    norm and the largest element magnitude of the targets of every ``n_qtiles``-th tile of its
+    split, from the tile it has just multiplied (still in cache); between them the items cover
+    every target once (the bound of an inner product search, see ``cpu._Operands.finish``).
     """
     nq = queries.shape[0]
     nt = targets.shape[0]
@@ -225,6 +245,8 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
         row_bits = row_scores.view(np.uint32)
         row_keys = np.empty(target_tile, dtype=np.uint64)
         first = split * tiles_per_split
+        largest_sq = 0.0
+        largest = 0.0
         for tt in range(first, min(n_ttiles, (split + 1) * tiles_per_split)):
             t0 = tt * target_tile
             if tt < n_full:
@@ -234,12 +256,20 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
                 target_block = tail_targets
                 tile_bias = tail_bias
             np.dot(query_block, target_block.T, scores)
+            if stats.shape[0] > 0 and (tt - first) % n_qtiles == qt:
+                for j in range(t0, min(nt, t0 + target_tile)):
+                    sq, peak = _square_sum_and_peak(targets[j])
+                    largest_sq = max(largest_sq, sq)
+                    largest = max(largest, peak)
             if tt == first and split_heaps.shape[1] >= SEED_WIDTH:
                 for r in range(rows):
                     _seed_row(scores, r, tile_bias, t0, split_heaps, q0 + r, row_scores, row_bits, row_keys)
                 continue
             for r in range(rows):
                 _fold_row(scores, r, tile_bias, t0, split_heaps, q0 + r, scratch, scratch_bits)
+        if stats.shape[0] > 0:
+            stats[item, 0] = largest_sq
+            stats[item, 1] = largest
 
 
 def cap_key(scores: np.ndarray) -> np.ndarray:
@@ -472,17 +502,49 @@ def pairs_by_target(candidates, needed, n_targets):
     return pairs
 
 
+@intrinsic
+def _prefetch_row(typingctx, rows, row):
+    """Ask the CPU to start loading row ``row`` of the C-contiguous 2-D array ``rows`` into
+    cache (one prefetch hint per 64-byte line; a hint, so it never faults or changes a value)."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        row_bytes = builder.mul(builder.extract_value(array.shape, 1), builder.extract_value(array.strides, 1))
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        i8p = ir.IntType(8).as_pointer()
+        start = builder.gep(builder.bitcast(array.data, i8p), [builder.mul(index, row_bytes)])
+        i32 = ir.IntType(32)
+        hint = builder.module.declare_intrinsic("llvm.prefetch", [i8p],
+                                                ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]))
+        lines = builder.udiv(builder.add(row_bytes, row_bytes.type(63)), row_bytes.type(64))
+        with cgutils.for_range(builder, lines) as loop:
+            line = builder.gep(start, [builder.mul(loop.index, row_bytes.type(64))])
+            builder.call(hint, [line, i32(0), i32(3), i32(1)])   # read, keep in all levels, data
+        return context.get_dummy_value()
+    return types.void(rows, row), codegen
+
+
+# Pairs ahead of the current one whose rows :func:`pair_keys` asks the cache for: the query
+# row of a pair is a random one, and its load would otherwise stall the sum.
+PREFETCH_AHEAD = 4
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out):
     """``out[i, c]``: the exact key of (queries[i], targets[candidates[i, c]]) for the flat
     positions ``i * width + c`` listed in ``pairs``, which the caller sorts by target: each
     target row is then read once per run of its pairs while the query rows stay in cache
-    (reading one random target row per pair made this stage memory-bound)."""
+    (reading one random target row per pair made this stage memory-bound). The rows of the
+    pair ``PREFETCH_AHEAD`` further on are prefetched while a pair's key is summed."""
     width = candidates.shape[1]
     n = pairs.shape[0]
     chunks = 64
     for chunk in prange(chunks):
-        for p in range(chunk * n // chunks, (chunk + 1) * n // chunks):
+        end = (chunk + 1) * n // chunks
+        for p in range(chunk * n // chunks, end):
+            if p + PREFETCH_AHEAD < end:
+                ahead = pairs[p + PREFETCH_AHEAD] // width
+                _prefetch_row(queries, ahead)
+                _prefetch_row(targets, candidates[ahead, pairs[p + PREFETCH_AHEAD] - ahead * width])
             i = pairs[p] // width
             c = pairs[p] - i * width
             j = candidates[i, c]

@@ -345,7 +345,8 @@ class _Operands:
     turns keys back into the metric's units.
     """
 
-    def __init__(self, queries: np.ndarray, targets: np.ndarray, metric: Metric):
+    def __init__(self, queries: np.ndarray, targets: np.ndarray, metric: Metric,
+                 defer_target_stats: bool = False):
         d = queries.shape[1]
         self.queries = np.ascontiguousarray(queries)
         self.targets = np.ascontiguousarray(targets)
@@ -360,10 +361,17 @@ class _Operands:
         if float(center @ center) * SHIFT_RATIO ** 2 <= spread:
             center = np.zeros(d)    # a shift this small would not shrink the operands
         # A float32 block that needs neither a shift nor a scale is multiplied as it is: one
-        # read for its norms instead of a shifted copy.
+        # read for its norms instead of a shifted, scaled copy. For inner product the bound
+        # needs only the block's largest norm and element, and only after the search: with
+        # ``defer_target_stats`` the search takes them from each tile it has just multiplied,
+        # the block is not read for them, and :meth:`finish` completes the bound.
         as_is = metric.name != "cosine" and self.targets.dtype == np.float32 and not center.any()
-        b_sq = np.empty(nt)
-        if as_is:
+        self.deferred = as_is and defer_target_stats and not self.difference
+        b_sq = np.zeros(nt)
+        t_peak = 0.0
+        if self.deferred:
+            pass
+        elif as_is:
             t_peaks = np.empty(nt)
             _cpu_kernels.norms_and_peaks(self.targets, b_sq, t_peaks)
             t_peak = float(t_peaks.max(initial=0.0))
@@ -398,40 +406,22 @@ class _Operands:
         # Powers of two (no unit factors) on float32 rows: applied once to each key's sum.
         self.factor_after = metric.name != "cosine" and \
             self.queries.dtype == np.float32 and self.targets.dtype == np.float32
-        # Norm bounds of the exact shifted rows: the float32 ones, their rounding (relative
-        # u32, float32 subnormals absolute) and the float64 shift's rounding (relative to the
-        # unshifted magnitude, at most the shifted one plus |c|).
-        shift = np.sqrt((center * center).sum())
-        q_raw = (q_peaks * np.sqrt(d) + shift) * q_scales
-        t_raw = (t_peak * np.sqrt(d) + shift) * t_scale
-        q_err = _U32 * np.sqrt(a_sq) + 4 * _U64 * (q_raw + shift * q_scales) + np.sqrt(d) * _ETA32
-        t_err = _U32 * np.sqrt(b_sq.max(initial=0.0)) + 4 * _U64 * (t_raw + shift * t_scale) + np.sqrt(d) * _ETA32
-        A = np.sqrt(a_sq) + q_err
-        B = float(np.sqrt(b_sq.max(initial=0.0))) + t_err
-        n_u = (d + 2) * 2 * _U32
-        gamma = n_u / (1 - n_u)     # the sgemm's d-term sums, at twice the unit roundoff
-        tiny = d * 2.0 ** -147       # underflowing products
-        keys64 = (d + 4) * 2 * _U64  # the exact keys' and offsets' float64 sums
+        shift = float(np.sqrt((center * center).sum()))
         if self.difference:
             self.scaled = a * np.float32(-2.0)        # a power of two: exact
             self.bias = b_sq.astype(np.float32)
             self.offset = a_sq
-            e = q_err + t_err
-            margin = (2 * (A + B) * e + e * e                 # rounding the operands
-                      + 2 * gamma * A * B + tiny               # the sgemm
-                      + 2 * _U32 * B * B                       # the bias, and adding it
-                      + _U32 * (B * B + 2 * A * B)
-                      + keys64 * (A + B) ** 2)                 # |a|^2 and the exact key
         else:
             self.scaled = -a
             self.bias = np.zeros(nt, np.float32)
-            c_scaled = shift * t_scale
             # offset = -(q s_i) . (c s): exact key = -(a . b) + offset
-            self.offset = -(np.asarray(self.queries, np.float64) @ center) * self.q_factors * t_scale
-            margin = (q_err * B + A * t_err + q_err * t_err    # rounding the operands
-                      + gamma * A * B + tiny                   # the sgemm
-                      + keys64 * A * (B + c_scaled + t_err))   # the offset and the exact key
-        self.margin = 1.25 * margin
+            if center.any():
+                self.offset = -(np.asarray(self.queries, np.float64) @ center) * self.q_factors * t_scale
+            else:
+                self.offset = np.zeros(nq)
+        self._bound_inputs = (d, q_peaks, q_scales, t_scale, shift, a_sq)
+        if not self.deferred:
+            self._bound(float(b_sq.max(initial=0.0)), t_peak)
         # The cap's key: the largest key (this row's units) whose value is within the cap,
         # and the rounding of that translation (absolute, in keys): a relative 2^-40 of the
         # key, and for cosine of the key of 1 - cap (which cancels when the cap is near 1).
@@ -452,6 +442,48 @@ class _Operands:
             self.values = lambda keys: 1.0 - keys / (2.0 * scale * scale)
         else:
             self.values = lambda keys: -keys / (q_scales[:, None] * t_scale)
+
+    def finish(self, stats: np.ndarray) -> bool:
+        """Complete a deferred bound from the search's per-item (largest squared norm,
+        largest element) of the targets, ``stats`` (items, 2). False when the block was not
+        fit to be multiplied as it is (an element outside ``AS_IS_PEAKS``): the scores are
+        then void, and the search must run again on operands built without deferring."""
+        t_peak = float(stats[:, 1].max(initial=0.0))
+        if not AS_IS_PEAKS[0] <= t_peak < AS_IS_PEAKS[1]:
+            return False
+        self._bound(float(stats[:, 0].max(initial=0.0)), t_peak)
+        self.deferred = False
+        return True
+
+    def _bound(self, b_sq_max: float, t_peak: float) -> None:
+        """``margin``: each row's proven bound on |score + offset - exact key|."""
+        d, q_peaks, q_scales, t_scale, shift, a_sq = self._bound_inputs
+        # Norm bounds of the exact shifted rows: the float32 ones, their rounding (relative
+        # u32, float32 subnormals absolute) and the float64 shift's rounding (relative to the
+        # unshifted magnitude, at most the shifted one plus |c|).
+        q_raw = (q_peaks * np.sqrt(d) + shift) * q_scales
+        t_raw = (t_peak * np.sqrt(d) + shift) * t_scale
+        q_err = _U32 * np.sqrt(a_sq) + 4 * _U64 * (q_raw + shift * q_scales) + np.sqrt(d) * _ETA32
+        t_err = _U32 * np.sqrt(b_sq_max) + 4 * _U64 * (t_raw + shift * t_scale) + np.sqrt(d) * _ETA32
+        A = np.sqrt(a_sq) + q_err
+        B = float(np.sqrt(b_sq_max)) + t_err
+        n_u = (d + 2) * 2 * _U32
+        gamma = n_u / (1 - n_u)     # the sgemm's d-term sums, at twice the unit roundoff
+        tiny = d * 2.0 ** -147       # underflowing products
+        keys64 = (d + 4) * 2 * _U64  # the exact keys' and offsets' float64 sums
+        if self.difference:
+            e = q_err + t_err
+            margin = (2 * (A + B) * e + e * e                 # rounding the operands
+                      + 2 * gamma * A * B + tiny               # the sgemm
+                      + 2 * _U32 * B * B                       # the bias, and adding it
+                      + _U32 * (B * B + 2 * A * B)
+                      + keys64 * (A + B) ** 2)                 # |a|^2 and the exact key
+        else:
+            c_scaled = shift * t_scale
+            margin = (q_err * B + A * t_err + q_err * t_err    # rounding the operands
+                      + gamma * A * B + tiny                   # the sgemm
+                      + keys64 * A * (B + c_scaled + t_err))   # the offset and the exact key
+        self.margin = 1.25 * margin
 
     def cap_keys(self, cap: float) -> np.ndarray:
         """(nq,) float64: a key above which no target is within ``cap`` (its value's units):
@@ -554,16 +586,16 @@ class CpuBackend:
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)
         with thread_limits(threads) as used:
-            ops = _Operands(queries, targets, metric)
             query_tile, target_tile, n_split = plan_tiles(nq, nt, used)
             kept = heap_width(k, nt)
-            tail, tail_bias = _tail_tile(ops.targets32, ops.bias, target_tile)
-            heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+            # Uncapped, an inner product's bound can wait for the search (see _Operands).
+            ops = _Operands(queries, targets, metric, defer_target_stats=cap is None)
+            heaps, stats = _search(ops, nq, kept, query_tile, target_tile, n_split, cap)
+            if ops.deferred and not ops.finish(stats):
+                ops = _Operands(queries, targets, metric)
+                heaps, _ = _search(ops, nq, kept, query_tile, target_tile, n_split, cap)
             if cap is not None:
                 cap_keys = ops.cap_keys(cap)
-                heaps[:] = _cpu_kernels.cap_key(cap_keys - ops.offset + ops.margin)[None, :, None]
-            _cpu_kernels.search_tiles(ops.scaled, ops.targets32, ops.bias, tail, tail_bias, heaps,
-                                      query_tile)
             # Sorting the keys orders each row by (score, index). With several target
             # splits, the best of their union is the first ``kept``.
             keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
@@ -594,6 +626,22 @@ class CpuBackend:
             values[:, :width] = best_values
         indices[:, :width] = best_i
         return values, indices
+
+
+def _search(ops: _Operands, nq: int, kept: int, query_tile: int, target_tile: int, n_split: int,
+            cap) -> tuple[np.ndarray, np.ndarray]:
+    """The fused search on ``ops``: (n_split, nq, kept) heaps of each split's best keys per
+    row (a cap's key in the slots nothing below it filled), and the targets' stats it took
+    for deferred operands' ``finish`` (empty otherwise)."""
+    tail, tail_bias = _tail_tile(ops.targets32, ops.bias, target_tile)
+    heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+    if cap is not None:
+        heaps[:] = _cpu_kernels.cap_key(ops.cap_keys(cap) - ops.offset + ops.margin)[None, :, None]
+    items = -(-nq // query_tile) * n_split if ops.deferred else 0
+    stats = np.zeros((items, 2))
+    _cpu_kernels.search_tiles(ops.scaled, ops.targets32, ops.bias, tail, tail_bias, heaps, query_tile,
+                              stats)
+    return heaps, stats
 
 
 def _tail_tile(targets: np.ndarray, bias: np.ndarray, target_tile: int):

@@ -26,6 +26,45 @@ def test_centred_float32_block_is_multiplied_as_it_is(metric):
     assert ops.targets32 is ops.targets
 
 
+@pytest.mark.parametrize("nq, threads", [(7, 1), (7, 2), (3000, 2)], ids=["one item", "splits", "query tiles"])
+def test_deferred_inner_product_bound_equals_the_bound_from_a_read_of_the_block(nq, threads):
+    """An uncapped inner product on a float32 block used as it is takes the block's largest
+    norm and element from the search's tiles: every target counted once, whatever the split
+    into items, so the bound is the one a read of the whole block gives."""
+    rng = np.random.default_rng(3)
+    targets = rng.standard_normal((2100, 24)).astype(np.float32)
+    targets[1777] *= 40    # one long row, in a middle tile
+    queries = rng.standard_normal((nq, 24)).astype(np.float32)
+    read = cpu._Operands(queries, targets, resolve_metric("inner_product"))
+    deferred = cpu._Operands(queries, targets, resolve_metric("inner_product"), defer_target_stats=True)
+    assert deferred.deferred and not read.deferred and deferred.targets32 is targets
+    with cpu.thread_limits(threads) as used:
+        query_tile, target_tile, n_split = cpu.plan_tiles(nq, targets.shape[0], used)
+        heaps, stats = cpu._search(deferred, nq, 10, query_tile, target_tile, n_split, None)
+        want, _ = cpu._search(read, nq, 10, query_tile, target_tile, n_split, None)
+    assert stats.shape[0] == -(-nq // query_tile) * n_split > 0
+    assert deferred.finish(stats) and not deferred.deferred
+    np.testing.assert_allclose(deferred.margin, read.margin, rtol=1e-12)
+    np.testing.assert_array_equal(heaps, want)
+
+
+def test_deferred_block_with_huge_elements_is_searched_again_scaled():
+    """Elements beyond AS_IS_PEAKS void the deferred search (its float32 products may
+    overflow); finish says so, and the kernel answers from scaled operands (the oracle)."""
+    from tests.oracle import assert_knn_result
+
+    rng = np.random.default_rng(4)
+    targets = (rng.standard_normal((900, 8)) * 1e30).astype(np.float32)
+    queries = (rng.standard_normal((20, 8)) * 1e30).astype(np.float32)
+    deferred = cpu._Operands(queries, targets, resolve_metric("inner_product"), defer_target_stats=True)
+    with cpu.thread_limits(1) as used:
+        query_tile, target_tile, n_split = cpu.plan_tiles(20, 900, used)
+        _, stats = cpu._search(deferred, 20, 10, query_tile, target_tile, n_split, None)
+    assert not deferred.finish(stats)
+    values, indices = cpu.BACKEND.run(queries, targets, 5, resolve_metric("inner_product"), threads=1)
+    assert_knn_result(queries, targets, 5, "inner_product", values, indices, cpu.RANK_TOLERANCE)
+
+
 @pytest.mark.parametrize("make, why", [
     (lambda t: t + np.float32(10.0), "offset: shifted by the mean"),
     (lambda t: t.astype(np.float64), "float64 rows are rounded to float32"),
@@ -96,21 +135,30 @@ def test_best_by_key_orders_by_key_then_index(kind):
     (30, 2000, 1, 63),    # just below SEED_WIDTH: inserts only
 ], ids=["wide", "tail only", "seeded", "inserts"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_search_keeps_the_smallest_scores_ties_to_the_lower_index(nq, nt, d, kept, threads):
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "capped"])
+def test_search_keeps_the_smallest_scores_ties_to_the_lower_index(nq, nt, d, kept, threads, capped):
     """The fused search (seeded by a selection for wide heaps) keeps exactly each row's
-    ``kept`` smallest float32 scores, ties to the lower target, whatever the target split."""
+    ``kept`` smallest float32 scores, ties to the lower target, whatever the target split;
+    under a cap's initial key, only those within it (the other slots keep that key)."""
     rng = np.random.default_rng(nq + nt)
     queries = rng.integers(-2, 3, (nq, d)).astype(np.float32)     # integers: many ties
     targets = rng.integers(-2, 3, (nt, d)).astype(np.float32)
     bias = (targets.astype(np.float64) ** 2).sum(axis=1).astype(np.float32)
     kept = min(kept, nt)
+    scores = ((-2 * queries) @ targets.T + bias).astype(np.float32)   # exact: small integers
+    # a cap at each row's median score: admits the scores <= it, about half the targets
+    cap = np.median(scores, axis=1).astype(np.float64) if capped else np.full(nq, np.inf)
     with cpu.thread_limits(threads) as used:
         query_tile, target_tile, n_split = cpu.plan_tiles(nq, nt, used)
         tail, tail_bias = cpu._tail_tile(targets, bias, target_tile)
-        heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
-        _cpu_kernels.search_tiles(-2 * queries, targets, bias, tail, tail_bias, heaps, query_tile)
+        heaps = np.empty((n_split, nq, kept), dtype=np.uint64)
+        heaps[:] = _cpu_kernels.cap_key(cap)[None, :, None]
+        _cpu_kernels.search_tiles(-2 * queries, targets, bias, tail, tail_bias, heaps, query_tile,
+                                  np.zeros((0, 2)))
     keys = np.sort(np.concatenate(list(heaps), axis=1), axis=1)[:, :kept]
     _, found = _cpu_kernels.decode(keys)
-    scores = ((-2 * queries) @ targets.T + bias).astype(np.float32)   # exact: small integers
     for i in range(nq):
-        np.testing.assert_array_equal(found[i], np.lexsort((np.arange(nt), scores[i]))[:kept])
+        within = np.flatnonzero(scores[i] <= cap[i])
+        want = within[np.lexsort((within, scores[i][within]))][:kept]
+        np.testing.assert_array_equal(found[i][:len(want)], want)
+        assert (found[i][len(want):] == _cpu_kernels.EMPTY_INDEX).all()
