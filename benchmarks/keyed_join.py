@@ -1,14 +1,23 @@
-"""Keyed search (``on=``, issue 22) with many tiny groups: batched segments against a kernel call
-per group, and the Spark formulation at a small size.
+"""Keyed search (``on=``, issue 22): the executor-level segment search, and the join in Spark
+against the equi-join + window formulation and against the un-keyed join.
 
-1. executor level (no Spark): a query block against a broadcast target block of N_KEYS groups
-   of ~10 targets, d=64, k=10: ``udfs.groups.grouped_search`` as it ships (small groups in one
-   ``knn_segments`` call) against the per-group loop it replaced (one ``knn`` call per group
-   present in the query block), on the same sorted block; both results are checked equal;
-2. Spark ``local[2]`` at a small size: ``nearest_by_join(on=...)`` against the equi-join +
-   ``row_number`` window formulation of the issue (same rows checked).
+1. executor level (no Spark): a query block against a broadcast target block of 100,000
+   groups of ~10 targets, d=64, k=10: ``udfs.groups.grouped_search`` as it ships (small
+   groups in one ``knn_segments`` call) against the per-group loop it replaced (one ``knn``
+   call per group present in the query block), on the same sorted block; both results are
+   checked equal;
+2. Spark ``local[2]``, the issue's sizes: 20,000 queries x 200,000 targets, d=64, k=10,
+   (a) 100 keys with Zipf-skewed sizes on both sides, (b) 100,000 keys of ~2 targets.
+   Each: ``nearest_by_join(on="key")`` as it ships (the planner's jobs included), the keyed
+   blocked plan forced (``broadcast_limit_bytes=0``), the un-keyed ``nearest_by_join`` of the
+   same rows, and the issue's equi-join + ``row_number`` window; the keyed rows are checked
+   equal to the window's and the blocked plan's to the broadcast plan's.
+   ``--window-queries N`` adds the Zipf case at N x 10N with the window (a size it finishes
+   in minutes, when the full size does not); ``--no-full-window`` leaves the window out at
+   the full size.
 
-Usage: python benchmarks/keyed_join.py [--quick] [--skip-spark]
+Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-spark] [--skip-executor]
+       [--window-queries N] [--no-full-window]
 
 Records go to ``benchmarks/results/keyed_join.jsonl`` (tables ``executor`` and ``spark``;
 ``--quick`` runs to ``benchmarks/out/results/``); ``make bench-report`` renders them.
@@ -94,52 +103,136 @@ def executor_case(rec: Recorder, n_keys: int, n_queries: int, threads: int, repe
         print(f"{engine:36s} {seconds:8.3f} s  ({t_loop / seconds:6.1f}x the per-group loop)")
 
 
-def spark_case(rec: Recorder, n_keys: int, n_queries: int) -> None:
-    from pyspark.sql import SparkSession, Window
+def zipf_keys(n_keys: int, n: int, rng) -> np.ndarray:
+    """Keys of ``n`` rows with Zipf-skewed group sizes: key i (from 0) has a share ~ 1 / (i + 1)."""
+    p = 1.0 / np.arange(1, n_keys + 1)
+    return rng.choice(n_keys, n, p=p / p.sum())
+
+
+def spark_frames(spark, q_keys, t_keys, seed: int):
+    """Query (qid, key, qv) and target (tid, key, tv) frames, cached, from Arrow (string keys)."""
+    import pyarrow as pa
+
+    rng = np.random.default_rng(seed)
+    vec = pa.list_(pa.float32())
+
+    def frame(ids: str, vectors: str, keys):
+        v = rng.standard_normal((keys.size, D)).astype(np.float32)
+        table = pa.table({ids: pa.array(np.arange(keys.size, dtype=np.int32)),
+                          "key": pa.array([f"k{k:06d}" for k in keys]),
+                          vectors: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), D).cast(vec)})
+        df = spark.createDataFrame(table).repartition(4).cache()
+        df.count()
+        return df
+
+    return frame("qid", "qv", q_keys), frame("tid", "tv", t_keys)
+
+
+def timed(action, repeat: int) -> float:
+    return best_of(action, repeat)
+
+
+def noop(df) -> None:
+    df.write.format("noop").mode("overwrite").save()
+
+
+def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool, unkeyed: bool,
+               blocked: bool, repeat: int) -> None:
+    """One data set: nearest_by_join(on=key) as it ships (planning included: each repetition
+    builds the join, which runs its facts job), the keyed blocked plan (forced), the un-keyed
+    join of the same rows, and the equi-join + window; the keyed results checked equal to the
+    window's (same (qid, tid) rows) where both run."""
+    from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    from nearest_join import nearest_by_join
+    from nearest_join import explain_nearest_join, nearest_by_join
 
-    spark = (SparkSession.builder.master("local[2]").appName("nearest_join-keyed-bench")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "4").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    queries, q_groups, targets, t_groups = data(n_keys, n_queries, seed=1)
-    q = spark.createDataFrame([(i, int(g), v.tolist()) for i, (g, v) in enumerate(zip(q_groups, queries))],
-                              "qid int, key int, qv array<float>").cache()
-    t = spark.createDataFrame([(j, int(g), v.tolist()) for j, (g, v) in enumerate(zip(t_groups, targets))],
-                              "tid int, key int, tv array<float>").cache()
-    q.count(), t.count()
-    ours = nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d", on="key").select("qid", "tid")
-    window = (q.join(t, "key").withColumn("d", F.vector_l2_distance(F.col("qv"), F.col("tv")))
-              .withColumn("r", F.row_number().over(Window.partitionBy("qid").orderBy("d", "tid")))
-              .where(f"r <= {K}").select("qid", "tid"))
-    a, b = sorted(map(tuple, ours.collect())), sorted(map(tuple, window.collect()))   # warm-up
-    assert a == b, "nearest_by_join(on=) and the window formulation differ"
-    t_ours = best_of(lambda: ours.collect(), 3)
-    t_window = best_of(lambda: window.collect(), 3)
-    common = {"keys": n_keys, "queries": n_queries, "targets": int(targets.shape[0]), "d": D, "k": K,
-              "metric": METRIC, "master": "local[2]"}
-    for engine, seconds in (("nearest_by_join(on=key)", t_ours), ("equi-join + row_number window", t_window)):
-        rec.add("spark", engine=engine, seconds=round(seconds, 3),
-                speedup_vs_window=round(t_window / seconds, 2), **common)
-        print(f"{engine:36s} {seconds:8.3f} s  ({t_window / seconds:6.2f}x the window)")
-    spark.stop()
+    q, t = spark_frames(spark, q_keys, t_keys, seed=1)
+
+    def ours(**options):
+        return nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d", on="key",
+                               **options).select("qid", "tid")
+
+    def window_join():
+        return (q.join(t, "key").withColumn("d", F.vector_l2_distance(F.col("qv"), F.col("tv")))
+                .withColumn("r", F.row_number().over(Window.partitionBy("qid").orderBy("d", "tid")))
+                .where(f"r <= {K}").select("qid", "tid"))
+
+    pairs = int(sum(np.bincount(q_keys, minlength=t_keys.max() + 1)[:t_keys.max() + 1]
+                    * np.bincount(t_keys, minlength=t_keys.max() + 1)))
+    common = {"case": case, "keys": int(np.unique(t_keys).size), "queries": int(q_keys.size),
+              "targets": int(t_keys.size), "same_key_pairs": pairs, "largest_group": int(np.bincount(t_keys).max()),
+              "d": D, "k": K, "metric": METRIC, "master": "local[2]"}
+    plan = explain_nearest_join(q, t, METRIC, K, vectors=("qv", "tv"), on="key")
+    print(f"[{case}] {q_keys.size} x {t_keys.size}, {common['keys']} keys, {pairs:,} same-key pairs; "
+          f"plan {plan.plan}")
+    expected = sorted(map(tuple, ours().collect()))            # also the warm-up
+    results = {"nearest_by_join(on=key)": timed(lambda: noop(ours()), repeat)}
+    if blocked:
+        got = sorted(map(tuple, ours(broadcast_limit_bytes=0).collect()))
+        assert got == expected, "the keyed blocked plan and the broadcast plan differ"
+        results["nearest_by_join(on=key), blocked plan"] = timed(lambda: noop(ours(broadcast_limit_bytes=0)),
+                                                                 repeat)
+    if unkeyed:
+        plain = nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d").select("qid", "tid")
+        noop(plain)                                             # warm-up
+        results["nearest_by_join (no key)"] = timed(lambda: noop(nearest_by_join(
+            q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d").select("qid", "tid")), 1)
+    if window:
+        start = time.perf_counter()
+        got = sorted(map(tuple, window_join().collect()))
+        results["equi-join + row_number window"] = time.perf_counter() - start
+        assert got == expected, "nearest_by_join(on=) and the window formulation differ"
+    base = results.get("equi-join + row_number window")
+    for engine, seconds in results.items():
+        extra = {} if base is None else {"speedup_vs_window": round(base / seconds, 2)}
+        rec.add("spark", engine=engine, seconds=round(seconds, 3), **extra, **common)
+        print(f"  {engine:42s} {seconds:9.3f} s" + ("" if base is None else f"  ({base / seconds:7.2f}x the window)"))
+    q.unpersist()
+    t.unpersist()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (seconds)")
     ap.add_argument("--skip-spark", action="store_true", help="executor level only")
+    ap.add_argument("--skip-executor", action="store_true", help="Spark cases only")
+    ap.add_argument("--window-queries", type=int, default=None,
+                    help="also run the Zipf case at this many queries (and 10x the targets), with the "
+                         "window formulation: the largest size it finishes in minutes")
+    ap.add_argument("--no-full-window", action="store_true",
+                    help="leave the window formulation out at the full Zipf size")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     rec = Recorder("keyed_join", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
-    if args.quick:
-        executor_case(rec, 2_000, 2_000, args.threads, 2)
-    else:
-        executor_case(rec, 100_000, 20_000, args.threads, 3)
-    if not args.skip_spark:
-        spark_case(rec, 200 if args.quick else 2_000, 500 if args.quick else 4_000)
+    if not args.skip_executor:
+        if args.quick:
+            executor_case(rec, 2_000, 2_000, args.threads, 2)
+        else:
+            executor_case(rec, 100_000, 20_000, args.threads, 3)
+    if args.skip_spark:
+        return
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("nearest_join-keyed-bench")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", "6g").config("spark.sql.shuffle.partitions", "4")
+             .getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    n_queries, n_targets = (2_000, 20_000) if args.quick else (20_000, 200_000)
+    rng = np.random.default_rng(0)
+    spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, n_queries, rng), zipf_keys(100, n_targets, rng),
+               window=not args.no_full_window, unkeyed=True, blocked=True, repeat=2)
+    if args.window_queries:
+        spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, args.window_queries, rng),
+                   zipf_keys(100, 10 * args.window_queries, rng), window=True, unkeyed=False, blocked=False,
+                   repeat=2)
+    n_keys = n_targets // 2                                      # ~2 targets per key
+    t_keys = rng.integers(0, n_keys, n_targets)
+    q_keys = t_keys[rng.integers(0, n_targets, n_queries)]       # every query's key has targets
+    spark_case(rec, spark, f"{n_keys:,} keys of ~2", q_keys, t_keys, window=True, unkeyed=True, blocked=True,
+               repeat=2)
+    spark.stop()
 
 
 if __name__ == "__main__":
