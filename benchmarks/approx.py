@@ -1,0 +1,219 @@
+"""mode="approx" (issue 23): recall@k and end-to-end time of the IVF plan against our exact mode,
+and faiss ``IndexIVFFlat`` in one process at the same recall, in Spark ``local[2]``.
+
+For each data set (clustered: Gaussian clusters of ~1,000 rows; unclustered: one Gaussian)
+the script times, end to end (``nearest_by_join(...)`` through ``toArrow()`` of the
+(query id, target id) pairs, inputs cached):
+
+* our exact mode;
+* ``mode="approx"`` for each recall target (training, the recall estimate and the search
+  included: every call trains its own index), with the nprobe the planner chose and its
+  estimate; recall@k measured against the exact pairs;
+* faiss ``IndexIVFFlat`` (same nlist, trained on as many rows, ``omp_set_num_threads(2)``):
+  the smallest nprobe whose measured recall reaches ours, timed train + add + search on
+  numpy arrays already in memory (no Spark, no Arrow).
+
+Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian]
+
+Default size nt = 200,000, nq = 20,000; ``--full`` is the issue's nt = 1,000,000,
+nq = 100,000; d = 128, k = 10. Records go to ``benchmarks/results/approx.jsonl`` (table
+``recall``; ``--quick`` to ``benchmarks/out/results/``) and the plot of recall against
+speed-up to ``benchmarks/plots/approx-recall.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+from benchmarks._record import SMOKE_DIR, Recorder
+
+D, K, METRIC = 128, 10, "l2"
+ROWS_PER_CLUSTER = 1000
+RECALLS = (0.9, 0.95, 0.99)
+
+
+def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    if kind == "gaussian":
+        return (rng.standard_normal((nt, D), dtype=np.float32),
+                rng.standard_normal((nq, D), dtype=np.float32))
+    centres = rng.standard_normal((max(1, nt // ROWS_PER_CLUSTER), D), dtype=np.float32)
+
+    def draw(n):
+        return centres[rng.integers(0, centres.shape[0], n)] + 0.35 * rng.standard_normal((n, D), dtype=np.float32)
+
+    return draw(nt), draw(nq)
+
+
+def to_parquet(path: str, ids: str, vectors: str, matrix: np.ndarray) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    flat = pa.array(matrix.reshape(-1))
+    offsets = pa.array(np.arange(0, matrix.size + 1, D, dtype=np.int32))
+    table = pa.table({ids: pa.array(np.arange(matrix.shape[0], dtype=np.int32)),
+                      vectors: pa.ListArray.from_arrays(offsets, flat)})
+    pq.write_table(table, path, row_group_size=50_000)
+
+
+def pairs_of(df) -> np.ndarray:
+    """(query id, target id) pairs, sorted."""
+    table = df.toArrow()
+    pairs = np.stack([table.column(0).to_numpy(), table.column(1).to_numpy()], axis=1).astype(np.int64)
+    return pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
+
+
+def recall_of(found: np.ndarray, exact: np.ndarray, nq: int) -> float:
+    """Mean over queries of |found & exact| / |exact| (pairs as (query, target) rows)."""
+    code = lambda p: p[:, 0] * (1 << 32) + p[:, 1]
+    hit = np.isin(code(exact), code(found))
+    per_query = np.bincount(exact[:, 0], weights=hit, minlength=nq) / np.maximum(np.bincount(exact[:, 0], minlength=nq), 1)
+    return float(per_query.mean())
+
+
+def faiss_at_recall(targets, queries, exact_rows: np.ndarray, nlist: int, sample_rows: int,
+                    wanted: float) -> tuple[int, float, float]:
+    """(nprobe, recall, seconds) of faiss IVFFlat: the smallest nprobe reaching ``wanted``."""
+    import faiss
+
+    faiss.omp_set_num_threads(2)
+    rng = np.random.default_rng(0)
+    sample = targets[rng.choice(targets.shape[0], min(sample_rows, targets.shape[0]), replace=False)]
+    start = time.perf_counter()
+    quantizer = faiss.IndexFlatL2(D)
+    index = faiss.IndexIVFFlat(quantizer, D, nlist)
+    index.train(sample)
+    index.add(targets)
+    build = time.perf_counter() - start
+    nprobe, recall, search = 1, 0.0, 0.0
+    while True:
+        index.nprobe = nprobe
+        start = time.perf_counter()
+        _, found = index.search(queries, K)
+        search = time.perf_counter() - start
+        recall = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(found.tolist(), exact_rows.tolist())]))
+        if recall >= wanted or nprobe >= nlist:
+            return nprobe, recall, build + search
+        nprobe = min(nlist, nprobe * 2 if recall < wanted - 0.05 else nprobe + 1)
+
+
+def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, workdir: str,
+                force: bool = False) -> list[dict]:
+    from nearest_join.ivf import default_nlist
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    targets, queries = make_data(kind, nt, nq)
+    to_parquet(os.path.join(workdir, f"{kind}-t.parquet"), "tid", "w", targets)
+    to_parquet(os.path.join(workdir, f"{kind}-q.parquet"), "qid", "v", queries)
+    t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
+    q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
+    t.count(), q.count()
+    common = {"data": kind, "nt": nt, "nq": nq, "d": D, "k": K, "master": "local[2]"}
+
+    def timed(**options):
+        """(pairs, seconds, plan): planning (an approx plan's training and recall estimate
+        included) and the search, as nearest_by_join runs them."""
+        start = time.perf_counter()
+        planned = plan_join(q, t, METRIC, JoinOptions(num_results=K, vectors=("v", "w"), **options))
+        pairs = pairs_of(planned.dataframe().select("qid", "tid"))
+        return pairs, time.perf_counter() - start, planned.plan
+
+    # warm-up (Python workers, numba caches, both plans) on a slice
+    for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}):
+        plan_join(q.limit(500), t.limit(5000), METRIC,
+                  JoinOptions(num_results=K, vectors=("v", "w"), **options)).dataframe().toArrow()
+    exact, exact_s, _ = timed()
+    print(f"[{kind}] exact: {exact_s:.1f} s, {exact.shape[0]} pairs", flush=True)
+    rows = []
+    rec.add("recall", engine="nearest_by_join exact", recall_target=None, nprobe=None, recall_estimate=None,
+            recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, faiss_seconds=None,
+            ours_over_faiss=None, **common)
+    # exact neighbour rows for faiss's recall (one row of k per query, in query order)
+    exact_rows = exact[:, 1].reshape(nq, K)
+    for wanted in recalls:
+        # --quick forces the IVF plan (its size is below the one where approx runs IVF)
+        forced = {"nlist": default_nlist(nt)} if force else {}
+        found, seconds, plan = timed(mode="approx", recall=wanted, **forced)
+        plan = plan.ivf
+        measured = recall_of(found, exact, nq)
+        row = {"recall_target": wanted, "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
+               "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
+               "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2)}
+        if plan["runs"] == "ivf":
+            f_probe, f_recall, f_seconds = faiss_at_recall(targets, queries, exact_rows, plan["nlist"],
+                                                           50 * plan["nlist"], measured)
+            row.update(faiss_seconds=round(f_seconds, 2), faiss_nprobe=f_probe,
+                       faiss_recall=round(f_recall, 4), ours_over_faiss=round(seconds / f_seconds, 2))
+        print(f"[{kind}] approx recall>={wanted}: nprobe {row['nprobe']}/{row['nlist']}, estimate "
+              f"{row['recall_estimate']}, measured {measured:.4f}, {seconds:.1f} s "
+              f"({row['speedup_vs_exact']}x exact); faiss {row.get('faiss_seconds')} s at nprobe "
+              f"{row.get('faiss_nprobe')} (recall {row.get('faiss_recall')})", flush=True)
+        rec.add("recall", engine="nearest_by_join approx", **row, **common)
+        rows.append({**row, **common})
+    t.unpersist(), q.unpersist()
+    return rows
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind in dict.fromkeys(r["data"] for r in rows):
+        mine = [r for r in rows if r["data"] == kind]
+        ax.plot([r["recall"] for r in mine], [r["speedup_vs_exact"] for r in mine], "o-", label=kind)
+        for r in mine:
+            ax.annotate(f"target {r['recall_target']}", (r["recall"], r["speedup_vs_exact"]), fontsize=7)
+    ax.set_xlabel(f"measured recall@{K}")
+    ax.set_ylabel("speed-up vs our exact mode (end to end)")
+    ax.set_title(f"mode=approx, local[2], nt={rows[0]['nt']:,}, nq={rows[0]['nq']:,}, d={D}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    size = ap.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="nt 50,000, nq 5,000 (smoke)")
+    size.add_argument("--full", action="store_true", help="the issue's nt 1,000,000, nq 100,000")
+    ap.add_argument("--datasets", nargs="+", default=["clustered", "gaussian"], choices=["clustered", "gaussian"])
+    ap.add_argument("--driver-memory", default="8g")
+    args = ap.parse_args()
+    nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
+
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master("local[2]").appName("nearest_join-approx-bench")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.memory", args.driver_memory)
+             .config("spark.sql.shuffle.partitions", "4").getOrCreate())
+    spark.sparkContext.setLogLevel("ERROR")
+    rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
+        for kind in args.datasets:
+            rows += run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
+                                force=args.quick)
+    spark.stop()
+    if not args.quick:
+        plot(rows, ROOT / "benchmarks" / "plots" / "approx-recall.png")
+
+
+if __name__ == "__main__":
+    main()
