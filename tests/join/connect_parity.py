@@ -61,8 +61,68 @@ def main() -> int:
         ok = exc.getCondition() == "NEAREST_BY_JOIN.NUM_RESULTS_OUT_OF_RANGE"
         print("error-num-results", "OK" if ok else f"FAILED {exc}", flush=True)
         failures += not ok
+    failures += column_cases(spark)
     spark.stop()
     return 1 if failures else 0
+
+
+def column_cases(spark) -> int:
+    """Which side a ranking's columns are on, and names Spark would parse, through Connect
+    (tests/join/test_columns.py checks them in the classic session): columns of frames the
+    sides derive from, sides found by plan id, dotted and backquoted names, a self-join,
+    ragged vectors. Prints one line per case; returns the number that failed."""
+    q = spark.createDataFrame([(1, [0.0, 0.0]), (2, [10.0, 0.0])], "qid int, v array<float>")
+    t = spark.createDataFrame([("a", [0.0, 0.0], [9.0, 0.0]), ("b", [5.0, 5.0], [5.0, 6.0]),
+                               ("c", [3.0, 0.0], [0.0, 1.0])], "tid string, v array<float>, w array<float>")
+
+    def two_target_columns():
+        # columns of the frames the joined ones derive from: their plan ids are not the sides' own
+        ranking = F.vector_l2_distance(t.v, t.w)
+        assert explain_nearest_join(q.filter("qid > 0"), t.filter("tid > ''"), ranking, 1).plan == "spark"
+
+    def sides_by_plan_id():
+        plan = explain_nearest_join(q.filter("qid > 0"), t, F.vector_l2_distance(t.w, q.v), 1)
+        assert (plan.plan, plan.query_column, plan.target_column) == ("broadcast", "v", "w"), plan
+        rows = nearest_by_join(q, t, F.vector_l2_distance(t.w, q.v), 1).collect()
+        assert {(r["qid"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
+
+    def dotted_names():
+        qd = q.withColumnsRenamed({"qid": "q.id", "v": "emb.v1"})
+        td = t.withColumnsRenamed({"w": "w`x"})
+        rows = nearest_by_join(qd, td, F.vector_l2_distance(qd["`emb.v1`"], td["`w``x`"]), 1).collect()
+        assert {(r["q.id"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
+
+    def self_join():
+        try:
+            nearest_by_join(t, t, F.vector_l2_distance(t.v, t.w), 1)
+        except ValueError as exc:
+            assert "resolve on both the query and the target" in str(exc), exc
+        else:
+            raise AssertionError("no error")
+        rows = nearest_by_join(t, t, F.vector_l2_distance(t.v, t.v), 2).collect()
+        assert {(r[0], r[3]) for r in rows if r[0] == "c"} == {("c", "c"), ("c", "a")}, rows
+
+    def ragged():
+        r = spark.createDataFrame([(0, [1.0, 0.0]), (1, [1.0, 0.0, 2.0])], "rid int, rv array<float>")
+        try:
+            nearest_by_join(q, r, F.vector_l2_distance(q.v, r.rv), 1)
+        except NearestByJoinError as exc:
+            assert exc.getCondition() == "VECTOR_DIMENSION_MISMATCH", exc
+            assert "target column `rv` has vectors of dimension 2 and of dimension 3" in str(exc), exc
+        else:
+            raise AssertionError("no error")
+
+    failures = 0
+    for name, check in [("columns-two-target-columns", two_target_columns),
+                        ("columns-sides-by-plan-id", sides_by_plan_id), ("columns-dotted-names", dotted_names),
+                        ("columns-self-join", self_join), ("columns-ragged", ragged)]:
+        try:
+            check()
+            print(name, "OK", flush=True)
+        except Exception as exc:  # report every case, then fail
+            failures += 1
+            print(name, "FAILED", repr(exc)[:500], flush=True)
+    return failures
 
 
 if __name__ == "__main__":
