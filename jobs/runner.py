@@ -321,6 +321,13 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
     options = dataclasses.replace(spec.join.options, vectors=(query_vector, target_vector), on=on)
     with phases("plan") as facts, _input_errors(spec):
         try:
+            if spec.join.index is not None:   # join.index: a saved IVF index, or train and save one
+                from nearest_join.ivf import load_or_build
+
+                index = load_or_build(spec.join.index.path, rebuild=spec.join.index.rebuild, target=target,
+                                      column=target_vector, metric=spec.join.metric, nlist=options.nlist,
+                                      seed=options.seed)
+                options = dataclasses.replace(options, index=index, nlist=None)
             planned = plan_join(query, target, spec.join.metric, options)
         except (TypeError, ValueError, AnalysisException) as exc:
             error = _library_error(exc)

@@ -81,7 +81,14 @@ _JOIN_KEYS: dict[str, Any] = {
     "max_distance": None,
     "min_similarity": None,
     "on": None,            # key columns (input names, before prefix): name, [names], [[query, target]]
+    # mode approx (the IVF plan): recall@k target, lists, lists probed, seed, and a saved index
+    "recall": 0.95,
+    "nlist": None,
+    "nprobe": None,
+    "seed": 0,
+    "index": None,         # {path: DIR, rebuild: false}: load the index there, or train and save it
 }
+_INDEX_KEYS: dict[str, Any] = {"path": _REQUIRED, "rebuild": False}
 _OUTPUT_KEYS: dict[str, Any] = {
     "path": _REQUIRED,
     "mode": "error-if-exists",
@@ -128,6 +135,16 @@ class JoinSpec:
 
     metric: str
     options: JoinOptions
+    index: IndexSpec | None = None    # join.index (mode approx)
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """``join.index``: where the IVF index lives; ``rebuild`` trains and saves it again
+    (otherwise a saved one is reused and only a missing one is trained)."""
+
+    path: str                         # absolute local path of the index directory
+    rebuild: bool
 
 @dataclass(frozen=True)
 class OutputSpec:
@@ -506,7 +523,7 @@ def _join(values: dict[str, Any]) -> JoinSpec:
         raise SpecError("join.metric", f"unknown metric {short(metric)}; expected one of {sorted(METRICS)}")
     # The library validates its own options; the spec only renames k.
     arguments = {("num_results" if key == "k" else key): value
-                 for key, value in values.items() if key != "metric"}
+                 for key, value in values.items() if key not in ("metric", "index")}
     try:
         options = JoinOptions(**arguments)
         options.cap(metric)     # the cap argument that fits the metric
@@ -514,7 +531,25 @@ def _join(values: dict[str, Any]) -> JoinSpec:
         raise SpecError(option_key(exc.argument), exc.problem) from None
     except NearestByJoinError as exc:
         raise SpecError(option_key(exc.argument), str(exc)) from None
-    return JoinSpec(metric=metric, options=options)
+    return JoinSpec(metric=metric, options=options, index=_index(values["index"], options.mode))
+
+
+def _index(value: Any, mode: str) -> IndexSpec | None:
+    if value is None:
+        return None
+    section = _mapping(value, "join.index")
+    _check_known(section, _INDEX_KEYS, "join.index.")
+    if section.get("path") is None:
+        raise SpecError("join.index.path", "missing (required)")
+    path = _text(section["path"], "join.index.path")
+    if not is_local(path):
+        raise SpecError("join.index.path", f"expected a local filesystem path, got {path!r}")
+    rebuild = section.get("rebuild", False)
+    if not isinstance(rebuild, bool):
+        raise SpecError("join.index.rebuild", f"expected true or false, got {describe(rebuild)}")
+    if mode != "approx":
+        raise SpecError("join.index", f"applies to join.mode: approx (the IVF plan), got mode {mode!r}")
+    return IndexSpec(path=local_path(path), rebuild=rebuild)
 
 
 def _output(values: dict[str, Any]) -> OutputSpec:

@@ -275,6 +275,20 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
     return index
 
 
+def load_or_build(path: str, *, rebuild: bool, target, column: str, metric: str,
+                  nlist: int | None, seed: int) -> IVFIndex:
+    """The index saved at ``path``, or (absent, or ``rebuild``) one trained on ``target``
+    and saved there: a nightly job retrains only when asked (the job spec's ``join.index``)."""
+    if not rebuild and os.path.exists(os.path.join(path, _META)):
+        index = IVFIndex.load(path)
+        logger.info("loaded %r from %s", index, path)
+        return index
+    index = build_ivf_index(target, column=column, metric=metric, nlist=nlist, seed=seed)
+    index.save(path)
+    logger.info("saved %r to %s", index, path)
+    return index
+
+
 # ----------------------------------------------------------------------------- recall
 def wilson_interval(estimate: float, n: int) -> tuple[float, float]:
     """The 95% Wilson score interval of a proportion ``estimate`` over ``n`` trials."""
