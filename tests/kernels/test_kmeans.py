@@ -151,3 +151,12 @@ def test_bad_iterations_and_input():
         kmeans([[1.0]], 1)
     with pytest.raises(ValueError, match="n_clusters.*between 1 and 0"):
         kmeans(np.full((3, 2), np.nan, np.float32), 1)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from nearest_join.kernels import kmeans as module
+
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
