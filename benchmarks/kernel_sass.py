@@ -34,7 +34,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def compile_rowlist(n_cand: int, precision: str, block_m: int, num_warps: int, num_stages: int,
-                    extra_passes: int, d: int, strided: bool = False, seeded: bool = False,
+                    extra_passes: int, d: int, strided: bool = False,
                     levels: bool = False, skip_test: bool = True, tma: bool = False):
     fn = tr._rowlist_kernel
     dtype = "bf16" if precision == "bf16" else "fp32"
@@ -47,7 +47,7 @@ def compile_rowlist(n_cand: int, precision: str, block_m: int, num_warps: int, n
     constants = dict(N_CAND=n_cand, BLOCK_M=block_m, BLOCK_N=tr.BLOCK_N, BLOCK_D=d,
                      EXTRA_PASSES=extra_passes, SINGLE_DOT=True,
                      INPUT_PRECISION="ieee" if precision == "fp32" else "tf32",
-                     DOT_UPCAST=False, EVEN_D=True, STRIDED=strided, SEEDED=seeded,
+                     DOT_UPCAST=False, EVEN_D=True, STRIDED=strided,
                      LEVELS=levels, SKIP_TEST=skip_test, T_DESC=tma)
     signature.update({name: "constexpr" for name in constants})
     # 16-byte aligned pointers, d and the row strides multiples of 16 (d=128 contiguous rows);
@@ -71,7 +71,6 @@ def main(argv=None) -> None:
     ap.add_argument("--extra-passes", type=int, default=3)
     ap.add_argument("--d", type=int, default=128)
     ap.add_argument("--strided", action="store_true", help="the segmented mode's strided tiles")
-    ap.add_argument("--seeded", action="store_true", help="lists seeded with a per-row limit (widening rounds)")
     ap.add_argument("--levels", action="store_true", help="bias table rows per program (EXACT mode lower keys)")
     ap.add_argument("--no-skip-test", action="store_true", help="without the row-minimum test (SKIP_TEST)")
     ap.add_argument("--tma", action="store_true", help="target tiles by tensor descriptor (T_DESC)")
@@ -82,7 +81,7 @@ def main(argv=None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n_cand in (int(x) for x in args.n_cand.split(",")):
         kernel = compile_rowlist(n_cand, args.precision, args.block_m, args.warps, args.stages,
-                                 args.extra_passes, args.d, args.strided, args.seeded,
+                                 args.extra_passes, args.d, args.strided,
                                  args.levels, not args.no_skip_test, args.tma)
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(tmp, "k.cubin")

@@ -380,7 +380,7 @@ def _rowlist_kernel(
     N_CAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EXTRA_PASSES: tl.constexpr, SINGLE_DOT: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr = False,
-    STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True, SEEDED: tl.constexpr = False,
+    STRIDED: tl.constexpr = False, SKIP_TEST: tl.constexpr = True,
     LEVELS: tl.constexpr = False, T_DESC: tl.constexpr = False,
 ):
     """Short lists (n_cand <= ROWLIST_MAX, or one segment's list in the segmented mode):
@@ -405,11 +405,13 @@ def _rowlist_kernel(
     other (a cluster, data sorted by place) spread over the segments at tile granularity
     rather than crowding one segment's short list. The programs running at the same time
     share ``pid_s`` (grid dimension 0 varies fastest) and read the same tiles either way.
-    ``SEEDED``: each row's list starts full of placeholders (its seed key from ``seed_ptr``,
-    index ``VIRTUAL_INDEX``) instead of EMPTY, so the threshold starts at the seed: keys
-    above it never enter and, once the row minimum stays above every seed, tiles cost the
-    product and one minimum. A placeholder left at the end means every target of the range
-    with key <= seed is in the list (none was evicted: the worst entry was a placeholder).
+    Seeds: each row's list starts full of placeholders (its seed key from ``seed_ptr``,
+    index ``VIRTUAL_INDEX``), so the threshold starts at the seed: keys above it never enter
+    and, once the row minimum stays above every seed, tiles cost the product and one minimum.
+    A placeholder left at the end means every target of the range with key <= seed is in the
+    list (none was evicted: the worst entry was a placeholder). A seed of +inf makes the
+    placeholder EMPTY (same bits), so an unseeded search passes +inf seeds and runs the same
+    compiled kernel as the widening rounds of its width (one compilation, not two).
     ``LEVELS`` (EXACT mode's lower keys): the bias is this program's row ``level_ptr[pid_m]``
     of a table (``_gpu_torch.lower_bias_table``); the product and the keys' one FMA are as
     without.
@@ -434,14 +436,10 @@ def _rowlist_kernel(
         q = _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
     else:
         q = 0.0
-    if SEEDED:
-        seed_rows = m0 + tl.arange(0, BLOCK_M)
-        seed = tl.load(seed_ptr + seed_rows, mask=seed_rows < nq, other=float("inf"))
-        worst = _pack(seed, tl.full([BLOCK_M], _VIRTUAL, tl.int32))   # +inf: EMPTY
-        best = tl.zeros([BLOCK_M, N_CAND], dtype=tl.int64) + worst[:, None]
-    else:
-        best = tl.full([BLOCK_M, N_CAND], _EMPTY, tl.int64)
-        worst = tl.full([BLOCK_M], _EMPTY, tl.int64)
+    seed_rows = m0 + tl.arange(0, BLOCK_M)
+    seed = tl.load(seed_ptr + seed_rows, mask=seed_rows < nq, other=float("inf"))
+    worst = _pack(seed, tl.full([BLOCK_M], _VIRTUAL, tl.int32))   # +inf: EMPTY
+    best = tl.zeros([BLOCK_M, N_CAND], dtype=tl.int64) + worst[:, None]
     worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
     for tile in range(0, n_tiles):
         n0 = t_start + tile * t_step
@@ -816,8 +814,9 @@ def _loads(kernel, grid, args, kwargs, device: torch.device) -> str | None:
 
 def rowlist_arguments(plan: CandidatePlan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level,
                       rows: int, nt: int, d: int, alpha: float, stride_level: int, *,
-                      seeded: bool, skip_test: bool, lower: bool, precision: str, upcast: bool):
-    """(grid, args, kwargs) of one ``_rowlist_kernel`` launch of ``plan``."""
+                      skip_test: bool, lower: bool, precision: str, upcast: bool):
+    """(grid, args, kwargs) of one ``_rowlist_kernel`` launch of ``plan``; ``seed_chunk``
+    float32 (rows,), +inf where a row has no seed."""
     cfg = plan.config
     grid = (math.ceil(rows / cfg.block_m), plan.n_splits)
     args = (q_chunk, t_arg, bias, out, seed_chunk, level, rows, nt, d,
@@ -826,7 +825,7 @@ def rowlist_arguments(plan: CandidatePlan, q_chunk, t_arg, t_op, bias, out, seed
                   EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=plan.single_dot,
                   INPUT_PRECISION="ieee" if precision == "fp32" else "tf32", DOT_UPCAST=upcast,
                   EVEN_D=d % plan.block_d == 0, STRIDED=plan.segmented, SKIP_TEST=skip_test,
-                  SEEDED=seeded, LEVELS=lower, T_DESC=t_arg is not t_op,
+                  LEVELS=lower, T_DESC=t_arg is not t_op,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return grid, args, kwargs
 
@@ -948,11 +947,10 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             if rowlist:
                 out = _kernel_buffer((rows, plan.n_splits * list_len), torch.int64, device)
                 seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
-                              if seeded else q_chunk)
+                              if seeded else torch.full((rows,), math.inf, device=device))
                 grid, args, kwargs = rowlist_arguments(
                     plan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level, rows, nt, d, alpha,
-                    stride_level, seeded=seeded, skip_test=skip_test, lower=lower, precision=precision,
-                    upcast=upcast)
+                    stride_level, skip_test=skip_test, lower=lower, precision=precision, upcast=upcast)
                 kernel = _rowlist_kernel
             else:
                 buf = _kernel_buffer((grid_m, plan.n_splits, cfg.block_m, cfg.cap), torch.int64, device)

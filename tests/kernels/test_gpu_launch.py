@@ -105,7 +105,7 @@ def _arguments(plan, d, precision, n_cand):
     if plan.rowlist:
         out = torch.zeros((rows, plan.n_splits * plan.list_len), dtype=torch.int64)
         return tr._rowlist_kernel, tr.rowlist_arguments(
-            plan, q, t_arg, t, bias, out, bias, level, rows, nt, d, 2.0, 0, seeded=True, skip_test=True,
+            plan, q, t_arg, t, bias, out, bias, level, rows, nt, d, 2.0, 0, skip_test=True,
             lower=False, precision=precision, upcast=False)
     buf = torch.zeros(1, dtype=torch.int64)
     scratch = torch.zeros(1, dtype=torch.int32)
