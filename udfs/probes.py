@@ -13,8 +13,8 @@ same split of the work,
 * each large segment (a dense list: queries x rows x d above ``SEGMENT_WORK``) one call of
   the task's searcher for all the queries that probe it, whatever the list's size;
 
-and the parts of a query (its small segments, then its large ones in probe order) merged by
-the shared :func:`nearest_join.kernels.merge_topk`. Every pair searched is exact; only
+and each large segment's results folded into its queries' top k by the shared
+:func:`nearest_join.kernels.merge_topk` (a running (queries, k) state, whatever nprobe is). Every pair searched is exact; only
 which lists a query probes is approximate. Ties between targets of equal value go to the
 lower block row, except within the small segments' one call, where they go to the lower
 list first (the segments' order); both are deterministic for a given input.
@@ -85,42 +85,29 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
         return values, rows
     sizes = np.diff(segments.starts)
     large = np.bincount(segment, minlength=sizes.size) * sizes * d > limit
-    parts_values, parts_rows = [], []
-
     small = ~large[segment]
     if small.any():
         # owner is non-decreasing (CSR order), so the small probes are CSR too.
         counts = np.bincount(owner[small], minlength=nq)
         probe_starts = np.zeros(nq + 1, np.int64)
         np.cumsum(counts, out=probe_starts[1:])
-        v, local = knn_segments(query_vectors, sorted_targets, segments.starts, probe_starts,
-                                segment[small], k, metric, cap=cap, threads=threads)
-        parts_values.append(v)
-        parts_rows.append(np.where(local >= 0, segments.order[np.maximum(local, 0)], -1))
+        values, local = knn_segments(query_vectors, sorted_targets, segments.starts, probe_starts,
+                                     segment[small], k, metric, cap=cap, threads=threads)
+        rows = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
 
     big = np.flatnonzero(~small)
     if big.size:
         b_owner, b_segment = owner[big], segment[big]
-        # The j-th large probe of its query goes to part j (parts are (nq, k), best first).
-        slot = np.arange(big.size) - np.searchsorted(b_owner, b_owner, side="left")
-        n_parts = int(slot.max()) + 1
-        part_values = np.full((n_parts, nq, k), worst, np.float32)
-        part_rows = np.full((n_parts, nq, k), -1, np.int64)
         by_segment = np.argsort(b_segment, kind="stable")
         bounds = np.flatnonzero(np.diff(b_segment[by_segment])) + 1
         for chunk in np.split(by_segment, bounds):
+            # One call for every query probing this list, folded into those queries' top k
+            # (memory: the running (nq, k) state, whatever nprobe is).
             s = int(b_segment[chunk[0]])
             members = b_owner[chunk]
             lo, hi = segments.starts[s], segments.starts[s + 1]
             v, local = search(query_vectors[members], sorted_targets[lo:hi])
-            width = min(k, v.shape[1])
             block_rows = segments.order[lo:hi]
-            part_values[slot[chunk], members, :width] = v[:, :width]
-            part_rows[slot[chunk], members, :width] = np.where(
-                local[:, :width] >= 0, block_rows[np.maximum(local[:, :width], 0)], -1)
-        parts_values.extend(part_values)
-        parts_rows.extend(part_rows)
-
-    if len(parts_values) == 1:
-        return parts_values[0], parts_rows[0]
-    return merge_topk(parts_values, parts_rows, k, metric)
+            found = np.where(local >= 0, block_rows[np.maximum(local, 0)], -1)
+            values[members], rows[members] = merge_topk([values[members], v], [rows[members], found], k, metric)
+    return values, rows
