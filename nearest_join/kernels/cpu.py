@@ -247,6 +247,10 @@ AS_IS_PEAKS = (2.0 ** -20, 2.0 ** 20)
 SHIFT_RATIO = 16
 # Rows of the float64 fallback search per chunk bound its (rows x targets) key matrix.
 FALLBACK_KEYS = 1 << 23
+# An unproven row is searched again keeping every target that can be within its k-th key, up
+# to this many (or 4 k); rows per chunk of that search bound its (rows x kept) keys.
+COLLECT_WIDTH = 1024
+COLLECT_KEYS = 1 << 22
 
 
 def heap_width(k: int, nt: int) -> int:
@@ -491,13 +495,56 @@ class _Operands:
         keys = self._cap_key(cap)
         return keys + 2.0 ** -40 * (np.abs(keys) + self._cap_unit)
 
-    def exact_keys(self, candidates: np.ndarray, needed: np.ndarray) -> np.ndarray:
-        """float64 keys of each row's ``needed`` candidates (+inf elsewhere and for -1)."""
+    def exact_keys(self, candidates: np.ndarray, needed: np.ndarray, rows=None) -> np.ndarray:
+        """float64 keys of each row's ``needed`` candidates (+inf elsewhere and for -1); with
+        ``rows``, candidates' row r is query ``rows[r]``."""
         out = np.full(candidates.shape, np.inf)
+        queries, q_factors = self.queries, self.q_factors
+        if rows is not None:
+            queries, q_factors = np.ascontiguousarray(queries[rows]), q_factors[rows]
         pairs = _cpu_kernels.pairs_by_target(candidates, needed, self.targets.shape[0])
-        _cpu_kernels.pair_keys(self.queries, self.q_factors, self.targets, self.t_factors,
+        _cpu_kernels.pair_keys(queries, q_factors, self.targets, self.t_factors,
                                candidates, pairs, self.difference, self.factor_after, out)
         return out
+
+    def collect_rows(self, rows: np.ndarray, bounds: np.ndarray, width: int, threads: int):
+        """(keys, indices, overflow) for unproven ``rows``: each row's best ``width`` by (key,
+        index) among every target whose score can be within its key bound ``bounds`` (the
+        k-th key found, or a cap's), from one more float32 search that keeps all of them;
+        ``overflow`` lists the rows (positions in ``rows``) with more such targets than it
+        keeps, whose answer is not set.
+
+        A target left out scored above ``bound - offset + margin``, so its exact key is above
+        the bound: the rows' top ``width`` are among those kept. Exact ties at the k-th place
+        (integer data) and near ties the float32 scores cannot separate are settled here; only
+        a row with thousands of such targets needs the float64 search of every target.
+        """
+        nt = self.targets.shape[0]
+        collect = min(nt, max(COLLECT_WIDTH, 4 * width))
+        keys = np.full((rows.shape[0], width), np.inf)
+        best = np.full((rows.shape[0], width), -1, dtype=np.int64)
+        overflow = []
+        limit = _cpu_kernels.cap_key(bounds - self.offset[rows] + self.margin[rows])
+        chunk = max(1, COLLECT_KEYS // collect)
+        for start in range(0, rows.shape[0], chunk):
+            part = rows[start:start + chunk]
+            query_tile, target_tile, n_split = plan_tiles(part.shape[0], nt, threads)
+            tail, tail_bias = _tail_tile(self.targets32, self.bias, target_tile)
+            heaps = np.empty((n_split, part.shape[0], collect), dtype=np.uint64)
+            heaps[:] = limit[start:start + chunk][None, :, None]
+            _cpu_kernels.search_tiles(np.ascontiguousarray(self.scaled[part]), self.targets32, self.bias,
+                                      tail, tail_bias, heaps, query_tile, np.zeros((0, 2)))
+            _, kept = _cpu_kernels.decode(heaps)
+            full = (kept != _cpu_kernels.EMPTY_INDEX).all(axis=2).any(axis=0)
+            _, cand = _cpu_kernels.decode(np.concatenate(list(heaps), axis=1))
+            cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
+            exact = self.exact_keys(cand, np.ones(cand.shape, dtype=bool), rows=part)
+            part_key = np.empty((part.shape[0], width))
+            part_best = np.empty((part.shape[0], width), dtype=np.int64)
+            _cpu_kernels.best_by_key(exact, cand, part_key, part_best)
+            keys[start:start + chunk], best[start:start + chunk] = part_key, part_best
+            overflow.extend(start + np.flatnonzero(full))
+        return keys, best, np.asarray(overflow, dtype=np.int64)
 
     def search_rows(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(keys, indices) of these rows' ``width`` best of every target by (key, index):
@@ -571,8 +618,11 @@ class CpuBackend:
            that row (``_Operands.margin``: from the shifted norms, d and float32's rounding),
            is above its k-th key: no target outside the heap can rank or tie in the top k.
            The rows it cannot prove (exact ties at the k-th place, nearly parallel vectors
-           the float32 sgemm cannot separate) are searched in float64 against every target.
-           No decision depends on which sgemm kernel the BLAS library picked.
+           the float32 sgemm cannot separate) are searched again, keeping every target whose
+           score can be within their k-th key (``_Operands.collect_rows``), and ranked by
+           exact keys; a row with more such targets than that search keeps is searched in
+           float64 against every target. No decision depends on which sgemm kernel the BLAS
+           library picked.
 
         Under a cap, the heaps start full of the cap's key (``_cpu_kernels.cap_key``): the
         largest score that can belong to a target within the cap, i.e. the cap's key less the
@@ -613,12 +663,19 @@ class CpuBackend:
                 floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
                 bound = best_key[:, -1] if cap is None else np.minimum(best_key[:, -1], cap_keys)
                 unproven = np.flatnonzero(~(floor > bound))
+                scanned = unproven[:0]
                 if len(unproven):
-                    best_key[unproven], best_i[unproven] = ops.search_rows(unproven, width)
+                    keys_u, best_u, overflow = ops.collect_rows(unproven, bound[unproven], width, used)
+                    settled = np.setdiff1d(np.arange(len(unproven)), overflow)
+                    best_key[unproven[settled]], best_i[unproven[settled]] = keys_u[settled], best_u[settled]
+                    scanned = unproven[overflow]
+                    if len(scanned):
+                        best_key[scanned], best_i[scanned] = ops.search_rows(scanned, width)
             else:
-                unproven = ()
-        logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d float64 rows=%d",
-                     nq, nt, k, used, query_tile, target_tile, n_split, len(unproven))
+                unproven = scanned = ()
+        logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d collected rows=%d "
+                     "float64 rows=%d", nq, nt, k, used, query_tile, target_tile, n_split, len(unproven),
+                     len(scanned))
         values = np.full((nq, k), metric.worst, dtype=np.float32)
         indices = np.full((nq, k), -1, dtype=np.int64)
         best_values, best_i = drop_beyond_cap(ops.values(best_key), best_i, cap, metric)

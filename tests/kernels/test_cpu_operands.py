@@ -162,3 +162,48 @@ def test_search_keeps_the_smallest_scores_ties_to_the_lower_index(nq, nt, d, kep
         want = within[np.lexsort((within, scores[i][within]))][:kept]
         np.testing.assert_array_equal(found[i][:len(want)], want)
         assert (found[i][len(want):] == _cpu_kernels.EMPTY_INDEX).all()
+
+
+def _search_counts(caplog) -> tuple[int, int]:
+    """(collected rows, float64 rows) of the last cpu knn debug line."""
+    line = [r.getMessage() for r in caplog.records if "float64 rows=" in r.getMessage()][-1]
+    return int(line.split("collected rows=")[1].split()[0]), int(line.split("float64 rows=")[1])
+
+
+@pytest.mark.parametrize("metric, cap", [("l2", None), ("inner_product", None), ("cosine", None),
+                                         ("l2", 4.5)], ids=["l2", "inner_product", "cosine", "l2-capped"])
+def test_exact_ties_at_the_kth_place_are_settled_without_the_float64_scan(metric, cap, caplog):
+    """Integer data: many targets tie exactly at a row's k-th distance, which no float32
+    score can prove. Those rows are searched again keeping every target that can be within
+    their k-th key and ranked exactly (ties to the lower target); none needs the float64 scan."""
+    from tests.oracle import assert_capped_topk, assert_knn_result
+
+    rng = np.random.default_rng(8)
+    d = 8 if metric == "cosine" else 16   # (directions of small integer vectors tie often in d=8)
+    queries = rng.integers(0, 3 if metric == "cosine" else 4, (300, d)).astype(np.float32)
+    targets = rng.integers(0, 3 if metric == "cosine" else 4, (5000, d)).astype(np.float32)
+    queries[:, 0] += 1    # no zero rows (cosine)
+    targets[:, 0] += 1
+    m = resolve_metric(metric)
+    with caplog.at_level("DEBUG", logger="nearest_join.kernels.cpu"):
+        values, indices = cpu.BACKEND.run(queries, targets, 10, m, threads=2, cap=cap)
+    collected, scanned = _search_counts(caplog)
+    assert collected > 0 and scanned == 0, (collected, scanned)
+    if cap is None:
+        assert_knn_result(queries, targets, 10, metric, values, indices, cpu.RANK_TOLERANCE)
+    else:
+        assert_capped_topk(queries, targets, 10, metric, cap, values, indices, cpu.RANK_TOLERANCE)
+
+
+def test_rows_tied_with_more_targets_than_collected_are_searched_in_float64(caplog):
+    """Every target equal: each row ties with all of them, more than the second search keeps,
+    so the float64 search of every target answers (the k lowest targets, exactly)."""
+    nt = cpu.COLLECT_WIDTH + 500
+    targets = np.tile(np.float32([1.0, 2.0, 3.0]), (nt, 1))
+    queries = np.float32([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [5.0, -1.0, 2.0]])
+    with caplog.at_level("DEBUG", logger="nearest_join.kernels.cpu"):
+        values, indices = cpu.BACKEND.run(queries, targets, 5, resolve_metric("l2"), threads=1)
+    assert _search_counts(caplog) == (3, 3)
+    np.testing.assert_array_equal(indices, np.tile(np.arange(5), (3, 1)))
+    want = np.sqrt(((queries.astype(np.float64) - [1.0, 2.0, 3.0]) ** 2).sum(axis=1)).astype(np.float32)
+    np.testing.assert_array_equal(values, np.repeat(want[:, None], 5, axis=1))

@@ -136,29 +136,36 @@ def test_query_tiles_start_at_the_same_rows_for_any_thread_count():
 
 
 def _count_rescans(monkeypatch):
-    """Count the rows the exact stage searches in float64 against every target."""
+    """Count the rows the exact stage searches again: (collected, scanned), the rows searched
+    keeping every target that can be within their k-th key, and those then searched in float64
+    against every target."""
     from nearest_join.kernels import cpu
 
-    rows = []
-    real = cpu._Operands.search_rows
+    collected, scanned = [], []
+    real_collect, real_scan = cpu._Operands.collect_rows, cpu._Operands.search_rows
 
-    def spy(self, unproven, width):
-        rows.extend(unproven.tolist())
-        return real(self, unproven, width)
+    def collect_spy(self, unproven, *args):
+        collected.extend(unproven.tolist())
+        return real_collect(self, unproven, *args)
 
-    monkeypatch.setattr(cpu._Operands, "search_rows", spy)
-    return rows
+    def scan_spy(self, unproven, width):
+        scanned.extend(unproven.tolist())
+        return real_scan(self, unproven, width)
+
+    monkeypatch.setattr(cpu._Operands, "collect_rows", collect_spy)
+    monkeypatch.setattr(cpu._Operands, "search_rows", scan_spy)
+    return collected, scanned
 
 
 @pytest.mark.parametrize("metric", list(METRICS))
-def test_cpu_rescans_rows_whose_ties_outnumber_the_kept_candidates(request, metric, monkeypatch):
+def test_cpu_searches_again_rows_whose_ties_outnumber_the_kept_candidates(request, metric, monkeypatch):
     """40 copies of one row (and 40 near copies, a float32 ulp apart) outnumber the heap's
-    k + margin slots: the kept scores cannot prove which copies rank, so those rows are
-    rescanned against every target, and the lowest indices win. A row far from the copies
-    is proven without a rescan."""
+    k + margin slots: the kept scores cannot prove which copies rank, so that row is searched
+    again keeping every target that can be within its k-th key (all the copies), and the
+    lowest indices win; no float64 scan is needed. A row far from the copies is proven at once."""
     from nearest_join.kernels import cpu
 
-    rescans = _count_rescans(monkeypatch)
+    collected, scanned = _count_rescans(monkeypatch)
     rng = seeded_rng(request)
     d = 16
     targets = rng.standard_normal((3000, d)).astype(np.float32)
@@ -173,14 +180,14 @@ def test_cpu_rescans_rows_whose_ties_outnumber_the_kept_candidates(request, metr
     assert cpu.heap_width(k, 3000) < 40
     values, indices = knn(queries, targets, k, metric, backend="cpu", threads=2)
     ref_v, ref_i = knn_reference(queries, targets, k, METRICS[metric])
-    assert len(rescans) == 1, len(rescans)          # row 0 only
+    assert collected == [0] and scanned == [], (collected, scanned)     # row 0 only
     assert np.isin(indices[0], np.concatenate([copies, near])).all()
     np.testing.assert_array_equal(indices, ref_i)
     np.testing.assert_allclose(values, ref_v, rtol=1e-5, atol=1e-5)
 
 
 def test_cpu_proves_ordinary_rows_without_rescans(request, monkeypatch):
-    rescans = _count_rescans(monkeypatch)
+    collected, scanned = _count_rescans(monkeypatch)
     rng = seeded_rng(request)
     queries = rng.standard_normal((300, 24)).astype(np.float32)
     targets = rng.standard_normal((5000, 24)).astype(np.float32)
@@ -188,7 +195,7 @@ def test_cpu_proves_ordinary_rows_without_rescans(request, monkeypatch):
         values, indices = knn(queries, targets, 10, metric, backend="cpu", threads=2)
         ref_v, ref_i = knn_reference(queries, targets, 10, METRICS[metric])
         np.testing.assert_array_equal(indices, ref_i)
-    assert not rescans
+    assert not collected and not scanned
 
 
 @pytest.mark.parametrize("metric", list(METRICS))
