@@ -147,10 +147,10 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         found, seconds, plan = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf
         measured = recall_of(found, exact, nq)
-        row = {"recall_target": wanted, "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
+        row = {"recall_target": wanted, "runs": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
                "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
                "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2)}
-        if plan["runs"] == "ivf":
+        if plan.get("nlist"):
             f_probe, f_recall, f_seconds = faiss_at_recall(targets, queries, exact_rows, plan["nlist"],
                                                            50 * plan["nlist"], measured)
             row.update(faiss_seconds=round(f_seconds, 2), faiss_nprobe=f_probe,

@@ -63,6 +63,10 @@ RECALL_QUERIES = 1000
 # the driver, the estimate's exact sample join).
 IVF_MIN_TARGET_ROWS = 20_000
 IVF_MIN_WORK_PER_CORE = 2 * 10**11
+# A recall target that needs this share of the lists or more runs the exact plan: the
+# per-list searches are narrow (a list's rows of one target block) and cost several times
+# more per pair than one search of the whole block, so IVF would be slower than exact.
+IVF_MAX_PROBED_SHARE = 0.25
 # z of the two-sided 95% interval of the recall estimate.
 _Z95 = 1.959963984540054
 FORMAT = "nearest_join.ivf_index/1"
@@ -437,8 +441,8 @@ def plan_approx(planned):
     options, plan, parsed = planned.options, planned.plan, planned.parsed
     explicit = [name for name in ("index", "nlist", "nprobe") if getattr(options, name) is not None]
 
-    def exact(why: str):
-        note = {"runs": "exact", "explanation": f"runs the exact plan (a valid approximation): {why}"}
+    def exact(why: str, **figures):
+        note = {**figures, "runs": "exact", "explanation": f"runs the exact plan (a valid approximation): {why}"}
         return dataclasses.replace(planned, plan=dataclasses.replace(plan, ivf=note))
 
     if planned.keys is not None:
@@ -485,6 +489,10 @@ def plan_approx(planned):
                   f"{curve.queries} sampled queries against exact search")
         info.update(nprobe=nprobe, recall_estimate=estimate, recall_interval=[lower, upper],
                     recall_queries=curve.queries)
+        if nprobe >= IVF_MAX_PROBED_SHARE * index.nlist:
+            return exact(f"recall={options.recall} needs nprobe={nprobe} of nlist={index.nlist} lists "
+                         f"({chosen}), >= {IVF_MAX_PROBED_SHARE:g} of them: IVF would be slower than the "
+                         "exact search (pass nprobe to force it)", **info)
     text = (f"IVF: nlist={index.nlist} ({built}, seed {index.seed}; {routing}), nprobe={nprobe} "
             f"({chosen}); targets grouped by list, each query searches its nprobe lists exactly")
     if nprobe == index.nlist:

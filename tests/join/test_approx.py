@@ -378,3 +378,37 @@ def test_index_of_another_metric_or_dimension(frames):
     with pytest.raises(ArgumentError, match="index: expected an index of dimension 6"):
         explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"),
                              index=IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3))
+
+
+def test_a_recall_that_needs_many_lists_runs_exact(monkeypatch):
+    """The planner's choice without Spark: a curve that needs a quarter of the lists or more
+    runs the exact plan (its figures kept); an explicit nprobe always runs IVF."""
+    from types import SimpleNamespace
+
+    from nearest_join import ivf
+    from nearest_join.join import PlannedJoin
+    from nearest_join.options import JoinOptions
+    from nearest_join.planner import JoinPlan
+
+    index = ivf.IVFIndex.train(_clustered(400, 3, 16, seed=0), "l2", 16)
+    curve = ivf.RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 12), 5000)
+    monkeypatch.setattr(ivf, "estimate_recall", lambda planned, index, seed: curve)
+    plan = JoinPlan(plan="broadcast", reason="", metric="l2", k=5, mode="approx", join_type="inner",
+                    query_column="v", target_column="w", dimension=3, query_rows=10, target_rows=400,
+                    target_bytes=4800, broadcast_limit_bytes=1 << 30, task_memory_bytes=1 << 26, cores=2,
+                    query_block_rows=10, target_block_rows=400, query_blocks=1, target_blocks=1,
+                    query_partitions=None, target_partitions=None, backend="cpu", precision="auto",
+                    distance_col=None)
+
+    def planned(**options):
+        return PlannedJoin(None, None, "l2", JoinOptions(mode="approx", index=index, **options), plan,
+                           SimpleNamespace(metric="l2", target_column="w"), "distance")
+
+    low = ivf.plan_approx(planned(recall=0.95))
+    assert low.plan.ivf["runs"] == "ivf" and low.plan.ivf["nprobe"] == 2 and low.ivf.nprobe == 2
+    high = ivf.plan_approx(planned(recall=0.9999))   # no lower bound reaches it: every list
+    assert high.plan.ivf["runs"] == "exact" and high.plan.ivf["nprobe"] == 16 and high.ivf is None
+    assert "IVF would be slower than the exact search" in high.plan.ivf["explanation"]
+    assert high.plan.ivf["recall_estimate"] == 1.0
+    forced = ivf.plan_approx(planned(nprobe=12))
+    assert forced.plan.ivf["runs"] == "ivf" and forced.ivf.nprobe == 12
