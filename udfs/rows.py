@@ -58,7 +58,7 @@ def _take(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = matrix[rows]`` on this thread: the compiled row copy (GIL released, about
     twice ``np.take`` for 128-float rows) for 2-D arrays of one dtype, else ``np.take``."""
     if _compiled(matrix, out):
-        from nearest_join.kernels.cpu import take_rows
+        from nearest_join.kernels.gather import take_rows
 
         take_rows(matrix, rows, out)
     else:
@@ -73,7 +73,7 @@ def take_matrix(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: 
         _take(matrix, rows, out)
         return
     if _compiled(matrix, out):
-        from nearest_join.kernels.cpu import take_rows
+        from nearest_join.kernels.gather import take_rows
 
         # numba's threads where its threading layer allows concurrent calls (3x this pool's
         # rate on the H200 host: 62 against 20 GB/s), else this pool of compiled chunks.
@@ -103,8 +103,8 @@ def copy_into(out: np.ndarray, array: np.ndarray, threads: int | None = None) ->
 def _take_sources(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
                   threads: int = 1) -> None:
     """:func:`take_matrices` source by source; ``threads`` > 1 only where the compiled
-    copies may run on numba's threads (``cpu.parallel_calls_threadsafe``)."""
-    from nearest_join.kernels.cpu import take_rows_at
+    copies may run on numba's threads (``gather.parallel_calls_threadsafe``)."""
+    from nearest_join.kernels.gather import take_rows_at
 
     for s, matrix in enumerate(matrices):
         sel = np.flatnonzero(source == s)
@@ -132,7 +132,7 @@ def take_matrices(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarr
     if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
         _take_sources(matrices, source, rows, out)
         return
-    from nearest_join.kernels.cpu import parallel_calls_threadsafe
+    from nearest_join.kernels.gather import parallel_calls_threadsafe
 
     if parallel_calls_threadsafe():
         _take_sources(matrices, source, rows, out, threads)

@@ -116,7 +116,7 @@ class TopkState:
         # Distinct (source, row) pairs, compiled (a bitmap over the sources' rows laid end to
         # end: linear; a sort of nq * k codes was a fifth of the shipping cost, the numpy
         # bitmap passes ~12 ms of ~50 per 65,536 x 10 state).
-        from nearest_join.kernels.cpu import distinct_rows   # numba: on executors only
+        from nearest_join.kernels.gather import distinct_rows   # numba: on executors only
 
         distinct_source, distinct_row, payload_row = distinct_rows(
             self.source, self.rows, [t.num_rows for t in self.sources])

@@ -1,17 +1,14 @@
-"""The "cpu" backend: exact top-k with a fused, tiled sgemm + Numba top-k fold.
+"""The "cpu" backend: exact top-k with a fused, tiled sgemm + Numba top-k fold, then an exact
+ranking of the candidates in float64 (see :meth:`CpuBackend.run` for the two stages and why
+they are exact on every finite input).
 
-Computation happens in float32 whatever the input dtype (float64 input is cast once), on
-C-contiguous copies made only when the input is not already float32 C-contiguous. Every metric
-becomes "smallest ``Q' T^T + bias``" (see :mod:`nearest_join.kernels._cpu_kernels`):
-
-- ``sqeuclidean``: Q' = -2 q, bias = |t|^2, so the score is |q - t|^2 - |q|^2. |q|^2 is the same
-  for a whole row and is added back only to the k survivors, then clamped at 0 (rounding can
-  make a tiny distance negative); ``l2`` also takes the square root of the survivors only.
-- ``inner_product``: Q' = -q, bias = 0; the value is the negated score.
-- ``cosine``: both sides are normalised in float64, then rounded to float32, and searched as
-  inner product. Normalising first (rather than dividing by norms at the end) is required for
-  the ranking, which the target norm changes; it also keeps values within a few float32 ulps of
-  the exact cosine, and costs one pass over the data.
+Every metric becomes "smallest ``Q' T^T + bias``" on float32 operands (see
+:mod:`nearest_join.kernels._cpu_kernels`): the l2 family searches squared distances between
+both blocks shifted by the targets' sample mean (unless the mean is small against the spread)
+and scaled by a power of two; inner product searches the queries, scaled by a power of two per
+row, against the targets; cosine searches unit rows (normalised in float64). A float32 block
+needing neither shift nor scale is multiplied as it is. The candidates are then ranked by keys
+computed in float64 from the caller's own rows, in difference form for the l2 family.
 
 Threads follow the caller's share of cores (``threads=``, in Spark ``spark.task.cpus``): numba
 runs that many threads for the whole search, each calling a single-threaded BLAS on its own
@@ -22,132 +19,21 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import tempfile
 from contextlib import contextmanager
 
 import numpy as np
 
+from . import _numba  # noqa: F401  (chooses numba's cache directory before numba loads)
 from ._common import Metric, check_cap, drop_beyond_cap
 
-
-def _ensure_numba_cache_dir() -> None:
-    """Point numba's cache at a writable directory when the package directory is not one.
-
-    numba caches next to the source file by default. On executors the package often lives in a
-    read-only site-packages; without a writable cache every Spark task would recompile (seconds).
-    Must run before numba compiles the kernels; an explicit NUMBA_CACHE_DIR always wins.
-    """
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return
-    here = os.path.dirname(os.path.abspath(__file__))
-    if os.access(here, os.W_OK):
-        return
-    for candidate in (
-        os.path.join(os.path.expanduser("~"), ".cache", "nearest_join", "numba"),
-        os.path.join(tempfile.gettempdir(), f"nearest_join-numba-{os.getuid()}"),
-    ):
-        try:
-            os.makedirs(candidate, exist_ok=True)
-        except OSError:
-            continue
-        if os.access(candidate, os.W_OK):
-            os.environ["NUMBA_CACHE_DIR"] = candidate
-            if "numba" in sys.modules:  # already imported: config was read, set it directly
-                sys.modules["numba"].config.CACHE_DIR = candidate
-            return
-
-
-_ensure_numba_cache_dir()
-
-import numba  # noqa: E402  (after the cache directory is chosen)
+import numba  # noqa: E402
 from threadpoolctl import ThreadpoolController  # noqa: E402
 
 from . import _cpu_kernels  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "TOLERANCE", "CpuBackend", "take_rows", "take_rows_at"]
-
-
-def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int = 1) -> bool:
-    """``out[:] = matrix[rows]`` (2-D, same dtype), GIL released.
-
-    ``threads`` > 1 runs the copy on numba's threads when concurrent parallel calls are safe
-    (see :func:`parallel_calls_threadsafe`: the CPU search may run parallel kernels on
-    another thread at the same time) and returns True; otherwise copies on this thread and
-    returns False only if ``threads`` > 1 was asked for, so that the caller can split the
-    rows over its own threads instead (``udfs.rows``). Indices are checked here: the
-    compiled loops do not bounds-check.
-    """
-    if rows.shape[0] != out.shape[0] or matrix.shape[1:] != out.shape[1:] or matrix.dtype != out.dtype:
-        raise ValueError(f"take_rows: shapes {matrix.shape} -> {out.shape} (dtypes {matrix.dtype}, "
-                         f"{out.dtype}) do not match {rows.shape[0]} rows")
-    if rows.shape[0] == 0:
-        return True
-    lo, hi = int(rows.min()), int(rows.max())
-    if lo < 0 or hi >= matrix.shape[0]:
-        raise IndexError(f"take_rows: row {lo if lo < 0 else hi} outside 0..{matrix.shape[0] - 1}")
-    rows = np.asarray(rows, dtype=np.int64)
-    return _run_copy(_cpu_kernels.take_rows, _cpu_kernels.take_rows_parallel, (matrix, rows, out), threads)
-
-
-def _run_copy(serial, parallel, args: tuple, threads: int) -> bool:
-    """Run a compiled copy on this thread, or on ``threads`` of numba's threads where
-    concurrent parallel calls are safe (else return False: the caller splits the work)."""
-    if threads > 1:
-        if not parallel_calls_threadsafe():
-            return False
-        previous = numba.get_num_threads()   # per calling thread in numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        try:
-            parallel(*args)
-        finally:
-            numba.set_num_threads(previous)
-        return True
-    serial(*args)
-    return True
-
-
-def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray,
-                 threads: int = 1) -> bool:
-    """``out[positions] = matrix[rows]`` (2-D, same dtype), GIL released: one source's rows
-    into their slots of an output that several sources fill. ``threads`` and the return
-    value as in :func:`take_rows`; the indices are checked here."""
-    if (rows.shape != positions.shape or rows.ndim != 1 or matrix.shape[1:] != out.shape[1:]
-            or matrix.dtype != out.dtype or matrix.ndim != 2):
-        raise ValueError(f"take_rows_at: {rows.shape[0]} rows of {matrix.shape} ({matrix.dtype}) to "
-                         f"{positions.shape[0]} positions of {out.shape} ({out.dtype})")
-    if rows.shape[0] == 0:
-        return True
-    for name, idx, limit in (("row", rows, matrix.shape[0]), ("position", positions, out.shape[0])):
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= limit:
-            raise IndexError(f"take_rows_at: {name} {lo if lo < 0 else hi} outside 0..{limit - 1}")
-    rows, positions = np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-    return _run_copy(_cpu_kernels.take_rows_at, _cpu_kernels.take_rows_at_parallel,
-                     (matrix, rows, positions, out), threads)
-
-
-def distinct_rows(source: np.ndarray, rows: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The distinct (source, row) pairs of a state's slots, in (source, row) order, and each
-    slot's position among them: (sources int64, rows int64, payload_row int32 per slot, -1
-    for an empty slot ``source < 0``). ``sizes``: rows per source; a slot outside them
-    raises IndexError."""
-    source = np.ascontiguousarray(source, dtype=np.int32).reshape(-1)
-    rows = np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)
-    if source.shape != rows.shape:
-        raise ValueError(f"distinct_rows: {source.shape[0]} sources for {rows.shape[0]} rows")
-    base = np.concatenate([[0], np.cumsum(np.asarray(sizes, dtype=np.int64))]).astype(np.int64)
-    payload_row = np.empty(source.shape[0], np.int32)
-    out_source, out_row, bad = _cpu_kernels.distinct_rows(source, rows, base, payload_row)
-    if bad:
-        raise IndexError(f"distinct_rows: {bad} slots refer to a source or row outside "
-                         f"{base.shape[0] - 1} sources of {list(np.diff(base))} rows")
-    return out_source, out_row, payload_row
-
-
-_THREADSAFE: bool | None = None
+__all__ = ["BACKEND", "TOLERANCE", "CpuBackend"]
 
 
 def merge_parts(values: np.ndarray, indices: np.ndarray, widths, offsets, k: int, descending: bool):
@@ -174,36 +60,6 @@ def merge_parts(values: np.ndarray, indices: np.ndarray, widths, offsets, k: int
                              out_val, out_idx, order, fallback)
     return out_val, out_idx, order, fallback
 
-
-def parallel_calls_threadsafe() -> bool:
-    """Whether numba's threading layer takes parallel calls from several threads at once.
-
-    tbb and omp do; workqueue aborts the process on a concurrent call. The layer is the one
-    already running, else the one numba will load: the first importable of its priority
-    list (or the configured one).
-    """
-    global _THREADSAFE
-    if _THREADSAFE is None:
-        try:
-            layer = numba.threading_layer()
-        except ValueError:                      # no parallel call yet: predict numba's choice
-            layer = numba.config.THREADING_LAYER
-            if layer == "default":
-                layer = "workqueue"
-                for name in numba.config.THREADING_LAYER_PRIORITY:
-                    if name == "workqueue" or _layer_loadable(name):
-                        layer = name
-                        break
-        _THREADSAFE = layer in ("tbb", "omp", "safe", "threadsafe")
-    return _THREADSAFE
-
-
-def _layer_loadable(name: str) -> bool:
-    try:
-        __import__(f"numba.np.ufunc.{name}pool")
-    except Exception:   # noqa: BLE001 (missing libtbb / libgomp: numba cannot load it either)
-        return False
-    return True
 
 # The kernel returns float64 difference-form values of its chosen pairs rounded once to float32
 # (see CpuBackend.run). TOLERANCE is in the units of the kernel tests' scale (|q|^2 + |t|^2 for

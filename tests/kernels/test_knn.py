@@ -419,25 +419,25 @@ def test_cpu_threads_are_restored_after_an_error(monkeypatch):
 
 def test_numba_cache_moves_to_home_when_package_dir_is_read_only(monkeypatch, tmp_path):
     """Executors often install the package read-only; numba's cache must still persist."""
-    cpu = importlib.import_module("nearest_join.kernels.cpu")
-    package_dir = os.path.dirname(os.path.abspath(cpu.__file__))
+    setup = importlib.import_module("nearest_join.kernels._numba")
+    package_dir = os.path.dirname(os.path.abspath(setup.__file__))
     real_access = os.access
     monkeypatch.setattr(os, "access",
                         lambda path, mode: path != package_dir and real_access(path, mode))
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setattr(numba.config, "CACHE_DIR", numba.config.CACHE_DIR)
-    cpu._ensure_numba_cache_dir()
+    setup.ensure_numba_cache_dir()
     expected = tmp_path / ".cache" / "nearest_join" / "numba"
     assert os.environ["NUMBA_CACHE_DIR"] == str(expected) and expected.is_dir()
     assert numba.config.CACHE_DIR == str(expected)
 
 
 def test_explicit_numba_cache_dir_wins(monkeypatch, tmp_path):
-    cpu = importlib.import_module("nearest_join.kernels.cpu")
+    setup = importlib.import_module("nearest_join.kernels._numba")
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
-    cpu._ensure_numba_cache_dir()
+    setup.ensure_numba_cache_dir()
     assert os.environ["NUMBA_CACHE_DIR"] == str(tmp_path / "mine")
 
 

@@ -79,7 +79,7 @@ def test_threaded_matrix_take_and_copy_equal_numpy():
 
 
 def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
-    from nearest_join.kernels.cpu import take_rows as compiled_take
+    from nearest_join.kernels.gather import take_rows as compiled_take
 
     rng = np.random.default_rng(6)
     for dtype in (np.float32, np.float64):
@@ -102,7 +102,7 @@ def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
     take_matrices([m + 1, m], np.zeros(500, np.int64), rng.integers(0, 300, 500), one, threads=1)
     np.testing.assert_array_equal(one, np.ones((500, 7), np.float32))
     # Rows of one source into their positions (several sources fill one output).
-    from nearest_join.kernels.cpu import take_rows_at
+    from nearest_join.kernels.gather import take_rows_at
 
     src = rng.standard_normal((300, 7))[:, ::2]          # float64, non-contiguous
     out = np.full((50, 4), -1.0)
@@ -123,7 +123,7 @@ def test_distinct_rows_of_a_state_equal_numpy_and_check_their_range():
     """A shipped state's distinct (source, row) pairs in (source, row) order and each slot's
     position among them, against a numpy reference: several sources, repeats, empty slots;
     a slot outside its source raises."""
-    from nearest_join.kernels.cpu import distinct_rows
+    from nearest_join.kernels.gather import distinct_rows
 
     rng = np.random.default_rng(3)
     sizes = [40, 0, 25, 60]
@@ -150,12 +150,12 @@ def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(th
     """numba's workqueue layer aborts on parallel calls from two threads at once (the CPU
     search runs on a worker thread while rows are emitted): then the gather must take the
     thread pool of single-threaded copies; either way, numpy's rows."""
-    from nearest_join.kernels import cpu
+    from nearest_join.kernels import _numba, gather
 
-    monkeypatch.setattr(cpu, "_THREADSAFE", threadsafe)
+    monkeypatch.setattr(_numba, "_THREADSAFE", threadsafe)
     calls = []
-    real = cpu._cpu_kernels.take_rows_parallel
-    monkeypatch.setattr(cpu._cpu_kernels, "take_rows_parallel", lambda *a: (calls.append(1), real(*a)))
+    real = gather._gather_kernels.take_rows_parallel
+    monkeypatch.setattr(gather._gather_kernels, "take_rows_parallel", lambda *a: (calls.append(1), real(*a)))
     rng = np.random.default_rng(7)
     m = rng.standard_normal((5000, 600)).astype(np.float32)    # 12 MB: above PARALLEL_BYTES
     rows = rng.integers(0, 5000, 6000)
@@ -166,8 +166,8 @@ def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(th
     # Several sources: each source's rows in one parallel copy into their positions, or
     # the pool over row ranges.
     at_calls = []
-    real_at = cpu._cpu_kernels.take_rows_at_parallel
-    monkeypatch.setattr(cpu._cpu_kernels, "take_rows_at_parallel",
+    real_at = gather._gather_kernels.take_rows_at_parallel
+    monkeypatch.setattr(gather._gather_kernels, "take_rows_at_parallel",
                         lambda *a: (at_calls.append(1), real_at(*a)))
     mats = [m, m[::-1].copy(), m[:100].copy()]
     source = rng.integers(-1, 3, 6000)
@@ -190,16 +190,16 @@ def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(th
 def test_the_threading_layer_check(active, configured, loadable, safe, monkeypatch):
     import numba
 
-    from nearest_join.kernels import cpu
+    from nearest_join.kernels import _numba
 
     def threading_layer():
         if active is None:
             raise ValueError("no threading layer")
         return active
 
-    monkeypatch.setattr(cpu, "_THREADSAFE", None)
+    monkeypatch.setattr(_numba, "_THREADSAFE", None)
     monkeypatch.setattr(numba, "threading_layer", threading_layer)
     monkeypatch.setattr(numba.config, "THREADING_LAYER", configured)
     monkeypatch.setattr(numba.config, "THREADING_LAYER_PRIORITY", ["tbb", "omp", "workqueue"])
-    monkeypatch.setattr(cpu, "_layer_loadable", lambda name: name in loadable)
-    assert cpu.parallel_calls_threadsafe() is safe
+    monkeypatch.setattr(_numba, "_layer_loadable", lambda name: name in loadable)
+    assert _numba.parallel_calls_threadsafe() is safe
