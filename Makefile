@@ -19,10 +19,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e .
 	@touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml Makefile
-	$(PIP) install -q $(TORCH_CPU) $(TRITON)
-	$(PIP) install -q -e '.[dev]'
-	@touch $@
+# One pip run for the package, its test extras, torch and triton: one resolution, one build
+# (this is the set-up `make test` pays on a fresh clone, inside its time budget).
+$(VENV)/.installed-dev: pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH_CPU) $(TRITON) -e '.[dev]'
+	@touch $(VENV)/.installed $@
 
 check-java:
 	@command -v java >/dev/null 2>&1 || { echo "Java 17+ is required by pyspark 4.x. Install it, e.g.: sudo apt-get install -y openjdk-17-jre-headless" >&2; exit 1; }
