@@ -17,8 +17,8 @@ Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaus
 
 Default size nt = 200,000, nq = 20,000; ``--full`` is the issue's nt = 1,000,000,
 nq = 100,000; d = 128, k = 10. Records go to ``benchmarks/results/approx.jsonl`` (table
-``recall``; ``--quick`` to ``benchmarks/out/results/``) and the plot of recall against
-speed-up to ``benchmarks/plots/approx-recall.png``.
+``recall_nt<nt>``, one per size; ``--quick`` to ``benchmarks/out/results/``) and the plot of recall against
+speed-up to ``benchmarks/plots/approx-recall-nt<nt>.png``.
 """
 from __future__ import annotations
 
@@ -136,7 +136,8 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     exact, exact_s, _ = timed()
     print(f"[{kind}] exact: {exact_s:.1f} s, {exact.shape[0]} pairs", flush=True)
     rows = []
-    rec.add("recall", engine="nearest_by_join exact", recall_target=None, nprobe=None, recall_estimate=None,
+    rec.add(f"recall_nt{nt}", engine="nearest_by_join exact", recall_target=None, runs="exact", nprobe=None,
+            recall_estimate=None,
             recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, faiss_seconds=None,
             ours_over_faiss=None, **common)
     # exact neighbour rows for faiss's recall (one row of k per query, in query order)
@@ -159,7 +160,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
               f"{row['recall_estimate']}, measured {measured:.4f}, {seconds:.1f} s "
               f"({row['speedup_vs_exact']}x exact); faiss {row.get('faiss_seconds')} s at nprobe "
               f"{row.get('faiss_nprobe')} (recall {row.get('faiss_recall')})", flush=True)
-        rec.add("recall", engine="nearest_by_join approx", **row, **common)
+        rec.add(f"recall_nt{nt}", engine="nearest_by_join approx", **row, **common)
         rows.append({**row, **common})
     t.unpersist(), q.unpersist()
     return rows
@@ -212,7 +213,7 @@ def main() -> None:
                                 force=args.quick)
     spark.stop()
     if not args.quick:
-        plot(rows, ROOT / "benchmarks" / "plots" / "approx-recall.png")
+        plot(rows, ROOT / "benchmarks" / "plots" / f"approx-recall-nt{nt}.png")
 
 
 if __name__ == "__main__":
