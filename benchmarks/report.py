@@ -113,6 +113,22 @@ def sum_col(header: str, names: tuple[str, ...], total: str, spec: str) -> Col:
 # --- table specs -------------------------------------------------------------------------
 
 
+KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_join(on=key), blocked plan"),
+                 ("un-keyed", "nearest_by_join (no key)"), ("window", "equi-join + row_number window"))
+
+
+def _keyed_ratio(engine: str) -> Callable[[dict, list[dict]], str]:
+    """The keyed join's speed-up over ``engine`` in a pivoted keyed_join row."""
+    def cell(row, run):
+        ours, theirs = row["by"].get(KEYED_ENGINES[0][1], {}), row["by"].get(engine, {})
+        if not ours.get("seconds") or not theirs.get("seconds"):
+            return "-"
+        return fmt(theirs["seconds"] / ours["seconds"], "x")
+    return cell
+
+
+
+
 @dataclass(frozen=True)
 class Table:
     title: str
@@ -152,8 +168,8 @@ def pratio(header: str, name: str, num, den) -> Col:
 
 def by_engine(records: list[dict]) -> list[dict]:
     """cpu_kernel: one display row per (d, metric, k); each record under (its table, its engine)."""
-    return pivot(("table", "engine"), ("d", "metric", "k"))(
-        [{**r, "engine": r.get("engine", r.get("method"))} for r in records])
+    return pivot(("table", "engine"), ("data", "d", "metric", "k"))(
+        [{**r, "engine": r.get("engine", r.get("method")), "data": r.get("data", "gaussian")} for r in records])
 
 
 def engines(records: list[dict]) -> list[str]:
@@ -164,7 +180,7 @@ def engines(records: list[dict]) -> list[str]:
 def cpu_columns(records: list[dict]) -> list[Col]:
     """Per table of the benchmark (a BLAS selection): each engine's pairs/s, then ours over
     each other engine of the same run (faiss's ratio from the record where its rate is absent)."""
-    cols = [col("d", "d"), col("metric", "metric"), col("k", "k")]
+    cols = [col("data", "data"), col("d", "d"), col("metric", "metric"), col("k", "k")]
     for table in dict.fromkeys(r["table"] for r in records):
         mine = [r for r in records if r["table"] == table]
         names = engines(mine)
@@ -246,7 +262,8 @@ BLOCKS = Col("query x target blocks", lambda r, run: f"{r['query_blocks']} x {r[
 CPU = Table(
     "CPU kernel",
     [],   # built from the engines of the run (cpu_columns)
-    about="pairs/s of each engine on the same Gaussian float32 data, same threads, best of `repeat`, "
+    about="pairs/s of each engine on the same float32 data (Gaussian; embedding: unit rows around a "
+          "shared direction, as sentence embeddings), same threads, best of `repeat`, "
           "one column group per BLAS kernel selection (a run each); ratios compare engines of one run.",
     plot=plot_cpu, group=by_engine, merge_tables=True)
 
@@ -288,11 +305,17 @@ TABLES: dict[tuple[str, str], Table] = {
         about="`udfs.groups.grouped_search` on one broadcast block against one kernel call per key group "
               "(the first keyed version); the same rows."),
     ("keyed_join", "spark"): Table(
-        "Keyed join (`on=`) against Spark's equi-join + window",
-        [col("engine", "engine"), col("seconds", "seconds", ".3f"),
-         peer_ratio("speed-up vs the window", "seconds", {"engine": "equi-join + row_number window"},
-                    invert=True)],
-        about="Both compute the k nearest targets of the same key; the same rows."),
+        "Keyed join (`on=`) against Spark's equi-join + window and the un-keyed join, local[2]",
+        [col("case", "case"), col("queries", "queries"), col("targets", "targets"),
+         col("same-key pairs", "same_key_pairs"),
+         *[pcol(f"{label} s", engine, "seconds", ".2f") for label, engine in KEYED_ENGINES],
+         *[Col(f"ours vs {label}", _keyed_ratio(engine), ("seconds",))
+           for label, engine in KEYED_ENGINES[2:]]],
+        about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": "
+              "`nearest_by_join(on=key)` as it ships, its planning jobs included; \"blocked\": "
+              "the same with `broadcast_limit_bytes=0` (the keyed blocked plan). The window's and the "
+              "blocked plan's rows are checked equal to ours.",
+        group=pivot(("engine",), ("case", "queries", "targets", "same_key_pairs"))),
     ("gpu_kernel", "shapes"): Table(
         "GPU exact search at embedding sizes against torch and the GEMM alone",
         [col("shape", "shape"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
