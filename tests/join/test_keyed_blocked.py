@@ -363,3 +363,13 @@ def test_keyed_blocked_matches_the_window_formulation(spark):
         assert set(a) == set(range(nq)) and sum(len(v) for v in a.values()) > nq
         assert_same_neighbours(a, b, metric in SIMILARITY)
 
+
+
+def test_keyed_blocked_without_any_common_key(spark):
+    # No group has both queries and targets: no cell but the unmatched queries' (left outer).
+    q = spark.createDataFrame([(0, "a", [0.0, 1.0]), (1, None, [1.0, 1.0])], "qid int, k string, qv array<float>")
+    t = spark.createDataFrame([(0, "b", [0.0, 0.0]), (1, None, [1.0, 0.0])], "tid int, k string, tv array<float>")
+    arguments = dict(vectors=("qv", "tv"), on="k", broadcast_limit_bytes=0)
+    assert nearest_by_join(q, t, "l2", 2, **arguments).collect() == []
+    rows = nearest_by_join(q, t, "l2", 2, join_type="left", **arguments).collect()
+    assert sorted((r["qid"], r["tid"]) for r in rows) == [(0, None), (1, None)]
