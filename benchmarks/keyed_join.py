@@ -107,7 +107,7 @@ def executor_case(rec: Recorder, n_keys: int, n_queries: int, threads: int, repe
         print(f"{engine:36s} {seconds:8.3f} s  ({t_loop / seconds:6.1f}x the per-group loop)")
 
 
-def segment_work_case(rec: Recorder, threads: int, groups: int = 64) -> None:
+def segment_work_case(rec: Recorder, threads: int, max_groups: int = 64) -> None:
     """Where ``udfs.groups.SEGMENT_WORK`` should fall: per group, the batched segment search
     (``knn_segments``, all groups in one call) against one ``knn`` call per group, over
     groups of one shape (queries x targets) at d=64, k=10. The segment search costs in
@@ -115,8 +115,9 @@ def segment_work_case(rec: Recorder, threads: int, groups: int = 64) -> None:
     from nearest_join.kernels.segments import knn_segments
 
     rng = np.random.default_rng(3)
-    for q_rows, t_rows in ((1, 16), (4, 64), (16, 64), (16, 256), (64, 256), (64, 1024), (256, 1024),
-                           (256, 4096)):
+    for q_rows, t_rows in ((1, 16), (4, 64), (16, 256), (64, 256), (64, 1024), (256, 1024), (256, 4096),
+                           (1024, 4096), (1024, 16384), (4096, 16384)):
+        groups = max(2, min(max_groups, (1 << 30) // (q_rows * t_rows * D)))
         targets = rng.standard_normal((groups * t_rows, D)).astype(np.float32)
         queries = rng.standard_normal((groups * q_rows, D)).astype(np.float32)
         starts = np.arange(groups + 1, dtype=np.int64) * t_rows

@@ -33,8 +33,10 @@ import pyarrow as pa
 NO_GROUP = -1
 # A group whose query rows x target rows x d is at most this goes to the batched segment
 # search; above it, to its own kernel call. The segment loop runs without BLAS, so its cost
-# grows with the work, while a kernel call pays a fixed set-up first: this is the work at
-# which that set-up stops dominating (benchmarks/keyed_join.py measures both sides).
+# grows with the work, while a kernel call pays a fixed set-up first. On a CPU executor the
+# segment loop stays the faster well above this line (benchmarks/keyed_join.py
+# --segment-work times both per group); the line is drawn low for the GPU searcher, whose
+# call is cheap against the arithmetic it takes off the CPU (not measured on a GPU yet).
 SEGMENT_WORK = 1 << 20
 
 
