@@ -247,7 +247,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         Spark's ``=`` would use, and a NULL key matches nothing, so a query with a NULL key
         or a key absent from the target has no candidate. In the blocked plan both sides are
         partitioned by key group: small groups batched, a group larger than a target block
-        (a skewed key) split into parts whose partial top-k are merged (:mod:`nearest_join.keyed`).
+        (a skewed key) split into parts whose partial top-k are merged (:mod:`nearest_join.keyed`);
+        its cut is planned from the groups' sizes, so both inputs must read the same rows at
+        planning and at the run (cache a source that may change between the two).
     recall : float in (0, 1], keyword-only
         ``mode="approx"``: the recall@k to reach (default 0.95). The planner estimates recall
         on a sample of the queries against their exact search and probes the fewest lists

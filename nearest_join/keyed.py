@@ -24,6 +24,11 @@ order, and ties go to the target met first in (target part, input) order. Spark 
 as non-deterministic, so a retried stage recomputes its successors rather than mixing two
 draws.
 
+The layout is computed from the inputs once (at planning) and applied when the join runs,
+so both must read the same rows: as for every Spark plan that reads its inputs twice, a
+source that changes between the two (a table being appended to, ``sample`` without a seed)
+must be cached or written out first. A group the layout does not know loses its rows.
+
 One group per query row: a query row in several groups (an IVF query probing several lists)
 would be merged per cell, not across its groups; such a plan merges its rows' partials per
 query row after stage 1.
