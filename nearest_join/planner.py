@@ -158,7 +158,8 @@ def describe_cells(cells: dict) -> str:
             "bin's query part x target part, each one task's memory")
     if cells["split_groups"]:
         q_parts, t_parts = cells["largest_split"]
-        text += (f"; {cells['split_groups']} groups split (skew), the most into {q_parts} query x "
+        groups = "group" if cells["split_groups"] == 1 else "groups"
+        text += (f"; {cells['split_groups']} {groups} split (skew), the most into {q_parts} query x "
                  f"{t_parts} target parts, whose partial top-k are merged per query part")
     else:
         text += "; no group split"
