@@ -107,7 +107,9 @@ def keyed_blocked_join(q_grouped: DataFrame, t_grouped: DataFrame, layout: Keyed
     # group ids come from one numbering, which Spark would call an ambiguous self-join.
     group = F.col(C.GROUP).alias(C.GROUP)
 
-    queries = q_grouped.join(F.broadcast(_cells_frame(spark, layout)), C.GROUP, "left" if ctx.join_type == "leftouter" else "inner")
+    # LEFT OUTER keeps the query rows of no group: NULL cells columns, read as the unmatched cells.
+    how = "left" if ctx.join_type == "leftouter" else "inner"
+    queries = q_grouped.join(F.broadcast(_cells_frame(spark, layout)), C.GROUP, how)
     queries = queries.select(
         *q_columns, group, F.monotonically_increasing_id().alias(C.Q_ROW),
         F.coalesce("base", F.lit(layout.unmatched_base).cast(long)).alias("base"),
