@@ -148,7 +148,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     exact, exact_s, _ = timed()
     print(f"[{kind}] exact: {exact_s:.1f} s, {exact.shape[0]} pairs", flush=True)
     rows = []
-    rec.add(f"recall_nt{nt}", engine="nearest_by_join exact", recall_target=None, runs="exact", nprobe=None,
+    rec.add(f"recall_nt{nt}", engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
             recall_estimate=None,
             recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, faiss_seconds=None,
             ours_over_faiss=None, **common)
@@ -160,7 +160,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         found, seconds, plan = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf
         measured = recall_of(found, exact, nq)
-        row = {"recall_target": wanted, "runs": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
+        row = {"recall_target": wanted, "ran": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
                "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
                "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2)}
         if plan["runs"] == "ivf":   # (an exact fallback has recall 1: faiss would search every list)
