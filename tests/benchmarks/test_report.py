@@ -42,13 +42,13 @@ def test_tables_render_with_provenance_and_peer_ratios(fixture_dir, tmp_path):
     text = report.render(fixture_dir, plots)
     spark = section(text, "Spark operator")
     assert "2026-01-02 03:04 UTC" in spark
-    assert "- commit `abc1234`, command `python benchmarks/spark_join.py`" in spark
+    assert "; commit `abc1234`, command `python benchmarks/spark_join.py`; parameters:" in spark
     assert "`OPENBLAS_CORETYPE=Haswell`; BLAS kernels: libtest_openblas 1.0 Haswell" in spark
     # pairs/s against the Spark row of the same run: 500 / 125
     assert "| nearest_by_join | 10 x 100 | 4 | 2.000 | 5.00e2 | 4.00x | yes |" in spark
     assert "| Spark nearestByJoin | 10 x 100 | 4 | 8.000 | 1.25e2 | 1.00x | - |" in spark
     assert "A remark of this run." in spark
-    assert "- parameters: k = 3" in spark
+    assert "; parameters: k = 3" in spark
     # pivoted: one row per shape, the two-task share over the one-task share
     concurrent = section(text, "GPU Arrow path, tasks sharing")
     assert "| broadcast | 2 x 1 | 10 | 8 | 50% | 75% | 1.50x | - | - | - |" in concurrent
