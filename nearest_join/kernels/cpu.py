@@ -85,7 +85,8 @@ TILE_MULTIPLE = 64
 # position within the sgemm's micro-kernel rows, and so its rounding, does not depend on the
 # number of threads: the candidates, and the work of the exact stage, are then the same.
 QUERY_TILE_MULTIPLE = 48
-# Heap slots kept beyond k for the exact stage (see CpuBackend.run): k + RERANK_EXTRA + k // 16.
+# Heap slots kept beyond k for the exact stage (see CpuBackend.run): k + RERANK_EXTRA + k // 32.
+# Fewer would leave more rows unproven (each searched again); more cost every row heap inserts.
 RERANK_EXTRA = 4
 # Unit roundoff of float32 and float64, and float32's subnormal rounding (absolute).
 _U32 = 2.0 ** -24
@@ -111,7 +112,7 @@ COLLECT_KEYS = 1 << 22
 
 def heap_width(k: int, nt: int) -> int:
     """Candidates kept per query row: k and a margin for the exact stage, at most every target."""
-    return min(k + RERANK_EXTRA + k // 16, nt)
+    return min(k + RERANK_EXTRA + k // 32, nt)
 
 
 def _power_of_two_scale(peak: np.ndarray) -> np.ndarray:
