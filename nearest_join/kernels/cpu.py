@@ -385,12 +385,8 @@ class _Operands:
         chunk = max(1, COLLECT_KEYS // collect)
         for start in range(0, rows.shape[0], chunk):
             part = rows[start:start + chunk]
-            query_tile, target_tile, n_split = plan_tiles(part.shape[0], nt, threads)
-            tail, tail_bias = _tail_tile(self.targets32, self.bias, target_tile)
-            heaps = np.empty((n_split, part.shape[0], collect), dtype=np.uint64)
-            heaps[:] = limit[start:start + chunk][None, :, None]
-            _cpu_kernels.search_tiles(np.ascontiguousarray(self.scaled[part]), self.targets32, self.bias,
-                                      tail, tail_bias, heaps, query_tile, np.zeros((0, 2)))
+            heaps, _ = _search(self, collect, *plan_tiles(part.shape[0], nt, threads),
+                               start=limit[start:start + chunk], scaled=np.ascontiguousarray(self.scaled[part]))
             _, kept = _cpu_kernels.decode(heaps)
             full = (kept != _cpu_kernels.EMPTY_INDEX).all(axis=2).any(axis=0)
             _, cand = _cpu_kernels.decode(np.concatenate(list(heaps), axis=1))
@@ -497,12 +493,14 @@ class CpuBackend:
             kept = heap_width(k, nt)
             # Uncapped, an inner product's bound can wait for the search (see _Operands).
             ops = _Operands(queries, targets, metric, defer_target_stats=cap is None)
-            heaps, stats = _search(ops, nq, kept, query_tile, target_tile, n_split, cap)
-            if ops.deferred and not ops.finish(stats):
-                ops = _Operands(queries, targets, metric)
-                heaps, _ = _search(ops, nq, kept, query_tile, target_tile, n_split, cap)
+            start = None
             if cap is not None:
                 cap_keys = ops.cap_keys(cap)
+                start = _cpu_kernels.cap_key(cap_keys - ops.offset + ops.margin)
+            heaps, stats = _search(ops, kept, query_tile, target_tile, n_split, start=start)
+            if ops.deferred and not ops.finish(stats):    # (deferred only when uncapped)
+                ops = _Operands(queries, targets, metric)
+                heaps, _ = _search(ops, kept, query_tile, target_tile, n_split)
             # Sorting the keys orders each row by (score, index). With several target
             # splits, the best of their union is the first ``kept``.
             keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
@@ -542,19 +540,21 @@ class CpuBackend:
         return values, indices
 
 
-def _search(ops: _Operands, nq: int, kept: int, query_tile: int, target_tile: int, n_split: int,
-            cap) -> tuple[np.ndarray, np.ndarray]:
-    """The fused search on ``ops``: (n_split, nq, kept) heaps of each split's best keys per
-    row (a cap's key in the slots nothing below it filled), and the targets' stats it took
-    for deferred operands' ``finish`` (empty otherwise)."""
+def _search(ops: _Operands, kept: int, query_tile: int, target_tile: int, n_split: int,
+            start: np.ndarray | None = None, scaled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The fused search of ``scaled`` (default: all of ``ops.scaled``; else some of its rows)
+    against ``ops``' targets: (n_split, rows, kept) heaps of each split's best keys per row,
+    starting from each row's key in ``start`` (a limit: nothing at or above it enters) or
+    empty, and the targets' stats it took for deferred operands' ``finish`` (else empty)."""
+    scaled = ops.scaled if scaled is None else scaled
+    nq = scaled.shape[0]
     tail, tail_bias = _tail_tile(ops.targets32, ops.bias, target_tile)
     heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
-    if cap is not None:
-        heaps[:] = _cpu_kernels.cap_key(ops.cap_keys(cap) - ops.offset + ops.margin)[None, :, None]
+    if start is not None:
+        heaps[:] = start[None, :, None]
     items = -(-nq // query_tile) * n_split if ops.deferred else 0
     stats = np.zeros((items, 2))
-    _cpu_kernels.search_tiles(ops.scaled, ops.targets32, ops.bias, tail, tail_bias, heaps, query_tile,
-                              stats)
+    _cpu_kernels.search_tiles(scaled, ops.targets32, ops.bias, tail, tail_bias, heaps, query_tile, stats)
     return heaps, stats
 
 

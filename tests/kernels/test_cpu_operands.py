@@ -40,8 +40,8 @@ def test_deferred_inner_product_bound_equals_the_bound_from_a_read_of_the_block(
     assert deferred.deferred and not read.deferred and deferred.targets32 is targets
     with cpu.thread_limits(threads) as used:
         query_tile, target_tile, n_split = cpu.plan_tiles(nq, targets.shape[0], used)
-        heaps, stats = cpu._search(deferred, nq, 10, query_tile, target_tile, n_split, None)
-        want, _ = cpu._search(read, nq, 10, query_tile, target_tile, n_split, None)
+        heaps, stats = cpu._search(deferred, 10, query_tile, target_tile, n_split)
+        want, _ = cpu._search(read, 10, query_tile, target_tile, n_split)
     assert stats.shape[0] == -(-nq // query_tile) * n_split > 0
     assert deferred.finish(stats) and not deferred.deferred
     np.testing.assert_allclose(deferred.margin, read.margin, rtol=1e-12)
@@ -59,7 +59,7 @@ def test_deferred_block_with_huge_elements_is_searched_again_scaled():
     deferred = cpu._Operands(queries, targets, resolve_metric("inner_product"), defer_target_stats=True)
     with cpu.thread_limits(1) as used:
         query_tile, target_tile, n_split = cpu.plan_tiles(20, 900, used)
-        _, stats = cpu._search(deferred, 20, 10, query_tile, target_tile, n_split, None)
+        _, stats = cpu._search(deferred, 10, query_tile, target_tile, n_split)
     assert not deferred.finish(stats)
     values, indices = cpu.BACKEND.run(queries, targets, 5, resolve_metric("inner_product"), threads=1)
     assert_knn_result(queries, targets, 5, "inner_product", values, indices, cpu.RANK_TOLERANCE)
