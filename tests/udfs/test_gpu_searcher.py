@@ -1,4 +1,5 @@
-"""udfs.gpu: device choice from the task's GPU address, the CPU fallback, the searcher loop.
+"""udfs.gpu and the modules it is built from: device choice from the task's GPU address, the
+CPU fallback, the searcher loop, staging, resident and kept target blocks.
 
 The searcher runs here on a CPU torch device (no streams, no pinning) with the torch path:
 batching, the resident target block and the row filtering are the same code as on a GPU.
@@ -15,6 +16,7 @@ from udfs.searcher import SearchSettings
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from udfs import gpu as G  # noqa: E402
+from udfs import gpu_task, target_cache  # noqa: E402
 
 
 def test_memory_budget_is_the_fraction_of_the_tasks_share():
@@ -28,19 +30,19 @@ def test_memory_budget_is_the_fraction_of_the_tasks_share():
 
 
 def test_address_is_the_cuda_ordinal():
-    assert G.address_to_ordinal("1") == 1
+    assert gpu_task.address_to_ordinal("1") == 1
     with pytest.raises(ValueError, match="GPU address"):
-        G.address_to_ordinal("GPU-3f2a")
+        gpu_task.address_to_ordinal("GPU-3f2a")
 
 
 def test_task_address_and_scope_outside_spark_come_from_the_local_task():
-    assert G.task_gpu_address() is None and G.task_scope() is None
-    with G.local_task(gpu="1", scope="stage 2"):
-        assert G.task_gpu_address() == "1" and G.task_scope() == "stage 2"
-        with G.local_task(scope="stage 3"):
-            assert G.task_gpu_address() is None and G.task_scope() == "stage 3"
-        assert G.task_scope() == "stage 2"
-    assert G.task_gpu_address() is None and G.task_scope() is None
+    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
+    with gpu_task.local_task(gpu="1", scope="stage 2"):
+        assert gpu_task.task_gpu_address() == "1" and gpu_task.task_scope() == "stage 2"
+        with gpu_task.local_task(scope="stage 3"):
+            assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() == "stage 3"
+        assert gpu_task.task_scope() == "stage 2"
+    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
 
 
 def test_no_searcher_without_cuda_or_for_cpu_backends(monkeypatch):
@@ -114,10 +116,10 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
     searcher.search(q1, t, target_key=1)
     searcher.prefetch(q2)
-    staged = searcher._ahead[0][1]
+    staged = searcher.staging.ahead[0][1]
     q2[0] += 100.0          # the copy was taken at prefetch: a search must not read it again
     _, i = searcher.search(q2, t, target_key=1)
-    assert searcher._ahead == [] and searcher._query_cache[1] is staged
+    assert searcher.staging.ahead == [] and searcher._query_cache[1] is staged
     expected = q2.copy()
     expected[0] -= 100.0
     np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
@@ -125,13 +127,13 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     searcher.prefetch(q1)
     other = q1.copy()
     _, i = searcher.search(other, t, target_key=1)
-    assert len(searcher._ahead) == 1 and searcher._query_cache[1] is not searcher._ahead[0][1]
+    assert len(searcher.staging.ahead) == 1 and searcher._query_cache[1] is not searcher.staging.ahead[0][1]
     np.testing.assert_array_equal(i, knn(q1, t, 3, "l2", backend="reference")[1])
     # A block of more than one batch is not staged.
     small = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), batch_rows=16,
                                impl="torch")
     small.prefetch(q1)
-    assert small._ahead == []
+    assert small.staging.ahead == []
 
 
 def test_two_blocks_staged_before_the_first_search_are_both_used():
@@ -145,8 +147,8 @@ def test_two_blocks_staged_before_the_first_search_are_both_used():
     searcher.prefetch(qs[0])
     searcher.prefetch(qs[1])
     searcher.prefetch(qs[1])                  # already staged: nothing more
-    staged = [entry[1] for entry in searcher._ahead]
-    assert len(staged) == 2 and {entry[3] for entry in searcher._ahead} == {"ahead0", "ahead1"}
+    staged = [entry[1] for entry in searcher.staging.ahead]
+    assert len(staged) == 2 and {entry[3] for entry in searcher.staging.ahead} == {"ahead0", "ahead1"}
     for q in qs[:2]:
         q[0] += 100.0                         # the searches must use the staged copies
     for n in range(2):
@@ -155,20 +157,20 @@ def test_two_blocks_staged_before_the_first_search_are_both_used():
         expected = qs[n].copy()
         expected[0] -= 100.0
         np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
-    assert searcher._ahead == []
+    assert searcher.staging.ahead == []
     for q in qs:
         searcher.prefetch(q)
-    assert [entry[0] is q for entry, q in zip(searcher._ahead, qs[1:])] == [True, True]
+    assert [entry[0] is q for entry, q in zip(searcher.staging.ahead, qs[1:])] == [True, True]
     # Searching the newest drops the one staged before it (blocks are searched in order).
     searcher.search(qs[2], t, target_key=1)
-    assert searcher._ahead == []
+    assert searcher.staging.ahead == []
 
 
 def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = G.prepared_bytes(50, 4, "fp32", 4)
+    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
     # Room for two blocks in TARGET_SHARE of the budget.
     searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
                                   memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
@@ -184,9 +186,9 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
 @pytest.fixture
 def no_kept_blocks():
     """Tests that open searchers under a task scope start and end with nothing kept."""
-    G._KEPT.clear()
+    target_cache._KEPT.clear()
     yield
-    G._KEPT.clear()
+    target_cache._KEPT.clear()
 
 
 def _counting_prepare(monkeypatch):
@@ -214,7 +216,7 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     ref = knn(q, t, 4, "l2", backend="reference")[1]
 
     def task(scope, targets=t, keep=True, settings=settings):
-        with G.local_task(scope=scope):
+        with gpu_task.local_task(scope=scope):
             searcher = G.GpuBlockSearcher(settings, torch.device("cpu"), impl="torch")
         fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
         return searcher, fold.to_numpy()[3]
@@ -234,20 +236,20 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     assert len(prepared) == 3
     _, rows = task("stage 4")                      # another stage: its own copy
     np.testing.assert_array_equal(rows, ref)
-    assert len(prepared) == 4 and list(G._KEPT) == ["cpu"] and G._KEPT["cpu"][0] == "stage 4"
+    assert len(prepared) == 4 and list(target_cache._KEPT) == ["cpu"] and target_cache._KEPT["cpu"][0] == "stage 4"
     off = dataclasses.replace(settings, keep_targets=False)
     task("stage 4", settings=off)                  # keep_targets off frees them
-    assert len(prepared) == 5 and not G._KEPT
+    assert len(prepared) == 5 and not target_cache._KEPT
     task(None)                                               # no scope: nothing kept
-    assert not G._KEPT
+    assert not target_cache._KEPT
 
 
 def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks, monkeypatch):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((10, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = G.prepared_bytes(50, 4, "fp32", 4)
-    with G.local_task(scope="stage 1"):
+    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
+    with gpu_task.local_task(scope="stage 1"):
         searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
                                       memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
@@ -255,7 +257,7 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     assert searcher._target_bytes == 2 * block_bytes
     fold = searcher.search_fold(q, blocks[2], 2, 2, 0, None, keep=True)   # evicts kept 0 first
     np.testing.assert_array_equal(fold.to_numpy()[3], knn(q, blocks[2], 2, "l2", backend="reference")[1])
-    assert list(G._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
+    assert list(target_cache._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
 
 
 @pytest.mark.parametrize("device", [
@@ -302,7 +304,7 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     import pyarrow as pa
 
     def scopes(batches):
-        from udfs.gpu import local_task, task_scope
+        from udfs.gpu_task import local_task, task_scope
 
         with local_task(scope="ignored inside Spark"):
             for _ in batches:
