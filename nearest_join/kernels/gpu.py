@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import Metric, resolve_metric
+from ._common import Metric, check_cap, resolve_metric
 
 logger = logging.getLogger(__name__)
 
@@ -247,11 +247,13 @@ def uses_lower_keys(k: int, precision: str, d: int) -> bool:
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
-                    buffer_bytes: int = 1 << 30):
+                    buffer_bytes: int = 1 << 30, cap: float | None = None):
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
-    :func:`nearest_join.kernels.knn`.
+    :func:`nearest_join.kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
+    targets within it rank, a row may have fewer than k (``_gpu_torch.exact_topk``: the cap
+    is the searches' limit from their first candidate pass).
     """
     from . import _gpu_torch as gt
 
@@ -312,14 +314,16 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     near = side if far is None else side.take(~far)
     v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,
-                         lower=lower, few_rows=few_rows)
+                         lower=lower, few_rows=few_rows, cap=cap)
     if far is not None:
         # Rows too far from the block for its working frame: the float64 difference form over
         # every target, each row in its own scale (rare: 2^60 block extents away).
         v_all = torch.empty((side.rows, k), dtype=torch.float32, device=device)
         i_all = torch.empty((side.rows, k), dtype=torch.int64, device=device)
         v_all[~far], i_all[~far] = v, i
-        v_all[far], i_all[far] = gt.far_topk(side.take(far), targets.side, k)
+        far_side = side.take(far)
+        v_all[far], i_all[far] = gt.drop_beyond_cap(far_side, targets.side,
+                                                    *gt.far_topk(far_side, targets.side, k), cap)
         v, i = v_all, i_all
     if targets.rows is not None:
         i = torch.where(i >= 0, targets.rows[i.clamp(min=0)], -1)
@@ -331,7 +335,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
 
 
 def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "auto",
-              *, impl: str = "auto"):
+              *, impl: str = "auto", cap: float | None = None):
     """Exact k nearest targets of every query row, for torch tensors (CUDA or CPU).
 
     Parameters
@@ -345,6 +349,9 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
     impl : {"auto", "triton", "torch"}
         ``auto``: the first of :data:`IMPLEMENTATION_ORDER` that accepts the search
         (:func:`choose`); a named one runs or raises ValueError with its reason.
+    cap : float or None
+        Only targets within it rank (inclusive: a distance ``<= cap``, a similarity
+        ``>= cap``, by the pair's float64 value); a row may then have fewer than k.
 
     Returns
     -------
@@ -373,8 +380,9 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
         raise ValueError(f"targets: expected device {queries.device} (the queries'), got {targets.device}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k: expected an integer >= 1, got {k!r}")
+    cap = check_cap(cap)
     prepared = prepare_targets(targets, metric, precision)
-    return search_prepared(queries, prepared, int(k), impl=impl)
+    return search_prepared(queries, prepared, int(k), impl=impl, cap=cap)
 
 
 def cuda_device(device) -> "torch.device":
@@ -405,6 +413,7 @@ class GpuBackend:
     dtypes = ("float32", "float64")   # float64 rows are re-ranked from float64; values are float32
     metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
     max_k = None                      # k beyond the fused kernel's lists runs the torch path
+    caps = True                       # knn's ``cap``: the searches' limit from the first pass
 
     def refuse_task(self) -> str | None:
         """Why no search of this process can run here (no torch, no CUDA device), or None."""
@@ -438,7 +447,8 @@ class GpuBackend:
             # float64 rows stay float64: the working frame and the re-rank read them as given.
             q = torch.from_numpy(np.ascontiguousarray(queries)).to(dev, non_blocking=True)
             t = torch.from_numpy(np.ascontiguousarray(targets)).to(dev, non_blocking=True)
-            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision, impl=options.get("impl", "auto"))
+            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision, impl=options.get("impl", "auto"),
+                             cap=options.get("cap"))
             return v.cpu().numpy(), i.cpu().numpy()
 
 
