@@ -236,8 +236,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         With ``cosine`` or ``inner_product``: only targets at least this similar match
         (inclusive, ``>=``). Under either cap a query may get fewer than ``num_results``
         rows; INNER drops a query with none, LEFT OUTER keeps it once with NULL target
-        columns. The cap prunes inside the CPU kernel; the gpu backend does not take a cap
-        yet (``auto`` then searches on CPU; ``backend="gpu"`` is an error).
+        columns. The cap prunes inside the kernels (CPU and GPU) from their first pass;
+        it is not a filter afterwards.
     on : str, list or Column, keyword-only
         Equality keys: for each query row, the nearest target rows *whose keys are equal*. A
         column name present on both sides, a list of them, a list of ``(query_column,

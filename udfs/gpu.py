@@ -199,18 +199,19 @@ class GpuBlockSearcher:
 
     # ------------------------------------------------------------------ search
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
-               target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
+               target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of each query row against the target block: numpy in, numpy out.
 
-        Same contract as :func:`nearest_join.kernels.knn`. ``target_key`` names the target
-        block: equal keys reuse the block already on the device.
+        Same contract as :func:`nearest_join.kernels.knn`, ``cap`` included (the kernels'
+        limit from their first pass; a row may have fewer than k). ``target_key`` names the
+        target block: equal keys reuse the block already on the device.
         """
-        v, i = self._search_device(query_vectors, target_vectors, target_key)
+        v, i = self._search_device(query_vectors, target_vectors, target_key, cap=cap)
         return v.cpu().numpy(), i.cpu().numpy()
 
     def search_fold(self, query_vectors: np.ndarray, target_vectors: np.ndarray, target_key: object,
                     block_id: int, source: int, state: "DeviceFold | None",
-                    keep: bool = False) -> "DeviceFold":
+                    keep: bool = False, cap: float | None = None) -> "DeviceFold":
         """Search one target block and fold it into ``state`` on the device.
 
         The running top-k of a query block stays on the device across its target blocks:
@@ -219,7 +220,8 @@ class GpuBlockSearcher:
         :func:`nearest_join.kernels.merge_topk`. ``source`` tags the block's slots (the
         caller's payload table). The fold's host copy starts at once; read it with
         :meth:`DeviceFold.to_numpy` from any thread. ``keep``: a broadcast block, kept for
-        the stage's next task (see :meth:`_resident_targets`).
+        the stage's next task (see :meth:`_resident_targets`). ``cap``: as in :meth:`search`
+        (a capped block's empty slots fold like a short block's).
         """
         import torch
 
@@ -229,7 +231,7 @@ class GpuBlockSearcher:
         from .columns import ROW_BITS
 
         metric = resolve_metric(self.settings.metric)
-        v, i = self._search_device(query_vectors, target_vectors, target_key, keep)
+        v, i = self._search_device(query_vectors, target_vectors, target_key, keep, cap=cap)
         ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
         with ctx:
             filled = i >= 0
@@ -245,7 +247,7 @@ class GpuBlockSearcher:
             return DeviceFold.start(v, keys, src, i, self._cuda)
 
     def _search_device(self, query_vectors: np.ndarray, target_vectors: np.ndarray, target_key,
-                       keep: bool = False):
+                       keep: bool = False, cap: float | None = None):
         """(values, indices) on the device for the whole query block."""
         import torch
 
@@ -284,7 +286,8 @@ class GpuBlockSearcher:
                     pending = self._stage(query_vectors, starts, n + 1)
                 if ready is not None:
                     compute.wait_event(ready)
-                v, i = search_prepared(q_dev, targets, k, impl=self.impl, buffer_bytes=buffer_bytes)
+                v, i = search_prepared(q_dev, targets, k, impl=self.impl, buffer_bytes=buffer_bytes,
+                                       cap=cap)
                 if self._cuda:
                     q_dev.record_stream(compute)
                 values[start:stop] = v

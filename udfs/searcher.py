@@ -56,10 +56,12 @@ class BlockSearcher:
         self.device = "cpu"
 
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
-               target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
+               target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k of each query row against the target block (:func:`nearest_join.kernels.knn`);
+        ``cap``: knn's (only targets within it rank, inclusive; None: no cap)."""
         s = self.settings
         return knn(query_vectors, target_vectors, s.k, s.metric, backend=self.backend,
-                   threads=self.threads)
+                   threads=self.threads, cap=cap)
 
 
 def cuda_may_exist() -> bool:

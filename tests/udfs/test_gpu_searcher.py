@@ -315,3 +315,50 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     again = {r.scope for r in df.collect()}
     assert len(first) == 1 and len(again) == 1 and first != again, (first, again)
     assert next(iter(first)).startswith("execution ")
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+@pytest.mark.parametrize("plan", ["broadcast", "blocked"])
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device):
+    """A join's cap reaches the GPU searcher (its search and its device fold) and the kernels
+    take it: rows with fewer than k targets within the cap, some with none (inner join: no
+    row), against the reference backend under the same cap."""
+    import pyarrow as pa
+
+    from tests.kernels.test_caps import midpoint_cap
+    from tests.oracle import key_values, oracle_keys
+    from udfs import blocks as B
+    from udfs.local import local_join
+
+    rng = np.random.default_rng(22)
+    nq, nt, d, k = 29, 240, 6, 5
+    Q = rng.standard_normal((nq, d)).astype(np.float32)
+    T = rng.standard_normal((nt, d)).astype(np.float32)
+    cap = midpoint_cap(key_values(oracle_keys(Q, T, metric), metric), 0.006, metric == "cosine")
+    qt = pa.table({"qid": np.arange(nq), "qv": pa.array(list(Q), type=pa.list_(pa.float32()))})
+    tt = pa.table({"tid": np.arange(nt), "tv": pa.array(list(T), type=pa.list_(pa.float32()))})
+    opened = []
+
+    def open_gpu(settings):
+        opened.append(G.GpuBlockSearcher(settings, torch.device(device),
+                                         impl="torch" if device == "cpu" else "auto"))
+        return opened[-1]
+
+    monkeypatch.setattr(B, "open_block_searcher", open_gpu)
+    ctx = B.JoinContext(SearchSettings(k, metric, "gpu", "bf16"), B.SideLayout("qv", 1, d, 8),
+                        B.SideLayout("tv", 1, d, 50), "inner", True, tt.schema, cap=cap)
+    out = local_join(qt, tt, ctx, plan=plan, partitions=2)
+    assert opened
+    _, indices = knn(Q, T, k, metric, backend="reference", cap=cap)
+    got = {}
+    for qid, tid in zip(out.column(0).to_pylist(), out.column(2).to_pylist()):
+        got.setdefault(qid, []).append(tid)
+    counts = (indices >= 0).sum(axis=1)
+    assert (counts == 0).any() and ((counts > 0) & (counts < k)).any(), counts
+    for q in range(nq):
+        assert sorted(got.get(q, [])) == sorted(indices[q][indices[q] >= 0].tolist()), q
