@@ -335,12 +335,19 @@ def _spark_fallback(planned: PlannedJoin) -> DataFrame:
     return out
 
 
-def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPlan) -> SearchSettings:
+def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPlan,
+                     itemsizes: tuple[int, int] = (4, 4)) -> SearchSettings:
     """The executors' search settings: the options the kernels need, as plain values (the
-    backend is the plan's: a cap runs ``auto`` on CPU)."""
+    backend is the plan's), and the shape of the plan's full block pair, which a GPU
+    executor compiles before its first block (``itemsizes``: bytes per query and target
+    element, as the executors decode them: float32 or float64)."""
+    warm = None
+    if plan.dimension and plan.query_rows and plan.target_rows:
+        warm = (min(plan.query_block_rows, plan.query_rows), min(plan.target_block_rows, plan.target_rows),
+                plan.dimension, *("float32" if size == 4 else "float64" for size in itemsizes))
     return SearchSettings(k=options.k, metric=ranking.metric, backend=plan.backend,
                           precision=options.precision, keep_targets=keep_gpu_targets(spark),
-                          gpu_share=gpu_task_share(spark))
+                          gpu_share=gpu_task_share(spark), warm_shape=warm)
 
 
 def _execute(planned: PlannedJoin) -> DataFrame:
@@ -349,7 +356,8 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
     spark = query.sparkSession
     q_name, t_name = ranking.query_column, ranking.target_column
-    settings = _search_settings(spark, ranking, planned.options, plan)
+    settings = _search_settings(spark, ranking, planned.options, plan,
+                                (vector_itemsize(query, q_name, "query"), vector_itemsize(target, t_name, "target")))
     q_layout = packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
     t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,

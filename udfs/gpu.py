@@ -46,6 +46,8 @@ MEMORY_FRACTION = 0.7
 # re-rank temporaries. Generous on purpose; the kernel chunks inside this budget.
 ROW_OVERHEAD_BYTES = 64 << 10
 MIN_BATCH_ROWS = 1024
+# Configurations this worker process has compiled (GpuBlockSearcher.warm_up).
+_WARMED: set = set()
 # Share of the memory budget resident target blocks may hold (the rest: query batches).
 TARGET_SHARE = 0.5
 
@@ -119,6 +121,57 @@ class GpuBlockSearcher:
         logger.info("GPU searcher on %s: precision %s (asked %s), %s candidates%s, memory budget %.1f GiB",
                     self.device, self.precision, settings.precision, self.implementation.name,
                     "".join(f" ({r})" for r in reasons), memory_bytes / 2**30)
+        self.warm_up()
+
+    def warm_up(self) -> bool:
+        """Compile the plan's configuration in this worker before its first block: one search
+        of random rows of the plan's block shapes (``SearchSettings.warm_shape``), made on the
+        device, with this searcher's k, metric, precision and implementation. Once per worker
+        process and configuration (Spark reuses Python workers: a later task's searcher finds
+        it done); True when it ran.
+
+        The fused kernel's specialisations follow the shapes, not only d, k and the precision:
+        the kernel form (a register list, its segments or the buffer kernel) and the survivor
+        test follow the number of targets and of query rows (``_gpu_triton.plan_candidates``,
+        ``segment_count``, ``skip_share``), and Triton specialises integer arguments (rows,
+        targets, dimension) by their divisibility by 16; the re-rank kernel the rows' dtypes.
+        So the warm-up searches the first query batch's rows against a full target block, in
+        the plans' dtypes: the first real pair then finds its first pass compiled (a shorter
+        last block, and widening rounds over few rows, may still compile their own forms).
+        It costs one search of a block pair, without the host copies."""
+        shape = self.settings.warm_shape
+        if shape is None:
+            return False
+        import time
+
+        import torch
+
+        from nearest_join.kernels.gpu import prepare_targets, search_prepared
+
+        q_rows, t_rows, d, q_dtype, t_dtype = shape
+        rows = min(q_rows, self._rows_per_batch(q_rows, d))
+        key = (str(self.device), self.settings.k, self.settings.metric, self.precision, self.impl,
+               rows, t_rows, d, q_dtype, t_dtype)
+        if key in _WARMED or min(rows, t_rows, d) < 1:
+            return False
+        start = time.perf_counter()
+        ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+        with ctx:
+            generator = torch.Generator(self.device).manual_seed(0)
+
+            def random(n: int, dtype: str):
+                return torch.randn((n, d), generator=generator, device=self.device,
+                                   dtype=getattr(torch, dtype))
+
+            targets = prepare_targets(random(t_rows, t_dtype), self.settings.metric, self.precision)
+            search_prepared(random(rows, q_dtype), targets, self.settings.k, impl=self.impl,
+                            buffer_bytes=max(64 << 20, rows * ROW_OVERHEAD_BYTES // 2))
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+        _WARMED.add(key)
+        logger.info("warmed up %s: %d x %d rows, d=%d, k=%d, %s %s in %.1f s", self.device, rows, t_rows, d,
+                    self.settings.k, self.settings.metric, self.precision, time.perf_counter() - start)
+        return True
 
     def prefetch(self, query_vectors: np.ndarray) -> None:
         """Start copying a one-batch query block to the device before its search is called

@@ -42,6 +42,10 @@ class SearchSettings:
     precision: str = "auto"     # GPU only: "auto" | "fp32" | "tf32" | "bf16" (results stay exact)
     keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
     gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
+    # GPU only: (query rows, target rows, dimension, query dtype, target dtype) of the plan's
+    # full block pair, or None: a GPU searcher compiles that configuration once per worker
+    # process before its first block (udfs.gpu.GpuBlockSearcher.warm_up).
+    warm_shape: tuple | None = None
 
 
 class BlockSearcher:

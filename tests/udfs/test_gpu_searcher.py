@@ -362,3 +362,38 @@ def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device)
     assert (counts == 0).any() and ((counts > 0) & (counts < k)).any(), counts
     for q in range(nq):
         assert sorted(got.get(q, [])) == sorted(indices[q][indices[q] >= 0].tolist()), q
+
+
+def test_a_searcher_compiles_the_plans_configuration_once_per_worker(monkeypatch):
+    """``SearchSettings.warm_shape`` (the plan's block pair): the searcher's opening runs one
+    search of that shape, in the plan's dtypes, with its k, metric, precision and
+    implementation, once per worker process and configuration; without it, none."""
+    from nearest_join.kernels import gpu as kgpu
+
+    monkeypatch.setattr(G, "_WARMED", set())
+    calls = []
+    real = kgpu.search_prepared
+
+    def spy(queries, targets, k, **options):
+        calls.append((tuple(queries.shape), queries.dtype, targets.side.rows, targets.side.source.dtype,
+                      k, targets.metric, targets.precision, options["impl"]))
+        return real(queries, targets, k, **options)
+
+    monkeypatch.setattr(kgpu, "search_prepared", spy)
+    settings = SearchSettings(7, "cosine", "gpu", "bf16", warm_shape=(300, 1000, 12, "float32", "float64"))
+    cpu = torch.device("cpu")
+    first = G.GpuBlockSearcher(settings, cpu, impl="torch", batch_rows=128)
+    # The first query batch (128 of the block's 300 rows) against a whole target block.
+    assert calls == [((128, 12), torch.float32, 1000, torch.float64, 7, "cosine", "bf16", "torch")]
+    G.GpuBlockSearcher(settings, cpu, impl="torch", batch_rows=128)       # the worker's next task
+    assert len(calls) == 1
+    G.GpuBlockSearcher(dataclasses.replace(settings, k=8), cpu, impl="torch", batch_rows=128)
+    assert len(calls) == 2 and calls[1][4] == 8
+    G.GpuBlockSearcher(dataclasses.replace(settings, warm_shape=None, k=9), cpu, impl="torch")
+    assert len(calls) == 2
+    # The searcher still searches as before (the warm-up kept nothing resident).
+    assert first._targets is None and len(first._resident) == 0
+    rng = np.random.default_rng(2)
+    q, t = rng.standard_normal((20, 12)).astype(np.float32), rng.standard_normal((90, 12))
+    _, i = first.search(q, t, target_key=1)
+    np.testing.assert_array_equal(i, knn(q, t, 7, "cosine", backend="reference")[1])
