@@ -7,7 +7,10 @@ first and a second block pair of that shape (other target rows each), and report
 of each step. Without the warm-up the first search pays the Triton compiles; with it, the
 opening does, and the first search should cost what the second does.
 
-    python3 benchmarks/gpu_warm_up.py --out $OUT [--nq 4096 --nt 100000 --d 768 --k 10]
+    python3 benchmarks/gpu_warm_up.py [--out DIR] [--nq 4096 --nt 100000 --d 768 --k 10]
+
+Records go to ``benchmarks/results/gpu_warm_up.jsonl`` (``--out``: that directory instead, for
+a device whose results come back through it), table ``first_block``.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 
 def child(args) -> dict:
@@ -65,6 +69,9 @@ def main(argv=None) -> None:
     if args.case is not None:
         print(json.dumps(child(args)))
         return
+    from benchmarks._record import Recorder
+
+    rec = Recorder("gpu_warm_up", blas=False, results_dir=Path(args.out) if args.out else None)
     rows = []
     for case in ("cold", "warm"):
         with tempfile.TemporaryDirectory() as cache:
@@ -74,12 +81,7 @@ def main(argv=None) -> None:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), flush=True)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "gpu_warm_up.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(dict(row, date=time.strftime("%Y-%m-%d"))) + "\n")
+            rec.add("first_block", **rows[-1])
 
 
 if __name__ == "__main__":
