@@ -381,10 +381,12 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # rows before they search or emit them.
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
+    q_pack = t_pack = packing.pack_blocks
     if planned.ivf is not None:
         # The IVF lists take the place of the keyed plan's group ids: a target row's list,
-        # a query row's probed lists, as each side's last column (nearest_join.ivf).
-        q_input, t_input = planned.ivf.with_lists(q_input, t_input, q_layout, t_layout)
+        # a query row's probed lists, as each side's last column, routed as the rows are
+        # packed (nearest_join.ivf).
+        q_pack, t_pack = planned.ivf.packers()
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
@@ -400,10 +402,10 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
         q_input = q_input.repartition(plan.query_partitions)
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
-    q_packed = (q_input.mapInArrow(functools.partial(packing.pack_blocks, layout=q_layout), packed)
+    q_packed = (q_input.mapInArrow(functools.partial(q_pack, layout=q_layout), packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_packed = (t_input.mapInArrow(functools.partial(packing.pack_blocks, layout=t_layout), packed)
+    t_packed = (t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed)
                 .unionByName(empty)
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":
