@@ -123,9 +123,10 @@ hold for it as for ``V_k``: a target whose key exceeds ``key(V_cap) + E`` (``val
 is beyond the cap. That limit is the searches' threshold from the first round: it seeds the
 first candidate lists (the fused kernel then never keeps a key above it), candidates above it
 are not re-ranked, and a row is proven when its floor exceeds the lesser of its k-th limit and
-the cap's, so a row with fewer than k targets within the cap is proven by the cap. The pairs
-returned are then decided by their float64 values (:func:`drop_beyond_cap`), as the cpu
-kernel decides them.
+the cap's, so a row with fewer than k targets within the cap is proven by the cap. The
+candidates below the limit are decided by their float64 values (:func:`pair_values64`), as
+the cpu kernel decides them, before they are ranked: ranking is by float32 values, and a pair
+beyond the cap whose float32 value equals that of one within it must not take its slot.
 """
 from __future__ import annotations
 
@@ -1040,9 +1041,9 @@ def drop_beyond_cap(queries: PreparedSide, targets: PreparedSide, values: torch.
                     idx: torch.Tensor, cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty (index -1, the metric's worst value) every returned pair beyond ``cap`` by its
     float64 value (:func:`pair_values64`), the kept ones first in their order: the padding of
-    short rows the cpu backend uses (``_common.drop_beyond_cap``). Rows ranked by float32
-    values drop their last slots; a pair beyond the cap ranked before one within it (equal
-    float32 values either side of the cap) moves behind it."""
+    short rows the cpu backend uses (``_common.drop_beyond_cap``). :func:`exact_topk` has
+    already emptied the candidates beyond the cap before ranking them; this is the contract's
+    last step for every row, whatever searched it."""
     if cap is None:
         return values, idx
     metric = queries.metric
@@ -1153,8 +1154,12 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             if n_cand >= nt:                  # a list of the n_cand best holds every target
                 floor = torch.full_like(floor, math.inf)
         if cap_limit is not None:
-            # Candidates above the cap's limit are beyond the cap: never re-ranked.
+            # Candidates above the cap's limit are beyond the cap: never re-ranked. The rest
+            # are decided by their float64 values before the ranking, so that a pair beyond
+            # the cap never takes the slot of one within it (equal float32 values either side
+            # of the cap, the lower index beyond it).
             idx = skip_beyond(keys, idx, cap_limit)
+            idx = torch.where(beyond_cap(pair_values64(subset, targets, idx), cap, metric), -1, idx)
         v, i = rerank(subset, targets, keys, idx, bound, k, values)
         # Proven by the keys alone, or by the re-ranked k-th value (module notes); under a
         # cap also by the cap's limit (no target outside the list is within the cap).

@@ -128,6 +128,29 @@ def test_cosine_cap_is_inclusive(backend):
         assert values[0].tolist() == [1.0, 0.0, 0.0, -np.inf], label
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "inner_product"])
+def test_a_pair_beyond_the_cap_never_takes_the_slot_of_one_within_it(backend, metric):
+    # float64 rows whose two values round to the same float32 either side of the cap: the
+    # lower index (row 0) is beyond it, row 1 within it, row 2 far; k=1 must return row 1.
+    eps = 1e-12
+    if metric in ("l2", "sqeuclidean"):
+        q = np.zeros((1, 2))
+        t = np.array([[1 + 3 * eps, 0.0], [1 + eps, 0.0], [9.0, 0.0]])
+        cap = 1 + 2 * eps if metric == "l2" else (1 + 2 * eps) ** 2
+    elif metric == "inner_product":
+        q = np.array([[1.0, 0.0]])
+        t = np.array([[1 - 3 * eps, 0.0], [1 - eps, 0.0], [-9.0, 0.0]])
+        cap = 1 - 2 * eps
+    else:   # cosine: angles 3 and 1 (times a small one), cap between their cosines
+        a = 1e-5
+        q = np.array([[1.0, 0.0]])
+        t = np.array([[np.cos(3 * a), np.sin(3 * a)], [np.cos(a), np.sin(a)], [-1.0, 0.0]])
+        cap = float(np.cos(2 * a))
+    for label, values, indices in capped_searches(backend, q, t, 1, metric, cap):
+        assert indices[0].tolist() == [1], label
+
+
 ADVERSARIAL = [lambda: adv.offset_case(16, 10.0, 0.1, nq=20, nt=300, seed=41),
                lambda: adv.offset_case(3, 1e3, 0.1, nq=20, nt=300, seed=42, dtype=np.float64),
                lambda: adv.offset_case(1, 1e4, 1.0, nq=20, nt=300, seed=43),
