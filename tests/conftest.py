@@ -1,5 +1,6 @@
-"""One SparkSession for the whole test run (local[2], UI off, few shuffle partitions), and the
-subprocess suites that run beside the main run (tests/background.py).
+"""One SparkSession for the whole test run (local[2], UI off, few shuffle partitions; Python
+workers from tests/spark_daemon.py), and the subprocess suites that run beside the main run
+(tests/background.py).
 
 Kernel tests never touch the session: the fixture is created only when a test asks for ``spark``.
 """
@@ -31,6 +32,12 @@ def spark():
         .config("spark.task.maxFailures", "1")
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
+        # The driver JVM's work here is planning many tiny queries: C2's compilations of it
+        # cost more CPU than they save (the kernels run in Python workers, not in the JVM).
+        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+        # pyspark.daemon, less its full garbage collection after every task (tests/spark_daemon.py)
+        .config("spark.python.daemon.module", "tests.spark_daemon")
+        .config("spark.executorEnv.PYTHONPATH", str(background.REPO))
         .getOrCreate()
     )
     session.sparkContext.setLogLevel("ERROR")

@@ -47,6 +47,11 @@ def main() -> int:
     spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("nearest_join-cluster")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.executorEnv.PYTHONPATH", ROOT)
+             # As the suite's session (tests/conftest.py): C1-compiled JVMs, Python workers
+             # from tests/spark_daemon.py.
+             .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+             .config("spark.executor.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+             .config("spark.python.daemon.module", "tests.spark_daemon")
              .config("spark.task.maxFailures", "4")
              .config("spark.sql.shuffle.partitions", "4")
              .getOrCreate())

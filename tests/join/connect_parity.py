@@ -11,14 +11,22 @@ import numpy as np  # noqa: E402
 from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
 from nearest_join.errors import NearestByJoinError  # noqa: E402
 from tests.oracle import assert_same_neighbours, group_rows  # noqa: E402
 
 
 def main() -> int:
-    spark = SparkSession.builder.remote("local[2]").getOrCreate()
+    # The local server as the suite's session (tests/conftest.py): UI off, C1-compiled driver,
+    # Python workers from tests/spark_daemon.py.
+    spark = (SparkSession.builder.remote("local[2]")
+             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+             .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+             .config("spark.python.daemon.module", "tests.spark_daemon")
+             .config("spark.executorEnv.PYTHONPATH", ROOT)
+             .getOrCreate())
     assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
     rng = np.random.default_rng(5)
     Q = rng.standard_normal((40, 6)).astype(np.float32)
