@@ -420,10 +420,28 @@ def ivf_carrier(plan) -> str | None:
     """Why the IVF lists cannot ride on ``plan`` (None: they can).
 
     The seam of the blocked plan: IVF lists are keyed-plan groups, and a query row is in
-    ``nprobe`` of them. The broadcast keyed search takes that (``udfs.probes``); the keyed
-    blocked plan (``nearest_join.keyed``) keys each query row by one group, so until it
-    merges a query's partials across its groups, a target too large to broadcast runs the
-    exact blocked plan. This is the one place that decides it.
+    ``nprobe`` of them. The broadcast keyed search takes that (``udfs.probes``: one task
+    holds every list, so a query's lists are searched and merged in one place, and a huge
+    list is one more kernel call, bounded by the broadcast). The keyed blocked plan
+    (``nearest_join.keyed``) keys each query row by one group, so a target too large to
+    broadcast runs the exact blocked plan. This is the one place that decides it.
+
+    What the blocked plan needs to take IVF lists (not built yet):
+
+    1. the query side exploded into one row per probed list, *after* each query row gets a
+       stage-2 key of its own (a query block id drawn before the explode), since a query's
+       lists fall into different bins and query parts (:func:`nearest_join.planner.keyed_layout`
+       counts a query once per probe then, which is what its cells hold);
+    2. stage 1 (``udfs.blocks.search_cell``) emitting its partial top k per stage-2 query
+       block rather than per query part, the query rows travelling once (with one chosen
+       probe's target part 0, as today with part 0 of the one group);
+    3. stage 2 grouping by that key and merging with the shared merge: a query's ``nprobe``
+       partials (each of at most k target rows) meet there; ties across lists go to the
+       lower (target part, row), as in the broadcast search.
+
+    With ``on=`` keys the groups would be (key, list) pairs of one global index, a query
+    probing its nearest lists among those its key holds, and the recall estimate's scan
+    would rank each sampled query against its own key's targets only.
     """
     if plan.plan == "broadcast":
         return None
