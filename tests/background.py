@@ -13,6 +13,14 @@ moves their tests to the end of the run; each of those tests then waits for its 
 2 cores the main run leaves one mostly idle (Spark's job start-ups, py4j round trips, Python
 loops), and the suites fill it. A suite whose test is deselected never starts; one still
 running when the session ends is killed.
+
+A *lane* (:data:`LANES`) is a folder of ordinary tests that runs as such a suite: one pytest
+subprocess with a Spark session of its own. When a run selects the lane's test
+(``tests/test_lanes.py``) together with tests of its folder, the main run hands those tests to
+the lane (:func:`take_lanes`) and the lane's test asserts that every one of them passed or
+skipped, showing the failures' output otherwise; the terminal summary gives the lane's counts
+and slowest tests. Run on its own (``pytest tests/jobs``), the folder runs in the main run.
+Two workers run the suites, so a lane overlaps the short suites as well as the main run.
 """
 from __future__ import annotations
 
@@ -28,9 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# The order the suites run in: the longest first, so the last to finish overlaps the main run.
-# A suite not named here runs after these.
-ORDER = ("triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+# The order the suites start in: the longest first, so the last to finish overlaps the main
+# run. A suite not named here starts after these.
+ORDER = ("jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+# Suites running at once (beside the main run): on 2 cores the main run and one suite leave a
+# core partly idle (job start-ups, py4j round trips), a second suite fills it.
+WORKERS = 2
+# lane name -> the folder (relative to the repository) whose tests it runs
+LANES = {"jobs": "tests/jobs"}
 
 
 @dataclass
@@ -54,17 +67,31 @@ class Suite:
         return f"[{self.name}: rc {self.returncode}, {self.seconds:.0f} s]\n" + \
             self.stdout[-chars:] + "\n--- stderr ---\n" + self.stderr[-chars:]
 
-    def junit(self) -> dict:
-        """tests / failures / errors / skipped of a pytest suite's JUnit report."""
+    def _junit_suite(self):
         assert self.junit_path and os.path.exists(self.junit_path), self.tail()
         suite = ET.parse(self.junit_path).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+        return suite if suite.tag == "testsuite" else suite.find("testsuite")
+
+    def junit(self) -> dict:
+        """tests / failures / errors / skipped of a pytest suite's JUnit report."""
+        suite = self._junit_suite()
         return {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+
+    def junit_failures(self) -> list[str]:
+        """Each failed or erroring test case of the JUnit report: its name and its output."""
+        found = []
+        for case in self._junit_suite().iter("testcase"):
+            for bad in list(case.findall("failure")) + list(case.findall("error")):
+                name = f"{case.get('classname')}::{case.get('name')}"
+                found.append(f"{bad.tag.upper()} {name}: {bad.get('message', '')}\n{bad.text or ''}")
+        return found
 
 
 _SUITES: dict[str, Suite] = {}
 _QUEUE: queue.Queue = queue.Queue()
-_WORKER: threading.Thread | None = None
+_WORKERS: list[threading.Thread] = []
+# lane name -> the node ids handed to it by take_lanes
+_LANE_TESTS: dict[str, list[str]] = {}
 _LOCK = threading.Lock()
 _STOPPED = threading.Event()
 
@@ -122,17 +149,60 @@ def _work() -> None:
 
 
 def start(names) -> None:
-    """Queue the named suites (in :data:`ORDER`) on the worker thread."""
-    global _WORKER
+    """Queue the named suites (in :data:`ORDER`) on the worker threads."""
     with _LOCK:
         for name in sorted(set(names), key=rank):
             suite = _SUITES[name]
             if not suite.started:
                 suite.started = True
                 _QUEUE.put(suite)
-        if _WORKER is None:
-            _WORKER = threading.Thread(target=_work, name="background-suites", daemon=True)
-            _WORKER.start()
+        while len(_WORKERS) < WORKERS:
+            _WORKERS.append(threading.Thread(target=_work, name=f"background-suites-{len(_WORKERS)}",
+                                             daemon=True))
+            _WORKERS[-1].start()
+
+
+def registered(name: str) -> bool:
+    return name in _SUITES
+
+
+def take_lanes(items) -> list:
+    """Hand the selected tests of each lane whose own test is selected to that lane's suite
+    (registered here, with their node ids); return the items the main run keeps."""
+    waiting = {name_of(item) for item in items if is_background(item)}
+    kept = list(items)
+    for name, folder in LANES.items():
+        if name not in waiting:
+            continue
+        root = REPO / folder
+        mine = [item for item in kept if Path(str(item.path)).resolve().is_relative_to(root)]
+        if not mine:
+            continue
+        taken = {id(item) for item in mine}
+        kept = [item for item in kept if id(item) not in taken]
+        _LANE_TESTS[name] = [item.nodeid for item in mine]
+        register(name, [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "--durations=15", *_LANE_TESTS[name]], timeout=1200, junit=True)
+    return kept
+
+
+def lane_result(name: str) -> Suite:
+    """The finished lane, after checking that it ran every test handed to it, and none failed.
+    Skips (with the reason) when the run handed it no test."""
+    import pytest
+
+    if name not in _LANE_TESTS:
+        pytest.skip(f"no test under {LANES[name]} is selected in this run (they run in the lane "
+                    f"only when they are)")
+    suite = result(name)
+    failures = suite.junit_failures() if suite.junit_path and os.path.exists(suite.junit_path) else []
+    assert not failures and suite.returncode == 0, (
+        f"{LANES[name]} (run as the background lane {name!r}): {len(failures)} failed\n\n"
+        + "\n\n".join(failures) + "\n\n" + suite.tail())
+    report = suite.junit()
+    # every test handed over ran (a test not collected there would be missing from the count)
+    assert report["tests"] == len(_LANE_TESTS[name]), (report, len(_LANE_TESTS[name]), suite.tail())
+    return suite
 
 
 def rank(name: str) -> tuple[int, str]:
@@ -150,20 +220,39 @@ def result(name: str) -> Suite:
 
 
 def stop() -> None:
-    """Kill a suite still running (its test was not reached), start no other, end the worker."""
+    """Kill a suite still running (its test was not reached), start no other, end the workers."""
     with _LOCK:
         _STOPPED.set()
         for suite in _SUITES.values():
             if suite.process is not None and suite.process.poll() is None:
                 suite.process.kill()
-    _QUEUE.put(None)
+    for _ in _WORKERS:
+        _QUEUE.put(None)
 
 
 def summary() -> list[str]:
     """One line per suite that ran: name, exit status, seconds (its test's "setup" time in
-    --durations is only the wait for it)."""
-    return [f"{s.name}: rc {s.returncode}, {s.seconds:.1f} s" for s in
-            sorted(_SUITES.values(), key=lambda s: rank(s.name)) if s.done.is_set()]
+    --durations is only the wait for it); for a lane also its counts and slowest tests."""
+    lines = []
+    for s in sorted(_SUITES.values(), key=lambda s: rank(s.name)):
+        if not s.done.is_set():
+            continue
+        lines.append(f"{s.name}: rc {s.returncode}, {s.seconds:.1f} s")
+        if s.name in _LANE_TESTS and s.junit_path and os.path.exists(s.junit_path):
+            report = s.junit()
+            passed = report["tests"] - report["failures"] - report["errors"] - report["skipped"]
+            lines.append(f"  {LANES[s.name]}: {passed} passed, {report['skipped']} skipped, "
+                         f"{report['failures']} failed, {report['errors']} errors "
+                         f"(of {len(_LANE_TESTS[s.name])} handed to the lane)")
+            durations = s.stdout.split("slowest 15 durations", 1)
+            for line in durations[1].splitlines()[1:] if len(durations) == 2 else []:
+                if line.startswith("="):
+                    break
+                lines.append("  " + line)
+            # its skips and failures with their reasons (-ra)
+            lines += ["  " + ln for ln in s.stdout.splitlines()
+                      if ln.split(" ", 1)[0] in ("SKIPPED", "XFAIL", "XPASS", "FAILED", "ERROR")]
+    return lines
 
 
 def is_background(item) -> bool:

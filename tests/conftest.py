@@ -47,12 +47,15 @@ def spark():
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Start the background suites of the selected tests (after -k / -m deselection: trylast)
-    and run those tests last, in the order their suites run."""
+    """Hand the tests of each selected lane to it, start the background suites of the selected
+    tests (after -k / -m deselection: trylast) and run those tests last, in the order their
+    suites run."""
     waiting = [item for item in items if background.is_background(item)]
     if not waiting or config.option.collectonly:
         return
-    background.start([background.name_of(item) for item in waiting if not background.will_skip(item)])
+    items[:] = background.take_lanes(items)
+    background.start([background.name_of(item) for item in waiting
+                      if background.registered(background.name_of(item)) and not background.will_skip(item)])
     waiting.sort(key=lambda item: background.rank(background.name_of(item)))
     items[:] = [item for item in items if not background.is_background(item)] + waiting
 
