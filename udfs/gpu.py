@@ -264,7 +264,7 @@ class GpuBlockSearcher:
     """
 
     def __init__(self, settings: SearchSettings, device, *, memory_bytes: int | None = None,
-                 batch_rows: int | None = None, impl: str = "auto"):
+                 batch_rows: int | None = None):
         import torch
 
         from nearest_join.kernels.gpu import choose, resolve_precision
@@ -274,7 +274,6 @@ class GpuBlockSearcher:
         # "auto" resolved once for this task's device; the executor logs and reports it.
         self.precision = resolve_precision(settings.precision, self.device)
         self.backend = "gpu"
-        self.impl = impl
         self._cuda = self.device.type == "cuda"
         # Blocks kept by an earlier task of this stage (or freed, for another stage) before
         # the free memory is read.
@@ -298,7 +297,7 @@ class GpuBlockSearcher:
         self._ahead_lock = threading.Lock()
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
         self._pinned: dict[str, torch.Tensor] = {}
-        self.implementation, reasons = choose(settings.k, self.precision, self.device, impl)
+        self.implementation, reasons = choose(settings.k, self.precision, self.device)
         logger.info("GPU searcher on %s: precision %s (asked %s), %s candidates%s, memory budget %.1f GiB",
                     self.device, self.precision, settings.precision, self.implementation.name,
                     "".join(f" ({r})" for r in reasons), memory_bytes / 2**30)
@@ -528,7 +527,7 @@ class GpuBlockSearcher:
                     pending = self._stage(query_vectors, starts, n + 1)
                 if ready is not None:
                     compute.wait_event(ready)
-                v, i = search_prepared(q_dev, targets, k, impl=self.impl, buffer_bytes=buffer_bytes)
+                v, i = search_prepared(q_dev, targets, k, buffer_bytes=buffer_bytes)
                 if self._cuda:
                     q_dev.record_stream(compute)
                 values[start:stop] = v

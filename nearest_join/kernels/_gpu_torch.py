@@ -967,8 +967,8 @@ def falls_back(precision: str, wider: int, nt: int, max_candidates: int | None) 
 def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
-               seeded: bool = False,
-               lower: bool = False, few_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+               seeded: bool = False, lower: bool = False, few_rows: int = 0,
+               first_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
     ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
@@ -982,6 +982,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     ``lower``: every generator ranks by the lower key (``lower=True``, module notes) and the
     proofs use :func:`lower_key_bound`.
     ``few_rows``: widening rounds over at most this many rows run :func:`torch_candidates`.
+    ``first_width``: the first list's width instead of :func:`candidate_width`'s.
     """
     metric = queries.metric
     stats = stats or TargetStats.of(targets)
@@ -991,7 +992,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     out_i = torch.empty((m, k), dtype=torch.int64, device=device)
     pending = torch.arange(m, device=device)
     subset = queries
-    n_cand = candidate_width(k, queries.precision, lower)
+    n_cand = first_width or candidate_width(k, queries.precision, lower)
     generator = candidates
     seed = None
     bound = None                       # per row, computed once (the first round's pass)
