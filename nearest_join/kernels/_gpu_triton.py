@@ -1115,7 +1115,8 @@ def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, confi
     its product; the sample pass reads a ``SAMPLE_LIST / n_cand`` share of the block. Any seed
     is exact (a seeded list's floor never exceeds its seed, :func:`floor_key`): where the
     sample's key lies below a row's n_cand-th, the row holds fewer candidates, and if it is
-    then not proven it widens like any other. The sample (its own prepared rows, contiguous)
+    then not proven it widens like any other. None too where the pass has no launch
+    configuration (too few targets for its segments: the torch path runs it). The sample (its own prepared rows, contiguous)
     is kept in the target block's cache; the pass runs ``config``, the search's compiled
     kernel, with the rows' lower keys over the sample at the first pass's levels (a bias
     table of its own: the rows' table cache is not shared, ``lower_bias_table``), so its keys
@@ -1124,6 +1125,9 @@ def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, confi
     step = n_cand // SAMPLE_LIST
     if step < 2 or targets.rows < step * SAMPLE_LIST * 2:
         return None
+    if not plan_candidates(queries.rows, targets.rows, queries.dim, n_cand, queries.precision,
+                           device_limits(queries.exact.device), config=config):
+        return None   # the pass itself cannot run (LaunchRefused): nothing to compile for it
     sample = targets.cache.get(("sample", step))
     if sample is None:
         rows = torch.arange(0, targets.rows, step, device=targets.exact.device)
