@@ -180,7 +180,7 @@ def _concurrent_worker(rank, spec, barrier, results) -> None:
     """One simulated Python worker of ``--arrow-concurrent`` (a spawned process): the same
     data and packed pairs as the others, two untimed tasks (compiles, the kept target block),
     then ``spec["tasks"]`` timed tasks back to back from a common start."""
-    from udfs.gpu import local_task
+    from udfs.gpu_task import local_task
 
     with local_task(scope="concurrent tasks"):       # one stage: the target block is kept
         _concurrent_tasks(rank, spec, barrier, results)
@@ -283,6 +283,7 @@ def install_timeline() -> list:
 
     from nearest_join.kernels import gpu as kg
     from udfs import blocks
+    from udfs import device_fold
     from udfs import gpu as ug
 
     events: list = []
@@ -296,14 +297,14 @@ def install_timeline() -> list:
     wrap(blocks, "gather_rows", "gather_rows")
     wrap(ug.GpuBlockSearcher, "prefetch", "prefetch query block")
     wrap(ug.GpuBlockSearcher, "_resident_targets", "resident targets")
-    wrap(ug.DeviceFold, "to_numpy", "fold result to host")
+    wrap(device_fold.DeviceFold, "to_numpy", "fold result to host")
     wrap(kg, "search_prepared", "search_prepared")
     return events
 
 
 def arrow_timeline(args, Qn, Tn, precision: str, k: int) -> None:
     """Print one warm broadcast task's stage timeline per broadcast shape (--arrow-timeline)."""
-    from udfs.gpu import local_task
+    from udfs.gpu_task import local_task
 
     events = install_timeline()
     for plan, q_blocks, t_blocks in ARROW_SHAPES:
@@ -865,9 +866,9 @@ def main(argv=None) -> None:
             # (plan, query blocks, target blocks): the blocked plan's pairs of one query block;
             # the broadcast plan streaming query blocks past target blocks that stay resident.
             # Three tasks per shape: the first of its stage in this process (it keeps the
-            # broadcast blocks: udfs.gpu.task_scope), the next of the same stage (finds them
+            # broadcast blocks: udfs.gpu_task.task_scope), the next of the same stage (finds them
             # on the device), and one of a stage that keeps nothing (uploads them again).
-            from udfs.gpu import local_task
+            from udfs.gpu_task import local_task
 
             for plan, q_blocks, t_blocks in ARROW_SHAPES:
                 q_rows, t_rows = -(-nq_a // q_blocks), -(-nt_a // t_blocks)
@@ -899,7 +900,7 @@ def main(argv=None) -> None:
 
     if args.arrow_breakdown:   # last: the timers stay installed
         acc = install_stage_timers()
-        from udfs.gpu import local_task
+        from udfs.gpu_task import local_task
 
         for plan, q_blocks, t_blocks in ARROW_SHAPES:
             # The second task of a stage (kept broadcast blocks): the timers keep its stages.

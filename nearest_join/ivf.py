@@ -5,9 +5,10 @@ The index (:class:`IVFIndex`, built by :func:`build_ivf_index` or by the planner
 (deterministic for a seed). The plan:
 
 1. every target row is assigned to its nearest centroid: its *list*, which takes the place
-   of the keyed plan's group id (``udfs.lists``);
+   of the keyed plan's group id (``udfs.lists``), as the rows are packed into blocks (one
+   pass: the rows cross from the JVM to Python once);
 2. every query row is routed to its ``nprobe`` nearest lists, a ``list<int>`` group column:
-   a query in several groups (``udfs.probes``);
+   a query in several groups (``udfs.probes``), likewise as it is packed;
 3. the broadcast keyed search then searches each query row against the target rows of its
    lists only (small lists batched into one segment search, large ones one kernel call for
    all the queries that probe them) and the parts merge per query with the shared merge.
@@ -16,10 +17,12 @@ Every pair searched is exact, so the distances returned are exact for the pairs 
 only the candidate set is approximate. ``nprobe == nlist`` searches every list: the exact
 result.
 
-**Choosing nprobe.** The planner draws a sample of the queries (:data:`RECALL_QUERIES`), runs
-the exact join of that sample against the whole target (one more Spark job), and measures for
-every ``nprobe`` the share of each sampled query's true neighbours whose list it would probe
-(the IVF search inside the probed lists is exact, so that is its recall@k). The smallest
+**Choosing nprobe.** The planner draws a sample of the queries (:data:`RECALL_QUERIES`),
+finds their exact top k in one scan of the target (``udfs.lists.sample_topk``: each
+partition's k best per sampled query and their lists, merged on the driver; one Spark job,
+no join plan), and measures for every ``nprobe`` the share of each sampled query's true
+neighbours whose list it would probe (the IVF search inside the probed lists is exact, so
+that is its recall@k). The smallest
 ``nprobe`` whose estimate's lower 95% Wilson bound meets ``recall`` runs; the estimate and
 its interval are in the plan (``JoinPlan.ivf``). Per-query recall lies in [0, 1], so its
 variance is at most ``p (1 - p)``: the Wilson interval of a proportion over the sampled
@@ -30,8 +33,8 @@ copies (spherical k-means) and probed by cosine. For inner product on unnormalis
 lists group directions, not scores; the ranking inside the probed lists is the exact inner
 product, and the recall estimate measures what routing by direction costs on the data at hand.
 
-**When it runs.** IVF pays a sample job, k-means on the driver and the estimate's exact
-sample join before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
+**When it runs.** IVF pays a sample job, k-means on the driver and the estimate's scan of
+the target before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
 :data:`IVF_MIN_WORK_PER_CORE` multiply-adds of exact search per core, ``approx`` runs the exact
 plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``, ``nlist`` or
 ``nprobe`` is given. With ``on=`` keys, and for targets too large to broadcast, approx runs
@@ -57,10 +60,10 @@ logger = logging.getLogger(__name__)
 SAMPLE_ROWS_PER_LIST = 50
 MAX_SAMPLE_ROWS = 1 << 18
 MAX_LISTS = 1 << 16
-# Sampled queries of the recall estimate (their exact search is one Spark job over the target).
+# Sampled queries of the recall estimate (their exact search is one scan of the target).
 RECALL_QUERIES = 1000
 # Below these the exact plan runs (IVF's fixed costs are seconds: a sample job, k-means on
-# the driver, the estimate's exact sample join).
+# the driver, the estimate's scan of the target).
 IVF_MIN_TARGET_ROWS = 20_000
 IVF_MIN_WORK_PER_CORE = 2 * 10**11
 # A recall target that needs this share of the lists or more runs the exact plan: the
@@ -354,40 +357,41 @@ def recall_curve(query_order: np.ndarray, neighbour_lists: list[np.ndarray]) -> 
 
 
 def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
-    """The recall curve of ``index`` on a sample of ``planned``'s queries: their exact join
-    against the whole target (one Spark job), then :func:`recall_curve`."""
-    import pyarrow as pa
+    """The recall curve of ``index`` on a sample of ``planned``'s queries: their exact top k
+    against the whole target in one scan of it (``udfs.lists.sample_topk``: one Spark job,
+    each partition's k best per sampled query with their lists), the partitions' best
+    merged here, then :func:`recall_curve`."""
+    from pyspark.sql.pandas.types import from_arrow_schema
 
-    from udfs.vectors import decode_vectors
+    from udfs.lists import SAMPLE_SCHEMA, sample_topk
+    from udfs.packing import SideLayout
 
-    from .join import plan_join
-    from .ranking import column
+    from .kernels import resolve_metric
+    from .ranking import column, quote
 
-    parsed, options, plan = planned.parsed, planned.options, planned.plan
-    spark = planned.query.sparkSession
+    parsed, plan = planned.parsed, planned.plan
     queries = sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, plan.query_rows, seed)
     if queries.shape[0] == 0:
         return RecallCurve(np.ones(index.nlist), 0)
-    element = pa.float64() if queries.dtype == np.float64 else pa.float32()
-    ids, vectors = "__nj_sample_id", "__nj_sample_vector"
-    sample = spark.createDataFrame(pa.table({
-        ids: pa.array(np.arange(queries.shape[0], dtype=np.int64)),
-        vectors: pa.array(list(queries), pa.list_(element)),
-    }))
     target = planned.target.select(column(planned.target, parsed.target_column))
-    exact = dataclasses.replace(options, mode="exact", vectors=(vectors, parsed.target_column),
-                                join_type="inner", distance_col=None, on=None, nlist=None,
-                                nprobe=None, index=None)
-    table = plan_join(sample, target, parsed.metric, exact).dataframe().toArrow()
-    neighbour_ids = table.column(0).to_numpy()
-    neighbours = decode_vectors(table.column(2), index.dimension, label=parsed.target_column)
-    neighbour_list = index.route(neighbours)[:, 0]
-    order = np.argsort(neighbour_ids, kind="stable")
-    starts = np.searchsorted(neighbour_ids[order], np.arange(queries.shape[0] + 1))
-    lists = [neighbour_list[order[starts[i]:starts[i + 1]]] for i in range(queries.shape[0])]
+    layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
+                        expected_from=f"query column {quote(parsed.query_column)}")
+    function = functools.partial(sample_topk, layout=layout, queries=queries,
+                                 centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
+                                 index_metric=index.metric, cap=plan.cap)
+    table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
+    query = table.column("query").to_numpy().astype(np.int64)
+    value = table.column("value").to_numpy().astype(np.float64)
+    lists = table.column("list").to_numpy().astype(np.int64)
+    order = table.column("order").to_numpy()
+    # Each query's k best over all partitions, ties to the lower (partition, row).
+    rank = np.lexsort((order, -value if resolve_metric(parsed.metric).descending else value, query))
+    query, lists = query[rank], lists[rank]
+    starts = np.searchsorted(query, np.arange(queries.shape[0] + 1))
+    neighbour_lists = [lists[starts[i]:min(starts[i + 1], starts[i] + plan.k)] for i in range(queries.shape[0])]
     query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist)
                                   for i in range(0, queries.shape[0], 256)])
-    return recall_curve(query_order, lists)
+    return recall_curve(query_order, neighbour_lists)
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -398,25 +402,18 @@ class IvfSearch:
     index: IVFIndex
     nprobe: int
 
-    def with_lists(self, q_input, t_input, q_layout, t_layout):
-        """Both sides with their lists as the last column (``C.GROUP``): a target row's list,
-        a query row's ``nprobe`` probed lists (``udfs.lists``), computed on the executors.
-        ``q_layout`` / ``t_layout``: the sides' ``udfs.packing.SideLayout``."""
-        from pyspark.sql.pandas.types import from_arrow_type
-        from pyspark.sql.types import StructField, StructType
+    def packers(self):
+        """The packing functions of both sides (``udfs.lists.pack_listed``; ``layout`` left
+        to the caller): each row's lists appended as the last column (``C.GROUP``) and the
+        rows packed in the same pass, a target row with its list, a query row with its
+        ``nprobe`` probed lists."""
+        from udfs.lists import pack_listed
 
-        from udfs import columns as C
-        from udfs.lists import append_lists, list_type
+        def side(nprobe: int | None):
+            return functools.partial(pack_listed, centroids=np.asarray(self.index.centroids),
+                                     metric=self.index.metric, nprobe=nprobe)
 
-        def side(df, layout, nprobe: int | None):
-            schema = StructType(df.schema.fields + [StructField(C.GROUP, from_arrow_type(list_type(nprobe)), True)])
-            function = functools.partial(append_lists, vector_index=layout.vector_index,
-                                         dimension=layout.dimension, centroids=np.asarray(self.index.centroids),
-                                         metric=self.index.metric, nprobe=nprobe, label=layout.label,
-                                         expected_from=layout.expected_from)
-            return df.mapInArrow(function, schema)
-
-        return side(q_input, q_layout, self.nprobe), side(t_input, t_layout, None)
+        return side(self.nprobe), side(None)
 
 
 def ivf_carrier(plan) -> str | None:

@@ -236,8 +236,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         With ``cosine`` or ``inner_product``: only targets at least this similar match
         (inclusive, ``>=``). Under either cap a query may get fewer than ``num_results``
         rows; INNER drops a query with none, LEFT OUTER keeps it once with NULL target
-        columns. The cap prunes inside the CPU kernel; the gpu backend does not take a cap
-        yet (``auto`` then searches on CPU; ``backend="gpu"`` is an error).
+        columns. The cap prunes inside the kernels (CPU and GPU) from their first pass;
+        it is not a filter afterwards.
     on : str, list or Column, keyword-only
         Equality keys: for each query row, the nearest target rows *whose keys are equal*. A
         column name present on both sides, a list of them, a list of ``(query_column,
@@ -335,12 +335,19 @@ def _spark_fallback(planned: PlannedJoin) -> DataFrame:
     return out
 
 
-def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPlan) -> SearchSettings:
+def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPlan,
+                     itemsizes: tuple[int, int] = (4, 4)) -> SearchSettings:
     """The executors' search settings: the options the kernels need, as plain values (the
-    backend is the plan's: a cap runs ``auto`` on CPU)."""
+    backend is the plan's), and the shape of the plan's full block pair, which a GPU
+    executor compiles before its first block (``itemsizes``: bytes per query and target
+    element, as the executors decode them: float32 or float64)."""
+    warm = None
+    if plan.dimension and plan.query_rows and plan.target_rows:
+        warm = (min(plan.query_block_rows, plan.query_rows), min(plan.target_block_rows, plan.target_rows),
+                plan.dimension, *("float32" if size == 4 else "float64" for size in itemsizes))
     return SearchSettings(k=options.k, metric=ranking.metric, backend=plan.backend,
                           precision=options.precision, keep_targets=keep_gpu_targets(spark),
-                          gpu_share=gpu_task_share(spark))
+                          gpu_share=gpu_task_share(spark), warm_shape=warm)
 
 
 def _execute(planned: PlannedJoin) -> DataFrame:
@@ -349,7 +356,8 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
     spark = query.sparkSession
     q_name, t_name = ranking.query_column, ranking.target_column
-    settings = _search_settings(spark, ranking, planned.options, plan)
+    settings = _search_settings(spark, ranking, planned.options, plan,
+                                (vector_itemsize(query, q_name, "query"), vector_itemsize(target, t_name, "target")))
     q_layout = packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
     t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
@@ -373,10 +381,12 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # rows before they search or emit them.
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
+    q_pack = t_pack = packing.pack_blocks
     if planned.ivf is not None:
         # The IVF lists take the place of the keyed plan's group ids: a target row's list,
-        # a query row's probed lists, as each side's last column (nearest_join.ivf).
-        q_input, t_input = planned.ivf.with_lists(q_input, t_input, q_layout, t_layout)
+        # a query row's probed lists, as each side's last column, routed as the rows are
+        # packed (nearest_join.ivf).
+        q_pack, t_pack = planned.ivf.packers()
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
@@ -392,10 +402,10 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
         q_input = q_input.repartition(plan.query_partitions)
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
-    q_packed = (q_input.mapInArrow(functools.partial(packing.pack_blocks, layout=q_layout), packed)
+    q_packed = (q_input.mapInArrow(functools.partial(q_pack, layout=q_layout), packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_packed = (t_input.mapInArrow(functools.partial(packing.pack_blocks, layout=t_layout), packed)
+    t_packed = (t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed)
                 .unionByName(empty)
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":

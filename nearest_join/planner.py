@@ -27,7 +27,7 @@ from pyspark.sql import functions as F
 
 from udfs.columns import MAX_BLOCK_ROWS
 
-from .errors import ArgumentError, NearestByJoinError
+from .errors import NearestByJoinError
 from .options import JoinOptions
 from .ranking import column, quote
 
@@ -556,14 +556,6 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     cap_argument = None if cap is None else (
         "max_distance" if options.max_distance is not None else "min_similarity")
     backend = options.backend
-    if cap is not None:
-        # The gpu backend takes no cap yet (issue 20): under a cap the executors search on CPU.
-        if backend == "gpu":
-            raise ArgumentError("backend", f"expected 'auto', 'cpu' or 'reference' with {cap_argument} "
-                                           "(the gpu backend does not take a cap yet), got 'gpu'")
-        if backend == "auto":
-            backend = "cpu"
-            reason += f"; backend cpu: the gpu backend does not take {cap_argument} yet"
     return JoinPlan(
         plan=plan, reason=reason, metric=ranking.metric, k=k, mode=options.mode,
         join_type=options.join_type, query_column=ranking.query_column,

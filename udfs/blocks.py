@@ -25,8 +25,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from nearest_join.kernels import knn
-
 from . import columns as C
 from .emit import emit_rows
 from .groups import GroupSegments, group_ids, grouped_search
@@ -74,16 +72,9 @@ class JoinContext:
 
 def block_search(ctx: JoinContext, searcher, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
     """(values, rows) of one block pair (``t_block_id``: the searcher's key for the target
-    vectors, None when they are no whole block): the task's searcher, or under a cap the kernels'
-    ``knn`` with ``cap`` on the backend the planner chose (cpu or reference: the gpu
-    searcher takes no cap yet, and ``SearchSettings`` carries none while issue 20 owns
-    ``udfs/searcher.py``; this goes to ``BlockSearcher.search`` then)."""
-    if ctx.cap is None:
-        return searcher.search(q_vectors, t_vectors, target_key=t_block_id)
-    s = ctx.settings
-    if s.backend not in ("cpu", "reference"):
-        raise RuntimeError(f"internal error: a capped join planned on backend {s.backend!r}")
-    return knn(q_vectors, t_vectors, s.k, s.metric, backend=s.backend, threads=searcher.threads, cap=ctx.cap)
+    vectors, None when they are no whole block) by the task's searcher, with the join's cap
+    (the kernels prune with it; a row may come back with fewer than k)."""
+    return searcher.search(q_vectors, t_vectors, target_key=t_block_id, cap=ctx.cap)
 
 
 class _PairSearch:
@@ -174,7 +165,7 @@ class _QueryBlock:
         self.id, self.table, self.vectors = block_id, table, vectors
         self.groups = groups                   # on= keys: each row's group id (-1: none)
         self.state: TopkState | None = None    # host fold (CPU searchers)
-        self.device_state = None               # device fold (udfs.gpu.DeviceFold)
+        self.device_state = None               # device fold (udfs.device_fold.DeviceFold)
         self.tables: list[pa.Table] = []       # payload tables, by source ordinal
         self.seen: set[int] = set()
         self.folds: list[Future] = []          # the worker's folds for this block, in order
@@ -195,11 +186,12 @@ class _QueryBlock:
         if t_vectors.shape[0] == 0:
             return
         searcher = pair.searcher
-        if hasattr(searcher, "search_fold") and pair.ctx.cap is None:
+        if hasattr(searcher, "search_fold"):
             self.tables.append(table)
             # Broadcast blocks are the same for every task of the stage: kept for the next.
             self.device_state = searcher.search_fold(self.vectors, t_vectors, t_block_id, t_block_id,
-                                                     len(self.tables) - 1, self.device_state, keep=True)
+                                                     len(self.tables) - 1, self.device_state, keep=True,
+                                                     cap=pair.ctx.cap)
         else:
             values, rows = pair.search_block(self.vectors, t_vectors, t_block_id)
             self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)

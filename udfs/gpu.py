@@ -21,20 +21,22 @@ CPU executor needs no configuration. Otherwise the searcher
   that fits one batch stays on the device while the next call passes the same memory;
 * sizes its batches and candidate buffers from the device memory free when it opened.
 
-pyspark is imported lazily (the GPU benchmark machines have none).
+The pieces it is built from live apart: the task's GPU and scope (``udfs.gpu_task``), the
+kept and resident target blocks (``udfs.target_cache``), host staging and prefetch
+(``udfs.staging``) and the device-side fold (``udfs.device_fold``).
 """
 from __future__ import annotations
 
 import contextlib
 import logging
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 
-from .rows import copy_into
+from .device_fold import DeviceFold
+from .gpu_task import address_to_ordinal, task_gpu_address, task_scope
 from .searcher import SearchSettings
+from .staging import HostStaging, same_memory
+from .target_cache import TargetStore, fingerprint, kept_targets, prepared_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +46,10 @@ MEMORY_FRACTION = 0.7
 # re-rank temporaries. Generous on purpose; the kernel chunks inside this budget.
 ROW_OVERHEAD_BYTES = 64 << 10
 MIN_BATCH_ROWS = 1024
+# Configurations this worker process has compiled (GpuBlockSearcher.warm_up).
+_WARMED: set = set()
 # Share of the memory budget resident target blocks may hold (the rest: query batches).
 TARGET_SHARE = 0.5
-# Query blocks prefetch() may hold staged on the device, each in its own pinned host slot.
-PREFETCH_SLOTS = 2
 
 
 def memory_budget(available: int, total: int, share: float = 1.0) -> int:
@@ -55,82 +57,6 @@ def memory_budget(available: int, total: int, share: float = 1.0) -> int:
     of no more than its task's ``share`` of the device (``spark.task.resource.gpu.amount``
     0.5: two tasks' workers open on one GPU at once, each would otherwise see it all free)."""
     return int(min(available, total * min(1.0, share)) * MEMORY_FRACTION)
-
-
-def _task_context():
-    """This task's ``pyspark.TaskContext``, or None outside Spark (or without pyspark)."""
-    try:
-        from pyspark import TaskContext  # only present inside Spark
-    except ImportError:
-        return None
-    return TaskContext.get()
-
-
-@dataclass(frozen=True)
-class LocalTask:
-    """What a Spark task context tells the searcher, for searches run outside Spark
-    (:func:`local_task`): the task's GPU address and the scope of kept target blocks."""
-
-    gpu: str | None = None
-    scope: str | None = None
-
-
-# Outside Spark: the task this process (all its threads) simulates; see local_task.
-_LOCAL_TASK = LocalTask()
-
-
-@contextlib.contextmanager
-def local_task(gpu: str | None = None, scope: str | None = None):
-    """Searchers opened inside run as a Spark task with GPU address ``gpu`` in a stage named
-    ``scope`` would (tests, benchmarks that simulate executors, ``udfs.local.local_join``).
-    Process-wide, not per thread: a simulated task's searches may run on a worker thread.
-    Inside Spark the task context decides and this is ignored."""
-    global _LOCAL_TASK
-    before = _LOCAL_TASK
-    _LOCAL_TASK = LocalTask(gpu, scope)
-    try:
-        yield
-    finally:
-        _LOCAL_TASK = before
-
-
-def task_gpu_address() -> str | None:
-    """The GPU address Spark assigned to this task, else the :func:`local_task`'s, else None."""
-    ctx = _task_context()
-    if ctx is not None:
-        gpu = ctx.resources().get("gpu")
-        if gpu is not None and gpu.addresses:
-            return str(gpu.addresses[0])
-        return None
-    return _LOCAL_TASK.gpu
-
-
-def task_scope() -> str | None:
-    """What the tasks that may share kept target blocks have in common.
-
-    Inside Spark the SQL execution and the stage: all tasks of a broadcast stage read the
-    same broadcast target (a retried stage keeps its id and its broadcast), and stage ids do
-    not repeat within an application (a re-run of the same DataFrame is a new execution and
-    new stages). Outside Spark the :func:`local_task`'s scope, else None (nothing is kept
-    past the searcher).
-    """
-    ctx = _task_context()
-    if ctx is not None:
-        return f"execution {ctx.getLocalProperty('spark.sql.execution.id')} stage {ctx.stageId()}"
-    return _LOCAL_TASK.scope
-
-
-def address_to_ordinal(address: str) -> int:
-    """CUDA ordinal of a Spark GPU address.
-
-    ``conf/gpu_discovery.sh`` reports CUDA ordinals as the executor sees them (already
-    renumbered when the cluster manager set ``CUDA_VISIBLE_DEVICES``), so the address is the
-    ordinal.
-    """
-    try:
-        return int(address)
-    except ValueError:
-        raise ValueError(f"GPU address: expected a CUDA ordinal, got {address!r}") from None
 
 
 def gpu_searcher_or_none(settings: SearchSettings):
@@ -151,110 +77,6 @@ def gpu_searcher_or_none(settings: SearchSettings):
         raise RuntimeError(f"GPU address {address!r} maps to CUDA ordinal {ordinal}, but this "
                            f"executor sees {torch.cuda.device_count()} device(s)")
     return GpuBlockSearcher(settings, torch.device("cuda", ordinal))
-
-
-def prepared_bytes(nt: int, d: int, precision: str, source_bytes: int) -> int:
-    """Device bytes of a prepared target block of ``nt`` x ``d``: its rows as uploaded
-    (``source_bytes`` an element, the re-rank's input), the float32 working rows and the
-    product's operand (bf16: 2 bytes; tf32: 4; fp32 reads the working rows), so about 10
-    bytes an element in bf16 and 12 in tf32 for float32 input."""
-    operand = {"bf16": 2, "tf32": 4, "fp32": 0}[precision]
-    return nt * d * (source_bytes + 4 + operand)
-
-
-def _same_memory(held: np.ndarray, array: np.ndarray) -> bool:
-    """``array`` views the same memory as ``held`` (which we keep alive, so it cannot be reused)."""
-    if held is array:
-        return True
-    a, b = held.__array_interface__, array.__array_interface__
-    return (a["data"] == b["data"] and a["shape"] == b["shape"] and a["strides"] == b["strides"]
-            and held.dtype == array.dtype)
-
-
-def _fingerprint(vectors: np.ndarray) -> tuple:
-    """Shape, dtype and three rows of a target block: a reused block must match them."""
-    n = vectors.shape[0]
-    rows = vectors[[0, n // 2, n - 1]] if n else vectors[:0]
-    return vectors.shape, vectors.dtype.str, np.ascontiguousarray(rows).tobytes()
-
-
-class TargetStore:
-    """Prepared target blocks by key, least recently used first, with their device bytes."""
-
-    def __init__(self):
-        self._entries: OrderedDict = OrderedDict()   # key -> (PreparedTargets, bytes, fingerprint)
-        self.bytes = 0
-
-    def __iter__(self):
-        return iter(self._entries)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def prepared(self, key):
-        """The block stored under ``key`` (tests)."""
-        return self._entries[key][0]
-
-    def get(self, key, fingerprint):
-        """The block for ``key`` if it is stored and matches ``fingerprint``, else None."""
-        hit = self._entries.get(key)
-        if hit is None:
-            return None
-        if hit[2] != fingerprint:
-            logger.warning("target block %r changed under the same key: uploaded again", key)
-            self._drop(key)
-            return None
-        self._entries.move_to_end(key)
-        return hit[0]
-
-    def put(self, key, prepared, size: int, fingerprint) -> None:
-        self._entries[key] = (prepared, size, fingerprint)
-        self.bytes += size
-
-    def pop_oldest(self) -> None:
-        self._drop(next(iter(self._entries)))
-
-    def _drop(self, key) -> None:
-        _, size, _ = self._entries.pop(key)
-        self.bytes -= size
-
-    def clear(self) -> None:
-        self._entries.clear()
-        self.bytes = 0
-
-
-# Per device: (task scope, target blocks kept for the next task of that scope).
-_KEPT: dict[str, tuple[str, TargetStore]] = {}
-
-
-def kept_targets(device, scope: str | None) -> TargetStore | None:
-    """The store of blocks kept on ``device`` for ``scope``; a new scope frees the old one's.
-
-    None for no scope: then whatever is kept for another scope is freed as well (a worker
-    serves one stage at a time, and the memory is the new task's).
-    """
-    name = str(device)
-    held = _KEPT.get(name)
-    if held is not None and held[0] == scope:
-        return held[1]
-    if held is not None:
-        held[1].clear()
-        del _KEPT[name]
-        logger.info("freed the target blocks kept on %s for %s", name, held[0])
-        if scope is None:
-            _release_cached_memory(device)
-    if scope is None:
-        return None
-    store = TargetStore()
-    _KEPT[name] = (scope, store)
-    return store
-
-
-def _release_cached_memory(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class GpuBlockSearcher:
@@ -293,47 +115,66 @@ class GpuBlockSearcher:
         self._resident = TargetStore()   # this searcher's blocks (target_key -> prepared)
         self._targets = None             # the block of the current search
         self._query_cache = None         # (host array, device tensor) of a one-batch query block
-        self._ahead: list = []           # [(host array, device tensor, event, slot)] from prefetch()
-        self._ahead_lock = threading.Lock()
-        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
-        self._pinned: dict[str, torch.Tensor] = {}
+        self.staging = HostStaging(self.device)   # host buffers, copy stream, prefetched blocks
         self.implementation, reasons = choose(settings.k, self.precision, self.device)
         logger.info("GPU searcher on %s: precision %s (asked %s), %s candidates%s, memory budget %.1f GiB",
                     self.device, self.precision, settings.precision, self.implementation.name,
                     "".join(f" ({r})" for r in reasons), memory_bytes / 2**30)
+        self.warm_up()
 
-    # ------------------------------------------------------------------ host staging
-    def _host_buffer(self, name: str, shape: tuple[int, ...], dtype) -> "torch.Tensor":
-        """A reusable (pinned on CUDA) host tensor of at least ``shape``."""
+    def warm_up(self) -> bool:
+        """Compile the plan's configuration in this worker before its first block: one search
+        of random rows of the plan's block shapes (``SearchSettings.warm_shape``), made on the
+        device, with this searcher's k, metric, precision and implementation. Once per worker
+        process and configuration (Spark reuses Python workers: a later task's searcher finds
+        it done); True when it ran.
+
+        The fused kernel's specialisations follow the shapes, not only d, k and the precision:
+        the kernel form (a register list, its segments or the buffer kernel) and the survivor
+        test follow the number of targets and of query rows (``_gpu_triton.plan_candidates``,
+        ``segment_count``, ``skip_share``), and Triton specialises integer arguments (rows,
+        targets, dimension) by their divisibility by 16; the re-rank kernel the rows' dtypes.
+        So the warm-up searches the first query batch's rows against a full target block, in
+        the plans' dtypes: the first real pair then finds its first pass compiled (a shorter
+        last block, and widening rounds over few rows, may still compile their own forms).
+        It costs one search of a block pair, without the host copies."""
+        shape = self.settings.warm_shape
+        if shape is None:
+            return False
+        import time
+
         import torch
 
-        numel = int(np.prod(shape))
-        buf = self._pinned.get(name)
-        if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=self._cuda)
-            self._pinned[name] = buf
-        return buf[:numel].view(shape)
+        from nearest_join.kernels.gpu import prepare_targets, search_prepared
 
-    def _upload(self, array: np.ndarray, name: str, stream=None) -> "torch.Tensor":
-        """``array`` on the device: float64 rows stay float64 (the search re-ranks from the
-        rows as given: a float32 staging copy would lose what float64 inputs resolve), any
-        other dtype arrives as float32."""
-        import torch
+        q_rows, t_rows, d, q_dtype, t_dtype = shape
+        rows = min(q_rows, self._rows_per_batch(q_rows, d))
+        key = (str(self.device), self.settings.k, self.settings.metric, self.precision,
+               rows, t_rows, d, q_dtype, t_dtype)
+        if key in _WARMED or min(rows, t_rows, d) < 1:
+            return False
+        start = time.perf_counter()
+        ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
+        with ctx:
+            generator = torch.Generator(self.device).manual_seed(0)
 
-        dtype = torch.float64 if array.dtype == np.float64 else torch.float32
-        host = self._host_buffer(name, array.shape, dtype)
-        # One pass, in the task's threads: converts and packs into pinned memory (a single
-        # thread's memcpy is slower than the PCIe copy that follows).
-        copy_into(host.numpy(), array)
-        if stream is None:
-            # On a CPU device ``to`` would return the staging buffer itself, which the next
-            # upload overwrites: copy, as a device would.
-            return host.to(self.device, non_blocking=self._cuda, copy=not self._cuda)
-        with torch.cuda.stream(stream):
-            return host.to(self.device, non_blocking=True)
+            def random(n: int, dtype: str):
+                return torch.randn((n, d), generator=generator, device=self.device,
+                                   dtype=getattr(torch, dtype))
+
+            targets = prepare_targets(random(t_rows, t_dtype), self.settings.metric, self.precision)
+            search_prepared(random(rows, q_dtype), targets, self.settings.k,
+                            buffer_bytes=max(64 << 20, rows * ROW_OVERHEAD_BYTES // 2))
+            if self._cuda:
+                torch.cuda.synchronize(self.device)
+        _WARMED.add(key)
+        logger.info("warmed up %s: %d x %d rows, d=%d, k=%d, %s %s in %.1f s", self.device, rows, t_rows, d,
+                    self.settings.k, self.settings.metric, self.precision, time.perf_counter() - start)
+        return True
 
     def prefetch(self, query_vectors: np.ndarray) -> None:
-        """Start copying a one-batch query block to the device before its search is called.
+        """Start copying a one-batch query block to the device before its search is called
+        (:meth:`udfs.staging.HostStaging.prefetch`).
 
         The one method another thread may call while a search runs: the broadcast plan's
         main thread stages the query block it has just decoded while the worker thread
@@ -346,44 +187,12 @@ class GpuBlockSearcher:
         lock is not held during the copy, so the worker's search never waits for it (when
         it was, a task's first search waited for the copy).
         """
-        import torch
-
         query_vectors = np.asarray(query_vectors)
         if query_vectors.ndim != 2 or query_vectors.shape[0] == 0:
             return
         if self._rows_per_batch(*query_vectors.shape) < query_vectors.shape[0]:
             return
-        with self._ahead_lock:
-            if any(_same_memory(entry[0], query_vectors) for entry in self._ahead):
-                return
-            oldest = self._ahead.pop(0) if len(self._ahead) >= PREFETCH_SLOTS else None
-            used = {entry[3] for entry in self._ahead}
-        slot = next(f"ahead{n}" for n in range(PREFETCH_SLOTS) if f"ahead{n}" not in used)
-        if oldest is not None and oldest[2] is not None:
-            oldest[2].synchronize()              # its copy read the pinned slot
-        if self._cuda:
-            with torch.cuda.device(self.device):
-                q_dev = self._upload(query_vectors, slot, stream=self._copy_stream)
-                ready = torch.cuda.Event()
-                ready.record(self._copy_stream)
-        else:
-            q_dev, ready = self._upload(query_vectors, slot), None
-        with self._ahead_lock:
-            self._ahead.append((query_vectors, q_dev, ready, slot))
-
-    def _take_prefetched(self, query_vectors: np.ndarray):
-        """(device tensor, event) staged by :meth:`prefetch` for this array, or None. Blocks
-        staged before it are dropped (blocks are searched in the order they were staged)."""
-        with self._ahead_lock:
-            for n, entry in enumerate(self._ahead):
-                if _same_memory(entry[0], query_vectors):
-                    break
-            else:
-                return None
-            del self._ahead[:n + 1]
-            if entry[2] is not None:
-                entry[2].synchronize()   # done (long ago, as a rule): the slot is free again
-            return entry[1], entry[2]
+        self.staging.prefetch(query_vectors)
 
     @property
     def _target_bytes(self) -> int:
@@ -405,9 +214,9 @@ class GpuBlockSearcher:
         shared = keep and target_key is not None and self._kept is not None
         store, other = (self._kept, self._resident) if shared else (self._resident, self._kept)
         key = (target_key, self.settings.metric, self.precision) if shared else target_key
-        fingerprint = _fingerprint(target_vectors)
+        stamp = fingerprint(target_vectors)
         if target_key is not None:
-            hit = store.get(key, fingerprint)
+            hit = store.get(key, stamp)
             if hit is not None:
                 self._targets = hit
                 return hit
@@ -425,11 +234,11 @@ class GpuBlockSearcher:
                 s.pop_oldest()
         if target_key is None:
             self._resident.clear()
-        t = self._upload(target_vectors, "targets")
+        t = self.staging.upload(target_vectors, "targets")
         prepared = prepare_targets(t, self.settings.metric, self.precision)
         size = prepared_bytes(nt, d, self.precision, t.element_size())
         if target_key is not None:
-            store.put(key, prepared, size, fingerprint)
+            store.put(key, prepared, size, stamp)
         self._targets = prepared
         return prepared
 
@@ -442,18 +251,19 @@ class GpuBlockSearcher:
 
     # ------------------------------------------------------------------ search
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
-               target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
+               target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of each query row against the target block: numpy in, numpy out.
 
-        Same contract as :func:`nearest_join.kernels.knn`. ``target_key`` names the target
-        block: equal keys reuse the block already on the device.
+        Same contract as :func:`nearest_join.kernels.knn`, ``cap`` included (the kernels'
+        limit from their first pass; a row may have fewer than k). ``target_key`` names the
+        target block: equal keys reuse the block already on the device.
         """
-        v, i = self._search_device(query_vectors, target_vectors, target_key)
+        v, i = self._search_device(query_vectors, target_vectors, target_key, cap=cap)
         return v.cpu().numpy(), i.cpu().numpy()
 
     def search_fold(self, query_vectors: np.ndarray, target_vectors: np.ndarray, target_key: object,
                     block_id: int, source: int, state: "DeviceFold | None",
-                    keep: bool = False) -> "DeviceFold":
+                    keep: bool = False, cap: float | None = None) -> "DeviceFold":
         """Search one target block and fold it into ``state`` on the device.
 
         The running top-k of a query block stays on the device across its target blocks:
@@ -462,7 +272,8 @@ class GpuBlockSearcher:
         :func:`nearest_join.kernels.merge_topk`. ``source`` tags the block's slots (the
         caller's payload table). The fold's host copy starts at once; read it with
         :meth:`DeviceFold.to_numpy` from any thread. ``keep``: a broadcast block, kept for
-        the stage's next task (see :meth:`_resident_targets`).
+        the stage's next task (see :meth:`_resident_targets`). ``cap``: as in :meth:`search`
+        (a capped block's empty slots fold like a short block's).
         """
         import torch
 
@@ -472,7 +283,7 @@ class GpuBlockSearcher:
         from .columns import ROW_BITS
 
         metric = resolve_metric(self.settings.metric)
-        v, i = self._search_device(query_vectors, target_vectors, target_key, keep)
+        v, i = self._search_device(query_vectors, target_vectors, target_key, keep, cap=cap)
         ctx = torch.cuda.device(self.device) if self._cuda else contextlib.nullcontext()
         with ctx:
             filled = i >= 0
@@ -488,7 +299,7 @@ class GpuBlockSearcher:
             return DeviceFold.start(v, keys, src, i, self._cuda)
 
     def _search_device(self, query_vectors: np.ndarray, target_vectors: np.ndarray, target_key,
-                       keep: bool = False):
+                       keep: bool = False, cap: float | None = None):
         """(values, indices) on the device for the whole query block."""
         import torch
 
@@ -514,10 +325,10 @@ class GpuBlockSearcher:
             # the same array (the broadcast plan searches it against every target block).
             cached = self._query_cache
             one = len(starts) == 1
-            if one and cached is not None and _same_memory(cached[0], query_vectors):
+            if one and cached is not None and same_memory(cached[0], query_vectors):
                 pending = (cached[1], None)
             else:
-                pending = (self._take_prefetched(query_vectors) if one else None) or \
+                pending = (self.staging.take_prefetched(query_vectors) if one else None) or \
                     self._stage(query_vectors, starts, 0)
                 self._query_cache = (query_vectors, pending[0]) if one else None
             for n, start in enumerate(starts):
@@ -527,7 +338,7 @@ class GpuBlockSearcher:
                     pending = self._stage(query_vectors, starts, n + 1)
                 if ready is not None:
                     compute.wait_event(ready)
-                v, i = search_prepared(q_dev, targets, k, buffer_bytes=buffer_bytes)
+                v, i = search_prepared(q_dev, targets, k, buffer_bytes=buffer_bytes, cap=cap)
                 if self._cuda:
                     q_dev.record_stream(compute)
                 values[start:stop] = v
@@ -542,43 +353,11 @@ class GpuBlockSearcher:
         stop = starts[n + 1] if n + 1 < len(starts) else query_vectors.shape[0]
         slot = f"queries{n % 2}"
         if not self._cuda:
-            return self._upload(query_vectors[start:stop], slot), None
+            return self.staging.upload(query_vectors[start:stop], slot), None
+        copy_stream = self.staging.copy_stream
         # The slot's previous copy must have finished before it is overwritten.
-        self._copy_stream.synchronize()
-        q_dev = self._upload(query_vectors[start:stop], slot, stream=self._copy_stream)
+        copy_stream.synchronize()
+        q_dev = self.staging.upload(query_vectors[start:stop], slot, stream=copy_stream)
         ready = torch.cuda.Event()
-        ready.record(self._copy_stream)
+        ready.record(copy_stream)
         return q_dev, ready
-
-
-
-class DeviceFold:
-    """A query block's running top-k on the device, plus its host copy in flight.
-
-    ``values`` float32, ``keys`` int64 global keys (-1 empty), ``source`` int32 payload
-    table ordinals (-1 empty), ``rows`` int64 rows in those tables; all (nq, k).
-    """
-
-    def __init__(self, values, keys, source, rows, host, ready):
-        self.values, self.keys, self.source, self.rows = values, keys, source, rows
-        self._host, self._ready = host, ready
-
-    @classmethod
-    def start(cls, values, keys, source, rows, cuda: bool) -> "DeviceFold":
-        import torch
-
-        tensors = (values, keys, source, rows)
-        if not cuda:
-            return cls(*tensors, tuple(t.clone() for t in tensors), None)
-        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
-        for h, t in zip(host, tensors):
-            h.copy_(t, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(*tensors, host, ready)
-
-    def to_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(values, keys, source, rows) as numpy, once the copy started by the fold is done."""
-        if self._ready is not None:
-            self._ready.synchronize()
-        return tuple(h.numpy() for h in self._host)

@@ -42,6 +42,10 @@ class SearchSettings:
     precision: str = "auto"     # GPU only: "auto" | "fp32" | "tf32" | "bf16" (results stay exact)
     keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
     gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
+    # GPU only: (query rows, target rows, dimension, query dtype, target dtype) of the plan's
+    # full block pair, or None: a GPU searcher compiles that configuration once per worker
+    # process before its first block (udfs.gpu.GpuBlockSearcher.warm_up).
+    warm_shape: tuple | None = None
 
 
 class BlockSearcher:
@@ -56,10 +60,12 @@ class BlockSearcher:
         self.device = "cpu"
 
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
-               target_key: object = None) -> tuple[np.ndarray, np.ndarray]:
+               target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k of each query row against the target block (:func:`nearest_join.kernels.knn`);
+        ``cap``: knn's (only targets within it rank, inclusive; None: no cap)."""
         s = self.settings
         return knn(query_vectors, target_vectors, s.k, s.metric, backend=self.backend,
-                   threads=self.threads)
+                   threads=self.threads, cap=cap)
 
 
 def cuda_may_exist() -> bool:

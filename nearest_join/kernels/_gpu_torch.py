@@ -113,6 +113,20 @@ where two more FMAs per key would slow the pass noticeably (benchmarks/gpu_notes
 row per program instead (:func:`lower_bias_table`): rows sorted by their factor share a
 level, and the keys cost what plain keys cost. Simulated, it keeps most of the gain (a list
 of 128 at k=100: 99.2% of the rows proven with rows sorted, 97.3% unsorted).
+
+
+Distance caps (``exact_topk(cap=)``)
+------------------------------------
+A cap (inclusive: a distance ``<= cap``, a similarity ``>= cap``) is a value ``V_cap`` in
+working units per row (:func:`cap_values`, rounded outwards), and the re-ranked tests above
+hold for it as for ``V_k``: a target whose key exceeds ``key(V_cap) + E`` (``value_limit``)
+is beyond the cap. That limit is the searches' threshold from the first round: it seeds the
+first candidate lists (the fused kernel then never keeps a key above it), candidates above it
+are not re-ranked, and a row is proven when its floor exceeds the lesser of its k-th limit and
+the cap's, so a row with fewer than k targets within the cap is proven by the cap. The
+candidates below the limit are decided by their float64 values (:func:`pair_values64`), as
+the cpu kernel decides them, before they are ranked: ranking is by float32 values, and a pair
+beyond the cap whose float32 value equals that of one within it must not take its slot.
 """
 from __future__ import annotations
 
@@ -492,6 +506,11 @@ def prepare_pair(queries: torch.Tensor, targets: torch.Tensor, metric: str,
     """(queries, targets) prepared for one search, in the targets' working frame."""
     ts = prepare_targets_side(targets, metric, precision)
     return prepare_queries(queries, ts), ts
+
+
+def is_similarity(metric: str) -> bool:
+    """Whether ``metric`` is a similarity (best first is largest): cosine, inner product."""
+    return metric in ("cosine", "inner_product")
 
 
 def key_alpha(metric: str) -> float:
@@ -929,20 +948,112 @@ def final_values(values: torch.Tensor, queries: PreparedSide) -> torch.Tensor:
     ``W / (f_q s) + q . center``; in float64, so that +-inf appears only where the true value
     exceeds float32's range. Empty slots (+inf for the l2 form, -inf else) become the
     metric's worst value."""
+    return _user_values64(values.double(), queries).to(torch.float32)
+
+
+def _user_values64(w: torch.Tensor, queries: PreparedSide) -> torch.Tensor:
+    """:func:`final_values` in float64, before the one rounding to float32."""
     metric = queries.metric
     s = queries.frame.scale
-    w = values.double()
     if metric == "l2":
-        out = torch.sqrt(torch.clamp(w, min=0.0)) / s
+        return torch.sqrt(torch.clamp(w, min=0.0)) / s
+    if metric == "sqeuclidean":
+        return torch.clamp(w, min=0.0) / s / s
+    if metric == "cosine":
+        return 1.0 - torch.clamp(w, min=0.0) / s / s / 2.0
+    out = w / queries.factor[:, None] / s
+    if queries.offset is not None:
+        out = out + queries.offset[:, None]
+    return out
+
+
+# ----------------------------------------------------------------------------- distance caps
+def cap_values(queries: PreparedSide, stats: TargetStats, cap: float) -> torch.Tensor:
+    """Per row, float64 (m,): the cap (the metric's units, inclusive) as a ranking value in
+    working units, rounded outwards, so that a target whose re-ranked float32 value is worse
+    than it is beyond the cap by its float64 value (:func:`beyond_cap`). Then
+    ``value_limit(cap_values, bound, rows)`` is a key above which no target is within the cap
+    (module notes, the re-ranked tests): the first round's seed and a proof of the rows with
+    fewer than k targets within the cap.
+
+    The cap's value: ``(cap s)^2`` (l2; -1 below 0: no distance is negative), ``cap s^2``
+    (sqeuclidean), ``2 s^2 (1 - cap)`` (cosine), ``(cap - q . c) f_q s`` (inner product). The
+    outward slack covers the float32 rounding of the re-ranked value and two float64 sums of
+    the pair (a relative 2^-20 of the value; of ``|q| (max |t - c| + |c|)`` for inner product,
+    whose float64 value is the plain dot ``q . t``), and the float64 translation of the cap
+    (2^-40 of ``2 s^2`` for cosine, which cancels when the cap is near 1), as the cpu
+    kernel's ``cap_keys`` rounds its cap outwards. Slack only widens what is searched: the
+    returned pairs are decided by their float64 values."""
+    metric = queries.metric
+    s = queries.frame.scale
+    device = queries.exact.device
+    qn = queries.norm.double()
+    tiny = _TINY * (1 + qn + stats.norm) ** 2
+    if metric == "inner_product":
+        offset = queries.offset if queries.offset is not None else torch.zeros_like(qn)
+        w = (cap - offset) * queries.factor * s
+        slack = 2.0 ** -20 * (w.abs() + qn * (stats.norm + s * queries.frame.center_norm)) + tiny
+        return w - slack
+    if metric == "l2":
+        w = (cap * s) ** 2 if cap >= 0 else -1.0
     elif metric == "sqeuclidean":
-        out = torch.clamp(w, min=0.0) / s / s
-    elif metric == "cosine":
-        out = 1.0 - torch.clamp(w, min=0.0) / s / s / 2.0
+        w = cap * s * s
     else:
-        out = w / queries.factor[:, None] / s
-        if queries.offset is not None:
-            out = out + queries.offset[:, None]
-    return out.to(torch.float32)
+        w = 2.0 * s * s * (1.0 - cap)
+    unit = 2.0 * s * s if metric == "cosine" else 0.0
+    w = torch.full((queries.rows,), w, dtype=torch.float64, device=device)
+    return w + 2.0 ** -20 * w.abs() + 2.0 ** -40 * unit + tiny
+
+
+def pair_values64(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor,
+                  chunk_elements: int = 1 << 24) -> torch.Tensor:
+    """float64 values (the metric's units) of the (query, idx) pairs from the source rows, as
+    the float64 oracle computes them: the difference form (l2 family; cosine of the float64
+    unit rows) through :func:`rerank_rows`, the plain dot ``q . t`` for inner product (no
+    shift: integer rows give integer values). NaN where idx < 0. What a cap decides by."""
+    m, c = idx.shape
+    out = torch.full((m, c), math.nan, dtype=torch.float64, device=idx.device)
+    if m == 0 or c == 0:
+        return out
+    if l2_form(queries.metric):
+        for r0, r1, q, t, sel in rerank_rows(queries, targets, idx, chunk_elements):
+            diff = q[:, None, :] - t
+            w = (diff * diff).sum(dim=2)
+            out[r0:r1] = torch.where(sel >= 0, _user_values64(w, queries), math.nan)  # (no per-row terms)
+        return out
+    rows = max(1, chunk_elements // max(1, c * queries.dim))
+    for r0 in range(0, m, rows):
+        r1 = min(m, r0 + rows)
+        sel = idx[r0:r1]
+        t = targets.source[sel.clamp(min=0)].double()
+        dot = (t * queries.source[r0:r1].double()[:, None, :]).sum(dim=2)
+        out[r0:r1] = torch.where(sel >= 0, dot, math.nan)
+    return out
+
+
+def beyond_cap(values64: torch.Tensor, cap: float, metric: str) -> torch.Tensor:
+    """Where float64 values are beyond the cap, which is inclusive (``_common.within_cap``:
+    a distance ``<= cap`` or a similarity ``>= cap`` is within; NaN, an empty slot, is not)."""
+    return ~(values64 >= cap if is_similarity(metric) else values64 <= cap)
+
+
+def drop_beyond_cap(queries: PreparedSide, targets: PreparedSide, values: torch.Tensor,
+                    idx: torch.Tensor, cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (index -1, the metric's worst value) every returned pair beyond ``cap`` by its
+    float64 value (:func:`pair_values64`), the kept ones first in their order: the padding of
+    short rows the cpu backend uses (``_common.drop_beyond_cap``). :func:`exact_topk` has
+    already emptied the candidates beyond the cap before ranking them; this is the contract's
+    last step for every row, whatever searched it."""
+    if cap is None:
+        return values, idx
+    metric = queries.metric
+    beyond = beyond_cap(pair_values64(queries, targets, idx), cap, metric)
+    order = torch.sort(beyond.to(torch.int8), dim=1, stable=True).indices
+    beyond = torch.gather(beyond, 1, order)
+    worst = -math.inf if is_similarity(metric) else math.inf
+    values = torch.where(beyond, worst, torch.gather(values, 1, order))
+    idx = torch.where(beyond, -1, torch.gather(idx, 1, order))
+    return values, idx
 
 
 # Low-precision rows whose next list would hold more than this share of the target block
@@ -968,6 +1079,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
                seeded: bool = False, lower: bool = False, few_rows: int = 0,
+               cap: float | None = None,
                first_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
@@ -982,10 +1094,18 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     ``lower``: every generator ranks by the lower key (``lower=True``, module notes) and the
     proofs use :func:`lower_key_bound`.
     ``few_rows``: widening rounds over at most this many rows run :func:`torch_candidates`.
+    ``cap`` (the metric's units, inclusive; None: no cap): only targets within it rank, so a
+    row may end with fewer than k (:func:`drop_beyond_cap`'s padding). The cap is a limit from
+    the first round on: its key (:func:`cap_values`, :func:`value_limit`) seeds every round
+    of a seeded generator (the least of it and the round before's limit) and empties the
+    candidates above it before the re-rank, and a row is proven when its floor is above the
+    lesser of its k-th value's limit and the cap's; the pairs returned are decided by their
+    float64 values (:func:`drop_beyond_cap`).
     ``first_width``: the first list's width instead of :func:`candidate_width`'s.
     """
     metric = queries.metric
     stats = stats or TargetStats.of(targets)
+    targets_given = targets            # (rows that fall back search targets.as_fp32())
     m, nt = queries.rows, targets.rows
     device = queries.exact.device
     out_v = torch.empty((m, k), dtype=torch.float32, device=device)
@@ -998,6 +1118,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     bound = None                       # per row, computed once (the first round's pass)
     widening = False                   # the first round runs the given generator
     extra = {"lower": True} if lower else {}
+    cap_v = None if cap is None else cap_values(queries, stats, cap)   # per row, working units
     if lower:
         # Rows in order of their lower key's factor: a fused program's rows share one bias
         # level (lower_bias_table), the tighter the more alike they are.
@@ -1005,6 +1126,15 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         pending = torch.argsort(c)
         subset = queries.take(pending)
         subset.cache["rank1"] = (c[pending], rho)     # the same rows, reordered
+        if cap_v is not None:
+            cap_v = cap_v[pending]
+    cap_limit = None
+    if cap_v is not None:
+        # The cap's limit needs the bound before the first pass (its seed).
+        bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
+        cap_limit = value_limit(cap_v, bound, subset)
+        if seeded:
+            seed = cap_limit
     while pending.numel():
         if max_candidates is not None and n_cand > max_candidates and generator is candidates:
             logger.debug("widening %d rows to %d candidates: torch path", pending.numel(), n_cand)
@@ -1025,9 +1155,19 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             floor = keys[:, -1]
             if n_cand >= nt:                  # a list of the n_cand best holds every target
                 floor = torch.full_like(floor, math.inf)
+        if cap_limit is not None:
+            # Candidates above the cap's limit are beyond the cap: never re-ranked. The rest
+            # are decided by their float64 values before the ranking, so that a pair beyond
+            # the cap never takes the slot of one within it (equal float32 values either side
+            # of the cap, the lower index beyond it).
+            idx = skip_beyond(keys, idx, cap_limit)
+            idx = torch.where(beyond_cap(pair_values64(subset, targets, idx), cap, metric), -1, idx)
         v, i = rerank(subset, targets, keys, idx, bound, k, values)
-        # Proven by the keys alone, or by the re-ranked k-th value (module notes).
+        # Proven by the keys alone, or by the re-ranked k-th value (module notes); under a
+        # cap also by the cap's limit (no target outside the list is within the cap).
         limit = value_limit(v[:, k - 1], bound, subset)
+        if cap_limit is not None:
+            limit = torch.minimum(limit, cap_limit)
         ok = torch.isinf(floor) | (floor > limit)
         if not lower:
             ok |= margin_holds(keys, bound, k, floor)
@@ -1042,11 +1182,14 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         widening = True
         if seeded:
             # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
+            # (Under a cap the limit is already the lesser of the two.)
             seed = limit[retry]
         subset = _widened_rows(subset, retry, lower)
         # The rows' bound carries over: per row (lower keys: its shift term is the largest
         # of the first round's rows, at least the subset's own), so no new launches for it.
         bound = bound[retry]
+        if cap_v is not None:
+            cap_v, cap_limit = cap_v[retry], cap_limit[retry]
         wider = min(widened(n_cand), next_pow2(nt))
         if falls_back(subset.precision, wider, nt, max_candidates):
             # The bound admits too much of the block for low precision: these rows search
@@ -1059,6 +1202,8 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             targets = targets.as_fp32()
             stats = stats.as_fp32()
             bound = key_error_bound(subset, stats, metric)
+            if cap_v is not None:
+                cap_limit = value_limit(cap_v, bound, subset)
             lower, extra, seed = False, {}, None
             generator = torch_candidates
             continue
@@ -1068,7 +1213,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             # of every target ends the loop.
             generator = torch_candidates
         n_cand = wider
-    return final_values(out_v, queries), out_i
+    return drop_beyond_cap(queries, targets_given, final_values(out_v, queries), out_i, cap)
 
 
 def _widened_rows(rows: PreparedSide, retry: torch.Tensor, lower: bool) -> PreparedSide:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._common import Metric, resolve_metric
+from ._common import Metric, check_cap, resolve_metric
 
 logger = logging.getLogger(__name__)
 
@@ -244,11 +244,14 @@ def sampled_first_pass(k: int, precision: str, d: int) -> bool:
             and d > LOWER_KEYS_SMALL_K_MAX_D)
 
 
-def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30):
+def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30,
+                    cap: float | None = None):
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
-    :func:`nearest_join.kernels.knn`.
+    :func:`nearest_join.kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
+    targets within it rank, a row may have fewer than k (``_gpu_torch.exact_topk``: the cap
+    is the searches' limit from their first candidate pass).
     """
     from . import _gpu_torch as gt
 
@@ -296,12 +299,16 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
 
         def candidates(q, t, n_cand, seed=None, lower=False):
             # Every round runs the first pass's tiles: one compiled kernel per search.
-            if not first_tiles:
+            first = not first_tiles
+            if first:
                 first_tiles.append(search_tiles(q.rows, t.rows, q.dim, n_cand, q.precision,
                                                 device_limits(q.exact.device)))
             try:
-                if seed is None and sampled:
-                    seed = sample_seed(q, t, n_cand, first_tiles[0], lower=lower, buffer_bytes=buffer_bytes)
+                if first and sampled:   # the first pass's seed: the sample's (and a cap's)
+                    sample = sample_seed(q, t, n_cand, first_tiles[0], lower=lower,
+                                         buffer_bytes=buffer_bytes)
+                    if sample is not None:
+                        seed = sample if seed is None else torch.minimum(seed.to(sample.dtype), sample)
                 return triton_candidates(q, t, n_cand, config=first_tiles[0], buffer_bytes=buffer_bytes,
                                          seed=seed, lower=lower)
             except LaunchRefused as exc:
@@ -323,14 +330,16 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     near = side if far is None else side.take(~far)
     v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,
-                         lower=lower, few_rows=few_rows, first_width=first_width)
+                         lower=lower, few_rows=few_rows, cap=cap, first_width=first_width)
     if far is not None:
         # Rows too far from the block for its working frame: the float64 difference form over
         # every target, each row in its own scale (rare: 2^60 block extents away).
         v_all = torch.empty((side.rows, k), dtype=torch.float32, device=device)
         i_all = torch.empty((side.rows, k), dtype=torch.int64, device=device)
         v_all[~far], i_all[~far] = v, i
-        v_all[far], i_all[far] = gt.far_topk(side.take(far), targets.side, k)
+        far_side = side.take(far)
+        v_all[far], i_all[far] = gt.drop_beyond_cap(far_side, targets.side,
+                                                    *gt.far_topk(far_side, targets.side, k), cap)
         v, i = v_all, i_all
     if targets.rows is not None:
         i = torch.where(i >= 0, targets.rows[i.clamp(min=0)], -1)
@@ -341,7 +350,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     return values, indices
 
 
-def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "auto"):
+def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "auto",
+              *, cap: float | None = None):
     """Exact k nearest targets of every query row, for torch tensors (CUDA or CPU).
 
     Parameters
@@ -352,6 +362,9 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
     precision : {"auto", "fp32", "tf32", "bf16"}
         Operands of the candidate pass; results are exact float32 in every precision.
         ``auto``: bf16 on GPUs of compute capability >= 8.0, else fp32 (:func:`resolve_precision`).
+    cap : float or None
+        Only targets within it rank (inclusive: a distance ``<= cap``, a similarity
+        ``>= cap``, by the pair's float64 value); a row may then have fewer than k.
 
     Returns
     -------
@@ -380,8 +393,9 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
         raise ValueError(f"targets: expected device {queries.device} (the queries'), got {targets.device}")
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k: expected an integer >= 1, got {k!r}")
+    cap = check_cap(cap)
     prepared = prepare_targets(targets, metric, precision)
-    return search_prepared(queries, prepared, int(k))
+    return search_prepared(queries, prepared, int(k), cap=cap)
 
 
 def cuda_device(device) -> "torch.device":
@@ -412,6 +426,7 @@ class GpuBackend:
     dtypes = ("float32", "float64")   # float64 rows are re-ranked from float64; values are float32
     metrics = ("l2", "sqeuclidean", "inner_product", "cosine")
     max_k = None                      # k beyond the fused kernel's lists runs the torch path
+    caps = True                       # knn's ``cap``: the searches' limit from the first pass
 
     def refuse_task(self) -> str | None:
         """Why no search of this process can run here (no torch, no CUDA device), or None."""
@@ -445,7 +460,8 @@ class GpuBackend:
             # float64 rows stay float64: the working frame and the re-rank read them as given.
             q = torch.from_numpy(np.ascontiguousarray(queries)).to(dev, non_blocking=True)
             t = torch.from_numpy(np.ascontiguousarray(targets)).to(dev, non_blocking=True)
-            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision)
+            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision,
+                             cap=options.get("cap"))
             return v.cpu().numpy(), i.cpu().numpy()
 
 

@@ -74,34 +74,65 @@ def training_rows(vectors: np.ndarray, metric: str) -> np.ndarray:
     return np.ascontiguousarray(vectors[ok], dtype=np.float32)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _lower_nearest(points, centre, nearest):
-    """nearest[i] = min(nearest[i], |points[i] - centre|^2), float64 difference form (one
-    pass over the points per chosen centre: k-means++ picks n_clusters of them)."""
-    for i in prange(points.shape[0]):
+@njit(nogil=True, cache=True)
+def _plus_plus(points, first, draws, chosen):
+    """k-means++ (D^2 sampling) in one compiled loop: ``chosen[0] = first``, then centre
+    ``c`` is the row where ``draws[c - 1]`` falls in the running sum of each row's squared
+    distance (float64 difference form) to its nearest chosen centre. One serial pass over
+    the points per centre: a parallel loop would wake its threads once per centre, which
+    costs more than the pass over a few thousand rows."""
+    n, d = points.shape
+    nearest = np.full(n, np.inf)
+    chosen[0] = first
+    for c in range(1, chosen.shape[0]):
+        centre = chosen[c - 1]
         total = 0.0
-        for j in range(points.shape[1]):
-            diff = np.float64(points[i, j]) - np.float64(centre[j])
-            total += diff * diff
-        nearest[i] = min(nearest[i], total)
+        cumulative = np.empty(n)
+        for i in range(n):
+            distance = 0.0
+            for j in range(d):
+                diff = np.float64(points[i, j]) - np.float64(points[centre, j])
+                distance += diff * diff
+            nearest[i] = min(nearest[i], distance)
+            total += nearest[i]
+            cumulative[i] = total
+        if total > 0 and np.isfinite(total):
+            chosen[c] = min(np.searchsorted(cumulative, draws[c - 1] * total, side="right"), n - 1)
+        else:   # every row sits on a chosen centre (duplicates): any row; its list stays empty
+            chosen[c] = min(int(draws[c - 1] * n), n - 1)
 
 
 def _kmeans_plus_plus(points: np.ndarray, n_clusters: int, rng: np.random.Generator) -> np.ndarray:
     """Seeded k-means++ (D^2 sampling) over ``points``: the rows chosen as first centroids."""
-    n = points.shape[0]
     chosen = np.empty(n_clusters, np.int64)
-    chosen[0] = rng.integers(n)
-    nearest = np.full(n, np.inf)
-    for c in range(1, n_clusters):
-        _lower_nearest(points, points[chosen[c - 1]], nearest)
-        cumulative = np.cumsum(nearest)
-        total = cumulative[-1]
-        draw = rng.random()
-        if total > 0 and np.isfinite(total):
-            chosen[c] = min(int(np.searchsorted(cumulative, draw * total, side="right")), n - 1)
-        else:   # every row sits on a chosen centre (duplicates): any row; its list stays empty
-            chosen[c] = min(int(draw * n), n - 1)
+    first = rng.integers(points.shape[0])
+    draws = rng.random(n_clusters - 1)   # the same stream as one draw per centre
+    _plus_plus(points, first, draws, chosen)
     return chosen
+
+
+@njit(nogil=True, cache=True)
+def _cluster_sums(points, assignment, n_clusters):
+    """float64 sums of each cluster's points, in row order (serial: deterministic)."""
+    sums = np.zeros((n_clusters, points.shape[1]))
+    for i in range(points.shape[0]):
+        a = assignment[i]
+        for j in range(points.shape[1]):
+            sums[a, j] += np.float64(points[i, j])
+    return sums
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _squared_distances(points, centroids, nearest):
+    """Each point's squared distance to its centroid, float64 difference form."""
+    out = np.empty(points.shape[0])
+    for i in prange(points.shape[0]):
+        total = 0.0
+        for j in range(points.shape[1]):
+            diff = np.float64(points[i, j]) - np.float64(centroids[nearest[i], j])
+            total += diff * diff
+        out[i] = total
+    return out
 
 
 def route(vectors: np.ndarray, centroids: np.ndarray, metric: str, nprobe: int = 1,
@@ -206,8 +237,7 @@ def kmeans(vectors: np.ndarray, n_clusters: int, metric: str = "l2", *, seed: in
 def _assign(points: np.ndarray, centroids: np.ndarray, metric: str, threads) -> tuple[np.ndarray, np.ndarray]:
     """Each point's nearest centroid and its squared distance to it (for re-seeding)."""
     nearest = route(points, centroids, metric, 1, threads)[:, 0]
-    diff = points.astype(np.float64) - centroids[nearest].astype(np.float64)
-    return nearest, np.einsum("ij,ij->i", diff, diff)
+    return nearest, _squared_distances(points, centroids, nearest)
 
 
 def _update(points: np.ndarray, assignment: np.ndarray, distance: np.ndarray, n_clusters: int,
@@ -215,8 +245,7 @@ def _update(points: np.ndarray, assignment: np.ndarray, distance: np.ndarray, n_
     """New centroids: float64 means in row order (unit means when spherical); an empty
     cluster (or a spherical one whose mean is 0) takes the point farthest from its own
     centroid, farthest first, ties to the lower row, each point at most once."""
-    sums = np.zeros((n_clusters, points.shape[1]))
-    np.add.at(sums, assignment, points.astype(np.float64))
+    sums = _cluster_sums(points, assignment, n_clusters)
     counts = np.bincount(assignment, minlength=n_clusters)
     centroids = sums / np.maximum(counts, 1)[:, None]
     if spherical:

@@ -233,6 +233,45 @@ def test_recall_estimate_against_measured_recall_without_spark():
         assert abs(measured - curve.recall[nprobe - 1]) < 1e-12
 
 
+@pytest.mark.parametrize("metric", ALL_METRICS)
+@pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
+def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, capped):
+    """udfs.lists.sample_topk (the estimate's one scan of the target) over several batches,
+    a NULL vector and an all-NULL batch among them: per sampled query, the lists of its
+    exact top k (the float64 reference, under the cap), each slot once."""
+    from nearest_join.ivf import IVFIndex
+    from nearest_join.kernels import knn
+    from udfs.lists import SAMPLE_SCHEMA, sample_topk
+    from udfs.packing import SideLayout
+
+    targets = _clustered(900, 5, 12, seed=8)
+    queries = _clustered(40, 5, 12, seed=9)
+    index = IVFIndex.train(targets, metric, 12, seed=1)
+    vectors = [None if j == 17 else targets[j].tolist() for j in range(900)]
+    batches = [pa.record_batch([pa.array(vectors[a:b], pa.list_(pa.float32()))], names=["w"])
+               for a, b in ((0, 300), (300, 301), (301, 700), (700, 900))]
+    batches.insert(2, pa.record_batch([pa.array([None, None], pa.list_(pa.float32()))], names=["w"]))
+    cap = None
+    if capped:   # about half of the queries keep fewer than k neighbours
+        cap = float(np.median(knn(queries, targets, 6, metric, backend="reference")[0][:, 3]))
+    out = pa.Table.from_batches(list(sample_topk(
+        batches, layout=SideLayout("w", 0, 5, 1), queries=queries, centroids=np.asarray(index.centroids),
+        k=6, metric=metric, index_metric=index.metric, cap=cap)), schema=SAMPLE_SCHEMA)
+    ranked = targets.copy()
+    ranked[17] = np.nan
+    want_v, want_rows = knn(queries, ranked, 6, metric, backend="reference", cap=cap)
+    t_lists = index.route(targets)[:, 0]
+    query, lists, value = (out.column(c).to_numpy() for c in ("query", "list", "value"))
+    order = out.column("order").to_numpy()
+    assert np.unique(query.astype(np.int64) * (1 << 50) + order).size == out.num_rows   # each slot once
+    for i in range(queries.shape[0]):
+        mine = query == i
+        found = want_rows[i][want_rows[i] >= 0]
+        assert sorted(lists[mine].tolist()) == sorted(t_lists[found].tolist()), f"query {i}"
+        np.testing.assert_allclose(np.sort(value[mine]), np.sort(want_v[i][want_rows[i] >= 0]), rtol=1e-5)
+    assert out.num_rows < 6 * queries.shape[0] if capped else out.num_rows == 6 * queries.shape[0]
+
+
 # ----------------------------------------------------------------------------- options
 @pytest.mark.parametrize("arguments, argument, message", [
     ({"recall": 0}, "recall", r"expected a number in \(0, 1\]"),

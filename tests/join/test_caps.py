@@ -138,10 +138,12 @@ def test_cap_is_inclusive(spark, plan):
 def test_explain_shows_the_cap(spark, frames):
     q, t = frames
     plan = explain_nearest_join(q, t, "cosine", 3, vectors=("qv", "tv"), min_similarity=0.5)
-    assert (plan.cap_argument, plan.cap, plan.backend) == ("min_similarity", 0.5, "cpu")
+    assert (plan.cap_argument, plan.cap, plan.backend) == ("min_similarity", 0.5, "auto")
     assert "cap: min_similarity, only targets whose cosine is >= 0.5 match" in str(plan)
-    assert "the gpu backend does not take min_similarity yet" in plan.reason
     assert plan.to_dict()["cap"] == 0.5
+    # Every backend takes a cap (the gpu one seeds its first candidate lists with it).
+    plan = explain_nearest_join(q, t, "l2", 3, vectors=("qv", "tv"), max_distance=1.0, backend="gpu")
+    assert (plan.cap_argument, plan.backend) == ("max_distance", "gpu")
     plan = explain_nearest_join(q, t, "l2", 3, vectors=("qv", "tv"))
     assert plan.cap is None and "cap:" not in str(plan)
 
@@ -155,8 +157,6 @@ def test_explain_shows_the_cap(spark, frames):
     ("l2", {"max_distance": float("nan")}, ArgumentError, "max_distance", "got nan"),
     ("cosine", {"min_similarity": float("inf")}, ArgumentError, "min_similarity", "got inf"),
     ("l2", {"max_distance": "3"}, ArgumentTypeError, "max_distance", "got str '3'"),
-    ("l2", {"max_distance": 1.0, "backend": "gpu"}, ArgumentError, "backend",
-     "expected 'auto', 'cpu' or 'reference' with max_distance (the gpu backend does not take a cap yet)"),
 ], ids=lambda v: str(v)[:30])
 def test_bad_caps(spark, frames, metric, arguments, error, argument, text):
     q, t = frames

@@ -237,7 +237,7 @@ def test_a_failing_search_fails_the_task_instead_of_hanging(monkeypatch):
     class Failing:
         calls = 0
 
-        def search(self, q, t, target_key=None):
+        def search(self, q, t, target_key=None, cap=None):
             Failing.calls += 1
             if Failing.calls == 2:
                 raise RuntimeError("device lost")

@@ -1,4 +1,5 @@
-"""udfs.gpu: device choice from the task's GPU address, the CPU fallback, the searcher loop.
+"""udfs.gpu and the modules it is built from: device choice from the task's GPU address, the
+CPU fallback, the searcher loop, staging, resident and kept target blocks.
 
 The searcher runs here on a CPU torch device (no streams, no pinning) with the torch path:
 batching, the resident target block and the row filtering are the same code as on a GPU.
@@ -15,6 +16,7 @@ from udfs.searcher import SearchSettings
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from udfs import gpu as G  # noqa: E402
+from udfs import gpu_task, target_cache  # noqa: E402
 
 
 def test_memory_budget_is_the_fraction_of_the_tasks_share():
@@ -28,19 +30,19 @@ def test_memory_budget_is_the_fraction_of_the_tasks_share():
 
 
 def test_address_is_the_cuda_ordinal():
-    assert G.address_to_ordinal("1") == 1
+    assert gpu_task.address_to_ordinal("1") == 1
     with pytest.raises(ValueError, match="GPU address"):
-        G.address_to_ordinal("GPU-3f2a")
+        gpu_task.address_to_ordinal("GPU-3f2a")
 
 
 def test_task_address_and_scope_outside_spark_come_from_the_local_task():
-    assert G.task_gpu_address() is None and G.task_scope() is None
-    with G.local_task(gpu="1", scope="stage 2"):
-        assert G.task_gpu_address() == "1" and G.task_scope() == "stage 2"
-        with G.local_task(scope="stage 3"):
-            assert G.task_gpu_address() is None and G.task_scope() == "stage 3"
-        assert G.task_scope() == "stage 2"
-    assert G.task_gpu_address() is None and G.task_scope() is None
+    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
+    with gpu_task.local_task(gpu="1", scope="stage 2"):
+        assert gpu_task.task_gpu_address() == "1" and gpu_task.task_scope() == "stage 2"
+        with gpu_task.local_task(scope="stage 3"):
+            assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() == "stage 3"
+        assert gpu_task.task_scope() == "stage 2"
+    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
 
 
 def test_no_searcher_without_cuda_or_for_cpu_backends(monkeypatch):
@@ -113,10 +115,10 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"))
     searcher.search(q1, t, target_key=1)
     searcher.prefetch(q2)
-    staged = searcher._ahead[0][1]
+    staged = searcher.staging.ahead[0][1]
     q2[0] += 100.0          # the copy was taken at prefetch: a search must not read it again
     _, i = searcher.search(q2, t, target_key=1)
-    assert searcher._ahead == [] and searcher._query_cache[1] is staged
+    assert searcher.staging.ahead == [] and searcher._query_cache[1] is staged
     expected = q2.copy()
     expected[0] -= 100.0
     np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
@@ -124,12 +126,12 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     searcher.prefetch(q1)
     other = q1.copy()
     _, i = searcher.search(other, t, target_key=1)
-    assert len(searcher._ahead) == 1 and searcher._query_cache[1] is not searcher._ahead[0][1]
+    assert len(searcher.staging.ahead) == 1 and searcher._query_cache[1] is not searcher.staging.ahead[0][1]
     np.testing.assert_array_equal(i, knn(q1, t, 3, "l2", backend="reference")[1])
     # A block of more than one batch is not staged.
     small = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), batch_rows=16)
     small.prefetch(q1)
-    assert small._ahead == []
+    assert small.staging.ahead == []
 
 
 def test_two_blocks_staged_before_the_first_search_are_both_used():
@@ -143,8 +145,8 @@ def test_two_blocks_staged_before_the_first_search_are_both_used():
     searcher.prefetch(qs[0])
     searcher.prefetch(qs[1])
     searcher.prefetch(qs[1])                  # already staged: nothing more
-    staged = [entry[1] for entry in searcher._ahead]
-    assert len(staged) == 2 and {entry[3] for entry in searcher._ahead} == {"ahead0", "ahead1"}
+    staged = [entry[1] for entry in searcher.staging.ahead]
+    assert len(staged) == 2 and {entry[3] for entry in searcher.staging.ahead} == {"ahead0", "ahead1"}
     for q in qs[:2]:
         q[0] += 100.0                         # the searches must use the staged copies
     for n in range(2):
@@ -153,20 +155,20 @@ def test_two_blocks_staged_before_the_first_search_are_both_used():
         expected = qs[n].copy()
         expected[0] -= 100.0
         np.testing.assert_array_equal(i, knn(expected, t, 3, "l2", backend="reference")[1])
-    assert searcher._ahead == []
+    assert searcher.staging.ahead == []
     for q in qs:
         searcher.prefetch(q)
-    assert [entry[0] is q for entry, q in zip(searcher._ahead, qs[1:])] == [True, True]
+    assert [entry[0] is q for entry, q in zip(searcher.staging.ahead, qs[1:])] == [True, True]
     # Searching the newest drops the one staged before it (blocks are searched in order).
     searcher.search(qs[2], t, target_key=1)
-    assert searcher._ahead == []
+    assert searcher.staging.ahead == []
 
 
 def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = G.prepared_bytes(50, 4, "fp32", 4)
+    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
     # Room for two blocks in TARGET_SHARE of the budget.
     searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                   memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
@@ -182,9 +184,9 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
 @pytest.fixture
 def no_kept_blocks():
     """Tests that open searchers under a task scope start and end with nothing kept."""
-    G._KEPT.clear()
+    target_cache._KEPT.clear()
     yield
-    G._KEPT.clear()
+    target_cache._KEPT.clear()
 
 
 def _counting_prepare(monkeypatch):
@@ -212,7 +214,7 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     ref = knn(q, t, 4, "l2", backend="reference")[1]
 
     def task(scope, targets=t, keep=True, settings=settings):
-        with G.local_task(scope=scope):
+        with gpu_task.local_task(scope=scope):
             searcher = G.GpuBlockSearcher(settings, torch.device("cpu"))
         fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
         return searcher, fold.to_numpy()[3]
@@ -232,20 +234,20 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     assert len(prepared) == 3
     _, rows = task("stage 4")                      # another stage: its own copy
     np.testing.assert_array_equal(rows, ref)
-    assert len(prepared) == 4 and list(G._KEPT) == ["cpu"] and G._KEPT["cpu"][0] == "stage 4"
+    assert len(prepared) == 4 and list(target_cache._KEPT) == ["cpu"] and target_cache._KEPT["cpu"][0] == "stage 4"
     off = dataclasses.replace(settings, keep_targets=False)
     task("stage 4", settings=off)                  # keep_targets off frees them
-    assert len(prepared) == 5 and not G._KEPT
+    assert len(prepared) == 5 and not target_cache._KEPT
     task(None)                                               # no scope: nothing kept
-    assert not G._KEPT
+    assert not target_cache._KEPT
 
 
 def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks, monkeypatch):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((10, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = G.prepared_bytes(50, 4, "fp32", 4)
-    with G.local_task(scope="stage 1"):
+    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
+    with gpu_task.local_task(scope="stage 1"):
         searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                       memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
@@ -253,7 +255,7 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     assert searcher._target_bytes == 2 * block_bytes
     fold = searcher.search_fold(q, blocks[2], 2, 2, 0, None, keep=True)   # evicts kept 0 first
     np.testing.assert_array_equal(fold.to_numpy()[3], knn(q, blocks[2], 2, "l2", backend="reference")[1])
-    assert list(G._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
+    assert list(target_cache._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
 
 
 @pytest.mark.parametrize("device", [
@@ -299,7 +301,7 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     import pyarrow as pa
 
     def scopes(batches):
-        from udfs.gpu import local_task, task_scope
+        from udfs.gpu_task import local_task, task_scope
 
         with local_task(scope="ignored inside Spark"):
             for _ in batches:
@@ -310,3 +312,84 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     again = {r.scope for r in df.collect()}
     assert len(first) == 1 and len(again) == 1 and first != again, (first, again)
     assert next(iter(first)).startswith("execution ")
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+@pytest.mark.parametrize("plan", ["broadcast", "blocked"])
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device):
+    """A join's cap reaches the GPU searcher (its search and its device fold) and the kernels
+    take it: rows with fewer than k targets within the cap, some with none (inner join: no
+    row), against the reference backend under the same cap."""
+    import pyarrow as pa
+
+    from tests.kernels.test_caps import midpoint_cap
+    from tests.oracle import key_values, oracle_keys
+    from udfs import blocks as B
+    from udfs.local import local_join
+
+    rng = np.random.default_rng(22)
+    nq, nt, d, k = 29, 240, 6, 5
+    Q = rng.standard_normal((nq, d)).astype(np.float32)
+    T = rng.standard_normal((nt, d)).astype(np.float32)
+    cap = midpoint_cap(key_values(oracle_keys(Q, T, metric), metric), 0.006, metric == "cosine")
+    qt = pa.table({"qid": np.arange(nq), "qv": pa.array(list(Q), type=pa.list_(pa.float32()))})
+    tt = pa.table({"tid": np.arange(nt), "tv": pa.array(list(T), type=pa.list_(pa.float32()))})
+    opened = []
+
+    def open_gpu(settings):
+        opened.append(G.GpuBlockSearcher(settings, torch.device(device)))
+        return opened[-1]
+
+    monkeypatch.setattr(B, "open_block_searcher", open_gpu)
+    ctx = B.JoinContext(SearchSettings(k, metric, "gpu", "bf16"), B.SideLayout("qv", 1, d, 8),
+                        B.SideLayout("tv", 1, d, 50), "inner", True, tt.schema, cap=cap)
+    out = local_join(qt, tt, ctx, plan=plan, partitions=2)
+    assert opened
+    _, indices = knn(Q, T, k, metric, backend="reference", cap=cap)
+    got = {}
+    for qid, tid in zip(out.column(0).to_pylist(), out.column(2).to_pylist()):
+        got.setdefault(qid, []).append(tid)
+    counts = (indices >= 0).sum(axis=1)
+    assert (counts == 0).any() and ((counts > 0) & (counts < k)).any(), counts
+    for q in range(nq):
+        assert sorted(got.get(q, [])) == sorted(indices[q][indices[q] >= 0].tolist()), q
+
+
+def test_a_searcher_compiles_the_plans_configuration_once_per_worker(monkeypatch):
+    """``SearchSettings.warm_shape`` (the plan's block pair): the searcher's opening runs one
+    search of that shape, in the plan's dtypes, with its k, metric and precision, once per
+    worker process and configuration; without it, none."""
+    from nearest_join.kernels import gpu as kgpu
+
+    monkeypatch.setattr(G, "_WARMED", set())
+    calls = []
+    real = kgpu.search_prepared
+
+    def spy(queries, targets, k, **options):
+        calls.append((tuple(queries.shape), queries.dtype, targets.side.rows, targets.side.source.dtype,
+                      k, targets.metric, targets.precision))
+        return real(queries, targets, k, **options)
+
+    monkeypatch.setattr(kgpu, "search_prepared", spy)
+    settings = SearchSettings(7, "cosine", "gpu", "bf16", warm_shape=(300, 1000, 12, "float32", "float64"))
+    cpu = torch.device("cpu")
+    first = G.GpuBlockSearcher(settings, cpu, batch_rows=128)
+    # The first query batch (128 of the block's 300 rows) against a whole target block.
+    assert calls == [((128, 12), torch.float32, 1000, torch.float64, 7, "cosine", "bf16")]
+    G.GpuBlockSearcher(settings, cpu, batch_rows=128)       # the worker's next task
+    assert len(calls) == 1
+    G.GpuBlockSearcher(dataclasses.replace(settings, k=8), cpu, batch_rows=128)
+    assert len(calls) == 2 and calls[1][4] == 8
+    G.GpuBlockSearcher(dataclasses.replace(settings, warm_shape=None, k=9), cpu)
+    assert len(calls) == 2
+    # The searcher still searches as before (the warm-up kept nothing resident).
+    assert first._targets is None and len(first._resident) == 0
+    rng = np.random.default_rng(2)
+    q, t = rng.standard_normal((20, 12)).astype(np.float32), rng.standard_normal((90, 12))
+    _, i = first.search(q, t, target_key=1)
+    np.testing.assert_array_equal(i, knn(q, t, 7, "cosine", backend="reference")[1])

@@ -1,0 +1,114 @@
+"""Host-to-device copies of a GPU searcher: pinned staging buffers, uploads, prefetched blocks.
+
+:class:`HostStaging` keeps reusable host buffers (pinned on CUDA; the copy into them split over
+the task's threads by ``udfs.rows.copy_into``), uploads arrays through them, on a side stream
+when asked, and holds the query blocks another thread staged ahead of their search
+(:meth:`HostStaging.prefetch`). Works on a CPU ``torch.device`` too (no streams, no pinning).
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .rows import copy_into
+
+# Query blocks prefetch() may hold staged on the device, each in its own pinned host slot.
+PREFETCH_SLOTS = 2
+
+
+def same_memory(held: np.ndarray, array: np.ndarray) -> bool:
+    """``array`` views the same memory as ``held`` (which we keep alive, so it cannot be reused)."""
+    if held is array:
+        return True
+    a, b = held.__array_interface__, array.__array_interface__
+    return (a["data"] == b["data"] and a["shape"] == b["shape"] and a["strides"] == b["strides"]
+            and held.dtype == array.dtype)
+
+
+class HostStaging:
+    """One searcher's host buffers, copy stream and prefetched query blocks on ``device``."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+        self._pinned: dict[str, torch.Tensor] = {}
+        self.ahead: list = []           # [(host array, device tensor, event, slot)] from prefetch()
+        self._ahead_lock = threading.Lock()
+
+    def host_buffer(self, name: str, shape: tuple[int, ...], dtype) -> "torch.Tensor":
+        """A reusable (pinned on CUDA) host tensor of at least ``shape``."""
+        import torch
+
+        numel = int(np.prod(shape))
+        buf = self._pinned.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1), dtype=dtype, pin_memory=self._cuda)
+            self._pinned[name] = buf
+        return buf[:numel].view(shape)
+
+    def upload(self, array: np.ndarray, name: str, stream=None) -> "torch.Tensor":
+        """``array`` on the device: float64 rows stay float64 (the search re-ranks from the
+        rows as given: a float32 staging copy would lose what float64 inputs resolve), any
+        other dtype arrives as float32."""
+        import torch
+
+        dtype = torch.float64 if array.dtype == np.float64 else torch.float32
+        host = self.host_buffer(name, array.shape, dtype)
+        # One pass, in the task's threads: converts and packs into pinned memory (a single
+        # thread's memcpy is slower than the PCIe copy that follows).
+        copy_into(host.numpy(), array)
+        if stream is None:
+            # On a CPU device ``to`` would return the staging buffer itself, which the next
+            # upload overwrites: copy, as a device would.
+            return host.to(self.device, non_blocking=self._cuda, copy=not self._cuda)
+        with torch.cuda.stream(stream):
+            return host.to(self.device, non_blocking=True)
+
+    def prefetch(self, query_vectors: np.ndarray) -> None:
+        """Start copying a one-batch query block to the device before its search is called
+        (:meth:`udfs.gpu.GpuBlockSearcher.prefetch` says when).
+
+        The copy runs on the copy stream from its own pinned slot. ``PREFETCH_SLOTS`` blocks
+        may wait staged (the main thread can decode the next block before the worker has
+        taken the previous one: at a task's start the first search waits for the target
+        block); a further one replaces the oldest, whose copy is waited for first. One caller
+        at a time (the main thread); the lock is not held during the copy, so the worker's
+        search never waits for it (when it was, a task's first search waited for the copy).
+        """
+        import torch
+
+        with self._ahead_lock:
+            if any(same_memory(entry[0], query_vectors) for entry in self.ahead):
+                return
+            oldest = self.ahead.pop(0) if len(self.ahead) >= PREFETCH_SLOTS else None
+            used = {entry[3] for entry in self.ahead}
+        slot = next(f"ahead{n}" for n in range(PREFETCH_SLOTS) if f"ahead{n}" not in used)
+        if oldest is not None and oldest[2] is not None:
+            oldest[2].synchronize()              # its copy read the pinned slot
+        if self._cuda:
+            with torch.cuda.device(self.device):
+                q_dev = self.upload(query_vectors, slot, stream=self.copy_stream)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+        else:
+            q_dev, ready = self.upload(query_vectors, slot), None
+        with self._ahead_lock:
+            self.ahead.append((query_vectors, q_dev, ready, slot))
+
+    def take_prefetched(self, query_vectors: np.ndarray):
+        """(device tensor, event) staged by :meth:`prefetch` for this array, or None. Blocks
+        staged before it are dropped (blocks are searched in the order they were staged)."""
+        with self._ahead_lock:
+            for n, entry in enumerate(self.ahead):
+                if same_memory(entry[0], query_vectors):
+                    break
+            else:
+                return None
+            del self.ahead[:n + 1]
+            if entry[2] is not None:
+                entry[2].synchronize()   # done (long ago, as a rule): the slot is free again
+            return entry[1], entry[2]
