@@ -52,3 +52,11 @@ def test_the_gpu_backend_refuses_a_task_without_cuda(monkeypatch):
     name, reasons = dispatch.choose_task_backend("auto")
     assert name == "cpu" and reasons[0].startswith("gpu: no CUDA device")
     assert dispatch.choose_task_backend("cpu") == ("cpu", [])
+
+
+@pytest.mark.parametrize("k, precision, d, expected", [
+    (100, "bf16", 384, True), (64, "bf16", 129, True),      # long bf16 lists above d = 128
+    (100, "bf16", 128, False), (10, "bf16", 384, False),    # d <= 128, or a short list
+    (100, "tf32", 384, False)])                              # not tf32 (no lower keys)
+def test_long_bf16_lists_above_d_128_start_from_a_sampled_wider_list(k, precision, d, expected):
+    assert gpu.sampled_first_pass(k, precision, d) == expected
