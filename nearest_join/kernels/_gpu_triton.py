@@ -1,14 +1,15 @@
 """The fused Triton kernels: tiled dot products folded into per-query candidate lists on chip.
 
 Two kernels share the tile product (:func:`_tile_keys`) and the packed (key, index) format:
-``_rowlist_kernel`` for lists of at most ``ROWLIST_MAX`` entries keeps each query's list in
-registers (see its docstring; the default for k <= ~50); ``_fused_candidates_kernel``, described
-below, keeps them in a candidate buffer. Longer lists (k = 100 and up) run by default in the
-*segmented* mode: the register-list kernel with ``SEG_CAND``-long lists over S target
-segments, whose union, with a floor on every key it left out, is the candidate list (see
-:func:`triton_candidates`: exact because the margin test uses the floor). :func:`tile_config`
-picks; :func:`buffer_tile_config` is the buffer kernel for long lists, used where the targets
-are too few for segments.
+``_rowlist_kernel`` keeps each query's list in registers (see its docstring);
+``_fused_candidates_kernel``, described below, keeps them in a candidate buffer. Every list
+width runs by default in the *segmented* mode: the register-list kernel with ``SEG_CAND``-long
+lists over S target segments, whose union, with a floor on every key it left out, is the
+candidate list (see :func:`triton_candidates`: exact because the margin test uses the
+floor), so that a search compiles one candidate kernel whatever widths its rows widen to.
+:func:`tile_config` picks; one register list of up to ``ROWLIST_MAX`` entries, or the buffer
+kernel (:func:`buffer_tile_config`) for longer lists, runs where the targets are too few for
+the segments. Long first lists can start from a sample pass's seeds (:func:`sample_seed`).
 
 One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes

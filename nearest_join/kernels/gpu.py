@@ -5,8 +5,9 @@ then an exact float32 re-rank whose candidate list is proven complete by an erro
 
 * ``triton`` (preferred): the fused kernel of ``_gpu_triton`` keeps each distance tile on
   chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
-  capability 8.0 or newer, and a candidate list of at most ``MAX_CANDIDATES`` (1024)
-  entries: k up to 1024 in fp32, 819 in tf32, 512 in bf16.
+  capability 8.0 or newer, tf32 or bf16 operands (fp32 products run on cuBLAS, which the
+  fused kernel's CUDA-core form did not match), and a candidate list of at most
+  ``MAX_CANDIDATES`` (1024) entries: k up to 907 in tf32, 1024 in bf16.
 * ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
 
 ``precision`` picks the operands of the candidate pass: ``"auto"`` (the default: bf16 on GPUs
