@@ -3,7 +3,7 @@ search (precision "auto" and each precision) against plain torch ``addmm`` + ``t
 bf16 GEMM alone, with every exact result checked against a float64 oracle on sampled rows.
 
 Run on a CUDA machine: ``python benchmarks/gpu_shapes.py [--quick] [--budget-s 500]
-[--compile-workers 12] [--dims 384,768,1536]``.
+[--compile-workers 12] [--dims 384,768,1536] [--precisions auto,tf32,fp32]``.
 Records go to ``benchmarks/results/gpu_kernel.jsonl`` (tables ``compile`` and ``shapes``).
 Data: Gaussian rows with a per-dimension offset (non-centred, like real embeddings); no real
 embeddings can be downloaded on the device.
@@ -185,11 +185,16 @@ def shape_cases(args, rec):
                                                                   args.reps), 1)
                 bi = addmm_topk(Q, T, bias, "bf16", k)
                 row["torch_bf16_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, bi, args.sample)
-                for precision in ("auto", "bf16", "tf32", "fp32"):
+                for precision in ["auto"] + [p for p in args.precisions.split(",") if p and p != "auto"]:
                     if precision == auto:
                         continue
                     name = precision if precision != "auto" else f"exact_auto_{auto}"
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
                     v, idx = knn_torch(Q, T, k, "l2", precision)
+                    torch.cuda.synchronize()
+                    # Compilation included where this process has not compiled the kernel yet.
+                    row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)
                     row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, idx, args.sample, v)
                     row[f"{name}_ms"] = round(events_ms(lambda p=precision: knn_torch(Q, T, k, "l2", p),
                                                         args.reps), 1)
@@ -213,6 +218,8 @@ def main(argv=None):
     ap.add_argument("--compile-budget-s", type=float, default=200)
     ap.add_argument("--compile-workers", type=int, default=12)
     ap.add_argument("--only", choices=["compile", "shapes", "both"], default="both")
+    ap.add_argument("--precisions", default="auto,tf32,fp32",
+                    help="exact searches timed in the shapes table besides auto")
     args = ap.parse_args(argv)
     from _record import Recorder
 

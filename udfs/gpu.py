@@ -86,7 +86,7 @@ class GpuBlockSearcher:
     """
 
     def __init__(self, settings: SearchSettings, device, *, memory_bytes: int | None = None,
-                 batch_rows: int | None = None, impl: str = "auto"):
+                 batch_rows: int | None = None):
         import torch
 
         from nearest_join.kernels.gpu import choose, resolve_precision
@@ -96,7 +96,6 @@ class GpuBlockSearcher:
         # "auto" resolved once for this task's device; the executor logs and reports it.
         self.precision = resolve_precision(settings.precision, self.device)
         self.backend = "gpu"
-        self.impl = impl
         self._cuda = self.device.type == "cuda"
         # Blocks kept by an earlier task of this stage (or freed, for another stage) before
         # the free memory is read.
@@ -117,7 +116,7 @@ class GpuBlockSearcher:
         self._targets = None             # the block of the current search
         self._query_cache = None         # (host array, device tensor) of a one-batch query block
         self.staging = HostStaging(self.device)   # host buffers, copy stream, prefetched blocks
-        self.implementation, reasons = choose(settings.k, self.precision, self.device, impl)
+        self.implementation, reasons = choose(settings.k, self.precision, self.device)
         logger.info("GPU searcher on %s: precision %s (asked %s), %s candidates%s, memory budget %.1f GiB",
                     self.device, self.precision, settings.precision, self.implementation.name,
                     "".join(f" ({r})" for r in reasons), memory_bytes / 2**30)
@@ -150,7 +149,7 @@ class GpuBlockSearcher:
 
         q_rows, t_rows, d, q_dtype, t_dtype = shape
         rows = min(q_rows, self._rows_per_batch(q_rows, d))
-        key = (str(self.device), self.settings.k, self.settings.metric, self.precision, self.impl,
+        key = (str(self.device), self.settings.k, self.settings.metric, self.precision,
                rows, t_rows, d, q_dtype, t_dtype)
         if key in _WARMED or min(rows, t_rows, d) < 1:
             return False
@@ -164,7 +163,7 @@ class GpuBlockSearcher:
                                    dtype=getattr(torch, dtype))
 
             targets = prepare_targets(random(t_rows, t_dtype), self.settings.metric, self.precision)
-            search_prepared(random(rows, q_dtype), targets, self.settings.k, impl=self.impl,
+            search_prepared(random(rows, q_dtype), targets, self.settings.k,
                             buffer_bytes=max(64 << 20, rows * ROW_OVERHEAD_BYTES // 2))
             if self._cuda:
                 torch.cuda.synchronize(self.device)
@@ -339,8 +338,7 @@ class GpuBlockSearcher:
                     pending = self._stage(query_vectors, starts, n + 1)
                 if ready is not None:
                     compute.wait_event(ready)
-                v, i = search_prepared(q_dev, targets, k, impl=self.impl, buffer_bytes=buffer_bytes,
-                                       cap=cap)
+                v, i = search_prepared(q_dev, targets, k, buffer_bytes=buffer_bytes, cap=cap)
                 if self._cuda:
                     q_dev.record_stream(compute)
                 values[start:stop] = v

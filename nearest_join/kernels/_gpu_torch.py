@@ -1079,7 +1079,8 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
                candidates: CandidateFn, *, max_candidates: int | None = None,
                stats: TargetStats | None = None, values: ValuesFn | None = None,
                seeded: bool = False, lower: bool = False, few_rows: int = 0,
-               cap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cap: float | None = None,
+               first_width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact float32 top-k from a low-precision candidate generator (module notes).
 
     ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
@@ -1100,6 +1101,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     candidates above it before the re-rank, and a row is proven when its floor is above the
     lesser of its k-th value's limit and the cap's; the pairs returned are decided by their
     float64 values (:func:`drop_beyond_cap`).
+    ``first_width``: the first list's width instead of :func:`candidate_width`'s.
     """
     metric = queries.metric
     stats = stats or TargetStats.of(targets)
@@ -1110,7 +1112,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
     out_i = torch.empty((m, k), dtype=torch.int64, device=device)
     pending = torch.arange(m, device=device)
     subset = queries
-    n_cand = candidate_width(k, queries.precision, lower)
+    n_cand = first_width or candidate_width(k, queries.precision, lower)
     generator = candidates
     seed = None
     bound = None                       # per row, computed once (the first round's pass)

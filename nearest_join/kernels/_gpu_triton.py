@@ -1,14 +1,15 @@
 """The fused Triton kernels: tiled dot products folded into per-query candidate lists on chip.
 
 Two kernels share the tile product (:func:`_tile_keys`) and the packed (key, index) format:
-``_rowlist_kernel`` for lists of at most ``ROWLIST_MAX`` entries keeps each query's list in
-registers (see its docstring; the default for k <= ~50); ``_fused_candidates_kernel``, described
-below, keeps them in a candidate buffer. Longer lists (k = 100 and up) run by default in the
-*segmented* mode: the register-list kernel with ``SEG_CAND``-long lists over S target
-segments, whose union, with a floor on every key it left out, is the candidate list (see
-:func:`triton_candidates`: exact because the margin test uses the floor). :func:`tile_config`
-picks; :func:`buffer_tile_config` is the buffer kernel for long lists, used where the targets
-are too few for segments.
+``_rowlist_kernel`` keeps each query's list in registers (see its docstring);
+``_fused_candidates_kernel``, described below, keeps them in a candidate buffer. Every list
+width runs by default in the *segmented* mode: the register-list kernel with ``SEG_CAND``-long
+lists over S target segments, whose union, with a floor on every key it left out, is the
+candidate list (see :func:`triton_candidates`: exact because the margin test uses the
+floor), so that a search compiles one candidate kernel whatever widths its rows widen to.
+:func:`tile_config` picks; one register list of up to ``ROWLIST_MAX`` entries, or the buffer
+kernel (:func:`buffer_tile_config`) for longer lists, runs where the targets are too few for
+the segments. Long first lists can start from a sample pass's seeds (:func:`sample_seed`).
 
 One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes
@@ -91,7 +92,8 @@ class TileConfig:
     extra_passes: int = 3
     seg_cand: int = 0
     skip_test: bool | None = None   # register lists: None = by skip_share (SKIP_TEST_SHARE)
-    segments: int = 0               # segmented: at least this many segments (0: 2 n_cand / seg_cand)
+    segments: int = 0               # segmented: at least this many segments (0: segment_count's rule)
+    block_d: int = 0                # d-chunk where d does not fit one dot (0: BLOCK_D)
 
 
 # Lists up to this long live in registers (_rowlist_kernel); longer ones are the union of
@@ -118,32 +120,47 @@ SINGLE_DOT_BYTES = 64 * 1024
 
 
 def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
-    """Tile shapes by list width and operand size.
+    """Tile shapes by list width and operand size; every width runs the segmented mode, so
+    that a search compiles one candidate kernel whatever widths its rows widen to (issue 20:
+    each list width was a compilation of several seconds, and widening rows compiled one per
+    width they reached). ``SEG_CAND``-long register lists over :func:`segment_count` target
+    segments: one segment for a list of up to ``SEG_CAND``, two for up to twice that (as
+    many insertions as one list of 32, each a reduction over 16 entries, so cheaper; the
+    floor, the lesser segment's 16th key, with the re-ranked margin proved 99.8% of the rows
+    at k=10, simulated on Gaussian d=128), twice the width beyond.
 
-    Short lists: register lists, 128 x 128 tiles (two wgmma warpgroups of 64 x 128), three
-    target tiles in flight (two for 4-byte operands: 64 KiB query tile + 64 KiB per stage);
-    bf16 lists of up to 32 at d <= 128: 64 x 128 tiles, 4 warps, two programs per SM (one
-    program's list work overlaps the other's MMAs; benchmarks/gpu_notes.md).
-    Long lists: the same kernel and tiles over target segments, ``SEG_CAND`` entries per
-    segment (``triton_candidates`` falls back to :func:`buffer_tile_config` when the targets
-    are too few for enough segments).
+    Tiles: 128 x 128 (two wgmma warpgroups of 64 x 128), three target tiles in flight (two for
+    4-byte operands); bf16 lists of up to 32 at d <= 128: 64 x 128 tiles, 4 warps, two
+    programs per SM (one program's list work overlaps the other's MMAs, which the compiler
+    does not do within one program; benchmarks/gpu_notes.md). A search's widening rounds run
+    its first pass's tiles (``gpu.search_prepared``), so those too share the kernel.
+    ``triton_candidates`` falls back to one register list or :func:`buffer_tile_config` where
+    the targets are too few for the segments.
     """
     wide = precision != "bf16"
-    if not wide and n_cand == 32 and d <= 128:
-        # bf16 k = 9..16: two 16-entry segments, as many insertions as one list of 32, each
-        # a reduction over 16 entries, so cheaper; the floor (the lesser segment's 16th key)
-        # with the re-ranked margin proves 99.8% of the rows at k=10, 95.7% at k=16
-        # (simulated, Gaussian d=128), the rest widen.
-        return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2)
-    if not wide and n_cand <= 32 and d <= 128:
-        # Two 4-warp programs of 64 rows per SM (112 KiB of shared memory and <= 255
-        # registers each): one program's list work overlaps the other's MMAs, which the
-        # compiler does not do within one program (it waits for each tile's wgmma).
-        return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="rowlist")
-    if n_cand <= ROWLIST_MAX:
-        return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="rowlist")
+    if not wide and n_cand <= 2 * SEG_CAND and d <= 128:
+        return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="segmented", seg_cand=SEG_CAND)
+    # bf16 short lists take d in chunks of 128 where d does not fit one dot: fewer, longer
+    # wgmma runs per target tile: faster passes at d = 384 and 1536 (k=10), slower for the
+    # long lists of k=100 (benchmarks/gpu_notes.md).
+    chunk = 2 * BLOCK_D if not wide and n_cand <= 2 * SEG_CAND else 0
     return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="segmented",
-                      seg_cand=SEG_CAND)
+                      seg_cand=SEG_CAND, block_d=chunk)
+
+
+def search_tiles(m: int, nt: int, d: int, n_cand: int, precision: str,
+                 limits: "DeviceLimits") -> TileConfig:
+    """The tiles of a search's first pass of ``n_cand`` candidates for ``m`` x ``nt`` rows,
+    with its row-minimum test (``skip_test``) resolved: its widening rounds pass this config,
+    so that every round of the search runs one compiled kernel (the rounds have other row
+    counts and segments, which would otherwise choose the test anew)."""
+    cfg = tile_config(n_cand, d, precision)
+    n_seg = segment_count(m, nt, n_cand, cfg, limits.sms)
+    if n_seg:
+        program_tiles = math.ceil(math.ceil(nt / cfg.block_n) / n_seg)
+        cfg = dataclasses.replace(
+            cfg, skip_test=skip_share(program_tiles, cfg.block_m, cfg.seg_cand) >= SKIP_TEST_SHARE)
+    return cfg
 
 
 def buffer_tile_config(n_cand: int, precision: str = "bf16") -> TileConfig:
@@ -373,6 +390,82 @@ def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
     return best, worst, worst_slot
 
 
+@triton.jit
+def _list_update(key, best, worst, worst_slot, n0, N_CAND: tl.constexpr, BLOCK_N: tl.constexpr,
+                 EXTRA_PASSES: tl.constexpr, SKIP_TEST: tl.constexpr):
+    """One target tile's keys (BLOCK_M, BLOCK_N), first column ``n0``, folded into the
+    register lists ``best`` (see :func:`_rowlist_kernel` for the paths)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    BLOCK_M: tl.constexpr = key.shape[0]
+    row_min = tl.min(key, axis=1)
+    thr = _unpack_key(worst)
+    if SKIP_TEST:
+        reached = tl.max((row_min <= thr).to(tl.int32), axis=0) > 0
+    else:
+        reached = True
+    if reached:
+        # Survivors counted against the key alone (ties at the threshold included):
+        # a superset of the entries that beat ``worst``; only the path choice uses it.
+        most = tl.max(tl.sum((key <= thr[:, None]).to(tl.int32), axis=1), axis=0)
+    else:
+        most = 0
+    if most == 1:
+        col = _row_argmin(key, row_min, BLOCK_N)
+        best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+    elif most == 2:
+        col = _row_argmin(key, row_min, BLOCK_N)
+        best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
+        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), key)
+        second = tl.min(rest, axis=1)
+        col = _row_argmin(rest, second, BLOCK_N)
+        best, worst, worst_slot = _insert(best, worst, worst_slot, second, n0 + col, N_CAND)
+    elif most > 2:
+        if most <= 1 + EXTRA_PASSES:
+            rest = key
+            for _ in tl.static_range(0, 1 + EXTRA_PASSES):
+                low_key = tl.min(rest, axis=1)
+                col = _row_argmin(rest, low_key, BLOCK_N)
+                best, worst, worst_slot = _insert(best, worst, worst_slot, low_key,
+                                                  n0 + col, N_CAND)
+                rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+        else:
+            cols = n0 + offs_n
+            packed = tl.where(key < float("inf"),
+                              _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
+                              _EMPTY)
+            # topk keeps the largest: complement (an order-reversing bijection on int64).
+            tile_best = ~tl.topk(~packed, N_CAND)
+            both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
+            best = ~tl.topk(~both, N_CAND)
+            worst, worst_slot = tl.max(best, axis=1, return_indices=True)
+    return best, worst, worst_slot
+
+
+@triton.jit
+def _chunk_operands(q_ptr, t_ptr, nq, nt, d, stride_q, stride_t, m0, n0, d0,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr, T_DESC: tl.constexpr):
+    """The (BLOCK_M, BLOCK_D) query chunk and (BLOCK_D, BLOCK_N) target chunk at (m0, n0, d0),
+    zero past the ends: by TMA (``T_DESC``: both pointers are tensor descriptors, one copy
+    per chunk) or block pointers."""
+    if T_DESC:
+        a = q_ptr.load([m0, d0])
+        b = tl.trans(t_ptr.load([n0, d0]))
+    else:
+        a_blk = tl.make_block_ptr(q_ptr, (nq, d), (stride_q, 1), (m0, d0), (BLOCK_M, BLOCK_D), (1, 0))
+        b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (d0, n0), (BLOCK_D, BLOCK_N), (0, 1))
+        if EVEN_D:
+            a = tl.load(a_blk, boundary_check=(0,), padding_option="zero")
+            b = tl.load(b_blk, boundary_check=(1,), padding_option="zero")
+        else:
+            a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
+            b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b
+
+
 @triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
 def _rowlist_kernel(
     q_ptr, t_ptr, bias_ptr, out_ptr, seed_ptr, level_ptr,
@@ -400,6 +493,10 @@ def _rowlist_kernel(
     No inner loop and no global buffer: the target loop is software-pipelined (target tiles
     prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
     target tile read once per program, shared through L2) and one (BLOCK_M, N_CAND) store.
+    Where d is too large for one dot, the loop runs over (tile, d-chunk) pairs, still no inner
+    loop: the pipeliner prefetches across tiles (a nested d loop drained its pipeline at every
+    tile), both operands' chunks by TMA where they allow (:func:`_chunk_operands`), the list
+    work after each tile's last chunk.
     ``STRIDED`` (segments): split ``s`` of ``n_splits`` scans tiles s, s + n_splits, ... instead
     of a contiguous range (``tiles_per_split`` unused), so that targets stored next to each
     other (a cluster, data sorted by place) spread over the segments at tile granularity
@@ -441,52 +538,34 @@ def _rowlist_kernel(
     worst = _pack(seed, tl.full([BLOCK_M], _VIRTUAL, tl.int32))   # +inf: EMPTY
     best = tl.zeros([BLOCK_M, N_CAND], dtype=tl.int64) + worst[:, None]
     worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
-    for tile in range(0, n_tiles):
-        n0 = t_start + tile * t_step
-        key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
-                         BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D,
-                         T_DESC)
-        row_min = tl.min(key, axis=1)
-        thr = _unpack_key(worst)
-        if SKIP_TEST:
-            reached = tl.max((row_min <= thr).to(tl.int32), axis=0) > 0
-        else:
-            reached = True
-        if reached:
-            # Survivors counted against the key alone (ties at the threshold included):
-            # a superset of the entries that beat ``worst``; only the path choice uses it.
-            most = tl.max(tl.sum((key <= thr[:, None]).to(tl.int32), axis=1), axis=0)
-        else:
-            most = 0
-        if most == 1:
-            col = _row_argmin(key, row_min, BLOCK_N)
-            best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-        elif most == 2:
-            col = _row_argmin(key, row_min, BLOCK_N)
-            best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-            rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), key)
-            second = tl.min(rest, axis=1)
-            col = _row_argmin(rest, second, BLOCK_N)
-            best, worst, worst_slot = _insert(best, worst, worst_slot, second, n0 + col, N_CAND)
-        elif most > 2:
-            if most <= 1 + EXTRA_PASSES:
-                rest = key
-                for _ in tl.static_range(0, 1 + EXTRA_PASSES):
-                    low_key = tl.min(rest, axis=1)
-                    col = _row_argmin(rest, low_key, BLOCK_N)
-                    best, worst, worst_slot = _insert(best, worst, worst_slot, low_key,
-                                                      n0 + col, N_CAND)
-                    rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
-            else:
+    if SINGLE_DOT:
+        for tile in range(0, n_tiles):
+            n0 = t_start + tile * t_step
+            key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, m0, n0,
+                             BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT, INPUT_PRECISION, DOT_UPCAST, EVEN_D,
+                             T_DESC)
+            best, worst, worst_slot = _list_update(key, best, worst, worst_slot, n0, N_CAND, BLOCK_N,
+                                                   EXTRA_PASSES, SKIP_TEST)
+    else:
+        # d in BLOCK_D chunks, one flat loop over (tile, chunk): the software pipeliner
+        # prefetches across target tiles (a nested d loop drains its pipeline every tile),
+        # and the list work runs after a tile's last chunk.
+        n_chunks = (d + BLOCK_D - 1) // BLOCK_D
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for it in range(0, n_tiles * n_chunks):
+            tile = it // n_chunks
+            d0 = (it - tile * n_chunks) * BLOCK_D
+            n0 = t_start + tile * t_step
+            a, b = _chunk_operands(q_ptr, t_ptr, nq, nt, d, stride_q, stride_t, m0, n0, d0,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, DOT_UPCAST, EVEN_D, T_DESC)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if d0 + BLOCK_D >= d:
                 cols = n0 + offs_n
-                packed = tl.where(key < float("inf"),
-                                  _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
-                                  _EMPTY)
-                # topk keeps the largest: complement (an order-reversing bijection on int64).
-                tile_best = ~tl.topk(~packed, N_CAND)
-                both = tl.reshape(tl.join(best, tile_best), [BLOCK_M, 2 * N_CAND])
-                best = ~tl.topk(~both, N_CAND)
-                worst, worst_slot = tl.max(best, axis=1, return_indices=True)
+                bias = tl.load(bias_ptr + cols, mask=cols < nt, other=float("inf"))
+                key = tl.fma(acc, -alpha, bias[None, :])
+                best, worst, worst_slot = _list_update(key, best, worst, worst_slot, n0, N_CAND,
+                                                       BLOCK_N, EXTRA_PASSES, SKIP_TEST)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     rows = m0 + tl.arange(0, BLOCK_M)
     out = out_ptr + rows.to(tl.int64)[:, None] * (n_splits * N_CAND) + pid_s * N_CAND + slots[None, :]
     tl.store(out, best, mask=(rows < nq)[:, None])
@@ -515,18 +594,20 @@ def _split_targets(nt: int, n_splits: int, block_n: int) -> tuple[int, int]:
 def segment_count(nq: int, nt: int, n_cand: int, config: TileConfig, num_sms: int) -> int:
     """Target segments for the segmented mode, or 0 where it does not suit.
 
-    Enough segments that their lists hold twice the candidates (``S * seg_cand >=
-    2 * n_cand``: the best n_cand of a row then rarely crowd more than ``seg_cand`` into one
-    segment, which would lower the floor and fail the margin), at least the occupancy choice
-    of :func:`split_count`, and at least ``SEGMENT_MIN_TILES`` tiles each. ``config.segments``
-    replaces the first rule where set (two 16-entry segments for 32 candidates: the re-ranked
-    margin proves nearly every row from them). 0 when the targets are too few for the union
+    Lists up to ``2 seg_cand``: just enough segments to hold them (one, or two for 32
+    candidates: the re-ranked margin proves nearly every row from them). Longer lists: enough
+    that the segments hold twice the candidates (``S * seg_cand >= 2 * n_cand``: the best
+    n_cand of a row then rarely crowd more than ``seg_cand`` into one segment, which would
+    lower the floor and fail the margin). At least the occupancy choice of
+    :func:`split_count`, and at least ``SEGMENT_MIN_TILES`` tiles each. ``config.segments``
+    replaces the first rules where set. 0 when the targets are too few for the union
     of the lists to fill even n_cand entries: those rows would all fail the margin; one
     register list (n_cand <= ROWLIST_MAX) or the buffer kernel keeps a full list instead.
     """
     n_tiles = math.ceil(nt / config.block_n)
-    wanted = max(config.segments or math.ceil(2 * n_cand / config.seg_cand),
-                 split_count(nq, nt, config.block_m, num_sms))
+    seg = config.seg_cand
+    lists = math.ceil(n_cand / seg) if n_cand <= 2 * seg else math.ceil(2 * n_cand / seg)
+    wanted = max(config.segments or lists, split_count(nq, nt, config.block_m, num_sms))
     n_seg = min(wanted, max(1, n_tiles // SEGMENT_MIN_TILES))
     return n_seg if n_seg * config.seg_cand >= n_cand else 0
 
@@ -674,15 +755,18 @@ def shared_estimate(cfg: TileConfig, block_d: int, single_dot: bool, element_siz
     chunk pairs (d in ``block_d`` chunks); the bitonic merges' exchange of
     (BLOCK_M, 2 list_len) packed keys (register lists) or the selection's SEL_ROWS x CAP
     (buffer kernel) where that is larger; plus :data:`SHARED_SLACK`. Without TMA
-    (``t_desc``) the single-dot form holds two copies of each target tile in flight (the
+    (``t_desc``) the register-list kernel holds two copies of each operand tile in flight (the
     cp.async buffer and the transposed operand: sm_80, 128 x 128 bf16 tiles at d=128 and
-    three stages compiled to 229,376 bytes, seven tiles)."""
+    three stages compiled to 229,376 bytes, seven tiles; d in 64-chunks at d=96, 196,608
+    bytes, twice the chunks)."""
     stages = max(1, cfg.num_stages)
+    copies = 1 if t_desc else 2
     if single_dot:
-        copies = 1 if t_desc else 2
         tiles = (cfg.block_m + copies * stages * cfg.block_n) * block_d * element_size
-    else:
+    elif cfg.kernel == "buffer":
         tiles = stages * (cfg.block_m + cfg.block_n) * block_d * element_size
+    else:   # the register lists' flat (tile, chunk) loop: both operands, as the single dot
+        tiles = copies * stages * (cfg.block_m + cfg.block_n) * block_d * element_size
     if cfg.kernel == "buffer":
         exchange = min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)) * cfg.cap * 8
     else:
@@ -720,16 +804,24 @@ class CandidatePlan:
 
 def _layouts(cfg: TileConfig, d: int, element_size: int):
     """(config, block_d, single_dot) in order of preference: the chosen tiles with the whole
-    query tile (single dot) and fewer target tiles in flight down to two, then d in BLOCK_D
-    chunks with fewer stages down to one (no software pipelining). Every later entry needs
-    less shared memory than an earlier one of its form."""
+    query tile (single dot) and fewer target tiles in flight down to two, then d in the
+    config's chunks (``block_d``) down to two stages, then in BLOCK_D chunks with fewer stages
+    down to one (no software pipelining). Every later entry needs less shared memory than an
+    earlier one of its form."""
     d_pad = max(16, triton.next_power_of_2(d))
-    chunk_d = BLOCK_D if d > 32 else d_pad
     if cfg.block_m * d_pad * element_size <= SINGLE_DOT_BYTES:
         for stages in range(cfg.num_stages, 1, -1):
             yield dataclasses.replace(cfg, num_stages=stages), d_pad, True
-    for stages in range(cfg.num_stages, 0, -1):
-        yield dataclasses.replace(cfg, num_stages=stages), chunk_d, False
+    if d <= 32:
+        chunks = [d_pad]
+    elif cfg.block_d and cfg.block_d != BLOCK_D:
+        chunks = [cfg.block_d, BLOCK_D]   # the config's chunks while pipelined, then BLOCK_D
+    else:
+        chunks = [BLOCK_D]
+    for chunk_d in chunks:
+        last = 0 if chunk_d == chunks[-1] else 1
+        for stages in range(cfg.num_stages, last, -1):
+            yield dataclasses.replace(cfg, num_stages=stages), chunk_d, False
 
 
 def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits: DeviceLimits,
@@ -766,9 +858,10 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
     element_size = 2 if precision == "bf16" else 4
     plans = []
     for c, block_d, single_dot in _layouts(cfg, d, element_size):
-        # TMA needs 16-byte rows (target_descriptor; the operand is contiguous, d wide).
-        t_desc = (rowlist and single_dot and limits.tma and block_d <= 256 and c.block_n <= 256
-                  and (d * element_size) % 16 == 0)
+        # TMA needs 16-byte rows (target_descriptor; the operands are contiguous, d wide);
+        # d in chunks, the query chunks go by TMA too.
+        t_desc = (rowlist and limits.tma and block_d <= 256 and c.block_n <= 256
+                  and c.block_m <= 256 and (d * element_size) % 16 == 0)
         estimate = shared_estimate(c, block_d, single_dot, element_size, list_len, t_desc)
         if estimate > limits.shared_bytes:
             continue
@@ -816,10 +909,17 @@ def rowlist_arguments(plan: CandidatePlan, q_chunk, t_arg, t_op, bias, out, seed
                       rows: int, nt: int, d: int, alpha: float, stride_level: int, *,
                       skip_test: bool, lower: bool, precision: str, upcast: bool):
     """(grid, args, kwargs) of one ``_rowlist_kernel`` launch of ``plan``; ``seed_chunk``
-    float32 (rows,), +inf where a row has no seed."""
+    float32 (rows,), +inf where a row has no seed. ``t_arg``: the target operand ``t_op`` or
+    its descriptor (:func:`target_descriptor`); with d in chunks the query chunks then go by
+    descriptor too (both or neither)."""
     cfg = plan.config
     grid = (math.ceil(rows / cfg.block_m), plan.n_splits)
-    args = (q_chunk, t_arg, bias, out, seed_chunk, level, rows, nt, d,
+    q_arg = q_chunk
+    if t_arg is not t_op and not plan.single_dot:
+        q_arg = target_descriptor(q_chunk, cfg.block_m, plan.block_d)
+        if q_arg is q_chunk:
+            t_arg = t_op
+    args = (q_arg, t_arg, bias, out, seed_chunk, level, rows, nt, d,
             plan.per_split // cfg.block_n, q_chunk.stride(0), t_op.stride(0), alpha, stride_level)
     kwargs = dict(N_CAND=plan.list_len, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=plan.block_d,
                   EXTRA_PASSES=cfg.extra_passes, SINGLE_DOT=plan.single_dot,
@@ -856,6 +956,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                       *, config: TileConfig | None = None, splits: int | None = None,
                       buffer_bytes: int = 1 << 30,
                       seed: torch.Tensor | None = None, lower: bool = False,
+                      levels: int | None = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``n_cand`` best approximate keys per query from the fused kernel, and a floor.
 
@@ -895,6 +996,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     The buffer kernel ignores it, which is valid: a seed only narrows what must be kept.
     ``lower``: the keys are lower keys (EXACT mode's per-target bound): each program reads
     its row of ``_gpu_torch.lower_bias_table`` as the bias; no other work per key.
+    ``levels``: that table's levels (default ``_gpu_torch.lower_levels(n_cand)``).
     """
     if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
         raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
@@ -917,13 +1019,14 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     alpha = key_alpha(queries.metric)
     upcast = device.type != "cuda"
     seeded = seed is not None
+    n_levels = levels or lower_levels(n_cand)
     if lower:   # one table for every row of the call: the bound's rank-1 form (lower_key_bound)
-        table, levels = lower_bias_table(queries, targets, plans[0].config.block_m, lower_levels(n_cand))
+        table, levels = lower_bias_table(queries, targets, plans[0].config.block_m, n_levels)
     refusals = []
     for plan in plans:
         cfg = plan.config
         if lower and cfg.block_m != plans[0].config.block_m:   # the table's levels are per program
-            table, levels = lower_bias_table(queries, targets, cfg.block_m, lower_levels(n_cand))
+            table, levels = lower_bias_table(queries, targets, cfg.block_m, n_levels)
         rowlist, segmented, list_len = plan.rowlist, plan.segmented, plan.list_len
         slots = list_len if rowlist else cfg.cap
         rows_per_launch = max(cfg.block_m,
@@ -995,6 +1098,47 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         if launched:
             return keys_out, idx_out, floor_out
     raise LaunchRefused("no fused-kernel configuration loads on this device: " + "; ".join(refusals))
+
+
+# The sample pass of a long first list (:func:`sample_seed`) keeps lists of this length.
+SAMPLE_LIST = 32
+
+
+def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, config: TileConfig,
+                *, lower: bool = False, buffer_bytes: int = 1 << 30) -> torch.Tensor | None:
+    """Seeds for an unseeded first pass of ``n_cand`` candidates: each row's ``SAMPLE_LIST``-th
+    key over every ``n_cand / SAMPLE_LIST``-th target, about its ``n_cand``-th key over the
+    block (None where the sample would be too small to say).
+
+    A long list that starts empty spends its pass inserting: every segment's list takes most
+    of the targets of its first tiles (bitonic merges), and most rows keep inserting to the
+    end. Seeded, a list keeps only keys at most its seed, so the pass costs little more than
+    its product; the sample pass reads a ``SAMPLE_LIST / n_cand`` share of the block. Any seed
+    is exact (a seeded list's floor never exceeds its seed, :func:`floor_key`): where the
+    sample's key lies below a row's n_cand-th, the row holds fewer candidates, and if it is
+    then not proven it widens like any other. None too where the pass has no launch
+    configuration (too few targets for its segments: the torch path runs it). The sample (its own prepared rows, contiguous)
+    is kept in the target block's cache; the pass runs ``config``, the search's compiled
+    kernel, with the rows' lower keys over the sample at the first pass's levels (a bias
+    table of its own: the rows' table cache is not shared, ``lower_bias_table``), so its keys
+    are the first pass's keys of the same targets.
+    """
+    step = n_cand // SAMPLE_LIST
+    if step < 2 or targets.rows < step * SAMPLE_LIST * 2:
+        return None
+    if not plan_candidates(queries.rows, targets.rows, queries.dim, n_cand, queries.precision,
+                           device_limits(queries.exact.device), config=config):
+        return None   # the pass itself cannot run (LaunchRefused): nothing to compile for it
+    sample = targets.cache.get(("sample", step))
+    if sample is None:
+        rows = torch.arange(0, targets.rows, step, device=targets.exact.device)
+        sample = targets.take(rows)
+        targets.cache[("sample", step)] = sample
+    rank1 = {"rank1": queries.cache["rank1"]} if "rank1" in queries.cache else {}
+    rows_view = dataclasses.replace(queries, cache=rank1)
+    keys = triton_candidates(rows_view, sample, SAMPLE_LIST, config=config, lower=lower,
+                             levels=lower_levels(n_cand), buffer_bytes=buffer_bytes)[0]
+    return keys[:, -1]
 
 
 # ----------------------------------------------------------------------------- exact re-rank

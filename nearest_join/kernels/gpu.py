@@ -5,8 +5,9 @@ then an exact float32 re-rank whose candidate list is proven complete by an erro
 
 * ``triton`` (preferred): the fused kernel of ``_gpu_triton`` keeps each distance tile on
   chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
-  capability 8.0 or newer, and a candidate list of at most ``MAX_CANDIDATES`` (1024)
-  entries: k up to 1024 in fp32, 819 in tf32, 512 in bf16.
+  capability 8.0 or newer, tf32 or bf16 operands (fp32 products run on cuBLAS, which the
+  fused kernel's CUDA-core form did not match), and a candidate list of at most
+  ``MAX_CANDIDATES`` (1024) entries: k up to 907 in tf32, 1024 in bf16.
 * ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
 
 ``precision`` picks the operands of the candidate pass: ``"auto"`` (the default: bf16 on GPUs
@@ -46,7 +47,6 @@ else:
     _TORCH_ERROR = None
 
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
-IMPLEMENTATIONS = ("auto", "triton", "torch")
 
 # The backend's tolerance against the float64 difference-form oracle (``rtol`` of
 # tests/adversarial.py's assert_true_topk): relative to the size of the shifted problem, (|q - c|
@@ -157,17 +157,14 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 class Implementation:
     """One way of computing the GPU backend's candidates, chosen like the backends
     (:mod:`nearest_join.kernels.dispatch`): it states its devices, precisions and widest
-    candidate list, and :meth:`refuse` says why it cannot run a call (None: it can).
-    ``preferred_precisions``: where ``impl="auto"`` takes it (a named one runs any of
-    ``precisions``)."""
+    candidate list, and :meth:`refuse` says why it cannot run a call (None: it can)."""
 
     name: str
     devices: tuple[str, ...]
     precisions: tuple[str, ...]
-    preferred_precisions: tuple[str, ...]
     max_candidates: int | None
 
-    def refuse(self, k: int, precision: str, device, named: bool = False) -> str | None:
+    def refuse(self, k: int, precision: str, device) -> str | None:
         from ._gpu_torch import candidate_width
 
         if self.name == "triton":
@@ -177,8 +174,6 @@ class Implementation:
         elif device.type not in self.devices:
             return f"device {device} is not one of {list(self.devices)}"
         if precision not in self.precisions:
-            return f"precision {precision} is not one of {list(self.precisions)}"
-        if not named and precision not in self.preferred_precisions:
             # IEEE float32 products run on CUDA cores, where the fused kernel's one dot per
             # tile is far off cuBLAS sgemm (benchmarks/RESULTS.md): fp32 candidates come from
             # the torch path, and the fused kernel still re-ranks them.
@@ -199,24 +194,17 @@ def _max_fused_candidates() -> int:
     return MAX_CANDIDATES
 
 
-# Preference order for impl="auto": the fused kernel, then the torch path (any k, any device).
+# Preference order: the fused kernel, then the torch path (any k, any device).
 IMPLEMENTATION_ORDER = (
-    Implementation("triton", ("cuda",), ("fp32", "tf32", "bf16"), ("tf32", "bf16"), 1024),
-    Implementation("torch", ("cuda", "cpu"), ("fp32", "tf32", "bf16"), ("fp32", "tf32", "bf16"), None),
+    Implementation("triton", ("cuda",), ("tf32", "bf16"), 1024),
+    Implementation("torch", ("cuda", "cpu"), ("fp32", "tf32", "bf16"), None),
 )
 
 
-def choose(k: int, precision: str, device, impl: str = "auto") -> tuple[Implementation, list[str]]:
+def choose(k: int, precision: str, device) -> tuple[Implementation, list[str]]:
     """(implementation, the reasons of those before it) for a search of ``k`` in a resolved
-    ``precision`` on ``device``; a named ``impl`` runs or says why it cannot (ValueError)."""
-    if impl not in IMPLEMENTATIONS:
-        raise ValueError(f"impl: expected one of {list(IMPLEMENTATIONS)}, got {impl!r}")
-    if impl != "auto":
-        chosen = next(i for i in IMPLEMENTATION_ORDER if i.name == impl)
-        reason = chosen.refuse(k, precision, device, named=True)
-        if reason is not None:
-            raise ValueError(f"impl {impl!r} cannot run: {reason}")
-        return chosen, []
+    ``precision`` on ``device``: the first of :data:`IMPLEMENTATION_ORDER` that accepts it.
+    A pure function of the call's shape and device, so tests ask it what a search runs."""
     reasons = []
     for candidate in IMPLEMENTATION_ORDER:
         reason = candidate.refuse(k, precision, device)
@@ -246,8 +234,19 @@ def uses_lower_keys(k: int, precision: str, d: int) -> bool:
     return k >= LOWER_KEYS_ANY_D_FROM_K or d <= LOWER_KEYS_SMALL_K_MAX_D
 
 
-def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "auto",
-                    buffer_bytes: int = 1 << 30, cap: float | None = None):
+def sampled_first_pass(k: int, precision: str, d: int) -> bool:
+    """Whether a fused search of ``k`` in ``precision`` at dimension ``d`` starts from a list
+    ``widened`` once and seeded by a sample pass (``_gpu_triton.sample_seed``): lower-key
+    searches of k >= LOWER_KEYS_ANY_D_FROM_K above LOWER_KEYS_SMALL_K_MAX_D, where the plain
+    first list left most rows unproven (their margin grows with d) and the widening round
+    that proved them rescanned the block: the wider list proves them in one pass, and its
+    seeds keep that pass from paying for the longer lists (benchmarks/gpu_notes.md)."""
+    return (uses_lower_keys(k, precision, d) and k >= LOWER_KEYS_ANY_D_FROM_K
+            and d > LOWER_KEYS_SMALL_K_MAX_D)
+
+
+def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30,
+                    cap: float | None = None):
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
@@ -278,22 +277,41 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
     if gt.may_be_far(metric, frame, peak, side.dim):
         far = gt.far_rows(side)
     lower = uses_lower_keys(k, precision, side.dim)
-    implementation, reasons = choose(k, precision, device, impl)
+    implementation, reasons = choose(k, precision, device)
     chosen = implementation.name
     logger.debug("gpu knn nq=%d nt=%d d=%d k=%d %s %s -> %s%s", side.rows, targets.side.rows,
                  side.dim, k, metric, precision, chosen, "".join(f" ({r})" for r in reasons))
-    few_rows = 0
+    few_rows, first_width = 0, None
     if chosen == "triton":
         from ._gpu_triton import (
             MAX_CANDIDATES,
             LaunchRefused,
+            device_limits,
+            sample_seed,
+            search_tiles,
             triton_candidates,
             triton_exact_values,
         )
 
+        first_tiles = []
+        sampled = sampled_first_pass(k, precision, side.dim)
+        if sampled:
+            first_width = min(gt.widened(gt.candidate_width(k, precision, lower)), MAX_CANDIDATES)
+
         def candidates(q, t, n_cand, seed=None, lower=False):
+            # Every round runs the first pass's tiles: one compiled kernel per search.
+            first = not first_tiles
+            if first:
+                first_tiles.append(search_tiles(q.rows, t.rows, q.dim, n_cand, q.precision,
+                                                device_limits(q.exact.device)))
             try:
-                return triton_candidates(q, t, n_cand, buffer_bytes=buffer_bytes, seed=seed, lower=lower)
+                if first and sampled:   # the first pass's seed: the sample's (and a cap's)
+                    sample = sample_seed(q, t, n_cand, first_tiles[0], lower=lower,
+                                         buffer_bytes=buffer_bytes)
+                    if sample is not None:
+                        seed = sample if seed is None else torch.minimum(seed.to(sample.dtype), sample)
+                return triton_candidates(q, t, n_cand, config=first_tiles[0], buffer_bytes=buffer_bytes,
+                                         seed=seed, lower=lower)
             except LaunchRefused as exc:
                 # No configuration of the fused kernel fits the device for this list: the
                 # torch path computes the same keys (lower keys too) and a list without a seed.
@@ -305,16 +323,15 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
         few_rows = gt.TORCH_ROUND_ROWS
     else:
         candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
-        if impl != "torch" and device.type == "cuda" and choose(k, precision, device, "auto")[0].name == "torch" \
-                and triton_refusal(device) is None:
-            # fp32's cuBLAS candidates, re-ranked by the fused kernel: it reads candidates'
-            # rows in place, where the torch form gathers them into float64 (rows, candidates,
-            # d) tensors. impl="torch" stays torch throughout.
+        if device.type == "cuda" and triton_refusal(device) is None:
+            # fp32's cuBLAS candidates (and lists beyond the fused kernel's), re-ranked by
+            # the fused kernel: it reads candidates' rows in place, where the torch form
+            # gathers them into float64 (rows, candidates, d) tensors.
             from ._gpu_triton import triton_exact_values as values_fn
     near = side if far is None else side.take(~far)
     v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,
-                         lower=lower, few_rows=few_rows, cap=cap)
+                         lower=lower, few_rows=few_rows, cap=cap, first_width=first_width)
     if far is not None:
         # Rows too far from the block for its working frame: the float64 difference form over
         # every target, each row in its own scale (rare: 2^60 block extents away).
@@ -335,7 +352,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, impl: str = "a
 
 
 def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "auto",
-              *, impl: str = "auto", cap: float | None = None):
+              *, cap: float | None = None):
     """Exact k nearest targets of every query row, for torch tensors (CUDA or CPU).
 
     Parameters
@@ -346,9 +363,6 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
     precision : {"auto", "fp32", "tf32", "bf16"}
         Operands of the candidate pass; results are exact float32 in every precision.
         ``auto``: bf16 on GPUs of compute capability >= 8.0, else fp32 (:func:`resolve_precision`).
-    impl : {"auto", "triton", "torch"}
-        ``auto``: the first of :data:`IMPLEMENTATION_ORDER` that accepts the search
-        (:func:`choose`); a named one runs or raises ValueError with its reason.
     cap : float or None
         Only targets within it rank (inclusive: a distance ``<= cap``, a similarity
         ``>= cap``, by the pair's float64 value); a row may then have fewer than k.
@@ -382,7 +396,7 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
         raise ValueError(f"k: expected an integer >= 1, got {k!r}")
     cap = check_cap(cap)
     prepared = prepare_targets(targets, metric, precision)
-    return search_prepared(queries, prepared, int(k), impl=impl, cap=cap)
+    return search_prepared(queries, prepared, int(k), cap=cap)
 
 
 def cuda_device(device) -> "torch.device":
@@ -437,7 +451,7 @@ class GpuBackend:
         """Which precision and implementation would run, and why the ones before it refused."""
         dev = cuda_device(options.get("device"))
         precision = resolve_precision(options.get("precision", "auto"), dev)
-        chosen, reasons = choose(k, precision, dev, options.get("impl", "auto"))
+        chosen, reasons = choose(k, precision, dev)
         return f"{precision} {chosen.name}" + "".join(f"; {r}" for r in reasons)
 
     def run(self, queries, targets, k, metric: Metric, **options):
@@ -447,7 +461,7 @@ class GpuBackend:
             # float64 rows stay float64: the working frame and the re-rank read them as given.
             q = torch.from_numpy(np.ascontiguousarray(queries)).to(dev, non_blocking=True)
             t = torch.from_numpy(np.ascontiguousarray(targets)).to(dev, non_blocking=True)
-            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision, impl=options.get("impl", "auto"),
+            v, i = knn_torch(q, t, k, resolve_metric(metric).name, precision,
                              cap=options.get("cap"))
             return v.cpu().numpy(), i.cpu().numpy()
 

@@ -5,8 +5,8 @@ Caps at midpoints between consecutive distinct oracle values (no value lies near
 float64 values decide every pair) at several quantiles, below and above every value, and exactly
 at a value on integer data (the cap is inclusive: a target exactly at it matches).
 
-The gpu backend runs here as ``gpu-torch``: its torch path on CPU tensors (``knn_torch``,
-``impl="torch"``), one precision per metric; on a CUDA machine (``-m gpu``) as ``gpu``
+The gpu backend runs here as ``gpu-torch``: its torch path on CPU tensors (``knn_torch``: the
+dispatcher's choice for CPU tensors), one precision per metric; on a CUDA machine (``-m gpu``) as ``gpu``
 through ``knn`` in every precision (the fused kernel for tf32 / bf16). The fused kernel's
 seeded lists under a cap run under the Triton interpreter in
 ``tests/kernels/interp/test_cap_kernels.py``.
@@ -47,7 +47,7 @@ def capped_searches(backend: str, queries, targets, k: int, metric: str, cap: fl
 
         precision = TORCH_PRECISION[metric]
         v, i = knn_torch(torch.from_numpy(queries), torch.from_numpy(targets), k, metric, precision,
-                         impl="torch", cap=cap)
+                         cap=cap)
         return [(f"gpu-torch {precision}", v.numpy(), i.numpy())]
     if backend == "gpu":
         return [(f"gpu {p}", *knn(queries, targets, k, metric, backend="gpu", precision=p, cap=cap))
@@ -245,7 +245,7 @@ def test_the_gpu_cap_applies_to_rows_searched_apart_in_float64(metric):
     values = key_values(oracle_keys(queries[:1], targets, metric), metric)
     for cap, counts in ((midpoint_cap(values, 0.2, False), (9, 0)), (1e26 if metric == "l2" else 1e52, (40, 40))):
         v, i = knn_torch(torch.from_numpy(queries), torch.from_numpy(targets), 45, metric, "bf16",
-                         impl="torch", cap=cap)
+                         cap=cap)
         assert_capped_topk(queries, targets, 45, metric, cap, v.numpy(), i.numpy(), backend_rtol("gpu"),
                            case="far row")
         assert tuple((i >= 0).sum(dim=1).tolist()) == counts

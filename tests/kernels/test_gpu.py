@@ -89,7 +89,7 @@ def test_torch_path_on_cpu_matches_reference(metric, precision, kind, d, k):
 
     seed = zlib.crc32(repr((metric, precision, kind, d, k)).encode())
     q, t = make_data(kind, 37, 301, d, seed)
-    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, metric, precision, impl="torch")
+    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, metric, precision)
     check_result(q, t, k, metric, v.numpy(), i.numpy())
 
 
@@ -102,7 +102,7 @@ def test_rows_that_cannot_rank_never_match(metric):
     q[1, 2] = np.nan
     t[4, 0] = np.inf
     t[11] = 0.0
-    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 50, metric, "bf16", impl="torch")
+    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 50, metric, "bf16")
     ref_v, ref_i = knn(q, t, 50, metric, backend="reference")
     np.testing.assert_array_equal(i.numpy(), ref_i)
     assert (i.numpy()[1] == -1).all()
@@ -115,7 +115,7 @@ def test_ties_go_to_the_lower_index():
     t = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0]], np.float32)
     q = np.zeros((1, 2), np.float32)
     for precision in PRECISIONS:
-        v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 4, "l2", precision, impl="torch")
+        v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 4, "l2", precision)
         assert i.tolist() == [[0, 1, 2, 3]] and v.tolist() == [[1.0] * 4]
 
 
@@ -590,29 +590,31 @@ def test_gpu_matrix(metric, precision, k, kind, poisoned_buffers):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("lower", [False, True])
 @pytest.mark.parametrize("k", [10, 100])
 @pytest.mark.parametrize("precision", ["tf32", "bf16"])
 @pytest.mark.parametrize("metric", METRICS)
-def test_gpu_widening_through_search_prepared(metric, precision, k, lower, poisoned_buffers, monkeypatch):
-    """Widening rounds (seeded lists) with and without lower keys (``LOWER_KEYS``):
-    clustered data makes rows widen. Through
-    ``search_prepared`` (as the executors call it, not through knn, which drops unrankable
-    rows first), with a non-finite query row riding along: it must come back empty."""
+def test_gpu_widening_through_search_prepared(metric, precision, k, poisoned_buffers):
+    """Widening rounds (seeded lists) by plain and by lower keys, as the library chooses them
+    (``gpu.uses_lower_keys``: tf32 and bf16 k=10 at d=200 by plain keys, bf16 at d <= 128 and
+    k=100 by lower keys): clustered data makes rows widen. Through ``search_prepared`` (as the
+    executors call it, not through knn, which drops unrankable rows first), with a non-finite
+    query row riding along: it must come back empty."""
     from nearest_join.kernels import gpu as kgpu
 
-    monkeypatch.setattr(kgpu, "LOWER_KEYS", {precision: 1} if lower else {})
-    _check_search_prepared_with_a_nan_row(metric, precision, k, ("widening", metric, precision, k, lower))
+    shapes = [(517, 3001, 128), (19, 20_011, 33)] + ([(131, 5003, 200)] if precision == "bf16" else [])
+    lower = {kgpu.uses_lower_keys(k, precision, d) for _, _, d in shapes}
+    assert lower == ({False} if precision == "tf32" else {True, k >= 64})
+    _check_search_prepared_with_a_nan_row(metric, precision, k, ("widening", metric, precision, k), shapes)
 
 
-def _check_search_prepared_with_a_nan_row(metric, precision, k, tag):
+def _check_search_prepared_with_a_nan_row(metric, precision, k, tag, shapes):
     """search_prepared on clustered data (rows widen) with a NaN query row: exact results,
     the NaN row empty."""
     from nearest_join.kernels import gpu as kgpu
 
     dev = torch.device("cuda")
     seed = zlib.crc32(repr(tag).encode())
-    for nq, nt, d in [(517, 3001, 128), (19, 20_011, 33)]:
+    for nq, nt, d in shapes:
         q, t = make_data("clustered", nq, nt, d, seed + nt)
         q[3] = np.nan
         prepared = kgpu.prepare_targets(torch.from_numpy(t).to(dev), metric, precision)
@@ -628,14 +630,18 @@ def _check_search_prepared_with_a_nan_row(metric, precision, k, tag):
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
+    from nearest_join.kernels import gpu as kgpu
     from nearest_join.kernels.gpu import knn_torch
 
     q, t = make_data("clustered", 300, 2000, 96, 11)
     qd, td = torch.from_numpy(q).cuda(), torch.from_numpy(t).cuda()
-    for impl in ("torch", "triton"):
-        v, i = knn_torch(qd, td, 25, metric, precision, impl=impl)
+    # k=25: the fused kernel (fp32: cuBLAS candidates); k=1100: lists beyond the fused
+    # kernel's, the torch path in every precision (gpu.choose).
+    for k in (25, 1100):
+        assert (kgpu.choose(k, precision, qd.device)[0].name == "torch") == (precision == "fp32" or k > 1000)
+        v, i = knn_torch(qd, td, k, metric, precision)
         assert v.device.type == "cuda"
-        check_result(q, t, 25, metric, v.cpu().numpy(), i.cpu().numpy())
+        check_result(q, t, k, metric, v.cpu().numpy(), i.cpu().numpy())
 
 
 @pytest.mark.gpu

@@ -72,7 +72,7 @@ def test_torch_path_on_cpu_returns_the_true_top_k(case, metric, precision):
 
     for k in (10, 100) if case.name.startswith("integer") else (10,):
         v, i = knn_torch(torch.from_numpy(case.queries), torch.from_numpy(case.targets), k, metric,
-                         precision, impl="torch")
+                         precision)
         assert v.dtype == torch.float32 and i.dtype == torch.int64
         adv.assert_true_topk(case.queries, case.targets, k, metric, v.numpy(), i.numpy(), _rtol(),
                              case=f"{case.name} {precision}")
@@ -181,7 +181,7 @@ def test_queries_far_from_a_tight_block_are_exact_and_overflow_only_where_true(m
     rng = np.random.default_rng(9)
     t = 1e-20 * rng.standard_normal((300, 6))
     q = np.concatenate([1e30 * rng.standard_normal((5, 6)), 1e-20 * rng.standard_normal((5, 6))])
-    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 7, metric, "bf16", impl="torch")
+    v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), 7, metric, "bf16")
     adv.assert_true_topk(q, t, 7, metric, v.numpy(), i.numpy(), _rtol(), case="far")
     assert np.isinf(v.numpy()[:5]).all() == (metric == "sqeuclidean")
     assert np.isfinite(v.numpy()[5:]).all()

@@ -60,7 +60,7 @@ def test_searcher_batches_and_resident_targets_match_the_reference(metric, preci
     q[4] = np.nan
     t[10] = 0.0
     searcher = G.GpuBlockSearcher(SearchSettings(6, metric, "gpu", precision), torch.device("cpu"),
-                                  batch_rows=20, impl="torch")
+                                  batch_rows=20)
     ref_v, ref_i = knn(q, t, 6, metric, backend="reference")
     for _ in range(2):   # the second call reuses the resident block
         v, i = searcher.search(q, t, target_key=("block", 1))
@@ -83,8 +83,7 @@ def test_float64_rows_are_searched_from_their_own_values(precision):
     t = 1e8 + 0.01 * rng.permutation(400)[:, None] + np.array([[0.0, 0.0]])
     q = 1e8 + 4.0 * rng.random((9, 2))
     assert np.unique(t.astype(np.float32), axis=0).shape[0] < 5     # what float32 would see
-    searcher = G.GpuBlockSearcher(SearchSettings(5, "l2", "gpu", precision), torch.device("cpu"),
-                                  impl="torch")
+    searcher = G.GpuBlockSearcher(SearchSettings(5, "l2", "gpu", precision), torch.device("cpu"))
     v, i = searcher.search(q, t, target_key="map")
     assert searcher._targets.side.source.dtype == torch.float64
     assert_knn_result(q, t, 5, "l2", v, i, backend_rtol("gpu"), case=f"float64 {precision}")
@@ -95,7 +94,7 @@ def test_a_one_batch_query_block_stays_on_the_device_for_the_same_memory():
     q = rng.standard_normal((40, 5)).astype(np.float32)
     t1 = rng.standard_normal((90, 5)).astype(np.float32)
     t2 = rng.standard_normal((70, 5)).astype(np.float32)
-    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
+    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"))
     searcher.search(q, t1, target_key=1)
     cached = searcher._query_cache[1]
     view = q[:]                                   # another array object over the same memory
@@ -113,7 +112,7 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     rng = np.random.default_rng(9)
     q1, q2 = (rng.standard_normal((40, 5)).astype(np.float32) for _ in range(2))
     t = rng.standard_normal((90, 5)).astype(np.float32)
-    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
+    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"))
     searcher.search(q1, t, target_key=1)
     searcher.prefetch(q2)
     staged = searcher.staging.ahead[0][1]
@@ -130,8 +129,7 @@ def test_a_prefetched_query_block_is_searched_from_its_device_copy():
     assert len(searcher.staging.ahead) == 1 and searcher._query_cache[1] is not searcher.staging.ahead[0][1]
     np.testing.assert_array_equal(i, knn(q1, t, 3, "l2", backend="reference")[1])
     # A block of more than one batch is not staged.
-    small = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), batch_rows=16,
-                               impl="torch")
+    small = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), batch_rows=16)
     small.prefetch(q1)
     assert small.staging.ahead == []
 
@@ -143,7 +141,7 @@ def test_two_blocks_staged_before_the_first_search_are_both_used():
     rng = np.random.default_rng(10)
     qs = [rng.standard_normal((40, 5)).astype(np.float32) for _ in range(3)]
     t = rng.standard_normal((90, 5)).astype(np.float32)
-    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"), impl="torch")
+    searcher = G.GpuBlockSearcher(SearchSettings(3, "l2", "gpu"), torch.device("cpu"))
     searcher.prefetch(qs[0])
     searcher.prefetch(qs[1])
     searcher.prefetch(qs[1])                  # already staged: nothing more
@@ -172,7 +170,7 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
     block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
     # Room for two blocks in TARGET_SHARE of the budget.
-    searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
+    searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                   memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     for key in (0, 1, 0, 2):             # 0 is used again, so 1 is the one evicted by 2
         _, i = searcher.search(q, blocks[key], target_key=key)
@@ -217,7 +215,7 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
 
     def task(scope, targets=t, keep=True, settings=settings):
         with gpu_task.local_task(scope=scope):
-            searcher = G.GpuBlockSearcher(settings, torch.device("cpu"), impl="torch")
+            searcher = G.GpuBlockSearcher(settings, torch.device("cpu"))
         fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
         return searcher, fold.to_numpy()[3]
 
@@ -250,7 +248,7 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
     block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
     with gpu_task.local_task(scope="stage 1"):
-        searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"), impl="torch",
+        searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                       memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
     searcher.search(q, blocks[1], target_key=1)               # a block of this task only
@@ -284,8 +282,7 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
     tt = pa.table({"tid": np.arange(nt), "tv": pa.array(list(T), type=pa.list_(pa.float32()))})
     settings = SearchSettings(k, metric, "gpu")
     monkeypatch.setattr(B, "open_block_searcher",
-                        lambda s: G.GpuBlockSearcher(s, torch.device(device),
-                                                     impl="torch" if device == "cpu" else "auto"))
+                        lambda s: G.GpuBlockSearcher(s, torch.device(device)))
     ctx = B.JoinContext(settings, B.SideLayout("qv", 1, d, 10), B.SideLayout("tv", 1, d, 20),
                         "inner", True, tt.schema)
     out = local_join(qt, tt, ctx, plan="broadcast", partitions=2)
@@ -345,8 +342,7 @@ def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device)
     opened = []
 
     def open_gpu(settings):
-        opened.append(G.GpuBlockSearcher(settings, torch.device(device),
-                                         impl="torch" if device == "cpu" else "auto"))
+        opened.append(G.GpuBlockSearcher(settings, torch.device(device)))
         return opened[-1]
 
     monkeypatch.setattr(B, "open_block_searcher", open_gpu)
@@ -366,8 +362,8 @@ def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device)
 
 def test_a_searcher_compiles_the_plans_configuration_once_per_worker(monkeypatch):
     """``SearchSettings.warm_shape`` (the plan's block pair): the searcher's opening runs one
-    search of that shape, in the plan's dtypes, with its k, metric, precision and
-    implementation, once per worker process and configuration; without it, none."""
+    search of that shape, in the plan's dtypes, with its k, metric and precision, once per
+    worker process and configuration; without it, none."""
     from nearest_join.kernels import gpu as kgpu
 
     monkeypatch.setattr(G, "_WARMED", set())
@@ -376,20 +372,20 @@ def test_a_searcher_compiles_the_plans_configuration_once_per_worker(monkeypatch
 
     def spy(queries, targets, k, **options):
         calls.append((tuple(queries.shape), queries.dtype, targets.side.rows, targets.side.source.dtype,
-                      k, targets.metric, targets.precision, options["impl"]))
+                      k, targets.metric, targets.precision))
         return real(queries, targets, k, **options)
 
     monkeypatch.setattr(kgpu, "search_prepared", spy)
     settings = SearchSettings(7, "cosine", "gpu", "bf16", warm_shape=(300, 1000, 12, "float32", "float64"))
     cpu = torch.device("cpu")
-    first = G.GpuBlockSearcher(settings, cpu, impl="torch", batch_rows=128)
+    first = G.GpuBlockSearcher(settings, cpu, batch_rows=128)
     # The first query batch (128 of the block's 300 rows) against a whole target block.
-    assert calls == [((128, 12), torch.float32, 1000, torch.float64, 7, "cosine", "bf16", "torch")]
-    G.GpuBlockSearcher(settings, cpu, impl="torch", batch_rows=128)       # the worker's next task
+    assert calls == [((128, 12), torch.float32, 1000, torch.float64, 7, "cosine", "bf16")]
+    G.GpuBlockSearcher(settings, cpu, batch_rows=128)       # the worker's next task
     assert len(calls) == 1
-    G.GpuBlockSearcher(dataclasses.replace(settings, k=8), cpu, impl="torch", batch_rows=128)
+    G.GpuBlockSearcher(dataclasses.replace(settings, k=8), cpu, batch_rows=128)
     assert len(calls) == 2 and calls[1][4] == 8
-    G.GpuBlockSearcher(dataclasses.replace(settings, warm_shape=None, k=9), cpu, impl="torch")
+    G.GpuBlockSearcher(dataclasses.replace(settings, warm_shape=None, k=9), cpu)
     assert len(calls) == 2
     # The searcher still searches as before (the warm-up kept nothing resident).
     assert first._targets is None and len(first._resident) == 0

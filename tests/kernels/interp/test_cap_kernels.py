@@ -57,6 +57,6 @@ def test_capped_search_through_the_fused_kernels(metric):
     counts = (i >= 0).sum(dim=1)
     assert (counts < 5).any() and (counts > 0).any(), counts
     # The default tile configuration, as the backend runs it (auto: the fused kernel in bf16).
-    v, i = knn_torch(q, t, 5, metric, "bf16", impl="triton", cap=cap)
+    v, i = knn_torch(q, t, 5, metric, "bf16", cap=cap)
     assert_capped_topk(case.queries, case.targets, 5, metric, cap, v.numpy(), i.numpy(), rtol,
                        case=f"{case.name} default tiles")

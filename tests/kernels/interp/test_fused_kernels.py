@@ -2,8 +2,9 @@
 about a hundred targets make several tiles, splits and segments and every path is taken: their
 candidate keys equal the torch path's, their lower keys (EXACT mode's per-target bound) never
 exceed the per-row ones, exact_topk through them returns the exact top k, seeded lists hold
-what the seed allows, the tensor-descriptor (TMA) form equals the pointer form, the re-rank
-kernel equals the torch form, and a segment's floor keeps a crowded row from being proven.
+what the seed allows, the tensor-descriptor (TMA) form equals the pointer form, d in chunks
+equals one dot, a sample pass's seeds keep a search exact, the re-rank kernel equals the torch
+form, and a segment's floor keeps a crowded row from being proven.
 The kernels' output and scratch buffers start filled with garbage: every slot they read back
 must have been written.
 
@@ -288,3 +289,65 @@ def test_two_segments_make_the_list_exact():
     v, i = gt.exact_topk(qs, ts, 5, lambda a, b, n: tr.triton_candidates(a, b, n, config=two if n == 16 else None),
                          max_candidates=256, values=tr.triton_exact_values)
     check_result(q, t, 5, "l2", v.numpy(), i.numpy())
+
+
+@pytest.mark.parametrize("form", ["descriptor", "pointer"])
+def test_d_in_chunks_equals_one_dot(form, monkeypatch):
+    """The flat (tile, d-chunk) loop of the register-list kernel (d too large for one dot:
+    SINGLE_DOT_BYTES 0 here) against the single-dot form on the same rows: d = 136 in chunks
+    of BLOCK_D = 64 (two full chunks and one of 8), both operands by
+    descriptor where the rows are 16-byte aligned, else block pointers; plain lists, lower
+    keys and seeds. Keys to float32 rounding (the chunks sum in another order)."""
+    q, t = make_data("gaussian", NQ, NT, 136, 41)
+    qs, ts = prepared(q, t, "sqeuclidean", "bf16")
+    if form == "pointer":
+        ts = _unaligned_rows(ts)
+    assert isinstance(tr.target_descriptor(ts.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
+    small = Small("segmented")
+    seed = torch.full((NQ,), float("inf"))
+    ordered = torch.sort(ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T), dim=1).values
+    seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]
+    for kw in ({}, {"lower": True}, {"seed": seed}):
+        one = small(qs, ts, 16, **kw)
+        with monkeypatch.context() as patch:
+            patch.setattr(tr, "SINGLE_DOT_BYTES", 0)
+            plan = tr.plan_candidates(NQ, NT, 136, 16, "bf16", tr.device_limits(torch.device("cpu")),
+                                      config=SEGMENTED)[0]
+            assert not plan.single_dot   # (the pointer form: target_descriptor declines its rows)
+            chunked = small(qs, ts, 16, **kw)
+        assert torch.equal(one[1], chunked[1]), list(kw)
+        for a, b in zip((one[0], one[2]), (chunked[0], chunked[2])):
+            tol = 1e-5 * float(b[torch.isfinite(b)].abs().max())
+            assert torch.allclose(a, b, rtol=1e-5, atol=tol), list(kw)
+
+
+def test_sample_seed_is_a_sampled_key_and_the_seeded_search_is_exact():
+    """sample_seed: each row's seed is the 32nd key of the union of the sample pass's
+    segment lists over every (n_cand / 32)-th target, so at least the sample's 32nd key and
+    one of its keys; a search whose first pass takes those seeds (as gpu.search_prepared's
+    sampled first pass) returns the exact top k, lower keys or not."""
+    q, t = make_data("gaussian", NQ, 1101, 33, 42)
+    for metric, lower in (("l2", True), ("inner_product", False)):
+        qs, ts = prepared(q, t, metric, "bf16")
+        cfg = tr.TileConfig(16, 32, 0, 4, kernel="segmented", seg_cand=8, extra_passes=2)
+        seed = tr.sample_seed(qs, ts, 256, cfg)
+        sample = ts.take(torch.arange(0, ts.rows, 8))
+        keys = (sample.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ sample.operand.double().T)).float()
+        ordered = torch.sort(keys, dim=1).values
+        tol = 1e-5 * float(ordered.abs().max())
+        assert bool((seed >= ordered[:, tr.SAMPLE_LIST - 1] - tol).all())
+        assert bool(((keys - seed[:, None]).abs() <= tol).any(dim=1).all())
+        assert tr.sample_seed(qs, ts.take(torch.arange(300)), 256, cfg) is None   # too few targets
+
+        first = []
+
+        def seeded_first(q_, t_, n_cand, seed=None, lower=False):
+            if not first:
+                first.append(n_cand)
+                seed = tr.sample_seed(q_, t_, n_cand, cfg, lower=lower)
+            return tr.triton_candidates(q_, t_, n_cand, config=cfg, seed=seed, lower=lower)
+
+        v, i = gt.exact_topk(qs, ts, 70, seeded_first, max_candidates=256, values=tr.triton_exact_values,
+                             seeded=True, lower=lower, first_width=256)
+        assert first == [256]
+        check_result(q, t, 70, metric, v.numpy(), i.numpy())
