@@ -1,6 +1,7 @@
 """One SparkSession for the whole test run (local[2], UI off, few shuffle partitions; Python
-workers from tests/spark_daemon.py), and the subprocess suites that run beside the main run
-(tests/background.py).
+workers from tests/spark_daemon.py), the subprocess suites that run beside the main run
+(tests/background.py), and what the run's processes share: OpenMP threads that sleep when
+idle, and numba's compiled kernels (tests/warm_kernels.py).
 
 Kernel tests never touch the session: the fixture is created only when a test asks for ``spark``.
 """
@@ -8,14 +9,21 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 
-from tests import background
+from tests import background, warm_kernels
 
 # Spark's Python workers must run this interpreter (the one with numpy/numba/pyarrow).
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+# numba's parallel kernels run on its OpenMP threading layer, whose threads spin after every
+# parallel region before they sleep. The tests call the kernels thousands of times on tiny
+# inputs, in several processes at once on 2 cores: the spinning threads took the cores from
+# the ones with work. Read when the OpenMP runtime loads; inherited by Spark's workers and by
+# the background suites (set before tests/background.py copies the environment).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(scope="session")
@@ -47,11 +55,20 @@ def spark():
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """Hand the tests of each selected lane to it, start the background suites of the selected
-    tests (after -k / -m deselection: trylast) and run those tests last, in the order their
-    suites run."""
+    """Compile the executor's kernels (tests/warm_kernels.py) when Spark will run, hand the
+    tests of each selected lane to it, start the background suites of the selected tests
+    (after -k / -m deselection: trylast) and run those tests last, in the order their suites
+    run."""
+    if config.option.collectonly:
+        return
     waiting = [item for item in items if background.is_background(item)]
-    if not waiting or config.option.collectonly:
+    if waiting or any("spark" in getattr(item, "fixturenames", ()) for item in items):
+        # before any Spark worker or suite starts: they load the kernels numba compiled here
+        try:
+            warm_kernels.warm()
+        except Exception as exc:  # noqa: BLE001 (the tests of what broke say more)
+            warnings.warn(f"tests/warm_kernels.py failed: {exc!r}", stacklevel=1)
+    if not waiting:
         return
     items[:] = background.take_lanes(items)
     background.start([background.name_of(item) for item in waiting
