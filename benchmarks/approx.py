@@ -13,6 +13,10 @@ the script times, end to end (``nearest_by_join(...)`` through ``toArrow()`` of 
   the smallest nprobe whose measured recall reaches ours, timed train + add + search on
   numpy arrays already in memory (no Spark, no Arrow).
 
+Each call also records its CPU seconds (this process and its descendants: the Spark JVM
+and its Python workers) and the 1-minute load before and after it: the machine may be
+shared, and a ratio of CPU seconds holds under load where a ratio of wall times does not.
+
 Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian]
 
 Default size nt = 200,000, nq = 20,000; ``--full`` is the issue's nt = 1,000,000,
@@ -64,6 +68,58 @@ def to_parquet(path: str, ids: str, vectors: str, matrix: np.ndarray) -> None:
     table = pa.table({ids: pa.array(np.arange(matrix.shape[0], dtype=np.int32)),
                       vectors: pa.ListArray.from_arrays(offsets, flat)})
     pq.write_table(table, path, row_group_size=50_000)
+
+
+def _tree_cpu() -> dict:
+    """{(pid, start time): CPU seconds} of this process and its descendants (the Spark JVM,
+    its Python daemon and workers)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children, seconds = {}, {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        children.setdefault(int(fields[1]), []).append(int(name))
+        seconds[int(name)] = ((int(name), fields[19]), (int(fields[11]) + int(fields[12])) / tick)
+    found, stack = {}, [os.getpid()]
+    while stack:
+        pid = stack.pop()
+        if pid in seconds:
+            key, value = seconds[pid]
+            found[key] = value
+        stack.extend(children.get(pid, ()))
+    return found
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of this process and its descendants while it runs,
+    sampled every 0.2 s per process (a Python worker Spark ends mid-call keeps what it had
+    used at its last sample). A ratio of these holds while other work loads the machine,
+    when a ratio of wall times does not."""
+
+    def __enter__(self):
+        import threading
+
+        self._first, self._last = _tree_cpu(), {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.2):
+            self._last.update(_tree_cpu())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._last.update(_tree_cpu())
+        self.seconds = sum(v - self._first.get(key, 0.0) for key, v in self._last.items())
 
 
 def pairs_of(df) -> np.ndarray:
@@ -134,35 +190,42 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     common = {"data": kind, "nt": nt, "nq": nq, "d": D, "k": K, "master": "local[2]"}
 
     def timed(**options):
-        """(pairs, seconds, plan): planning (an approx plan's training and recall estimate
-        included) and the search, as nearest_by_join runs them."""
+        """(pairs, seconds, CPU seconds, plan): planning (an approx plan's training and recall
+        estimate included) and the search, as nearest_by_join runs them."""
         start = time.perf_counter()
-        planned = plan_join(q, t, METRIC, JoinOptions(num_results=K, vectors=("v", "w"), **options))
-        pairs = pairs_of(planned.dataframe().select("qid", "tid"))
-        return pairs, time.perf_counter() - start, planned.plan
+        with CpuMeter() as cpu:
+            planned = plan_join(q, t, METRIC, JoinOptions(num_results=K, vectors=("v", "w"), **options))
+            pairs = pairs_of(planned.dataframe().select("qid", "tid"))
+        return pairs, time.perf_counter() - start, cpu.seconds, planned.plan
 
     # warm-up (Python workers, numba caches, both plans) on a slice
     for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}):
         plan_join(q.limit(500), t.limit(5000), METRIC,
                   JoinOptions(num_results=K, vectors=("v", "w"), **options)).dataframe().toArrow()
-    exact, exact_s, _ = timed()
-    print(f"[{kind}] exact: {exact_s:.1f} s, {exact.shape[0]} pairs", flush=True)
+    load = lambda: round(os.getloadavg()[0], 1)
+    before = load()
+    exact, exact_s, exact_cpu, _ = timed()
+    print(f"[{kind}] exact: {exact_s:.1f} s, {exact_cpu:.1f} CPU s, {exact.shape[0]} pairs, load "
+          f"{before} -> {load()}", flush=True)
     rows = []
     rec.add(f"recall_nt{nt}", engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
             recall_estimate=None,
-            recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, faiss_seconds=None,
-            ours_over_faiss=None, **common)
+            recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, cpu_seconds=round(exact_cpu, 1),
+            cpu_vs_exact=1.0, load_1min=[before, load()], faiss_seconds=None, ours_over_faiss=None, **common)
     # exact neighbour rows for faiss's recall (one row of k per query, in query order)
     exact_rows = exact[:, 1].reshape(nq, K)
     for wanted in recalls:
         # --quick forces the IVF plan (its size is below the one where approx runs IVF)
         forced = {"nlist": default_nlist(nt)} if force else {}
-        found, seconds, plan = timed(mode="approx", recall=wanted, **forced)
+        before = load()
+        found, seconds, cpu, plan = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf
         measured = recall_of(found, exact, nq)
         row = {"recall_target": wanted, "ran": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
                "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
-               "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2)}
+               "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2),
+               "cpu_seconds": round(cpu, 1), "cpu_vs_exact": round(exact_cpu / cpu, 2),
+               "load_1min": [before, load()]}
         if plan["runs"] == "ivf":   # (an exact fallback has recall 1: faiss would search every list)
             f_probe, f_recall, f_seconds = faiss_at_recall(targets, queries, exact_rows, plan["nlist"],
                                                            50 * plan["nlist"], measured)
@@ -170,7 +233,8 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
                        faiss_recall=round(f_recall, 4), ours_over_faiss=round(seconds / f_seconds, 2))
         print(f"[{kind}] approx recall>={wanted}: nprobe {row['nprobe']}/{row['nlist']}, estimate "
               f"{row['recall_estimate']}, measured {measured:.4f}, {seconds:.1f} s "
-              f"({row['speedup_vs_exact']}x exact); faiss {row.get('faiss_seconds')} s at nprobe "
+              f"({row['speedup_vs_exact']}x exact), {cpu:.1f} CPU s ({row['cpu_vs_exact']}x exact), "
+              f"load {row['load_1min']}; faiss {row.get('faiss_seconds')} s at nprobe "
               f"{row.get('faiss_nprobe')} (recall {row.get('faiss_recall')})", flush=True)
         rec.add(f"recall_nt{nt}", engine="nearest_by_join approx", **row, **common)
         rows.append({**row, **common})
