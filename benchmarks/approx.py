@@ -21,8 +21,8 @@ Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaus
 
 Default size nt = 200,000, nq = 20,000; ``--full`` is the issue's nt = 1,000,000,
 nq = 100,000; d = 128, k = 10. Records go to ``benchmarks/results/approx.jsonl`` (table
-``recall_nt<nt>``, one per size; ``--quick`` to ``benchmarks/out/results/``) and the plot of recall against
-speed-up to ``benchmarks/plots/approx-recall-nt<nt>.png``.
+``recall_nt<nt>``, one per size; ``--quick`` to ``benchmarks/out/results/``); ``benchmarks/report.py``
+makes the table and the plot of recall against speed-up from them.
 """
 from __future__ import annotations
 
@@ -242,28 +242,6 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for kind in dict.fromkeys(r["data"] for r in rows):
-        mine = [r for r in rows if r["data"] == kind]
-        ax.plot([r["recall"] for r in mine], [r["speedup_vs_exact"] for r in mine], "o-", label=kind)
-        for r in mine:
-            ax.annotate(f"target {r['recall_target']}", (r["recall"], r["speedup_vs_exact"]), fontsize=7)
-    ax.set_xlabel(f"measured recall@{K}")
-    ax.set_ylabel("speed-up vs our exact mode (end to end)")
-    ax.set_title(f"mode=approx, local[2], nt={rows[0]['nt']:,}, nq={rows[0]['nq']:,}, d={D}")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -282,14 +260,11 @@ def main() -> None:
              .config("spark.sql.shuffle.partitions", "4").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
-    rows = []
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
-            rows += run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
-                                force=args.quick)
+            run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
+                        force=args.quick)
     spark.stop()
-    if not args.quick:
-        plot(rows, ROOT / "benchmarks" / "plots" / f"approx-recall-nt{nt}.png")
 
 
 if __name__ == "__main__":
