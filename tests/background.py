@@ -14,12 +14,13 @@ moves their tests to the end of the run; each of those tests then waits for its 
 loops), and the suites fill it. A suite whose test is deselected never starts; one still
 running when the session ends is killed.
 
-A *lane* (:data:`LANES`) is a folder of ordinary tests that runs as such a suite: one pytest
-subprocess with a Spark session of its own. When a run selects the lane's test
-(``tests/test_lanes.py``) together with tests of its folder, the main run hands those tests to
+A *lane* (:data:`LANES`) is a set of ordinary test files or folders that runs as such a suite:
+one pytest subprocess with a Spark session of its own. When a run selects the lane's test
+(``tests/test_lanes.py``) together with tests of its paths, the main run hands those tests to
 the lane (:func:`take_lanes`) and the lane's test asserts that every one of them passed or
 skipped, showing the failures' output otherwise; the terminal summary gives the lane's counts
-and slowest tests. Run on its own (``pytest tests/jobs``), the folder runs in the main run.
+and slowest tests. Run without tests/test_lanes.py (``pytest tests/jobs``), they run in the main
+run.
 Two workers run the suites, so a lane overlaps the short suites as well as the main run.
 """
 from __future__ import annotations
@@ -38,12 +39,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
-ORDER = ("jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+ORDER = ("jobs", "join-oracles", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
 # Suites running at once (beside the main run): on 2 cores the main run and one suite leave a
 # core partly idle (job start-ups, py4j round trips), a second suite fills it.
 WORKERS = 2
-# lane name -> the folder (relative to the repository) whose tests it runs
-LANES = {"jobs": "tests/jobs"}
+# lane name -> the files and folders (relative to the repository) whose tests it runs. The main
+# run is the longest lane: its Spark tests wait on job start-ups and py4j round trips and keep
+# about one core busy, so a second session takes some of them.
+LANES = {
+    "jobs": ("tests/jobs",),
+    "join-oracles": ("tests/join/test_exactness.py", "tests/join/test_caps.py", "tests/join/test_keys.py"),
+}
 
 
 @dataclass
@@ -171,11 +177,12 @@ def take_lanes(items) -> list:
     (registered here, with their node ids); return the items the main run keeps."""
     waiting = {name_of(item) for item in items if is_background(item)}
     kept = list(items)
-    for name, folder in LANES.items():
+    for name, paths in LANES.items():
         if name not in waiting:
             continue
-        root = REPO / folder
-        mine = [item for item in kept if Path(str(item.path)).resolve().is_relative_to(root)]
+        roots = [REPO / path for path in paths]
+        mine = [item for item in kept
+                if any(Path(str(item.path)).resolve().is_relative_to(root) for root in roots)]
         if not mine:
             continue
         taken = {id(item) for item in mine}
@@ -192,12 +199,12 @@ def lane_result(name: str) -> Suite:
     import pytest
 
     if name not in _LANE_TESTS:
-        pytest.skip(f"no test under {LANES[name]} is selected in this run (they run in the lane "
-                    f"only when they are)")
+        pytest.skip(f"no test of {', '.join(LANES[name])} is selected in this run (they run in the "
+                    f"lane only when they are)")
     suite = result(name)
     failures = suite.junit_failures() if suite.junit_path and os.path.exists(suite.junit_path) else []
     assert not failures and suite.returncode == 0, (
-        f"{LANES[name]} (run as the background lane {name!r}): {len(failures)} failed\n\n"
+        f"{', '.join(LANES[name])} (run as the background lane {name!r}): {len(failures)} failed\n\n"
         + "\n\n".join(failures) + "\n\n" + suite.tail())
     report = suite.junit()
     # every test handed over ran (a test not collected there would be missing from the count)
@@ -241,7 +248,7 @@ def summary() -> list[str]:
         if s.name in _LANE_TESTS and s.junit_path and os.path.exists(s.junit_path):
             report = s.junit()
             passed = report["tests"] - report["failures"] - report["errors"] - report["skipped"]
-            lines.append(f"  {LANES[s.name]}: {passed} passed, {report['skipped']} skipped, "
+            lines.append(f"  {', '.join(LANES[s.name])}: {passed} passed, {report['skipped']} skipped, "
                          f"{report['failures']} failed, {report['errors']} errors "
                          f"(of {len(_LANE_TESTS[s.name])} handed to the lane)")
             durations = s.stdout.split("slowest 15 durations", 1)

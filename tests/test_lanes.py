@@ -1,8 +1,9 @@
-"""The folders that run as a pytest subprocess of their own beside the main run
-(tests/background.py, LANES): each lane's test passes when every test of its folder that the
+"""The test files and folders that run as a pytest subprocess of their own beside the main run
+(tests/background.py, LANES): each lane's test passes when every test of its paths that the
 run selected passed or skipped there, and fails with their output otherwise.
 
-``pytest tests/jobs`` (without this module) runs the folder in the main run as usual.
+``pytest tests/jobs`` or ``pytest tests/join`` (without this module) runs them in the main run
+as usual.
 """
 from __future__ import annotations
 
@@ -14,4 +15,10 @@ from tests import background
 @pytest.mark.background("jobs")
 def test_tests_under_jobs_pass_in_their_lane():
     suite = background.lane_result("jobs")
+    assert suite.junit()["tests"] > 0
+
+
+@pytest.mark.background("join-oracles")
+def test_join_oracle_tests_pass_in_their_lane():
+    suite = background.lane_result("join-oracles")
     assert suite.junit()["tests"] > 0
