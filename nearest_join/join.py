@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -155,27 +156,20 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     return planned
 
 
-def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1,
-                         mode: str = "exact", direction: str | None = None, *, vectors=None,
-                         join_type: str = "inner", distance_col: str | None = None,
-                         backend: str = "auto", precision: str = "auto",
-                         broadcast_limit_bytes: int | None = None,
-                         query_block_rows: int | None = None,
-                         target_block_rows: int | None = None,
-                         max_distance: float | None = None,
-                         min_similarity: float | None = None, on=None,
-                         recall: float = 0.95, nlist: int | None = None,
-                         nprobe: int | None = None, seed: int = 0, index=None) -> JoinPlan:
+def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **kwargs) -> JoinPlan:
     """The plan :func:`nearest_by_join` would take for these arguments, without running it.
 
-    Runs only the one small job the planner needs (row counts, partitions, vector lengths);
-    an approx plan that runs IVF also trains its lists (unless ``index`` is given) and
-    estimates its recall (a sample job and an exact join of sampled queries).
-    The arguments and errors are those of :func:`nearest_by_join`; ``print(plan)`` says,
-    among the rest, what ``precision="auto"`` will run.
+    Takes :func:`nearest_by_join`'s arguments (its signature, shown by ``help``, is this
+    function's) and raises its errors. Runs only the one small job the planner needs (row
+    counts, partitions, vector lengths); an approx plan that runs IVF also trains its lists
+    (unless ``index`` is given) and estimates its recall (a sample job and a scan of the
+    target for the sampled queries' exact neighbours). ``print(plan)`` says, among the
+    rest, what ``precision="auto"`` will run.
     """
+    bound = inspect.signature(nearest_by_join).bind(query, target, ranking, *args, **kwargs)
+    bound.apply_defaults()
     _check_inputs(query, target, ranking)
-    options = JoinOptions.from_arguments(locals())
+    options = JoinOptions.from_arguments(bound.arguments)
     return plan_join(query, target, ranking, options).plan
 
 
@@ -320,6 +314,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     _check_inputs(query, target, ranking)
     options = JoinOptions.from_arguments(locals())
     return plan_join(query, target, ranking, options).dataframe()
+
+
+explain_nearest_join.__signature__ = inspect.signature(nearest_by_join).replace(return_annotation=JoinPlan)
 
 
 def _spark_fallback(planned: PlannedJoin) -> DataFrame:

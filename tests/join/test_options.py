@@ -108,3 +108,16 @@ def test_huge_values_are_quoted_briefly():
     with pytest.raises(ArgumentTypeError) as info:
         JoinOptions(num_results=huge)
     assert len(str(info.value)) < 200 and "list of 9 items" in str(info.value)
+
+
+def test_explain_takes_the_join_s_arguments_and_each_option_is_one_of_them():
+    import inspect
+
+    from nearest_join import explain_nearest_join, nearest_by_join
+
+    join = inspect.signature(nearest_by_join)
+    assert list(inspect.signature(explain_nearest_join).parameters.values()) == list(join.parameters.values())
+    # Every option is a keyword of the public functions (JoinOptions.from_arguments reads them by name).
+    assert {f.name for f in dataclasses.fields(JoinOptions)} <= set(join.parameters)
+    with pytest.raises(TypeError, match="bogus"):
+        explain_nearest_join(None, None, "l2", 3, bogus=1)
