@@ -192,14 +192,29 @@ def cpu_columns(records: list[dict]) -> list[Col]:
     return cols
 
 
-def plot_bars(path: Path, categories: list[str], series: dict[str, list], ylabel: str,
-              title: str, log: bool = False) -> None:
-    """Grouped bars: one group per category, one bar per series (None: no bar)."""
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend (no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    """Write ``fig`` to ``path`` with no run-dependent metadata (a rerun gives the same bytes)."""
+    plt = _pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, metadata={"Software": None})
+    plt.close(fig)
+
+
+def plot_bars(path: Path, categories: list[str], series: dict[str, list], ylabel: str,
+              title: str, log: bool = False) -> None:
+    """Grouped bars: one group per category, one bar per series (None: no bar)."""
+    plt = _pyplot()
     width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(categories) * max(1, len(series)) ** 0.5), 4))
     for i, (name, values) in enumerate(series.items()):
@@ -213,19 +228,12 @@ def plot_bars(path: Path, categories: list[str], series: dict[str, list], ylabel
     ax.set_title(title, fontsize=9)
     if len(series) > 1:
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_recall(records: list[dict], path: Path) -> None:
     """approx: recall@10 against the speed-up over our exact mode, one series per data set."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for data in dict.fromkeys(r["data"] for r in records):
         runs = [r for r in records if r["data"] == data and r.get("recall_target") is not None]
@@ -238,10 +246,7 @@ def plot_recall(records: list[dict], path: Path) -> None:
     ax.set_ylabel("recall@10")
     ax.set_title("approx.py: IVF recall against speed-up", fontsize=9)
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_cpu(records: list[dict], path: Path) -> None:
