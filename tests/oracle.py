@@ -64,12 +64,14 @@ def backend_rtol(name: str) -> float:
 
 # ----------------------------------------------------------------------------- keys
 def _unit(rows: np.ndarray) -> np.ndarray:
-    """Rows divided by their norms in float64, scaled first so no square overflows."""
+    """Rows divided by their norms in float64, scaled first so no square overflows; a zero
+    row becomes NaN (it has no direction: cosine never matches it)."""
     rows = rows.astype(np.float64)
     peak = np.abs(rows).max(axis=1, keepdims=True)
     peak[peak == 0] = 1.0
     scaled = rows / peak
-    return scaled / np.sqrt((scaled * scaled).sum(axis=1, keepdims=True))
+    with np.errstate(invalid="ignore"):
+        return scaled / np.sqrt((scaled * scaled).sum(axis=1, keepdims=True))
 
 
 def oracle_keys(queries: np.ndarray, targets: np.ndarray, metric: str) -> np.ndarray:
