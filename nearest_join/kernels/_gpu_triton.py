@@ -284,21 +284,10 @@ def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, 
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for d0 in range(0, d, BLOCK_D):
-            # Block pointers: the compiler addresses the tiles itself instead of holding a
-            # 64-bit pointer per element in registers (those spilled in the first version).
-            a_blk = tl.make_block_ptr(q_ptr, (nq, d), (stride_q, 1), (m0, d0),
-                                      (BLOCK_M, BLOCK_D), (1, 0))
-            b_blk = tl.make_block_ptr(t_ptr, (d, nt), (1, stride_t), (d0, n0),
-                                      (BLOCK_D, BLOCK_N), (0, 1))
-            if EVEN_D:
-                a = tl.load(a_blk, boundary_check=(0,), padding_option="zero")
-                b = tl.load(b_blk, boundary_check=(1,), padding_option="zero")
-            else:
-                a = tl.load(a_blk, boundary_check=(0, 1), padding_option="zero")
-                b = tl.load(b_blk, boundary_check=(0, 1), padding_option="zero")
-            if DOT_UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
+            # Block pointers (_chunk_operands): the compiler addresses the tiles itself instead
+            # of holding a 64-bit pointer per element in registers (those spilled once).
+            a, b = _chunk_operands(q_ptr, t_ptr, nq, nt, d, stride_q, stride_t, m0, n0, d0,
+                                   BLOCK_M, BLOCK_N, BLOCK_D, DOT_UPCAST, EVEN_D, False)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     # bias = +inf past the end: those keys are +inf and never become candidates.
     bias = tl.load(bias_ptr + cols, mask=cols < nt, other=float("inf"))

@@ -321,6 +321,24 @@ def test_d_in_chunks_equals_one_dot(form, monkeypatch):
             assert torch.allclose(a, b, rtol=1e-5, atol=tol), list(kw)
 
 
+def test_buffer_kernel_d_in_chunks_equals_one_dot(monkeypatch):
+    """The candidate-buffer kernel's d loop (d too large for one dot: SINGLE_DOT_BYTES 0)
+    against its single-dot form on the same rows: d = 136 in BLOCK_D chunks, a list of 64
+    (the buffer kernel), plain and lower keys. Keys to float32 rounding."""
+    q, t = make_data("gaussian", NQ, NT, 136, 43)
+    qs, ts = prepared(q, t, "l2", "bf16")
+    small = Small("buffer")
+    for kw in ({}, {"lower": True}):
+        one = small(qs, ts, 64, **kw)
+        with monkeypatch.context() as patch:
+            patch.setattr(tr, "SINGLE_DOT_BYTES", 0)
+            chunked = small(qs, ts, 64, **kw)
+        assert torch.equal(one[1], chunked[1]), list(kw)
+        for a, b in zip((one[0], one[2]), (chunked[0], chunked[2])):
+            tol = 1e-5 * float(b[torch.isfinite(b)].abs().max())
+            assert torch.allclose(a, b, rtol=1e-5, atol=tol), list(kw)
+
+
 def test_sample_seed_is_a_sampled_key_and_the_seeded_search_is_exact():
     """sample_seed: each row's seed is the 32nd key of the union of the sample pass's
     segment lists over every (n_cand / 32)-th target, so at least the sample's 32nd key and
