@@ -22,6 +22,7 @@ from nearest_join.kernels import _gpu_torch as gt
 from nearest_join.kernels import _gpu_triton as tr
 from nearest_join.kernels.gpu import RTOL, knn_torch
 from tests import adversarial as adv
+from tests.kernels.interp.test_fused_kernels import Small
 
 CASES = [lambda: adv.offset_case(16, 10.0, 0.1, nq=6, nt=150, seed=3),
          lambda: adv.offset_case(3, 1e3, 0.1, nq=6, nt=150, seed=4, dtype=np.float64),
@@ -30,13 +31,8 @@ CASES = [lambda: adv.offset_case(16, 10.0, 0.1, nq=6, nt=150, seed=3),
 IDS = ["offset10-d16-float32", "offset1000-d3-float64", "magnitude1e20", "parallel-d16"]
 
 
-def small(q, t, n_cand, seed=None, lower=False):
-    """Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones."""
-    if n_cand <= 32:
-        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
-    else:
-        cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
-    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
+# Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones.
+small = Small("rowlist")
 
 
 @pytest.mark.parametrize("n", range(len(CASES)), ids=IDS)

@@ -19,18 +19,14 @@ from nearest_join.kernels import _gpu_torch as gt
 from nearest_join.kernels import _gpu_triton as tr
 from nearest_join.kernels.gpu import knn_torch
 from tests import adversarial as adv
+from tests.kernels.interp.test_fused_kernels import Small
 from tests.oracle import assert_capped_topk, backend_rtol, key_values, oracle_keys
 
 SIMILARITIES = ("cosine", "inner_product")
 
 
-def small(q, t, n_cand, seed=None, lower=False):
-    """Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones."""
-    if n_cand <= 32:
-        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
-    else:
-        cfg = tr.TileConfig(16, 32, max(64, gt.next_pow2(n_cand + 32)), 4)
-    return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
+# Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones.
+small = Small("rowlist")
 
 
 def _cap(values: np.ndarray, share: float, metric: str) -> float:
