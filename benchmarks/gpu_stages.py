@@ -78,6 +78,15 @@ class Stages:
         tr._loads = loads
 
 
+def prepare_ms(Q, T, reps) -> dict:
+    """Device times of the target block's preparation (``gpu.prepare_targets``: inside
+    ``knn_torch``, once per block on the executors) and of the queries' (every search)."""
+    prepared = gpu.prepare_targets(T, "l2")
+    return dict(prepare_targets_ms=round(statistics.median(cuda_ms(lambda: gpu.prepare_targets(T, "l2"), reps)), 1),
+                prepare_queries_ms=round(statistics.median(cuda_ms(
+                    lambda: gt.prepare_queries(Q, prepared.side), reps)), 1))
+
+
 def stage_case(Q, T, k, reps, stages: Stages) -> dict:
     prepared = gpu.prepare_targets(T, "l2")
     torch.cuda.synchronize()
@@ -111,6 +120,13 @@ def variants(Q, T, k, reps) -> list[dict]:
     configs.append(("stages4", dataclasses.replace(base, num_stages=4), None))
     configs.append(("n256", dataclasses.replace(base, block_n=256), None))
     configs.append(("bd128", base, 128))
+    # One warpgroup of 64 rows, d in 64-chunks: shared memory and registers for two programs
+    # per multiprocessor (one's list work overlapping the other's products).
+    for stages in (3, 4):
+        configs.append((f"m64w4_bd64_s{stages}", dataclasses.replace(
+            base, block_m=64, num_warps=4, num_stages=stages, block_d=64), None))
+    configs.append(("m64w4_bd128_s2", dataclasses.replace(base, block_m=64, num_warps=4, num_stages=2,
+                                                          block_d=128), None))
     if n_cand <= tr.ROWLIST_MAX:
         configs.append(("one_list", tr.TileConfig(128, tr.BLOCK_N, 0, 8, num_stages=3, kernel="rowlist"), None))
     rows = []
@@ -218,6 +234,8 @@ def main(argv=None) -> int:
         for k in sorted(by_d[d]):
             row = dict(label=args.label, d=d, k=k, nq=args.nq, nt=args.nt, gemm_bf16_ms=round(gemm, 1))
             if (d, k) in cases:
+                if k == min(by_d[d]):
+                    row.update(prepare_ms(Q, T, args.reps))
                 row.update(stage_case(Q, T, k, args.reps, stages))
                 row["over_gemm"] = round(row["search_ms"] / gemm, 2)
             if (d, k) in var_cases:

@@ -36,6 +36,10 @@ them at the same time; the register-list kernel reads them by TMA where the oper
 target range produce ``n_splits`` lists per query; the host merges them by sorting the
 packed keys (same tie rule as :func:`nearest_join.kernels.merge_topk`).
 
+Besides the candidate kernels: the exact re-rank (:func:`triton_exact_values`) and a target
+block's preparation in three streaming passes (:func:`triton_prepare_targets`, what
+``gpu.prepare_targets`` runs on CUDA for every metric but cosine).
+
 Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests).
 """
 from __future__ import annotations
@@ -119,6 +123,10 @@ SINGLE_DOT_BYTES = 64 * 1024
 # the pointer form where the operand's rows are not 16-byte aligned: tests run both.
 
 
+# bf16 lists longer than 2 SEG_CAND take d in 128-wide chunks from this dimension.
+CHUNK128_LONG_MIN_D = 1025
+
+
 def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
     """Tile shapes by list width and operand size; every width runs the segmented mode, so
     that a search compiles one candidate kernel whatever widths its rows widen to (issue 20:
@@ -141,9 +149,9 @@ def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
     if not wide and n_cand <= 2 * SEG_CAND and d <= 128:
         return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="segmented", seg_cand=SEG_CAND)
     # bf16 short lists take d in chunks of 128 where d does not fit one dot: fewer, longer
-    # wgmma runs per target tile: faster passes at d = 384 and 1536 (k=10), slower for the
-    # long lists of k=100 (benchmarks/gpu_notes.md).
-    chunk = 2 * BLOCK_D if not wide and n_cand <= 2 * SEG_CAND else 0
+    # wgmma runs per target tile: faster passes at d = 384 and 1536 (k=10); the long lists of
+    # k=100 only above CHUNK128_LONG_MIN_D (slower at d=768, faster at 1536: gpu_notes.md).
+    chunk = 2 * BLOCK_D if not wide and (n_cand <= 2 * SEG_CAND or d >= CHUNK128_LONG_MIN_D) else 0
     return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="segmented",
                       seg_cand=SEG_CAND, block_d=chunk)
 
@@ -1206,3 +1214,161 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
         queries.dim, q.stride(0), t.stride(0), L2=l2_form(queries.metric), BLOCK_R=RERANK_ROWS,
         BLOCK_D=block_d, num_warps=4)
     return out
+
+
+# ----------------------------------------------------------------------------- preparation
+# A target block's preparation (``_gpu_torch.working_frame`` and ``prepare_side``) in three
+# streaming passes over its rows: column sums (the centre), the rows' distances from it (the
+# scale), then the working rows, operands, norms, residuals and biases. The torch form makes
+# float64 copies of each chunk and reads them again per quantity: on a block of 10^6 rows at
+# d = 384..1536 that took a fifth to a third of the bf16 GEMM's time (benchmarks/gpu_notes.md).
+PREP_ROWS = 32          # rows per program of the row kernels
+PREP_D = 128            # columns per chunk
+PREP_SUM_ROWS = 4096    # rows per program of the column sums (one float64 partial row each)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _column_sums_kernel(x_ptr, out_ptr, n, d, stride_x, ROWS: tl.constexpr, SUB: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
+    """float64 sums of rows [pid_r ROWS, (pid_r + 1) ROWS) over one BLOCK_D column chunk,
+    into row ``pid_r`` of ``out`` (the host sums the partial rows: deterministic)."""
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float64)
+    r_start = pid_r * ROWS
+    for r0 in range(r_start, tl.minimum(n, r_start + ROWS), SUB):
+        rows = r0 + tl.arange(0, SUB)
+        ok = (rows < n)[:, None] & (cols < d)[None, :]
+        acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=ok,
+                       other=0.0).to(tl.float64)
+    tl.store(out_ptr + pid_r.to(tl.int64) * d + cols, tl.sum(acc, axis=0), mask=cols < d)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _row_spread_kernel(x_ptr, c_ptr, out_ptr, n, d, stride_x, BLOCK_R: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
+    """float64 ``sum((x - c)^2)`` per row."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros([BLOCK_R], dtype=tl.float64)
+    for d0 in range(0, d, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok = (rows < n)[:, None] & (cols < d)[None, :]
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=ok,
+                    other=0.0).to(tl.float64)
+        c = tl.load(c_ptr + cols, mask=cols < d, other=0.0)
+        diff = tl.where(ok, x - c[None, :], 0.0)
+        acc += tl.sum(diff * diff, axis=1)
+    tl.store(out_ptr + rows, acc, mask=rows < n)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _prepare_rows_kernel(x_ptr, c_ptr, exact_ptr, op_ptr, norm_ptr, op_norm_ptr, res_ptr, bias_ptr,
+                         scale_ptr, n, d, stride_x, up, L2: tl.constexpr, OPERAND: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``_gpu_torch.prepare_side`` of target rows, one pass: working rows ``(x - c) scale``
+    (float64, rounded once to float32, as the torch form), operands (``OPERAND`` 0: none, the
+    working rows are; 1: tf32, ``round_to_tf32``; 2: bf16; both to nearest, ties even, as torch
+    rounds them), and per row
+    the float64 norms of the working rows, the operands and their difference, written as
+    float32 times ``up`` (never rounded down: ``_gpu_torch._up32``), and the bias |exact|^2.
+    ``scale_ptr``: the frame's power of two as a float64 scalar (a float32 argument could not
+    hold the scales of float64 rows)."""
+    scale = tl.load(scale_ptr)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = rows < n
+    rows64 = rows.to(tl.int64)
+    n2 = tl.zeros([BLOCK_R], dtype=tl.float64)
+    o2 = tl.zeros([BLOCK_R], dtype=tl.float64)
+    r2 = tl.zeros([BLOCK_R], dtype=tl.float64)
+    for d0 in range(0, d, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok = live[:, None] & (cols < d)[None, :]
+        x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float64)
+        c = tl.load(c_ptr + cols, mask=cols < d, other=0.0)
+        e = ((x - c[None, :]) * scale).to(tl.float32)
+        e = tl.where(ok, e, 0.0)
+        tl.store(exact_ptr + rows64[:, None] * d + cols[None, :], e, mask=ok)
+        e64 = e.to(tl.float64)
+        n2 += tl.sum(e64 * e64, axis=1)
+        if OPERAND != 0:
+            # Round to nearest, ties to even, on the bits (as round_to_tf32): the rounded
+            # value is a tf32 / bf16 value, so the bf16 cast below is exact in any mode
+            # (the interpreter's cast truncates).
+            bits = e.to(tl.int32, bitcast=True)
+            if OPERAND == 1:
+                bits = (bits + (0xFFF + ((bits >> 13) & 1))) & ~0x1FFF
+            else:
+                bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & ~0xFFFF
+            o = bits.to(tl.float32, bitcast=True)
+            o64 = o.to(tl.float64)
+            if OPERAND == 1:
+                tl.store(op_ptr + rows64[:, None] * d + cols[None, :], o, mask=ok)
+            else:
+                tl.store(op_ptr + rows64[:, None] * d + cols[None, :], o.to(tl.bfloat16), mask=ok)
+            o2 += tl.sum(o64 * o64, axis=1)
+            delta = o64 - e64
+            r2 += tl.sum(delta * delta, axis=1)
+    norm64 = tl.sqrt(n2)
+    norm = (norm64 * up).to(tl.float32)
+    tl.store(norm_ptr + rows, norm, mask=live)
+    if OPERAND != 0:
+        tl.store(op_norm_ptr + rows, (tl.sqrt(o2) * up).to(tl.float32), mask=live)
+        tl.store(res_ptr + rows, (tl.sqrt(r2) * up).to(tl.float32), mask=live)
+    else:
+        tl.store(op_norm_ptr + rows, norm, mask=live)
+        tl.store(res_ptr + rows, tl.zeros([BLOCK_R], dtype=tl.float32), mask=live)
+    if L2:
+        tl.store(bias_ptr + rows, (norm64 * norm64).to(tl.float32), mask=live)
+    else:
+        tl.store(bias_ptr + rows, tl.zeros([BLOCK_R], dtype=tl.float32), mask=live)
+
+
+def triton_working_frame(targets: torch.Tensor, metric: str):
+    """``_gpu_torch.working_frame`` by :func:`_column_sums_kernel` and
+    :func:`_row_spread_kernel` (not cosine: its unit rows stay with the torch form). The same
+    frame up to the order of the float64 sums; one host sync."""
+    from ._gpu_torch import Frame, _pow2_below
+
+    n, d = targets.shape
+    assert metric != "cosine" and n and d
+    x = targets.contiguous()
+    blocks_r = triton.cdiv(n, PREP_SUM_ROWS)
+    partial = torch.empty((blocks_r, d), dtype=torch.float64, device=x.device)
+    _column_sums_kernel[(blocks_r, triton.cdiv(d, PREP_D))](
+        x, partial, n, d, x.stride(0), ROWS=PREP_SUM_ROWS, SUB=PREP_ROWS, BLOCK_D=PREP_D, num_warps=4)
+    center = partial.sum(dim=0) / n
+    spread = torch.empty(n, dtype=torch.float64, device=x.device)
+    _row_spread_kernel[(triton.cdiv(n, PREP_ROWS),)](
+        x, center, spread, n, d, x.stride(0), BLOCK_R=PREP_ROWS, BLOCK_D=PREP_D, num_warps=4)
+    extent, peak, center_norm = torch.stack([spread.max().sqrt(), center.abs().max(),
+                                             torch.linalg.vector_norm(center)]).tolist()
+    if not (extent > 0 and math.isfinite(extent)):
+        extent = peak if peak > 0 and math.isfinite(peak) else 1.0
+    return Frame(center, _pow2_below(extent), metric == "inner_product", center_norm)
+
+
+def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -> PreparedSide:
+    """``_gpu_torch.prepare_targets_side`` in three passes (the module's preparation kernels):
+    the same working rows and operands in the same frame (bit for bit, given the frame), the
+    same norms up to the order of their float64 sums (each rounded up to float32 the same
+    way). Rows finite, at least one row and one column, metric not cosine."""
+    from ._gpu_torch import U32, l2_form
+
+    source = targets if targets.dtype in (torch.float32, torch.float64) else targets.to(torch.float32)
+    source = source.contiguous()
+    frame = triton_working_frame(source, metric)
+    n, d = source.shape
+    device = source.device
+    exact = torch.empty((n, d), dtype=torch.float32, device=device)
+    kind = {"fp32": 0, "tf32": 1, "bf16": 2}[precision]
+    operand = (exact if kind == 0 else
+               torch.empty((n, d), dtype=torch.float32 if kind == 1 else torch.bfloat16, device=device))
+    norm, op_norm, residual, bias = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(4))
+    factor = torch.full((n,), frame.scale, dtype=torch.float64, device=device)
+    _prepare_rows_kernel[(triton.cdiv(n, PREP_ROWS),)](
+        source, frame.center, exact, operand, norm, op_norm, residual, bias, factor, n, d,
+        source.stride(0), 1 + 4 * U32, L2=l2_form(metric), OPERAND=kind, BLOCK_R=PREP_ROWS,
+        BLOCK_D=PREP_D, num_warps=4)
+    return PreparedSide(exact, operand, norm, op_norm, residual, bias, metric, precision,
+                        source, factor, None, frame)

@@ -142,14 +142,23 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
     """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls: the block's
     working frame (its mean and a power-of-two scale, ``_gpu_torch.working_frame``), operands,
     norms and bound terms. float64 rows stay float64 for the re-rank. ``precision="auto"`` is
-    resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which)."""
+    resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which).
+    On CUDA (but for cosine) the preparation kernels compute it
+    (``_gpu_triton.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
     from ._gpu_torch import TargetStats, prepare_targets_side
 
     m = resolve_metric(metric).name
     precision = resolve_precision(precision, targets.device)
     ok = rankable_mask(targets, m)
     rows = None if bool(ok.all()) else ok.nonzero().flatten()
-    side = prepare_targets_side(targets if rows is None else targets[rows], m, precision)
+    block = targets if rows is None else targets[rows]
+    if (m != "cosine" and block.device.type == "cuda" and block.numel()
+            and triton_refusal(block.device) is None):
+        # The same side in three streaming passes (cosine's unit rows stay with the torch form).
+        from ._gpu_triton import triton_prepare_targets
+        side = triton_prepare_targets(block, m, precision)
+    else:
+        side = prepare_targets_side(block, m, precision)
     return PreparedTargets(side, TargetStats.of(side), ok, rows)
 
 

@@ -258,3 +258,50 @@ def test_gpu_issue_18_offset_block(d, metric, precision, monkeypatch):
         v, i, _ = _timed_knn(case.queries, case.targets, k, metric, precision)
         adv.assert_true_topk(case.queries, case.targets, k, metric, v, i, _rtol(),
                              case=f"{case.name} {precision}")
+
+
+PREP_CASES = ["offset10000-spread1-d128-float32", "offset1000-spread0.1-d3-float64",
+              "magnitude1e-24-d8-float32", "magnitude1e+20-d8-float32", "magnitude1e+30-d8-float64",
+              "parallel-d128", "integer3-d4-float32"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
+    """``gpu.prepare_targets`` on CUDA runs the preparation kernels
+    (``_gpu_triton.triton_prepare_targets``): on adversarial blocks, the torch form's frame
+    (centre to float64 rounding, the same power of two), and in that frame the same working
+    rows and operands bit for bit and norms, residuals and biases within one float32 step,
+    never below their float64 values (the interpreter suite checks the same on the CPU)."""
+    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_join.kernels import _gpu_triton as tr
+
+    for case in _by_name(PREP_CASES):
+        if metric not in case.metrics:
+            continue
+        t = torch.from_numpy(case.targets).cuda()
+        ref = gt.prepare_targets_side(t, metric, precision)
+        got = tr.triton_prepare_targets(t, metric, precision)
+        where = f"{case.name} {metric} {precision}"
+        assert got.frame.scale == ref.frame.scale, where
+        torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-12, atol=0, msg=where)
+        real = tr.triton_working_frame
+        tr.triton_working_frame = lambda rows, m, frame=ref.frame: frame
+        try:
+            same = tr.triton_prepare_targets(t, metric, precision)
+        finally:
+            tr.triton_working_frame = real
+        assert torch.equal(same.exact, ref.exact), where
+        assert same.operand.dtype == ref.operand.dtype
+        assert torch.equal(same.operand.float(), ref.operand.float()), where
+        exact64, op64 = ref.exact.double(), ref.operand.double()
+        for name, truth in (("norm", torch.linalg.vector_norm(exact64, dim=1)),
+                            ("operand_norm", torch.linalg.vector_norm(op64, dim=1)),
+                            ("residual", torch.linalg.vector_norm(op64 - exact64, dim=1))):
+            a, b = getattr(same, name), getattr(ref, name)
+            assert bool((a.double() >= truth).all()), (where, name)
+            step = torch.nextafter(b, torch.full_like(b, np.inf)) - b
+            assert bool(((a - b).abs() <= step).all()), (where, name)
+        torch.testing.assert_close(same.bias, ref.bias, rtol=2 ** -23, atol=0, msg=where)
