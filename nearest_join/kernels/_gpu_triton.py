@@ -1222,19 +1222,22 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
 # scale), then the working rows, operands, norms, residuals and biases. The torch form makes
 # float64 copies of each chunk and reads them again per quantity: on a block of 10^6 rows at
 # d = 384..1536 that took a fifth to a third of the bf16 GEMM's time (benchmarks/gpu_notes.md).
-PREP_ROWS = 32          # rows per program of the row kernels
+PREP_ROWS = 32          # rows per program of the row passes
 PREP_D = 128            # columns per chunk
 PREP_SUM_ROWS = 4096    # rows per program of the column sums (one float64 partial row each)
+# The three passes are one kernel (``_prepare_kernel``'s runtime ``mode``): one compilation
+# and one launcher (each a C module built on a process's first launch of a signature) instead
+# of three, on every new executor's first call.
+PREP_SUMS, PREP_SPREAD, PREP_FILL = 0, 1, 2
 
 
-@triton.jit(do_not_specialize=["n"])
-def _column_sums_kernel(x_ptr, out_ptr, n, d, stride_x, ROWS: tl.constexpr, SUB: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
-    """float64 sums of rows [pid_r ROWS, (pid_r + 1) ROWS) over one BLOCK_D column chunk,
-    into row ``pid_r`` of ``out`` (the host sums the partial rows: deterministic)."""
+@triton.jit
+def _prepare_column_sums(x_ptr, part_ptr, n, d, stride_x, ROWS: tl.constexpr, SUB: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+    """float64 sums of rows [pid_r ROWS, (pid_r + 1) ROWS) over the column chunk ``pid_d``,
+    into row ``pid_r`` of ``part`` (the host sums the partial rows: deterministic)."""
     pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([SUB, BLOCK_D], dtype=tl.float64)
     r_start = pid_r * ROWS
     for r0 in range(r_start, tl.minimum(n, r_start + ROWS), SUB):
@@ -1242,12 +1245,12 @@ def _column_sums_kernel(x_ptr, out_ptr, n, d, stride_x, ROWS: tl.constexpr, SUB:
         ok = (rows < n)[:, None] & (cols < d)[None, :]
         acc += tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=ok,
                        other=0.0).to(tl.float64)
-    tl.store(out_ptr + pid_r.to(tl.int64) * d + cols, tl.sum(acc, axis=0), mask=cols < d)
+    tl.store(part_ptr + pid_r.to(tl.int64) * d + cols, tl.sum(acc, axis=0), mask=cols < d)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _row_spread_kernel(x_ptr, c_ptr, out_ptr, n, d, stride_x, BLOCK_R: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+@triton.jit
+def _prepare_spread(x_ptr, c_ptr, spread_ptr, n, d, stride_x, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
     """float64 ``sum((x - c)^2)`` per row."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     acc = tl.zeros([BLOCK_R], dtype=tl.float64)
@@ -1259,21 +1262,20 @@ def _row_spread_kernel(x_ptr, c_ptr, out_ptr, n, d, stride_x, BLOCK_R: tl.conste
         c = tl.load(c_ptr + cols, mask=cols < d, other=0.0)
         diff = tl.where(ok, x - c[None, :], 0.0)
         acc += tl.sum(diff * diff, axis=1)
-    tl.store(out_ptr + rows, acc, mask=rows < n)
+    tl.store(spread_ptr + rows, acc, mask=rows < n)
 
 
-@triton.jit(do_not_specialize=["n"])
-def _prepare_rows_kernel(x_ptr, c_ptr, exact_ptr, op_ptr, norm_ptr, op_norm_ptr, res_ptr, bias_ptr,
-                         scale_ptr, n, d, stride_x, up, L2: tl.constexpr, OPERAND: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_gpu_torch.prepare_side`` of target rows, one pass: working rows ``(x - c) scale``
-    (float64, rounded once to float32, as the torch form), operands (``OPERAND`` 0: none, the
-    working rows are; 1: tf32, ``round_to_tf32``; 2: bf16; both to nearest, ties even, as torch
-    rounds them), and per row
-    the float64 norms of the working rows, the operands and their difference, written as
-    float32 times ``up`` (never rounded down: ``_gpu_torch._up32``), and the bias |exact|^2.
-    ``scale_ptr``: the frame's power of two as a float64 scalar (a float32 argument could not
-    hold the scales of float64 rows)."""
+@triton.jit
+def _prepare_fill(x_ptr, c_ptr, scale_ptr, exact_ptr, op_ptr, norm_ptr, op_norm_ptr, res_ptr, bias_ptr,
+                  n, d, stride_x, up, L2: tl.constexpr, OPERAND: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``_gpu_torch.prepare_side`` of target rows: working rows ``(x - c) scale`` (float64,
+    rounded once to float32, as the torch form), operands (``OPERAND`` 0: none, the working
+    rows are; 1: tf32, ``round_to_tf32``; 2: bf16; both to nearest, ties even, as torch rounds
+    them), and per row the float64 norms of the working rows, the operands and their
+    difference, written as float32 times ``up`` (never rounded down: ``_gpu_torch._up32``),
+    and the bias |exact|^2. ``scale_ptr``: the frame's power of two as a float64 scalar (a
+    float32 argument could not hold the scales of float64 rows)."""
     scale = tl.load(scale_ptr)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = rows < n
@@ -1324,23 +1326,68 @@ def _prepare_rows_kernel(x_ptr, c_ptr, exact_ptr, op_ptr, norm_ptr, op_norm_ptr,
         tl.store(bias_ptr + rows, tl.zeros([BLOCK_R], dtype=tl.float32), mask=live)
 
 
-def triton_working_frame(targets: torch.Tensor, metric: str):
-    """``_gpu_torch.working_frame`` by :func:`_column_sums_kernel` and
-    :func:`_row_spread_kernel` (not cosine: its unit rows stay with the torch form). The same
-    frame up to the order of the float64 sums; one host sync."""
+@triton.jit(do_not_specialize=["n", "mode"])
+def _prepare_kernel(x_ptr, c_ptr, part_ptr, spread_ptr, scale_ptr, exact_ptr, op_ptr, norm_ptr,
+                    op_norm_ptr, res_ptr, bias_ptr, n, d, stride_x, up, mode,
+                    L2: tl.constexpr, OPERAND: tl.constexpr, SUM_ROWS: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One pass of a target block's preparation (:func:`triton_prepare_targets`) by ``mode``:
+    ``PREP_SUMS`` (grid (row groups, column chunks)) the centre's partial sums,
+    ``PREP_SPREAD`` each row's squared distance from the centre ``c_ptr``, ``PREP_FILL`` the
+    working rows, operands, norms, residuals and biases. Every pass takes every argument (one
+    signature, one compiled kernel); each reads and writes only its own."""
+    if mode == 0:
+        _prepare_column_sums(x_ptr, part_ptr, n, d, stride_x, SUM_ROWS, BLOCK_R, BLOCK_D)
+    elif mode == 1:
+        _prepare_spread(x_ptr, c_ptr, spread_ptr, n, d, stride_x, BLOCK_R, BLOCK_D)
+    else:
+        _prepare_fill(x_ptr, c_ptr, scale_ptr, exact_ptr, op_ptr, norm_ptr, op_norm_ptr, res_ptr,
+                      bias_ptr, n, d, stride_x, up, L2, OPERAND, BLOCK_R, BLOCK_D)
+
+
+def _prepare_pass(mode: int, grid, x, center, part, spread, scale, exact, operand, norm, op_norm,
+                  residual, bias, metric: str, precision: str) -> None:
+    from ._gpu_torch import U32, l2_form
+
+    n, d = x.shape
+    _prepare_kernel[grid](x, center, part, spread, scale, exact, operand, norm, op_norm, residual,
+                          bias, n, d, x.stride(0), 1 + 4 * U32, mode, L2=l2_form(metric),
+                          OPERAND={"fp32": 0, "tf32": 1, "bf16": 2}[precision],
+                          SUM_ROWS=PREP_SUM_ROWS, BLOCK_R=PREP_ROWS, BLOCK_D=PREP_D, num_warps=4)
+
+
+def _prepare_buffers(x: torch.Tensor, precision: str):
+    """(exact, operand, norm, operand norm, residual, bias, factor) of ``x``'s rows, unwritten."""
+    n, d = x.shape
+    device = x.device
+    exact = torch.empty((n, d), dtype=torch.float32, device=device)
+    operand = (exact if precision == "fp32" else
+               torch.empty((n, d), dtype=torch.float32 if precision == "tf32" else torch.bfloat16,
+                           device=device))
+    vectors = [torch.empty(n, dtype=torch.float32, device=device) for _ in range(4)]
+    return exact, operand, *vectors, torch.empty(n, dtype=torch.float64, device=device)
+
+
+def triton_working_frame(targets: torch.Tensor, metric: str, precision: str = "bf16", buffers=None):
+    """``_gpu_torch.working_frame`` by :func:`_prepare_kernel`'s first two passes (not cosine:
+    its unit rows stay with the torch form). The same frame up to the order of the float64
+    sums; one host sync. ``precision`` and ``buffers`` (:func:`_prepare_buffers`): those of the
+    fill pass that follows, whose signature every pass shares."""
     from ._gpu_torch import Frame, _pow2_below
 
     n, d = targets.shape
     assert metric != "cosine" and n and d
     x = targets.contiguous()
+    bufs = buffers or _prepare_buffers(x, precision)
     blocks_r = triton.cdiv(n, PREP_SUM_ROWS)
-    partial = torch.empty((blocks_r, d), dtype=torch.float64, device=x.device)
-    _column_sums_kernel[(blocks_r, triton.cdiv(d, PREP_D))](
-        x, partial, n, d, x.stride(0), ROWS=PREP_SUM_ROWS, SUB=PREP_ROWS, BLOCK_D=PREP_D, num_warps=4)
-    center = partial.sum(dim=0) / n
+    part = torch.empty((blocks_r, d), dtype=torch.float64, device=x.device)
     spread = torch.empty(n, dtype=torch.float64, device=x.device)
-    _row_spread_kernel[(triton.cdiv(n, PREP_ROWS),)](
-        x, center, spread, n, d, x.stride(0), BLOCK_R=PREP_ROWS, BLOCK_D=PREP_D, num_warps=4)
+    scale = bufs[-1]
+    _prepare_pass(PREP_SUMS, (blocks_r, triton.cdiv(d, PREP_D)), x, part[0], part, spread, scale,
+                  *bufs[:-1], metric, precision)
+    center = part.sum(dim=0) / n
+    _prepare_pass(PREP_SPREAD, (triton.cdiv(n, PREP_ROWS),), x, center, part, spread, scale,
+                  *bufs[:-1], metric, precision)
     extent, peak, center_norm = torch.stack([spread.max().sqrt(), center.abs().max(),
                                              torch.linalg.vector_norm(center)]).tolist()
     if not (extent > 0 and math.isfinite(extent)):
@@ -1349,26 +1396,18 @@ def triton_working_frame(targets: torch.Tensor, metric: str):
 
 
 def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -> PreparedSide:
-    """``_gpu_torch.prepare_targets_side`` in three passes (the module's preparation kernels):
+    """``_gpu_torch.prepare_targets_side`` in three streaming passes (:func:`_prepare_kernel`):
     the same working rows and operands in the same frame (bit for bit, given the frame), the
     same norms up to the order of their float64 sums (each rounded up to float32 the same
     way). Rows finite, at least one row and one column, metric not cosine."""
-    from ._gpu_torch import U32, l2_form
-
     source = targets if targets.dtype in (torch.float32, torch.float64) else targets.to(torch.float32)
     source = source.contiguous()
-    frame = triton_working_frame(source, metric)
-    n, d = source.shape
-    device = source.device
-    exact = torch.empty((n, d), dtype=torch.float32, device=device)
-    kind = {"fp32": 0, "tf32": 1, "bf16": 2}[precision]
-    operand = (exact if kind == 0 else
-               torch.empty((n, d), dtype=torch.float32 if kind == 1 else torch.bfloat16, device=device))
-    norm, op_norm, residual, bias = (torch.empty(n, dtype=torch.float32, device=device) for _ in range(4))
-    factor = torch.full((n,), frame.scale, dtype=torch.float64, device=device)
-    _prepare_rows_kernel[(triton.cdiv(n, PREP_ROWS),)](
-        source, frame.center, exact, operand, norm, op_norm, residual, bias, factor, n, d,
-        source.stride(0), 1 + 4 * U32, L2=l2_form(metric), OPERAND=kind, BLOCK_R=PREP_ROWS,
-        BLOCK_D=PREP_D, num_warps=4)
+    bufs = _prepare_buffers(source, precision)
+    frame = triton_working_frame(source, metric, precision, bufs)
+    exact, operand, norm, op_norm, residual, bias, factor = bufs
+    factor.fill_(frame.scale)
+    _prepare_pass(PREP_FILL, (triton.cdiv(source.shape[0], PREP_ROWS),), source, frame.center,
+                  factor, factor, factor, exact, operand, norm, op_norm, residual, bias, metric,
+                  precision)
     return PreparedSide(exact, operand, norm, op_norm, residual, bias, metric, precision,
                         source, factor, None, frame)

@@ -288,7 +288,7 @@ def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
         assert got.frame.scale == ref.frame.scale, where
         torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-12, atol=0, msg=where)
         real = tr.triton_working_frame
-        tr.triton_working_frame = lambda rows, m, frame=ref.frame: frame
+        tr.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
         try:
             same = tr.triton_prepare_targets(t, metric, precision)
         finally:

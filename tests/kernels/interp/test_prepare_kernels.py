@@ -54,7 +54,7 @@ def test_the_kernels_prepare_the_torch_forms_side(metric, precision, dtype, n, d
     # In the torch form's frame the working rows and operands are the same bits.
     tr_frame = tr.triton_working_frame
     try:
-        tr.triton_working_frame = lambda rows, m, frame=ref.frame: frame
+        tr.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
         same = tr.triton_prepare_targets(x, metric, precision)
     finally:
         tr.triton_working_frame = tr_frame
