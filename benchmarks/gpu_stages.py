@@ -1,5 +1,5 @@
-"""Where an exact GPU search's time goes at embedding sizes: the candidate passes, the
-re-rank and each widening round (synchronised wall time per call), the compiled candidate
+"""Where an exact GPU search's time goes at embedding sizes: the target block's and the
+queries' preparation, the candidate passes, the re-rank and each widening round (synchronised wall time per call), the compiled candidate
 kernels' registers, spills and shared memory, and the candidate pass alone per launch
 configuration, against the bf16 GEMM alone on the same rows.
 

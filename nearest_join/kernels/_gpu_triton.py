@@ -1220,8 +1220,8 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
 # A target block's preparation (``_gpu_torch.working_frame`` and ``prepare_side``) in three
 # streaming passes over its rows: column sums (the centre), the rows' distances from it (the
 # scale), then the working rows, operands, norms, residuals and biases. The torch form makes
-# float64 copies of each chunk and reads them again per quantity: on a block of 10^6 rows at
-# d = 384..1536 that took a fifth to a third of the bf16 GEMM's time (benchmarks/gpu_notes.md).
+# float64 copies of each chunk and reads them again per quantity: at embedding sizes that was a
+# large share of knn_torch's time (benchmarks/gpu_notes.md).
 PREP_ROWS = 32          # rows per program of the row passes
 PREP_D = 128            # columns per chunk
 PREP_SUM_ROWS = 4096    # rows per program of the column sums (one float64 partial row each)
