@@ -201,9 +201,11 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         ``approx``: the IVF plan (:mod:`nearest_join.ivf`): the target is grouped into
         ``nlist`` lists around k-means centroids of a sample, each query searches the
         ``nprobe`` lists nearest to it, exactly; the values returned are exact for the rows
-        returned, only the candidate set is approximate. Below a size where IVF cannot win,
-        with ``on=`` keys, or for a target too large to broadcast, it runs the exact plan;
-        the plan says which and why (``explain_nearest_join``).
+        returned, only the candidate set is approximate. With ``on=`` keys, one index over
+        the whole target and each query probes the ``nprobe`` nearest lists among those its
+        key's targets occupy (small keys are searched whole). Below a size where IVF cannot
+        win, or for a target too large to broadcast, it runs the exact plan; the plan says
+        which and why (``explain_nearest_join``).
     direction : {"distance", "similarity"} or None
         Inferred from the metric when None; an error when it contradicts the metric.
     vectors : str or (str, str), keyword-only

@@ -1,0 +1,214 @@
+"""mode="approx" with on= keys (issue 23): the IVF plan inside key groups.
+
+One index over the whole target; a query probes its nprobe nearest lists among those its
+key's targets occupy; small keys are searched whole. The executors' routing
+(udfs.lists.key_probes, target_key_ids) is checked without Spark; the joins share one pair
+of frames, and every approx result is compared with the exact keyed join of the same frames.
+
+The keys: two large clustered keys ("big1", "big2"), a key "far" whose targets sit in one
+region and whose queries sit in another, where only "big1" targets are (so the lists a
+"far" query would probe unrestricted hold no "far" target), a small key searched whole,
+one key only on the target side, one only on the query side, and NULL keys on both.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from nearest_join import nearest_by_join
+from udfs.lists import key_probes, target_key_ids
+
+NLIST, D, K = 40, 6, 5
+T_SIZES = {"big1": 1200, "big2": 1000, "far": 700, "small": 60, "tonly": 40, None: 30}
+Q_SIZES = {"big1": 60, "big2": 50, "far": 20, "small": 15, "qonly": 10, None: 10}
+FAR_TARGETS, FAR_QUERIES = 12.0, -12.0   # "far" centred on +12 e0; its queries on -12 e0
+
+
+def test_key_probes_stay_inside_their_key():
+    rng = np.random.default_rng(0)
+    centroids = rng.standard_normal((6, 3)).astype(np.float32)
+    nlist = 6
+    # key 0 occupies lists 1, 3, 4; key 2 occupies list 5; key 1 (and any other) is searched whole
+    codes = np.array([0 * nlist + 1, 0 * nlist + 3, 0 * nlist + 4, 2 * nlist + 5], np.int64)
+    vectors = rng.standard_normal((6, 3)).astype(np.float32)
+    vectors[4] = np.nan
+    groups = np.array([0, 0, 1, 2, 0, -1], np.int64)
+    probes = key_probes(vectors, groups, codes, centroids, "l2", nprobe=2)
+    assert probes.shape == (6, 2)
+    for i in (0, 1):   # its 2 nearest among lists 1, 3, 4 (positions 0, 1, 2 of codes)
+        distances = ((centroids[[1, 3, 4]] - vectors[i]) ** 2).sum(axis=1)
+        assert probes[i].tolist() == np.argsort(distances)[:2].tolist()
+    assert probes[2].tolist() == [codes.size + 1, -1]   # key 1: whole, one id
+    assert probes[3].tolist() == [3, -1]                # key 2: its one list
+    assert probes[4].tolist() == [-1, -1]               # a vector that cannot rank
+    assert probes[5].tolist() == [-1, -1]               # no key group
+    lists = np.array([3, 0, 2, 5, -1, 1, 4], np.int64)
+    t_groups = np.array([0, 0, 1, 2, 0, -1, 3], np.int64)
+    # (0, 0): a pair the table lacks; (0, -1): cannot rank; key 3: whole
+    assert target_key_ids(t_groups, lists, codes, nlist).tolist() == [1, -1, codes.size + 1, 3, -1, -1,
+                                                                      codes.size + 3]
+    assert target_key_ids(t_groups, lists, codes[:0], nlist).tolist() == [0, 0, 1, 2, 0, -1, 3]
+
+
+def _clustered(rng, n: int, centres: np.ndarray, spread: float = 0.3) -> np.ndarray:
+    return (centres[rng.integers(0, centres.shape[0], n)] + spread * rng.standard_normal((n, D))).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(31)
+    centres = rng.standard_normal((24, D)) * 3
+    centres[0] = 0
+    centres[0, 0] = FAR_QUERIES   # a "big1" cluster where the "far" queries are
+    far = np.zeros((1, D))
+    far[0, 0] = FAR_TARGETS
+
+    def side(sizes, far_centre):
+        rows = []
+        for key, n in sizes.items():
+            source = {"big1": centres[:12], "big2": centres[12:], "far": far_centre}.get(key, centres)
+            rows += [(key, v) for v in _clustered(rng, n, source)]
+        order = rng.permutation(len(rows))
+        return [rows[i] for i in order]
+
+    far_queries = np.zeros((1, D))
+    far_queries[0, 0] = FAR_QUERIES
+    t_rows, q_rows = side(T_SIZES, far), side(Q_SIZES, far_queries)
+    t_keys = [k for k, _ in t_rows]
+    q_keys = [k for k, _ in q_rows]
+    return (np.stack([v for _, v in q_rows]), q_keys, np.stack([v for _, v in t_rows]), t_keys)
+
+
+@pytest.fixture(scope="module")
+def frames(spark, data):
+    queries, q_keys, targets, t_keys = data
+    q = spark.createDataFrame([(i, q_keys[i], queries[i].tolist()) for i in range(len(q_keys))],
+                              "qid int, k string, v array<float>").repartition(2)
+    t = spark.createDataFrame([(j, t_keys[j], targets[j].tolist()) for j in range(len(t_keys))],
+                              "tid int, k string, w array<float>").repartition(3)
+    return q, t
+
+
+ARGS = {"vectors": ("v", "w"), "on": "k", "join_type": "left_outer", "distance_col": "d"}
+
+
+def _rows(df):
+    return sorted((r.qid, r.tid, r.d) for r in df.collect())
+
+
+@pytest.fixture(scope="module")
+def exact(frames):
+    q, t = frames
+    return {metric: _rows(nearest_by_join(q, t, metric, K, **ARGS)) for metric in ("l2", "cosine")}
+
+
+def _assert_same(approx, exact):
+    assert [(a, b) for a, b, _ in approx] == [(a, b) for a, b, _ in exact]
+    np.testing.assert_allclose([c for *_, c in approx if c is not None],
+                               [c for *_, c in exact if c is not None], rtol=1e-6)
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_all_lists_give_exactly_the_exact_keyed_result(frames, exact, metric):
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    q, t = frames
+    planned = plan_join(q, t, metric, JoinOptions(num_results=K, mode="approx", nlist=NLIST, nprobe=NLIST, **ARGS))
+    plan = planned.plan
+    assert plan.ivf["runs"] == "ivf" and plan.ivf["keys_by_lists"] == 3, plan   # big1, big2, far
+    assert "among those its key's targets occupy" in str(plan) and "every other key searched whole" in str(plan)
+    _assert_same(_rows(planned.dataframe()), exact[metric])
+
+
+@pytest.fixture(scope="module")
+def one_probe(frames):
+    """nprobe=1 with an index built before (seed 3): each query searches one list of its key."""
+    from nearest_join import build_ivf_index
+
+    q, t = frames
+    index = build_ivf_index(t, column="w", metric="l2", nlist=NLIST, seed=3)
+    return index, _rows(nearest_by_join(q, t, "l2", K, "approx", index=index, nprobe=1, **ARGS))
+
+
+def test_one_probe_inside_the_key(data, exact, one_probe):
+    queries, q_keys, targets, t_keys = data
+    index, one_probe = one_probe
+    by_query: dict[int, list] = {}
+    for qid, tid, d in one_probe:
+        by_query.setdefault(qid, []).append((tid, d))
+    exact_by_query: dict[int, list] = {}
+    for qid, tid, d in exact["l2"]:
+        exact_by_query.setdefault(qid, []).append((tid, d))
+    for i, key in enumerate(q_keys):
+        got = by_query[i]
+        if key in (None, "qonly"):   # NULL key, key without targets: LEFT OUTER's one NULL row
+            assert got == [(None, None)], (i, key, got)
+            continue
+        # k rows of its own key, distances exact; the far key's too, though the lists
+        # nearest its queries hold only big1 targets
+        assert len(got) == K and all(t_keys[tid] == key for tid, _ in got), (i, key, got)
+        for tid, d in got:
+            want = np.sqrt(((queries[i].astype(np.float64) - targets[tid]) ** 2).sum())
+            assert abs(d - want) <= 1e-5 * max(want, 1.0)
+        if key == "small":   # searched whole: the exact rows
+            assert sorted(got) == sorted(exact_by_query[i]), (i, got)
+    far = [i for i, key in enumerate(q_keys) if key == "far"]
+    # unrestricted, a far query's nearest list would be a big1 list: no far target in it
+    t_lists = index.route(targets)[:, 0]
+    far_lists = {int(t_lists[j]) for j, key in enumerate(t_keys) if key == "far"}
+    assert not far_lists & set(index.route(queries[far])[:, 0].tolist())
+
+
+def test_same_seed_same_rows(frames, one_probe):
+    # trained in the join from the same seed: the index built before, the same rows
+    q, t = frames
+    assert _rows(nearest_by_join(q, t, "l2", K, "approx", nlist=NLIST, nprobe=1, seed=3, **ARGS)) == one_probe[1]
+
+
+def test_recall_target_met_and_estimated_within_keys(frames, exact):
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    q, t = frames
+    target = 0.9
+    planned = plan_join(q, t, "l2", JoinOptions(num_results=K, mode="approx", nlist=NLIST, recall=target, **ARGS))
+    ivf = planned.plan.ivf
+    assert ivf["runs"] == "ivf", ivf
+    lower, upper = ivf["recall_interval"]
+    assert target <= lower <= ivf["recall_estimate"] <= upper <= 1.0
+    assert 1 <= ivf["nprobe"] < NLIST / 4
+    # sampled queries: those with a key that has targets (NULL and "qonly" keys have none)
+    assert ivf["recall_queries"] == sum(n for key, n in Q_SIZES.items() if key not in (None, "qonly"))
+    assert "each within its own key" in str(planned.plan)
+    found = {(a, b) for a, b, _ in _rows(planned.dataframe()) if b is not None}
+    true = {(a, b) for a, b, _ in exact["l2"] if b is not None}
+    assert len(found & true) / len(true) >= target
+
+
+def test_caps_inside_keys(frames, data):
+    # the estimate's scan and the search both prune with the cap
+    q, t = frames
+    _, q_keys, _, t_keys = data
+    cap = 0.6
+    args = {**ARGS, "max_distance": cap}
+    capped_exact = _rows(nearest_by_join(q, t, "l2", K, **args))
+    kept = np.bincount([a for a, b, _ in capped_exact if b is not None], minlength=len(q_keys))
+    assert (kept[[i for i, key in enumerate(q_keys) if key == "big1"]] < K).any(), "the cap should bind"
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    planned = plan_join(q, t, "l2", JoinOptions(num_results=K, mode="approx", nlist=NLIST, recall=0.9, **args))
+    assert planned.plan.ivf["runs"] == "ivf", planned.plan.ivf   # the estimate ran under the cap
+    estimated = _rows(planned.dataframe())
+    for qid, tid, d in estimated:
+        if tid is not None:
+            assert t_keys[tid] == q_keys[qid] and d <= cap
+    # every query is sampled here, so the estimate (mean recall per query with a neighbour,
+    # its lower bound >= 0.9) is the measured recall
+    found = {(a, b) for a, b, _ in estimated}
+    true: dict[int, set] = {}
+    for a, b, _ in capped_exact:
+        if b is not None:
+            true.setdefault(a, set()).add(b)
+    assert np.mean([len({b for b in bs if (a, b) in found}) / len(bs) for a, bs in true.items()]) >= 0.9
