@@ -59,7 +59,9 @@ row), was not taken: a query row is routed where it is packed, before it meets t
 the search task would have to wait for every target block before its first query block and
 route queries a second time; and the keyed blocked plan, where no task holds every target
 row, needs the same dense ids and their sizes on the driver (``nearest_join.keyed``'s
-layout). The job costs one more routing pass over the target at planning.
+layout). The job costs one more routing pass over the target at planning. As for the keyed
+blocked plan, both inputs must then read the same rows at planning and at the run (a target
+row of a (key, list) pair the count did not see has no group).
 
 The recall estimate with keys (:func:`estimate_keyed_recall`) samples queries that have a
 key group, ranks each against its own key's targets only (the scan of ``udfs.lists.sample_topk``
@@ -727,6 +729,8 @@ def plan_approx(planned):
         search = KeyedIvfSearch(index, nprobe, lists)
     if nprobe == index.nlist:
         text += "; nprobe = nlist: every list, the exact result"
+    elif lists is not None and nprobe >= lists.widest:
+        text += "; nprobe >= the most lists one key occupies: every list of every key, the exact result"
     info["explanation"] = text
     plan = dataclasses.replace(plan, ivf=info)
     return dataclasses.replace(planned, plan=plan, ivf=search)

@@ -125,15 +125,18 @@ def test_all_lists_give_exactly_the_exact_keyed_result(frames, exact, metric):
 def one_probe(frames):
     """nprobe=1 with an index built before (seed 3): each query searches one list of its key."""
     from nearest_join import build_ivf_index
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
 
     q, t = frames
     index = build_ivf_index(t, column="w", metric="l2", nlist=NLIST, seed=3)
-    return index, _rows(nearest_by_join(q, t, "l2", K, "approx", index=index, nprobe=1, **ARGS))
+    planned = plan_join(q, t, "l2", JoinOptions(num_results=K, mode="approx", index=index, nprobe=1, **ARGS))
+    return index, _rows(planned.dataframe()), planned
 
 
 def test_one_probe_inside_the_key(data, exact, one_probe):
     queries, q_keys, targets, t_keys = data
-    index, one_probe = one_probe
+    index, one_probe, _ = one_probe
     by_query: dict[int, list] = {}
     for qid, tid, d in one_probe:
         by_query.setdefault(qid, []).append((tid, d))
@@ -160,6 +163,21 @@ def test_one_probe_inside_the_key(data, exact, one_probe):
     assert not far_lists & set(index.route(queries[far])[:, 0].tolist())
 
 
+def test_the_keyed_estimate_is_the_measured_recall(exact, one_probe):
+    """The estimate's curve at nprobe=1 (every query with a key group sampled, each ranked
+    within its key) against the recall the nprobe=1 join measured with the same index."""
+    from nearest_join.ivf import _keyed_inputs, estimate_keyed_recall
+
+    index, rows, planned = one_probe
+    curve = estimate_keyed_recall(planned, index, planned.ivf.lists, *_keyed_inputs(planned), seed=0)
+    found = {(a, b) for a, b, _ in rows if b is not None}
+    true = {(a, b) for a, b, _ in exact["l2"] if b is not None}
+    assert curve.queries == sum(n for key, n in Q_SIZES.items() if key not in (None, "qonly"))
+    assert curve.recall.shape == (planned.ivf.lists.widest,)
+    assert len(found & true) / len(true) == pytest.approx(curve.recall[0], abs=1e-12)
+    assert curve.recall[0] < 1 and curve.recall[-1] == pytest.approx(1.0)
+
+
 def test_same_seed_same_rows(frames, one_probe):
     # trained in the join from the same seed: the index built before, the same rows
     q, t = frames
@@ -183,32 +201,38 @@ def test_recall_target_met_and_estimated_within_keys(frames, exact):
     assert "each within its own key" in str(planned.plan)
     found = {(a, b) for a, b, _ in _rows(planned.dataframe()) if b is not None}
     true = {(a, b) for a, b, _ in exact["l2"] if b is not None}
+    # every query with a key group is sampled (fewer than RECALL_QUERIES) and each has k true
+    # neighbours, so the estimate is the measured recall itself
+    assert len(found & true) / len(true) == pytest.approx(ivf["recall_estimate"], abs=1e-12)
     assert len(found & true) / len(true) >= target
 
 
-def test_caps_inside_keys(frames, data):
+def test_caps_inside_keys(frames, data, exact):
     # the estimate's scan and the search both prune with the cap
-    q, t = frames
-    _, q_keys, _, t_keys = data
-    cap = 0.6
-    args = {**ARGS, "max_distance": cap}
-    capped_exact = _rows(nearest_by_join(q, t, "l2", K, **args))
-    kept = np.bincount([a for a, b, _ in capped_exact if b is not None], minlength=len(q_keys))
-    assert (kept[[i for i, key in enumerate(q_keys) if key == "big1"]] < K).any(), "the cap should bind"
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 
-    planned = plan_join(q, t, "l2", JoinOptions(num_results=K, mode="approx", nlist=NLIST, recall=0.9, **args))
+    q, t = frames
+    _, q_keys, _, t_keys = data
+    cap = 0.6
+    # the exact capped rows: the exact rows within the cap (they are a prefix of each top k)
+    true: dict[int, set] = {i: set() for i in range(len(q_keys))}
+    for a, b, d in exact["l2"]:
+        if b is not None and d <= cap:
+            true[a].add(b)
+    assert any(len(true[i]) < K for i, key in enumerate(q_keys) if key == "big1"), "the cap should bind"
+    planned = plan_join(q, t, "l2", JoinOptions(num_results=K, mode="approx", nlist=NLIST, recall=0.9,
+                                                max_distance=cap, **ARGS))
     assert planned.plan.ivf["runs"] == "ivf", planned.plan.ivf   # the estimate ran under the cap
     estimated = _rows(planned.dataframe())
     for qid, tid, d in estimated:
         if tid is not None:
             assert t_keys[tid] == q_keys[qid] and d <= cap
+    found = {(a, b) for a, b, _ in estimated}
+    for i, near in true.items():   # LEFT OUTER: nothing within the cap, one NULL row
+        if not near:
+            assert (i, None) in found
     # every query is sampled here, so the estimate (mean recall per query with a neighbour,
     # its lower bound >= 0.9) is the measured recall
-    found = {(a, b) for a, b, _ in estimated}
-    true: dict[int, set] = {}
-    for a, b, _ in capped_exact:
-        if b is not None:
-            true.setdefault(a, set()).add(b)
-    assert np.mean([len({b for b in bs if (a, b) in found}) / len(bs) for a, bs in true.items()]) >= 0.9
+    measured = np.mean([len({b for b in bs if (a, b) in found}) / len(bs) for a, bs in true.items() if bs])
+    assert measured == pytest.approx(planned.plan.ivf["recall_estimate"], abs=1e-12) and measured >= 0.9
