@@ -121,6 +121,15 @@ def test_all_lists_give_exactly_the_exact_keyed_result(frames, exact, metric):
     _assert_same(_rows(planned.dataframe()), exact[metric])
 
 
+def test_small_key_groups_run_the_exact_keyed_plan(frames):
+    # by default IVF must win inside a key: the largest key group's rows decide, not the target's
+    from nearest_join import explain_nearest_join
+
+    q, t = frames
+    plan = explain_nearest_join(q, t, "l2", K, "approx", **ARGS)
+    assert plan.ivf["runs"] == "exact" and "target rows in the largest key group" in str(plan), plan.ivf
+
+
 @pytest.fixture(scope="module")
 def one_probe(frames):
     """nprobe=1 with an index built before (seed 3): each query searches one list of its key."""
