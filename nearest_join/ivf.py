@@ -46,8 +46,9 @@ the keyed search's groups become (key, list) pairs. A query probes its ``nprobe`
 lists *among those its key's targets occupy* (``udfs.lists.key_probes``), so a key whose
 targets all lie in lists far from the query still yields its nearest rows. A key of at most
 :data:`KEY_WHOLE_LISTS` lists' worth of target rows is searched whole, one group, exact (IVF
-cannot win on so few rows); when every key is that small, or its largest group is below the
-size thresholds above, the exact keyed plan runs. NULL keys and keys without targets have no
+cannot win on so few rows); when every key is that small, when its largest group is below the
+size thresholds above, or when the recall target needs :data:`IVF_MAX_PROBED_SHARE` of the
+lists the widest key occupies, the exact keyed plan runs. NULL keys and keys without targets have no
 group, as in the exact keyed plan (LEFT OUTER: one NULL row).
 
 Which lists a key occupies is counted at planning, by one Spark job (:func:`key_lists`: a
@@ -711,8 +712,11 @@ def plan_approx(planned):
                   f"{'' if lists is None else ', each within its own key'}")
         info.update(nprobe=nprobe, recall_estimate=estimate, recall_interval=[lower, upper],
                     recall_queries=curve.queries)
-        if nprobe >= IVF_MAX_PROBED_SHARE * index.nlist:
-            return exact(f"recall={options.recall} needs nprobe={nprobe} of nlist={index.nlist} lists "
+        # With keys, of the lists a key's targets occupy: its exact search is its rows only.
+        available = (f"nlist={index.nlist} lists" if lists is None
+                     else f"the {lists.widest} lists the widest key occupies")
+        if nprobe >= IVF_MAX_PROBED_SHARE * (index.nlist if lists is None else lists.widest):
+            return exact(f"recall={options.recall} needs nprobe={nprobe} of {available} "
                          f"({chosen}), >= {IVF_MAX_PROBED_SHARE:g} of them: IVF would be slower than the "
                          "exact search (pass nprobe to force it)", **info)
     text = (f"IVF: nlist={index.nlist} ({built}, seed {index.seed}; {routing}), nprobe={nprobe} "

@@ -245,3 +245,47 @@ def test_caps_inside_keys(frames, data, exact):
     # its lower bound >= 0.9) is the measured recall
     measured = np.mean([len({b for b in bs if (a, b) in found}) / len(bs) for a, bs in true.items() if bs])
     assert measured == pytest.approx(planned.plan.ivf["recall_estimate"], abs=1e-12) and measured >= 0.9
+
+
+def test_the_keyed_plan_choice_without_spark(monkeypatch):
+    """With keys: no key larger than its lists' worth runs the exact keyed plan without the
+    count job; a recall needing a quarter of the widest key's lists runs exact; an explicit
+    nprobe runs the keyed IVF search."""
+    from types import SimpleNamespace
+
+    from nearest_join import ivf
+    from nearest_join.join import PlannedJoin
+    from nearest_join.options import JoinOptions
+    from nearest_join.planner import JoinPlan
+
+    rng = np.random.default_rng(0)
+    index = ivf.IVFIndex.train(rng.standard_normal((400, 3)).astype(np.float32), "l2", 16)
+    # two keys of 12 and 8 lists: group ids 0..19
+    lists = ivf.KeyLists(np.array([16 * 0 + i for i in range(12)] + [16 * 3 + i for i in range(8)], np.int64),
+                         np.full(20, 30, np.int64), 16, 100)
+    assert (lists.keys, lists.widest) == (2, 12)
+    monkeypatch.setattr(ivf, "_keyed_inputs", lambda planned: ((None, None), ("v", "w")))
+    monkeypatch.setattr(ivf, "key_lists", lambda t_input, name, planned, index: lists)
+    curve = ivf.RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 8), 5000)
+    monkeypatch.setattr(ivf, "estimate_keyed_recall", lambda *args: curve)
+
+    def planned(largest: int, **options):
+        plan = JoinPlan(plan="broadcast", reason="", metric="l2", k=5, mode="approx", join_type="inner",
+                        query_column="v", target_column="w", dimension=3, query_rows=10, target_rows=400,
+                        target_bytes=4800, broadcast_limit_bytes=1 << 30, task_memory_bytes=1 << 26, cores=2,
+                        query_block_rows=10, target_block_rows=400, query_blocks=1, target_blocks=1,
+                        query_partitions=None, target_partitions=None, backend="cpu", precision="auto",
+                        distance_col=None, largest_group=largest)
+        return PlannedJoin(None, None, "l2", JoinOptions(mode="approx", index=index, **options), plan,
+                           SimpleNamespace(metric="l2", target_column="w"), "distance", keys=("k",))
+
+    small = ivf.plan_approx(planned(100, recall=0.95))   # 100 <= 4 lists' worth (4 * 400 // 16)
+    assert small.plan.ivf["runs"] == "exact" and "every key has at most 100 target rows" in str(small.plan)
+    low = ivf.plan_approx(planned(300, recall=0.95))
+    assert low.plan.ivf["runs"] == "ivf" and low.ivf.nprobe == 2 and low.ivf.lists is lists
+    assert low.plan.ivf["keys_by_lists"] == 2 and low.plan.ivf["key_list_pairs"] == 20
+    high = ivf.plan_approx(planned(300, recall=0.999))   # nprobe 4 >= a quarter of 12 lists
+    assert high.plan.ivf["runs"] == "exact" and "of the 12 lists the widest key occupies" in str(high.plan)
+    forced = ivf.plan_approx(planned(300, nprobe=12))
+    assert forced.plan.ivf["runs"] == "ivf" and forced.ivf.nprobe == 12
+    assert "every list of every key, the exact result" in str(forced.plan)
