@@ -163,7 +163,8 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **
     function's) and raises its errors. Runs only the one small job the planner needs (row
     counts, partitions, vector lengths); an approx plan that runs IVF also trains its lists
     (unless ``index`` is given) and estimates its recall (a sample job and a scan of the
-    target for the sampled queries' exact neighbours). ``print(plan)`` says, among the
+    target for the sampled queries' exact neighbours; with ``on=`` keys, first a scan of the
+    target counting its (key, list) pairs). ``print(plan)`` says, among the
     rest, what ``precision="auto"`` will run.
     """
     bound = inspect.signature(nearest_by_join).bind(query, target, ranking, *args, **kwargs)
