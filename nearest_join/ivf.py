@@ -524,7 +524,7 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs import columns as C
-    from udfs.lists import SAMPLE_SCHEMA, key_probes, sample_topk
+    from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
     from udfs.vectors import decode_vectors
 
@@ -546,20 +546,31 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
                                  index_metric=index.metric, cap=plan.cap, query_groups=groups)
     scanned = t_input.select(t_vector, C.GROUP).mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     neighbour_lists = _neighbour_lists(scanned, queries.shape[0], plan.k, parsed.metric)
-    probes = np.concatenate([key_probes(queries[i:i + 256], groups[i:i + 256], lists.codes,
-                                        np.asarray(index.centroids), index.metric, index.nlist)
-                             for i in range(0, queries.shape[0], 256)])
-    whole = probes[:, 0] >= lists.codes.size
+    return recall_of_ranks(key_ranks(queries, groups, neighbour_lists, lists, index), width)
+
+
+def key_ranks(queries: np.ndarray, groups: np.ndarray, neighbour_lists: list[np.ndarray], lists: KeyLists,
+              index: IVFIndex) -> list[np.ndarray]:
+    """For each query (of key group ``groups[i]``), the probe at which each of its neighbours'
+    lists ``neighbour_lists[i]`` is searched: its rank among the lists its key occupies,
+    nearest first, as ``udfs.lists.key_probes`` orders them (0 for every neighbour of a key
+    searched whole; ``lists.widest`` or more for a list its key's probes lack)."""
+    from udfs.lists import key_probes
+
+    width = max(lists.widest, 1)
     ranks = []
-    for i, found in enumerate(neighbour_lists):
-        if whole[i]:
-            ranks.append(np.zeros(found.size, np.int64))
-            continue
-        probed = probes[i][probes[i] >= 0]
-        rank = np.full(index.nlist, width, np.int64)
-        rank[lists.codes[probed] % index.nlist] = np.arange(probed.size)
-        ranks.append(rank[found])
-    return recall_of_ranks(ranks, width)
+    for start in range(0, queries.shape[0], 256):
+        probes = key_probes(queries[start:start + 256], groups[start:start + 256], lists.codes,
+                            np.asarray(index.centroids), index.metric, index.nlist)
+        for row, found in zip(probes, neighbour_lists[start:start + 256]):
+            if row[0] >= lists.codes.size:   # a key searched whole: every neighbour at the first probe
+                ranks.append(np.zeros(found.size, np.int64))
+                continue
+            probed = row[row >= 0]
+            rank = np.full(index.nlist, width, np.int64)
+            rank[lists.codes[probed] % index.nlist] = np.arange(probed.size)
+            ranks.append(rank[found])
+    return ranks
 
 
 # ----------------------------------------------------------------------------- the plan

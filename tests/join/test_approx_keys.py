@@ -289,3 +289,29 @@ def test_the_keyed_plan_choice_without_spark(monkeypatch):
     forced = ivf.plan_approx(planned(300, nprobe=12))
     assert forced.plan.ivf["runs"] == "ivf" and forced.ivf.nprobe == 12
     assert "every list of every key, the exact result" in str(forced.plan)
+
+
+def test_key_ranks_against_each_keys_sorted_lists():
+    """The estimate's ranks (nearest_join.ivf.key_ranks) over more queries than one routing
+    chunk, the chunks' keys of different widths: each neighbour's list ranked among its key's
+    lists by float64 distance; a whole key's neighbours at rank 0."""
+    from nearest_join.ivf import IVFIndex, KeyLists, key_ranks
+
+    rng = np.random.default_rng(4)
+    nlist = 30
+    index = IVFIndex.train(rng.standard_normal((600, 5)).astype(np.float32), "l2", nlist)
+    key_of = {0: np.arange(0, 3), 1: np.arange(5, 30)}   # key 0: 3 lists, key 1: 25; key 2 whole
+    codes = np.concatenate([g * nlist + ls for g, ls in key_of.items()]).astype(np.int64)
+    lists = KeyLists(codes, np.ones(codes.size, np.int64), nlist, 10)
+    groups = np.array([0] * 256 + [1] * 40 + [2] * 10, np.int64)   # the first chunk: key 0 only
+    queries = rng.standard_normal((groups.size, 5)).astype(np.float32)
+    neighbours = [rng.choice(key_of.get(int(g), np.arange(nlist)), 4) for g in groups]
+    ranks = key_ranks(queries, groups, neighbours, lists, index)
+    for i, g in enumerate(groups):
+        if g == 2:
+            assert ranks[i].tolist() == [0] * 4
+            continue
+        own = key_of[int(g)]
+        distances = ((index.centroids[own].astype(np.float64) - queries[i]) ** 2).sum(axis=1)
+        order = own[np.argsort(distances)].tolist()
+        assert ranks[i].tolist() == [order.index(x) for x in neighbours[i]], i
