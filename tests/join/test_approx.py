@@ -403,7 +403,7 @@ def test_small_joins_and_small_keys_run_exact(frames):
     assert plan.ivf["runs"] == "exact" and "too few for IVF to win" in str(plan)
     keyed = explain_nearest_join(q.withColumn("g", q.qid % 2), t.withColumn("g", t.tid % 2), "l2", 3,
                                  "approx", vectors=("v", "w"), on="g", nlist=4)
-    # two keys of 1200 target rows, at most 4 lists' worth of 4 lists each: each searched whole
+    # two keys of 1200 target rows each, within 4 lists' worth (4 x 2400 / 4 rows): each searched whole
     assert keyed.ivf["runs"] == "exact" and "every key has at most 2400 target rows" in str(keyed)
 
 
