@@ -315,3 +315,51 @@ def test_key_ranks_against_each_keys_sorted_lists():
         distances = ((index.centroids[own].astype(np.float64) - queries[i]) ** 2).sum(axis=1)
         order = own[np.argsort(distances)].tolist()
         assert ranks[i].tolist() == [order.index(x) for x in neighbours[i]], i
+
+
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "inner_product"])
+@pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
+def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped):
+    """udfs.lists.sample_topk with the sampled queries' key groups, over several batches (a
+    NULL vector, a NULL group, an all-NULL batch among them): per query, the lists and values
+    of its exact top k among its own key's rows (the float64 reference, under the cap)."""
+    import pyarrow as pa
+
+    from nearest_join.ivf import IVFIndex
+    from nearest_join.kernels import knn
+    from udfs.lists import SAMPLE_SCHEMA, sample_topk
+    from udfs.packing import SideLayout
+
+    rng = np.random.default_rng(9)
+    targets = rng.standard_normal((700, 5)).astype(np.float32)
+    queries = rng.standard_normal((30, 5)).astype(np.float32)
+    t_groups = rng.integers(0, 4, 700)
+    t_groups[rng.random(700) < 0.05] = -1                 # rows of no group
+    t_groups[t_groups == 3] = 2                           # no target of group 3
+    q_groups = rng.integers(-1, 4, 30)                    # -1: no group; 3: a group without targets
+    index = IVFIndex.train(targets, metric, 10, seed=1)
+    vectors = [None if j == 17 else targets[j].tolist() for j in range(700)]
+    groups = [None if g < 0 else int(g) for g in t_groups]
+    batches = [pa.record_batch([pa.array(vectors[a:b], pa.list_(pa.float32())), pa.array(groups[a:b], pa.int32())],
+                               names=["w", "g"]) for a, b in ((0, 250), (250, 251), (251, 600), (600, 700))]
+    batches.insert(2, pa.record_batch([pa.array([None, None], pa.list_(pa.float32())), pa.array([0, 1], pa.int32())],
+                                      names=["w", "g"]))
+    cap = None
+    if capped:
+        cap = float(np.median(knn(queries, targets, 6, metric, backend="reference")[0][:, 5]))
+    out = pa.Table.from_batches(list(sample_topk(
+        batches, layout=SideLayout("w", 0, 5, 1, group_index=1), queries=queries,
+        centroids=np.asarray(index.centroids), k=6, metric=metric, index_metric=index.metric, cap=cap,
+        query_groups=q_groups.astype(np.int64))), schema=SAMPLE_SCHEMA)
+    t_lists = index.route(targets)[:, 0]
+    query, lists, value = (out.column(c).to_numpy() for c in ("query", "list", "value"))
+    for i in range(30):
+        mine = query == i
+        own = np.flatnonzero((t_groups == q_groups[i]) & (np.arange(700) != 17)) if q_groups[i] >= 0 else []
+        if len(own) == 0:
+            assert not mine.any(), i
+            continue
+        want_v, want_rows = knn(queries[i:i + 1], targets[own], 6, metric, backend="reference", cap=cap)
+        found = own[want_rows[0][want_rows[0] >= 0]]
+        assert sorted(lists[mine].tolist()) == sorted(t_lists[found].tolist()), f"query {i}"
+        np.testing.assert_allclose(np.sort(value[mine]), np.sort(want_v[0][want_rows[0] >= 0]), rtol=1e-5)
