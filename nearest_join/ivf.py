@@ -740,7 +740,10 @@ def plan_approx(planned):
                  f"{lists.whole_rows} target rows ({KEY_WHOLE_LISTS} lists' worth) grouped by (key, list) "
                  f"({lists.codes.size} pairs, at most {lists.widest} lists per key, counted by a scan of "
                  "the target), each query searching exactly its nprobe nearest lists among those its "
-                 "key's targets occupy; every other key searched whole")
+                 "key's targets occupy")
+        others = None if plan.key_groups is None else plan.key_groups - lists.keys
+        if others is None or others > 0:
+            text += f"; {'every other key' if others is None else f'the other {others} keys'} searched whole"
         search = KeyedIvfSearch(index, nprobe, lists)
     if nprobe == index.nlist:
         text += "; nprobe = nlist: every list, the exact result"
