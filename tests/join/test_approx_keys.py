@@ -187,10 +187,16 @@ def test_the_keyed_estimate_is_the_measured_recall(exact, one_probe):
     assert curve.recall[0] < 1 and curve.recall[-1] == pytest.approx(1.0)
 
 
-def test_same_seed_same_rows(frames, one_probe):
-    # trained in the join from the same seed: the index built before, the same rows
+def test_same_seed_same_rows(spark, frames, one_probe):
+    # trained in the join from the same seed: the index built before, the same rows; in many
+    # Arrow batches (the count, the routing and the packing go batch by batch)
     q, t = frames
-    assert _rows(nearest_by_join(q, t, "l2", K, "approx", nlist=NLIST, nprobe=1, seed=3, **ARGS)) == one_probe[1]
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "37")
+    try:
+        rows = _rows(nearest_by_join(q, t, "l2", K, "approx", nlist=NLIST, nprobe=1, seed=3, **ARGS))
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert rows == one_probe[1]
 
 
 def test_recall_target_met_and_estimated_within_keys(frames, exact):
