@@ -37,8 +37,39 @@ product, and the recall estimate measures what routing by direction costs on the
 the target before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
 :data:`IVF_MIN_WORK_PER_CORE` multiply-adds of exact search per core, ``approx`` runs the exact
 plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``, ``nlist`` or
-``nprobe`` is given. With ``on=`` keys, and for targets too large to broadcast, approx runs
-the exact plan too: see :func:`ivf_carrier`.
+``nprobe`` is given. For targets too large to broadcast approx runs the exact plan too: see
+:func:`ivf_carrier`.
+
+**With on= keys** (a filtered IVF, as Faiss's filtered search or Milvus's partition keys):
+one index over the whole target (``build_ivf_index`` and ``index=`` serve every key), and
+the keyed search's groups become (key, list) pairs. A query probes its ``nprobe`` nearest
+lists *among those its key's targets occupy* (``udfs.lists.key_probes``), so a key whose
+targets all lie in lists far from the query still yields its nearest rows. A key of at most
+:data:`KEY_WHOLE_LISTS` lists' worth of target rows is searched whole, one group, exact (IVF
+cannot win on so few rows); when every key is that small, when its largest group is below the
+size thresholds above, or when the recall target needs :data:`IVF_MAX_PROBED_SHARE` of the
+lists the widest key occupies, the exact keyed plan runs. NULL keys and keys without targets have no
+group, as in the exact keyed plan (LEFT OUTER: one NULL row).
+
+Which lists a key occupies is counted at planning, by one Spark job (:func:`key_lists`: a
+scan of the target that routes every row, the pairs of the large keys only sent to the
+driver), and reaches the executors as the sorted (key, list) codes in the packing closure;
+the ids are dense (pair ``i`` is group ``i``, a whole key ``len(pairs) + key``). The
+alternative, deriving the occupancy inside the broadcast search task (it holds every target
+row), was not taken: a query row is routed where it is packed, before it meets the targets;
+the search task would have to wait for every target block before its first query block and
+route queries a second time; and the keyed blocked plan, where no task holds every target
+row, needs the same dense ids and their sizes on the driver (``nearest_join.keyed``'s
+layout). The job costs one more routing pass over the target at planning. As for the keyed
+blocked plan, both inputs must then read the same rows at planning and at the run (a target
+row of a (key, list) pair the count did not see has no group).
+
+The recall estimate with keys (:func:`estimate_keyed_recall`) samples queries that have a
+key group, ranks each against its own key's targets only (the scan of ``udfs.lists.sample_topk``
+with the groups), and ranks its neighbours' lists among those its key occupies, as the
+search probes them; a query of a key searched whole finds its neighbours at the first probe.
+The same Wilson interval, and ``nprobe == nlist`` (or the most lists one key occupies) is
+the exact keyed result.
 """
 from __future__ import annotations
 
@@ -70,6 +101,10 @@ IVF_MIN_WORK_PER_CORE = 2 * 10**11
 # per-list searches are narrow (a list's rows of one target block) and cost several times
 # more per pair than one search of the whole block, so IVF would be slower than exact.
 IVF_MAX_PROBED_SHARE = 0.25
+# With on= keys, a key of at most this many lists' worth of target rows (target rows / nlist
+# each) is searched whole: IVF cannot win on so few rows (its queries would probe most of
+# the few lists they occupy, one small segment each), and a whole search is exact.
+KEY_WHOLE_LISTS = 4
 # z of the two-sided 95% interval of the recall estimate.
 _Z95 = 1.959963984540054
 FORMAT = "nearest_join.ivf_index/1"
@@ -211,11 +246,16 @@ def sample_vectors(df, column_name: str, rows: int, total_rows: int, seed: int) 
 
     col = column(df, column_name)
     picked = df.select(col.alias("v")).where(F.col("v").isNotNull())
+    table = _sample_table(picked, rows, total_rows, seed)
+    return decode_vectors(table.column(0), None, label=quote(column_name))
+
+
+def _sample_table(picked, rows: int, total_rows: int, seed: int):
+    """About ``rows`` rows of ``picked`` (of ``total_rows`` rows at most) as Arrow, Spark's seeded sample."""
     if total_rows > rows:
         # Oversample a little so that the limit, not the draw, decides the count.
         picked = picked.sample(withReplacement=False, fraction=min(1.0, 1.2 * rows / total_rows), seed=seed)
-    table = picked.limit(rows).toArrow()
-    return decode_vectors(table.column(0), None, label=quote(column_name))
+    return picked.limit(rows).toArrow()
 
 
 def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = None, seed: int = 0,
@@ -342,17 +382,27 @@ def recall_curve(query_order: np.ndarray, neighbour_lists: list[np.ndarray]) -> 
     in the exact result) are left out.
     """
     nlist = query_order.shape[1]
-    found = np.zeros(nlist + 1)
-    queries = 0
+    ranks = []
     for order, lists in zip(query_order, neighbour_lists):
-        if lists.size == 0:
-            continue
         rank = np.full(nlist, nlist, np.int64)
         valid = order >= 0
         rank[order[valid]] = np.flatnonzero(valid)
-        found += np.bincount(rank[lists], minlength=nlist + 1)[: nlist + 1] / lists.size
+        ranks.append(rank[lists])
+    return recall_of_ranks(ranks, nlist)
+
+
+def recall_of_ranks(ranks: list[np.ndarray], width: int) -> RecallCurve:
+    """Recall@k for every nprobe 1..``width`` from each sampled query's neighbours' probe
+    ranks (``ranks[i][j]``: the probe at which query ``i``'s neighbour ``j`` is found, 0 the
+    first; ``width`` or more: never). Queries without neighbours are left out."""
+    found = np.zeros(width + 1)
+    queries = 0
+    for rank in ranks:
+        if rank.size == 0:
+            continue
+        found += np.bincount(np.minimum(rank, width), minlength=width + 1)[: width + 1] / rank.size
         queries += 1
-    recall = np.cumsum(found[:nlist]) / max(queries, 1)
+    recall = np.cumsum(found[:width]) / max(queries, 1)
     return RecallCurve(recall, queries)
 
 
@@ -366,7 +416,6 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
 
-    from .kernels import resolve_metric
     from .ranking import column, quote
 
     parsed, plan = planned.parsed, planned.plan
@@ -380,18 +429,148 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
                                  index_metric=index.metric, cap=plan.cap)
     table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
+    neighbour_lists = _neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
+    query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist)
+                                  for i in range(0, queries.shape[0], 256)])
+    return recall_curve(query_order, neighbour_lists)
+
+
+def _neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarray]:
+    """The lists of each sampled query's k best neighbours over all partitions of a
+    ``udfs.lists.SAMPLE_SCHEMA`` table, ties to the lower (partition, row)."""
+    from .kernels import resolve_metric
+
     query = table.column("query").to_numpy().astype(np.int64)
     value = table.column("value").to_numpy().astype(np.float64)
     lists = table.column("list").to_numpy().astype(np.int64)
     order = table.column("order").to_numpy()
-    # Each query's k best over all partitions, ties to the lower (partition, row).
-    rank = np.lexsort((order, -value if resolve_metric(parsed.metric).descending else value, query))
+    rank = np.lexsort((order, -value if resolve_metric(metric).descending else value, query))
     query, lists = query[rank], lists[rank]
-    starts = np.searchsorted(query, np.arange(queries.shape[0] + 1))
-    neighbour_lists = [lists[starts[i]:min(starts[i + 1], starts[i] + plan.k)] for i in range(queries.shape[0])]
-    query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist)
-                                  for i in range(0, queries.shape[0], 256)])
-    return recall_curve(query_order, neighbour_lists)
+    starts = np.searchsorted(query, np.arange(queries + 1))
+    return [lists[starts[i]:min(starts[i + 1], starts[i] + k)] for i in range(queries)]
+
+
+# ----------------------------------------------------------------------------- on= keys
+@dataclass(frozen=True, eq=False)
+class KeyLists:
+    """The (key, list) pairs of the keys searched by their lists (``on=`` keys).
+
+    ``codes`` (sorted int64 ``key group * nlist + list``) are the pairs the targets of the
+    keys of more than ``whole_rows`` target rows occupy, ``rows`` their target rows; pair
+    ``i`` is group ``i`` of the keyed search, a key searched whole is group
+    ``len(codes) + key group`` (``udfs.lists.key_probes``, ``udfs.lists.target_key_ids``).
+    """
+
+    codes: np.ndarray
+    rows: np.ndarray
+    nlist: int
+    whole_rows: int
+
+    @property
+    def keys(self) -> int:
+        """Keys searched by their lists."""
+        return int(np.unique(self.codes // self.nlist).size)
+
+    @property
+    def widest(self) -> int:
+        """The most lists one such key occupies (0: none)."""
+        keys = self.codes // self.nlist
+        return int(np.bincount(np.unique(keys, return_inverse=True)[1]).max()) if keys.size else 0
+
+
+def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
+    """The :class:`KeyLists` of ``t_input`` (the keyed target, ``nearest_join.join._inputs``:
+    its vector column ``vector_name``, its key group ``C.GROUP`` last): one Spark job, a scan
+    of the target that routes every row to its list (``udfs.lists.count_key_lists``, a
+    partition's pairs counted there) and sends the driver one row per (key, list) pair of the
+    keys of more than :data:`KEY_WHOLE_LISTS` lists' worth of rows only."""
+    from pyspark.sql import Window
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from udfs import columns as C
+    from udfs.lists import KEY_LIST_SCHEMA, count_key_lists
+    from udfs.packing import SideLayout
+
+    from .ranking import quote
+
+    parsed, plan = planned.parsed, planned.plan
+    whole_rows = KEY_WHOLE_LISTS * plan.target_rows // index.nlist
+    layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
+                        expected_from=f"query column {quote(parsed.query_column)}", group_index=1)
+    function = functools.partial(count_key_lists, layout=layout, centroids=np.asarray(index.centroids),
+                                 metric=index.metric)
+    pairs = (t_input.select(vector_name, C.GROUP).mapInArrow(function, from_arrow_schema(KEY_LIST_SCHEMA))
+             .groupBy("group", "list").agg(F.sum("rows").alias("rows")))
+    listed = (pairs.withColumn("key_rows", F.sum("rows").over(Window.partitionBy("group")))
+              .where(F.col("key_rows") > whole_rows).select("group", "list", "rows"))
+    table = listed.toArrow()
+    codes = (table.column("group").to_numpy().astype(np.int64) * index.nlist
+             + table.column("list").to_numpy().astype(np.int64))
+    order = np.argsort(codes, kind="stable")
+    return KeyLists(codes[order], table.column("rows").to_numpy().astype(np.int64)[order], index.nlist,
+                    int(whole_rows))
+
+
+def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vector_names,
+                          seed: int) -> RecallCurve:
+    """:func:`estimate_recall` with ``on=`` keys: each sampled query (of a query row with a
+    key group) ranked against its own key's targets only (``udfs.lists.sample_topk`` with
+    the groups), and its neighbours' lists ranked among those its key occupies, as
+    ``udfs.lists.key_probes`` probes them; a query of a key searched whole finds all its
+    neighbours at the first probe. The curve spans nprobe 1 to :attr:`KeyLists.widest`,
+    where every key's every list is probed: the exact result."""
+    from pyspark.sql import functions as F
+    from pyspark.sql.pandas.types import from_arrow_schema
+
+    from udfs import columns as C
+    from udfs.lists import SAMPLE_SCHEMA, sample_topk
+    from udfs.packing import SideLayout
+    from udfs.vectors import decode_vectors
+
+    from .ranking import quote
+
+    parsed, plan = planned.parsed, planned.plan
+    (q_input, t_input), (q_vector, t_vector) = inputs, vector_names
+    width = max(lists.widest, 1)
+    picked = q_input.select(q_vector, C.GROUP).where(F.col(q_vector).isNotNull() & F.col(C.GROUP).isNotNull())
+    table = _sample_table(picked, RECALL_QUERIES, plan.query_rows, seed)
+    queries = decode_vectors(table.column(0), None, label=quote(parsed.query_column))
+    if queries.shape[0] == 0:
+        return RecallCurve(np.ones(width), 0)
+    groups = table.column(1).to_numpy(zero_copy_only=False).astype(np.int64)
+    layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
+                        expected_from=f"query column {quote(parsed.query_column)}", group_index=1)
+    function = functools.partial(sample_topk, layout=layout, queries=queries,
+                                 centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
+                                 index_metric=index.metric, cap=plan.cap, query_groups=groups)
+    scanned = t_input.select(t_vector, C.GROUP).mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
+    neighbour_lists = _neighbour_lists(scanned, queries.shape[0], plan.k, parsed.metric)
+    return recall_of_ranks(key_ranks(queries, groups, neighbour_lists, lists, index), width)
+
+
+def key_ranks(queries: np.ndarray, groups: np.ndarray, neighbour_lists: list[np.ndarray], lists: KeyLists,
+              index: IVFIndex) -> list[np.ndarray]:
+    """For each query (of key group ``groups[i]``), the probe at which each of its neighbours'
+    lists ``neighbour_lists[i]`` is searched: its rank among the lists its key occupies,
+    nearest first, as ``udfs.lists.key_probes`` orders them (0 for every neighbour of a key
+    searched whole; ``lists.widest`` or more for a list its key's probes lack)."""
+    from udfs.lists import key_probes
+
+    width = max(lists.widest, 1)
+    ranks = []
+    for start in range(0, queries.shape[0], 256):
+        probes = key_probes(queries[start:start + 256], groups[start:start + 256], lists.codes,
+                            np.asarray(index.centroids), index.metric, index.nlist)
+        for row, found in zip(probes, neighbour_lists[start:start + 256]):
+            if row[0] >= lists.codes.size:   # a key searched whole: every neighbour at the first probe
+                ranks.append(np.zeros(found.size, np.int64))
+                continue
+            probed = row[row >= 0]
+            rank = np.full(index.nlist, width, np.int64)
+            rank[lists.codes[probed] % index.nlist] = np.arange(probed.size)
+            ranks.append(rank[found])
+    return ranks
 
 
 # ----------------------------------------------------------------------------- the plan
@@ -412,6 +591,28 @@ class IvfSearch:
         def side(nprobe: int | None):
             return functools.partial(pack_listed, centroids=np.asarray(self.index.centroids),
                                      metric=self.index.metric, nprobe=nprobe)
+
+        return side(self.nprobe), side(None)
+
+
+@dataclass(frozen=True, eq=False)
+class KeyedIvfSearch:
+    """:class:`IvfSearch` inside ``on=`` key groups: the group ids of the keyed search are
+    the (key, list) pairs of :class:`KeyLists` and the keys searched whole."""
+
+    index: IVFIndex
+    nprobe: int
+    lists: KeyLists
+
+    def packers(self):
+        """The packing functions of both sides (``udfs.lists.pack_key_listed``; ``layout``
+        left to the caller): each row's key group column (the last) replaced by its group
+        ids as the rows are packed, a target row's one, a query row's probed ones."""
+        from udfs.lists import pack_key_listed
+
+        def side(nprobe: int | None):
+            return functools.partial(pack_key_listed, centroids=np.asarray(self.index.centroids),
+                                     metric=self.index.metric, nprobe=nprobe, key_lists=self.lists.codes)
 
         return side(self.nprobe), side(None)
 
@@ -439,9 +640,10 @@ def ivf_carrier(plan) -> str | None:
        partials (each of at most k target rows) meet there; ties across lists go to the
        lower (target part, row), as in the broadcast search.
 
-    With ``on=`` keys the groups would be (key, list) pairs of one global index, a query
-    probing its nearest lists among those its key holds, and the recall estimate's scan
-    would rank each sampled query against its own key's targets only.
+    With ``on=`` keys the groups are (key, list) pairs of one global index and whole keys
+    (:class:`KeyLists`: dense ids, their target rows counted on the driver, so the keyed
+    blocked plan's layout can take them), a query probing its nearest lists among those its
+    key holds; the broadcast keyed search runs them (:class:`KeyedIvfSearch`).
     """
     if plan.plan == "broadcast":
         return None
@@ -460,8 +662,6 @@ def plan_approx(planned):
         note = {**figures, "runs": "exact", "explanation": f"runs the exact plan (a valid approximation): {why}"}
         return dataclasses.replace(planned, plan=dataclasses.replace(plan, ivf=note))
 
-    if planned.keys is not None:
-        return exact("with on= keys the keyed plan runs exact (no IVF plan inside each key group yet)")
     if not plan.dimension or not plan.target_rows:
         return exact("no target vector to build lists of")
     if options.index is not None:
@@ -469,15 +669,23 @@ def plan_approx(planned):
     blocked = ivf_carrier(plan)
     if blocked is not None:
         return exact(blocked)
-    work = plan.query_rows * plan.target_rows * plan.dimension
+    # With on= keys IVF can win inside a key only: the largest key group bounds its rows and
+    # the exact keyed search's work.
+    keyed = planned.keys is not None and plan.largest_group is not None
+    rows = plan.largest_group if keyed else plan.target_rows
+    work = plan.query_rows * rows * plan.dimension
     if not explicit:
-        if plan.target_rows < IVF_MIN_TARGET_ROWS:
-            return exact(f"{plan.target_rows} target rows < {IVF_MIN_TARGET_ROWS}, too few for IVF "
-                         "to win (pass nlist, nprobe or index to force it)")
+        if rows < IVF_MIN_TARGET_ROWS:
+            return exact(f"{rows} target rows{' in the largest key group' if keyed else ''} < "
+                         f"{IVF_MIN_TARGET_ROWS}, too few for IVF to win (pass nlist, nprobe or index to force it)")
         if work < IVF_MIN_WORK_PER_CORE * plan.cores:
-            return exact(f"exact search is {work:.3g} multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core "
-                         f"on {plan.cores} cores: too little for IVF's fixed costs (pass nlist, nprobe "
-                         "or index to force it)")
+            return exact(f"exact {'keyed ' if keyed else ''}search is {'at most ' if keyed else ''}{work:.3g} "
+                         f"multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core on {plan.cores} cores: too "
+                         "little for IVF's fixed costs (pass nlist, nprobe or index to force it)")
+    if keyed:
+        nlist = options.index.nlist if options.index is not None else options.nlist or default_nlist(plan.target_rows)
+        if rows <= KEY_WHOLE_LISTS * plan.target_rows // nlist:
+            return exact(_all_keys_whole(KEY_WHOLE_LISTS * plan.target_rows // nlist, nlist))
     index = options.index
     built = "given"
     if index is None:
@@ -492,26 +700,74 @@ def plan_approx(planned):
     info = {"runs": "ivf", "nlist": index.nlist, "nprobe": options.nprobe, "seed": index.seed,
             "index": built, "recall_target": options.recall, "recall_estimate": None,
             "recall_interval": None, "recall_queries": 0}
+    lists = inputs = None
+    if planned.keys is not None:
+        inputs = _keyed_inputs(planned)
+        lists = key_lists(inputs[0][1], inputs[1][1], planned, index)
+        info.update(keys_by_lists=lists.keys, key_list_pairs=int(lists.codes.size), key_whole_rows=lists.whole_rows)
+        if lists.codes.size == 0:
+            return exact(_all_keys_whole(lists.whole_rows, index.nlist), **info)
     if options.nprobe is not None:
         nprobe = options.nprobe
         chosen = "given; recall not estimated"
     else:
-        curve = estimate_recall(planned, index, options.seed)
+        if lists is None:
+            curve = estimate_recall(planned, index, options.seed)
+        else:
+            curve = estimate_keyed_recall(planned, index, lists, *inputs, options.seed)
         nprobe = curve.smallest_nprobe(options.recall)
         estimate, lower, upper = curve.at(nprobe)
         chosen = (f"the smallest whose lower bound meets recall={options.recall}: estimated "
                   f"recall@{plan.k} {estimate:.4f}, 95% interval [{lower:.4f}, {upper:.4f}], "
-                  f"{curve.queries} sampled queries against exact search")
+                  f"{curve.queries} sampled queries against exact search"
+                  f"{'' if lists is None else ', each within its own key'}")
         info.update(nprobe=nprobe, recall_estimate=estimate, recall_interval=[lower, upper],
                     recall_queries=curve.queries)
-        if nprobe >= IVF_MAX_PROBED_SHARE * index.nlist:
-            return exact(f"recall={options.recall} needs nprobe={nprobe} of nlist={index.nlist} lists "
+        # With keys, of the lists a key's targets occupy: its exact search is its rows only.
+        available = (f"nlist={index.nlist} lists" if lists is None
+                     else f"the {lists.widest} lists the widest key occupies")
+        if nprobe >= IVF_MAX_PROBED_SHARE * (index.nlist if lists is None else lists.widest):
+            return exact(f"recall={options.recall} needs nprobe={nprobe} of {available} "
                          f"({chosen}), >= {IVF_MAX_PROBED_SHARE:g} of them: IVF would be slower than the "
                          "exact search (pass nprobe to force it)", **info)
     text = (f"IVF: nlist={index.nlist} ({built}, seed {index.seed}; {routing}), nprobe={nprobe} "
-            f"({chosen}); targets grouped by list, each query searches its nprobe lists exactly")
+            f"({chosen}); ")
+    if lists is None:
+        text += "targets grouped by list, each query searches its nprobe lists exactly"
+        search = IvfSearch(index, nprobe)
+    else:
+        text += (f"one index over the whole target, inside the on= keys: the {lists.keys} keys of more than "
+                 f"{lists.whole_rows} target rows ({KEY_WHOLE_LISTS} lists' worth) grouped by (key, list) "
+                 f"({lists.codes.size} pairs, at most {lists.widest} lists per key, counted by a scan of "
+                 "the target), each query searching exactly its nprobe nearest lists among those its "
+                 "key's targets occupy")
+        others = None if plan.key_groups is None else plan.key_groups - lists.keys
+        if others is None or others > 0:
+            text += f"; {'every other key' if others is None else f'the other {others} keys'} searched whole"
+        search = KeyedIvfSearch(index, nprobe, lists)
     if nprobe == index.nlist:
         text += "; nprobe = nlist: every list, the exact result"
+    elif lists is not None and nprobe >= lists.widest:
+        text += "; nprobe >= the most lists one key occupies: every list of every key, the exact result"
     info["explanation"] = text
     plan = dataclasses.replace(plan, ivf=info)
-    return dataclasses.replace(planned, plan=plan, ivf=IvfSearch(index, nprobe))
+    return dataclasses.replace(planned, plan=plan, ivf=search)
+
+
+def _all_keys_whole(whole_rows: int, nlist: int) -> str:
+    return (f"with on= keys, every key has at most {whole_rows} target rows ({KEY_WHOLE_LISTS} lists' "
+            f"worth of nlist={nlist} lists), too few for IVF to win inside it: each key is searched whole")
+
+
+def _keyed_inputs(planned):
+    """((query, target) with positional names and the key group last, (their vector
+    columns' names)): the keyed inputs :func:`nearest_join.join._inputs` gives the join."""
+    from udfs import columns as C
+
+    from .join import _inputs
+    from .ranking import column_index
+
+    query, target, parsed = planned.query, planned.target, planned.parsed
+    names = (C.output_name(column_index(query, parsed.query_column)),
+             C.output_name(len(query.columns) + column_index(target, parsed.target_column)))
+    return _inputs(query, target, planned.keys), names

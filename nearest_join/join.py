@@ -163,7 +163,8 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **
     function's) and raises its errors. Runs only the one small job the planner needs (row
     counts, partitions, vector lengths); an approx plan that runs IVF also trains its lists
     (unless ``index`` is given) and estimates its recall (a sample job and a scan of the
-    target for the sampled queries' exact neighbours). ``print(plan)`` says, among the
+    target for the sampled queries' exact neighbours; with ``on=`` keys, first a scan of the
+    target counting its (key, list) pairs). ``print(plan)`` says, among the
     rest, what ``precision="auto"`` will run.
     """
     bound = inspect.signature(nearest_by_join).bind(query, target, ranking, *args, **kwargs)
@@ -201,9 +202,11 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         ``approx``: the IVF plan (:mod:`nearest_join.ivf`): the target is grouped into
         ``nlist`` lists around k-means centroids of a sample, each query searches the
         ``nprobe`` lists nearest to it, exactly; the values returned are exact for the rows
-        returned, only the candidate set is approximate. Below a size where IVF cannot win,
-        with ``on=`` keys, or for a target too large to broadcast, it runs the exact plan;
-        the plan says which and why (``explain_nearest_join``).
+        returned, only the candidate set is approximate. With ``on=`` keys, one index over
+        the whole target and each query probes the ``nprobe`` nearest lists among those its
+        key's targets occupy (small keys are searched whole). Below a size where IVF cannot
+        win, or for a target too large to broadcast, it runs the exact plan; the plan says
+        which and why (``explain_nearest_join``).
     direction : {"distance", "similarity"} or None
         Inferred from the metric when None; an error when it contradicts the metric.
     vectors : str or (str, str), keyword-only

@@ -397,13 +397,14 @@ def test_same_seed_same_rows_and_a_saved_index(frames, tmp_path):
     assert len(trained) == 5 * (NQ - 2)   # NULL and zero query vectors: no cosine candidate
 
 
-def test_small_joins_and_keys_run_exact(frames):
+def test_small_joins_and_small_keys_run_exact(frames):
     _, _, q, t = frames
     plan = explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"))
     assert plan.ivf["runs"] == "exact" and "too few for IVF to win" in str(plan)
     keyed = explain_nearest_join(q.withColumn("g", q.qid % 2), t.withColumn("g", t.tid % 2), "l2", 3,
                                  "approx", vectors=("v", "w"), on="g", nlist=4)
-    assert keyed.ivf["runs"] == "exact" and "on= keys" in str(keyed)
+    # two keys of 1200 target rows each, within 4 lists' worth (4 x 2400 / 4 rows): each searched whole
+    assert keyed.ivf["runs"] == "exact" and "every key has at most 2400 target rows" in str(keyed)
 
 
 def test_index_of_another_metric_or_dimension(frames):
