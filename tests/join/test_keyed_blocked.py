@@ -333,7 +333,7 @@ def test_keyed_blocked_explanation_shows_the_split(spark, frames, skewed_block):
     text = str(plan)
     assert f"keys: query.k = target.k (as string); {groups} target groups, the largest 320 rows" in text
     assert "both sides partitioned by key group" in text
-    assert f"{cells['split_groups']} group" in text and "split (skew), the most into" in text
+    assert f"{cells['split_groups']} key group" in text and "split (skew), the most into" in text
     assert plan.to_dict()["key_cells"] == cells
 
 
