@@ -202,8 +202,9 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         ``nlist`` lists around k-means centroids of a sample, each query searches the
         ``nprobe`` lists nearest to it, exactly; the values returned are exact for the rows
         returned, only the candidate set is approximate. Below a size where IVF cannot win,
-        with ``on=`` keys, or for a target too large to broadcast, it runs the exact plan;
-        the plan says which and why (``explain_nearest_join``).
+        or with ``on=`` keys, it runs the exact plan; the plan says which and why
+        (``explain_nearest_join``). A target too large to broadcast takes the lists on the
+        keyed blocked plan (a huge list split as a skewed key is).
     direction : {"distance", "similarity"} or None
         Inferred from the metric when None; an error when it contradicts the metric.
     vectors : str or (str, str), keyword-only

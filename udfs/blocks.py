@@ -10,6 +10,11 @@
   :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
   A query block's own rows travel once, with its partial of the empty target block (every
   query block has exactly one), not with each of its target blocks' partials.
+* keyed blocked (``nearest_join.keyed``: ``on=`` keys or IVF lists, a target too large to
+  broadcast): :func:`search_cell` searches one cell (a cogroup of one query part and one
+  target part) and emits a partial per stage-2 block among its query rows, named by their
+  row ids; :func:`merge_cells` merges each query row's partials from all its cells
+  (``udfs.topk.RowsTopk``) and emits the rows.
 
 A task's searches run one step ahead on a worker thread (:class:`_PairSearch`). None of this
 imports pyspark at module level: ``udfs.local.local_join`` runs the same functions on plain
