@@ -165,3 +165,75 @@ def test_recall_target_met_and_the_same_rows_twice(spark, data, frames):
     for a, b, d in first:
         want = float(np.sqrt(((ranked[a] - ranked_targets[b]) ** 2).sum()))
         assert abs(d - want) <= 1e-5 * max(want, 1.0), (a, b, d, want)
+
+
+# ----------------------------------------------------------------- executor functions, no Spark
+def _probe_layout(q_probes, t_groups, join_type):
+    """keyed_layout as nearest_join.keyed.layout_of counts an IVF query side: each query once
+    per probed group; a query whose first group has no target rows (or, LEFT OUTER, that
+    probes none) in the unmatched cells."""
+    from nearest_join.planner import keyed_layout
+
+    size = int(max(max((max(p) for p in q_probes if p), default=0), t_groups.max())) + 1
+    t_counts = np.bincount(t_groups[t_groups >= 0], minlength=size)
+    q_counts = np.bincount([g for p in q_probes for g in p], minlength=size)
+    unmatched = sum(1 for p in q_probes if (p and t_counts[p[0]] == 0) or (not p and join_type == "leftouter"))
+    return keyed_layout(t_counts, q_counts, unmatched_queries=unmatched, target_block_rows=64,
+                        query_block_rows=16, cores=2, dimension=6, keep_unmatched=True)
+
+
+@pytest.mark.parametrize("join_type", ["inner", "leftouter"])
+@pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "inner_product"])
+def test_probed_cells_against_the_oracle(metric, join_type):
+    """search_cell and merge_cells with queries in several groups, as the blocked IVF plan
+    feeds them (tests.join.test_keyed_blocked._local_keyed: cells shuffled, partials in any
+    order), on adversarial vectors (offset 100, duplicate targets): one group of half the
+    targets split over target and query parts, many small groups batched (a query's groups
+    often share a bin, and so its cells), groups absent from the target (also as a query's
+    first group), queries probing none. Each query's rows are its true top k among the
+    targets of all its groups (the float64 oracle); with a cap for the similarities."""
+    from tests.adversarial import offset_case
+    from tests.join.test_keyed_blocked import K as CELL_K
+    from tests.join.test_keyed_blocked import _context, _local_keyed
+    from tests.oracle import (
+        assert_capped_topk,
+        group_rows,
+        join_arrays,
+        key_values,
+        operator_rtol,
+        oracle_keys,
+    )
+
+    case = offset_case(6, 100.0, 1.0, nq=120, nt=640, seed=22)
+    queries, targets = case.queries, case.targets
+    rng = np.random.default_rng(5)
+    t_groups = np.concatenate([np.zeros(320, np.int64), rng.integers(1, 121, 310), np.full(10, -1)])
+    rng.shuffle(t_groups)
+    present = set(t_groups[t_groups >= 0].tolist())
+    q_probes = [rng.choice(np.r_[0:125, 500], rng.integers(1, 5), replace=False).tolist() for _ in queries]
+    for i in range(0, 120, 7):                  # the split group first (probes are distinct)
+        q_probes[i] = [0] + [g for g in q_probes[i] if g != 0]
+    q_probes[3], q_probes[4] = [500, 0, 7], []  # first group absent from the target; no group
+    cap = None
+    if metric in ("cosine", "inner_product"):
+        values = np.sort(key_values(oracle_keys(queries, targets, metric), metric).ravel())
+        cap = float((values[int(values.size * 0.9)] + values[int(values.size * 0.9) + 1]) / 2)
+    layout = _probe_layout(q_probes, t_groups, join_type)
+    big = int(np.flatnonzero(layout.groups == 0)[0])
+    assert layout.t_parts[big] >= 3 and layout.q_parts[big] >= 2     # the split path is taken
+    rows = _local_keyed(queries, q_probes, targets, t_groups, _context(metric, 6, join_type, cap), layout,
+                        block_rows=16)
+    grouped = group_rows(rows, lambda r: r["qid"], lambda r: r["tid"], lambda r: r["d"])
+    unbounded = -np.inf if metric in SIMILARITY else np.inf
+    for i, probes in enumerate(q_probes):
+        allowed = np.flatnonzero(np.isin(t_groups, probes))
+        mine = grouped.get(i, [])
+        found = [t for _, t in mine if t is not None]
+        if allowed.size:
+            values, indices = join_arrays({i: mine}, CELL_K, metric, [i], allowed.tolist(), f"query {i}")
+            assert_capped_topk(queries[i:i + 1], targets[allowed], CELL_K, metric, unbounded if cap is None else cap,
+                               values.astype(np.float32), indices, operator_rtol,
+                               case=f"{metric} {join_type} query {i} probes {probes}")
+        if not found:
+            assert mine == ([(None, None)] if join_type == "leftouter" else []), (i, probes, mine)
+    assert len(grouped.get(3, [])) == CELL_K and not any(t for _, t in grouped.get(4, []))
