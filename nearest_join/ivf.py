@@ -419,8 +419,8 @@ class IvfSearch:
         return side(self.nprobe), side(None)
 
     def listed(self, query, target, q_layout, t_layout):
-        """Both sides (``nearest_join.join._inputs``' positional frames) with their lists
-        appended as ``C.GROUP`` (``udfs.lists.append_lists``): the keyed blocked plan's
+        """Both sides (``nearest_join.join._inputs``' positional frames, or the vector columns
+        alone) with their lists appended as ``C.GROUP`` (``udfs.lists.append_lists``): the keyed blocked plan's
         grouped inputs, a query row's group a ``list<int>`` of its ``nprobe`` lists."""
         from pyspark.sql.types import ArrayType, IntegerType, StructField, StructType
 
@@ -437,17 +437,20 @@ class IvfSearch:
                 side(target, t_layout, None, IntegerType()))
 
 
-def _routing_layouts(planned):
-    """Where each side's vectors are, for routing (``udfs.lists``), as ``_execute`` places them."""
+def _vector_columns(planned):
+    """Each side's vector column alone and its layout for routing (``udfs.lists``): what the
+    planner's count of the lists reads (the payload columns need not cross to Python)."""
     from udfs.packing import SideLayout
 
-    from .ranking import column_index, quote
+    from .ranking import column, quote
 
     parsed, plan = planned.parsed, planned.plan
     q_name, t_name = parsed.query_column, parsed.target_column
-    return (SideLayout(q_name, column_index(planned.query, q_name), plan.dimension, plan.query_block_rows,
+    return (planned.query.select(column(planned.query, q_name).alias("v")),
+            planned.target.select(column(planned.target, t_name).alias("v")),
+            SideLayout(q_name, 0, plan.dimension, plan.query_block_rows,
                        expected_from=f"target column {quote(t_name)}"),
-            SideLayout(t_name, column_index(planned.target, t_name), plan.dimension, plan.target_block_rows,
+            SideLayout(t_name, 0, plan.dimension, plan.target_block_rows,
                        expected_from=f"query column {quote(q_name)}"))
 
 
@@ -550,10 +553,9 @@ def plan_approx(planned):
     if plan.plan == "blocked":
         # The cells need the lists' sizes on both sides: a job that routes both (as the keyed
         # plan counts its groups at planning).
-        from .join import _inputs
         from .keyed import layout_of
 
-        layout = layout_of(*ivf.listed(*_inputs(planned.query, planned.target, None), *_routing_layouts(planned)),
+        layout = layout_of(*ivf.listed(*_vector_columns(planned)),
                            target_block_rows=plan.target_block_rows, query_block_rows=plan.query_block_rows,
                            cores=plan.cores, dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
         plan = dataclasses.replace(plan, key_cells=layout.summary())
