@@ -11,7 +11,9 @@ The index (:class:`IVFIndex`, built by :func:`build_ivf_index` or by the planner
    a query in several groups (``udfs.probes``), likewise as it is packed;
 3. the broadcast keyed search then searches each query row against the target rows of its
    lists only (small lists batched into one segment search, large ones one kernel call for
-   all the queries that probe them) and the parts merge per query with the shared merge.
+   all the queries that probe them) and the parts merge per query with the shared merge;
+   for a target too large to broadcast the keyed blocked plan does (lists cut into cells,
+   a huge list split into target parts, a query's partials merged per query).
 
 Every pair searched is exact, so the distances returned are exact for the pairs returned;
 only the candidate set is approximate. ``nprobe == nlist`` searches every list: the exact
@@ -37,8 +39,8 @@ product, and the recall estimate measures what routing by direction costs on the
 the target before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
 :data:`IVF_MIN_WORK_PER_CORE` multiply-adds of exact search per core, ``approx`` runs the exact
 plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``, ``nlist`` or
-``nprobe`` is given. For targets too large to broadcast approx runs the exact plan too: see
-:func:`ivf_carrier`.
+``nprobe`` is given. A target too large to broadcast takes the lists on the keyed blocked plan
+(``nearest_join.keyed``): see :func:`ivf_carrier`.
 
 **With on= keys** (a filtered IVF, as Faiss's filtered search or Milvus's partition keys):
 one index over the whole target (``build_ivf_index`` and ``index=`` serve every key), and
@@ -594,6 +596,41 @@ class IvfSearch:
 
         return side(self.nprobe), side(None)
 
+    def listed(self, query, target, q_layout, t_layout):
+        """Both sides (``nearest_join.join._inputs``' positional frames, or the vector columns
+        alone) with their lists appended as ``C.GROUP`` (``udfs.lists.append_lists``): the keyed blocked plan's
+        grouped inputs, a query row's group a ``list<int>`` of its ``nprobe`` lists."""
+        from pyspark.sql.types import ArrayType, IntegerType, StructField, StructType
+
+        from udfs import columns as C
+        from udfs.lists import append_lists
+
+        def side(df, layout, nprobe, group_type):
+            schema = StructType(list(df.schema.fields) + [StructField(C.GROUP, group_type, True)])
+            function = functools.partial(append_lists, layout=layout, centroids=np.asarray(self.index.centroids),
+                                         metric=self.index.metric, nprobe=nprobe)
+            return df.mapInArrow(function, schema)
+
+        return (side(query, q_layout, self.nprobe, ArrayType(IntegerType(), False)),
+                side(target, t_layout, None, IntegerType()))
+
+
+def _vector_columns(planned):
+    """Each side's vector column alone and its layout for routing (``udfs.lists``): what the
+    planner's count of the lists reads (the payload columns need not cross to Python)."""
+    from udfs.packing import SideLayout
+
+    from .ranking import column, quote
+
+    parsed, plan = planned.parsed, planned.plan
+    q_name, t_name = parsed.query_column, parsed.target_column
+    return (planned.query.select(column(planned.query, q_name).alias("v")),
+            planned.target.select(column(planned.target, t_name).alias("v")),
+            SideLayout(q_name, 0, plan.dimension, plan.query_block_rows,
+                       expected_from=f"target column {quote(t_name)}"),
+            SideLayout(t_name, 0, plan.dimension, plan.target_block_rows,
+                       expected_from=f"query column {quote(q_name)}"))
+
 
 @dataclass(frozen=True, eq=False)
 class KeyedIvfSearch:
@@ -616,40 +653,63 @@ class KeyedIvfSearch:
 
         return side(self.nprobe), side(None)
 
+    def listed(self, query, target, q_layout, t_layout):
+        """Both keyed sides (their key group column at the layouts' ``group_index``) with that
+        column replaced by their IVF group ids (``udfs.lists.replace_key_groups``): the keyed
+        blocked plan's grouped inputs, a query row's groups a ``list<bigint>`` of its probed ids."""
+        from pyspark.sql.types import ArrayType, LongType, StructField, StructType
+
+        from udfs import columns as C
+        from udfs.lists import replace_key_groups
+
+        def side(df, layout, nprobe, group_type):
+            fields = list(df.schema.fields)
+            fields[layout.group_index] = StructField(C.GROUP, group_type, True)
+            function = functools.partial(replace_key_groups, layout=layout, centroids=np.asarray(self.index.centroids),
+                                         metric=self.index.metric, nprobe=nprobe, key_lists=self.lists.codes)
+            return df.mapInArrow(function, StructType(fields))
+
+        return (side(query, q_layout, self.nprobe, ArrayType(LongType(), False)),
+                side(target, t_layout, None, LongType()))
+
 
 def ivf_carrier(plan) -> str | None:
-    """Why the IVF lists cannot ride on ``plan`` (None: they can).
+    """Why the IVF lists cannot ride on ``plan`` (None: they can). The one place that decides.
 
-    The seam of the blocked plan: IVF lists are keyed-plan groups, and a query row is in
-    ``nprobe`` of them. The broadcast keyed search takes that (``udfs.probes``: one task
-    holds every list, so a query's lists are searched and merged in one place, and a huge
-    list is one more kernel call, bounded by the broadcast). The keyed blocked plan
-    (``nearest_join.keyed``) keys each query row by one group, so a target too large to
-    broadcast runs the exact blocked plan. This is the one place that decides it.
+    IVF lists are keyed-plan groups, and a query row is in ``nprobe`` of them. Both keyed
+    plans take that:
 
-    What the blocked plan needs to take IVF lists (not built yet):
-
-    1. the query side exploded into one row per probed list, *after* each query row gets a
-       stage-2 key of its own (a query block id drawn before the explode), since a query's
-       lists fall into different bins and query parts (:func:`nearest_join.planner.keyed_layout`
-       counts a query once per probe then, which is what its cells hold);
-    2. stage 1 (``udfs.blocks.search_cell``) emitting its partial top k per stage-2 query
-       block rather than per query part, the query rows travelling once (with one chosen
-       probe's target part 0, as today with part 0 of the one group);
-    3. stage 2 grouping by that key and merging with the shared merge: a query's ``nprobe``
-       partials (each of at most k target rows) meet there; ties across lists go to the
-       lower (target part, row), as in the broadcast search.
+    * the broadcast keyed search (``udfs.probes``): one task holds every list, so a query's
+      lists are searched and merged in one place, and a huge list is one more kernel call,
+      bounded by the broadcast;
+    * the keyed blocked plan (``nearest_join.keyed``), for a target too large to broadcast:
+      each query row gets a row id and a stage-2 block of its own, then becomes one row per
+      probed list (``keyed_layout`` counts it once per probe); each list's bin is cut into
+      cells as a key's is (a huge list split into target parts), a cell emits its partial top
+      k per stage-2 block, and stage 2 merges each query's partials from all its lists with
+      the shared merge (ties to the target met first in input order). The query's payload
+      travels once, with its nearest list's copy.
 
     With ``on=`` keys the groups are (key, list) pairs of one global index and whole keys
     (:class:`KeyLists`: dense ids, their target rows counted on the driver, so the keyed
     blocked plan's layout can take them), a query probing its nearest lists among those its
-    key holds; the broadcast keyed search runs them (:class:`KeyedIvfSearch`).
+    key holds (:class:`KeyedIvfSearch`); either keyed plan runs them as it runs lists.
     """
-    if plan.plan == "broadcast":
+    if plan.plan in ("broadcast", "blocked"):
         return None
-    return (f"the target is too large to broadcast ({plan.reason}), and the IVF lists ride on "
-            "the broadcast keyed search only (the blocked plan keys a query row by one group, "
-            "an IVF query probes several)")
+    return f"the {plan.plan} plan takes no IVF lists"
+
+
+def describe_carrier(plan, keyed: bool = False) -> str:
+    """Which plan carries the IVF lists, in words (the explanation's ``approx`` line);
+    ``keyed``: the groups are ``on=`` keys' (key, list) pairs."""
+    group = "(key, list) group" if keyed else "list"
+    if plan.plan == "broadcast":
+        return f"on the broadcast keyed search (the target grouped by {group})"
+    from .planner import describe_cells
+
+    return (f"on the keyed blocked plan, the {group} id as the key (the target is too large to broadcast): "
+            + describe_cells(plan.key_cells, group))
 
 
 def plan_approx(planned):
@@ -730,11 +790,22 @@ def plan_approx(planned):
             return exact(f"recall={options.recall} needs nprobe={nprobe} of {available} "
                          f"({chosen}), >= {IVF_MAX_PROBED_SHARE:g} of them: IVF would be slower than the "
                          "exact search (pass nprobe to force it)", **info)
+    search = IvfSearch(index, nprobe) if lists is None else KeyedIvfSearch(index, nprobe, lists)
+    layout = None
+    if plan.plan == "blocked":
+        # The cells need the groups' sizes on both sides: a job that routes both (as the keyed
+        # plan counts its groups at planning).
+        from .keyed import layout_of
+
+        columns = _vector_columns(planned) if lists is None else _keyed_vector_columns(planned, *inputs)
+        layout = layout_of(*search.listed(*columns),
+                           target_block_rows=plan.target_block_rows, query_block_rows=plan.query_block_rows,
+                           cores=plan.cores, dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
+        plan = dataclasses.replace(plan, key_cells=layout.summary())
     text = (f"IVF: nlist={index.nlist} ({built}, seed {index.seed}; {routing}), nprobe={nprobe} "
             f"({chosen}); ")
     if lists is None:
         text += "targets grouped by list, each query searches its nprobe lists exactly"
-        search = IvfSearch(index, nprobe)
     else:
         text += (f"one index over the whole target, inside the on= keys: the {lists.keys} keys of more than "
                  f"{lists.whole_rows} target rows ({KEY_WHOLE_LISTS} lists' worth) grouped by (key, list) "
@@ -744,19 +815,38 @@ def plan_approx(planned):
         others = None if plan.key_groups is None else plan.key_groups - lists.keys
         if others is None or others > 0:
             text += f"; {'every other key' if others is None else f'the other {others} keys'} searched whole"
-        search = KeyedIvfSearch(index, nprobe, lists)
+    text += ", " + describe_carrier(plan, keyed=lists is not None)
     if nprobe == index.nlist:
         text += "; nprobe = nlist: every list, the exact result"
     elif lists is not None and nprobe >= lists.widest:
         text += "; nprobe >= the most lists one key occupies: every list of every key, the exact result"
     info["explanation"] = text
     plan = dataclasses.replace(plan, ivf=info)
-    return dataclasses.replace(planned, plan=plan, ivf=search)
+    return dataclasses.replace(planned, plan=plan, ivf=search, layout=layout)
 
 
 def _all_keys_whole(whole_rows: int, nlist: int) -> str:
     return (f"with on= keys, every key has at most {whole_rows} target rows ({KEY_WHOLE_LISTS} lists' "
             f"worth of nlist={nlist} lists), too few for IVF to win inside it: each key is searched whole")
+
+
+def _keyed_vector_columns(planned, frames, names):
+    """:func:`_vector_columns` with ``on=`` keys: each side's vector column and its key group
+    (of :func:`_keyed_inputs`' ``frames`` and ``names``), what the blocked plan's count of the
+    (key, list) groups reads."""
+    from udfs import columns as C
+    from udfs.packing import SideLayout
+
+    from .ranking import quote
+
+    parsed, plan = planned.parsed, planned.plan
+    q_name, t_name = parsed.query_column, parsed.target_column
+    (q_frame, t_frame), (q_vector, t_vector) = frames, names
+    return (q_frame.select(q_vector, C.GROUP), t_frame.select(t_vector, C.GROUP),
+            SideLayout(q_name, 0, plan.dimension, plan.query_block_rows,
+                       expected_from=f"target column {quote(t_name)}", group_index=1),
+            SideLayout(t_name, 0, plan.dimension, plan.target_block_rows,
+                       expected_from=f"query column {quote(q_name)}", group_index=1))
 
 
 def _keyed_inputs(planned):

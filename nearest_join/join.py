@@ -387,12 +387,14 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # a query row's probed lists, as each side's last column, routed as the rows are
         # packed (nearest_join.ivf).
         q_pack, t_pack = planned.ivf.packers()
+        if plan.plan == "blocked":   # the keyed blocked plan's grouped inputs (nearest_join.keyed)
+            q_input, t_input = planned.ivf.listed(q_input, t_input, q_layout, t_layout)
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
                              plan.distance_col is not None, target_arrow, cap=plan.cap)
 
-    if plan.plan == "blocked" and planned.keys is not None:
+    if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
         return joined.toDF(*names)

@@ -150,21 +150,24 @@ def describe_precision(backend: str, precision: str | None) -> str:
     return f"{precision}: {gpu}{cpu}; results are exact in every precision"
 
 
-def describe_cells(cells: dict) -> str:
-    """The keyed blocked plan's cut of the key groups into cells, in words (the explanation)."""
-    text = (f"both sides partitioned by key group: {cells['groups']} groups with queries and targets "
+def describe_cells(cells: dict, group: str = "key group") -> str:
+    """The keyed blocked plan's cut of the groups (``group``: what one is, in words) into
+    cells, in words (the explanation)."""
+    text = (f"both sides partitioned by {group}: {cells['groups']} {group}s with queries and targets "
             f"in {cells['bins']} bins of <= {cells['bin_target_rows']} target rows "
-            f"(small groups batched, searched as segments), {cells['cells']} cells of one "
+            f"(small {group}s batched, searched as segments), {cells['cells']} cells of one "
             "bin's query part x target part, each one task's memory")
     if cells["split_groups"]:
         q_parts, t_parts = cells["largest_split"]
-        groups = "group" if cells["split_groups"] == 1 else "groups"
+        groups = group if cells["split_groups"] == 1 else group + "s"
         text += (f"; {cells['split_groups']} {groups} split (skew), the most into {q_parts} query x "
-                 f"{t_parts} target parts, whose partial top-k are merged per query part")
+                 f"{t_parts} target parts, whose partial top-k are merged per query")
     else:
-        text += "; no group split"
+        text += f"; no {group} split"
     if cells["unmatched_queries"]:
-        text += f"; {cells['unmatched_queries']} query rows without a group (emitted with NULLs)"
+        which = "none" if group == "key group" else f"no {group} or a first {group} without target rows"
+        text += (f"; {cells['unmatched_queries']} query rows with {which}, in cells of their own "
+                 "(LEFT OUTER emits one without candidates with NULLs)")
     return text
 
 
@@ -209,13 +212,14 @@ def keyed_layout(target_counts: np.ndarray, query_counts: np.ndarray, *, unmatch
     """Cut key groups into cells (:class:`KeyedLayout`) from their sizes.
 
     ``target_counts[g]`` and ``query_counts[g]`` are the rows of group ``g`` on each side
-    (groups with none on either side get no cell: they cannot produce a row). A bin holds
+    (groups with none on either side get no cell: they cannot produce a row); a query row
+    in several groups (an IVF query's probed lists) counts once in each, as its cells hold it. A bin holds
     at most ``min(target_block_rows, targets / cores)`` target rows, so the work spreads over
     the cores; a query part at most ``query_block_rows`` rows, and a bin's work (query rows x
     target rows x d) is split over more query parts when it exceeds a ``2 * cores``-th of
     the join's (and ``SPREAD_WORK / 10``, below which a split costs more than it saves).
-    ``keep_unmatched`` (LEFT OUTER) gives the ``unmatched_queries`` rows without a group
-    cells of their own.
+    ``keep_unmatched`` (LEFT OUTER, or queries in several groups) gives the
+    ``unmatched_queries`` rows that reach no group's cell cells of their own.
     """
     target_counts = np.asarray(target_counts, np.int64)
     query_counts = np.asarray(query_counts, np.int64)

@@ -10,6 +10,11 @@
   :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
   A query block's own rows travel once, with its partial of the empty target block (every
   query block has exactly one), not with each of its target blocks' partials.
+* keyed blocked (``nearest_join.keyed``: ``on=`` keys or IVF lists, a target too large to
+  broadcast): :func:`search_cell` searches one cell (a cogroup of one query part and one
+  target part) and emits a partial per stage-2 block among its query rows, named by their
+  row ids; :func:`merge_cells` merges each query row's partials from all its cells
+  (``udfs.topk.RowsTopk``) and emits the rows.
 
 A task's searches run one step ahead on a worker thread (:class:`_PairSearch`). None of this
 imports pyspark at module level: ``udfs.local.local_join`` runs the same functions on plain
@@ -37,7 +42,7 @@ from .packing import (
 )
 from .rows import ColumnViews, take_rows
 from .searcher import SearchSettings, open_block_searcher, task_cpus
-from .topk import MAX_SOURCES, TopkState, fold_state
+from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
 from .vectors import decode_vectors
 
 PARTIAL_SCHEMA = pa.schema([
@@ -370,44 +375,120 @@ def _ordered(table: pa.Table, row_id: str) -> pa.Table:
 
 def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Table:
     """Keyed blocked plan, stage 1 (``nearest_join.keyed``; a cogroup by cell): the partial
-    top-k of one cell, one query part against one target part, as a row of ``PARTIAL_SCHEMA``.
+    top-k of one cell, one query part against one target part, as rows of ``PARTIAL_SCHEMA``:
+    one per stage-2 block among the cell's query rows.
 
-    ``queries``: the side's columns, ``C.GROUP``, ``C.Q_ROW``, ``C.Q_BLOCK_ID`` (the query part:
-    the stage-2 key), ``C.T_BLOCK_ID`` (this cell's target part) and ``C.CELL``; ``targets``:
-    the side's columns, ``C.GROUP``, ``C.T_ROW`` and ``C.CELL``. Each query row is searched
-    against its own group's rows only (:func:`udfs.groups.grouped_search`: small groups in one
-    segment search, large ones by the task's searcher). The query part's rows travel with its
-    target part 0 (every query part has one), as an unkeyed query block's rows travel with its
-    empty target block's partial.
+    ``queries``: the side's columns, ``C.GROUP`` (the row's one group: a key's, or one probed
+    list of an IVF query), ``C.Q_ROW``, ``C.PROBE``, ``C.Q_BLOCK_ID`` (the stage-2 block),
+    ``C.T_BLOCK_ID`` (this cell's target part) and ``C.CELL``; ``targets``: the side's columns,
+    ``C.GROUP``, ``C.T_ROW`` and ``C.CELL``. A query row in several of the cell's groups (an
+    IVF query whose probed lists share the cell's bin) arrives once per group and is searched
+    against all of them at once (``udfs.probes``). Each query row is searched against its
+    groups' rows only (:func:`udfs.groups.grouped_search`: small groups in one segment
+    search, large ones by the task's searcher); a target's key is its row id ``C.T_ROW``, so
+    ties go to the target met first in input order, in whichever cell and part it lies.
+
+    Each output row holds, for one stage-2 block: the partial of its query rows here (their
+    ids ride in the partial, ``TopkState.query_ids``) and the payload of its rows whose copy
+    of probe rank 0 is in target part 0 here (with their ``C.Q_ROW`` last: each query row's
+    payload travels to stage 2 once; the other copies carry only the vector). ``C.T_BLOCK_ID``
+    holds the cell: stage 2 counts each cell's row once.
     """
     if queries.num_rows == 0:      # a target part no query drew: nothing to search
         return PARTIAL_SCHEMA.empty_table()
-    q_part = int(queries.column(C.Q_BLOCK_ID)[0].as_py())
-    t_part = int(queries.column(C.T_BLOCK_ID)[0].as_py())
+    cell = int(queries.column(C.CELL)[0].as_py())
     queries = _ordered(queries, C.Q_ROW)
-    q_table = queries.select(list(range(ctx.query.group_index)))
-    partial = pa.py_buffer(b"")
+    g = ctx.query.group_index
+    q_ids = queries.column(C.Q_ROW).to_numpy()
+    # One search row per query row: the first of its copies (one per group in this cell).
+    first = np.flatnonzero(np.concatenate([[True], q_ids[1:] != q_ids[:-1]]))
+    blocks_of = queries.column(C.Q_BLOCK_ID).to_numpy()
+    carrier = ((queries.column(C.PROBE).to_numpy() == 0)
+               & (queries.column(C.T_BLOCK_ID).to_numpy() == 0))
+    state = None
     if targets.num_rows:
         if targets.num_rows > C.MAX_BLOCK_ROWS:
             raise RuntimeError(f"internal error: a cell of {targets.num_rows} target rows exceeds "
                                f"{C.MAX_BLOCK_ROWS}; the layout's target parts are too large")
         targets = _ordered(targets, C.T_ROW)
         t_table = targets.select(list(range(ctx.target.group_index)))
-        q_vectors = decode_vectors(q_table.column(ctx.query.vector_index), ctx.query.dimension,
+        q_vectors = decode_vectors(queries.column(ctx.query.vector_index), ctx.query.dimension,
                                    label=ctx.query.label, expected_from=ctx.query.expected_from)
         t_vectors = decode_vectors(t_table.column(ctx.target.vector_index), ctx.target.dimension,
                                    label=ctx.target.label, expected_from=ctx.target.expected_from)
         segments = GroupSegments.of(group_ids(targets.column(C.GROUP)))
+        groups = group_ids(queries.column(C.GROUP))
+        if first.size < q_ids.size:      # some query row in several groups: its probes, CSR
+            from .probes import Probes
+
+            groups = Probes(np.append(first, q_ids.size).astype(np.int64), groups)
+            q_vectors = q_vectors[first]
         searcher = _cell_searcher(ctx.settings)
         values, rows = grouped_search(
-            lambda q, t: block_search(ctx, searcher, q, t, None), q_vectors,
-            group_ids(queries.column(C.GROUP)), np.ascontiguousarray(t_vectors[segments.order]), segments,
+            lambda q, t: block_search(ctx, searcher, q, t, None), q_vectors, groups,
+            np.ascontiguousarray(t_vectors[segments.order]), segments,
             ctx.k, ctx.settings.metric, cap=ctx.cap, threads=task_cpus())
-        partial = TopkState.from_search(values, rows, t_part, t_table).to_blob()
-    q_rows = table_to_blob(q_table) if t_part == 0 else pa.py_buffer(b"")
+        t_keys = targets.column(C.T_ROW).to_numpy()
+        filled = rows >= 0
+        state = TopkState(values, np.where(filled, t_keys[np.maximum(rows, 0)], -1), [t_table],
+                          np.where(filled, 0, -1).astype(np.int32), rows.astype(np.int64, copy=False))
+    q_table = queries.select(list(range(g)))
+    out = []
+    for block in np.unique(blocks_of):
+        mine = blocks_of[first] == block
+        partial = pa.py_buffer(b"")
+        if state is not None and mine.any():
+            sel = np.flatnonzero(mine)
+            part = state if sel.size == first.size else TopkState(
+                state.values[sel], state.keys[sel], state.sources, state.source[sel], state.rows[sel])
+            part.query_ids = q_ids[first[sel]]
+            partial = part.to_blob()
+        payload = np.flatnonzero(carrier & (blocks_of == block))
+        q_rows = pa.py_buffer(b"")
+        if payload.size:
+            rows_table = take_rows(q_table, payload) if payload.size < q_table.num_rows else q_table
+            q_rows = table_to_blob(rows_table.append_column(C.Q_ROW, pa.array(q_ids[payload], pa.int64())))
+        if partial.size or q_rows.size:
+            out.append((int(block), q_rows, partial))
+    if not out:
+        return PARTIAL_SCHEMA.empty_table()
     return pa.Table.from_batches([pa.RecordBatch.from_arrays(
-        [pa.array([q_part], pa.int64()), pa.array([t_part], pa.int64()),
-         binary_array([q_rows]), binary_array([partial])], schema=PARTIAL_SCHEMA)])
+        [pa.array([b for b, _, _ in out], pa.int64()), pa.array([cell] * len(out), pa.int64()),
+         binary_array([q for _, q, _ in out]), binary_array([p for _, _, p in out])], schema=PARTIAL_SCHEMA)])
+
+
+def merge_cells(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
+    """Keyed blocked plan, stage 2 (grouped by stage-2 block): merge each query row's
+    partials, from every cell it was searched in, into its top k (:class:`udfs.topk.RowsTopk`)
+    and emit the block's rows, whose payload came in pieces from the cells that carried it.
+
+    Streams the group batch by batch: memory is the block's state (its payload held at most
+    twice) plus one partial.
+    """
+    state = RowsTopk(ctx.k, ctx.settings.metric)
+    pieces: list[pa.Table] = []
+    seen: set[int] = set()
+    for batch in batches:
+        cells = batch.column(C.T_BLOCK_ID).to_numpy()
+        q_blobs = binary_values(batch.column(C.Q_BLOB))
+        partials = binary_values(batch.column(C.PARTIAL))
+        for r in range(batch.num_rows):
+            if int(cells[r]) in seen:  # a retried task's duplicate: never count a cell twice
+                continue
+            seen.add(int(cells[r]))
+            if q_blobs[r].size:
+                pieces.append(blob_to_table(q_blobs[r]))
+            if partials[r].size:
+                state.absorb(TopkState.from_blob(partials[r], ctx.k))
+    if not pieces:
+        if state.rows_held:
+            raise RuntimeError(f"internal error: stage-2 block {key[0] if key else '?'} has partials "
+                               "but not its rows; its output would be lost")
+        return
+    q_table = pa.concat_tables(pieces) if len(pieces) > 1 else pieces[0]
+    ids = q_table.column(q_table.num_columns - 1).to_numpy()
+    q_table = q_table.remove_column(q_table.num_columns - 1)
+    yield from emit_rows(q_table, state.state_of(ids), ctx)
 
 
 def cell_function(ctx: JoinContext):
@@ -416,6 +497,15 @@ def cell_function(ctx: JoinContext):
         return search_cell(queries, targets, ctx)
 
     return search
+
+
+def cells_merge_function(ctx: JoinContext):
+    """The grouped-map function of the keyed blocked plan's stage 2 (:func:`merge_cells`)."""
+    def merge(key: typing.Tuple[pa.Scalar, ...],
+              batches: typing.Iterator[pa.RecordBatch]) -> typing.Iterator[pa.RecordBatch]:
+        return merge_cells(key, batches, ctx)
+
+    return merge
 
 
 def merge_function(ctx: JoinContext):

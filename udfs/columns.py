@@ -18,6 +18,9 @@ GROUP = "__nj_group"
 CELL = "__nj_cell"
 Q_ROW = "__nj_q_row"
 T_ROW = "__nj_t_row"
+# A query row's rank among its groups (an IVF query's probed lists, nearest first; 0 for a
+# query of one group): the row of rank 0 carries the query's payload to stage 2.
+PROBE = "__nj_probe"
 
 
 def key_name(position: int) -> str:
@@ -28,6 +31,7 @@ def key_name(position: int) -> str:
 SLOT_VALUE = "__nj_value"
 SLOT_KEY = "__nj_key"
 SLOT_ROW = "__nj_payload_row"   # row of the partial's payload table, -1 = empty slot
+SLOT_QUERY = "__nj_query_row"  # the query row id (C.Q_ROW) of the slot's row, when shipped
 
 # block_id = partition << PARTITION_SHIFT | sequence number within the partition's task.
 # A target row's global key = block_id << ROW_BITS | row within the block: it orders target

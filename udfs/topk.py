@@ -5,6 +5,11 @@
 those targets. States of several target blocks merge through the shared
 :func:`nearest_join.kernels.merge_topk`; ``to_blob`` / ``from_blob`` ship a state between the
 blocked plan's stages.
+
+:class:`RowsTopk` is the keyed blocked plan's stage 2 (``nearest_join.keyed``): there a partial
+holds *some* rows of a stage-2 block, named by their query row ids (``TopkState.query_ids``;
+an IVF query's probed lists lie in different cells), and each is merged into the rows it
+names by the same shared merge.
 """
 from __future__ import annotations
 
@@ -41,6 +46,9 @@ class TopkState:
     sources: list           # payload tables (same column types, names may differ)
     source: np.ndarray      # int32 (nq, k), -1 = empty slot
     rows: np.ndarray        # int64 (nq, k)
+    # int64 (nq,): the query row id (``C.Q_ROW``) of each row, for a partial of the keyed
+    # blocked plan (shipped with it); None: the rows are the query block's, in order.
+    query_ids: np.ndarray | None = None
     _views: ColumnViews | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -123,8 +131,11 @@ class TopkState:
         payload = pa.Table.from_arrays(
             gather_rows(self.sources, distinct_source, distinct_row),
             names=[f"t{i}" for i in range(self.sources[0].num_columns)])
-        slots = pa.table([pa.array(self.values.reshape(-1)), pa.array(self.keys.reshape(-1)),
-                          pa.array(payload_row)], names=[C.SLOT_VALUE, C.SLOT_KEY, C.SLOT_ROW])
+        columns = {C.SLOT_VALUE: pa.array(self.values.reshape(-1)), C.SLOT_KEY: pa.array(self.keys.reshape(-1)),
+                   C.SLOT_ROW: pa.array(payload_row)}
+        if self.query_ids is not None:   # per slot (k copies): a few bytes against its payload row
+            columns[C.SLOT_QUERY] = pa.array(np.repeat(self.query_ids.astype(np.int64), self.keys.shape[1]))
+        slots = pa.table(columns)
         head = table_to_blob(slots)
         # Size the blob first (a mock write copies nothing), then write it once into one
         # pool buffer: a growing stream would copy a few-hundred-MB payload several times.
@@ -150,10 +161,128 @@ class TopkState:
         keys = slots.column(1).to_numpy().astype(np.int64, copy=False).reshape(-1, k)
         payload_row = slots.column(2).to_numpy().reshape(-1, k)
         source = np.where(payload_row >= 0, 0, -1).astype(np.int32)
-        return cls(values, keys, [payload], source, payload_row.astype(np.int64))
+        query_ids = None
+        if slots.num_columns > 3:
+            query_ids = slots.column(3).to_numpy()[::k].astype(np.int64, copy=False)
+        return cls(values, keys, [payload], source, payload_row.astype(np.int64), query_ids)
 
 
 def fold_state(state: TopkState | None, part: TopkState | None, metric: str) -> TopkState | None:
     if part is None:
         return state
     return part if state is None else state.absorb(part, metric)
+
+
+class RowsTopk:
+    """Running top-k of the query rows of one stage-2 block of the keyed blocked plan, met in
+    partials that each hold some of its rows (``TopkState.query_ids`` name them).
+
+    A row's slot is appended when one of its partials first arrives (capacity doubles), so a
+    partial costs its own rows, not the block's: :meth:`absorb` merges it into those rows with
+    the shared :func:`nearest_join.kernels.merge_topk` (ties to the lower target key).
+    Payload rows stay referenced in the partials' tables until those hold more than twice
+    the filled slots (the rest displaced), then the filled slots are gathered into one table:
+    memory is about twice the state's payload plus one partial, and each payload row is
+    copied a bounded number of times on average.
+    """
+
+    def __init__(self, k: int, metric: str):
+        from nearest_join.kernels import resolve_metric
+
+        self.k, self.metric = k, metric
+        self._worst = resolve_metric(metric).worst
+        self.ids = np.zeros(0, np.int64)        # sorted row ids met so far
+        self._slot_of = np.zeros(0, np.int64)   # their slots
+        self.rows_held = 0
+        self.values = np.zeros((0, k), np.float32)
+        self.keys = np.zeros((0, k), np.int64)
+        self.source = np.zeros((0, k), np.int32)
+        self.rows = np.zeros((0, k), np.int64)
+        self.sources: list[pa.Table] = []
+        self._source_rows = 0
+
+    def _slots(self, ids: np.ndarray) -> np.ndarray:
+        """The slots of ``ids`` (distinct), new ones appended (empty)."""
+        at = np.searchsorted(self.ids, ids)
+        known = at < self.ids.size
+        known[known] = self.ids[at[known]] == ids[known]
+        slots = np.empty(ids.size, np.int64)
+        slots[known] = self._slot_of[at[known]]
+        new = np.flatnonzero(~known)
+        if new.size:
+            n = self.rows_held
+            if n + new.size > self.values.shape[0]:
+                self._grow(max(2 * self.values.shape[0], n + new.size))
+            slots[new] = np.arange(n, n + new.size)
+            self.values[n:n + new.size] = self._worst
+            self.keys[n:n + new.size] = -1
+            self.source[n:n + new.size] = -1
+            self.rows[n:n + new.size] = 0
+            self.rows_held = n + new.size
+            ids_all = np.concatenate([self.ids, ids[new]])
+            slot_all = np.concatenate([self._slot_of, slots[new]])
+            order = np.argsort(ids_all, kind="stable")
+            self.ids, self._slot_of = ids_all[order], slot_all[order]
+        return slots
+
+    def _grow(self, capacity: int) -> None:
+        def grown(a: np.ndarray) -> np.ndarray:
+            out = np.empty((capacity, self.k), a.dtype)
+            out[: a.shape[0]] = a
+            return out
+
+        self.values, self.keys = grown(self.values), grown(self.keys)
+        self.source, self.rows = grown(self.source), grown(self.rows)
+
+    def absorb(self, part: TopkState) -> None:
+        """Merge ``part`` (whose ``query_ids`` are distinct) into the rows it names."""
+        if part.query_ids is None:
+            raise RuntimeError("internal error: a keyed partial without its query row ids")
+        slots = self._slots(part.query_ids)
+        k = self.k
+        values, keys, picked = merge_topk([self.values[slots], part.values], [self.keys[slots], part.keys],
+                                          k, self.metric, return_sources=True)
+        offset = len(self.sources)
+        stacked_source = np.concatenate(
+            [self.source[slots], np.where(part.source >= 0, part.source + offset, -1)], axis=1)
+        stacked_rows = np.concatenate([self.rows[slots], part.rows], axis=1)
+        safe = np.maximum(picked, 0)
+        self.values[slots], self.keys[slots] = values, keys
+        self.source[slots] = np.where(picked < 0, -1, np.take_along_axis(stacked_source, safe, axis=1))
+        self.rows[slots] = np.take_along_axis(stacked_rows, safe, axis=1)
+        self.sources += part.sources
+        self._source_rows += sum(t.num_rows for t in part.sources)
+        filled = int((self.keys[: self.rows_held] >= 0).sum())
+        if len(self.sources) > MAX_SOURCES and self._source_rows > 2 * max(filled, 1):
+            self._compact()
+
+    def _compact(self) -> None:
+        n = self.rows_held
+        state = TopkState(self.values[:n], self.keys[:n], self.sources, self.source[:n], self.rows[:n])
+        filled = np.flatnonzero(state.keys.reshape(-1) >= 0)
+        table = pa.Table.from_arrays(state.gather(filled), schema=self.sources[0].schema)
+        source = np.full(n * self.k, -1, np.int32)
+        rows = np.zeros(n * self.k, np.int64)
+        source[filled], rows[filled] = 0, np.arange(filled.size, dtype=np.int64)
+        self.source[:n], self.rows[:n] = source.reshape(n, self.k), rows.reshape(n, self.k)
+        self.sources, self._source_rows = [table], table.num_rows
+
+    def state_of(self, ids: np.ndarray) -> TopkState | None:
+        """The state of rows ``ids`` (in that order; a row no partial named has empty slots),
+        or None when no partial came. Raises RuntimeError when a partial named a row that
+        ``ids`` lacks (its output would be lost)."""
+        if not self.sources:
+            return None
+        at = np.minimum(np.searchsorted(self.ids, ids), max(self.ids.size - 1, 0))
+        found = self.ids[at] == ids if self.ids.size else np.zeros(ids.size, bool)
+        if int(found.sum()) != self.ids.size:
+            raise RuntimeError(f"internal error: partials for {self.ids.size - int(found.sum())} query rows "
+                               "whose rows did not arrive; their output would be lost")
+        slots = self._slot_of[at] if self.ids.size else np.zeros(ids.size, np.int64)
+
+        def pick(a: np.ndarray, empty) -> np.ndarray:
+            return np.where(found[:, None], a[slots], empty).astype(a.dtype, copy=False)
+
+        state = TopkState(pick(self.values, self._worst), pick(self.keys, -1), self.sources,
+                          pick(self.source, -1), pick(self.rows, 0))
+        return state._pruned()

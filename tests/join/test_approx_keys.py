@@ -369,3 +369,25 @@ def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped):
         found = own[want_rows[0][want_rows[0] >= 0]]
         assert sorted(lists[mine].tolist()) == sorted(t_lists[found].tolist()), f"query {i}"
         np.testing.assert_allclose(np.sort(value[mine]), np.sort(want_v[0][want_rows[0] >= 0]), rtol=1e-5)
+
+
+BLOCKED = {"broadcast_limit_bytes": 0, "query_block_rows": 16, "target_block_rows": 64}
+
+
+def test_the_keyed_blocked_plan_takes_the_key_list_groups(frames, exact, one_probe):
+    """A target too large to broadcast: the (key, list) groups ride the keyed blocked plan
+    (cells, the big keys' lists split into target parts), with the same rows as the broadcast
+    keyed search at nprobe=1 (the same index) and the exact keyed rows at nprobe=nlist."""
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    q, t = frames
+    index, broadcast_rows, _ = one_probe
+    for nprobe, want in ((1, broadcast_rows), (NLIST, exact["l2"])):
+        planned = plan_join(q, t, "l2", JoinOptions(num_results=K, mode="approx", index=index, nprobe=nprobe,
+                                                    **ARGS, **BLOCKED))
+        plan = planned.plan
+        assert plan.plan == "blocked" and plan.ivf["runs"] == "ivf", plan
+        assert "on the keyed blocked plan, the (key, list) group id as the key" in str(plan), plan
+        assert plan.key_cells["cells"] > 1
+        _assert_same(_rows(planned.dataframe()), want)

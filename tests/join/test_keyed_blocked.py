@@ -5,7 +5,7 @@ Three levels, cheapest first:
 * the cut into cells (``planner.keyed_layout``) on group sizes alone: a key with half the
   targets is split so that no cell holds more than a bin's rows; 100,000 tiny groups share a
   few bins; groups without queries or without targets get no cell;
-* the executor functions (``udfs.blocks.search_cell`` then ``merge_partials``) fed cells as
+* the executor functions (``udfs.blocks.search_cell`` then ``merge_cells``) fed cells as
   the cogroup would, on adversarial vectors (large offsets, duplicate rows), a skewed group
   split over target and query parts, many tiny groups, NULL and one-sided groups: every
   metric, with and without a cap, against the float64 oracle per group;
@@ -33,7 +33,7 @@ from tests.oracle import (
     oracle_keys,
 )
 from udfs import columns as C
-from udfs.blocks import JoinContext, merge_partials, search_cell
+from udfs.blocks import JoinContext, merge_cells, search_cell
 from udfs.packing import SideLayout
 from udfs.searcher import SearchSettings
 
@@ -120,26 +120,36 @@ def _context(metric, d, join_type, cap=None):
     return JoinContext(SearchSettings(K, metric, "cpu"), query, target, join_type, True, schema, cap=cap)
 
 
-def _local_keyed(queries, q_groups, targets, t_groups, ctx, layout, seed=0):
+def _local_keyed(queries, q_groups, targets, t_groups, ctx, layout, seed=0, block_rows=None):
     """The keyed blocked plan as Spark runs it (nearest_join.keyed), in-process: rows drawn
     into parts, sent to their cells (shuffled, as an exchange delivers them), each cell
-    searched by search_cell, the partials merged per query part by merge_partials."""
+    searched by search_cell, the partials merged per stage-2 block by merge_cells.
+
+    ``q_groups[i]`` is query i's group (an int, -1: none) or, for an IVF query, the list of
+    its groups nearest first; such queries get stage-2 blocks of ``block_rows`` row ids."""
     rng = np.random.default_rng(seed)
     info = {int(g): (int(b), int(tp), int(qp)) for g, b, tp, qp in
             zip(layout.groups, layout.base, layout.t_parts, layout.q_parts)}
     vec = pa.list_(pa.float32())
     q_cells: dict[int, list] = {}
-    for i, g in enumerate(q_groups):
-        known = info.get(int(g)) if g >= 0 else None
-        if known is None:        # no group, or one the target lacks: a NULL group id
-            if not layout.unmatched_parts:
-                continue         # inner: no row
-            known, g = (layout.unmatched_base, 1, layout.unmatched_parts), -1
-        base, tp, qp = known
-        part = base + int(rng.integers(qp)) * tp
-        for t_part in range(tp):
-            q_cells.setdefault(part + t_part, []).append((i, queries[i].tolist(), None if g < 0 else int(g),
-                                                          i, part, t_part))
+    for i, groups in enumerate(q_groups):
+        probes = not np.isscalar(groups)
+        groups = list(groups) if probes else [int(groups)]
+        if not groups and ctx.join_type == "leftouter":   # posexplode_outer: one NULL group
+            groups = [-1]
+        parts = {}             # one query part per bin, as the hash of the row id draws it
+        for rank, g in enumerate(groups):
+            known = info.get(int(g)) if g >= 0 else None
+            if known is None:        # no group, or one the target lacks: a NULL group id
+                if rank or not layout.unmatched_parts:
+                    continue         # no cell; only the payload's copy goes to the unmatched cells
+                known, g = (layout.unmatched_base, 1, layout.unmatched_parts), -1
+            base, tp, qp = known
+            part = parts.setdefault(base, base + int(rng.integers(qp)) * tp)
+            block = i // block_rows if probes else part
+            for t_part in range(tp):
+                q_cells.setdefault(part + t_part, []).append(
+                    (i, queries[i].tolist(), None if g < 0 else int(g), i, rank, block, t_part, part + t_part))
     t_cells: dict[int, list] = {}
     for j, g in enumerate(t_groups):
         if int(g) not in info:
@@ -149,7 +159,8 @@ def _local_keyed(queries, q_groups, targets, t_groups, ctx, layout, seed=0):
         for q_part in range(qp):
             t_cells.setdefault(base + q_part * tp + t_part, []).append((j, targets[j].tolist(), int(g), j))
     q_schema = pa.schema([("qid", pa.int64()), ("qv", vec), (C.GROUP, pa.int32()), (C.Q_ROW, pa.int64()),
-                          (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64())])
+                          (C.PROBE, pa.int32()), (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),
+                          (C.CELL, pa.int64())])
     t_schema = pa.schema([("tid", pa.int64()), ("tv", vec), (C.GROUP, pa.int32()), (C.T_ROW, pa.int64())])
     partials: dict[int, list] = {}
     for cell in sorted(set(q_cells) | set(t_cells)):
@@ -158,11 +169,13 @@ def _local_keyed(queries, q_groups, targets, t_groups, ctx, layout, seed=0):
         rng.shuffle(t_rows)
         q_table = pa.Table.from_pylist([dict(zip(q_schema.names, r)) for r in q_rows], q_schema)
         t_table = pa.Table.from_pylist([dict(zip(t_schema.names, r)) for r in t_rows], t_schema)
-        for batch in search_cell(q_table, t_table, ctx).to_batches():
-            partials.setdefault(batch.column(0)[0].as_py(), []).append(batch)
+        out = search_cell(q_table, t_table, ctx)
+        for r in range(out.num_rows):
+            partials.setdefault(out.column(0)[r].as_py(), []).append(out.slice(r, 1).to_batches()[0])
     rows = []
     for key, batches in partials.items():
-        for out in merge_partials((key,), batches, ctx):
+        rng.shuffle(batches)
+        for out in merge_cells((key,), batches, ctx):
             rows.extend(out.to_pylist())
     return [{"qid": r[C.output_name(0)], "tid": r[C.output_name(2)], "d": r[C.output_name(4)]} for r in rows]
 
@@ -233,11 +246,12 @@ def test_search_cell_ties_follow_the_row_ids():
     vec = pa.list_(pa.float32())
     q = pa.table({"qid": pa.array([0], pa.int64()), "qv": pa.array([[0.0, 0.0]], vec),
                   C.GROUP: pa.array([3], pa.int32()), C.Q_ROW: pa.array([9], pa.int64()),
-                  C.Q_BLOCK_ID: pa.array([0], pa.int64()), C.T_BLOCK_ID: pa.array([0], pa.int64())})
+                  C.PROBE: pa.array([0], pa.int32()), C.Q_BLOCK_ID: pa.array([0], pa.int64()),
+                  C.T_BLOCK_ID: pa.array([0], pa.int64()), C.CELL: pa.array([0], pa.int64())})
     ids = [40, 10, 30, 20, 50, 60]
     t = pa.table({"tid": pa.array(ids, pa.int64()), "tv": pa.array([[1.0, 0.0]] * 6, vec),
                   C.GROUP: pa.array([3] * 6, pa.int32()), C.T_ROW: pa.array(ids, pa.int64())})
-    out = list(merge_partials((0,), search_cell(q, t, ctx).to_batches(), ctx))
+    out = list(merge_cells((0,), search_cell(q, t, ctx).to_batches(), ctx))
     assert sorted(pa.Table.from_batches(out).column(2).to_pylist()) == [10, 20, 30, 40]
 
 
@@ -319,7 +333,7 @@ def test_keyed_blocked_explanation_shows_the_split(spark, frames, skewed_block):
     text = str(plan)
     assert f"keys: query.k = target.k (as string); {groups} target groups, the largest 320 rows" in text
     assert "both sides partitioned by key group" in text
-    assert f"{cells['split_groups']} group" in text and "split (skew), the most into" in text
+    assert f"{cells['split_groups']} key group" in text and "split (skew), the most into" in text
     assert plan.to_dict()["key_cells"] == cells
 
 
