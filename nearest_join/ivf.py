@@ -166,11 +166,16 @@ class IVFIndex:
         centroids.setflags(write=False)
         return cls(centroids, metric, int(seed), int(rankable), int(result.iterations))
 
-    def route(self, vectors: np.ndarray, nprobe: int = 1) -> np.ndarray:
-        """Each row's ``nprobe`` nearest lists, nearest first (-1: a row that cannot rank)."""
+    def route(self, vectors: np.ndarray, nprobe: int = 1, metric: str | None = None) -> np.ndarray:
+        """Each row's ``nprobe`` nearest lists, nearest first (-1: a row that cannot rank).
+
+        ``metric``: the join's (default the index's; both of one family): it decides whether a
+        zero vector ranks (inner product: it probes lists 0, 1, ...; cosine: it cannot rank), so
+        an index trained for cosine routes an inner-product join's zero vectors as that join
+        ranks them."""
         from .kernels.kmeans import route
 
-        return route(vectors, self.centroids, self.metric, nprobe)
+        return route(vectors, self.centroids, metric or self.metric, nprobe)
 
     def check_join(self, metric: str, dimension: int | None) -> None:
         """Raise ArgumentError naming ``index`` unless it serves a join of this metric and dimension."""
@@ -429,10 +434,10 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
                         expected_from=f"query column {quote(parsed.query_column)}")
     function = functools.partial(sample_topk, layout=layout, queries=queries,
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
-                                 index_metric=index.metric, cap=plan.cap)
+                                 index_metric=parsed.metric, cap=plan.cap)
     table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     neighbour_lists = _neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
-    query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist)
+    query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist, parsed.metric)
                                   for i in range(0, queries.shape[0], 256)])
     return recall_curve(query_order, neighbour_lists)
 
@@ -501,7 +506,7 @@ def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
     layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
                         expected_from=f"query column {quote(parsed.query_column)}", group_index=1)
     function = functools.partial(count_key_lists, layout=layout, centroids=np.asarray(index.centroids),
-                                 metric=index.metric)
+                                 metric=parsed.metric)
     pairs = (t_input.select(vector_name, C.GROUP).mapInArrow(function, from_arrow_schema(KEY_LIST_SCHEMA))
              .groupBy("group", "list").agg(F.sum("rows").alias("rows")))
     listed = (pairs.withColumn("key_rows", F.sum("rows").over(Window.partitionBy("group")))
@@ -545,14 +550,14 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
                         expected_from=f"query column {quote(parsed.query_column)}", group_index=1)
     function = functools.partial(sample_topk, layout=layout, queries=queries,
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
-                                 index_metric=index.metric, cap=plan.cap, query_groups=groups)
+                                 index_metric=parsed.metric, cap=plan.cap, query_groups=groups)
     scanned = t_input.select(t_vector, C.GROUP).mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     neighbour_lists = _neighbour_lists(scanned, queries.shape[0], plan.k, parsed.metric)
-    return recall_of_ranks(key_ranks(queries, groups, neighbour_lists, lists, index), width)
+    return recall_of_ranks(key_ranks(queries, groups, neighbour_lists, lists, index, parsed.metric), width)
 
 
 def key_ranks(queries: np.ndarray, groups: np.ndarray, neighbour_lists: list[np.ndarray], lists: KeyLists,
-              index: IVFIndex) -> list[np.ndarray]:
+              index: IVFIndex, metric: str) -> list[np.ndarray]:
     """For each query (of key group ``groups[i]``), the probe at which each of its neighbours'
     lists ``neighbour_lists[i]`` is searched: its rank among the lists its key occupies,
     nearest first, as ``udfs.lists.key_probes`` orders them (0 for every neighbour of a key
@@ -563,7 +568,7 @@ def key_ranks(queries: np.ndarray, groups: np.ndarray, neighbour_lists: list[np.
     ranks = []
     for start in range(0, queries.shape[0], 256):
         probes = key_probes(queries[start:start + 256], groups[start:start + 256], lists.codes,
-                            np.asarray(index.centroids), index.metric, index.nlist)
+                            np.asarray(index.centroids), metric, index.nlist)
         for row, found in zip(probes, neighbour_lists[start:start + 256]):
             if row[0] >= lists.codes.size:   # a key searched whole: every neighbour at the first probe
                 ranks.append(np.zeros(found.size, np.int64))
@@ -582,6 +587,7 @@ class IvfSearch:
 
     index: IVFIndex
     nprobe: int
+    metric: str   # the join's: how a zero vector routes (IVFIndex.route)
 
     def packers(self):
         """The packing functions of both sides (``udfs.lists.pack_listed``; ``layout`` left
@@ -592,7 +598,7 @@ class IvfSearch:
 
         def side(nprobe: int | None):
             return functools.partial(pack_listed, centroids=np.asarray(self.index.centroids),
-                                     metric=self.index.metric, nprobe=nprobe)
+                                     metric=self.metric, nprobe=nprobe)
 
         return side(self.nprobe), side(None)
 
@@ -608,7 +614,7 @@ class IvfSearch:
         def side(df, layout, nprobe, group_type):
             schema = StructType(list(df.schema.fields) + [StructField(C.GROUP, group_type, True)])
             function = functools.partial(append_lists, layout=layout, centroids=np.asarray(self.index.centroids),
-                                         metric=self.index.metric, nprobe=nprobe)
+                                         metric=self.metric, nprobe=nprobe)
             return df.mapInArrow(function, schema)
 
         return (side(query, q_layout, self.nprobe, ArrayType(IntegerType(), False)),
@@ -640,6 +646,7 @@ class KeyedIvfSearch:
     index: IVFIndex
     nprobe: int
     lists: KeyLists
+    metric: str   # the join's: how a zero vector routes (IVFIndex.route)
 
     def packers(self):
         """The packing functions of both sides (``udfs.lists.pack_key_listed``; ``layout``
@@ -649,7 +656,7 @@ class KeyedIvfSearch:
 
         def side(nprobe: int | None):
             return functools.partial(pack_key_listed, centroids=np.asarray(self.index.centroids),
-                                     metric=self.index.metric, nprobe=nprobe, key_lists=self.lists.codes)
+                                     metric=self.metric, nprobe=nprobe, key_lists=self.lists.codes)
 
         return side(self.nprobe), side(None)
 
@@ -666,7 +673,7 @@ class KeyedIvfSearch:
             fields = list(df.schema.fields)
             fields[layout.group_index] = StructField(C.GROUP, group_type, True)
             function = functools.partial(replace_key_groups, layout=layout, centroids=np.asarray(self.index.centroids),
-                                         metric=self.index.metric, nprobe=nprobe, key_lists=self.lists.codes)
+                                         metric=self.metric, nprobe=nprobe, key_lists=self.lists.codes)
             return df.mapInArrow(function, StructType(fields))
 
         return (side(query, q_layout, self.nprobe, ArrayType(LongType(), False)),
@@ -790,7 +797,8 @@ def plan_approx(planned):
             return exact(f"recall={options.recall} needs nprobe={nprobe} of {available} "
                          f"({chosen}), >= {IVF_MAX_PROBED_SHARE:g} of them: IVF would be slower than the "
                          "exact search (pass nprobe to force it)", **info)
-    search = IvfSearch(index, nprobe) if lists is None else KeyedIvfSearch(index, nprobe, lists)
+    search = (IvfSearch(index, nprobe, parsed.metric) if lists is None
+              else KeyedIvfSearch(index, nprobe, lists, parsed.metric))
     layout = None
     if plan.plan == "blocked":
         # The cells need the groups' sizes on both sides: a job that routes both (as the keyed

@@ -312,7 +312,7 @@ def test_key_ranks_against_each_keys_sorted_lists():
     groups = np.array([0] * 256 + [1] * 40 + [2] * 10, np.int64)   # the first chunk: key 0 only
     queries = rng.standard_normal((groups.size, 5)).astype(np.float32)
     neighbours = [rng.choice(key_of.get(int(g), np.arange(nlist)), 4) for g in groups]
-    ranks = key_ranks(queries, groups, neighbours, lists, index)
+    ranks = key_ranks(queries, groups, neighbours, lists, index, "l2")
     for i, g in enumerate(groups):
         if g == 2:
             assert ranks[i].tolist() == [0] * 4
