@@ -208,7 +208,7 @@ class GpuBlockSearcher:
         it is stored for the stage's next task in this worker, when there is a task scope.
         """
         from nearest_join.kernels._gpu_torch import lower_table_bytes
-        from nearest_join.kernels.gpu import prepare_targets, uses_lower_keys
+        from nearest_join.kernels.gpu import kept_sample_rows, prepare_targets, uses_lower_keys
 
         target_vectors = np.asarray(target_vectors)
         shared = keep and target_key is not None and self._kept is not None
@@ -221,9 +221,11 @@ class GpuBlockSearcher:
                 self._targets = hit
                 return hit
         nt, d = target_vectors.shape
-        # the prepared block (prepared_bytes) + EXACT mode's lower keys where they are used:
-        # the block's two weight rows (kept) and a search's bias table with its temporaries
-        needed = prepared_bytes(nt, d, self.precision, 8 if target_vectors.dtype == np.float64 else 4)
+        # the prepared block (prepared_bytes) with the sample its searches keep + EXACT mode's
+        # lower keys where they are used: the block's two weight rows (kept) and a search's
+        # bias table with its temporaries
+        rows = nt + kept_sample_rows(nt, d, self.settings.k, self.precision)
+        needed = prepared_bytes(rows, d, self.precision, 8 if target_vectors.dtype == np.float64 else 4)
         if uses_lower_keys(self.settings.k, self.precision, d):
             needed += nt * 4 * 2 + lower_table_bytes(nt)
         budget = int(self.memory_bytes * TARGET_SHARE)
@@ -236,7 +238,7 @@ class GpuBlockSearcher:
             self._resident.clear()
         t = self.staging.upload(target_vectors, "targets")
         prepared = prepare_targets(t, self.settings.metric, self.precision)
-        size = prepared_bytes(nt, d, self.precision, t.element_size())
+        size = prepared_bytes(rows, d, self.precision, t.element_size())
         if target_key is not None:
             store.put(key, prepared, size, stamp)
         self._targets = prepared

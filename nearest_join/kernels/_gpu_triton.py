@@ -1101,6 +1101,13 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
 SAMPLE_LIST = 32
 
 
+def sample_rows(nt: int, n_cand: int) -> int:
+    """Rows of the sample :func:`sample_seed` takes for a first list of ``n_cand`` over ``nt``
+    targets (every ``n_cand / SAMPLE_LIST``-th), 0 where it takes none."""
+    step = n_cand // SAMPLE_LIST
+    return 0 if step < 2 or nt < step * SAMPLE_LIST * 2 else -(-nt // step)
+
+
 def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, config: TileConfig,
                 *, lower: bool = False, buffer_bytes: int = 1 << 30) -> torch.Tensor | None:
     """Seeds for an unseeded first pass of ``n_cand`` candidates: each row's ``SAMPLE_LIST``-th
@@ -1121,7 +1128,7 @@ def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, confi
     are the first pass's keys of the same targets.
     """
     step = n_cand // SAMPLE_LIST
-    if step < 2 or targets.rows < step * SAMPLE_LIST * 2:
+    if not sample_rows(targets.rows, n_cand):
         return None
     if not plan_candidates(queries.rows, targets.rows, queries.dim, n_cand, queries.precision,
                            device_limits(queries.exact.device), config=config):

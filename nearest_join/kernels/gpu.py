@@ -254,6 +254,29 @@ def sampled_first_pass(k: int, precision: str, d: int) -> bool:
             and d > LOWER_KEYS_SMALL_K_MAX_D)
 
 
+def sampled_width(k: int, precision: str, d: int) -> int | None:
+    """The first list's width of a search with a sampled first pass (:func:`sampled_first_pass`;
+    None without one): its rows' list widened once."""
+    if not sampled_first_pass(k, precision, d):
+        return None
+    from . import _gpu_torch as gt
+    from ._gpu_triton import MAX_CANDIDATES
+
+    return min(gt.widened(gt.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
+
+
+def kept_sample_rows(nt: int, d: int, k: int, precision: str) -> int:
+    """Target rows of the sample that searches of ``k`` keep with a prepared block of ``nt``
+    rows (``_gpu_triton.sample_seed``: its own prepared rows, as many bytes a row as the
+    block's), 0 where they take none: what a device memory budget adds to the block's."""
+    width = sampled_width(k, precision, d)
+    if width is None:
+        return 0
+    from ._gpu_triton import sample_rows
+
+    return sample_rows(nt, width)
+
+
 def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30,
                     cap: float | None = None):
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
@@ -303,9 +326,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         )
 
         first_tiles = []
-        sampled = sampled_first_pass(k, precision, side.dim)
-        if sampled:
-            first_width = min(gt.widened(gt.candidate_width(k, precision, lower)), MAX_CANDIDATES)
+        first_width = sampled_width(k, precision, side.dim)
+        sampled = first_width is not None
 
         def candidates(q, t, n_cand, seed=None, lower=False):
             # Every round runs the first pass's tiles: one compiled kernel per search.

@@ -647,6 +647,20 @@ def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_the_sample_kept_with_a_block_has_the_rows_its_budget_counts():
+    # udfs.gpu budgets a block with kept_sample_rows: the sample a sampled first pass keeps
+    from nearest_join.kernels import gpu
+
+    q, t = make_data("gaussian", 2048, 20_000, 384, 5)
+    prepared = gpu.prepare_targets(torch.from_numpy(t).cuda(), "l2", "bf16")
+    gpu.search_prepared(torch.from_numpy(q).cuda(), prepared, 100)
+    samples = [v for key, v in prepared.side.cache.items() if isinstance(key, tuple) and key[0] == "sample"]
+    assert [s.rows for s in samples] == [gpu.kept_sample_rows(20_000, 384, 100, "bf16")]
+    assert samples[0].rows > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_exact_mode_equals_fp32_on_near_ties(poisoned_buffers):
     """tf32/bf16 return the float32 answer: identical indices to fp32 on clustered data."""
     q, t = make_data("clustered", 1000, 30_000, 128, 21)

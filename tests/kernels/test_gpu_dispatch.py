@@ -60,3 +60,16 @@ def test_the_gpu_backend_refuses_a_task_without_cuda(monkeypatch):
     (100, "tf32", 384, False)])                              # not tf32 (no lower keys)
 def test_long_bf16_lists_above_d_128_start_from_a_sampled_wider_list(k, precision, d, expected):
     assert gpu.sampled_first_pass(k, precision, d) == expected
+
+
+def test_the_kept_sample_is_counted_only_where_searches_take_one():
+    # the sample sample_seed keeps with the block: every (width / SAMPLE_LIST)-th row
+    from nearest_join.kernels._gpu_triton import SAMPLE_LIST
+
+    width = gpu.sampled_width(100, "bf16", 384)
+    step = width // SAMPLE_LIST
+    assert step >= 2
+    assert gpu.kept_sample_rows(100_000, 384, 100, "bf16") == len(range(0, 100_000, step))
+    assert gpu.kept_sample_rows(2 * step * SAMPLE_LIST - 1, 384, 100, "bf16") == 0   # too few to sample
+    assert gpu.kept_sample_rows(100_000, 128, 100, "bf16") == 0                      # no sampled pass
+    assert gpu.kept_sample_rows(100_000, 384, 100, "tf32") == 0
