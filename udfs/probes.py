@@ -93,11 +93,11 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
         # probes are CSR too, and stay so when whole rows are permuted.
         s_owner, s_segment = owner[small], segment[small]
         counts = np.bincount(s_owner, minlength=nq)
-        first = np.full(nq, segments.groups.size, np.int64)
-        first[s_owner[::-1]] = s_segment[::-1]   # the last write wins: each row's first probe
-        by_segment = np.argsort(first, kind="stable")
         starts = np.zeros(nq + 1, np.int64)
         np.cumsum(counts, out=starts[1:])
+        first = np.full(nq, segments.groups.size, np.int64)   # rows without one: last
+        first[counts > 0] = s_segment[starts[:-1][counts > 0]]
+        by_segment = np.argsort(first, kind="stable")
         moved = np.repeat(starts[by_segment], counts[by_segment]) + (
             np.arange(s_owner.size) - np.repeat(np.cumsum(counts[by_segment]) - counts[by_segment],
                                                 counts[by_segment]))
