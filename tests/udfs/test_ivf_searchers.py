@@ -1,26 +1,31 @@
 """The IVF plan's search on each block searcher, at the Arrow-batch level (no pyspark).
 
-Both sides are routed and packed by the approx plan's packers (``IvfSearch.packers``:
-``udfs.lists.pack_listed``), the pairs run through the broadcast plan's loop
+Both sides are routed and packed as the approx plan packs them (``udfs.lists.pack_listed``,
+the functions ``nearest_join.ivf.IvfSearch.packers`` hands the plan), the pairs run through the broadcast plan's loop
 (``udfs.blocks.search_broadcast``: ``udfs.groups.grouped_search`` hands the probed lists to
 ``udfs.probes.probed_search``), and the joined rows are checked against the float64 oracle
 restricted to each query's probed lists. One list is dense enough that its work is above
 ``udfs.groups.SEGMENT_WORK``: it goes to the task's searcher, which is the CPU kernel, the
 GPU searcher's torch path on a CPU device, or (``pytest -m gpu``, on a CUDA machine) the GPU
 searcher on the GPU; the other lists go to the batched segment search. With
-``nprobe == nlist`` the rows are the exact result. Sized to run in seconds.
+``nprobe == nlist`` the rows are the exact result. Sized to run in seconds; imports no
+pyspark (``nearest_join.ivf`` does, through ``nearest_join.errors``), so that it runs on a
+GPU machine without Spark.
 """
 from __future__ import annotations
+
+import functools
 
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from nearest_join.ivf import IVFIndex, IvfSearch
 from nearest_join.kernels import rankable_rows, resolve_metric
+from nearest_join.kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
 from udfs.groups import SEGMENT_WORK
+from udfs.lists import pack_listed
 from udfs.local import pair_batches
 from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block
 from udfs.searcher import BlockSearcher, SearchSettings
@@ -80,7 +85,7 @@ def test_ivf_search_on_the_block_searcher_matches_the_oracle(monkeypatch, search
     ranked = targets.copy()
     ranked[null_target] = np.nan                   # a NULL vector never ranks
     # The clusters' own centres as the lists (k-means could split the dense one).
-    index = IVFIndex(centres, metric, 0, targets.shape[0], 0)
+    centroids = np.ascontiguousarray(centres, np.float32)
     q_table, t_table = _table("qid", "qv", queries), _table("tid", "tv", targets, null_target)
     settings = SearchSettings(K, metric, "cpu" if searcher == "cpu" else "gpu")
     calls = []
@@ -99,7 +104,8 @@ def test_ivf_search_on_the_block_searcher_matches_the_oracle(monkeypatch, search
     monkeypatch.setattr(B, "open_block_searcher", open_searcher)
     q_layout = SideLayout("qv", 1, D, Q_BLOCK_ROWS, group_index=2)
     t_layout = SideLayout("tv", 1, D, T_BLOCK_ROWS, group_index=2)
-    q_pack, t_pack = IvfSearch(index, nprobe).packers()
+    q_pack, t_pack = (functools.partial(pack_listed, centroids=centroids, metric=metric, nprobe=p)
+                      for p in (nprobe, None))
     q_packed = pa.Table.from_batches(list(q_pack(q_table.to_batches(max_chunksize=50), layout=q_layout)),
                                      schema=PACKED_SCHEMA)
     t_packed = pa.Table.from_batches(list(t_pack(t_table.to_batches(max_chunksize=1000), layout=t_layout))
@@ -111,8 +117,8 @@ def test_ivf_search_on_the_block_searcher_matches_the_oracle(monkeypatch, search
     assert any(nq * nt * D > SEGMENT_WORK for nq, nt in calls), calls
     qid, tid, value = (out.column(i).to_numpy(zero_copy_only=False) for i in (0, 2, 4))
     m = resolve_metric(metric)
-    t_lists = index.route(targets)[:, 0]
-    probes = index.route(queries, nprobe)
+    t_lists = route(targets, centroids, metric)[:, 0]
+    probes = route(queries, centroids, metric, nprobe)
     ok = rankable_rows(ranked, m)
     for i in range(queries.shape[0]):
         mine = qid == i
