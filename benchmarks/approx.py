@@ -198,8 +198,8 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
             pairs = pairs_of(planned.dataframe().select("qid", "tid"))
         return pairs, time.perf_counter() - start, cpu.seconds, planned.plan
 
-    # warm-up (Python workers, numba caches, both plans) on a slice
-    for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}):
+    # warm-up (Python workers, numba caches, both plans, the recall estimate) on a slice
+    for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}, {"mode": "approx", "nlist": 8}):
         plan_join(q.limit(500), t.limit(5000), METRIC,
                   JoinOptions(num_results=K, vectors=("v", "w"), **options)).dataframe().toArrow()
     load = lambda: round(os.getloadavg()[0], 1)

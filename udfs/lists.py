@@ -40,6 +40,10 @@ from .vectors import decode_vectors
 SAMPLE_SCHEMA = pa.schema([("query", pa.int32()), ("value", pa.float32()), ("list", pa.int32()),
                            ("order", pa.int64())])
 _ROW_BITS = 40
+# Target rows per search of the estimate's scan: Spark's Arrow batches gathered into fewer,
+# larger searches, since each search and each merge into the running top k has a fixed cost
+# (the operands' set-up, a pass over the (queries, 2 k) state and its neighbours' vectors).
+SCAN_ROWS = 1 << 16
 
 
 def list_type(nprobe: int | None) -> pa.DataType:
@@ -94,6 +98,22 @@ def pack_listed(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centro
                                         nprobe=nprobe), layout)
 
 
+def _scan_chunks(batches: Iterable[pa.RecordBatch], layout: SideLayout, dimension: int) -> Iterator[np.ndarray]:
+    """A partition's vectors, in row order, in chunks of at least :data:`SCAN_ROWS` rows
+    (the last one may be smaller)."""
+    pending, rows = [], 0
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        pending.append(_vectors(batch, layout, dimension))
+        rows += batch.num_rows
+        if rows >= SCAN_ROWS:
+            yield pending[0] if len(pending) == 1 else np.concatenate(pending)
+            pending, rows = [], 0
+    if pending:
+        yield pending[0] if len(pending) == 1 else np.concatenate(pending)
+
+
 def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, queries: np.ndarray,
                 centroids: np.ndarray, k: int, metric: str, index_metric: str,
                 cap: float | None, query_groups: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
@@ -102,8 +122,9 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     ``SAMPLE_SCHEMA`` rows: one per filled slot, with the list of the neighbour
     (:func:`~nearest_join.kernels.kmeans.route` for the index's metric, ``index_metric``).
 
-    The running state is (queries, k) values, partition row numbers and vectors: each
-    batch's top k is merged into it (:func:`nearest_join.kernels.merge_topk`, ties to the
+    The running state is (queries, k) values, partition row numbers and vectors: the
+    partition's rows are searched :data:`SCAN_ROWS` at a time, and each search's top k is
+    merged into it (:func:`nearest_join.kernels.merge_topk`, ties to the
     lower row) and only the k neighbours left at the end are routed.
 
     ``query_groups`` (``on=`` keys: each sampled query's key group, -1 none): each query is
@@ -120,10 +141,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     nq, d = queries.shape
     values = rows = held = None
     seen = 0
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        vectors = _vectors(batch, layout, d)
+    for vectors in _scan_chunks(batches, layout, d):
         if vectors.dtype != queries.dtype:   # one precision for both: the wider
             wide = np.promote_types(vectors.dtype, queries.dtype)
             vectors, queries = vectors.astype(wide), queries.astype(wide)
@@ -140,7 +158,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
                                                offsets=[0, seen], return_sources=True)
             pool = np.concatenate([held, found], axis=1)
             held = np.take_along_axis(pool, np.maximum(sources, 0)[:, :, None], axis=1)
-        seen += batch.num_rows
+        seen += vectors.shape[0]
     if values is None:
         return
     query, slot = np.nonzero(rows >= 0)

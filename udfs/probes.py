@@ -87,13 +87,26 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
     large = np.bincount(segment, minlength=sizes.size) * sizes * d > limit
     small = ~large[segment]
     if small.any():
-        # owner is non-decreasing (CSR order), so the small probes are CSR too.
-        counts = np.bincount(owner[small], minlength=nq)
+        # The queries in the order of their first small segment: queries of one list run one
+        # after another and find its rows in cache (a block's lists, taken in query order, are
+        # read from memory once per query). owner is non-decreasing (CSR order), so the small
+        # probes are CSR too, and stay so when whole rows are permuted.
+        s_owner, s_segment = owner[small], segment[small]
+        counts = np.bincount(s_owner, minlength=nq)
+        starts = np.zeros(nq + 1, np.int64)
+        np.cumsum(counts, out=starts[1:])
+        first = np.full(nq, segments.groups.size, np.int64)   # rows without one: last
+        first[counts > 0] = s_segment[starts[:-1][counts > 0]]
+        by_segment = np.argsort(first, kind="stable")
+        moved = np.repeat(starts[by_segment], counts[by_segment]) + (
+            np.arange(s_owner.size) - np.repeat(np.cumsum(counts[by_segment]) - counts[by_segment],
+                                                counts[by_segment]))
         probe_starts = np.zeros(nq + 1, np.int64)
-        np.cumsum(counts, out=probe_starts[1:])
-        values, local = knn_segments(query_vectors, sorted_targets, segments.starts, probe_starts,
-                                     segment[small], k, metric, cap=cap, threads=threads)
-        rows = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
+        np.cumsum(counts[by_segment], out=probe_starts[1:])
+        v, local = knn_segments(query_vectors[by_segment], sorted_targets, segments.starts, probe_starts,
+                                s_segment[moved], k, metric, cap=cap, threads=threads)
+        values[by_segment] = v
+        rows[by_segment] = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
 
     big = np.flatnonzero(~small)
     if big.size:

@@ -2,9 +2,14 @@
 which chooses numba's cache directory)."""
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from ._cpu_kernels import _difference_sum, _product_sum
+
+
+# Query rows per iteration of the parallel loop: they share one buffer of keys.
+_QUERY_CHUNK = 64
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -14,33 +19,47 @@ def segment_topk(queries, q_factors, q_ok, targets, t_factors, t_ok, segment_sta
     the rankable targets of its segments, best first, into ``keys`` (pre-filled +inf) and
     ``indices`` (pre-filled -1). A key is the float64 difference-form sum (``difference``) or
     the negated product of the rows scaled by their factors. The top k is kept by insertion:
-    a segment is a few rows, and k slots stay in one cache line or two."""
+    a segment is a few rows, and k slots stay in one cache line or two.
+
+    Each segment's keys are computed in one tight loop into a buffer first, then inserted:
+    interleaved with the insertions' branches the key loop ran at about half its speed."""
     k = keys.shape[1]
-    for i in prange(queries.shape[0]):
-        if not q_ok[i]:
-            continue
-        count = 0
-        for p in range(probe_starts[i], probe_starts[i + 1]):
-            s = probe_segments[p]
-            for j in range(segment_starts[s], segment_starts[s + 1]):
-                if not t_ok[j]:
-                    continue
+    longest = 0
+    for s in range(segment_starts.shape[0] - 1):
+        longest = max(longest, segment_starts[s + 1] - segment_starts[s])
+    n = queries.shape[0]
+    for chunk in prange((n + _QUERY_CHUNK - 1) // _QUERY_CHUNK):
+        buffer = np.empty(longest)
+        for i in range(chunk * _QUERY_CHUNK, min(n, (chunk + 1) * _QUERY_CHUNK)):
+            if not q_ok[i]:
+                continue
+            query, factor = queries[i], q_factors[i]
+            count = 0
+            for p in range(probe_starts[i], probe_starts[i + 1]):
+                s = probe_segments[p]
+                lo, hi = segment_starts[s], segment_starts[s + 1]
                 if difference:
-                    key = _difference_sum(queries[i], q_factors[i], targets[j], t_factors[j])
+                    for j in range(lo, hi):
+                        buffer[j - lo] = _difference_sum(query, factor, targets[j], t_factors[j])
                 else:
-                    key = -_product_sum(queries[i], q_factors[i], targets[j], t_factors[j])
-                if count == k:
-                    last_key, last_j = keys[i, k - 1], indices[i, k - 1]
-                    if not (key < last_key or (key == last_key and j < last_j)):
+                    for j in range(lo, hi):
+                        buffer[j - lo] = -_product_sum(query, factor, targets[j], t_factors[j])
+                for j in range(lo, hi):
+                    if not t_ok[j]:
                         continue
-                    pos = k - 1
-                else:
-                    pos = count
-                    count += 1
-                while pos > 0 and (keys[i, pos - 1] > key or
-                                   (keys[i, pos - 1] == key and indices[i, pos - 1] > j)):
-                    keys[i, pos] = keys[i, pos - 1]
-                    indices[i, pos] = indices[i, pos - 1]
-                    pos -= 1
-                keys[i, pos] = key
-                indices[i, pos] = j
+                    key = buffer[j - lo]
+                    if count == k:
+                        last_key, last_j = keys[i, k - 1], indices[i, k - 1]
+                        if not (key < last_key or (key == last_key and j < last_j)):
+                            continue
+                        pos = k - 1
+                    else:
+                        pos = count
+                        count += 1
+                    while pos > 0 and (keys[i, pos - 1] > key or
+                                       (keys[i, pos - 1] == key and indices[i, pos - 1] > j)):
+                        keys[i, pos] = keys[i, pos - 1]
+                        indices[i, pos] = indices[i, pos - 1]
+                        pos -= 1
+                    keys[i, pos] = key
+                    indices[i, pos] = j

@@ -78,22 +78,35 @@ def training_rows(vectors: np.ndarray, metric: str) -> np.ndarray:
 def _plus_plus(points, first, draws, chosen):
     """k-means++ (D^2 sampling) in one compiled loop: ``chosen[0] = first``, then centre
     ``c`` is the row where ``draws[c - 1]`` falls in the running sum of each row's squared
-    distance (float64 difference form) to its nearest chosen centre. One serial pass over
-    the points per centre: a parallel loop would wake its threads once per centre, which
-    costs more than the pass over a few thousand rows."""
+    distance (float64 difference form, summed in element order) to its nearest chosen
+    centre. One serial pass over the points per centre: a parallel loop would wake its
+    threads once per centre, which costs more than the pass over a few thousand rows.
+
+    The pass runs over the points transposed, element by element across a block of rows:
+    each row's sum still adds its elements in order (the same bits as a row-by-row loop),
+    but the rows' sums are independent, so the loop over them vectorises instead of waiting
+    on one sum's additions."""
     n, d = points.shape
+    columns = np.empty((d, n))
+    for i in range(n):
+        for j in range(d):
+            columns[j, i] = np.float64(points[i, j])
     nearest = np.full(n, np.inf)
+    distance = np.empty(n)
+    cumulative = np.empty(n)
     chosen[0] = first
     for c in range(1, chosen.shape[0]):
-        centre = chosen[c - 1]
+        centre = columns[:, chosen[c - 1]].copy()
+        distance[:] = 0.0
+        for j in range(d):
+            x = centre[j]
+            row = columns[j]
+            for i in range(n):
+                diff = row[i] - x
+                distance[i] += diff * diff
         total = 0.0
-        cumulative = np.empty(n)
         for i in range(n):
-            distance = 0.0
-            for j in range(d):
-                diff = np.float64(points[i, j]) - np.float64(points[centre, j])
-                distance += diff * diff
-            nearest[i] = min(nearest[i], distance)
+            nearest[i] = min(nearest[i], distance[i])
             total += nearest[i]
             cumulative[i] = total
         if total > 0 and np.isfinite(total):
