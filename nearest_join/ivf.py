@@ -434,7 +434,7 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
                         expected_from=f"query column {quote(parsed.query_column)}")
     function = functools.partial(sample_topk, layout=layout, queries=queries,
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
-                                 index_metric=parsed.metric, cap=plan.cap)
+                                 cap=plan.cap)
     table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     neighbour_lists = _neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
     query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist, parsed.metric)
@@ -550,7 +550,7 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
                         expected_from=f"query column {quote(parsed.query_column)}", group_index=1)
     function = functools.partial(sample_topk, layout=layout, queries=queries,
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
-                                 index_metric=parsed.metric, cap=plan.cap, query_groups=groups)
+                                 cap=plan.cap, query_groups=groups)
     scanned = t_input.select(t_vector, C.GROUP).mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     neighbour_lists = _neighbour_lists(scanned, queries.shape[0], plan.k, parsed.metric)
     return recall_of_ranks(key_ranks(queries, groups, neighbour_lists, lists, index, parsed.metric), width)

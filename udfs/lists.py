@@ -98,29 +98,40 @@ def pack_listed(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centro
                                         nprobe=nprobe), layout)
 
 
-def _scan_chunks(batches: Iterable[pa.RecordBatch], layout: SideLayout, dimension: int) -> Iterator[np.ndarray]:
-    """A partition's vectors, in row order, in chunks of at least :data:`SCAN_ROWS` rows
-    (the last one may be smaller)."""
-    pending, rows = [], 0
+def _scan_chunks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
+                 dimension: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """A partition's (vectors, group ids) in row order, in chunks of at least
+    :data:`SCAN_ROWS` rows (the last one may be smaller); the ids (``udfs.groups.group_ids``
+    of the ``layout.group_index`` column) None without one."""
+    from .groups import group_ids
+
+    pending, groups, rows = [], [], 0
+
+    def chunk():
+        vectors = pending[0] if len(pending) == 1 else np.concatenate(pending)
+        return vectors, None if layout.group_index is None else np.concatenate(groups)
+
     for batch in batches:
         if batch.num_rows == 0:
             continue
         pending.append(_vectors(batch, layout, dimension))
+        if layout.group_index is not None:
+            groups.append(group_ids(batch.column(layout.group_index)))
         rows += batch.num_rows
         if rows >= SCAN_ROWS:
-            yield pending[0] if len(pending) == 1 else np.concatenate(pending)
-            pending, rows = [], 0
+            yield chunk()
+            pending, groups, rows = [], [], 0
     if pending:
-        yield pending[0] if len(pending) == 1 else np.concatenate(pending)
+        yield chunk()
 
 
 def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, queries: np.ndarray,
-                centroids: np.ndarray, k: int, metric: str, index_metric: str,
+                centroids: np.ndarray, k: int, metric: str,
                 cap: float | None, query_groups: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
     """mapInArrow function over the target: the exact top ``k`` of ``queries`` (the recall
     estimate's sample) against this partition's rows, emitted once at the end as
     ``SAMPLE_SCHEMA`` rows: one per filled slot, with the list of the neighbour
-    (:func:`~nearest_join.kernels.kmeans.route` for the index's metric, ``index_metric``).
+    (:func:`~nearest_join.kernels.kmeans.route` under the join's ``metric``, as the search routes).
 
     The running state is (queries, k) values, partition row numbers and vectors: the
     partition's rows are searched :data:`SCAN_ROWS` at a time, and each search's top k is
@@ -141,15 +152,14 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     nq, d = queries.shape
     values = rows = held = None
     seen = 0
-    for vectors in _scan_chunks(batches, layout, d):
+    for vectors, target_groups in _scan_chunks(batches, layout, d):
         if vectors.dtype != queries.dtype:   # one precision for both: the wider
             wide = np.promote_types(vectors.dtype, queries.dtype)
             vectors, queries = vectors.astype(wide), queries.astype(wide)
         if query_groups is None:
             v, local = knn(queries, vectors, k, metric, backend="cpu", threads=threads, cap=cap)
         else:
-            v, local = _grouped_knn(queries, query_groups, vectors, batch.column(layout.group_index),
-                                    k, metric, cap, threads)
+            v, local = _grouped_knn(queries, query_groups, vectors, target_groups, k, metric, cap, threads)
         found = vectors[np.maximum(local, 0)]                        # (nq, k, d)
         if values is None:
             values, rows, held = v, np.where(local >= 0, local + seen, -1), found
@@ -164,22 +174,24 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     query, slot = np.nonzero(rows >= 0)
     if query.size == 0:
         return
-    lists = route(held[query, slot], centroids, index_metric, 1, threads=threads)[:, 0]
+    lists = route(held[query, slot], centroids, metric, 1, threads=threads)[:, 0]
     order = (np.int64(_task_partition()) << _ROW_BITS) | rows[query, slot]
     yield pa.RecordBatch.from_arrays(
         [pa.array(query.astype(np.int32)), pa.array(values[query, slot].astype(np.float32)),
          pa.array(lists.astype(np.int32)), pa.array(order)], schema=SAMPLE_SCHEMA)
 
 
-def _grouped_knn(queries: np.ndarray, query_groups: np.ndarray, vectors: np.ndarray, target_groups,
-                 k: int, metric: str, cap: float | None, threads: int) -> tuple[np.ndarray, np.ndarray]:
-    """knn's (values, batch rows) of ``queries`` against ``vectors``, each query ranked
-    against the rows of its own group only (:func:`udfs.groups.grouped_search`)."""
+def _grouped_knn(queries: np.ndarray, query_groups: np.ndarray, vectors: np.ndarray,
+                 target_groups: np.ndarray, k: int, metric: str, cap: float | None,
+                 threads: int) -> tuple[np.ndarray, np.ndarray]:
+    """knn's (values, chunk rows) of ``queries`` against ``vectors`` (of group ids
+    ``target_groups``), each query ranked against the rows of its own group only
+    (:func:`udfs.groups.grouped_search`)."""
     from nearest_join.kernels import knn
 
-    from .groups import GroupSegments, group_ids, grouped_search
+    from .groups import GroupSegments, grouped_search
 
-    segments = GroupSegments.of(group_ids(target_groups))
+    segments = GroupSegments.of(target_groups)
     return grouped_search(lambda q, t: knn(q, t, k, metric, backend="cpu", threads=threads, cap=cap),
                           queries, query_groups, np.ascontiguousarray(vectors[segments.order]), segments,
                           k, metric, cap=cap, threads=threads)

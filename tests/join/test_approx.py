@@ -262,7 +262,7 @@ def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, cappe
         cap = float(np.median(knn(queries, targets, 6, metric, backend="reference")[0][:, 3]))
     out = pa.Table.from_batches(list(sample_topk(
         batches, layout=SideLayout("w", 0, 5, 1), queries=queries, centroids=np.asarray(index.centroids),
-        k=6, metric=metric, index_metric=index.metric, cap=cap)), schema=SAMPLE_SCHEMA)
+        k=6, metric=metric, cap=cap)), schema=SAMPLE_SCHEMA)
     ranked = targets.copy()
     ranked[17] = np.nan
     want_v, want_rows = knn(queries, ranked, 6, metric, backend="reference", cap=cap)

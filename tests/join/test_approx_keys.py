@@ -325,16 +325,22 @@ def test_key_ranks_against_each_keys_sorted_lists():
 
 @pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "inner_product"])
 @pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
-def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped):
+@pytest.mark.parametrize("scan_rows", [None, 100], ids=["one-search", "searches-of-100-rows"])
+def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped, scan_rows, monkeypatch):
     """udfs.lists.sample_topk with the sampled queries' key groups, over several batches (a
-    NULL vector, a NULL group, an all-NULL batch among them): per query, the lists and values
-    of its exact top k among its own key's rows (the float64 reference, under the cap)."""
+    NULL vector, a NULL group, an all-NULL batch among them), searched at once or in chunks
+    of rows across the batches: per query, the lists and values of its exact top k among its
+    own key's rows (the float64 reference, under the cap)."""
     import pyarrow as pa
 
+    import udfs.lists
     from nearest_join.ivf import IVFIndex
     from nearest_join.kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
+
+    if scan_rows is not None:
+        monkeypatch.setattr(udfs.lists, "SCAN_ROWS", scan_rows)
 
     rng = np.random.default_rng(9)
     targets = rng.standard_normal((700, 5)).astype(np.float32)
@@ -355,7 +361,7 @@ def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped):
         cap = float(np.median(knn(queries, targets, 6, metric, backend="reference")[0][:, 5]))
     out = pa.Table.from_batches(list(sample_topk(
         batches, layout=SideLayout("w", 0, 5, 1, group_index=1), queries=queries,
-        centroids=np.asarray(index.centroids), k=6, metric=metric, index_metric=index.metric, cap=cap,
+        centroids=np.asarray(index.centroids), k=6, metric=metric, cap=cap,
         query_groups=q_groups.astype(np.int64))), schema=SAMPLE_SCHEMA)
     t_lists = index.route(targets)[:, 0]
     query, lists, value = (out.column(c).to_numpy() for c in ("query", "list", "value"))
