@@ -268,7 +268,9 @@ def sampled_width(k: int, precision: str, d: int) -> int | None:
 def kept_sample_rows(nt: int, d: int, k: int, precision: str) -> int:
     """Target rows of the sample that searches of ``k`` keep with a prepared block of ``nt``
     rows (``_gpu_triton.sample_seed``: its own prepared rows, as many bytes a row as the
-    block's), 0 where they take none: what a device memory budget adds to the block's."""
+    block's), 0 where they take none: what a device memory budget adds to the block's. An
+    upper bound: where the first pass has no launch configuration (a block too small for its
+    segments) the torch path runs it, unsampled."""
     width = sampled_width(k, precision, d)
     if width is None:
         return 0

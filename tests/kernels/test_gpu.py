@@ -651,11 +651,13 @@ def test_the_sample_kept_with_a_block_has_the_rows_its_budget_counts():
     # udfs.gpu budgets a block with kept_sample_rows: the sample a sampled first pass keeps
     from nearest_join.kernels import gpu
 
-    q, t = make_data("gaussian", 2048, 20_000, 384, 5)
+    # (a block large enough for the first pass's segments: a smaller one runs it on the torch
+    # path, without a sample, which the budget counts as if it took one)
+    q, t = make_data("gaussian", 2048, 500_000, 384, 5)
     prepared = gpu.prepare_targets(torch.from_numpy(t).cuda(), "l2", "bf16")
     gpu.search_prepared(torch.from_numpy(q).cuda(), prepared, 100)
     samples = [v for key, v in prepared.side.cache.items() if isinstance(key, tuple) and key[0] == "sample"]
-    assert [s.rows for s in samples] == [gpu.kept_sample_rows(20_000, 384, 100, "bf16")]
+    assert [s.rows for s in samples] == [gpu.kept_sample_rows(500_000, 384, 100, "bf16")]
     assert samples[0].rows > 0
 
 
