@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
-ORDER = ("jobs", "join-oracles", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+ORDER = ("join-oracles", "approx", "jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
 # Suites running at once (beside the main run): on 2 cores the main run and one suite leave a
 # core partly idle (job start-ups, py4j round trips), a second suite fills it.
 WORKERS = 2
@@ -49,6 +49,7 @@ WORKERS = 2
 LANES = {
     "jobs": ("tests/jobs",),
     "join-oracles": ("tests/join/test_exactness.py", "tests/join/test_caps.py", "tests/join/test_keys.py"),
+    "approx": ("tests/join/test_approx.py", "tests/join/test_approx_keys.py", "tests/join/test_approx_blocked.py"),
 }
 
 

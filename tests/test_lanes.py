@@ -22,3 +22,9 @@ def test_tests_under_jobs_pass_in_their_lane():
 def test_join_oracle_tests_pass_in_their_lane():
     suite = background.lane_result("join-oracles")
     assert suite.junit()["tests"] > 0
+
+
+@pytest.mark.background("approx")
+def test_approx_plan_tests_pass_in_their_lane():
+    suite = background.lane_result("approx")
+    assert suite.junit()["tests"] > 0
