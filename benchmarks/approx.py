@@ -216,7 +216,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     exact_rows = exact[:, 1].reshape(nq, K)
     for wanted in recalls:
         # --quick forces the IVF plan (its size is below the one where approx runs IVF)
-        forced = {"nlist": default_nlist(nt, nq)} if force else {}
+        forced = {"nlist": default_nlist(nt)} if force else {}
         before = load()
         found, seconds, cpu, plan = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf

@@ -113,19 +113,10 @@ FORMAT = "nearest_join.ivf_index/1"
 _CENTROIDS, _META = "centroids.npy", "ivf_index.json"
 
 
-def default_nlist(target_rows: int, query_rows: int | None = None) -> int:
-    """Lists for ``target_rows``, between 1 and :data:`MAX_LISTS`.
-
-    An index for queries not known yet (:func:`build_ivf_index`): about sqrt(rows), lists of
-    ~sqrt(rows) rows each, so that a query's routing and its probe's search cost alike. A join
-    that trains its own lists (``query_rows`` given) also routes every target row once: it pays
-    (nt + nq) L routing products against nq nt / L for each probe searched, least at
-    L = sqrt(nt nq / (nt + nq)) (about sqrt(nq) when the targets far outnumber the queries)."""
-    rows = max(target_rows, 0)
-    if query_rows is not None:
-        queries = max(query_rows, 0)
-        rows = rows * queries / (rows + queries) if rows + queries else 0
-    return int(min(max(1, round(math.sqrt(rows))), MAX_LISTS))
+def default_nlist(target_rows: int) -> int:
+    """Lists for ``target_rows``: about sqrt(rows) (lists of ~sqrt(rows) rows each, so a
+    probe's search and the routing cost alike), between 1 and :data:`MAX_LISTS`."""
+    return int(min(max(1, round(math.sqrt(max(target_rows, 0)))), MAX_LISTS))
 
 
 def default_sample_rows(nlist: int, target_rows: int) -> int:
@@ -324,10 +315,9 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
 
 
 def train_index(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
-                sample: int | None, target_rows: int, query_rows: int | None = None) -> IVFIndex:
-    """:func:`build_ivf_index` once the arguments are checked and the rows counted
-    (``query_rows``: those of the join that trains it, for :func:`default_nlist`)."""
-    lists = nlist if nlist is not None else default_nlist(target_rows, query_rows)
+                sample: int | None, target_rows: int) -> IVFIndex:
+    """:func:`build_ivf_index` once the arguments are checked and the rows counted."""
+    lists = nlist if nlist is not None else default_nlist(target_rows)
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
     vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
     if nlist is None:   # the default adapts to what the sample holds
@@ -760,15 +750,14 @@ def plan_approx(planned):
                          f"multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core on {plan.cores} cores: too "
                          "little for IVF's fixed costs (pass nlist, nprobe or index to force it)")
     if keyed:
-        nlist = options.index.nlist if options.index is not None else options.nlist or default_nlist(plan.target_rows, plan.query_rows)
+        nlist = options.index.nlist if options.index is not None else options.nlist or default_nlist(plan.target_rows)
         if rows <= KEY_WHOLE_LISTS * plan.target_rows // nlist:
             return exact(_all_keys_whole(KEY_WHOLE_LISTS * plan.target_rows // nlist, nlist))
     index = options.index
     built = "given"
     if index is None:
         index = train_index(planned.target, parsed.target_column, parsed.metric, nlist=options.nlist,
-                            seed=options.seed, sample=None, target_rows=plan.target_rows,
-                            query_rows=plan.query_rows)
+                            seed=options.seed, sample=None, target_rows=plan.target_rows)
         built = f"trained on {index.sample_rows} sampled target rows ({index.iterations} Lloyd iterations)"
     if options.nprobe is not None and options.nprobe > index.nlist:
         raise ArgumentError("nprobe", f"expected at most nlist = {index.nlist} (the index's lists), "

@@ -253,8 +253,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         whose estimate's lower 95% bound meets it; the estimate and its interval are in the
         plan. Ignored in exact mode.
     nlist, nprobe : int, keyword-only
-        ``mode="approx"``: lists of the index (default about sqrt(nt nq / (nt + nq)):
-        :func:`nearest_join.ivf.default_nlist`) and lists probed per query (default: chosen by ``recall``); ``nprobe == nlist`` searches
+        ``mode="approx"``: lists of the index (default about sqrt(target rows)) and lists
+        probed per query (default: chosen by ``recall``); ``nprobe == nlist`` searches
         every list (the exact result). Either forces the IVF plan at any size.
     seed : int, keyword-only
         ``mode="approx"``: seeds the samples and k-means; the same input and seed give the
