@@ -175,10 +175,10 @@ def test_one_probe_inside_the_key(data, exact, one_probe):
 def test_the_keyed_estimate_is_the_measured_recall(exact, one_probe):
     """The estimate's curve at nprobe=1 (every query with a key group sampled, each ranked
     within its key) against the recall the nprobe=1 join measured with the same index."""
-    from nearest_join.ivf import _keyed_inputs, estimate_keyed_recall
+    from nearest_join.ivf_keys import estimate_keyed_recall, keyed_inputs
 
     index, rows, planned = one_probe
-    curve = estimate_keyed_recall(planned, index, planned.ivf.lists, *_keyed_inputs(planned), seed=0)
+    curve = estimate_keyed_recall(planned, index, planned.ivf.lists, *keyed_inputs(planned), seed=0)
     found = {(a, b) for a, b, _ in rows if b is not None}
     true = {(a, b) for a, b, _ in exact["l2"] if b is not None}
     assert curve.queries == sum(n for key, n in Q_SIZES.items() if key not in (None, "qonly"))
@@ -259,7 +259,7 @@ def test_the_keyed_plan_choice_without_spark(monkeypatch):
     nprobe runs the keyed IVF search."""
     from types import SimpleNamespace
 
-    from nearest_join import ivf
+    from nearest_join import ivf, ivf_keys
     from nearest_join.join import PlannedJoin
     from nearest_join.options import JoinOptions
     from nearest_join.planner import JoinPlan
@@ -267,13 +267,13 @@ def test_the_keyed_plan_choice_without_spark(monkeypatch):
     rng = np.random.default_rng(0)
     index = ivf.IVFIndex.train(rng.standard_normal((400, 3)).astype(np.float32), "l2", 16)
     # two keys of 12 and 8 lists: group ids 0..19
-    lists = ivf.KeyLists(np.array([16 * 0 + i for i in range(12)] + [16 * 3 + i for i in range(8)], np.int64),
+    lists = ivf_keys.KeyLists(np.array([16 * 0 + i for i in range(12)] + [16 * 3 + i for i in range(8)], np.int64),
                          np.full(20, 30, np.int64), 16, 100)
     assert (lists.keys, lists.widest) == (2, 12)
-    monkeypatch.setattr(ivf, "_keyed_inputs", lambda planned: ((None, None), ("v", "w")))
-    monkeypatch.setattr(ivf, "key_lists", lambda t_input, name, planned, index: lists)
+    monkeypatch.setattr(ivf_keys, "keyed_inputs", lambda planned: ((None, None), ("v", "w")))
+    monkeypatch.setattr(ivf_keys, "key_lists", lambda t_input, name, planned, index: lists)
     curve = ivf.RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 8), 5000)
-    monkeypatch.setattr(ivf, "estimate_keyed_recall", lambda *args: curve)
+    monkeypatch.setattr(ivf_keys, "estimate_keyed_recall", lambda *args: curve)
 
     def planned(largest: int, **options):
         plan = JoinPlan(plan="broadcast", reason="", metric="l2", k=5, mode="approx", join_type="inner",
@@ -298,10 +298,11 @@ def test_the_keyed_plan_choice_without_spark(monkeypatch):
 
 
 def test_key_ranks_against_each_keys_sorted_lists():
-    """The estimate's ranks (nearest_join.ivf.key_ranks) over more queries than one routing
+    """The estimate's ranks (nearest_join.ivf_keys.key_ranks) over more queries than one routing
     chunk, the chunks' keys of different widths: each neighbour's list ranked among its key's
     lists by float64 distance; a whole key's neighbours at rank 0."""
-    from nearest_join.ivf import IVFIndex, KeyLists, key_ranks
+    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_keys import KeyLists, key_ranks
 
     rng = np.random.default_rng(4)
     nlist = 30
