@@ -200,6 +200,7 @@ class RowsTopk:
         self.rows = np.zeros((0, k), np.int64)
         self.sources: list[pa.Table] = []
         self._source_rows = 0
+        self._filled = 0                        # filled slots of the rows held
 
     def _slots(self, ids: np.ndarray) -> np.ndarray:
         """The slots of ``ids`` (distinct), new ones appended (empty)."""
@@ -247,13 +248,13 @@ class RowsTopk:
             [self.source[slots], np.where(part.source >= 0, part.source + offset, -1)], axis=1)
         stacked_rows = np.concatenate([self.rows[slots], part.rows], axis=1)
         safe = np.maximum(picked, 0)
+        self._filled += int((keys >= 0).sum()) - int((self.keys[slots] >= 0).sum())
         self.values[slots], self.keys[slots] = values, keys
         self.source[slots] = np.where(picked < 0, -1, np.take_along_axis(stacked_source, safe, axis=1))
         self.rows[slots] = np.take_along_axis(stacked_rows, safe, axis=1)
         self.sources += part.sources
         self._source_rows += sum(t.num_rows for t in part.sources)
-        filled = int((self.keys[: self.rows_held] >= 0).sum())
-        if len(self.sources) > MAX_SOURCES and self._source_rows > 2 * max(filled, 1):
+        if len(self.sources) > MAX_SOURCES and self._source_rows > 2 * max(self._filled, 1):
             self._compact()
 
     def _compact(self) -> None:
