@@ -40,7 +40,7 @@ from .packing import (
     blob_to_table,
     table_to_blob,
 )
-from .rows import ColumnViews, take_rows
+from .rows import ColumnViews, pooled_empty, take_matrix, take_rows
 from .searcher import SearchSettings, open_block_searcher, task_cpus
 from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
 from .vectors import decode_vectors
@@ -131,7 +131,10 @@ class _PairSearch:
                 hit = (table, vectors)
             else:
                 segments = GroupSegments.of(groups)
-                hit = (table, np.ascontiguousarray(vectors[segments.order]), segments)
+                # Into pool memory (reused, no fresh page faults), by the compiled row copy.
+                ordered, _ = pooled_empty((segments.order.shape[0],) + vectors.shape[1:], vectors.dtype)
+                take_matrix(vectors, segments.order, ordered)
+                hit = (table, ordered, segments)
             self._decoded[block_id] = hit
         return hit
 
