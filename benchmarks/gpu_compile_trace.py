@@ -1,5 +1,5 @@
 """Where a configuration's first call spends its compile time: every Triton compilation it
-triggers (kernel, constexpr specialisation, seconds, launched or compiled-only), per
+triggers (kernel, constexpr specialisation, seconds, launched or compiled-only, the thread), per
 (precision, d, k), each in its own fresh process with an empty Triton cache.
 
 Run on a CUDA machine: ``python benchmarks/gpu_compile_trace.py bf16:3:1 bf16:4096:10 ...
@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,8 @@ def trace(precision: str, d: int, k: int) -> dict:
         shown = {str(k[0] if isinstance(k, tuple) else k): v for k, v in constexprs.items()
                  if not isinstance(v, (type(None),)) and str(v)[:1] != "<"}
         compiles.append(dict(kernel=self.fn.__name__, seconds=round(time.perf_counter() - t0, 2),
-                             warmup=bool(warmup), constexprs=str(shown)[:400]))
+                             warmup=bool(warmup), thread=threading.current_thread().name,
+                             constexprs=str(shown)[:400]))
         return out
 
     JITFunction._do_compile = timed
@@ -68,7 +70,8 @@ def main(argv=None) -> int:
         print(f"{r['precision']} d={r['d']} k={r['k']}: first call {r['first_call_s']} s, "
               f"{len(r['compiles'])} compilations {r['compile_s']} s")
         for c in r["compiles"]:
-            print(f"    {c['seconds']:6.2f} s  {c['kernel']}{' (compile only)' if c['warmup'] else ''}  {c['constexprs']}")
+            print(f"    {c['seconds']:6.2f} s  {c['kernel']}{' (compile only)' if c['warmup'] else ''} "
+                  f"[{c['thread']}]  {c['constexprs']}")
     if args.out:
         Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in results))
     return 0

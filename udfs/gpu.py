@@ -145,7 +145,7 @@ class GpuBlockSearcher:
 
         import torch
 
-        from nearest_join.kernels.gpu import prepare_targets, search_prepared
+        from nearest_join.kernels.gpu import compile_first_pass, prepare_targets, search_prepared
 
         q_rows, t_rows, d, q_dtype, t_dtype = shape
         rows = min(q_rows, self._rows_per_batch(q_rows, d))
@@ -162,6 +162,8 @@ class GpuBlockSearcher:
                 return torch.randn((n, d), generator=generator, device=self.device,
                                    dtype=getattr(torch, dtype))
 
+            compile_first_pass(rows, t_rows, d, self.settings.k, self.settings.metric, self.precision,
+                               self.device, (q_dtype, t_dtype))
             targets = prepare_targets(random(t_rows, t_dtype), self.settings.metric, self.precision)
             search_prepared(random(rows, q_dtype), targets, self.settings.k,
                             buffer_bytes=max(64 << 20, rows * ROW_OVERHEAD_BYTES // 2))

@@ -48,6 +48,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -943,6 +944,134 @@ def buffer_arguments(plan: CandidatePlan, n_cand: int, q_chunk, t_op, bias, buf,
     return grid, args, kwargs
 
 
+def skip_test_of(plan: CandidatePlan, nt: int) -> bool:
+    """Whether a register-list launch of ``plan`` over ``nt`` targets takes the row-minimum
+    test (``SKIP_TEST``): the config's choice, else by :func:`skip_share` of its programs' tiles."""
+    cfg = plan.config
+    if cfg.skip_test is not None:
+        return cfg.skip_test
+    program_tiles = (math.ceil(math.ceil(nt / cfg.block_n) / plan.n_splits) if plan.segmented
+                     else plan.per_split // cfg.block_n)
+    return skip_share(program_tiles, cfg.block_m, plan.list_len) >= SKIP_TEST_SHARE
+
+
+def candidate_launch(plan: CandidatePlan, n_cand: int, q_chunk, t_arg, t_op, bias, level, seed_chunk,
+                     rows: int, nt: int, d: int, alpha: float, stride_level: int, *, lower: bool,
+                     precision: str, upcast: bool, buffer_rows: int | None = None):
+    """(kernel, grid, args, kwargs, output) of one candidate-kernel launch of ``plan`` over
+    ``rows`` query rows: the register lists' output (rows, splits x list) or the buffer
+    kernel's candidate buffer, both allocated here for ``buffer_rows`` rows (default
+    ``rows``: :func:`compile_ahead` compiles on one-row tensors, which specialise alike)."""
+    cfg = plan.config
+    device = q_chunk.device
+    alloc = rows if buffer_rows is None else buffer_rows
+    if plan.rowlist:
+        out = _kernel_buffer((alloc, plan.n_splits * plan.list_len), torch.int64, device)
+        grid, args, kwargs = rowlist_arguments(
+            plan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level, rows, nt, d, alpha, stride_level,
+            skip_test=skip_test_of(plan, nt), lower=lower, precision=precision, upcast=upcast)
+        return _rowlist_kernel, grid, args, kwargs, out
+    grid_m = math.ceil(alloc / cfg.block_m)
+    buf = _kernel_buffer((grid_m, plan.n_splits, cfg.block_m, cfg.cap), torch.int64, device)
+    scratch = _kernel_buffer((grid_m * plan.n_splits * cfg.block_m,), torch.int32, device)
+    grid, args, kwargs = buffer_arguments(
+        plan, n_cand, q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, alpha, stride_level,
+        lower=lower, precision=precision, upcast=upcast)
+    return _fused_candidates_kernel, grid, args, kwargs, buf
+
+
+class _CompileAhead:
+    """The compilation of a search's first candidate pass started on a thread before the
+    search prepares its blocks (:func:`compile_ahead`): the target preparation's own kernel
+    compiles meanwhile (Triton's compiler releases the GIL), and the first launch waits for
+    it (:meth:`wait`) instead of compiling the same kernel again."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._started: set = set()
+        self._running = 0
+
+    def start(self, key, work) -> bool:
+        with self._lock:
+            if key in self._started:
+                return False
+            self._started.add(key)
+            self._running += 1
+            self._idle.clear()
+
+        def run():
+            try:
+                work()
+            except Exception:   # the launch compiles it then, and reports what fails
+                logger.debug("compiling ahead %s failed", key, exc_info=True)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    if not self._running:
+                        self._idle.set()
+
+        threading.Thread(target=run, name="nj-compile-ahead", daemon=True).start()
+        return True
+
+    def wait(self) -> None:
+        self._idle.wait()
+
+
+_AHEAD = _CompileAhead()
+
+
+def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, metric: str, lower: bool,
+                  device: torch.device, sources: tuple = (torch.float32, torch.float32)) -> bool:
+    """Compile, on threads, the kernels a search of ``m`` x ``nt`` rows at ``d`` launches
+    first: the candidate kernel for ``n_cand`` candidates (None: the torch path makes them;
+    its sample pass and widening rounds run the same kernel), the configuration
+    :func:`triton_candidates` would pick, with the same tiles (:func:`search_tiles`), plans
+    and arguments; and the re-rank (:func:`triton_exact_values`) of query and target rows
+    of the dtypes ``sources``. On one-row tensors of the operands' dtypes: sizes are not
+    specialised, dtypes, alignment and the dimension are. Once per shape and process; True
+    when it started. CUDA only."""
+    if device.type != "cuda" or min(m, nt, d) < 1:
+        return False
+    key = (str(device), m, nt, d, n_cand, precision, metric, lower)
+
+    def rerank():
+        torch.cuda.set_device(device)
+        one = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
+            ("q", (1, d), sources[0]), ("t", (1, d), sources[1]), ("qf", (1,), torch.float64),
+            ("tf", (1,), torch.float64), ("center", (d,), torch.float64), ("idx", (1, 1), torch.int64),
+            ("out", (1, 1), torch.float32))}
+        grid, args, kwargs = rerank_arguments(one["q"], one["t"], one["qf"], one["tf"], one["center"],
+                                              one["idx"], one["out"], metric)
+        _loads(_rerank_kernel, grid, args, kwargs, device)
+
+    started = _AHEAD.start((str(device), d, l2_form(metric), sources), rerank)
+    if n_cand is None or n_cand < 1:
+        return started
+
+    def work():
+        torch.cuda.set_device(device)   # the thread's current device: the launch's cache
+        limits = device_limits(device)
+        config = search_tiles(m, nt, d, n_cand, precision, limits)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        q_op = torch.empty((1, d), dtype=dtype, device=device)
+        t_op = torch.empty((1, d), dtype=dtype, device=device)
+        bias = torch.empty(16, dtype=torch.float32, device=device)
+        level = torch.zeros(1, dtype=torch.int32, device=device)
+        seed = torch.full((1,), math.inf, dtype=torch.float32, device=device)
+        for plan in plan_candidates(m, nt, d, n_cand, precision, limits, config=config):
+            t_arg = target_descriptor(t_op, plan.config.block_n, plan.block_d) if plan.t_desc else t_op
+            kernel, grid, args, kwargs, _ = candidate_launch(
+                plan, n_cand, q_op, t_arg, t_op, bias, level if lower else bias, seed, m, nt, d,
+                key_alpha(metric), 16 if lower else 0, lower=lower, precision=precision,
+                upcast=False, buffer_rows=1)
+            if _loads(kernel, grid, args, kwargs, device) is None:
+                return
+
+    return _AHEAD.start(key, work) or started
+
+
 def _kernel_buffer(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """An uninitialised output or scratch buffer of a candidate kernel, which writes every
     slot it reads back (the tests fill these with garbage to check it)."""
@@ -1029,11 +1158,6 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         rows_per_launch = max(cfg.block_m,
                               (buffer_bytes // (8 * slots * plan.n_splits)) // cfg.block_m * cfg.block_m)
         t_arg = target_descriptor(t_op, cfg.block_n, plan.block_d) if plan.t_desc else t_op
-        if rowlist:
-            program_tiles = (math.ceil(math.ceil(nt / cfg.block_n) / plan.n_splits) if segmented
-                             else plan.per_split // cfg.block_n)
-            skip_test = (cfg.skip_test if cfg.skip_test is not None
-                         else skip_share(program_tiles, cfg.block_m, list_len) >= SKIP_TEST_SHARE)
         launched = False
         for r0 in range(0, m, rows_per_launch):
             r1 = min(m, r0 + rows_per_launch)
@@ -1044,22 +1168,15 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 bias, level, stride_level = table, levels[r0 // cfg.block_m:], table.stride(0)
             else:
                 bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
+            seed_chunk = None
             if rowlist:
-                out = _kernel_buffer((rows, plan.n_splits * list_len), torch.int64, device)
                 seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
                               if seeded else torch.full((rows,), math.inf, device=device))
-                grid, args, kwargs = rowlist_arguments(
-                    plan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level, rows, nt, d, alpha,
-                    stride_level, skip_test=skip_test, lower=lower, precision=precision, upcast=upcast)
-                kernel = _rowlist_kernel
-            else:
-                buf = _kernel_buffer((grid_m, plan.n_splits, cfg.block_m, cfg.cap), torch.int64, device)
-                scratch = _kernel_buffer((grid_m * plan.n_splits * cfg.block_m,), torch.int32, device)
-                grid, args, kwargs = buffer_arguments(
-                    plan, n_cand, q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, alpha,
-                    stride_level, lower=lower, precision=precision, upcast=upcast)
-                kernel = _fused_candidates_kernel
+            kernel, grid, args, kwargs, out = candidate_launch(
+                plan, n_cand, q_chunk, t_arg, t_op, bias, level, seed_chunk, rows, nt, d, alpha,
+                stride_level, lower=lower, precision=precision, upcast=upcast)
             if not launched:
+                _AHEAD.wait()   # a compilation of this search's first pass started ahead
                 refusal = _loads(kernel, grid, args, kwargs, device)
                 if refusal is not None:
                     refusals.append(f"{cfg} block_d={plan.block_d} single_dot={plan.single_dot}: {refusal}")
@@ -1071,7 +1188,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             if rowlist:
                 lists = out
             else:
-                lists = buf[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(
+                lists = out[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(
                     grid_m * cfg.block_m, plan.n_splits * n_cand)[:rows]
             if segmented:
                 lists, floor = merge_segments(lists, plan.n_splits, n_cand)
@@ -1174,7 +1291,8 @@ def _pair_value(q_ptr, t_ptr, qf, tf, c_ptr, rows64, live, ix, ok, d, stride_q, 
     return acc
 
 
-@triton.jit
+# Sizes only bound loops and masks (one compiled variant for every row and column count).
+@triton.jit(do_not_specialize=["m", "c"])
 def _rerank_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, out_ptr, m, c, d, stride_q, stride_t,
                    L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """float32 working values of (query row, candidate) pairs (:func:`_pair_value`, summed
@@ -1213,14 +1331,22 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
     out = torch.empty((m, c), dtype=torch.float32, device=idx.device)
     if m == 0 or c == 0:
         return out
-    q, t = queries.source, targets.source
-    idx = idx.contiguous()
-    block_d = min(RERANK_D, max(16, triton.next_power_of_2(queries.dim)))
-    _rerank_kernel[(triton.cdiv(m, RERANK_ROWS),)](
-        q, t, queries.factor.contiguous(), targets.factor, _center(queries, targets), idx, out, m, c,
-        queries.dim, q.stride(0), t.stride(0), L2=l2_form(queries.metric), BLOCK_R=RERANK_ROWS,
-        BLOCK_D=block_d, num_warps=4)
+    _AHEAD.wait()   # its compilation may have started ahead (compile_ahead)
+    grid, args, kwargs = rerank_arguments(queries.source, targets.source, queries.factor.contiguous(),
+                                          targets.factor, _center(queries, targets), idx.contiguous(), out,
+                                          queries.metric)
+    _rerank_kernel[grid](*args, **kwargs)
     return out
+
+
+def rerank_arguments(q, t, q_factor, t_factor, center, idx, out, metric: str):
+    """(grid, args, kwargs) of the :func:`_rerank_kernel` launch of :func:`triton_exact_values`."""
+    m, c = idx.shape
+    d = q.shape[1]
+    block_d = min(RERANK_D, max(16, triton.next_power_of_2(d)))
+    return ((triton.cdiv(m, RERANK_ROWS),),
+            (q, t, q_factor, t_factor, center, idx, out, m, c, d, q.stride(0), t.stride(0)),
+            {"L2": l2_form(metric), "BLOCK_R": RERANK_ROWS, "BLOCK_D": block_d, "num_warps": 4})
 
 
 # ----------------------------------------------------------------------------- preparation

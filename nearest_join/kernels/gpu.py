@@ -279,6 +279,31 @@ def kept_sample_rows(nt: int, d: int, k: int, precision: str) -> int:
     return sample_rows(nt, width)
 
 
+def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision: str, device,
+                       dtypes: tuple = ("float32", "float32")) -> bool:
+    """Start compiling, on threads, the Triton kernels that a search of ``nq`` x ``nt`` rows
+    (of the torch dtypes named ``dtypes``) launches first (``_gpu_triton.compile_ahead``: its
+    first candidate pass where the fused kernel makes the candidates, and the re-rank), before
+    the caller prepares the blocks: the preparation (its own kernel's compilation included)
+    runs meanwhile, and the search's first launch waits for them. True when it started;
+    False off CUDA or without Triton, or when it was started for this shape before."""
+    if torch is None or getattr(device, "type", None) != "cuda" or triton_refusal(device) is not None:
+        return False
+    from ._gpu_torch import candidate_width
+    from ._gpu_triton import MAX_CANDIDATES, compile_ahead
+
+    precision = resolve_precision(precision, device)
+    lower = uses_lower_keys(k, precision, d)
+    n_cand = None
+    if choose(k, precision, device)[0].name == "triton":
+        n_cand = sampled_width(k, precision, d) or candidate_width(k, precision, lower)
+        if n_cand > MAX_CANDIDATES:
+            n_cand = None
+    # The re-rank reads the rows as given: float32 or float64 (other floats as float32).
+    sources = tuple(torch.float64 if name == "float64" else torch.float32 for name in dtypes)
+    return compile_ahead(nq, nt, d, n_cand, precision, resolve_metric(metric).name, lower, device, sources)
+
+
 def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30,
                     cap: float | None = None):
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
@@ -428,6 +453,8 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
     if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k: expected an integer >= 1, got {k!r}")
     cap = check_cap(cap)
+    compile_first_pass(queries.shape[0], targets.shape[0], queries.shape[1], int(k), metric, precision,
+                       queries.device, (str(queries.dtype)[6:], str(targets.dtype)[6:]))
     prepared = prepare_targets(targets, metric, precision)
     return search_prepared(queries, prepared, int(k), cap=cap)
 

@@ -671,3 +671,60 @@ def test_gpu_exact_mode_equals_fp32_on_near_ties(poisoned_buffers):
         v, i = knn(q, t, 50, "sqeuclidean", backend="gpu", precision=precision)
         np.testing.assert_array_equal(i, i32)
         np.testing.assert_allclose(v, v32, rtol=1e-6)
+
+
+_AHEAD_SCRIPT = r"""
+import json, os, sys, tempfile, threading
+os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-ahead-")
+sys.path.insert(0, sys.argv[1])
+import torch
+from triton.runtime.jit import JITFunction
+from nearest_join.kernels.gpu import knn_torch
+
+compiled = []
+real = JITFunction._do_compile
+
+def recorded(self, *args, **kwargs):
+    compiled.append((self.fn.__name__, threading.current_thread().name))
+    return real(self, *args, **kwargs)
+
+JITFunction._do_compile = recorded
+gen = torch.Generator(device="cuda").manual_seed(3)
+for precision, d, k, nq, nt in json.loads(sys.argv[2]):
+    first = len(compiled)
+    q = torch.randn((nq, d), generator=gen, device="cuda") + 1.0
+    t = torch.randn((nt, d), generator=gen, device="cuda") + 1.0
+    knn_torch(q, t, k, "l2", precision)
+    torch.cuda.synchronize()
+    print(json.dumps(compiled[first:]), flush=True)
+"""
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_first_pass_compiles_ahead_on_its_thread_and_once():
+    # knn_torch starts compiling its first candidate pass and its re-rank on threads before it
+    # prepares the target block (gpu.compile_first_pass). The configurations predicted from the
+    # shape must be the ones the search launches: were they not, the search would compile its
+    # own on the calling thread. A fresh process with an empty Triton cache.
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cases = [("bf16", 3, 1, 2048, 60_000), ("tf32", 128, 10, 2048, 60_000), ("fp32", 200, 10, 2048, 60_000),
+             ("bf16", 384, 100, 2048, 60_000), ("bf16", 64, 10, 7, 300), ("tf32", 1536, 10, 65, 20_000)]
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, "-c", _AHEAD_SCRIPT, root, json.dumps(cases)], capture_output=True,
+                         text=True, timeout=600, check=True).stdout.splitlines()
+    assert len(out) == len(cases), out
+    for case, line in zip(cases, out):
+        # The candidate kernel (the fp32 case's come from cuBLAS) and the re-rank: at most one
+        # compilation each, on the thread that started before the preparation.
+        for kernel in ("_rowlist_kernel", "_fused_candidates_kernel", "_rerank_kernel"):
+            threads = [thread for name, thread in json.loads(line) if name == kernel]
+            assert threads in ([], ["nj-compile-ahead"]), (case, kernel, line)
+    first = [name for name, _ in json.loads(out[0])]
+    assert first.count("_rowlist_kernel") == 1 and first.count("_rerank_kernel") == 1, out[0]
+    assert json.loads(out[2]), "the fp32 case compiled nothing (no other case re-ranks at d=200)"
+    # (a process compiles a given re-rank and candidate kernel once: later cases may find theirs)
