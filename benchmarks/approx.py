@@ -13,6 +13,9 @@ the script times, end to end (``nearest_by_join(...)`` through ``toArrow()`` of 
   the smallest nprobe whose measured recall reaches ours, timed train + add + search on
   numpy arrays already in memory (no Spark, no Arrow).
 
+On the clustered data each engine's call runs ``--repeat`` times (default 2) and the fastest
+is reported (every call's seconds are in the record's ``runs``): the first call of a plan in
+a session also warms the JVM's compiled code for it, and each engine gets the same treatment.
 Each call also records its CPU seconds (this process and its descendants: the Spark JVM
 and its Python workers) and the 1-minute load before and after it: the machine may be
 shared, and a ratio of CPU seconds holds under load where a ratio of wall times does not.
@@ -176,7 +179,7 @@ def faiss_at_recall(targets, queries, exact_rows: np.ndarray, nlist: int, sample
 
 
 def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, workdir: str,
-                force: bool = False) -> list[dict]:
+                force: bool = False, repeat: int = 1) -> list[dict]:
     from nearest_join.ivf import default_nlist
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
@@ -189,14 +192,21 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t.count(), q.count()
     common = {"data": kind, "nt": nt, "nq": nq, "d": D, "k": K, "master": "local[2]"}
 
-    def timed(**options):
-        """(pairs, seconds, CPU seconds, plan): planning (an approx plan's training and recall
-        estimate included) and the search, as nearest_by_join runs them."""
+    def timed_once(**options):
         start = time.perf_counter()
         with CpuMeter() as cpu:
             planned = plan_join(q, t, METRIC, JoinOptions(num_results=K, vectors=("v", "w"), **options))
             pairs = pairs_of(planned.dataframe().select("qid", "tid"))
         return pairs, time.perf_counter() - start, cpu.seconds, planned.plan
+
+    def timed(**options):
+        """(pairs, seconds, CPU seconds, plan, every call's seconds): planning (an approx plan's
+        training and recall estimate included) and the search, as nearest_by_join runs them;
+        the fastest of ``repeat`` calls (each approx call trains its own index), its CPU
+        seconds and plan."""
+        calls = [timed_once(**options) for _ in range(repeat)]
+        best = min(calls, key=lambda c: c[1])
+        return (*best, [round(c[1], 2) for c in calls])
 
     # warm-up (Python workers, numba caches, both plans, the recall estimate) on a slice
     for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}, {"mode": "approx", "nlist": 8}):
@@ -204,28 +214,29 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
                   JoinOptions(num_results=K, vectors=("v", "w"), **options)).dataframe().toArrow()
     load = lambda: round(os.getloadavg()[0], 1)
     before = load()
-    exact, exact_s, exact_cpu, _ = timed()
+    exact, exact_s, exact_cpu, _, exact_runs = timed()
     print(f"[{kind}] exact: {exact_s:.1f} s, {exact_cpu:.1f} CPU s, {exact.shape[0]} pairs, load "
           f"{before} -> {load()}", flush=True)
     rows = []
     rec.add(f"recall_nt{nt}", engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
             recall_estimate=None,
             recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, cpu_seconds=round(exact_cpu, 1),
-            cpu_vs_exact=1.0, load_1min=[before, load()], faiss_seconds=None, ours_over_faiss=None, **common)
+            cpu_vs_exact=1.0, load_1min=[before, load()], faiss_seconds=None, ours_over_faiss=None,
+            runs=exact_runs, **common)
     # exact neighbour rows for faiss's recall (one row of k per query, in query order)
     exact_rows = exact[:, 1].reshape(nq, K)
     for wanted in recalls:
         # --quick forces the IVF plan (its size is below the one where approx runs IVF)
         forced = {"nlist": default_nlist(nt)} if force else {}
         before = load()
-        found, seconds, cpu, plan = timed(mode="approx", recall=wanted, **forced)
+        found, seconds, cpu, plan, runs = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf
         measured = recall_of(found, exact, nq)
         row = {"recall_target": wanted, "ran": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
                "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
                "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2),
                "cpu_seconds": round(cpu, 1), "cpu_vs_exact": round(exact_cpu / cpu, 2),
-               "load_1min": [before, load()]}
+               "load_1min": [before, load()], "runs": runs}
         if plan["runs"] == "ivf":   # (an exact fallback has recall 1: faiss would search every list)
             f_probe, f_recall, f_seconds = faiss_at_recall(targets, queries, exact_rows, plan["nlist"],
                                                            50 * plan["nlist"], measured)
@@ -249,6 +260,9 @@ def main() -> None:
     size.add_argument("--full", action="store_true", help="the issue's nt 1,000,000, nq 100,000")
     ap.add_argument("--datasets", nargs="+", default=["clustered", "gaussian"], choices=["clustered", "gaussian"])
     ap.add_argument("--driver-memory", default="8g")
+    ap.add_argument("--repeat", type=int, default=2,
+                    help="calls per engine on the clustered data, the fastest reported (the Gaussian "
+                         "data's calls run once: its approx call runs the exact plan)")
     args = ap.parse_args()
     nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
 
@@ -263,7 +277,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
             run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
-                        force=args.quick)
+                        force=args.quick, repeat=args.repeat if kind == "clustered" else 1)
     spark.stop()
 
 
