@@ -36,9 +36,11 @@ them at the same time; the register-list kernel reads them by TMA where the oper
 target range produce ``n_splits`` lists per query; the host merges them by sorting the
 packed keys (same tie rule as :func:`nearest_join.kernels.merge_topk`).
 
-Besides the candidate kernels: the exact re-rank (:func:`triton_exact_values`) and a target
+Besides the candidate kernels: the exact re-rank (:func:`triton_exact_values`), a target
 block's preparation in three streaming passes (:func:`triton_prepare_targets`, what
-``gpu.prepare_targets`` runs on CUDA for every metric but cosine).
+``gpu.prepare_targets`` runs on CUDA for every metric but cosine), and the compilation of a
+search's first candidate kernel and re-rank on threads while its blocks are prepared
+(:func:`compile_ahead`).
 
 Everything here also runs under ``TRITON_INTERPRET=1`` on CPU tensors (the tests).
 """
