@@ -40,7 +40,7 @@ from .packing import (
     blob_to_table,
     table_to_blob,
 )
-from .rows import ColumnViews, pooled_empty, take_matrix, take_rows
+from .rows import ColumnViews, pooled_empty, take_rows
 from .searcher import SearchSettings, open_block_searcher, task_cpus
 from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
 from .vectors import decode_vectors
@@ -96,6 +96,7 @@ class _PairSearch:
         self.searcher = open_block_searcher(ctx.settings)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="nj-search")
         self._decoded: dict[int, tuple] = {}
+        self._union: tuple | None = None   # (its block ids, _KeyedUnion)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
@@ -116,27 +117,25 @@ class _PairSearch:
     def query_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         return self._decode(blob, self.ctx.query)
 
-    def broadcast_target(self, block_id: int, blob) -> tuple:
+    def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         """A broadcast target block, decoded once per task: every query block meets it.
 
         The decoded blocks stay referenced for the task (the broadcast target is bounded by
         ``spark.nearestJoin.broadcastLimitBytes``; float32 vectors decode as zero-copy views).
-        Keyed: (rows, vectors sorted by group, :class:`GroupSegments`), sorted once per task
-        (a copy of the block's vectors, so each group's are one contiguous segment).
+        (rows, vectors, group ids or None); a keyed task searches the union of its blocks
+        (:meth:`keyed_union`).
         """
         hit = self._decoded.get(block_id)
         if hit is None:
-            table, vectors, groups = self.target_block(blob)
-            if groups is None:
-                hit = (table, vectors)
-            else:
-                segments = GroupSegments.of(groups)
-                # Into pool memory (reused, no fresh page faults), by the compiled row copy.
-                ordered, _ = pooled_empty((segments.order.shape[0],) + vectors.shape[1:], vectors.dtype)
-                take_matrix(vectors, segments.order, ordered)
-                hit = (table, ordered, segments)
-            self._decoded[block_id] = hit
+            hit = self._decoded[block_id] = self.target_block(blob)
         return hit
+
+    def keyed_union(self, block_ids) -> "_KeyedUnion":
+        """The decoded target blocks ``block_ids`` as one keyed target, built once per task."""
+        key = frozenset(block_ids)
+        if self._union is None or self._union[0] != key:
+            self._union = (key, _KeyedUnion([(b, *self._decoded[b]) for b in sorted(key)]))
+        return self._union[1]
 
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         return self._decode(blob, self.ctx.target)
@@ -166,6 +165,45 @@ def _pair_columns(batch: pa.RecordBatch):
             batch.column(C.T_BLOCK_ID).to_numpy(), binary_values(batch.column(C.T_BLOB)))
 
 
+class _KeyedUnion:
+    """A keyed task's broadcast target blocks as one target sorted by group: each group's
+    rows of every block form one contiguous segment, so that a query row meets its group
+    (or its probed lists) in one search, not once per block with a merge after each.
+
+    Blocks are laid end to end in ascending block id, and the sort by group is stable: within
+    a group, union order is (block, row) order, the order of the targets' global keys, so
+    ties go to the same target as when each block was searched and the results merged.
+    """
+
+    def __init__(self, blocks: list[tuple[int, pa.Table, np.ndarray, np.ndarray]]):
+        self.block_ids = np.array([b[0] for b in blocks], dtype=np.int64)
+        self.tables = [b[1] for b in blocks]
+        sizes = [b[2].shape[0] for b in blocks]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.segments = GroupSegments.of(np.concatenate([b[3] for b in blocks]))
+        from nearest_join.kernels.gather import take_rows_at   # numba: on executors only
+
+        order = self.segments.order
+        # One copy, block by block, into pool memory (reused: no fresh page faults): union
+        # row u goes to position position[u] of the sorted rows.
+        position = np.full(int(self.offsets[-1]), -1, np.int64)
+        position[order] = np.arange(order.shape[0], dtype=np.int64)
+        first = max((b[2] for b in blocks), key=lambda v: v.shape[0])
+        self.vectors, _ = pooled_empty((order.shape[0],) + first.shape[1:], first.dtype)
+        for (_, _, vectors, _), lo, hi in zip(blocks, self.offsets[:-1], self.offsets[1:]):
+            local = np.flatnonzero(position[lo:hi] >= 0)
+            take_rows_at(vectors, local, position[lo + local], self.vectors)
+
+    def state(self, values: np.ndarray, rows: np.ndarray) -> TopkState:
+        """The top-k state of a search's (values, union rows): each slot's block and row."""
+        valid = rows >= 0
+        block = np.searchsorted(self.offsets, np.maximum(rows, 0), side="right") - 1
+        local = np.where(valid, rows - self.offsets[block], -1)
+        keys = np.where(valid, (self.block_ids[block] << C.ROW_BITS) | local, -1)
+        source = np.where(valid, block, -1).astype(np.int32)
+        return TopkState(values, keys, list(self.tables), source, local.astype(np.int64))._pruned()
+
+
 class _QueryBlock:
     """One query block of the broadcast plan while its target blocks are folded in."""
 
@@ -182,15 +220,7 @@ class _QueryBlock:
         """Worker thread: search one target block and fold it into this block's top-k."""
         if t_block_id == C.EMPTY_BLOCK_ID or self.vectors.shape[0] == 0:
             return
-        if self.groups is not None:
-            table, t_sorted, segments = pair.broadcast_target(t_block_id, t_blob)
-            # target_key None: a segment is no block a GPU searcher may keep resident.
-            values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
-                                          self.groups, t_sorted, segments, pair.ctx.k, metric,
-                                          cap=pair.ctx.cap, threads=task_cpus())
-            self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
-            return
-        table, t_vectors = pair.broadcast_target(t_block_id, t_blob)
+        table, t_vectors, _ = pair.broadcast_target(t_block_id, t_blob)
         if t_vectors.shape[0] == 0:
             return
         searcher = pair.searcher
@@ -203,6 +233,19 @@ class _QueryBlock:
         else:
             values, rows = pair.search_block(self.vectors, t_vectors, t_block_id)
             self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
+
+    def search_union(self, pair: "_PairSearch") -> None:
+        """Worker thread, keyed (``on=`` keys or IVF lists): search the union of every target
+        block this query block met (:class:`_KeyedUnion`) at once."""
+        blocks = sorted(self.seen - {C.EMPTY_BLOCK_ID})
+        if not blocks or self.vectors.shape[0] == 0:
+            return
+        union = pair.keyed_union(blocks)
+        # target_key None: a segment is no block a GPU searcher may keep resident.
+        values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
+                                      self.groups, union.vectors, union.segments, pair.ctx.k,
+                                      pair.ctx.settings.metric, cap=pair.ctx.cap, threads=task_cpus())
+        self.state = union.state(values, rows)
 
     def result(self, views: ColumnViews | None = None) -> TopkState | None:
         """Main thread, after the last fold finished: the block's state on the host.
@@ -250,6 +293,8 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
                 "internal error: the broadcast pairs of a query block did not arrive together "
                 f"({len(blocks)} target blocks against {len(reference_set)}); results would be wrong"
             )
+        if done.groups is not None:
+            done.folds.append(pair.submit(done.search_union, pair))
         return emit_rows(done.table, done.result(target_views), ctx)
 
     try:
@@ -270,7 +315,8 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
                 if t_id in block.seen:
                     raise RuntimeError(f"internal error: target block {t_id} met twice")
                 block.seen.add(t_id)
-                block.folds.append(pair.submit(block.fold, pair, t_id, t_blobs[r], metric))
+                if block.groups is None:   # keyed: one search of the union, at the block's end
+                    block.folds.append(pair.submit(block.fold, pair, t_id, t_blobs[r], metric))
                 if previous is not None:
                     # The worker has moved on to the new block while the old one is emitted.
                     yield from finish(previous)

@@ -336,3 +336,49 @@ def test_blocked_plan_ships_each_query_blocks_rows_once():
     without = [b for b in batches if b.column(C.T_BLOCK_ID)[0].as_py() != C.EMPTY_BLOCK_ID]
     with pytest.raises(RuntimeError, match=f"query block {key} has partials but not its rows"):
         list(merge_partials((key,), without, ctx))
+
+
+def test_a_keyed_broadcast_task_searches_the_union_of_its_target_blocks(monkeypatch):
+    # IVF lists over five target blocks, the last 200 rows exact copies of the first 200 (other
+    # blocks, same lists), 20 queries equal to targets (ties at distance 0). Each query block
+    # is searched once against the union of the blocks, and every list probed returns the
+    # exact search's rows, ties to the lower target (the first copy), as exact search ranks them.
+    import functools
+
+    from udfs import blocks as B
+    from udfs.lists import pack_listed
+    from udfs.local import pair_batches
+    from udfs.packing import PACKED_SCHEMA, empty_target_block
+
+    rng = np.random.default_rng(5)
+    d, nlist, k, nt, nq = 8, 4, 5, 1000, 90
+    centres = rng.standard_normal((nlist, d)).astype(np.float32) * 10
+    targets = (centres[rng.integers(0, nlist, nt)] + rng.standard_normal((nt, d))).astype(np.float32)
+    targets[800:] = targets[:200]
+    queries = (centres[rng.integers(0, nlist, nq)] + rng.standard_normal((nq, d))).astype(np.float32)
+    queries[:20] = targets[:20]
+    qt = pa.table({"qid": np.arange(nq), "qv": pa.array(list(queries), type=pa.list_(pa.float32()))})
+    tt = pa.table({"tid": np.arange(nt), "tv": pa.array(list(targets), type=pa.list_(pa.float32()))})
+    q_layout, t_layout = SideLayout("qv", 1, d, 32, group_index=2), SideLayout("tv", 1, d, 210, group_index=2)
+    q_pack, t_pack = (functools.partial(pack_listed, centroids=centres, metric="l2", nprobe=p) for p in (nlist, None))
+    q_packed = pa.Table.from_batches(list(q_pack(qt.to_batches(max_chunksize=40), layout=q_layout)),
+                                     schema=PACKED_SCHEMA)
+    t_packed = pa.Table.from_batches(list(t_pack(tt.to_batches(max_chunksize=300), layout=t_layout))
+                                     + [empty_target_block()], schema=PACKED_SCHEMA)
+    assert t_packed.num_rows - 1 == 5 and q_packed.num_rows == 3
+    searches = []
+    real = B.grouped_search
+
+    def counted(search, q, *args, **kwargs):
+        searches.append((q.shape[0], args[1].shape[0]))
+        return real(search, q, *args, **kwargs)
+
+    monkeypatch.setattr(B, "grouped_search", counted)
+    ctx = JoinContext(SearchSettings(k, "l2", "cpu"), q_layout, t_layout, "inner", False, tt.schema)
+    out = pa.Table.from_batches(list(B.search_broadcast(pair_batches(q_packed, t_packed), ctx)))
+    assert searches == [(32, nt), (32, nt), (26, nt)]       # one per query block, every target
+    _, expected = knn(queries, targets, k, "l2", backend="reference")
+    qid, tid = out.column(0).to_numpy(), out.column(2).to_numpy()
+    got = [tid[qid == i].tolist() for i in range(nq)]
+    assert got == expected.tolist()
+    assert all(row[0] == i for i, row in enumerate(got[:20]))   # the tie at 0: the first copy
