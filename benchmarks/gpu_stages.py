@@ -106,7 +106,7 @@ def pass_ms(qs, ts, n_cand, reps, **kw) -> float:
     return round(statistics.median(cuda_ms(lambda: tr.triton_candidates(qs, ts, n_cand, **kw), reps)), 1)
 
 
-def variants(Q, T, k, reps) -> list[dict]:
+def variants(Q, T, k, reps, only=()) -> list[dict]:
     """The first candidate pass alone (the list width and keys the search uses) per launch
     configuration: the default, then stages, warps and row tiles, and d-chunks of 128."""
     prepared = gpu.prepare_targets(T, "l2")
@@ -120,6 +120,11 @@ def variants(Q, T, k, reps) -> list[dict]:
     configs.append(("stages4", dataclasses.replace(base, num_stages=4), None))
     configs.append(("n256", dataclasses.replace(base, block_n=256), None))
     configs.append(("bd128", base, 128))
+    # 256-wide target tiles in 64-wide d-chunks: the loop alone (benchmarks/gpu_ceiling.py)
+    # reaches the GEMM's speed in that shape, not in 128 x 128.
+    for stages in (2, 3):
+        configs.append((f"n256_bd64_s{stages}", dataclasses.replace(base, block_n=256, num_stages=stages,
+                                                                  block_d=64), None))
     # One warpgroup of 64 rows, d in 64-chunks: shared memory and registers for two programs
     # per multiprocessor (one's list work overlapping the other's products).
     for stages in (3, 4):
@@ -131,6 +136,8 @@ def variants(Q, T, k, reps) -> list[dict]:
         configs.append(("one_list", tr.TileConfig(128, tr.BLOCK_N, 0, 8, num_stages=3, kernel="rowlist"), None))
     rows = []
     for name, cfg, block_d in configs:
+        if only and name not in only:
+            continue
         saved = tr.BLOCK_D
         if block_d:
             tr.BLOCK_D = block_d
@@ -209,6 +216,7 @@ def main(argv=None) -> int:
     ap.add_argument("--nt", type=int, default=1_000_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--variants", default="", help="d:k cases whose pass runs per configuration")
+    ap.add_argument("--only", default="", help="the --variants configurations to run (default: all)")
     ap.add_argument("--widths", default="", help="d:k cases searched with other first widths")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=None)
@@ -239,7 +247,7 @@ def main(argv=None) -> int:
                 row.update(stage_case(Q, T, k, args.reps, stages))
                 row["over_gemm"] = round(row["search_ms"] / gemm, 2)
             if (d, k) in var_cases:
-                row["variants"] = variants(Q, T, k, args.reps)
+                row["variants"] = variants(Q, T, k, args.reps, [v for v in args.only.split(",") if v])
             if (d, k) in width_cases:
                 row["widths"] = widths(Q, T, k, 2, stages)
             row["kernels"] = dict(stages.kernels)
