@@ -1,30 +1,62 @@
-"""Compile a Triton kernel for a GPU target without a GPU (triton ships ptxas).
+"""The shared memory a Triton kernel's launch asks for on a GPU target, without a GPU.
 
-:func:`compile_for` builds what ``kernel[grid](*args, **kwargs)`` would compile on a device of
+:func:`shared_bytes` builds what ``kernel[grid](*args, **kwargs)`` would compile on a device of
 ``target`` (the JIT's own specialisation of the arguments: dtypes, 16-byte alignment of
-pointers and integers, constexprs, num_warps, num_stages) and compiles it to a cubin, whose
-metadata holds the shared memory a launch asks for.
+pointers and integers, constexprs, num_warps, num_stages) and runs Triton's stages for that
+target down to LLVM IR: the shared-memory allocation is done there and recorded in the
+metadata (``shared``, what a launch asks for); the later stages (PTX, then ptxas to a cubin,
+most of the time on sm_80) do not change it. The result is kept in Triton's cache under the
+compilation's own key, so a second run on the same machine only reads it back.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+
+from triton._C.libtriton import get_cache_invalidating_env_vars, ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
+from triton.compiler.compiler import get_cache_key
+from triton.runtime.cache import get_cache_manager
 from triton.runtime.jit import create_function_from_signature
 
-import triton
+from triton import __version__
+
+FILE = "shared_memory.json"
 
 
 def target(arch: int) -> GPUTarget:
     return GPUTarget("cuda", arch, 32)
 
 
-def compile_for(kernel, args, kwargs, arch: int):
-    """The compiled kernel (``.metadata.shared``: bytes of shared memory) for ``arch``."""
+def shared_bytes(kernel, args, kwargs, arch: int) -> int:
+    """Bytes of shared memory ``kernel`` asks for on ``arch`` with these arguments."""
     tgt = target(arch)
     backend = make_backend(tgt)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, specialization, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args,
                                                               specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=tgt,
-                          options=options.__dict__)
+    src = ASTSource(kernel, signature, constexprs, attrs)
+    options = backend.parse_options(dict(options.__dict__, **src.parse_options()))
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    cache = get_cache_manager(hashlib.sha256(key.encode("utf-8")).hexdigest())
+    kept = cache.get_file(FILE)
+    if kept is not None:
+        with open(kept) as f:
+            return json.load(f)["shared"]
+    metadata = {"hash": "", "target": tgt, **options.__dict__, **get_cache_invalidating_env_vars(),
+                "triton_version": __version__}
+    stages = {}
+    backend.add_stages(stages, options, src.language)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(tgt, options, backend.get_codegen_implementation(options),
+                         backend.get_module_map(), context)
+    names = list(stages)
+    for name in names[names.index(src.ext):names.index("llir") + 1]:
+        module = stages[name](module, metadata)
+    shared = int(metadata["shared"])
+    cache.put(json.dumps({"shared": shared}), FILE, binary=False)
+    return shared

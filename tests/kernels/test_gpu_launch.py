@@ -2,9 +2,9 @@
 
 :func:`nearest_join.kernels._gpu_triton.plan_candidates` filters its configurations by its own
 shared-memory estimate; on a device the compiled kernel's metadata has the last word
-(``_loads``). Here, with no GPU, the configurations are compiled for sm_80 and sm_90 by
-Triton's own ptxas (``tests/kernels/_compile_target.py``) and their shared memory is checked
-against both limits (and against the estimate, which must not be below it, or the chooser
+(``_loads``). Here, with no GPU, the configurations are lowered for sm_80 and sm_90 by
+Triton's own stages down to LLVM IR, where the shared-memory allocation is final
+(``tests/kernels/_compile_target.py``), and their shared memory is checked against both limits (and against the estimate, which must not be below it, or the chooser
 would offer configurations only the device check catches).
 
 The shapes: d = 1..1536 (the common embedding sizes and odd ones), every candidate-list width
@@ -39,9 +39,9 @@ TARGETS = {"sm_80": (tr.SM80, 80), "sm_90": (tr.SM90, 90)}
 
 def _compiles():
     try:
-        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
 
-        from tests.kernels._compile_target import compile_for  # noqa: F401
+        from tests.kernels._compile_target import shared_bytes  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - depends on the triton build
         return f"triton cannot compile for a GPU target here ({type(exc).__name__}: {exc})"
     return None
@@ -115,12 +115,12 @@ def _arguments(plan, d, precision, n_cand):
 
 
 def _check_compiled(entry, name):
-    from tests.kernels._compile_target import compile_for
+    from tests.kernels._compile_target import shared_bytes
 
     plan, d, precision, n_cand = entry
     limits, arch = TARGETS[name]
     kernel, (_, args, kwargs) = _arguments(plan, d, precision, n_cand)
-    shared = compile_for(kernel, args, kwargs, arch).metadata.shared
+    shared = shared_bytes(kernel, args, kwargs, arch)
     where = f"{name} d={d} n_cand={n_cand} {precision} {plan.config} block_d={plan.block_d}"
     assert shared <= limits.shared_bytes, f"{where}: {shared} bytes of shared memory"
     if name == "sm_90":
