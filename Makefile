@@ -16,16 +16,16 @@ TRITON := triton==3.6.0
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q --no-compile -e .
+	$(PIP) install -q -e .
 	@touch $@
 
 # One pip run for the package, its test extras, torch and triton: one resolution, one build
-# (this is the set-up `make test` pays on a fresh clone, inside its time budget). --no-compile:
-# no byte-compiling of every installed module (torch's thousands) up front; Python compiles
-# and caches the ones a process imports.
+# (this is the set-up `make test` pays on a fresh clone, inside its time budget).
+# pip byte-compiles every module once here: this environment sets PYTHONDONTWRITEBYTECODE,
+# so modules left uncompiled would be compiled again by every process that imports them.
 $(VENV)/.installed-dev: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile $(TORCH_CPU) $(TRITON) -e '.[dev]'
+	$(PIP) install -q $(TORCH_CPU) $(TRITON) -e '.[dev]'
 	@touch $(VENV)/.installed $@
 
 check-java:

@@ -6,10 +6,13 @@ empty, and the suite's sessions (the main run's, each lane's, the local-cluster 
 Connect suites') start Python workers at about the same time: each of them would compile the
 same kernels, two at a time per session. :func:`warm` runs the executor functions in-process
 (``udfs.local.local_join``: the packing, decoding, search, merge and emit Spark's tasks run)
-over each metric, plan, element type, with and without a cap, so the workers load the
-kernels from the cache instead. With the cache already filled it only loads them.
+over each metric, plan, element type, with and without a cap, and calls the kernels that only
+some data or plans reach (:func:`_rare_paths`), so the workers load the kernels from the cache
+instead. With the cache already filled it only loads them.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
 
@@ -17,6 +20,9 @@ METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
 def warm() -> None:
     # imported here: tests/conftest.py imports this module before it sets the environment
     # the OpenMP runtime reads
+    import subprocess
+    import sys
+
     import numpy as np
     import pyarrow as pa
 
@@ -25,6 +31,9 @@ def warm() -> None:
     from udfs.packing import SideLayout
     from udfs.searcher import SearchSettings
 
+    # the rare paths compile in a process of their own meanwhile: the machine's second core
+    rare = subprocess.Popen([sys.executable, "-c", "from tests import warm_kernels; warm_kernels._rare_paths()"],
+                            cwd=str(Path(__file__).resolve().parents[1]))
     rng = np.random.default_rng(0)
     d = 3
     for dtype, element in ((np.float32, pa.float32()), (np.float64, pa.float64())):
@@ -38,3 +47,39 @@ def warm() -> None:
                                   SideLayout("tv", 1, d, 5), "leftouter", True, target.schema, cap=cap)
                 for plan in ("broadcast", "blocked"):
                     local_join(query, target, ctx, plan=plan, partitions=2)
+    if rare.wait() != 0:
+        raise RuntimeError(f"tests/warm_kernels.py: the rare paths' process exited with {rare.returncode}")
+
+
+def _rare_paths() -> None:
+    """The kernels the small joins above do not reach, each with the argument types the code
+    passes (numba compiles per type, read-only arrays apart): the CPU search of writable
+    arrays (Spark's workers pass read-only Arrow buffers), the segment search of keyed and
+    IVF plans, k-means, the parallel row gathers, the norms of targets searched as they are
+    and the float64 search of rows the bound did not prove."""
+    import numpy as np
+
+    from nearest_join.kernels import _cpu_kernels, gather, kmeans, knn, segments
+
+    rng = np.random.default_rng(1)
+    d = 3
+    for dtype in (np.float32, np.float64):
+        queries = rng.standard_normal((9, d)).astype(dtype)
+        targets = rng.standard_normal((11, d)).astype(dtype)
+        for metric in METRICS:   # writable arrays, as the kernel tests and the driver pass them
+            knn(queries, targets, 3, metric, backend="cpu")
+        segments.knn_segments(queries, targets, np.array([0, 5, 11]), np.arange(10),
+                              np.arange(9) % 2, 3)
+    kmeans.kmeans(rng.standard_normal((40, d)).astype(np.float32), 4)
+    matrix = rng.standard_normal((11, d)).astype(np.float32)
+    rows = np.arange(5, dtype=np.int64)
+    gather.take_rows(matrix, rows, np.empty((5, d), np.float32), threads=2)
+    gather.take_rows_at(matrix, rows, rows, np.empty((5, d), np.float32), threads=2)
+    queries = rng.standard_normal((9, d)).astype(np.float32)
+    factors = np.ones(11)
+    for read_only in (False, True):
+        targets = rng.standard_normal((11, d)).astype(np.float32)
+        targets.setflags(write=not read_only)
+        _cpu_kernels.norms_and_peaks(targets, np.zeros(11), np.empty(11))
+        _cpu_kernels.all_keys(queries, rows, np.ones(9), targets, factors, True, False,
+                              np.empty((5, 11)))
