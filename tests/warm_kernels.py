@@ -34,19 +34,23 @@ def warm() -> None:
     # the rare paths compile in a process of their own meanwhile: the machine's second core
     rare = subprocess.Popen([sys.executable, "-c", "from tests import warm_kernels; warm_kernels._rare_paths()"],
                             cwd=str(Path(__file__).resolve().parents[1]))
-    rng = np.random.default_rng(0)
-    d = 3
-    for dtype, element in ((np.float32, pa.float32()), (np.float64, pa.float64())):
-        queries = rng.standard_normal((9, d)).astype(dtype)
-        targets = rng.standard_normal((11, d)).astype(dtype)
-        query = pa.table({"qid": np.arange(9), "qv": pa.array(list(queries), type=pa.list_(element))})
-        target = pa.table({"tid": np.arange(11), "tv": pa.array(list(targets), type=pa.list_(element))})
-        for metric in METRICS:
-            for cap in (None, 1.0):
-                ctx = JoinContext(SearchSettings(3, metric, "auto"), SideLayout("qv", 1, d, 4),
-                                  SideLayout("tv", 1, d, 5), "leftouter", True, target.schema, cap=cap)
-                for plan in ("broadcast", "blocked"):
-                    local_join(query, target, ctx, plan=plan, partitions=2)
+    try:
+        rng = np.random.default_rng(0)
+        d = 3
+        for dtype, element in ((np.float32, pa.float32()), (np.float64, pa.float64())):
+            queries = rng.standard_normal((9, d)).astype(dtype)
+            targets = rng.standard_normal((11, d)).astype(dtype)
+            query = pa.table({"qid": np.arange(9), "qv": pa.array(list(queries), type=pa.list_(element))})
+            target = pa.table({"tid": np.arange(11), "tv": pa.array(list(targets), type=pa.list_(element))})
+            for metric in METRICS:
+                for cap in (None, 1.0):
+                    ctx = JoinContext(SearchSettings(3, metric, "auto"), SideLayout("qv", 1, d, 4),
+                                      SideLayout("tv", 1, d, 5), "leftouter", True, target.schema, cap=cap)
+                    for plan in ("broadcast", "blocked"):
+                        local_join(query, target, ctx, plan=plan, partitions=2)
+    except BaseException:
+        rare.kill()   # no orphan compiling on after a failed warm-up
+        raise
     if rare.wait() != 0:
         raise RuntimeError(f"tests/warm_kernels.py: the rare paths' process exited with {rare.returncode}")
 
