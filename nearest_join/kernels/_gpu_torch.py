@@ -788,7 +788,7 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
 
 # candidates(queries, targets, n_cand) -> (keys, idx) or (keys, idx, floor): keys float32
 # (m, n_cand) ascending (+inf empty), idx int64 (-1 empty), floor float32 (m,) with every
-# target not in a row's list at approximate key >= floor. Without a floor the list must be the
+# target not in a row's list at approximate key >= floor (-inf: the row is not proven). Without a floor the list must be the
 # row's n_cand best (floor = its last key). Generators that :func:`exact_topk` calls with
 # ``lower=True`` rank by the lower key instead (:func:`lower_key_weights`).
 CandidateFn = Callable[[PreparedSide, PreparedSide, int], tuple]
@@ -885,8 +885,8 @@ def margin_holds(keys: torch.Tensor, bound: torch.Tensor, k: int,
     if floor is None:
         floor = keys[:, -1]
     if keys.shape[1] < k:   # too short for k results: only a list of every target will do
-        return torch.isinf(floor)
-    return torch.isinf(floor) | (floor > margin_limit(keys[:, k - 1], bound))
+        return torch.isposinf(floor)
+    return torch.isposinf(floor) | (floor > margin_limit(keys[:, k - 1], bound))
 
 
 def value_limit(values_k: torch.Tensor, bound: torch.Tensor, queries: PreparedSide) -> torch.Tensor:
@@ -1168,7 +1168,9 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         limit = value_limit(v[:, k - 1], bound, subset)
         if cap_limit is not None:
             limit = torch.minimum(limit, cap_limit)
-        ok = torch.isinf(floor) | (floor > limit)
+        # (A floor of +inf: the list holds every target; -inf: the generator cannot say, as
+        # for a row that overflowed the filter's buffer, so the row is not proven.)
+        ok = torch.isposinf(floor) | (floor > limit)
         if not lower:
             ok |= margin_holds(keys, bound, k, floor)
         # Every row of the round: a row widened below is written again by a later round.

@@ -1025,18 +1025,21 @@ _AHEAD = _CompileAhead()
 
 
 def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, metric: str, lower: bool,
-                  device: torch.device, sources: tuple = (torch.float32, torch.float32)) -> bool:
+                  device: torch.device, sources: tuple = (torch.float32, torch.float32),
+                  filtered: bool = False) -> bool:
     """Compile, on threads, the kernels a search of ``m`` x ``nt`` rows at ``d`` launches
     first: the candidate kernel for ``n_cand`` candidates (None: the torch path makes them;
     its sample pass and widening rounds run the same kernel), the configuration
     :func:`triton_candidates` would pick, with the same tiles (:func:`search_tiles`), plans
     and arguments; and the re-rank (:func:`triton_exact_values`) of query and target rows
-    of the dtypes ``sources``. On one-row tensors of the operands' dtypes: sizes are not
+    of the dtypes ``sources``; ``filtered``: the first pass is the threshold filter
+    (:func:`filter_candidates`): its kernel too (the candidate kernel then runs its sample
+    pass and the widening rounds). On one-row tensors of the operands' dtypes: sizes are not
     specialised, dtypes, alignment and the dimension are. Once per shape and process; True
     when it started. CUDA only."""
     if device.type != "cuda" or min(m, nt, d) < 1:
         return False
-    key = (str(device), m, nt, d, n_cand, precision, metric, lower)
+    key = (str(device), m, nt, d, n_cand, precision, metric, lower, filtered)
 
     def rerank():
         torch.cuda.set_device(device)
@@ -1071,6 +1074,24 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
             if _loads(kernel, grid, args, kwargs, device) is None:
                 return
 
+    def filter_work():
+        torch.cuda.set_device(device)
+        limits = device_limits(device)
+        q_op = torch.empty((1, d), dtype=torch.bfloat16, device=device)
+        t_op = torch.empty((1, d), dtype=torch.bfloat16, device=device)
+        bias = torch.empty(16, dtype=torch.float32, device=device)
+        level = torch.zeros(1, dtype=torch.int32, device=device)
+        thr = torch.empty(1, dtype=torch.float32, device=device)
+        count = torch.empty(1, dtype=torch.int32, device=device)
+        buf = torch.empty(1, dtype=torch.int64, device=device)
+        grid, args, kwargs = filter_arguments(
+            q_op, t_op, bias, level if lower else bias, thr, count, buf, m, nt, d, key_alpha(metric),
+            16 if lower else 0, filter_cap(n_cand), filter_splits(m, nt, FILTER_TILES, limits.sms),
+            lower=lower, upcast=False)
+        _loads(_filter_kernel, grid, args, kwargs, device)
+
+    if filtered:
+        started = _AHEAD.start(key + ("filter",), filter_work) or started
     return _AHEAD.start(key, work) or started
 
 
@@ -1262,6 +1283,303 @@ def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, confi
     keys = triton_candidates(rows_view, sample, SAMPLE_LIST, config=config, lower=lower,
                              levels=lower_levels(n_cand), buffer_bytes=buffer_bytes)[0]
     return keys[:, -1]
+
+
+# ------------------------------------------------------------- threshold-filter first pass
+def _append_ptx(pack: int) -> str:
+    """PTX for the appends of ``pack`` keys of one thread (one ``inline_asm_elementwise``
+    invocation of :func:`_filter_kernel`). A miss costs a compare (the pack's compares or-ed
+    into one predicate) and one branch per pack: nearly every key misses, and a warp whose
+    lanes all miss skips the rest. On a hit: take a slot from the row's counter (the atomic's
+    old value) and, if the row has room, store the entry (the key's order-preserving bits
+    above the index, :func:`_pack`'s format). Operands, each ``pack`` long in turn: out (1 on
+    a hit, unused), key, threshold, counter address, the row's buffer address, target index,
+    CAP. The labels and registers of a PTX {} block are its own, so it can be inlined once per
+    invocation."""
+    def op(arg, e):
+        return f"${(1 + arg) * pack + e}"
+    lines = ["{", ".reg .pred %any, %hit, %room;", ".reg .b32 %slot, %bits, %sign;",
+             ".reg .b64 %addr, %entry;"]
+    lines += [f"mov.b32 ${e}, 0;" for e in range(pack)]
+    lines.append(f"setp.le.f32 %any, {op(0, 0)}, {op(1, 0)};")
+    lines += [f"setp.le.or.f32 %any, {op(0, e)}, {op(1, e)}, %any;" for e in range(1, pack)]
+    lines.append("@!%any bra done;")
+    for e in range(pack):
+        key, thr, counter, row, index, cap = (op(arg, e) for arg in range(6))
+        lines += [f"setp.le.f32 %hit, {key}, {thr};", f"@!%hit bra next{e};",
+                  f"atom.global.add.u32 %slot, [{counter}], 1;", f"mov.b32 ${e}, 1;",
+                  f"setp.lt.u32 %room, %slot, {cap};", f"@!%room bra next{e};",
+                  f"mov.b32 %bits, {key};", "shr.s32 %sign, %bits, 31;",
+                  "and.b32 %sign, %sign, 0x7FFFFFFF;", "xor.b32 %bits, %bits, %sign;",
+                  f"mov.b64 %entry, {{{index}, %bits}};", "mul.wide.u32 %addr, %slot, 8;",
+                  f"add.s64 %addr, %addr, {row};", "st.global.b64 [%addr], %entry;",
+                  f"next{e}:"]
+    lines += ["done:", "}"]
+    return "\n".join(lines)
+
+
+# Keys per append branch of the filter's inline PTX (a faster pass than one per key).
+FILTER_PACK = 4
+_FILTER_PACK = tl.constexpr(FILTER_PACK)
+_APPEND_PTX = tl.constexpr(_append_ptx(FILTER_PACK))
+_APPEND_CONSTRAINTS = tl.constexpr("=r," * FILTER_PACK + ("f," * FILTER_PACK) * 2
+                                   + ("l," * FILTER_PACK) * 2 + ",".join(["r"] * (2 * FILTER_PACK)))
+
+
+@triton.jit(do_not_specialize=["nq", "nt"])
+def _filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_ptr, nq, nt, d, alpha,
+                   stride_level, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, APPEND_PTX: tl.constexpr, LEVELS: tl.constexpr,
+                   DOT_UPCAST: tl.constexpr):
+    """Append every key ``<= thr[row]`` of the block to the row's slice of ``buf`` (CAP slots).
+
+    One program per query tile and target split; split ``s`` of ``S`` scans target tiles
+    s, s + S, ... (as the strided segments). d in BLOCK_D chunks, one flat (tile, chunk) loop
+    (the software pipeliner prefetches across tiles), both operands by TMA: per step one
+    BLOCK_M x BLOCK_D query chunk and one BLOCK_N x BLOCK_D target chunk (the target tiles
+    shared through L2 by the programs scanning them together), one ``tl.dot``; after a
+    tile's last chunk one FMA per key, ``bias - alpha * dot`` as every candidate kernel
+    computes it (``LEVELS``: the program's row of the lower-key bias table, as
+    ``_rowlist_kernel``), and one compare. Nothing per row lives in registers but the
+    threshold: no list, no reduction per tile. The hits (about step x j of a row's nt keys
+    for :func:`filter_sample`'s thresholds) take a slot from the row's counter in global
+    memory (an atomic add: its old value is the slot) and store one 8-byte packed entry
+    (:func:`_pack`'s format) where the slot is below CAP; the counter keeps counting past
+    CAP, so the host sees an overflow. Memory traffic beyond the operands: the hits'
+    atomics and entries, nothing per tile.
+
+    ``APPEND_PTX`` (CUDA): the appends are the inline PTX of :func:`_append_ptx`, in the
+    accumulator's own layout, one branch per FILTER_PACK keys: ``tl.atomic_add`` and
+    ``tl.store`` on the tile make Triton convert the tile to a blocked layout through shared
+    memory, and the 128 x 256 tile then spills. Else (the interpreter) those two on the tile.
+    """
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    if LEVELS:  # rows 16-aligned (stride_level % 16 == 0): the bias loads stay vectorised
+        bias_ptr += tl.load(level_ptr + pid_m).to(tl.int64) * stride_level
+    n_splits = tl.num_programs(1)
+    m0 = pid_m * BLOCK_M
+    n_tiles = tl.cdiv(tl.cdiv(nt, BLOCK_N) - pid_s, n_splits)
+    n_chunks = (d + BLOCK_D - 1) // BLOCK_D
+    offs_n = tl.arange(0, BLOCK_N)
+    rows = m0 + tl.arange(0, BLOCK_M)
+    # Rows past the end never hit (no key is <= -inf: past the block's end the bias is +inf).
+    thr = tl.load(thr_ptr + rows, mask=rows < nq, other=float("-inf"))
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(0, n_tiles * n_chunks):
+        tile = it // n_chunks
+        c = it - tile * n_chunks
+        n0 = (pid_s + tile * n_splits) * BLOCK_N
+        a = q_desc.load([m0, c * BLOCK_D])
+        b = tl.trans(t_desc.load([n0, c * BLOCK_D]))
+        if DOT_UPCAST:  # the interpreter's tl.dot misreads bf16; the upcast is exact
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        if c == n_chunks - 1:
+            cols = n0 + offs_n
+            bias = tl.load(bias_ptr + cols, mask=cols < nt, other=float("inf"))
+            keys = tl.fma(acc, -alpha, bias[None, :])
+            if APPEND_PTX:
+                args = [keys, thr[:, None], (count_ptr + rows).to(tl.int64)[:, None],
+                        (buf_ptr + rows.to(tl.int64) * CAP).to(tl.int64)[:, None], cols[None, :],
+                        tl.full([BLOCK_M, BLOCK_N], CAP, tl.int32)]
+                tl.inline_asm_elementwise(_APPEND_PTX, _APPEND_CONSTRAINTS, args, dtype=tl.int32,
+                                          is_pure=False, pack=_FILTER_PACK)
+            else:
+                hit = keys <= thr[:, None]
+                counters = count_ptr + rows[:, None] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+                slot = tl.atomic_add(counters, 1, mask=hit, sem="relaxed")
+                entry = _pack(keys, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32))
+                tl.store(buf_ptr + rows.to(tl.int64)[:, None] * CAP + slot, entry,
+                         mask=hit & (slot < CAP))
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@dataclass(frozen=True)
+class FilterTiles:
+    """The filter pass's launch shape: 128 x 256 tiles (two 64 x 256 wgmma warpgroups: the
+    m64n256 product reads its operands from shared memory half as often per product as
+    128 x 128 tiles, and with no list beside it the accumulator fits), d in 64-wide chunks,
+    three chunk pairs in flight ((128 + 256) x 64 x 2 bytes each in bf16)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_d: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+FILTER_TILES = FilterTiles()
+
+
+def filter_sample(n_cand: int) -> tuple[int, int]:
+    """(step, j) of the filter's thresholds for a first list of ``n_cand``: each row's j-th
+    key over every step-th target, so that about ``step x j`` targets of the block pass it.
+    Every 16th target at j = 10 for lists up to 64 (k up to about 32: about 160 hits a row,
+    five times a list of 32, so the list's floor is its own 32nd key, not the threshold),
+    every 32nd at j = 20 beyond (k = 100's list of 512: about 640 hits; its sample pass reads
+    half the rows a 16-step would). The sample pass costs 1 / step of the block's product
+    and the filter's time grows with the hits; these were the fastest measured pairs
+    (benchmarks/gpu_notes.md)."""
+    return (16, 10) if n_cand <= 64 else (32, 20)
+
+
+def filter_cap(n_cand: int) -> int:
+    """Buffer slots per row for :func:`filter_sample`'s thresholds: a row's hits are about
+    ``step x j`` and its spread follows the sample's j-th order statistic (about
+    ``step sqrt(j)`` hits a standard deviation): 1.25 step j + 6 step sqrt(j) + 64, up to a
+    power of two (1024 for lists up to 64, 2048 beyond). A row past it overflows: its floor
+    is -inf and the widening rounds search it (exact, slower)."""
+    step, j = filter_sample(n_cand)
+    return 1 << math.ceil(math.log2(1.25 * step * j + 6 * step * math.sqrt(j) + 64))
+
+
+# The filter's sample must fill the segmented lists of its pass (n_cand up to 32 over at least
+# 2 x SEGMENT_MIN_TILES tiles of every segment), else its pass would compile another kernel.
+FILTER_MIN_SAMPLE = 4 * SEGMENT_MIN_TILES * BLOCK_N
+
+
+def filter_sample_rows(nt: int, n_cand: int) -> int:
+    """Rows of the sample the filter's thresholds take over ``nt`` targets (every step-th),
+    0 where the sample would be too small for its pass."""
+    step, _ = filter_sample(n_cand)
+    rows = -(-nt // step)
+    return rows if rows >= FILTER_MIN_SAMPLE else 0
+
+
+def filter_splits(m: int, nt: int, tiles: FilterTiles, sms: int) -> int:
+    """Target splits of the filter pass: two (the measured shape at 65,536 queries), more
+    where the queries alone give fewer programs than two waves."""
+    q_tiles = max(1, math.ceil(m / tiles.block_m))
+    return max(1, min(max(2, math.ceil(2 * sms / q_tiles)), math.ceil(nt / tiles.block_n)))
+
+
+def filter_arguments(q_chunk, t_op, bias, level, thr, count, buf, rows: int, nt: int, d: int, alpha: float,
+                     stride_level: int, cap: int, splits: int, *, lower: bool, upcast: bool,
+                     tiles: FilterTiles = FILTER_TILES):
+    """(grid, args, kwargs) of one ``_filter_kernel`` launch over ``rows`` query rows."""
+    q_desc = TensorDescriptor.from_tensor(q_chunk, [tiles.block_m, tiles.block_d])
+    t_desc = TensorDescriptor.from_tensor(t_op, [tiles.block_n, tiles.block_d])
+    grid = (math.ceil(rows / tiles.block_m), splits)
+    args = (q_desc, t_desc, bias, level, thr, count, buf, rows, nt, d, alpha, stride_level)
+    kwargs = dict(CAP=cap, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+                  APPEND_PTX=not upcast, LEVELS=lower, DOT_UPCAST=upcast,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return grid, args, kwargs
+
+
+def filter_threshold(queries: PreparedSide, targets: PreparedSide, n_cand: int, config: TileConfig,
+                     *, lower: bool = False, buffer_bytes: int = 1 << 30) -> torch.Tensor | None:
+    """Each row's threshold for a filter pass of ``n_cand`` (:func:`filter_sample`): its j-th
+    key over every step-th target, by the search's compiled candidate kernel ``config`` (as
+    :func:`sample_seed`: the sample's own prepared rows, kept in the block's cache; lower keys
+    at the first pass's levels). None where the sample is too small or its pass would not
+    run the segmented kernel. Any threshold is exact (the floor follows it); this one is
+    only what makes the filter's hits few and still more than the list."""
+    step, j = filter_sample(n_cand)
+    if not filter_sample_rows(targets.rows, n_cand):
+        return None
+    width = max(SEG_CAND, triton.next_power_of_2(j))
+    plans = plan_candidates(queries.rows, filter_sample_rows(targets.rows, n_cand), queries.dim, width,
+                            queries.precision, device_limits(queries.exact.device), config=config)
+    if not plans or not plans[0].segmented:
+        return None
+    sample = targets.cache.get(("sample", step))
+    if sample is None:
+        sample = targets.take(torch.arange(0, targets.rows, step, device=targets.exact.device))
+        targets.cache[("sample", step)] = sample
+    rank1 = {"rank1": queries.cache["rank1"]} if "rank1" in queries.cache else {}
+    rows_view = dataclasses.replace(queries, cache=rank1)
+    keys = triton_candidates(rows_view, sample, width, config=config, lower=lower,
+                             levels=lower_levels(n_cand), buffer_bytes=buffer_bytes)[0]
+    return keys[:, j - 1].contiguous()
+
+
+def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tensor, n_cand: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, indices, floor) of a filter pass's rows from their counters and buffers.
+
+    A row whose hits fit its list: all of them, floor just above its threshold (every key
+    not appended exceeds it). More hits than ``n_cand``: the n_cand best (packed order: key,
+    then the lower index), floor the lesser of that and the first key cut off. More hits than
+    the buffer's slots (overflow): the n_cand best of those stored, floor -inf (not proven:
+    ``_gpu_torch.exact_topk`` widens it). One host sync (the largest count: only that many
+    slots are read)."""
+    rows, cap = buf.shape
+    width = min(cap, max(1, int(count.max())))
+    slots = torch.arange(width, device=buf.device)
+    part = torch.where(slots[None, :] < count[:, None], buf[:, :width], EMPTY)
+    if width > n_cand:
+        top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
+        lists, cut = top[:, :n_cand], unpack(top[:, n_cand])[0]
+    else:
+        lists = torch.sort(part, dim=1).values
+        if width < n_cand:
+            lists = torch.cat([lists, torch.full((rows, n_cand - width), EMPTY, dtype=lists.dtype,
+                                                 device=lists.device)], dim=1)
+        cut = torch.full((rows,), math.inf, dtype=torch.float32, device=buf.device)
+    keys, idx = unpack(lists)
+    above = torch.nextafter(threshold, torch.full_like(threshold, math.inf))
+    floor = torch.where(count > cap, -math.inf, torch.minimum(above, cut))
+    return keys, idx, floor
+
+
+def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int, threshold: torch.Tensor,
+                      *, lower: bool = False, levels: int | None = None, buffer_bytes: int = 1 << 30,
+                      tiles: FilterTiles = FILTER_TILES, cap: int | None = None, splits: int | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first candidate pass by threshold filter: :func:`triton_candidates`'s contract.
+
+    Returns keys float32 (m, n_cand) ascending (+inf empty), indices int64 (-1 empty) and
+    ``floor`` (m,): every target not in a row's list has approximate key >= floor
+    (:func:`filter_select`; -inf for a row that overflowed its buffer, which the proof
+    never accepts). The keys are the candidate kernels' keys of the same operands
+    (``lower``: lower keys from :func:`_gpu_torch.lower_bias_table` at ``levels``, default
+    ``lower_levels(n_cand)``). ``threshold`` float32 (m,), usually :func:`filter_threshold`;
+    any value is exact. ``cap``: buffer slots per row (default :func:`filter_cap`); rows run in
+    chunks whose m x cap int64 buffer fits ``buffer_bytes``; each chunk is one pass over the
+    block. ``tiles`` and ``splits`` are for tests with tiny blocks. CUDA needs compute
+    capability 9.x (TMA, the inline PTX); the interpreter runs the atomic form.
+    :class:`LaunchRefused` when the compiled kernel does not load.
+    """
+    m, nt, d = queries.rows, targets.rows, queries.dim
+    device = queries.exact.device
+    if nt > MAX_TARGETS:
+        raise ValueError(f"targets: at most {MAX_TARGETS} rows per block, got {nt}")
+    cap = cap or filter_cap(n_cand)
+    keys_out = torch.full((m, n_cand), math.inf, dtype=torch.float32, device=device)
+    idx_out = torch.full((m, n_cand), -1, dtype=torch.int64, device=device)
+    floor_out = torch.full((m,), math.inf, dtype=torch.float32, device=device)
+    if m == 0 or nt == 0:
+        return keys_out, idx_out, floor_out
+    upcast = device.type != "cuda"
+    alpha = key_alpha(queries.metric)
+    if lower:
+        table, level_all = lower_bias_table(queries, targets, tiles.block_m, levels or lower_levels(n_cand))
+    threshold = torch.nan_to_num(threshold.to(torch.float32), nan=-math.inf).contiguous()
+    rows_per_launch = max(tiles.block_m, buffer_bytes // (8 * cap) // tiles.block_m * tiles.block_m)
+    n_splits = splits or filter_splits(min(m, rows_per_launch), nt, tiles, device_limits(device).sms)
+    for r0 in range(0, m, rows_per_launch):
+        r1 = min(m, r0 + rows_per_launch)
+        rows = r1 - r0
+        if lower:   # rows_per_launch is a multiple of block_m: programs stay aligned
+            bias, level, stride_level = table, level_all[r0 // tiles.block_m:], table.stride(0)
+        else:
+            bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
+        count = torch.zeros(rows, dtype=torch.int32, device=device)
+        buf = _kernel_buffer((rows, cap), torch.int64, device)
+        grid, args, kwargs = filter_arguments(
+            queries.operand[r0:r1], targets.operand, bias, level, threshold[r0:r1], count, buf, rows, nt, d,
+            alpha, stride_level, cap, n_splits, lower=lower, upcast=upcast, tiles=tiles)
+        if r0 == 0:
+            _AHEAD.wait()
+            refusal = _loads(_filter_kernel, grid, args, kwargs, device)
+            if refusal is not None:
+                raise LaunchRefused(f"filter kernel: {refusal}")
+        _filter_kernel[grid](*args, **kwargs)
+        keys_out[r0:r1], idx_out[r0:r1], floor_out[r0:r1] = filter_select(count, buf, threshold[r0:r1], n_cand)
+    return keys_out, idx_out, floor_out
 
 
 # ----------------------------------------------------------------------------- exact re-rank

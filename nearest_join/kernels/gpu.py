@@ -265,18 +265,63 @@ def sampled_width(k: int, precision: str, d: int) -> int | None:
     return min(gt.widened(gt.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
 
 
-def kept_sample_rows(nt: int, d: int, k: int, precision: str) -> int:
-    """Target rows of the sample that searches of ``k`` keep with a prepared block of ``nt``
-    rows (``_gpu_triton.sample_seed``: its own prepared rows, as many bytes a row as the
-    block's), 0 where they take none: what a device memory budget adds to the block's. An
-    upper bound: where the first pass has no launch configuration (a block too small for its
-    segments) the torch path runs it, unsampled."""
-    width = sampled_width(k, precision, d)
-    if width is None:
-        return 0
-    from ._gpu_triton import sample_rows
+def first_list_width(k: int, precision: str, d: int) -> int:
+    """The first candidate list's width of a fused search: the sampled first pass's
+    (:func:`sampled_width`) or :func:`_gpu_torch.candidate_width`."""
+    from ._gpu_torch import candidate_width
 
-    return sample_rows(nt, width)
+    return sampled_width(k, precision, d) or candidate_width(k, precision, uses_lower_keys(k, precision, d))
+
+
+# The threshold filter is the first pass from this dimension (bf16, compute capability 9.x):
+# below it the register lists' pass is about as fast as the product itself and the filter's
+# sample pass and selection cost more than it saves (benchmarks/gpu_notes.md).
+FILTER_MIN_D = 256
+
+
+def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | None:
+    """Why a fused search of ``k`` over ``nt`` targets at ``d`` on ``device`` does not take the
+    threshold filter as its first pass (``_gpu_triton.filter_candidates``), or None when it
+    does: sample thresholds, one pass of 128 x 256 tiles appending each row's hits to a buffer,
+    then the list (faster than the register lists at these shapes: benchmarks/gpu_notes.md).
+    The sampled first pass or the plain register lists run where it refuses."""
+    if torch is None or getattr(device, "type", None) != "cuda":
+        return f"device {device} is not CUDA"
+    if precision != "bf16":
+        return f"{precision} operands (the filter was measured in bf16)"
+    if d < FILTER_MIN_D:
+        return f"d={d} < {FILTER_MIN_D} (the register lists' pass is as fast)"
+    if d % 8:
+        return f"d={d}: bf16 rows not 16-byte aligned (TMA)"
+    if triton_refusal(device) is not None:
+        return triton_refusal(device)
+    major, minor = torch.cuda.get_device_capability(device)
+    if major != 9:
+        return f"compute capability {major}.{minor}: the appends are sm_90 inline PTX"
+    if choose(k, precision, device)[0].name != "triton":
+        return "the torch path makes the candidates"
+    from ._gpu_triton import filter_sample_rows
+
+    if not filter_sample_rows(nt, first_list_width(k, precision, d)):
+        return f"nt={nt}: too few targets for the filter's sample"
+    return None
+
+
+def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> int:
+    """Target rows of the sample that searches of ``k`` keep with a prepared block of ``nt``
+    rows on ``device`` (``_gpu_triton.sample_seed`` or, where :func:`filter_refusal` accepts,
+    ``filter_threshold``: its own prepared rows, as many bytes a row as the block's), 0 where
+    they take none: what a device memory budget adds to the block's. An upper bound: where
+    the first pass has no launch configuration (a block too small for its segments) the
+    torch path runs it, unsampled; without ``device``, the larger of the two samples."""
+    from ._gpu_triton import filter_sample_rows, sample_rows
+
+    width = first_list_width(k, precision, d)
+    seeded = sample_rows(nt, width) if sampled_first_pass(k, precision, d) else 0
+    if device is None:
+        filtered = filter_sample_rows(nt, width) if precision == "bf16" and d >= FILTER_MIN_D else 0
+        return max(seeded, filtered)
+    return filter_sample_rows(nt, width) if filter_refusal(nt, d, k, precision, device) is None else seeded
 
 
 def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision: str, device,
@@ -289,19 +334,20 @@ def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision:
     False off CUDA or without Triton, or when it was started for this shape before."""
     if torch is None or getattr(device, "type", None) != "cuda" or triton_refusal(device) is not None:
         return False
-    from ._gpu_torch import candidate_width
     from ._gpu_triton import MAX_CANDIDATES, compile_ahead
 
     precision = resolve_precision(precision, device)
     lower = uses_lower_keys(k, precision, d)
     n_cand = None
     if choose(k, precision, device)[0].name == "triton":
-        n_cand = sampled_width(k, precision, d) or candidate_width(k, precision, lower)
+        n_cand = first_list_width(k, precision, d)
         if n_cand > MAX_CANDIDATES:
             n_cand = None
+    filtered = n_cand is not None and filter_refusal(nt, d, k, precision, device) is None
     # The re-rank reads the rows as given: float32 or float64 (other floats as float32).
     sources = tuple(torch.float64 if name == "float64" else torch.float32 for name in dtypes)
-    return compile_ahead(nq, nt, d, n_cand, precision, resolve_metric(metric).name, lower, device, sources)
+    return compile_ahead(nq, nt, d, n_cand, precision, resolve_metric(metric).name, lower, device, sources,
+                         filtered=filtered)
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30,
@@ -346,6 +392,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             MAX_CANDIDATES,
             LaunchRefused,
             device_limits,
+            filter_candidates,
+            filter_threshold,
             sample_seed,
             search_tiles,
             triton_candidates,
@@ -353,8 +401,14 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         )
 
         first_tiles = []
+        no_filter = filter_refusal(targets.side.rows, side.dim, k, precision, device)
+        filtered = no_filter is None
         first_width = sampled_width(k, precision, side.dim)
-        sampled = first_width is not None
+        sampled = first_width is not None and not filtered
+        if filtered:
+            first_width = first_list_width(k, precision, side.dim)
+        logger.debug("first pass: %s", "threshold filter" if filtered else
+                     f"{'sampled' if sampled else 'plain'} register lists ({no_filter})")
 
         def candidates(q, t, n_cand, seed=None, lower=False):
             # Every round runs the first pass's tiles: one compiled kernel per search.
@@ -362,8 +416,19 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             if first:
                 first_tiles.append(search_tiles(q.rows, t.rows, q.dim, n_cand, q.precision,
                                                 device_limits(q.exact.device)))
+            if first and filtered:   # the filter's thresholds: the sample's (and a cap's)
+                try:
+                    threshold = filter_threshold(q, t, n_cand, first_tiles[0], lower=lower,
+                                                 buffer_bytes=buffer_bytes)
+                    if threshold is not None:
+                        if seed is not None:
+                            threshold = torch.minimum(threshold, seed.to(threshold.dtype))
+                        return filter_candidates(q, t, n_cand, threshold, lower=lower,
+                                                 buffer_bytes=buffer_bytes)
+                except LaunchRefused as exc:
+                    logger.info("register lists for the first pass: %s", exc)
             try:
-                if first and sampled:   # the first pass's seed: the sample's (and a cap's)
+                if first and (sampled or filtered):   # the first pass's seed: the sample's (and a cap's)
                     sample = sample_seed(q, t, n_cand, first_tiles[0], lower=lower,
                                          buffer_bytes=buffer_bytes)
                     if sample is not None:

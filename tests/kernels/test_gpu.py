@@ -657,7 +657,7 @@ def test_the_sample_kept_with_a_block_has_the_rows_its_budget_counts():
     prepared = gpu.prepare_targets(torch.from_numpy(t).cuda(), "l2", "bf16")
     gpu.search_prepared(torch.from_numpy(q).cuda(), prepared, 100)
     samples = [v for key, v in prepared.side.cache.items() if isinstance(key, tuple) and key[0] == "sample"]
-    assert [s.rows for s in samples] == [gpu.kept_sample_rows(500_000, 384, 100, "bf16")]
+    assert [s.rows for s in samples] == [gpu.kept_sample_rows(500_000, 384, 100, "bf16", torch.device("cuda"))]
     assert samples[0].rows > 0
 
 
@@ -713,7 +713,8 @@ def test_the_first_pass_compiles_ahead_on_its_thread_and_once():
     from pathlib import Path
 
     cases = [("bf16", 3, 1, 2048, 60_000), ("tf32", 128, 10, 2048, 60_000), ("fp32", 200, 10, 2048, 60_000),
-             ("bf16", 384, 100, 2048, 60_000), ("bf16", 64, 10, 7, 300), ("tf32", 1536, 10, 65, 20_000)]
+             ("bf16", 384, 100, 2048, 60_000), ("bf16", 64, 10, 7, 300), ("tf32", 1536, 10, 65, 20_000),
+             ("bf16", 768, 10, 2048, 140_000)]   # the last: the threshold filter (on 9.x)
     root = str(Path(__file__).resolve().parents[2])
     out = subprocess.run([sys.executable, "-c", _AHEAD_SCRIPT, root, json.dumps(cases)], capture_output=True,
                          text=True, timeout=600, check=True).stdout.splitlines()
@@ -721,9 +722,11 @@ def test_the_first_pass_compiles_ahead_on_its_thread_and_once():
     for case, line in zip(cases, out):
         # The candidate kernel (the fp32 case's come from cuBLAS) and the re-rank: at most one
         # compilation each, on the thread that started before the preparation.
-        for kernel in ("_rowlist_kernel", "_fused_candidates_kernel", "_rerank_kernel"):
+        for kernel in ("_rowlist_kernel", "_fused_candidates_kernel", "_rerank_kernel", "_filter_kernel"):
             threads = [thread for name, thread in json.loads(line) if name == kernel]
             assert threads in ([], ["nj-compile-ahead"]), (case, kernel, line)
+    if torch.cuda.get_device_capability()[0] == 9:   # the filter kernel compiled, ahead, once
+        assert [name for name, _ in json.loads(out[-1])].count("_filter_kernel") == 1, out[-1]
     first = [name for name, _ in json.loads(out[0])]
     assert first.count("_rowlist_kernel") == 1 and first.count("_rerank_kernel") == 1, out[0]
     assert json.loads(out[2]), "the fp32 case compiled nothing (no other case re-ranks at d=200)"

@@ -305,3 +305,56 @@ def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
             step = torch.nextafter(b, torch.full_like(b, np.inf)) - b
             assert bool(((a - b).abs() <= step).all()), (where, name)
         torch.testing.assert_close(same.bias, ref.bias, rtol=2 ** -23, atol=0, msg=where)
+
+
+# The threshold filter (``gpu.filter_refusal``: bf16 from d = 256 on compute capability 9.x,
+# blocks large enough for its sample) on offset data with duplicates, and a row with more
+# hits than its buffer holds: 2,500 exact copies of the query's own row (every filter_cap is
+# smaller), so its floor is -inf and the widening rounds must still return its exact rows.
+FILTER_DIMS = [256, 384, 768, 1024, 1536]
+FILTER_NT = 140_000     # a sample large enough at k = 100 (every 32nd target)
+_FILTER: dict = {}
+
+
+def _filter_case(d: int) -> adv.Case:
+    if d not in _FILTER:
+        case = adv.offset_case(d, 10.0, 0.1, nq=64, nt=FILTER_NT, seed=200 + d)
+        q, t = case.queries.copy(), case.targets.copy()
+        t[20_000:22_500] = t[7]
+        q[0] = t[7]
+        _FILTER[d] = adv.Case(case.name + "-2500-copies", q, t)
+    return _FILTER[d]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+@pytest.mark.parametrize("d", FILTER_DIMS)
+def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d, metric, monkeypatch):
+    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_join.kernels import gpu
+
+    device = torch.device("cuda")
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        pytest.skip("the threshold filter runs on compute capability 9.x")
+    _cached_oracle(monkeypatch)
+    floors = []
+    real = tr.filter_candidates
+
+    def recorded(*args, **kwargs):
+        out = real(*args, **kwargs)
+        floors.append(out[2])
+        return out
+
+    monkeypatch.setattr(tr, "filter_candidates", recorded)
+    case = _filter_case(d)
+    for k in KS:
+        assert gpu.filter_refusal(FILTER_NT, d, k, "bf16", device) is None
+        before = len(floors)
+        v, i, _ = _timed_knn(case.queries, case.targets, k, metric, "bf16")
+        assert len(floors) == before + 1, "the first pass was not the filter"
+        adv.assert_true_topk(case.queries, case.targets, k, metric, v, i, _rtol(),
+                             case=f"{case.name} filter k={k}")
+        if metric == "l2":
+            assert bool((floors[-1] == -float("inf")).any()), "no row overflowed its buffer"
+            assert i[0].tolist() == ([7] + list(range(20_000, 22_500)))[:k]   # ties to the lower index
