@@ -316,6 +316,32 @@ FILTER_NT = 140_000     # a sample large enough at k = 100 (every 32nd target)
 _FILTER: dict = {}
 
 
+def _device_oracle(monkeypatch):
+    """The oracle's float64 keys by its own formulas (the difference form for l2, the dot for
+    inner product) computed on the device, once per (case, metric): on the CPU 64 x 140,000
+    difference rows at d = 1536 took most of a minute per call."""
+    from tests import oracle
+
+    cache: dict = {}
+
+    def keys(queries, targets, metric):
+        key = (queries.ctypes.data, targets.ctypes.data, queries.shape, targets.shape, metric)
+        if key not in cache:
+            q = torch.from_numpy(queries).cuda().double()
+            t = torch.from_numpy(targets).cuda().double()
+            if metric == "inner_product":
+                out = -(q @ t.T)
+            else:
+                assert metric == "l2", metric
+                out = torch.stack([((t - row) ** 2).sum(dim=1) for row in q])
+            cache.clear()
+            cache[key] = out.cpu().numpy()
+        return cache[key]
+
+    monkeypatch.setattr(oracle, "oracle_keys", keys)
+    monkeypatch.setattr(adv, "oracle_keys", keys)
+
+
 def _filter_case(d: int) -> adv.Case:
     if d not in _FILTER:
         case = adv.offset_case(d, 10.0, 0.1, nq=64, nt=FILTER_NT, seed=200 + d)
@@ -337,7 +363,7 @@ def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device)[0] != 9:
         pytest.skip("the threshold filter runs on compute capability 9.x")
-    _cached_oracle(monkeypatch)
+    _device_oracle(monkeypatch)
     floors = []
     real = tr.filter_candidates
 
