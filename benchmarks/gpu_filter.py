@@ -1,5 +1,8 @@
 """A threshold-filter first pass with no lists in registers: a diagnostic (issue 20).
 
+The library's first pass of bf16 searches at d >= 256 on compute capability 9.x since
+``c3da8dc`` (``_gpu_triton.filter_candidates``); this script times its stages in its own copy.
+
 Given a per-query threshold ``thr`` (the j-th smallest key over every ``step``-th target, from
 the library's own fused kernel on that sample, as ``sample_seed`` seeds its lists), one pass
 over the block computes the keys ``bias_t - 2 q.t`` tile by tile (d in chunks, one flat (tile,

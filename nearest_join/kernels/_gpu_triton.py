@@ -10,6 +10,9 @@ floor), so that a search compiles one candidate kernel whatever widths its rows 
 :func:`tile_config` picks; one register list of up to ``ROWLIST_MAX`` entries, or the buffer
 kernel (:func:`buffer_tile_config`) for longer lists, runs where the targets are too few for
 the segments. Long first lists can start from a sample pass's seeds (:func:`sample_seed`).
+Where ``gpu.filter_refusal`` accepts (bf16, d >= 256, compute capability 9.x) the first pass
+is instead a threshold filter (:func:`filter_candidates`: per-row thresholds from a sample,
+one pass appending every key below them to a per-row buffer, no list in registers).
 
 One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whole block, or
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes
