@@ -13,7 +13,7 @@ included), bf16 / tf32 / fp32, many and few queries, targets enough for segments
 The grid has about 700 distinct configurations (a few seconds of compilation each): every one
 is checked against the limits by its estimate, and only the configurations distinct in shared
 memory are compiled: the most demanding one (largest estimate) of each target, kernel and
-layout (6 compilations). The segmented mode is the row-list kernel with other list lengths
+layout (6 compilations), and the threshold filter's one launch shape on sm_90, the only target it runs on (2 compilations: plain and lower keys). The segmented mode is the row-list kernel with other list lengths
 (lists live in registers: it compiles to the row-list mode's shared memory, byte for byte),
 and the buffer kernel's shared memory does not follow its layout (its selection loop keeps the
 target loop unpipelined), so neither is a group of its own; per precision too took nine
@@ -152,3 +152,28 @@ REASON = _compiles()
 @pytest.mark.parametrize("entry,name", _representative(plans_of_the_grid(), by_precision=False))
 def test_the_most_demanding_configurations_compile_within_the_limits(entry, name):
     _check_compiled(entry, name)
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.parametrize("lower", [False, True], ids=["plain", "lower-keys"])
+def test_the_threshold_filter_compiles_within_the_sm90_limit(lower):
+    # The filter pass (gpu.filter_refusal: compute capability 9.x only) has one launch shape,
+    # FILTER_TILES, with its appends as inline PTX: its shared memory is the operand stages'
+    # alone, and it must leave the device's limit room whatever d (one compiled variant).
+    from tests.kernels._compile_target import shared_bytes
+
+    limits, arch = TARGETS["sm_90"]
+    rows, nt, d, cap = 256, 4096, 384, tr.filter_cap(512)
+    q = torch.zeros((rows, d), dtype=torch.bfloat16)
+    t = torch.zeros((nt, d), dtype=torch.bfloat16)
+    bias = torch.zeros(nt)
+    level = torch.zeros(8, dtype=torch.int32)
+    thr = torch.zeros(rows)
+    count = torch.zeros(rows, dtype=torch.int32)
+    buf = torch.zeros((rows, cap), dtype=torch.int64)
+    _, args, kwargs = tr.filter_arguments(q, t, bias, level, thr, count, buf, rows, nt, d, 2.0, 0, cap, 2,
+                                          lower=lower, upcast=False)
+    shared = shared_bytes(tr._filter_kernel, args, kwargs, arch)
+    tiles = tr.FILTER_TILES
+    stages = (tiles.block_m + tiles.block_n) * tiles.block_d * 2 * tiles.num_stages
+    assert stages <= shared <= limits.shared_bytes, (shared, stages, limits.shared_bytes)
