@@ -29,7 +29,7 @@ difference), and the float64 top k lies inside the selection wherever the proof 
 
 Data as ``gpu_shapes.py``: Gaussian rows with a per-dimension offset, l2, in the library's
 working frame (``gpu.prepare_targets``), bf16 operands. Shapes ``BMxBNxBD/warps/stages[/pP]``,
-P keys per append branch (``append_ptx``).
+P keys per append branch (``_gpu_triton._append_ptx``).
 
 Run on a CUDA machine: ``python benchmarks/gpu_filter.py [--dims 384,1536,768,128]
 [--ks 10,100] [--configs 128x256x64/8/3/p4,...] [--samples "10:16/3,32/5;100:64/10"]
@@ -57,44 +57,15 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+from nearest_join.kernels._gpu_triton import _append_ptx  # noqa: E402
 
 SAMPLE_STEP = 16                       # the default sample: every 16th target
 EMPTY = torch.iinfo(torch.int64).max   # an unused buffer slot: after every packed entry
 
 
-def append_ptx(pack: int) -> str:
-    """PTX for the appends of ``pack`` keys of one thread (one ``inline_asm_elementwise``
-    invocation). A miss costs a compare (the pack's compares or-ed into one predicate) and
-    one branch per pack: nearly every key misses, and a warp whose lanes all miss skips the
-    rest. On a hit: take a slot from the row's counter (the atomic's old value) and, if the
-    row has room, store the entry (order-preserving key bits above the index). Operands, each
-    ``pack`` long in turn: out (1 on a hit, unused), key, threshold, counter address, the
-    row's buffer address, target index, CAP. The labels and registers of a PTX {} block are
-    its own, so the block can be inlined once per invocation."""
-    def op(arg, e):
-        return f"${(1 + arg) * pack + e}"
-    lines = ["{", ".reg .pred %any, %hit, %room;", ".reg .b32 %slot, %bits, %sign;",
-             ".reg .b64 %addr, %entry;"]
-    lines += [f"mov.b32 ${e}, 0;" for e in range(pack)]
-    lines.append(f"setp.le.f32 %any, {op(0, 0)}, {op(1, 0)};")
-    lines += [f"setp.le.or.f32 %any, {op(0, e)}, {op(1, e)}, %any;" for e in range(1, pack)]
-    lines.append("@!%any bra done;")
-    for e in range(pack):
-        key, thr, counter, row, index, cap = (op(arg, e) for arg in range(6))
-        lines += [f"setp.le.f32 %hit, {key}, {thr};", f"@!%hit bra next{e};",
-                  f"atom.global.add.u32 %slot, [{counter}], 1;", f"mov.b32 ${e}, 1;",
-                  f"setp.lt.u32 %room, %slot, {cap};", f"@!%room bra next{e};",
-                  f"mov.b32 %bits, {key};", "shr.s32 %sign, %bits, 31;",
-                  "and.b32 %sign, %sign, 0x7FFFFFFF;", "xor.b32 %bits, %bits, %sign;",
-                  f"mov.b64 %entry, {{{index}, %bits}};", "mul.wide.u32 %addr, %slot, 8;",
-                  f"add.s64 %addr, %addr, {row};", "st.global.b64 [%addr], %entry;",
-                  f"next{e}:"]
-    lines += ["done:", "}"]
-    return "\n".join(lines)
-
-
-APPEND_PTX_1 = tl.constexpr(append_ptx(1))
-APPEND_PTX_4 = tl.constexpr(append_ptx(4))
+# The library's append PTX (one key, or four per branch as the library's filter runs it).
+APPEND_PTX_1 = tl.constexpr(_append_ptx(1))
+APPEND_PTX_4 = tl.constexpr(_append_ptx(4))
 
 
 @triton.jit
@@ -111,7 +82,7 @@ def _filter_kernel(q_desc, t_desc, bias_ptr, thr_ptr, count_ptr, buf_ptr, nq, nt
     order-preserving as a signed int32 (negative floats have their magnitude bits flipped)
     above the target index, so that signed int64 order is (key, index) order.
 
-    APPEND_PTX: each key's append is the inline PTX of ``append_ptx(PACK)`` (PACK 1 or 4
+    APPEND_PTX: each key's append is the inline PTX of ``_gpu_triton._append_ptx(PACK)`` (PACK 1 or 4
     keys per branch), in the accumulator's own layout.
     Else ``tl.atomic_add`` and ``tl.store`` on the tile (the interpreter's path): Triton gives
     global atomics and stores a blocked layout of their own, and converts the whole tile to
