@@ -918,14 +918,24 @@ def skip_beyond(keys: torch.Tensor, idx: torch.Tensor, limit: torch.Tensor) -> t
 ValuesFn = Callable[[PreparedSide, PreparedSide, torch.Tensor], torch.Tensor]
 
 
+def live_width(idx: torch.Tensor) -> torch.Tensor:
+    """int32 (m,): per row, the columns up to its last candidate (``idx >= 0``), 0 for a row
+    with none. A list's candidates lie in its first columns (lists are sorted, empty slots
+    last, and :func:`skip_beyond` empties a suffix of a sorted list), so the re-rank reads
+    no column past it (``_gpu_triton.triton_exact_values``)."""
+    cols = torch.arange(1, idx.shape[1] + 1, dtype=torch.int32, device=idx.device)
+    return torch.where(idx >= 0, cols, 0).amax(dim=1).to(torch.int32)
+
+
 def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx: torch.Tensor,
            bound: torch.Tensor, k: int, values: ValuesFn | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact (values, indices) of each row's k best among its candidates, in two steps.
 
     The first k columns first: their worst value ``V0`` bounds the final k-th, so columns
     whose keys exceed ``value_limit(V0)`` cannot rank (module notes) and are not read
-    (:func:`skip_beyond`). No host sync: a search queues its whole round behind the
-    candidate pass, and the GPU runs it without waiting for Python between the steps.
+    (:func:`skip_beyond`). Those left are the first columns of each row (sorted lists): the
+    rest is cut to the widest row's (:func:`live_width`, the round's one host sync before
+    its proof), so neither the values nor the ranking pay for the list's full width.
     """
     values = values or exact_values
     descending = not l2_form(queries.metric)
@@ -937,7 +947,10 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
         v0 = torch.where(filled, vals, worst)
         v0 = v0.min(dim=1).values if descending else v0.max(dim=1).values
         rest = skip_beyond(keys[:, head:], idx[:, head:], value_limit(v0, bound, queries))
-        vals = torch.cat([vals, values(queries, targets, rest)], dim=1)
+        width = int(live_width(rest).max()) if rest.shape[0] else 0
+        rest = rest[:, :width]
+        if width:
+            vals = torch.cat([vals, values(queries, targets, rest)], dim=1)
         idx = torch.cat([idx[:, :head], rest], dim=1)
     return rank_exact(vals, idx, k, descending)
 

@@ -197,12 +197,17 @@ def test_descriptor_form_equals_pointer_form(kernel):
 
 def test_rowlist_rerank_kernel_equals_the_torch_form():
     # The re-rank kernel against the torch form: d within one chunk and over two, empty
-    # slots (NaN there), both value forms.
+    # slots (NaN there) anywhere, rows with none, rows whose candidates end early (a suffix
+    # of empty slots: the kernel reads each row up to its last candidate), several programs
+    # and column steps, both value forms.
     rng = np.random.default_rng(3)
     for metric, d in (("sqeuclidean", 33), ("inner_product", 70), ("cosine", 16)):
         q, t = make_data("gaussian", 37, 50, d, d)
         qs, ts = prepared(q, t, metric, "fp32")
-        idx = torch.from_numpy(rng.integers(-1, 50, (37, 9)))
+        idx = torch.from_numpy(rng.integers(-1, 50, (37, 23)))
+        idx[3] = -1
+        idx[5:30:4, 6:] = -1
+        idx[20:, 15:] = -1
         want = gt.exact_values(qs, ts, idx)
         got = tr.triton_exact_values(qs, ts, idx[:, 2:])
         assert torch.equal(torch.isnan(got), idx[:, 2:] < 0), metric
