@@ -149,8 +149,14 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 
     m = resolve_metric(metric).name
     precision = resolve_precision(precision, targets.device)
-    ok = rankable_mask(targets, m)
-    rows = None if bool(ok.all()) else ok.nonzero().flatten()
+    # A row with a NaN or an infinite element has a non-finite sum: where every row's sum is
+    # finite (one read of the rows, nothing written per element), every row ranks; else
+    # (an overflowing sum too) the element test decides.
+    if m != "cosine" and targets.numel() and bool(torch.isfinite(targets.sum(dim=1)).all()):
+        ok, rows = torch.ones(targets.shape[0], dtype=torch.bool, device=targets.device), None
+    else:
+        ok = rankable_mask(targets, m)
+        rows = None if bool(ok.all()) else ok.nonzero().flatten()
     block = targets if rows is None else targets[rows]
     if (m != "cosine" and block.device.type == "cuda" and block.numel()
             and triton_refusal(block.device) is None):
