@@ -1419,13 +1419,14 @@ FILTER_TILES = FilterTiles()
 def filter_sample(n_cand: int) -> tuple[int, int]:
     """(step, j) of the filter's thresholds for a first list of ``n_cand``: each row's j-th
     key over every step-th target, so that about ``step x j`` targets of the block pass it.
-    Every 16th target at j = 10 for lists up to 64 (k up to about 32: about 160 hits a row,
-    five times a list of 32, so the list's floor is its own 32nd key, not the threshold),
-    every 32nd at j = 20 beyond (k = 100's list of 512: about 640 hits; its sample pass reads
-    half the rows a 16-step would). The sample pass costs 1 / step of the block's product
-    and the filter's time grows with the hits; these were the fastest measured pairs
-    (benchmarks/gpu_notes.md)."""
-    return (16, 10) if n_cand <= 64 else (32, 20)
+    Every 32nd target: at j = 5 for lists up to 64 (k up to about 32: about 160 hits a row,
+    five times a list of 32, so the list's floor is mostly its own 32nd key; a row with
+    fewer hits keeps the threshold as its floor, still far above its k-th key), at j = 20
+    beyond (k = 100's list of 512: about 640 hits). The sample pass costs 1 / step of the
+    block's product (every 16th target cost the short lists' search more in that pass than
+    the wider spread of their hits costs the filter) and the filter's time grows with the
+    hits: the fastest measured pairs (benchmarks/gpu_notes.md)."""
+    return (32, 5) if n_cand <= 64 else (32, 20)
 
 
 def filter_cap(n_cand: int) -> int:

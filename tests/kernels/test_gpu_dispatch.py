@@ -78,10 +78,10 @@ def test_the_kept_sample_is_counted_only_where_searches_take_one():
 def test_the_threshold_filter_refuses_off_cuda_tf32_and_small_d_and_says_why():
     cpu = torch.device("cpu")
     assert "CUDA" in gpu.filter_refusal(1_000_000, 384, 10, "bf16", cpu)
-    # Without a device the budget counts the larger sample: the filter's (every 16th target
+    # Without a device the budget counts the larger sample: the filter's (every 32nd target
     # for k=10's list of 32) where only it takes one.
     from nearest_join.kernels._gpu_triton import filter_sample_rows
 
-    assert gpu.kept_sample_rows(1_000_000, 384, 10, "bf16") == filter_sample_rows(1_000_000, 32) == 62_500
+    assert gpu.kept_sample_rows(1_000_000, 384, 10, "bf16") == filter_sample_rows(1_000_000, 32) == 31_250
     assert gpu.kept_sample_rows(1_000_000, 128, 10, "bf16") == 0      # below FILTER_MIN_D
     assert gpu.kept_sample_rows(1_000_000, 384, 10, "tf32") == 0

@@ -27,15 +27,15 @@ def _packed(keys, idx):
 
 
 def test_the_sample_and_the_buffer_follow_their_rules():
-    assert tr.filter_sample(32) == (16, 10) and tr.filter_sample(64) == (16, 10)
+    assert tr.filter_sample(32) == (32, 5) and tr.filter_sample(64) == (32, 5)
     assert tr.filter_sample(512) == (32, 20)
     # 1.25 step j + 6 step sqrt(j) + 64, up to a power of two
     assert tr.filter_cap(32) == 1024 and tr.filter_cap(512) == 2048
     for n in (8, 32, 128, 512, 1024):
         step, j = tr.filter_sample(n)
         assert tr.filter_cap(n) >= 1.25 * step * j + 6 * step * math.sqrt(j)
-    assert tr.filter_sample_rows(16 * tr.FILTER_MIN_SAMPLE, 32) == tr.FILTER_MIN_SAMPLE
-    assert tr.filter_sample_rows(16 * tr.FILTER_MIN_SAMPLE - 16, 32) == 0
+    assert tr.filter_sample_rows(32 * tr.FILTER_MIN_SAMPLE, 32) == tr.FILTER_MIN_SAMPLE
+    assert tr.filter_sample_rows(32 * tr.FILTER_MIN_SAMPLE - 32, 32) == 0
 
 
 def test_the_selection_states_a_floor_for_every_row():
