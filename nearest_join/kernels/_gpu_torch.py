@@ -933,9 +933,9 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
 
     The first k columns first: their worst value ``V0`` bounds the final k-th, so columns
     whose keys exceed ``value_limit(V0)`` cannot rank (module notes) and are not read
-    (:func:`skip_beyond`). Those left are the first columns of each row (sorted lists): the
-    rest is cut to the widest row's (:func:`live_width`, the round's one host sync before
-    its proof), so neither the values nor the ranking pay for the list's full width.
+    (:func:`skip_beyond`; the fused re-rank reads each row only up to its last candidate
+    left, :func:`live_width`). No host sync: a search queues its whole round behind the
+    candidate pass, and the GPU runs it without waiting for Python between the steps.
     """
     values = values or exact_values
     descending = not l2_form(queries.metric)
@@ -947,10 +947,7 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
         v0 = torch.where(filled, vals, worst)
         v0 = v0.min(dim=1).values if descending else v0.max(dim=1).values
         rest = skip_beyond(keys[:, head:], idx[:, head:], value_limit(v0, bound, queries))
-        width = int(live_width(rest).max()) if rest.shape[0] else 0
-        rest = rest[:, :width]
-        if width:
-            vals = torch.cat([vals, values(queries, targets, rest)], dim=1)
+        vals = torch.cat([vals, values(queries, targets, rest)], dim=1)
         idx = torch.cat([idx[:, :head], rest], dim=1)
     return rank_exact(vals, idx, k, descending)
 

@@ -237,15 +237,10 @@ def test_the_rerank_skips_candidates_beyond_the_value_limit():
     tkeys = (t * t).sum(1)[None, :]                  # exact keys of this query: |t|^2
     v, i = gt.rerank(qs, ts, tkeys, torch.arange(8)[None, :], torch.tensor([0.5]), 3, spy)
     assert i.tolist() == [[0, 1, 2]] and v.tolist() == [[0.0, 1.0, 4.0]]
-    # head: columns 0-2 (V0 = 4), the rest up to key 4 + 0.5: none of columns 3..7 (9+), so
-    # the values function never runs for them.
-    assert [sel.tolist() for sel in seen] == [[[0, 1, 2]]], seen
-    # A wider limit (4 + 5.5): column 3 (key 9) is read, and the rest is cut after it (the
-    # candidates left are a prefix of the sorted list): the values function sees one column.
-    seen.clear()
-    v, i = gt.rerank(qs, ts, tkeys, torch.arange(8)[None, :], torch.tensor([5.5]), 3, spy)
-    assert i.tolist() == [[0, 1, 2]] and v.tolist() == [[0.0, 1.0, 4.0]]
-    assert [sel.tolist() for sel in seen] == [[[0, 1, 2]], [[3]]], seen
+    # head: columns 0-2 (V0 = 4), the rest up to key 4 + 0.5: none of columns 3..7 (9+).
+    assert seen[0].tolist() == [[0, 1, 2]] and seen[1].tolist() == [[-1, -1, -1, -1, -1]], seen
+    # The fused re-rank reads a row up to its last candidate left (live_width).
+    assert gt.live_width(torch.tensor([[4, -1, 2, -1], [-1, -1, -1, -1], [1, 2, 3, 4]])).tolist() == [3, 0, 4]
     # value_limit: key(V) + E, never rounded down. l2: key = V - |q|^2; similarities: -V.
     q = np.array([[3.0, 4.0], [1.0, 0.0]], np.float32)            # |q|^2 = 25, 1
     qs = gt.prepare_side(torch.from_numpy(q), "l2", "fp32")
@@ -273,9 +268,7 @@ def test_the_rerank_skips_candidates_beyond_the_value_limit():
     finally:
         gt.exact_values = real
     n0 = gt.candidate_width(3, "fp32")
-    # The head's 3 columns, then at most the rest's columns, cut after the widest row's last
-    # candidate left (every column the call sees holds one in some row).
-    assert widths[0] == (3, 7 * 3) and all(0 < read and cols <= n0 - 3 for cols, read in widths[1:]), widths
+    assert widths[0] == (3, 7 * 3) and widths[1][0] == n0 - 3, widths
     assert sum(read for _, read in widths) < 7 * n0, widths
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
 
