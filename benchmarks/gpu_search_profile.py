@@ -144,6 +144,9 @@ VARIANTS = {
     "sample_sparse": _sample((32, 5), (64, 10)),
     "sample32": _sample((32, 5), (32, 20)),
     "sample16": _sample((16, 10), (32, 20)),
+    "long_j10": _sample((32, 5), (32, 10)),
+    "long_j13": _sample((32, 5), (32, 13)),
+    "long_j16": _sample((32, 5), (32, 16)),
 }
 
 
