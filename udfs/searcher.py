@@ -51,12 +51,16 @@ class SearchSettings:
 class BlockSearcher:
     """CPU (or reference) searcher: a thin wrapper over :func:`nearest_join.kernels.knn`."""
 
-    def __init__(self, settings: SearchSettings, threads: int | None = None):
+    def __init__(self, settings: SearchSettings, threads: int | None = None, backend: str | None = None):
         self.settings = settings
         self.threads = threads or task_cpus()
-        # The backend open_block_searcher chose (an explicit "cpu" or "reference" runs that
-        # backend; an error names why it cannot); "auto" lets knn's dispatcher choose per call.
-        self.backend = settings.backend if settings.backend in ("cpu", "reference") else "auto"
+        # The backend every block runs: the one open_block_searcher chose for the task (an
+        # explicit "cpu" or "reference" runs that backend; an error names why it cannot).
+        # Without a choice, "auto" lets knn's dispatcher choose per call, and its first
+        # candidate is the GPU backend: that call imports torch.
+        if backend is None:
+            backend = settings.backend if settings.backend in ("cpu", "reference") else "auto"
+        self.backend = backend
         self.device = "cpu"
 
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
@@ -100,13 +104,17 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
     if settings.backend == "auto" and not cuda_may_exist():
         skip["gpu"] = "no GPU assigned to this task and no NVIDIA driver on this host"
     name, reasons = choose_task_backend(settings.backend, skip=skip)
-    logger.info("task backend %s%s", name, "".join(f" ({r})" for r in reasons))
     if name == "gpu":
         from udfs.gpu import gpu_searcher_or_none
 
         searcher = gpu_searcher_or_none(settings)
         if searcher is not None:
+            logger.info("task backend gpu%s", "".join(f" ({r})" for r in reasons))
             return searcher
         if settings.backend == "gpu":
             raise RuntimeError("backend 'gpu' requested but this executor has no usable CUDA device")
-    return BlockSearcher(settings)
+        name, reasons = choose_task_backend(settings.backend, skip={"gpu": "no usable CUDA device"})
+    logger.info("task backend %s%s", name, "".join(f" ({r})" for r in reasons))
+    # The blocks run the backend chosen here, not "auto" again per block (which would import
+    # torch for the GPU backend's refusal on every CPU executor).
+    return BlockSearcher(settings, backend=name)

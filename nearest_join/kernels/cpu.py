@@ -439,6 +439,10 @@ class CpuBackend:
     # 8 B x nq x min(k, nt) per target split.
     max_k = None
 
+    def refuse_task(self) -> str | None:
+        """Why no search of this process can run here (scipy's BLAS missing), or None."""
+        return _scipy_blas_missing()
+
     def refuse(self, queries, targets, k, metric: Metric, **options) -> str | None:
         """None when the backend accepts the call, else why it does not."""
         if metric.name not in self.metrics:

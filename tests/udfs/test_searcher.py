@@ -48,7 +48,7 @@ def test_auto_without_a_gpu_probe_skips_the_gpu_backend_with_a_reason(monkeypatc
     monkeypatch.setattr(S, "cuda_may_exist", lambda: False)
     with caplog.at_level(logging.INFO, logger="udfs.searcher"):
         chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "auto"))
-    assert type(chosen) is S.BlockSearcher
+    assert type(chosen) is S.BlockSearcher and chosen.backend == "cpu"
     assert "task backend cpu (gpu: no GPU assigned" in caplog.text
 
 
@@ -58,3 +58,36 @@ def test_an_explicit_gpu_backend_without_a_device_is_an_error(monkeypatch):
     monkeypatch.setattr(G, "gpu_searcher_or_none", lambda settings: None)
     with pytest.raises(RuntimeError, match="backend 'gpu' requested"):
         S.open_block_searcher(S.SearchSettings(2, "l2", "gpu"))
+
+
+def test_a_cpu_task_searches_its_blocks_without_importing_torch():
+    """Where the probe finds no GPU, the task's CPU searcher runs "cpu" on every block: "auto"
+    per block would load the GPU backend first, and with it torch (seconds per Python
+    worker). Run in a fresh interpreter, where torch is not yet imported."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import numpy as np
+from udfs import searcher as S
+S.cuda_may_exist = lambda: False
+chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "auto"))
+values, indices = chosen.search(np.array([[0.0, 0.0]], np.float32), np.array([[3.0, 4.0], [1.0, 0.0]], np.float32))
+print(chosen.backend, indices.tolist(), "torch" in sys.modules)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["cpu", "[[1,", "0]]", "False"], done.stdout + done.stderr
+
+
+def test_auto_whose_gpu_searcher_cannot_open_runs_the_next_backend(monkeypatch):
+    import udfs.gpu as G
+    from nearest_join.kernels import dispatch
+
+    monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
+    real = dispatch.choose_task_backend
+    monkeypatch.setattr(dispatch, "choose_task_backend",
+                        lambda backend, skip=None: ("gpu", []) if not skip else real(backend, skip=skip))
+    monkeypatch.setattr(G, "gpu_searcher_or_none", lambda settings: None)
+    chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "auto"))
+    assert type(chosen) is S.BlockSearcher and chosen.backend == "cpu"
