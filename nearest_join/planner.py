@@ -303,15 +303,19 @@ def side_facts(query, query_column: str, target, target_column: str,
                target_keys: list | None = None):
     """Rows, partitions and vector lengths of both sides, in one small Spark job; with
     ``target_keys`` (Columns of the target) also the number of distinct non-NULL keys and
-    the rows of the largest group, as a third item (:class:`KeyFacts`)."""
-    def facts(df, name: str, prefix: str):
-        # Spark forbids the non-deterministic partition id inside an aggregate: project first.
-        projected = df.select(_vector_length(df, name).alias("n"), F.spark_partition_id().alias("p"))
-        return projected.agg(F.count(F.lit(1)).alias(prefix + "rows"),
-                             F.min("n").alias(prefix + "shortest"), F.max("n").alias(prefix + "longest"),
-                             (F.max("p") + 1).alias(prefix + "partitions"))
+    the rows of the largest group, as a third item (:class:`KeyFacts`).
 
-    both = facts(query, query_column, "q_").crossJoin(facts(target, target_column, "t_"))
+    Both sides' facts come from one aggregation over their union, grouped by side: one
+    shuffle (two aggregations joined would be two, and a third stage for the join)."""
+    def projected(df, name: str, side: int):
+        # Spark forbids the non-deterministic partition id inside an aggregate: project first.
+        return df.select(F.lit(side).alias("side"), _vector_length(df, name).alias("n"),
+                         F.spark_partition_id().alias("p"))
+
+    both = (projected(query, query_column, 0).unionByName(projected(target, target_column, 1))
+            .groupBy("side")
+            .agg(F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
+                 (F.max("p") + 1).alias("partitions")))
     if target_keys is not None:
         names = [f"k{i}" for i in range(len(target_keys))]
         groups = (target.select(*[c.alias(n) for c, n in zip(target_keys, names)])
@@ -319,13 +323,18 @@ def side_facts(query, query_column: str, target, target_column: str,
                   .groupBy(*names).count()
                   .agg(F.count(F.lit(1)).alias("groups"), F.max("count").alias("largest")))
         both = both.crossJoin(groups)
-    row = both.collect()[0]
+    rows = {row["side"]: row for row in both.collect()}
+    # A side without rows has no group: no row of its own.
     sides = tuple(
-        SideFacts(rows=int(row[side + "rows"]), partitions=int(row[side + "partitions"] or 0),
-                  shortest=row[side + "shortest"], longest=row[side + "longest"])
-        for side in ("q_", "t_"))
+        SideFacts(rows=int(row["rows"]), partitions=int(row["partitions"] or 0),
+                  shortest=row["shortest"], longest=row["longest"]) if row is not None
+        else SideFacts(rows=0, partitions=0, shortest=None, longest=None)
+        for row in (rows.get(0), rows.get(1)))
     if target_keys is None:
         return sides
+    if not rows:   # both sides empty: the cross join has no row, and the target no key
+        return sides + (KeyFacts(groups=0, largest=0),)
+    row = next(iter(rows.values()))
     return sides + (KeyFacts(groups=int(row["groups"]), largest=int(row["largest"] or 0)),)
 
 
