@@ -37,6 +37,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The JVM options of every Spark JVM the tests start (the sessions' drivers, local-cluster's
+# executors, the Connect server). The tests' JVMs plan and run thousands of tiny queries:
+# - C2's compilations cost more CPU than they save (the kernels run in Python workers);
+# - G1 started a concurrent marking cycle for nearly every humongous allocation (Arrow and
+#   task-result buffers larger than half its 1 MB regions), each on a core the suite needs;
+#   the parallel collector has no concurrent cycles.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
 ORDER = ("join-oracles", "approx", "jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")

@@ -40,9 +40,7 @@ def spark():
         .config("spark.task.maxFailures", "1")
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
-        # The driver JVM's work here is planning many tiny queries: C2's compilations of it
-        # cost more CPU than they save (the kernels run in Python workers, not in the JVM).
-        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+        .config("spark.driver.extraJavaOptions", background.JVM_OPTIONS)
         # pyspark.daemon, less its full garbage collection after every task (tests/spark_daemon.py)
         .config("spark.python.daemon.module", "tests.spark_daemon")
         .config("spark.executorEnv.PYTHONPATH", str(background.REPO))

@@ -23,6 +23,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
+from tests.background import JVM_OPTIONS  # noqa: E402
 from tests.oracle import assert_join_true_topk, group_rows  # noqa: E402
 
 NQ, NT, D, K = 400, 3000, 16, 5
@@ -47,10 +48,10 @@ def main() -> int:
     spark = (SparkSession.builder.master("local-cluster[2,1,1024]").appName("nearest_join-cluster")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.executorEnv.PYTHONPATH", ROOT)
-             # As the suite's session (tests/conftest.py): C1-compiled JVMs, Python workers
+             # As the suite's session (tests/conftest.py): its JVM options, Python workers
              # from tests/spark_daemon.py.
-             .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
-             .config("spark.executor.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+             .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+             .config("spark.executor.extraJavaOptions", JVM_OPTIONS)
              .config("spark.python.daemon.module", "tests.spark_daemon")
              .config("spark.task.maxFailures", "4")
              .config("spark.sql.shuffle.partitions", "4")

@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
 from nearest_join.errors import NearestByJoinError  # noqa: E402
+from tests.background import JVM_OPTIONS  # noqa: E402
 from tests.oracle import assert_same_neighbours, group_rows  # noqa: E402
 
 
@@ -23,7 +24,7 @@ def main() -> int:
     # Python workers from tests/spark_daemon.py.
     spark = (SparkSession.builder.remote("local[2]")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1")
+             .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
              .config("spark.python.daemon.module", "tests.spark_daemon")
              .config("spark.executorEnv.PYTHONPATH", ROOT)
              .getOrCreate())
