@@ -60,24 +60,25 @@ def test_an_explicit_gpu_backend_without_a_device_is_an_error(monkeypatch):
         S.open_block_searcher(S.SearchSettings(2, "l2", "gpu"))
 
 
-def test_a_cpu_task_searches_its_blocks_without_importing_torch():
+def test_a_cpu_task_searches_its_blocks_without_importing_torch(monkeypatch):
     """Where the probe finds no GPU, the task's CPU searcher runs "cpu" on every block: "auto"
-    per block would load the GPU backend first, and with it torch (seconds per Python
-    worker). Run in a fresh interpreter, where torch is not yet imported."""
-    import subprocess
-    import sys
+    per block would load the GPU backend first (the registry imports its module, and with it
+    torch: seconds per Python worker) only to hear that it has no device."""
+    from nearest_join.kernels import dispatch
 
-    script = """
-import sys
-import numpy as np
-from udfs import searcher as S
-S.cuda_may_exist = lambda: False
-chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "auto"))
-values, indices = chosen.search(np.array([[0.0, 0.0]], np.float32), np.array([[3.0, 4.0], [1.0, 0.0]], np.float32))
-print(chosen.backend, indices.tolist(), "torch" in sys.modules)
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["cpu", "[[1,", "0]]", "False"], done.stdout + done.stderr
+    loaded = []
+    load = dispatch._load
+
+    def spy(entry):
+        loaded.append(entry.name)
+        return load(entry)
+
+    monkeypatch.setattr(dispatch, "_load", spy)
+    monkeypatch.setattr(S, "cuda_may_exist", lambda: False)
+    chosen = S.open_block_searcher(S.SearchSettings(2, "l2", "auto"))
+    values, indices = chosen.search(np.array([[0.0, 0.0]], np.float32), np.array([[3.0, 4.0], [1.0, 0.0]], np.float32))
+    assert chosen.backend == "cpu" and indices.tolist() == [[1, 0]]
+    assert "gpu" not in loaded and "cpu" in loaded
 
 
 def test_auto_whose_gpu_searcher_cannot_open_runs_the_next_backend(monkeypatch):
