@@ -13,19 +13,25 @@ TRITON := triton==3.6.0
 
 .PHONY: run test check-java bench-cpu bench-spark bench-report clean
 
+# Some machines set PYTHONDONTWRITEBYTECODE: every process (Spark's Python workers included)
+# would then compile each module it imports from source again. Empty, Python writes the
+# bytecode on a module's first import and later processes load it.
+export PYTHONDONTWRITEBYTECODE :=
+
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e .
+	$(PIP) install -q --no-compile -e .
 	@touch $@
 
 # One pip run for the package, its test extras, torch and triton: one resolution, one build
 # (this is the set-up `make test` pays on a fresh clone, inside its time budget).
-# pip byte-compiles every module once here: this environment sets PYTHONDONTWRITEBYTECODE,
-# so modules left uncompiled would be compiled again by every process that imports them.
+# --no-compile: pip would byte-compile all of every package (torch alone is thousands of
+# modules), most of which no process imports. This Makefile's commands write the bytecode of
+# what they import instead, once (PYTHONDONTWRITEBYTECODE above).
 $(VENV)/.installed-dev: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q $(TORCH_CPU) $(TRITON) -e '.[dev]'
+	$(PIP) install -q --no-compile $(TORCH_CPU) $(TRITON) -e '.[dev]'
 	@touch $(VENV)/.installed $@
 
 check-java:
