@@ -301,7 +301,7 @@ class KeyFacts:
 
 def side_facts(query, query_column: str, target, target_column: str,
                target_keys: list | None = None):
-    """Rows, partitions and vector lengths of both sides, in one small Spark job; with
+    """Rows, partitions and vector lengths of both sides, in one small Spark query; with
     ``target_keys`` (Columns of the target) also the number of distinct non-NULL keys and
     the rows of the largest group, as a third item (:class:`KeyFacts`).
 

@@ -34,8 +34,7 @@ daemon.worker = _worker
 def _preload() -> None:
     """Import what every worker's first task imports (numpy, pyarrow, pandas, numba, the
     executor functions and the CPU kernels' module), once, in the daemon: the suite's sessions
-    fork dozens of workers, each of which paid for these imports (about a second of CPU)
-    before its first task. Nothing runs: numba compiles (and its threads start) on a kernel's
+    fork dozens of workers, each of which paid for these imports before its first task. Nothing runs: numba compiles (and its threads start) on a kernel's
     first call, in the worker."""
     import numpy  # noqa: F401
     import pandas  # noqa: F401
