@@ -1,7 +1,7 @@
-"""The interpreter's xor reduce that ``conftest.py`` here makes fast gives what the
-interpreter's own element-by-element reduce gives, in a kernel: xor sums along each axis and of
-the whole block (kept dimensions too), and ``tl.sort``, which the kernels' list merges use and
-whose bitonic network reduces with xor."""
+"""The interpreter shortcuts that ``conftest.py`` here installs give what the interpreter's own
+code gives: its fast xor reduce, in a kernel (xor sums along each axis and of the whole block,
+kept dimensions too, and ``tl.sort``, which the kernels' list merges use and whose bitonic
+network reduces with xor), and its device-function calls that patch the language once a run."""
 from __future__ import annotations
 
 import numpy as np
@@ -50,3 +50,38 @@ def test_fast_xor_reduce_equals_the_interpreters_own(monkeypatch):
         assert np.array_equal(fast[0].numpy(), want) and np.array_equal(fast[2].numpy(), want)
         assert int(fast[3][0]) == int(np.bitwise_xor.reduce(x.numpy(), axis=None))
         assert torch.equal(fast[4], torch.sort(x, dim=1).values)
+
+
+@triton.jit
+def _clamp_below(x, floor):
+    return tl.where(x < floor, floor, x)
+
+
+@triton.jit
+def _nested_calls(x_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr):
+    offs_m = tl.arange(0, M)
+    offs_n = tl.arange(0, N)
+    x = tl.load(x_ptr + offs_m[:, None] * N + offs_n[None, :])
+    ranked = tl.sort(_clamp_below(x, 0), dim=1, descending=True)
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], ranked)
+
+
+def test_device_calls_patched_once_a_run_give_the_interpreters_results(monkeypatch):
+    """conftest patches the language modules once per kernel run and module set instead of on
+    every device-function call: a kernel of nested device calls (this module's and tl.sort's)
+    gives what the interpreter's own call gives, run after run."""
+    assert interpreter.InterpretedFunction.__call__ is conftest._device_call_patching_once
+    assert interpreter.GridExecutor.__call__ is conftest._grid_call_tracking
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        x = torch.from_numpy(rng.integers(-50, 50, (4, 16))).to(torch.int32)
+        fast = torch.empty_like(x)
+        _nested_calls[(1,)](x, fast, M=4, N=16)
+        assert conftest._patched_in_run is None
+        with monkeypatch.context() as patch:
+            patch.setattr(interpreter.InterpretedFunction, "__call__", conftest._device_call)
+            patch.setattr(interpreter.GridExecutor, "__call__", conftest._grid_call)
+            slow = torch.empty_like(x)
+            _nested_calls[(1,)](x, slow, M=4, N=16)
+        assert torch.equal(fast, slow)
+        assert torch.equal(fast, torch.sort(x.clamp(min=0), dim=1, descending=True).values)
