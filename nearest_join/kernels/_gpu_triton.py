@@ -1857,15 +1857,10 @@ def triton_working_frame(targets: torch.Tensor, metric: str, precision: str = "b
     return Frame(center, _pow2_below(extent), metric == "inner_product", center_norm)
 
 
-def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -> PreparedSide:
-    """``_gpu_torch.prepare_targets_side`` in three streaming passes (:func:`_prepare_kernel`):
-    the same working rows and operands in the same frame (bit for bit, given the frame), the
-    same norms up to the order of their float64 sums (each rounded up to float32 the same
-    way). Rows finite, at least one row and one column, metric not cosine."""
-    source = targets if targets.dtype in (torch.float32, torch.float64) else targets.to(torch.float32)
-    source = source.contiguous()
-    bufs = _prepare_buffers(source, precision)
-    frame = triton_working_frame(source, metric, precision, bufs)
+def _fill_side(source: torch.Tensor, metric: str, precision: str, frame, bufs) -> PreparedSide:
+    """The fill pass of :func:`_prepare_kernel` over ``source`` (float32 or float64,
+    contiguous) in ``frame`` (its centre set): the side ``_gpu_torch.prepare_side`` makes of
+    rows shifted by the centre and scaled (targets, and the queries of the l2 form)."""
     exact, operand, norm, op_norm, residual, bias, factor = bufs
     factor.fill_(frame.scale)
     _prepare_pass(PREP_FILL, (triton.cdiv(source.shape[0], PREP_ROWS),), source, frame.center,
@@ -1873,3 +1868,32 @@ def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -
                   precision)
     return PreparedSide(exact, operand, norm, op_norm, residual, bias, metric, precision,
                         source, factor, None, frame)
+
+
+def _float_source(rows: torch.Tensor) -> torch.Tensor:
+    source = rows if rows.dtype in (torch.float32, torch.float64) else rows.to(torch.float32)
+    return source.contiguous()
+
+
+def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -> PreparedSide:
+    """``_gpu_torch.prepare_targets_side`` in three streaming passes (:func:`_prepare_kernel`):
+    the same working rows and operands in the same frame (bit for bit, given the frame), the
+    same norms up to the order of their float64 sums (each rounded up to float32 the same
+    way). Rows finite, at least one row and one column, metric not cosine."""
+    source = _float_source(targets)
+    bufs = _prepare_buffers(source, precision)
+    frame = triton_working_frame(source, metric, precision, bufs)
+    return _fill_side(source, metric, precision, frame, bufs)
+
+
+def triton_prepare_queries(queries: torch.Tensor, targets: PreparedSide) -> PreparedSide:
+    """``_gpu_torch.prepare_queries`` by the fill pass alone, for the l2 form (l2,
+    sqeuclidean: queries shift and scale as the targets do) in a frame with a centre (a block
+    of :func:`triton_prepare_targets`): the torch form's working rows and operands bit for
+    bit, its norms up to the order of their float64 sums; one pass over the rows where the
+    torch form made float64 copies of each chunk and read them again per quantity. Rows
+    finite, at least one row and one column."""
+    assert l2_form(targets.metric) and targets.frame.center is not None
+    source = _float_source(queries)
+    return _fill_side(source, targets.metric, targets.precision, targets.frame,
+                      _prepare_buffers(source, targets.precision))

@@ -168,6 +168,20 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
     return PreparedTargets(side, TargetStats.of(side), ok, rows)
 
 
+def prepare_queries(queries, targets):
+    """Query rows (finite, a float tensor) in the frame, metric and precision of a prepared
+    target side (``_gpu_torch.PreparedSide``): on CUDA for the l2 form in a centred frame by
+    the preparation kernel's fill pass (``_gpu_triton.triton_prepare_queries``), else the torch
+    form (``_gpu_torch.prepare_queries``)."""
+    from . import _gpu_torch as gt
+
+    if (gt.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
+            and queries.device.type == "cuda" and queries.numel() and triton_refusal(queries.device) is None):
+        from ._gpu_triton import triton_prepare_queries
+        return triton_prepare_queries(queries, targets)
+    return gt.prepare_queries(queries, targets)
+
+
 @dataclass(frozen=True)
 class Implementation:
     """One way of computing the GPU backend's candidates, chosen like the backends
@@ -383,7 +397,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     q_run = queries if q_rows is None else queries[q_rows]
     if q_run.shape[0] == 0 or targets.side.rows == 0:
         return values, indices
-    side = gt.prepare_queries(q_run, targets.side)
+    side = prepare_queries(q_run, targets.side)
     far = None
     if gt.may_be_far(metric, frame, peak, side.dim):
         far = gt.far_rows(side)

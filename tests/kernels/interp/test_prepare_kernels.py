@@ -71,3 +71,22 @@ def test_the_kernels_prepare_the_torch_forms_side(metric, precision, dtype, n, d
         assert bool((same.bias == 0).all())
     else:
         torch.testing.assert_close(same.bias, ref.bias, rtol=2 ** -23, atol=0)
+
+
+@pytest.mark.parametrize("metric,precision,dtype,n,d",
+                         [case for case in CASES if case[0] != "inner_product"])
+def test_the_fill_pass_prepares_the_torch_forms_queries(metric, precision, dtype, n, d):
+    # Queries off the block (another offset): the targets' frame, not their own.
+    ts = tr.triton_prepare_targets(_rows(n, d, torch.float32, 1), metric, precision)
+    q = _rows(11, d, dtype, 2) + 3
+    ref = gt.prepare_queries(q, ts)
+    got = tr.triton_prepare_queries(q, ts)
+    assert got.frame is ts.frame and got.offset is None and torch.equal(got.source, q)
+    assert torch.equal(got.factor, ref.factor)
+    assert torch.equal(got.exact, ref.exact)
+    assert got.operand.dtype == ref.operand.dtype and torch.equal(got.operand.float(), ref.operand.float())
+    exact64, op64 = ref.exact.double(), ref.operand.double()
+    _check_norm(got.norm, ref.norm, torch.linalg.vector_norm(exact64, dim=1))
+    _check_norm(got.operand_norm, ref.operand_norm, torch.linalg.vector_norm(op64, dim=1))
+    _check_norm(got.residual, ref.residual, torch.linalg.vector_norm(op64 - exact64, dim=1))
+    torch.testing.assert_close(got.bias, ref.bias, rtol=2 ** -23, atol=0)
