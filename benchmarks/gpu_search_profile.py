@@ -44,8 +44,8 @@ from nearest_join.kernels import gpu  # noqa: E402
 
 # (module, function name): the stages timed apart. Functions the library imports at call time
 # (``from ._gpu_triton import ...`` inside ``search_prepared``) are patched on their module.
-STAGES = [(gpu, "prepare_targets"), (gt, "prepare_queries"), (gt, "lower_bias_table"),
-          (tr, "lower_bias_table"), (tr, "filter_threshold"), (tr, "sample_seed"),
+STAGES = [(gpu, "prepare_targets"), (gpu, "prepare_queries"), (gt, "prepare_queries"),
+          (gt, "lower_bias_table"), (tr, "lower_bias_table"), (tr, "filter_threshold"), (tr, "sample_seed"),
           (tr, "filter_candidates"), (tr, "filter_select"), (tr, "triton_candidates"),
           (gt, "torch_candidates"), (gt, "rerank"), (tr, "triton_exact_values"), (gt, "rank_exact"),
           (gt, "lower_key_bound"), (gt, "key_error_bound"), (gt, "drop_beyond_cap")]
@@ -137,8 +137,35 @@ def _sample(short, long):
     return apply
 
 
+def _torch_queries(patches):
+    """A patch: the queries prepared by the torch form (``_gpu_torch.prepare_queries``)."""
+    patches.append((gpu, "prepare_queries", lambda queries, targets: gt.prepare_queries(queries, targets)))
+
+
+def _narrow(divisor):
+    """A patch: the filter's first list of a sampled width (k >= 64) ``divisor`` times narrower."""
+    def apply(patches):
+        width = gpu.first_list_width
+
+        def narrower(k, precision, d):
+            w = width(k, precision, d)
+            return w // divisor if gpu.sampled_first_pass(k, precision, d) else w
+        patches.append((gpu, "first_list_width", narrower))
+    return apply
+
+
+def _both(*applies):
+    def apply(patches):
+        for a in applies:
+            a(patches)
+    return apply
+
+
 # name -> patch(list of (module, attribute, value) to set)
 VARIANTS = {
+    "torch_queries": _torch_queries,
+    "list256": _narrow(2),
+    "list256_j16": _both(_narrow(2), _sample((32, 5), (32, 16))),
     "stages4": _tiles(num_stages=4),
     "bd128": _tiles(block_d=128, num_stages=2),
     "sample_sparse": _sample((32, 5), (64, 10)),
