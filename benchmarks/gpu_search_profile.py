@@ -154,6 +154,49 @@ def _narrow(divisor):
     return apply
 
 
+def _select_f32(patches):
+    """A patch: the filter's selection by a radix ``topk`` over the float32 keys (half the
+    digit passes of the packed int64), the n_cand + 1 chosen then sorted by their packed
+    entries (key, then index). Exact: the entries left out have keys at least the largest
+    chosen, which is the cut."""
+    import math
+
+    library = tr.filter_select
+
+    def select(count, buf, threshold, n_cand):
+        rows, cap = buf.shape
+        width = min(cap, max(1, int(count.max())))
+        slots = torch.arange(width, device=buf.device)
+        live = slots[None, :] < count[:, None]
+        packed = torch.where(live, buf[:, :width], tr.EMPTY)
+        if width <= n_cand:
+            return library(count, buf, threshold, n_cand)
+        mono = (packed >> 32).to(torch.int32)
+        keys = (mono ^ ((mono >> 31) & 0x7FFFFFFF)).view(torch.float32)
+        chosen = torch.topk(keys, n_cand + 1, dim=1, largest=False, sorted=False).indices
+        top = torch.sort(torch.gather(packed, 1, chosen), dim=1).values
+        lists, cut = top[:, :n_cand], tr.unpack(top[:, n_cand])[0]
+        keys, idx = tr.unpack(lists)
+        above = torch.nextafter(threshold, torch.full_like(threshold, math.inf))
+        floor = torch.where(count > cap, -math.inf, torch.minimum(above, cut))
+        return keys, idx, floor
+    patches.append((tr, "filter_select", select))
+
+
+def _rank_packed(patches):
+    """A patch: the ranking's order by one sort of packed (value's order bits, index) int64
+    instead of an index sort and a stable value sort."""
+    import math
+
+    def best_order(values, idx, k, descending):
+        key = torch.where(idx >= 0, -values if descending else values, math.inf)
+        bits = key.view(torch.int32)
+        mono = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(torch.int64)
+        packed = (mono << 32) | torch.where(idx >= 0, idx, 0x7FFFFFFF)
+        return torch.sort(packed, dim=1).indices[:, : min(k, idx.shape[1])]
+    patches.append((gt, "best_order", best_order))
+
+
 def _both(*applies):
     def apply(patches):
         for a in applies:
@@ -166,6 +209,9 @@ VARIANTS = {
     "torch_queries": _torch_queries,
     "list256": _narrow(2),
     "list256_j16": _both(_narrow(2), _sample((32, 5), (32, 16))),
+    "select_f32": _select_f32,
+    "rank_packed": _rank_packed,
+    "both_sorts": _both(_select_f32, _rank_packed),
     "stages4": _tiles(num_stages=4),
     "bd128": _tiles(block_d=128, num_stages=2),
     "sample_sparse": _sample((32, 5), (64, 10)),
