@@ -61,7 +61,7 @@ def frames(spark, data):
                               "qid int, v array<float>")
     t = spark.createDataFrame([(j, None if j == NULL_TARGET else targets[j].tolist()) for j in range(NT)],
                               "tid int, w array<float>")
-    return q.repartition(3), t.repartition(2)
+    return q.repartition(3).cache(), t.repartition(2).cache()
 
 
 def _planned(q, t, metric, index, **options):

@@ -83,9 +83,9 @@ def data():
 def frames(spark, data):
     queries, q_keys, targets, t_keys = data
     q = spark.createDataFrame([(i, q_keys[i], queries[i].tolist()) for i in range(len(q_keys))],
-                              "qid int, k string, v array<float>").repartition(2)
+                              "qid int, k string, v array<float>").repartition(2).cache()
     t = spark.createDataFrame([(j, t_keys[j], targets[j].tolist()) for j in range(len(t_keys))],
-                              "tid int, k string, w array<float>").repartition(3)
+                              "tid int, k string, w array<float>").repartition(3).cache()
     return q, t
 
 

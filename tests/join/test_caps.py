@@ -41,7 +41,7 @@ def frames(spark, data):
     queries, targets = data
     q = spark.createDataFrame([(i, r.tolist()) for i, r in enumerate(queries)], "qid int, qv array<float>")
     t = spark.createDataFrame([(j, r.tolist()) for j, r in enumerate(targets)], "tid int, tv array<float>")
-    return q.repartition(3), t.repartition(3)
+    return q.repartition(3).cache(), t.repartition(3).cache()
 
 
 def clean_cap(values: np.ndarray, quantile: float, descending: bool) -> float:

@@ -41,9 +41,9 @@ K = 7
 def _frames(spark, case):
     element = "double" if case.queries.dtype == np.float64 else "float"
     q = spark.createDataFrame([(i, row.tolist()) for i, row in enumerate(case.queries)],
-                              f"qid int, qv array<{element}>").repartition(3)
+                              f"qid int, qv array<{element}>").repartition(3).cache()
     t = spark.createDataFrame([(j, row.tolist()) for j, row in enumerate(case.targets)],
-                              f"tid int, tv array<{element}>").repartition(3)
+                              f"tid int, tv array<{element}>").repartition(3).cache()
     return q, t
 
 

@@ -266,7 +266,7 @@ def frames(spark, skewed_block):
                               "qid int, k string, qv array<float>")
     t = spark.createDataFrame([(j, _key(g), targets[j].tolist()) for j, g in enumerate(t_groups)],
                               "tid int, k string, tv array<float>")
-    return q.repartition(3), t.repartition(2)
+    return q.repartition(3).cache(), t.repartition(2).cache()
 
 
 def _key(g):

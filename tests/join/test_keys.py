@@ -67,7 +67,7 @@ def frames(spark, data):
                               "qid int, k string, qv array<float>")
     t = spark.createDataFrame([(j, t_keys[j], r.tolist()) for j, r in enumerate(targets)],
                               "tid int, k string, tv array<float>")
-    return q.repartition(3), t.repartition(2)
+    return q.repartition(3).cache(), t.repartition(2).cache()
 
 
 def _equal(a, b) -> bool:
@@ -140,7 +140,7 @@ def _typed_frames(spark, data, q_type, t_type, convert):
                               f"qid int, qk {q_type}, qv array<float>")
     t = spark.createDataFrame([(j, convert(t_keys[j]), r.tolist()) for j, r in enumerate(targets)],
                               f"tid int, tk {t_type}, tv array<float>")
-    return q.repartition(2), t
+    return q.repartition(2).cache(), t
 
 
 CODES = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}
