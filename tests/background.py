@@ -46,17 +46,18 @@ REPO = Path(__file__).resolve().parents[1]
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
-ORDER = ("join-oracles", "approx", "jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+ORDER = ("join-oracles", "approx-and-jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
 # Suites running at once (beside the main run): on 2 cores the main run and one suite leave a
 # core partly idle (job start-ups, py4j round trips), a second suite fills it.
 WORKERS = 2
 # lane name -> the files and folders (relative to the repository) whose tests it runs. The main
 # run is the longest lane: its Spark tests wait on job start-ups and py4j round trips and keep
-# about one core busy, so a second session takes some of them.
+# about one core busy, so a second session takes some of them. Every lane pays a pytest start,
+# a JVM and its warm-up: on 2 cores, fewer and longer lanes cost less CPU than more and shorter.
 LANES = {
-    "jobs": ("tests/jobs",),
     "join-oracles": ("tests/join/test_exactness.py", "tests/join/test_caps.py", "tests/join/test_keys.py"),
-    "approx": ("tests/join/test_approx.py", "tests/join/test_approx_keys.py", "tests/join/test_approx_blocked.py"),
+    "approx-and-jobs": ("tests/join/test_approx.py", "tests/join/test_approx_keys.py",
+                        "tests/join/test_approx_blocked.py", "tests/jobs"),
 }
 
 

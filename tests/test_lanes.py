@@ -12,19 +12,13 @@ import pytest
 from tests import background
 
 
-@pytest.mark.background("jobs")
-def test_tests_under_jobs_pass_in_their_lane():
-    suite = background.lane_result("jobs")
-    assert suite.junit()["tests"] > 0
-
-
 @pytest.mark.background("join-oracles")
 def test_join_oracle_tests_pass_in_their_lane():
     suite = background.lane_result("join-oracles")
     assert suite.junit()["tests"] > 0
 
 
-@pytest.mark.background("approx")
-def test_approx_plan_tests_pass_in_their_lane():
-    suite = background.lane_result("approx")
+@pytest.mark.background("approx-and-jobs")
+def test_approx_plan_and_job_tests_pass_in_their_lane():
+    suite = background.lane_result("approx-and-jobs")
     assert suite.junit()["tests"] > 0
