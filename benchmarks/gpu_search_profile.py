@@ -87,13 +87,16 @@ def install(clock: StageClock):
     select = tr.filter_select
 
     def count_hits(count, buf, n_cand):
-        c = count.double()
+        # count (rows, slices): a row's hits are its slices' together; it overflows where a slice does
+        slots = buf.shape[1] // count.shape[1]
+        c = count.sum(dim=1).double()
         q = torch.quantile(c[: min(c.numel(), 1 << 16)], torch.tensor([0.01, 0.5, 0.99], device=c.device,
                                                                       dtype=torch.float64))
         clock.counts["hits"].append(dict(mean=round(float(c.mean()), 1), p01=float(q[0]), p50=float(q[1]),
                                          p99=float(q[2]), max=int(c.max()), cap=buf.shape[1],
-                                         overflow=int((count > buf.shape[1]).sum()),
-                                         below_list=int((count < n_cand).sum())))
+                                         slice_max=int(count.max()), slots=slots,
+                                         overflow=int((count > slots).any(dim=1).sum()),
+                                         below_list=int((c < n_cand).sum())))
     count_hits = clock.wrap("(counting)", count_hits)
 
     def counted_select(count, buf, threshold, n_cand):

@@ -1087,10 +1087,10 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
         thr = torch.empty(1, dtype=torch.float32, device=device)
         count = torch.empty(1, dtype=torch.int32, device=device)
         buf = torch.empty(1, dtype=torch.int64, device=device)
+        splits = filter_splits(m, nt, FILTER_TILES, limits.sms)
         grid, args, kwargs = filter_arguments(
             q_op, t_op, bias, level if lower else bias, thr, count, buf, m, nt, d, key_alpha(metric),
-            16 if lower else 0, filter_cap(n_cand), filter_splits(m, nt, FILTER_TILES, limits.sms),
-            lower=lower, upcast=False)
+            16 if lower else 0, filter_slots(filter_cap(n_cand), splits), splits, lower=lower, upcast=False)
         _loads(_filter_kernel, grid, args, kwargs, device)
 
     if filtered:
@@ -1289,35 +1289,76 @@ def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, confi
 
 
 # ------------------------------------------------------------- threshold-filter first pass
+# Slices of a row's buffer per program of the filter pass: one per lane of the quad that holds
+# the row in the accumulator's layout (wgmma: each row of a warp's 16 lies in the four lanes
+# of one quad, two columns of every eight each), so each slice has one writer.
+FILTER_LANES = 4
+_FILTER_LANES = tl.constexpr(FILTER_LANES)
+
+
 def _append_ptx(pack: int) -> str:
     """PTX for the appends of ``pack`` keys of one thread (one ``inline_asm_elementwise``
     invocation of :func:`_filter_kernel`). A miss costs a compare (the pack's compares or-ed
     into one predicate) and one branch per pack: nearly every key misses, and a warp whose
-    lanes all miss skips the rest. On a hit: take a slot from the row's counter (the atomic's
-    old value) and, if the row has room, store the entry (the key's order-preserving bits
-    above the index, :func:`_pack`'s format). Operands, each ``pack`` long in turn: out (1 on
-    a hit, unused), key, threshold, counter address, the row's buffer address, target index,
-    CAP. The labels and registers of a PTX {} block are its own, so it can be inlined once per
+    lanes all miss skips the rest. On a hit: the slot is the thread's own counter for the
+    key's row (``%fk_c0`` / ``%fk_c1``: registers of the whole kernel, :func:`_filter_init_ptx`,
+    one per row of the thread, told apart by ``sel``), which counts on past the slice's
+    ``slots``; if the slice has room, the entry (the key's order-preserving bits above the
+    index, :func:`_pack`'s format) goes to position ``slot * slices + lane`` of the row's
+    buffer from ``row`` (the row's slice base of this split). No atomic: nothing waits for a
+    slot from memory, and the store is not waited for. Operands, each ``pack`` long in turn:
+    out (1 on a hit, unused), key, threshold, row, target index, sel, slots, slices. The
+    labels and registers of a PTX {} block are its own, so it can be inlined once per
     invocation."""
     def op(arg, e):
         return f"${(1 + arg) * pack + e}"
-    lines = ["{", ".reg .pred %any, %hit, %room;", ".reg .b32 %slot, %bits, %sign;",
+    lines = ["{", ".reg .pred %any, %hit, %room, %hi;", ".reg .b32 %slot, %next, %lane, %pos, %bits, %sign;",
              ".reg .b64 %addr, %entry;"]
     lines += [f"mov.b32 ${e}, 0;" for e in range(pack)]
     lines.append(f"setp.le.f32 %any, {op(0, 0)}, {op(1, 0)};")
     lines += [f"setp.le.or.f32 %any, {op(0, e)}, {op(1, e)}, %any;" for e in range(1, pack)]
     lines.append("@!%any bra done;")
     for e in range(pack):
-        key, thr, counter, row, index, cap = (op(arg, e) for arg in range(6))
-        lines += [f"setp.le.f32 %hit, {key}, {thr};", f"@!%hit bra next{e};",
-                  f"atom.global.add.u32 %slot, [{counter}], 1;", f"mov.b32 ${e}, 1;",
-                  f"setp.lt.u32 %room, %slot, {cap};", f"@!%room bra next{e};",
+        key, thr, row, index, sel, slots, slices = (op(arg, e) for arg in range(7))
+        lines += [f"setp.le.f32 %hit, {key}, {thr};", f"@!%hit bra next{e};", f"mov.b32 ${e}, 1;",
+                  f"setp.ne.u32 %hi, {sel}, 0;", "selp.b32 %slot, %fk_c1, %fk_c0, %hi;",
+                  "add.u32 %next, %slot, 1;", "selp.b32 %fk_c1, %next, %fk_c1, %hi;",
+                  "selp.b32 %fk_c0, %fk_c0, %next, %hi;",
+                  f"setp.lt.u32 %room, %slot, {slots};", f"@!%room bra next{e};",
+                  "mov.u32 %lane, %laneid;", f"and.b32 %lane, %lane, {FILTER_LANES - 1};",
+                  f"mad.lo.u32 %pos, %slot, {slices}, %lane;",
                   f"mov.b32 %bits, {key};", "shr.s32 %sign, %bits, 31;",
                   "and.b32 %sign, %sign, 0x7FFFFFFF;", "xor.b32 %bits, %bits, %sign;",
-                  f"mov.b64 %entry, {{{index}, %bits}};", "mul.wide.u32 %addr, %slot, 8;",
+                  f"mov.b64 %entry, {{{index}, %bits}};", "mul.wide.u32 %addr, %pos, 8;",
                   f"add.s64 %addr, %addr, {row};", "st.global.b64 [%addr], %entry;",
                   f"next{e}:"]
     lines += ["done:", "}"]
+    return "\n".join(lines)
+
+
+def _filter_init_ptx() -> str:
+    """PTX declaring the thread's two counters (kernel scope: no {} block) and zeroing them;
+    inlined once, before the tile loop. Operands: out, one input (both unused)."""
+    return "\n".join([".reg .b32 %fk_c0, %fk_c1;", "mov.b32 %fk_c0, 0;", "mov.b32 %fk_c1, 0;",
+                      "mov.b32 $0, 0;"])
+
+
+def _flush_ptx(pack: int) -> str:
+    """PTX storing the thread's counters after the tile loop: for each of the ``pack`` keys
+    in the first eight columns (``col``, the column in the tile) of a row below ``nq``
+    (``live``), the row's counter (``sel``) to ``count + lane`` (``count``: the row's counters
+    of this split). Operands, each ``pack`` long: out (unused), count, col, sel, live."""
+    def op(arg, e):
+        return f"${(1 + arg) * pack + e}"
+    lines = ["{", ".reg .pred %p, %hi;", ".reg .b32 %lane, %value;", ".reg .b64 %addr;",
+             "mov.u32 %lane, %laneid;", f"and.b32 %lane, %lane, {FILTER_LANES - 1};"]
+    for e in range(pack):
+        count, col, sel, live = (op(arg, e) for arg in range(4))
+        lines += [f"mov.b32 ${e}, 0;", f"setp.lt.u32 %p, {col}, 8;", f"setp.ne.and.u32 %p, {live}, 0, %p;",
+                  f"@!%p bra skip{e};", f"setp.ne.u32 %hi, {sel}, 0;", "selp.b32 %value, %fk_c1, %fk_c0, %hi;",
+                  "mul.wide.u32 %addr, %lane, 4;", f"add.s64 %addr, %addr, {count};",
+                  "st.global.b32 [%addr], %value;", f"skip{e}:"]
+    lines.append("}")
     return "\n".join(lines)
 
 
@@ -1325,16 +1366,19 @@ def _append_ptx(pack: int) -> str:
 FILTER_PACK = 4
 _FILTER_PACK = tl.constexpr(FILTER_PACK)
 _APPEND_PTX = tl.constexpr(_append_ptx(FILTER_PACK))
-_APPEND_CONSTRAINTS = tl.constexpr("=r," * FILTER_PACK + ("f," * FILTER_PACK) * 2
-                                   + ("l," * FILTER_PACK) * 2 + ",".join(["r"] * (2 * FILTER_PACK)))
+_APPEND_CONSTRAINTS = tl.constexpr("=r," * FILTER_PACK + ("f," * FILTER_PACK) * 2 + ("l," * FILTER_PACK)
+                                   + ",".join(["r"] * (4 * FILTER_PACK)))
+_INIT_PTX = tl.constexpr(_filter_init_ptx())
+_FLUSH_PTX = tl.constexpr(_flush_ptx(FILTER_PACK))
+_FLUSH_CONSTRAINTS = tl.constexpr("=r," * FILTER_PACK + ("l," * FILTER_PACK) + ",".join(["r"] * (3 * FILTER_PACK)))
 
 
-@triton.jit(do_not_specialize=["nq", "nt"])
+@triton.jit(do_not_specialize=["nq", "nt", "row_slots", "slots"])
 def _filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_ptr, nq, nt, d, alpha,
-                   stride_level, CAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, APPEND_PTX: tl.constexpr, LEVELS: tl.constexpr,
-                   DOT_UPCAST: tl.constexpr):
-    """Append every key ``<= thr[row]`` of the block to the row's slice of ``buf`` (CAP slots).
+                   stride_level, row_slots, slots, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, APPEND_PTX: tl.constexpr,
+                   LEVELS: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """Append every key ``<= thr[row]`` of the block to the row's buffer (``row_slots`` slots).
 
     One program per query tile and target split; split ``s`` of ``S`` scans target tiles
     s, s + S, ... (as the strided segments). d in BLOCK_D chunks, one flat (tile, chunk) loop
@@ -1344,23 +1388,31 @@ def _filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_
     tile's last chunk one FMA per key, ``bias - alpha * dot`` as every candidate kernel
     computes it (``LEVELS``: the program's row of the lower-key bias table, as
     ``_rowlist_kernel``), and one compare. Nothing per row lives in registers but the
-    threshold: no list, no reduction per tile. The hits (about step x j of a row's nt keys
-    for :func:`filter_sample`'s thresholds) take a slot from the row's counter in global
-    memory (an atomic add: its old value is the slot) and store one 8-byte packed entry
-    (:func:`_pack`'s format) where the slot is below CAP; the counter keeps counting past
-    CAP, so the host sees an overflow. Memory traffic beyond the operands: the hits'
-    atomics and entries, nothing per tile.
+    threshold and a counter: no list, no reduction per tile.
+
+    A row's buffer is ``S x FILTER_LANES`` interleaved slices (position ``p * slices +
+    slice``, ``slots`` positions each): the slice of split ``s`` and lane ``l`` of the quad
+    holding the row is ``s * FILTER_LANES + l``. A hit takes the next position of its slice
+    and stores one 8-byte packed entry (:func:`_pack`'s format) where the slice has room; the
+    slice's counter counts on past ``slots``, so the host sees an overflow. The counters go
+    to ``count[row, slice]`` at the end. Memory traffic beyond the operands: the hits'
+    entries and the counters, nothing per tile.
 
     ``APPEND_PTX`` (CUDA): the appends are the inline PTX of :func:`_append_ptx`, in the
-    accumulator's own layout, one branch per FILTER_PACK keys: ``tl.atomic_add`` and
-    ``tl.store`` on the tile make Triton convert the tile to a blocked layout through shared
-    memory, and the 128 x 256 tile then spills. Else (the interpreter) those two on the tile.
+    accumulator's own layout, one branch per FILTER_PACK keys, each thread's counters in two
+    registers of its own (one writer per slice, so no atomic and no wait for a slot; the
+    layout must give each row to one quad: BLOCK_M = 16 x num_warps, which
+    ``filter_arguments`` checks): ``tl.atomic_add`` and ``tl.store`` on the tile make Triton
+    convert the tile to a blocked layout through shared memory, and the 128 x 256 tile then
+    spills. Else (the interpreter) the slice is the lane the layout would give the column
+    (``(col % 8) // 2``), its counter an atomic in ``count``.
     """
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     if LEVELS:  # rows 16-aligned (stride_level % 16 == 0): the bias loads stay vectorised
         bias_ptr += tl.load(level_ptr + pid_m).to(tl.int64) * stride_level
     n_splits = tl.num_programs(1)
+    slices = n_splits * _FILTER_LANES
     m0 = pid_m * BLOCK_M
     n_tiles = tl.cdiv(tl.cdiv(nt, BLOCK_N) - pid_s, n_splits)
     n_chunks = (d + BLOCK_D - 1) // BLOCK_D
@@ -1368,6 +1420,12 @@ def _filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_
     rows = m0 + tl.arange(0, BLOCK_M)
     # Rows past the end never hit (no key is <= -inf: past the block's end the bias is +inf).
     thr = tl.load(thr_ptr + rows, mask=rows < nq, other=float("-inf"))
+    row_base = buf_ptr + rows.to(tl.int64) * row_slots + pid_s * _FILTER_LANES
+    count_base = count_ptr + rows.to(tl.int64) * slices + pid_s * _FILTER_LANES
+    sel = ((rows % 16) >= 8).to(tl.int32)
+    if APPEND_PTX:
+        tl.inline_asm_elementwise(_INIT_PTX, "=r,r", [tl.zeros([1], tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for it in range(0, n_tiles * n_chunks):
         tile = it // n_chunks
@@ -1384,19 +1442,23 @@ def _filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_
             bias = tl.load(bias_ptr + cols, mask=cols < nt, other=float("inf"))
             keys = tl.fma(acc, -alpha, bias[None, :])
             if APPEND_PTX:
-                args = [keys, thr[:, None], (count_ptr + rows).to(tl.int64)[:, None],
-                        (buf_ptr + rows.to(tl.int64) * CAP).to(tl.int64)[:, None], cols[None, :],
-                        tl.full([BLOCK_M, BLOCK_N], CAP, tl.int32)]
+                args = [keys, thr[:, None], row_base.to(tl.int64)[:, None], cols[None, :], sel[:, None],
+                        tl.full([BLOCK_M, BLOCK_N], slots, tl.int32),
+                        tl.full([BLOCK_M, BLOCK_N], slices, tl.int32)]
                 tl.inline_asm_elementwise(_APPEND_PTX, _APPEND_CONSTRAINTS, args, dtype=tl.int32,
                                           is_pure=False, pack=_FILTER_PACK)
             else:
                 hit = keys <= thr[:, None]
-                counters = count_ptr + rows[:, None] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-                slot = tl.atomic_add(counters, 1, mask=hit, sem="relaxed")
+                lane = (cols[None, :] % 8) // 2 + tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+                slot = tl.atomic_add(count_base[:, None] + lane, 1, mask=hit, sem="relaxed")
                 entry = _pack(keys, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32))
-                tl.store(buf_ptr + rows.to(tl.int64)[:, None] * CAP + slot, entry,
-                         mask=hit & (slot < CAP))
+                tl.store(row_base[:, None] + slot * slices + lane, entry, mask=hit & (slot < slots))
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if APPEND_PTX:   # the counters, from the accumulator's layout (the threads that hold them)
+        args = [count_base.to(tl.int64)[:, None] + tl.zeros([BLOCK_M, BLOCK_N], tl.int64),
+                offs_n[None, :] + acc.to(tl.int32), sel[:, None], (rows < nq).to(tl.int32)[:, None]]
+        tl.inline_asm_elementwise(_FLUSH_PTX, _FLUSH_CONSTRAINTS, args, dtype=tl.int32,
+                                  is_pure=False, pack=_FILTER_PACK)
 
 
 @dataclass(frozen=True)
@@ -1439,6 +1501,18 @@ def filter_cap(n_cand: int) -> int:
     return 1 << math.ceil(math.log2(1.25 * step * j + 6 * step * math.sqrt(j) + 64))
 
 
+# Least positions of a buffer slice (many splits: few query rows, a small buffer).
+FILTER_MIN_SLOTS = 8
+
+
+def filter_slots(cap: int, splits: int) -> int:
+    """Positions per slice of a row's filter buffer (``splits x FILTER_LANES`` slices,
+    ``_filter_kernel``): an equal share of ``cap``, at least ``FILTER_MIN_SLOTS``. A slice's
+    hits are about its share of the row's, whose spread ``cap`` already covers; a row with
+    a slice past it overflows (its floor is -inf and the widening rounds search it)."""
+    return max(FILTER_MIN_SLOTS, cap // (splits * FILTER_LANES))
+
+
 # The filter's sample must fill the segmented lists of its pass (n_cand up to 32 over at least
 # 2 x SEGMENT_MIN_TILES tiles of every segment), else its pass would compile another kernel.
 FILTER_MIN_SAMPLE = 4 * SEGMENT_MIN_TILES * BLOCK_N
@@ -1460,14 +1534,19 @@ def filter_splits(m: int, nt: int, tiles: FilterTiles, sms: int) -> int:
 
 
 def filter_arguments(q_chunk, t_op, bias, level, thr, count, buf, rows: int, nt: int, d: int, alpha: float,
-                     stride_level: int, cap: int, splits: int, *, lower: bool, upcast: bool,
+                     stride_level: int, slots: int, splits: int, *, lower: bool, upcast: bool,
                      tiles: FilterTiles = FILTER_TILES):
-    """(grid, args, kwargs) of one ``_filter_kernel`` launch over ``rows`` query rows."""
+    """(grid, args, kwargs) of one ``_filter_kernel`` launch over ``rows`` query rows, ``slots``
+    positions per buffer slice (``buf`` rows of ``splits x FILTER_LANES x slots``)."""
+    if not upcast and tiles.block_m != 16 * tiles.num_warps:
+        # the PTX appends keep one counter per row of a thread: one 16-row band per warp
+        raise ValueError(f"filter tiles: BLOCK_M {tiles.block_m} must be 16 x num_warps ({tiles.num_warps})")
     q_desc = TensorDescriptor.from_tensor(q_chunk, [tiles.block_m, tiles.block_d])
     t_desc = TensorDescriptor.from_tensor(t_op, [tiles.block_n, tiles.block_d])
     grid = (math.ceil(rows / tiles.block_m), splits)
-    args = (q_desc, t_desc, bias, level, thr, count, buf, rows, nt, d, alpha, stride_level)
-    kwargs = dict(CAP=cap, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+    row_slots = splits * FILTER_LANES * slots
+    args = (q_desc, t_desc, bias, level, thr, count, buf, rows, nt, d, alpha, stride_level, row_slots, slots)
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
                   APPEND_PTX=not upcast, LEVELS=lower, DOT_UPCAST=upcast,
                   num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return grid, args, kwargs
@@ -1504,16 +1583,20 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(keys, indices, floor) of a filter pass's rows from their counters and buffers.
 
-    A row whose hits fit its list: all of them, floor just above its threshold (every key
-    not appended exceeds it). More hits than ``n_cand``: the n_cand best (packed order: key,
-    then the lower index), floor the lesser of that and the first key cut off. More hits than
-    the buffer's slots (overflow): the n_cand best of those stored, floor -inf (not proven:
-    ``_gpu_torch.exact_topk`` widens it). One host sync (the largest count: only that many
-    slots are read)."""
-    rows, cap = buf.shape
-    width = min(cap, max(1, int(count.max())))
-    slots = torch.arange(width, device=buf.device)
-    part = torch.where(slots[None, :] < count[:, None], buf[:, :width], EMPTY)
+    ``count`` (rows, slices): the hits of each slice of a row's buffer, whose position ``p``
+    of slice ``i`` is ``buf[row, p * slices + i]`` (``_filter_kernel``). A row whose hits fit
+    its list: all of them, floor just above its threshold (every key not appended exceeds
+    it). More hits than ``n_cand``: the n_cand best (packed order: key, then the lower
+    index), floor the lesser of that and the first key cut off. A slice with more hits than
+    its positions (overflow): the n_cand best of those stored, floor -inf (not proven:
+    ``_gpu_torch.exact_topk`` widens it). One host sync (the largest count: only the
+    positions below it are read)."""
+    rows, slices = count.shape
+    slots = buf.shape[1] // slices
+    deep = min(slots, max(1, int(count.max())))
+    width = deep * slices
+    live = torch.arange(deep, device=buf.device)[None, :, None] < count[:, None, :]
+    part = torch.where(live, buf.view(rows, slots, slices)[:, :deep], EMPTY).view(rows, width)
     if width > n_cand:
         top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
         lists, cut = top[:, :n_cand], unpack(top[:, n_cand])[0]
@@ -1525,14 +1608,14 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
         cut = torch.full((rows,), math.inf, dtype=torch.float32, device=buf.device)
     keys, idx = unpack(lists)
     above = torch.nextafter(threshold, torch.full_like(threshold, math.inf))
-    floor = torch.where(count > cap, -math.inf, torch.minimum(above, cut))
+    floor = torch.where((count > slots).any(dim=1), -math.inf, torch.minimum(above, cut))
     return keys, idx, floor
 
 
 def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int, threshold: torch.Tensor,
                       *, lower: bool = False, levels: int | None = None, buffer_bytes: int = 1 << 30,
                       tiles: FilterTiles = FILTER_TILES, cap: int | None = None, splits: int | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first candidate pass by threshold filter: :func:`triton_candidates`'s contract.
 
     Returns keys float32 (m, n_cand) ascending (+inf empty), indices int64 (-1 empty) and
@@ -1541,9 +1624,10 @@ def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     never accepts). The keys are the candidate kernels' keys of the same operands
     (``lower``: lower keys from :func:`_gpu_torch.lower_bias_table` at ``levels``, default
     ``lower_levels(n_cand)``). ``threshold`` float32 (m,), usually :func:`filter_threshold`;
-    any value is exact. ``cap``: buffer slots per row (default :func:`filter_cap`); rows run in
-    chunks whose m x cap int64 buffer fits ``buffer_bytes``; each chunk is one pass over the
-    block. ``tiles`` and ``splits`` are for tests with tiny blocks. CUDA needs compute
+    any value is exact. ``cap``: buffer slots per row (default :func:`filter_cap`), in slices of
+    ``slots`` positions (default :func:`filter_slots`); rows run in chunks whose int64 buffer
+    fits ``buffer_bytes``; each chunk is one pass over the block. ``tiles``, ``splits`` and
+    ``slots`` are for tests with tiny blocks. CUDA needs compute
     capability 9.x (TMA, the inline PTX); the interpreter runs the atomic form.
     :class:`LaunchRefused` when the compiled kernel does not load.
     """
@@ -1564,6 +1648,9 @@ def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     threshold = torch.nan_to_num(threshold.to(torch.float32), nan=-math.inf).contiguous()
     rows_per_launch = max(tiles.block_m, buffer_bytes // (8 * cap) // tiles.block_m * tiles.block_m)
     n_splits = splits or filter_splits(min(m, rows_per_launch), nt, tiles, device_limits(device).sms)
+    slots = slots or filter_slots(cap, n_splits)
+    slices = n_splits * FILTER_LANES
+    rows_per_launch = max(tiles.block_m, buffer_bytes // (8 * slices * slots) // tiles.block_m * tiles.block_m)
     for r0 in range(0, m, rows_per_launch):
         r1 = min(m, r0 + rows_per_launch)
         rows = r1 - r0
@@ -1571,11 +1658,11 @@ def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             bias, level, stride_level = table, level_all[r0 // tiles.block_m:], table.stride(0)
         else:
             bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
-        count = torch.zeros(rows, dtype=torch.int32, device=device)
-        buf = _kernel_buffer((rows, cap), torch.int64, device)
+        count = torch.zeros((rows, slices), dtype=torch.int32, device=device)
+        buf = _kernel_buffer((rows, slices * slots), torch.int64, device)
         grid, args, kwargs = filter_arguments(
             queries.operand[r0:r1], targets.operand, bias, level, threshold[r0:r1], count, buf, rows, nt, d,
-            alpha, stride_level, cap, n_splits, lower=lower, upcast=upcast, tiles=tiles)
+            alpha, stride_level, slots, n_splits, lower=lower, upcast=upcast, tiles=tiles)
         if r0 == 0:
             _AHEAD.wait()
             refusal = _loads(_filter_kernel, grid, args, kwargs, device)

@@ -154,6 +154,45 @@ def test_the_most_demanding_configurations_compile_within_the_limits(entry, name
     _check_compiled(entry, name)
 
 
+def _filter_launch(lower: bool):
+    """(args, kwargs) of the filter pass's launch at k = 100, d = 384 (two splits)."""
+    rows, nt, d, splits = 256, 4096, 384, 2
+    slots = tr.filter_slots(tr.filter_cap(512), splits)
+    q = torch.zeros((rows, d), dtype=torch.bfloat16)
+    t = torch.zeros((nt, d), dtype=torch.bfloat16)
+    bias = torch.zeros(nt)
+    level = torch.zeros(8, dtype=torch.int32)
+    thr = torch.zeros(rows)
+    count = torch.zeros((rows, splits * tr.FILTER_LANES), dtype=torch.int32)
+    buf = torch.zeros((rows, splits * tr.FILTER_LANES * slots), dtype=torch.int64)
+    _, args, kwargs = tr.filter_arguments(q, t, bias, level, thr, count, buf, rows, nt, d, 2.0, 0, slots,
+                                          splits, lower=lower, upcast=False)
+    return args, kwargs
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+def test_the_filter_appends_run_in_a_layout_that_gives_each_row_to_one_quad():
+    # The PTX appends count a row's hits in registers of the thread that holds them, one slice
+    # of the row's buffer per lane of its quad (laneid & 3), two rows a thread told apart by
+    # row % 16: right only if the appends, and the store of the counters after the loop, run in
+    # the wgmma accumulator's layout with one warp per 16 rows (each row in the four lanes of
+    # one quad). A Triton that chose otherwise would lose hits: this fails first.
+    import re
+
+    from tests.kernels._compile_target import ttgir
+
+    text = ttgir(tr._filter_kernel, *_filter_launch(False), 90)
+    mma = re.search(r"#mma = #ttg.nvidia_mma<\{versionMajor = 3, versionMinor = 0, warpsPerCTA = \[(\d+), (\d+)\], "
+                    r"instrShape = \[(\d+),", text)
+    assert mma and mma.groups() == (str(tr.FILTER_TILES.num_warps), "1", "16"), mma and mma.group(0)
+    ops = [line for line in text.splitlines() if "tt.elementwise_inline_asm" in line]
+    tiles = [line for line in ops if "%fk_c0, %fk_c1;" not in line]   # all but the counters' declaration
+    assert len(ops) == 3 and len(tiles) == 2, len(ops)
+    for line in tiles:
+        assert line.rstrip().split("->")[-1].strip().startswith(
+            f"tensor<{tr.FILTER_TILES.block_m}x{tr.FILTER_TILES.block_n}xi32, #mma>"), line[-200:]
+
+
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 @pytest.mark.parametrize("lower", [False, True], ids=["plain", "lower-keys"])
 def test_the_threshold_filter_compiles_within_the_sm90_limit(lower):
@@ -163,16 +202,7 @@ def test_the_threshold_filter_compiles_within_the_sm90_limit(lower):
     from tests.kernels._compile_target import shared_bytes
 
     limits, arch = TARGETS["sm_90"]
-    rows, nt, d, cap = 256, 4096, 384, tr.filter_cap(512)
-    q = torch.zeros((rows, d), dtype=torch.bfloat16)
-    t = torch.zeros((nt, d), dtype=torch.bfloat16)
-    bias = torch.zeros(nt)
-    level = torch.zeros(8, dtype=torch.int32)
-    thr = torch.zeros(rows)
-    count = torch.zeros(rows, dtype=torch.int32)
-    buf = torch.zeros((rows, cap), dtype=torch.int64)
-    _, args, kwargs = tr.filter_arguments(q, t, bias, level, thr, count, buf, rows, nt, d, 2.0, 0, cap, 2,
-                                          lower=lower, upcast=False)
+    args, kwargs = _filter_launch(lower)
     shared = shared_bytes(tr._filter_kernel, args, kwargs, arch)
     tiles = tr.FILTER_TILES
     stages = (tiles.block_m + tiles.block_n) * tiles.block_d * 2 * tiles.num_stages

@@ -3,8 +3,8 @@ interpreter with tiny tiles (16 x 32 x 16): the host selection's floor, cut and 
 hand-made buffers; the kernel's appends (its interpreter form: ``tl.atomic_add`` and
 ``tl.store``; the inline PTX runs on the device, tests/kernels/test_gpu_exactness.py) against
 float64 keys of the same operands; its lower keys against the register-list kernel's; and
-exact_topk through it, a row that overflows its buffer included, against the float64 oracle.
-The buffer starts as garbage: only the slots below a row's counter may be read.
+exact_topk through it, a row that overflows a slice of its buffer included, against the float64 oracle.
+The buffer starts as garbage: only the positions below a slice's counter may be read.
 """
 from __future__ import annotations
 
@@ -35,16 +35,26 @@ def test_the_sample_and_the_buffer_follow_their_rules():
         step, j = tr.filter_sample(n)
         assert tr.filter_cap(n) >= 1.25 * step * j + 6 * step * math.sqrt(j)
     assert tr.filter_sample_rows(32 * tr.FILTER_MIN_SAMPLE, 32) == tr.FILTER_MIN_SAMPLE
+    # a row's slots in equal slices, one per (split, lane of the quad); never fewer than the least
+    assert tr.filter_slots(2048, 2) == 256 and tr.filter_slots(1024, 2) == 128
+    assert tr.filter_slots(2048, 264) == tr.FILTER_MIN_SLOTS
     assert tr.filter_sample_rows(32 * tr.FILTER_MIN_SAMPLE - 32, 32) == 0
 
 
+def _sliced(buf, row, slices, keys, idx):
+    """The entries of one slice of each list, in turn, at their positions of the row's buffer
+    (position p of slice i at p * slices + i, as the kernel stores them)."""
+    for i, (k, j) in enumerate(zip(keys, idx)):
+        buf[row, torch.arange(len(k)) * slices + i] = _packed(k, j)
+
+
 def test_the_selection_states_a_floor_for_every_row():
-    cap, n_cand = 8, 4
-    buf = torch.full((4, cap), 0x5A5A5A5A5A5A5A5A, dtype=torch.int64)   # garbage past the counts
-    buf[0, :3] = _packed([3.0, 1.0, 2.0], [7, 5, 6])                      # 3 hits <= n_cand
-    buf[1, :6] = _packed([6.0, 1.0, 5.0, 2.0, 2.0, 4.0], [1, 2, 3, 9, 4, 5])   # 6 hits: cut at 4
-    buf[2] = _packed([-1.0] * cap, list(range(cap)))                      # overflowed: 11 hits
-    count = torch.tensor([3, 6, 11, 0], dtype=torch.int32)
+    slices, slots, n_cand = 2, 4, 4
+    buf = torch.full((4, slices * slots), 0x5A5A5A5A5A5A5A5A, dtype=torch.int64)   # garbage past the counts
+    _sliced(buf, 0, slices, [[3.0, 1.0], [2.0]], [[7, 5], [6]])                      # 3 hits <= n_cand
+    _sliced(buf, 1, slices, [[6.0, 1.0, 5.0], [2.0, 2.0, 4.0]], [[1, 2, 3], [9, 4, 5]])   # 6 hits: cut at 4
+    buf[2] = _packed([-1.0] * slices * slots, list(range(slices * slots)))          # slice 0 overflowed
+    count = torch.tensor([[2, 1], [3, 3], [5, 2], [0, 0]], dtype=torch.int32)
     thr = torch.tensor([3.5, 6.0, 0.0, -2.0])
     keys, idx, floor = tr.filter_select(count, buf, thr, n_cand)
     assert idx[0].tolist() == [5, 6, 7, -1] and keys[0, :3].tolist() == [1.0, 2.0, 3.0]
@@ -112,8 +122,9 @@ def test_exact_topk_through_the_filter_with_an_overflowing_row(monkeypatch):
         if not rounds:
             ordered = torch.sort(_keys64(q_side, t_side), dim=1).values
             thr = ((ordered[:, 20] + ordered[:, 21]) / 2).float()   # midway: 21 hits a row
-            thr[0] = ((ordered[0, 80] + ordered[0, 81]) / 2).float()  # the 81 copies: over 64 slots
-            rounds.append(tr.filter_candidates(q_side, t_side, n_cand, thr, lower=lower, tiles=TINY, cap=64))
+            thr[0] = ((ordered[0, 80] + ordered[0, 81]) / 2).float()  # the 81 copies: 8 a slice
+            rounds.append(tr.filter_candidates(q_side, t_side, n_cand, thr, lower=lower, tiles=TINY, cap=64,
+                                               slots=4))
             return rounds[-1]
         rounds.append(None)
         return gt.torch_candidates(q_side, t_side, n_cand, lower=lower)
