@@ -1486,8 +1486,9 @@ def filter_sample(n_cand: int) -> tuple[int, int]:
     fewer hits keeps the threshold as its floor, still far above its k-th key), at j = 20
     beyond (k = 100's list of 512: about 640 hits). The sample pass costs 1 / step of the
     block's product (every 16th target cost the short lists' search more in that pass than
-    the wider spread of their hits costs the filter) and the filter's time grows with the
-    hits: the fastest measured pairs (benchmarks/gpu_notes.md)."""
+    the wider spread of their hits costs the filter) and the selection reads more the more
+    hits: the fastest pairs measured, with the appends of the time (an atomic per hit;
+    benchmarks/gpu_notes.md)."""
     return (32, 5) if n_cand <= 64 else (32, 20)
 
 
