@@ -428,7 +428,7 @@ def _exact_pairs(queries, targets, metric: str, k: int) -> set:
     return {(i, int(j)) for i, row in enumerate(rows) for j in row if j >= 0}
 
 
-def test_recall_target_met_and_explained(frames):
+def test_recall_target_met_and_explained(frames, capsys):
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 
@@ -442,7 +442,22 @@ def test_recall_target_met_and_explained(frames):
     assert target <= lower <= ivf["recall_estimate"] <= upper <= 1.0
     assert 1 <= ivf["nprobe"] < 40, "clustered data should need a few lists, not all"
     assert "estimated recall@10" in str(planned.plan) and f"nprobe={ivf['nprobe']}" in str(planned.plan)
+    # The broadcast search reuses the target blocks the estimate's pass packed at planning,
+    # and finds what it finds packing them itself (nprobe given: no estimate).
+    assert planned.plan.plan == "broadcast" and planned.ivf.packed_target is not None
     approx = planned.dataframe().collect()
+    packed_here = nearest_by_join(q, t, "l2", 10, "approx", vectors=("v", "w"), nlist=40,
+                                  nprobe=ivf["nprobe"], distance_col="d")
+    assert sorted((r.qid, r.tid, r.d) for r in approx) == _rows(packed_here)
+
+    def python_passes(df) -> int:   # of a DataFrame not yet run (its initial plan alone)
+        capsys.readouterr()
+        df.explain()
+        return capsys.readouterr().out.count("MapInArrow")
+
+    packs_itself = nearest_by_join(q, t, "l2", 10, "approx", vectors=("v", "w"), nlist=40,
+                                   nprobe=ivf["nprobe"], distance_col="d")
+    assert python_passes(planned.dataframe()) == python_passes(packs_itself) - 1   # no target packing
     found = {(r.qid, r.tid) for r in approx}
     assert len(found) == len(approx)
     exact = _exact_pairs(queries, targets, "l2", 10)
