@@ -20,11 +20,10 @@ only the candidate set is approximate. ``nprobe == nlist`` searches every list: 
 result.
 
 **Choosing nprobe.** The planner draws a sample of the queries (:data:`RECALL_QUERIES`),
-finds their exact top k in one pass over the target (``udfs.lists.SampleSearch``: each
-partition's k best per sampled query and their lists, merged on the driver; on the broadcast
-plan the pass that routes and packs the target for the search, whose blocks the search then
-reuses; on the keyed blocked plan a scan of its own), and measures for every ``nprobe`` the
-share of each sampled query's true neighbours whose list it would probe (the IVF search inside the probed lists is exact, so
+finds their exact top k in one scan of the target (``udfs.lists.sample_topk``: each
+partition's k best per sampled query and their lists, merged on the driver; one Spark job,
+no join plan), and measures for every ``nprobe`` the share of each sampled query's true
+neighbours whose list it would probe (the IVF search inside the probed lists is exact, so
 that is its recall@k). The smallest
 ``nprobe`` whose estimate's lower 95% Wilson bound meets ``recall`` runs; the estimate and
 its interval are in the plan (``JoinPlan.ivf``). Per-query recall lies in [0, 1], so its
@@ -382,19 +381,11 @@ def recall_of_ranks(ranks: list[np.ndarray], width: int) -> RecallCurve:
     return RecallCurve(recall, queries)
 
 
-def estimate_recall(planned, index: IVFIndex, seed: int):
-    """(the recall curve of ``index`` on a sample of ``planned``'s queries, the packed target or
-    None): the sampled queries' exact top k against the whole target, each partition's k best
-    per sampled query with their lists (``udfs.lists.SampleSearch``), merged here, then
-    :func:`recall_curve`.
-
-    On the broadcast plan that search runs in the target's packing pass
-    (``udfs.lists.pack_listed_sampled``: each row routed to its list and packed, one Spark job
-    at planning), whose blocks are kept (``localCheckpoint``) and returned for the search to
-    broadcast: the target crosses from the JVM to Python once for both, and the estimate is
-    measured on the very rows the search reads. On the keyed blocked plan, whose cells need
-    the lists' sizes first, it is a scan of its own (``udfs.lists.sample_topk``) and no packed
-    target is returned."""
+def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
+    """The recall curve of ``index`` on a sample of ``planned``'s queries: their exact top k
+    against the whole target in one scan of it (``udfs.lists.sample_topk``: one Spark job,
+    each partition's k best per sampled query with their lists), the partitions' best
+    merged here, then :func:`recall_curve`."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
@@ -405,54 +396,18 @@ def estimate_recall(planned, index: IVFIndex, seed: int):
     parsed, plan = planned.parsed, planned.plan
     queries = sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, plan.query_rows, seed)
     if queries.shape[0] == 0:
-        return RecallCurve(np.ones(index.nlist), 0), None
-    packed = None
-    if plan.plan == "broadcast":
-        table, packed = _packed_with_sample(planned, index, queries)
-    else:
-        target = planned.target.select(column(planned.target, parsed.target_column))
-        layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
-                            expected_from=f"query column {quote(parsed.query_column)}")
-        function = functools.partial(sample_topk, layout=layout, queries=queries,
-                                     centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
-                                     cap=plan.cap)
-        table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
+        return RecallCurve(np.ones(index.nlist), 0)
+    target = planned.target.select(column(planned.target, parsed.target_column))
+    layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
+                        expected_from=f"query column {quote(parsed.query_column)}")
+    function = functools.partial(sample_topk, layout=layout, queries=queries,
+                                 centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
+                                 cap=plan.cap)
+    table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     neighbour_lists = _neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
     query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist, parsed.metric)
                                   for i in range(0, queries.shape[0], 256)])
-    return recall_curve(query_order, neighbour_lists), packed
-
-
-def _packed_with_sample(planned, index: IVFIndex, queries: np.ndarray):
-    """(the sample search's ``SAMPLE_SCHEMA`` table, the target's packed blocks): one pass of
-    ``udfs.lists.pack_listed_sampled`` over the target as the search would pack it, kept by
-    ``localCheckpoint`` on the executors' disks (freed with the DataFrames that refer to it),
-    its sample rows collected here."""
-    import pyarrow as pa
-    from pyspark import StorageLevel
-    from pyspark.sql import functions as F
-
-    from udfs import columns as C
-    from udfs.lists import SAMPLE_SCHEMA, pack_listed_sampled
-    from udfs.packing import binary_values, blob_to_table
-
-    from .join import _inputs, _layouts, _packed_schema
-
-    parsed, plan = planned.parsed, planned.plan
-    _, t_input = _inputs(planned.query, planned.target, None)
-    _, t_layout = _layouts(planned)
-    t_layout = dataclasses.replace(t_layout, group_index=len(planned.target.columns))
-    function = functools.partial(pack_listed_sampled, layout=t_layout, centroids=np.asarray(index.centroids),
-                                 metric=parsed.metric, queries=queries, k=plan.k, cap=plan.cap)
-    # On disk: a checkpoint lives as long as the DataFrames that refer to it (a caller may keep
-    # several results), and in the JVM's heap it would stand beside the broadcast copies of the
-    # same blocks.
-    packed = t_input.mapInArrow(function, _packed_schema()).localCheckpoint(eager=True,
-                                                                            storageLevel=StorageLevel.DISK_ONLY)
-    rows = packed.where(F.col(C.BLOCK_ID) == C.SAMPLE_BLOCK_ID).toArrow()
-    parts = [blob_to_table(blob) for blob in binary_values(rows.column(C.BLOB))]
-    table = pa.concat_tables(parts) if parts else SAMPLE_SCHEMA.empty_table()
-    return table, packed.where(F.col(C.BLOCK_ID) != C.SAMPLE_BLOCK_ID)
+    return recall_curve(query_order, neighbour_lists)
 
 
 def _neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarray]:
@@ -475,14 +430,11 @@ def _neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarra
 
 @dataclass(frozen=True)
 class IvfSearch:
-    """What the executors need of the IVF plan: the centroids and the lists per query, and
-    the target's packed blocks when the recall estimate packed them at planning
-    (:func:`estimate_recall`; None: the search packs the target)."""
+    """What the executors need of the IVF plan: the centroids and the lists per query."""
 
     index: IVFIndex
     nprobe: int
     metric: str   # the join's: how a zero vector routes (IVFIndex.route)
-    packed_target: object = dataclasses.field(default=None, compare=False)
 
     def packers(self):
         """The packing functions of both sides (``udfs.lists.pack_listed``; ``layout`` left
@@ -630,7 +582,7 @@ def plan_approx(planned):
     info = {"runs": "ivf", "nlist": index.nlist, "nprobe": options.nprobe, "seed": index.seed,
             "index": built, "recall_target": options.recall, "recall_estimate": None,
             "recall_interval": None, "recall_queries": 0}
-    lists = inputs = packed_target = None
+    lists = inputs = None
     if planned.keys is not None:
         inputs = keyed_inputs(planned)
         lists = key_lists(inputs[0][1], inputs[1][1], planned, index)
@@ -642,7 +594,7 @@ def plan_approx(planned):
         chosen = "given; recall not estimated"
     else:
         if lists is None:
-            curve, packed_target = estimate_recall(planned, index, options.seed)
+            curve = estimate_recall(planned, index, options.seed)
         else:
             curve = estimate_keyed_recall(planned, index, lists, *inputs, options.seed)
         nprobe = curve.smallest_nprobe(options.recall)
@@ -660,7 +612,7 @@ def plan_approx(planned):
             return exact(f"recall={options.recall} needs nprobe={nprobe} of {available} "
                          f"({chosen}), >= {IVF_MAX_PROBED_SHARE:g} of them: IVF would be slower than the "
                          "exact search (pass nprobe to force it)", **info)
-    search = (IvfSearch(index, nprobe, parsed.metric, packed_target) if lists is None
+    search = (IvfSearch(index, nprobe, parsed.metric) if lists is None
               else KeyedIvfSearch(index, nprobe, lists, parsed.metric))
     layout = None
     if plan.plan == "blocked":

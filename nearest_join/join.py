@@ -162,9 +162,8 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **
     Takes :func:`nearest_by_join`'s arguments (its signature, shown by ``help``, is this
     function's) and raises its errors. Runs only the one small job the planner needs (row
     counts, partitions, vector lengths); an approx plan that runs IVF also trains its lists
-    (unless ``index`` is given) and estimates its recall (a sample job and a pass over the
-    target for the sampled queries' exact neighbours: on the broadcast plan the pass that
-    routes and packs the target for the search; with ``on=`` keys, first a scan of the
+    (unless ``index`` is given) and estimates its recall (a sample job and a scan of the
+    target for the sampled queries' exact neighbours; with ``on=`` keys, first a scan of the
     target counting its (key, list) pairs). ``print(plan)`` says, among the
     rest, what ``precision="auto"`` will run.
     """
@@ -359,7 +358,10 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     q_name, t_name = ranking.query_column, ranking.target_column
     settings = _search_settings(spark, ranking, planned.options, plan,
                                 (vector_itemsize(query, q_name, "query"), vector_itemsize(target, t_name, "target")))
-    q_layout, t_layout = _layouts(planned)
+    q_layout = packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
+                                 plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
+    t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
+                                 plan.target_block_rows, expected_from=f"query column {quote(q_name)}")
     out_fields = list(query.schema.fields) + [
         StructField(f.name, f.dataType, True if plan.join_type == "leftouter" else f.nullable)
         for f in target.schema.fields]
@@ -405,10 +407,7 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     q_packed = (q_input.mapInArrow(functools.partial(q_pack, layout=q_layout), packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_blocks = getattr(planned.ivf, "packed_target", None)   # packed at planning (nearest_join.ivf)
-    if t_blocks is None:
-        t_blocks = t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed)
-    t_packed = (t_blocks
+    t_packed = (t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed)
                 .unionByName(empty)
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":
@@ -426,17 +425,6 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
     return joined.toDF(*names)
-
-
-def _layouts(planned: PlannedJoin) -> tuple[packing.SideLayout, packing.SideLayout]:
-    """Both sides' packing layouts (before any group column is appended): where each side's
-    vector column is among its columns, its length and its block rows."""
-    query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
-    q_name, t_name = ranking.query_column, ranking.target_column
-    return (packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
-                               plan.query_block_rows, expected_from=f"target column {quote(t_name)}"),
-            packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
-                               plan.target_block_rows, expected_from=f"query column {quote(q_name)}"))
 
 
 def _inputs(query: DataFrame, target: DataFrame, keys) -> tuple[DataFrame, DataFrame]:

@@ -41,9 +41,6 @@ SEQUENCE_BITS = 20
 ROW_BITS = 24
 MAX_BLOCK_ROWS = (1 << ROW_BITS) - 1
 EMPTY_BLOCK_ID = -1  # the always-present empty target block (LEFT OUTER with no targets)
-# A packed row of the IVF plan's target that holds a partition's recall-estimate rows
-# (udfs.lists.pack_listed_sampled), not a block: the driver takes them out before the search.
-SAMPLE_BLOCK_ID = -2
 
 
 def output_name(position: int) -> str:

@@ -10,13 +10,10 @@ estimated recall with, so a row's lists are the same wherever they are computed.
 :func:`pack_listed` routes and packs in one pass (``udfs.packing.pack_blocks`` on the routed
 batches), so a side's rows cross between the JVM and Python once.
 
-:class:`SampleSearch` is the recall estimate's search of the target: the exact top k of a
+:func:`sample_topk` is the recall estimate's one scan of the target: the exact top k of a
 few sampled query rows (captured in the closure) against every target row of the
 partition, folded batch by batch with the shared merge, and at the end the *lists* of the
-k neighbours found (the driver needs nothing else of them), one small row per slot. The
-broadcast plan runs it in the target's packing pass (:func:`pack_listed_sampled`: the
-target crosses from the JVM to Python once, at planning, and the search reuses the packed
-blocks); the keyed blocked plan and ``on=`` keys in a scan of their own (:func:`sample_topk`).
+k neighbours found (the driver needs nothing else of them), one small row per slot.
 
 With ``on=`` keys (``nearest_join.ivf``'s keyed plan) the rows arrive with their key group
 as the last column, and :func:`pack_key_listed` *replaces* it by the IVF group ids: the
@@ -101,140 +98,87 @@ def pack_listed(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centro
                                         nprobe=nprobe), layout)
 
 
-class SampleSearch:
-    """The recall estimate's running search over one partition of the target: the exact top
-    ``k`` of ``queries`` (the sampled query rows) against every row :meth:`add` is given, in
-    row order, and at the end the *lists* of the k neighbours found (:meth:`finish`).
+def _scan_chunks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
+                 dimension: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
+    """A partition's (vectors, group ids) in row order, in chunks of at least
+    :data:`SCAN_ROWS` rows (the last one may be smaller); the ids (``udfs.groups.group_ids``
+    of the ``layout.group_index`` column) None without one."""
+    from .groups import group_ids
 
-    Rows are searched :data:`SCAN_ROWS` at a time (Spark's Arrow batches gathered into fewer,
-    larger searches); each search's top k is merged into the running state of (queries, k)
-    values, partition row numbers and vectors (:func:`nearest_join.kernels.merge_topk`, ties to
-    the lower row), and only the k neighbours left at the end are routed.
+    pending, groups, rows = [], [], 0
 
-    ``query_groups`` (``on=`` keys: each sampled query's key group, -1 none): each query is
-    ranked against the rows of its own group only, :meth:`add` taking the rows' groups
-    (:func:`udfs.groups.grouped_search`).
-    """
-
-    def __init__(self, queries: np.ndarray, k: int, metric: str, cap: float | None,
-                 query_groups: np.ndarray | None = None):
-        from .searcher import task_cpus
-
-        self.queries, self.k, self.metric, self.cap = queries, k, metric, cap
-        self.query_groups = query_groups
-        self.threads = task_cpus()
-        self.values = self.rows = self.held = None
-        self.seen = 0
-        self._pending: list[np.ndarray] = []
-        self._groups: list[np.ndarray] = []
-        self._pending_rows = 0
-
-    def add(self, vectors: np.ndarray, groups: np.ndarray | None = None) -> None:
-        """The partition's next rows (and their group ids, with ``query_groups``)."""
-        if vectors.shape[0] == 0:
-            return
-        self._pending.append(vectors)
-        if groups is not None:
-            self._groups.append(groups)
-        self._pending_rows += vectors.shape[0]
-        if self._pending_rows >= SCAN_ROWS:
-            self._search()
-
-    def _search(self) -> None:
-        from nearest_join.kernels import knn, merge_topk
-
-        pending = self._pending
+    def chunk():
         vectors = pending[0] if len(pending) == 1 else np.concatenate(pending)
-        groups = None if self.query_groups is None else np.concatenate(self._groups)
-        self._pending, self._groups, self._pending_rows = [], [], 0
-        queries, k, metric = self.queries, self.k, self.metric
-        if vectors.dtype != queries.dtype:   # one precision for both: the wider
-            wide = np.promote_types(vectors.dtype, queries.dtype)
-            vectors, queries = vectors.astype(wide), queries.astype(wide)
-            self.queries = queries
-        if self.query_groups is None:
-            v, local = knn(queries, vectors, k, metric, backend="cpu", threads=self.threads, cap=self.cap)
-        else:
-            v, local = _grouped_knn(queries, self.query_groups, vectors, groups, k, metric, self.cap,
-                                    self.threads)
-        found = vectors[np.maximum(local, 0)]                        # (nq, k, d)
-        if self.values is None:
-            self.values, self.rows, self.held = v, np.where(local >= 0, local + self.seen, -1), found
-        else:
-            self.values, self.rows, sources = merge_topk([self.values, v], [self.rows, local], k, metric,
-                                                         offsets=[0, self.seen], return_sources=True)
-            pool = np.concatenate([self.held, found], axis=1)
-            self.held = np.take_along_axis(pool, np.maximum(sources, 0)[:, :, None], axis=1)
-        self.seen += vectors.shape[0]
+        return vectors, None if layout.group_index is None else np.concatenate(groups)
 
-    def finish(self, centroids: np.ndarray) -> pa.RecordBatch | None:
-        """``SAMPLE_SCHEMA`` rows, one per filled slot, with the list of the neighbour
-        (:func:`~nearest_join.kernels.kmeans.route` under the join's metric, as the search
-        routes); None when no slot is filled."""
-        from nearest_join.kernels.kmeans import route
-
-        from .packing import _task_partition
-
-        if self._pending:
-            self._search()
-        if self.values is None:
-            return None
-        query, slot = np.nonzero(self.rows >= 0)
-        if query.size == 0:
-            return None
-        lists = route(self.held[query, slot], centroids, self.metric, 1, threads=self.threads)[:, 0]
-        order = (np.int64(_task_partition()) << _ROW_BITS) | self.rows[query, slot]
-        return pa.RecordBatch.from_arrays(
-            [pa.array(query.astype(np.int32)), pa.array(self.values[query, slot].astype(np.float32)),
-             pa.array(lists.astype(np.int32)), pa.array(order)], schema=SAMPLE_SCHEMA)
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        pending.append(_vectors(batch, layout, dimension))
+        if layout.group_index is not None:
+            groups.append(group_ids(batch.column(layout.group_index)))
+        rows += batch.num_rows
+        if rows >= SCAN_ROWS:
+            yield chunk()
+            pending, groups, rows = [], [], 0
+    if pending:
+        yield chunk()
 
 
 def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, queries: np.ndarray,
                 centroids: np.ndarray, k: int, metric: str,
                 cap: float | None, query_groups: np.ndarray | None = None) -> Iterator[pa.RecordBatch]:
     """mapInArrow function over the target: the exact top ``k`` of ``queries`` (the recall
-    estimate's sample) against this partition's rows (:class:`SampleSearch`), emitted once at
-    the end as ``SAMPLE_SCHEMA`` rows: one per filled slot, with the list of the neighbour.
+    estimate's sample) against this partition's rows, emitted once at the end as
+    ``SAMPLE_SCHEMA`` rows: one per filled slot, with the list of the neighbour
+    (:func:`~nearest_join.kernels.kmeans.route` under the join's ``metric``, as the search routes).
 
-    ``query_groups`` (``on=`` keys): each query ranked against the rows of its own group only,
-    the batches' ``layout.group_index`` column holding the target rows' groups.
+    The running state is (queries, k) values, partition row numbers and vectors: the
+    partition's rows are searched :data:`SCAN_ROWS` at a time, and each search's top k is
+    merged into it (:func:`nearest_join.kernels.merge_topk`, ties to the
+    lower row) and only the k neighbours left at the end are routed.
+
+    ``query_groups`` (``on=`` keys: each sampled query's key group, -1 none): each query is
+    ranked against the rows of its own group only, the batches' ``layout.group_index``
+    column holding the target rows' groups (:func:`udfs.groups.grouped_search`).
     """
-    from .groups import group_ids
+    from nearest_join.kernels import knn, merge_topk
+    from nearest_join.kernels.kmeans import route
 
-    search = SampleSearch(queries, k, metric, cap, query_groups)
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        groups = None if layout.group_index is None else group_ids(batch.column(layout.group_index))
-        search.add(_vectors(batch, layout, queries.shape[1]), groups)
-    found = search.finish(centroids)
-    if found is not None:
-        yield found
+    from .packing import _task_partition
+    from .searcher import task_cpus
 
-
-def pack_listed_sampled(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centroids: np.ndarray,
-                        metric: str, queries: np.ndarray, k: int, cap: float | None) -> Iterator[pa.RecordBatch]:
-    """mapInArrow function over the target: :func:`pack_listed` (each row with its list) and
-    the recall estimate's :class:`SampleSearch` over the same rows, in one pass, so the
-    target crosses from the JVM to Python once for both. After the partition's blocks, its
-    ``SAMPLE_SCHEMA`` rows as one more packed row: block id ``C.SAMPLE_BLOCK_ID``, the rows
-    as the blob (none when no slot is filled)."""
-    from .packing import PACKED_SCHEMA, binary_array, table_to_blob
-
-    search = SampleSearch(queries, k, metric, cap)
-
-    def routed():
-        for batch in append_lists(batches, layout=layout, centroids=centroids, metric=metric, nprobe=None):
-            if batch.num_rows:
-                search.add(_vectors(batch, layout, queries.shape[1]))
-            yield batch
-
-    yield from pack_blocks(routed(), layout)
-    found = search.finish(centroids)
-    if found is not None:
-        yield pa.RecordBatch.from_arrays(
-            [pa.array([C.SAMPLE_BLOCK_ID], pa.int64()),
-             binary_array([table_to_blob(pa.Table.from_batches([found]))])], schema=PACKED_SCHEMA)
+    threads = task_cpus()
+    nq, d = queries.shape
+    values = rows = held = None
+    seen = 0
+    for vectors, target_groups in _scan_chunks(batches, layout, d):
+        if vectors.dtype != queries.dtype:   # one precision for both: the wider
+            wide = np.promote_types(vectors.dtype, queries.dtype)
+            vectors, queries = vectors.astype(wide), queries.astype(wide)
+        if query_groups is None:
+            v, local = knn(queries, vectors, k, metric, backend="cpu", threads=threads, cap=cap)
+        else:
+            v, local = _grouped_knn(queries, query_groups, vectors, target_groups, k, metric, cap, threads)
+        found = vectors[np.maximum(local, 0)]                        # (nq, k, d)
+        if values is None:
+            values, rows, held = v, np.where(local >= 0, local + seen, -1), found
+        else:
+            values, rows, sources = merge_topk([values, v], [rows, local], k, metric,
+                                               offsets=[0, seen], return_sources=True)
+            pool = np.concatenate([held, found], axis=1)
+            held = np.take_along_axis(pool, np.maximum(sources, 0)[:, :, None], axis=1)
+        seen += vectors.shape[0]
+    if values is None:
+        return
+    query, slot = np.nonzero(rows >= 0)
+    if query.size == 0:
+        return
+    lists = route(held[query, slot], centroids, metric, 1, threads=threads)[:, 0]
+    order = (np.int64(_task_partition()) << _ROW_BITS) | rows[query, slot]
+    yield pa.RecordBatch.from_arrays(
+        [pa.array(query.astype(np.int32)), pa.array(values[query, slot].astype(np.float32)),
+         pa.array(lists.astype(np.int32)), pa.array(order)], schema=SAMPLE_SCHEMA)
 
 
 def _grouped_knn(queries: np.ndarray, query_groups: np.ndarray, vectors: np.ndarray,

@@ -278,71 +278,6 @@ def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, cappe
     assert out.num_rows < 6 * queries.shape[0] if capped else out.num_rows == 6 * queries.shape[0]
 
 
-@pytest.mark.parametrize("metric", ALL_METRICS)
-@pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
-def test_the_packing_pass_packs_as_the_search_does_and_finds_the_samples_neighbours(metric, capped, monkeypatch):
-    """udfs.lists.pack_listed_sampled (the broadcast plan's packing pass at planning): its
-    blocks are pack_listed's, byte for byte (the search reuses them), and one more row of
-    block id C.SAMPLE_BLOCK_ID holds the sampled queries' exact top k with their lists (the
-    float64 reference, under the cap), as sample_topk finds them over the same batches (a NULL
-    vector and an all-NULL batch among them; several searches merged)."""
-    import udfs.lists
-    from nearest_join.ivf import IVFIndex
-    from nearest_join.kernels import knn
-    from udfs import columns as C
-    from udfs.lists import SAMPLE_SCHEMA, pack_listed, pack_listed_sampled, sample_topk
-    from udfs.packing import SideLayout, blob_to_table
-
-    monkeypatch.setattr(udfs.lists, "SCAN_ROWS", 250)
-    targets = _clustered(900, 5, 12, seed=8)
-    queries = _clustered(40, 5, 12, seed=9)
-    index = IVFIndex.train(targets, metric, 12, seed=1)
-    ranked = targets.copy()
-    ranked[17] = np.nan
-    cap = None
-    if capped:   # about half of the queries keep fewer than k neighbours
-        cap = float(np.median(knn(queries, ranked, 6, metric, backend="reference")[0][:, 3]))
-    vectors = [None if j == 17 else targets[j].tolist() for j in range(900)]
-
-    def batches():
-        out = [pa.record_batch([pa.array(np.arange(a, b), pa.int64()),
-                                pa.array(vectors[a:b], pa.list_(pa.float32()))], names=["id", "w"])
-               for a, b in ((0, 300), (300, 301), (301, 700), (700, 900))]
-        out.insert(2, pa.record_batch([pa.array([1000, 1001], pa.int64()),
-                                       pa.array([None, None], pa.list_(pa.float32()))], names=["id", "w"]))
-        return out
-
-    layout = SideLayout("w", 1, 5, 128)
-    centroids = np.asarray(index.centroids)
-    fused = pa.Table.from_batches(list(pack_listed_sampled(
-        batches(), layout=layout, centroids=centroids, metric=metric, queries=queries, k=6, cap=cap)))
-    alone = pa.Table.from_batches(list(pack_listed(batches(), layout=layout, centroids=centroids, metric=metric,
-                                                   nprobe=None)))
-    ids = fused.column(C.BLOCK_ID).to_numpy()
-    assert ids[-1] == C.SAMPLE_BLOCK_ID and (ids[:-1] >= 0).all()
-    assert fused.slice(0, fused.num_rows - 1).equals(alone)
-    out = blob_to_table(fused.column(C.BLOB)[-1].as_buffer())
-    assert out.schema.equals(SAMPLE_SCHEMA)
-    want_v, want_rows = knn(queries, ranked, 6, metric, backend="reference", cap=cap)
-    t_lists = index.route(targets, metric=metric)[:, 0]
-    query, lists, value = (out.column(c).to_numpy() for c in ("query", "list", "value"))
-    order = out.column("order").to_numpy()
-    assert np.unique(query.astype(np.int64) * (1 << 50) + order).size == out.num_rows   # each slot once
-    for i in range(queries.shape[0]):
-        mine = query == i
-        found = want_rows[i][want_rows[i] >= 0]
-        assert sorted(lists[mine].tolist()) == sorted(t_lists[found].tolist()), f"query {i}"
-        at = found + 2 * (found >= 301)     # partition rows: the all-NULL batch's two come first
-        assert sorted((order[mine] & ((1 << 40) - 1)).tolist()) == sorted(at.tolist()), f"query {i}"
-        np.testing.assert_allclose(np.sort(value[mine]), np.sort(want_v[i][want_rows[i] >= 0]), rtol=1e-5)
-    if not capped:
-        assert out.num_rows == 6 * queries.shape[0]
-    scanned = pa.Table.from_batches(list(sample_topk(
-        batches(), layout=layout, queries=queries, centroids=centroids, k=6, metric=metric, cap=cap)),
-        schema=SAMPLE_SCHEMA)
-    assert scanned.equals(out)
-
-
 # ----------------------------------------------------------------------------- options
 @pytest.mark.parametrize("arguments, argument, message", [
     ({"recall": 0}, "recall", r"expected a number in \(0, 1\]"),
@@ -428,7 +363,7 @@ def _exact_pairs(queries, targets, metric: str, k: int) -> set:
     return {(i, int(j)) for i, row in enumerate(rows) for j in row if j >= 0}
 
 
-def test_recall_target_met_and_explained(frames, capsys):
+def test_recall_target_met_and_explained(frames):
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 
@@ -442,22 +377,7 @@ def test_recall_target_met_and_explained(frames, capsys):
     assert target <= lower <= ivf["recall_estimate"] <= upper <= 1.0
     assert 1 <= ivf["nprobe"] < 40, "clustered data should need a few lists, not all"
     assert "estimated recall@10" in str(planned.plan) and f"nprobe={ivf['nprobe']}" in str(planned.plan)
-    # The broadcast search reuses the target blocks the estimate's pass packed at planning,
-    # and finds what it finds packing them itself (nprobe given: no estimate).
-    assert planned.plan.plan == "broadcast" and planned.ivf.packed_target is not None
     approx = planned.dataframe().collect()
-    packed_here = nearest_by_join(q, t, "l2", 10, "approx", vectors=("v", "w"), nlist=40,
-                                  nprobe=ivf["nprobe"], distance_col="d")
-    assert sorted((r.qid, r.tid, r.d) for r in approx) == _rows(packed_here)
-
-    def python_passes(df) -> int:   # of a DataFrame not yet run (its initial plan alone)
-        capsys.readouterr()
-        df.explain()
-        return capsys.readouterr().out.count("MapInArrow")
-
-    packs_itself = nearest_by_join(q, t, "l2", 10, "approx", vectors=("v", "w"), nlist=40,
-                                   nprobe=ivf["nprobe"], distance_col="d")
-    assert python_passes(planned.dataframe()) == python_passes(packs_itself) - 1   # no target packing
     found = {(r.qid, r.tid) for r in approx}
     assert len(found) == len(approx)
     exact = _exact_pairs(queries, targets, "l2", 10)
@@ -518,7 +438,7 @@ def test_a_recall_that_needs_many_lists_runs_exact(monkeypatch):
 
     index = ivf.IVFIndex.train(_clustered(400, 3, 16, seed=0), "l2", 16)
     curve = ivf.RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 12), 5000)
-    monkeypatch.setattr(ivf, "estimate_recall", lambda planned, index, seed: (curve, None))
+    monkeypatch.setattr(ivf, "estimate_recall", lambda planned, index, seed: curve)
     plan = JoinPlan(plan="broadcast", reason="", metric="l2", k=5, mode="approx", join_type="inner",
                     query_column="v", target_column="w", dimension=3, query_rows=10, target_rows=400,
                     target_bytes=4800, broadcast_limit_bytes=1 << 30, task_memory_bytes=1 << 26, cores=2,
