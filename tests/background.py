@@ -46,7 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
-ORDER = ("join-oracles", "approx-and-jobs", "triton-interpreter", "local-cluster", "blas-default", "blas-haswell", "spark-connect")
+ORDER = ("join-oracles", "approx-and-jobs", "triton-interpreter", "local-cluster", "spark-connect", "blas-default",
+         "blas-haswell")
 # Suites running at once (beside the main run): on 2 cores the main run and one suite leave a
 # core partly idle (job start-ups, py4j round trips), a second suite fills it.
 WORKERS = 2
@@ -55,7 +56,8 @@ WORKERS = 2
 # about one core busy, so a second session takes some of them. Every lane pays a pytest start,
 # a JVM and its warm-up: on 2 cores, fewer and longer lanes cost less CPU than more and shorter.
 LANES = {
-    "join-oracles": ("tests/join/test_exactness.py", "tests/join/test_caps.py", "tests/join/test_keys.py"),
+    "join-oracles": ("tests/join/test_exactness.py", "tests/join/test_caps.py", "tests/join/test_keys.py",
+                     "tests/join/test_keyed_blocked.py"),
     "approx-and-jobs": ("tests/join/test_approx.py", "tests/join/test_approx_keys.py",
                         "tests/join/test_approx_blocked.py", "tests/jobs"),
 }
