@@ -27,6 +27,7 @@ from gpu_kernel import addmm_topk, cuda_ms, gemm_alone  # noqa: E402
 
 from nearest_join.kernels.gpu import knn_torch, resolve_precision  # noqa: E402
 from tests import oracle  # noqa: E402
+from tests.kernels.test_gpu_shapes import DIMS as DEVICE_TEST_DIMS  # noqa: E402
 
 
 def events_ms(fn, reps: int) -> float:
@@ -98,7 +99,7 @@ def wrong_rows(Q, T, T_host, k, idx, sample, values=None) -> int:
         oracle.oracle_keys, oracle.key_scale = saved
 
 
-COMPILE_DIMS = [3, 64, 128, 256, 384, 768, 1536, 4096]
+COMPILE_DIMS = DEVICE_TEST_DIMS   # the worst case over the device tests' matrix
 COMPILE_KS = [1, 10, 100, 1000]
 
 
@@ -158,7 +159,15 @@ def compile_cases(args, rec):
               f"{sum(r['first_call_s'] > 10 for r in timed)} over 10 s", flush=True)
 
 
+def triton_cache_state() -> str:
+    """``"fresh"`` when the Triton cache this process uses holds no compiled kernel yet (the
+    shapes' first calls then include compilation), else ``"warm"``."""
+    cache = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    return "warm" if cache.is_dir() and any(cache.iterdir()) else "fresh"
+
+
 def shape_cases(args, rec):
+    cache = triton_cache_state()
     gen = torch.Generator(device="cuda").manual_seed(2)
     auto = resolve_precision("auto", torch.device("cuda"))
     shapes = [(65_536, 1_000_000, "65,536 x 10^6"), (63_681, None, "self-join 63,681")]
@@ -176,7 +185,8 @@ def shape_cases(args, rec):
                 if time.time() - start > args.budget_s:
                     print(f"budget spent: skipped d={d} {label} k={k}", flush=True)
                     continue
-                row = dict(shape=label, nq=Q.shape[0], nt=T.shape[0], d=d, k=k, auto=auto)
+                row = dict(shape=label, nq=Q.shape[0], nt=T.shape[0], d=d, k=k, auto=auto,
+                           triton_cache=cache)
                 bias = (T * T).sum(1)
                 row["gemm_bf16_ms"] = round(events_ms(lambda: gemm_alone(Q, T, bias, "bf16"), args.reps), 1)
                 row["torch_fp32_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "fp32", k),
