@@ -150,6 +150,8 @@ def compile_cases(args, rec):
     except concurrent.futures.TimeoutError:
         print(f"compile budget spent after {time.time() - start:.0f} s: {len(cases) - len(rows)} cases "
               "not measured", flush=True)
+    for process in list(pool._processes.values()):   # cases still compiling: they would load what follows
+        process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
     timed = [r for r in rows if "first_call_s" in r]
     if timed:
