@@ -90,8 +90,8 @@ class TileConfig:
     selection; its target loop appends survivors in bulk and unrolls the selection, so that
     it holds no inner loop and triton's software pipeliner prefetches target tiles across
     iterations (it skips loops that contain loops). ``extra_passes``: the
-    register-list kernel's unrolled argmin passes and ``skip_test`` its row-minimum test
-    (see ``_rowlist_kernel``)."""
+    register-list kernel's argmin passes before the bitonic top-k (lists longer than
+    ``LOOP_CAND``) and ``skip_test`` its row-minimum test (see ``_rowlist_kernel``)."""
 
     block_m: int
     block_n: int
@@ -114,10 +114,15 @@ ROWLIST_MAX = 64
 # merge cheaper: 16 was the fastest of 16, 32 and 64 in bf16 and tf32 (benchmarks/gpu_notes.md).
 # The floor keeps the search exact whatever a segment holds back.
 SEG_CAND = 16
+# Register lists up to this long take every tile where a row has several survivors by argmin
+# passes, one per survivor up to the list's length, in a loop: the bitonic top-k that longer
+# lists take past ``extra_passes`` survivors was most of the kernel's compile time.
+LOOP_CAND = SEG_CAND
+_LOOP_CAND = tl.constexpr(LOOP_CAND)
 # Each segment scans at least this many target tiles (as split_count). A segment's list
 # starts empty: while a row still gains several entries per tile (about the first SEG_CAND
-# tiles: ~SEG_CAND / j survivors per row at tile j) its tiles take the bitonic merge, so
-# segments much shorter than a few SEG_CAND tiles cost mostly merges.
+# tiles: ~SEG_CAND / j survivors per row at tile j) its tiles take several argmin passes, so
+# segments much shorter than a few SEG_CAND tiles cost mostly insertions.
 SEGMENT_MIN_TILES = 8
 # One tl.dot per tile (query tile loaded once) when the query tile is at most this large and
 # the configuration fits the device's shared memory (:func:`plan_candidates`: fewer target
@@ -394,12 +399,27 @@ def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
 
 
 @triton.jit
+def _argmin_passes(key, best, worst, worst_slot, n0, passes, N_CAND: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``passes`` rounds of: insert each row's least remaining key of the tile (its column
+    then masked out). A loop, not unrolled: one copy of the pass in the compiled kernel."""
+    offs_n = tl.arange(0, BLOCK_N)
+    rest = key
+    for _ in range(0, passes):
+        low_key = tl.min(rest, axis=1)
+        col = _row_argmin(rest, low_key, BLOCK_N)
+        best, worst, worst_slot = _insert(best, worst, worst_slot, low_key, n0 + col, N_CAND)
+        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+    return best, worst, worst_slot
+
+
+@triton.jit
 def _list_update(key, best, worst, worst_slot, n0, N_CAND: tl.constexpr, BLOCK_N: tl.constexpr,
                  EXTRA_PASSES: tl.constexpr, SKIP_TEST: tl.constexpr):
     """One target tile's keys (BLOCK_M, BLOCK_N), first column ``n0``, folded into the
     register lists ``best`` (see :func:`_rowlist_kernel` for the paths)."""
     offs_n = tl.arange(0, BLOCK_N)
     BLOCK_M: tl.constexpr = key.shape[0]
+    PASSES: tl.constexpr = max(2, 1 + EXTRA_PASSES)   # longer lists: argmin passes before the top-k
     row_min = tl.min(key, axis=1)
     thr = _unpack_key(worst)
     if SKIP_TEST:
@@ -415,22 +435,14 @@ def _list_update(key, best, worst, worst_slot, n0, N_CAND: tl.constexpr, BLOCK_N
     if most == 1:
         col = _row_argmin(key, row_min, BLOCK_N)
         best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-    elif most == 2:
-        col = _row_argmin(key, row_min, BLOCK_N)
-        best, worst, worst_slot = _insert(best, worst, worst_slot, row_min, n0 + col, N_CAND)
-        rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), key)
-        second = tl.min(rest, axis=1)
-        col = _row_argmin(rest, second, BLOCK_N)
-        best, worst, worst_slot = _insert(best, worst, worst_slot, second, n0 + col, N_CAND)
-    elif most > 2:
-        if most <= 1 + EXTRA_PASSES:
-            rest = key
-            for _ in tl.static_range(0, 1 + EXTRA_PASSES):
-                low_key = tl.min(rest, axis=1)
-                col = _row_argmin(rest, low_key, BLOCK_N)
-                best, worst, worst_slot = _insert(best, worst, worst_slot, low_key,
-                                                  n0 + col, N_CAND)
-                rest = tl.where(offs_n[None, :] == col[:, None], float("inf"), rest)
+    elif most > 1:
+        if N_CAND <= _LOOP_CAND:
+            # A row's best N_CAND of the tile are all its list can take from it.
+            best, worst, worst_slot = _argmin_passes(key, best, worst, worst_slot, n0,
+                                                     tl.minimum(most, N_CAND), N_CAND, BLOCK_N)
+        elif most <= PASSES:
+            best, worst, worst_slot = _argmin_passes(key, best, worst, worst_slot, n0, most,
+                                                     N_CAND, BLOCK_N)
         else:
             cols = n0 + offs_n
             packed = tl.where(key < float("inf"),
@@ -491,8 +503,11 @@ def _rowlist_kernel(
     * no row has a survivor: no list work at all;
     * every row has at most one (the steady state): it is the row minimum; insert it (one
       reduction over the list: the slot of the worst entry is carried from the last insert);
-    * some row has 2: two argmin passes; up to 1 + EXTRA_PASSES: that many, unrolled;
-    * more (the first tiles): the tile's best n_cand by bitonic top-k, merged with ``best``.
+    * more (the first tiles, mostly): one argmin pass per survivor of the fullest row, up to
+      n_cand (a row's best n_cand of the tile are all its list can take), in a loop
+      (:func:`_argmin_passes`); lists longer than ``LOOP_CAND`` take passes only up to
+      1 + EXTRA_PASSES survivors (at least 2) and past that the tile's best n_cand by
+      bitonic top-k, merged with ``best``.
     No inner loop and no global buffer: the target loop is software-pipelined (target tiles
     prefetched ``num_stages`` ahead) and the only memory traffic is the operand tiles (each
     target tile read once per program, shared through L2) and one (BLOCK_M, N_CAND) store.
@@ -1258,7 +1273,7 @@ def sample_seed(queries: PreparedSide, targets: PreparedSide, n_cand: int, confi
     block (None where the sample would be too small to say).
 
     A long list that starts empty spends its pass inserting: every segment's list takes most
-    of the targets of its first tiles (bitonic merges), and most rows keep inserting to the
+    of the targets of its first tiles (an argmin pass each), and most rows keep inserting to the
     end. Seeded, a list keeps only keys at most its seed, so the pass costs little more than
     its product; the sample pass reads a ``SAMPLE_LIST / n_cand`` share of the block. Any seed
     is exact (a seeded list's floor never exceeds its seed, :func:`floor_key`): where the
