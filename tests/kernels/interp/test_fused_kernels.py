@@ -231,6 +231,23 @@ def test_rowlist_long_scan_and_exact_ties():
             assert torch.equal(idx, want), (name, skip_test)
 
 
+def test_one_tile_with_more_survivors_than_the_list_takes_its_exact_best():
+    # One tile of 32 targets, one split: every target survives into the empty lists, so the
+    # tile's argmin passes alone must leave each row its exact n_cand best (one pass short
+    # leaves a slot empty). Lists of 16 (the loop over up to n_cand passes) and of 32 (the
+    # bitonic top-k past extra_passes); targets in pairs of exact copies, so ties go to the
+    # lower index.
+    q, t = make_data("gaussian", 16, 16, 33, 11)
+    targets = np.repeat(t, 2, axis=0)
+    qs, ts = prepared(q, targets, "l2", "fp32")
+    ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
+    order = torch.sort(ref, dim=1, stable=True).indices
+    for n_cand in (8, 16, 32):
+        cfg = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
+        _keys, idx, _ = tr.triton_candidates(qs, ts, n_cand, config=cfg, splits=1)
+        assert torch.equal(idx, order[:, :n_cand]), n_cand
+
+
 def test_segment_floors_keep_crowded_rows_unproven():
     small = Small("segmented")
     # 603 targets = 19 tiles; 8 segments (segment s: tiles s, s + 8, s + 16), 8-long lists,
