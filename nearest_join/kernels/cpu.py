@@ -110,6 +110,15 @@ COLLECT_WIDTH = 1024
 COLLECT_KEYS = 1 << 22
 
 
+def _frozen(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array``. numba compiles a kernel once per argument type, and a
+    read-only array is another type: the rows a kernel reads are always passed read-only (the
+    caller's may be either), so that each kernel compiles one variant per dtype, not two."""
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def heap_width(k: int, nt: int) -> int:
     """Candidates kept per query row: k and a margin for the exact stage, at most every target."""
     return min(k + RERANK_EXTRA + k // 32, nt)
@@ -209,8 +218,8 @@ class _Operands:
     def __init__(self, queries: np.ndarray, targets: np.ndarray, metric: Metric,
                  defer_target_stats: bool = False):
         d = queries.shape[1]
-        self.queries = np.ascontiguousarray(queries)
-        self.targets = np.ascontiguousarray(targets)
+        self.queries = _frozen(np.ascontiguousarray(queries))
+        self.targets = _frozen(np.ascontiguousarray(targets))
         nq, nt = self.queries.shape[0], self.targets.shape[0]
         self.difference = metric.name != "inner_product"
         if metric.name == "cosine":
@@ -260,8 +269,9 @@ class _Operands:
         if as_is:
             self.targets32 = self.targets
         else:
-            self.targets32 = np.empty(self.targets.shape, np.float32)
-            _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, self.targets32, b_sq)
+            targets32 = np.empty(self.targets.shape, np.float32)
+            _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, targets32, b_sq)
+            self.targets32 = _frozen(targets32)
         self.q_factors = q_unit * q_scales
         self.t_factors = t_unit * t_scales
         # Powers of two (no unit factors) on float32 rows: applied once to each key's sum.
@@ -269,11 +279,11 @@ class _Operands:
             self.queries.dtype == np.float32 and self.targets.dtype == np.float32
         shift = float(np.sqrt((center * center).sum()))
         if self.difference:
-            self.scaled = a * np.float32(-2.0)        # a power of two: exact
+            self.scaled = _frozen(a * np.float32(-2.0))        # a power of two: exact
             self.bias = b_sq.astype(np.float32)
             self.offset = a_sq
         else:
-            self.scaled = -a
+            self.scaled = _frozen(-a)
             self.bias = np.zeros(nt, np.float32)
             # offset = -(q s_i) . (c s): exact key = -(a . b) + offset
             if center.any():
@@ -358,7 +368,7 @@ class _Operands:
         out = np.full(candidates.shape, np.inf)
         queries, q_factors = self.queries, self.q_factors
         if rows is not None:
-            queries, q_factors = np.ascontiguousarray(queries[rows]), q_factors[rows]
+            queries, q_factors = _frozen(np.ascontiguousarray(queries[rows])), q_factors[rows]
         pairs = _cpu_kernels.pairs_by_target(candidates, needed, self.targets.shape[0])
         _cpu_kernels.pair_keys(queries, q_factors, self.targets, self.t_factors,
                                candidates, pairs, self.difference, self.factor_after, out)
@@ -386,7 +396,8 @@ class _Operands:
         for start in range(0, rows.shape[0], chunk):
             part = rows[start:start + chunk]
             heaps, _ = _search(self, collect, *plan_tiles(part.shape[0], nt, threads),
-                               start=limit[start:start + chunk], scaled=np.ascontiguousarray(self.scaled[part]))
+                               start=limit[start:start + chunk],
+                               scaled=_frozen(np.ascontiguousarray(self.scaled[part])))
             _, kept = _cpu_kernels.decode(heaps)
             full = (kept != _cpu_kernels.EMPTY_INDEX).all(axis=2).any(axis=0)
             _, cand = _cpu_kernels.decode(np.concatenate(list(heaps), axis=1))

@@ -37,7 +37,7 @@ def test_deferred_inner_product_bound_equals_the_bound_from_a_read_of_the_block(
     queries = rng.standard_normal((nq, 24)).astype(np.float32)
     read = cpu._Operands(queries, targets, resolve_metric("inner_product"))
     deferred = cpu._Operands(queries, targets, resolve_metric("inner_product"), defer_target_stats=True)
-    assert deferred.deferred and not read.deferred and deferred.targets32 is targets
+    assert deferred.deferred and not read.deferred and np.shares_memory(deferred.targets32, targets)
     with cpu.thread_limits(threads) as used:
         query_tile, target_tile, n_split = cpu.plan_tiles(nq, targets.shape[0], used)
         heaps, stats = cpu._search(deferred, 10, query_tile, target_tile, n_split)
@@ -80,7 +80,7 @@ def test_other_blocks_are_shifted_or_scaled(make, why):
 
 def test_cosine_always_uses_unit_copies():
     targets = np.random.default_rng(2).standard_normal((300, 8)).astype(np.float32)
-    assert _operands(targets, "cosine").targets32 is not targets
+    assert not np.shares_memory(_operands(targets, "cosine").targets32, targets)
 
 
 def test_queries_far_beyond_the_targets_rescale_both():
@@ -96,7 +96,7 @@ def test_queries_far_beyond_the_targets_rescale_both():
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
 def test_both_operand_choices_agree_with_the_oracle(offset, spread, as_is, metric):
     case = adversarial.offset_case(128, offset, spread, nq=40, nt=2000, seed=32)
-    assert (_operands(case.targets, metric).targets32 is case.targets) is as_is
+    assert np.shares_memory(_operands(case.targets, metric).targets32, case.targets) is as_is
     values, indices = cpu.BACKEND.run(case.queries, case.targets, 10, resolve_metric(metric), threads=1)
     adversarial.assert_true_topk(case.queries, case.targets, 10, metric, values, indices,
                                  rtol=cpu.RANK_TOLERANCE, case=case.name)
@@ -207,3 +207,17 @@ def test_rows_tied_with_more_targets_than_collected_are_searched_in_float64(capl
     np.testing.assert_array_equal(indices, np.tile(np.arange(5), (3, 1)))
     want = np.sqrt(((queries.astype(np.float64) - [1.0, 2.0, 3.0]) ** 2).sum(axis=1)).astype(np.float32)
     np.testing.assert_array_equal(values, np.repeat(want[:, None], 5, axis=1))
+
+
+@pytest.mark.parametrize("metric", ["l2", "inner_product", "cosine"])
+@pytest.mark.parametrize("writeable", [True, False])
+def test_the_kernels_read_read_only_rows_whatever_the_caller_passes(metric, writeable):
+    # One compiled variant per dtype: numba types a read-only array apart from a writable one.
+    rng = np.random.default_rng(5)
+    queries = rng.standard_normal((9, 8)).astype(np.float32)
+    targets = rng.standard_normal((300, 8)).astype(np.float32)
+    queries.flags.writeable = targets.flags.writeable = writeable
+    ops = _operands(targets, metric, queries)
+    for name in ("queries", "targets", "targets32", "scaled"):
+        assert not getattr(ops, name).flags.writeable, name
+    assert queries.flags.writeable is writeable and targets.flags.writeable is writeable
