@@ -429,63 +429,61 @@ def kernel_variants(only: str = ""):
         stages = 2 if wide else 3
         out += [
             ("rowlist", precision, n10, tr.tile_config(n10, 128, precision), False),
-            ("buffer", precision, 256, tr.buffer_tile_config(256, precision), False),
-            ("rowlist-64x128-w4", precision, n10, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist"), False),
-            ("rowlist-x1", precision, n10, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+            ("rowlist-64x128-w4", precision, n10, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist"), False),
+            ("rowlist-x1", precision, n10, tr.TileConfig(128, 128, 8, num_stages=stages,
                                                          kernel="rowlist", extra_passes=1), False),
-            ("buffer-64", precision, 256, tr.TileConfig(64, 128, 512, 8, num_stages=stages), False),
             # Segmented register lists (the default above ROWLIST_MAX is seg_cand 16, 128 x 128).
-            *[("segmented-32", precision, n_cand, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+            *[("segmented-32", precision, n_cand, tr.TileConfig(128, 128, 8, num_stages=stages,
                                                                 kernel="segmented", seg_cand=32), False)
               for n_cand in (128, 256)],   # 128: k = 100 from the plain width; how many rows proven?
-            ("segmented-64", precision, 256, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+            ("segmented-64", precision, 256, tr.TileConfig(128, 128, 8, num_stages=stages,
                                                            kernel="segmented", seg_cand=64), False),
             # 64 rows, 8 warps: no spills at seg_cand 64 (128 rows: 40-48 B stack; 4 warps: 192 B).
-            ("segmented-64-64x128-w8", precision, 256, tr.TileConfig(64, 128, 0, 8, num_stages=stages,
+            ("segmented-64-64x128-w8", precision, 256, tr.TileConfig(64, 128, 8, num_stages=stages,
                                                                      kernel="segmented", seg_cand=64), False),
         ]
-    out.append(("rowlist-s4", "bf16", 32, tr.TileConfig(128, 128, 0, 8, num_stages=4, kernel="rowlist"), False))
+    out.append(("rowlist-s4", "bf16", 32, tr.TileConfig(128, 128, 8, num_stages=4, kernel="rowlist"), False))
     # tf32 operands fill shared memory at 128 x 128 (64 KiB query tile + 64 KiB per stage):
     # narrower target tiles or fewer query rows leave room for deeper prefetch.
     out += [
-        ("rowlist-128x64-s4", "tf32", 16, tr.TileConfig(128, 64, 0, 8, num_stages=4, kernel="rowlist"), False),
-        ("rowlist-128x64-s3", "tf32", 16, tr.TileConfig(128, 64, 0, 8, num_stages=3, kernel="rowlist"), False),
-        ("rowlist-64x128-w8-s3", "tf32", 16, tr.TileConfig(64, 128, 0, 8, num_stages=3, kernel="rowlist"), False),
-        ("rowlist-128x64-s4", "bf16", 32, tr.TileConfig(128, 64, 0, 8, num_stages=4, kernel="rowlist"), False),
+        ("rowlist-128x64-s4", "tf32", 16, tr.TileConfig(128, 64, 8, num_stages=4, kernel="rowlist"), False),
+        ("rowlist-128x64-s3", "tf32", 16, tr.TileConfig(128, 64, 8, num_stages=3, kernel="rowlist"), False),
+        ("rowlist-64x128-w8-s3", "tf32", 16, tr.TileConfig(64, 128, 8, num_stages=3, kernel="rowlist"), False),
+        ("rowlist-128x64-s4", "bf16", 32, tr.TileConfig(128, 64, 8, num_stages=4, kernel="rowlist"), False),
         # The plain k=10 bf16 list (16), and 64-row programs of 4 warps (two per SM).
-        ("rowlist16", "bf16", 16, tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="rowlist"), False),
-        ("rowlist16-64x128-w4", "bf16", 16, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist"), False),
-        ("rowlist16-64x128-w4-noskip", "bf16", 16, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist",
+        ("rowlist16", "bf16", 16, tr.TileConfig(128, 128, 8, num_stages=3, kernel="rowlist"), False),
+        ("rowlist16-64x128-w4", "bf16", 16, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist"), False),
+        ("rowlist16-64x128-w4-noskip", "bf16", 16, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist",
                                                                   skip_test=False), False),
-        ("rowlist16-skip", "tf32", 16, tr.TileConfig(128, 128, 0, 8, num_stages=2, kernel="rowlist",
+        ("rowlist16-skip", "tf32", 16, tr.TileConfig(128, 128, 8, num_stages=2, kernel="rowlist",
                                                      skip_test=True), False),
-        ("rowlist16-noskip", "tf32", 16, tr.TileConfig(128, 128, 0, 8, num_stages=2, kernel="rowlist",
+        ("rowlist16-noskip", "tf32", 16, tr.TileConfig(128, 128, 8, num_stages=2, kernel="rowlist",
                                                        skip_test=False), False),
-        ("rowlist-64x128-w4-noskip", "bf16", 32, tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="rowlist",
+        ("rowlist-64x128-w4-noskip", "bf16", 32, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist",
                                                                 skip_test=False), False),
     ]
     for n_cand in (128, 256):   # segments of 64-row, 4-warp programs, two per SM
         out.append(("segmented-32-64x128-w4", "bf16", n_cand,
-                    tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=32), False))
+                    tr.TileConfig(64, 128, 4, num_stages=3, kernel="segmented", seg_cand=32), False))
     # Not yet timed: tf32 with three stages where d is consumed in 64-wide chunks (d > 128:
     # 32 + 32 KiB per stage fit three; at d=128 the whole 64 KiB query tile does not):
     # `--variants --no-check --d 768 --precisions tf32 --only rowlist-s3-tf32`.
-    out.append(("rowlist-s3-tf32", "tf32", 16, tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="rowlist"), False))
+    out.append(("rowlist-s3-tf32", "tf32", 16, tr.TileConfig(128, 128, 8, num_stages=3, kernel="rowlist"), False))
     # Not yet timed (next device session): the exact bf16 k=10 pass (n_cand 32) as four
     # 16-entry segments, and 8-entry segments for k=100 (S = n_cand / 4).
     out.append(("segmented-16-64x128-w4", "bf16", 32,
-                tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=16), False))
+                tr.TileConfig(64, 128, 4, num_stages=3, kernel="segmented", seg_cand=16), False))
     # Two 16-entry segments: as many insertions as one list of 32, each over 16 entries; the
     # floor (the lesser segment's 16th key) proves fewer rows than a list of 32.
     out.append(("segmented-16-s2-64x128-w4", "bf16", 32,
-                tr.TileConfig(64, 128, 0, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2), False))
+                tr.TileConfig(64, 128, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2), False))
     out.append(("segmented-16", "bf16", 32,
-                tr.TileConfig(128, 128, 0, 8, num_stages=3, kernel="segmented", seg_cand=16), False))
+                tr.TileConfig(128, 128, 8, num_stages=3, kernel="segmented", seg_cand=16), False))
     for precision, stages in (("tf32", 2), ("bf16", 3)):
         for seg, n_cand in [(seg, n) for seg in (8, 16) for n in (128, 256)]:
-            out.append((f"segmented-{seg}", precision, n_cand, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+            out.append((f"segmented-{seg}", precision, n_cand, tr.TileConfig(128, 128, 8, num_stages=stages,
                                                                              kernel="segmented", seg_cand=seg), False))
-        out.append(("segmented-32-skip", precision, 256, tr.TileConfig(128, 128, 0, 8, num_stages=stages,
+        out.append(("segmented-32-skip", precision, 256, tr.TileConfig(128, 128, 8, num_stages=stages,
                                                                        kernel="segmented", seg_cand=32,
                                                                        skip_test=True), False))
     parts = [p for p in only.split(",") if p]

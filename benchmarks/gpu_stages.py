@@ -133,7 +133,7 @@ def variants(Q, T, k, reps, only=()) -> list[dict]:
     configs.append(("m64w4_bd128_s2", dataclasses.replace(base, block_m=64, num_warps=4, num_stages=2,
                                                           block_d=128), None))
     if n_cand <= tr.ROWLIST_MAX:
-        configs.append(("one_list", tr.TileConfig(128, tr.BLOCK_N, 0, 8, num_stages=3, kernel="rowlist"), None))
+        configs.append(("one_list", tr.TileConfig(128, tr.BLOCK_N, 8, num_stages=3, kernel="rowlist"), None))
     rows = []
     for name, cfg, block_d in configs:
         if only and name not in only:

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 # Share of the free device memory (at open) a searcher may use for targets and batches.
 MEMORY_FRACTION = 0.7
-# Per query row, beyond its vectors: candidate buffer (<= 2048 int64 slots), keys, indices,
+# Per query row, beyond its vectors: candidate lists (<= 2048 int64 slots), keys, indices,
 # re-rank temporaries. Generous on purpose; the kernel chunks inside this budget.
 ROW_OVERHEAD_BYTES = 64 << 10
 MIN_BATCH_ROWS = 1024
@@ -130,7 +130,7 @@ class GpuBlockSearcher:
         it done); True when it ran.
 
         The fused kernel's specialisations follow the shapes, not only d, k and the precision:
-        the kernel form (a register list, its segments or the buffer kernel) and the survivor
+        the kernel form (a register list, its segments or the torch path) and the survivor
         test follow the number of targets and of query rows (``_gpu_triton.plan_candidates``,
         ``segment_count``, ``skip_share``), and Triton specialises integer arguments (rows,
         targets, dimension) by their divisibility by 16; the re-rank kernel the rows' dtypes.

@@ -1,15 +1,14 @@
 """The fused Triton kernels: tiled dot products folded into per-query candidate lists on chip.
 
-Two kernels share the tile product (:func:`_tile_keys`) and the packed (key, index) format:
-``_rowlist_kernel`` keeps each query's list in registers (see its docstring);
-``_fused_candidates_kernel``, described below, keeps them in a candidate buffer. Every list
-width runs by default in the *segmented* mode: the register-list kernel with ``SEG_CAND``-long
-lists over S target segments, whose union, with a floor on every key it left out, is the
-candidate list (see :func:`triton_candidates`: exact because the margin test uses the
-floor), so that a search compiles one candidate kernel whatever widths its rows widen to.
-:func:`tile_config` picks; one register list of up to ``ROWLIST_MAX`` entries, or the buffer
-kernel (:func:`buffer_tile_config`) for longer lists, runs where the targets are too few for
-the segments. Long first lists can start from a sample pass's seeds (:func:`sample_seed`).
+The candidate kernel, ``_rowlist_kernel``, keeps each query's list in registers (see its
+docstring) in the packed (key, index) format. Every list width runs by default in the
+*segmented* mode: ``SEG_CAND``-long lists over S target segments, whose union, with a floor
+on every key it left out, is the candidate list (see :func:`triton_candidates`: exact because
+the margin test uses the floor), so that a search compiles one candidate kernel whatever
+widths its rows widen to. :func:`tile_config` picks; one register list of up to
+``ROWLIST_MAX`` entries runs where the targets are too few for the segments, and a longer
+list there runs the torch path (:func:`plan_candidates`). Long first lists can start from a
+sample pass's seeds (:func:`sample_seed`).
 Where ``gpu.filter_refusal`` accepts (bf16, d >= 256, compute capability 9.x) the first pass
 is instead a threshold filter (:func:`filter_candidates`: per-row thresholds from a sample,
 one pass appending every key below them to a per-row buffer, no list in registers).
@@ -26,20 +25,16 @@ cores), turns them into keys ``bias_t - alpha * dot`` (smaller is better, see
   insertions per query grows only with ``n_cand * log(nt / n_cand)``).
 * **Survivors** (keys below ``thr``) are packed with their target index into one int64
   (order-preserving float bits << 32 | index: sorting the int64 sorts by key, then by the
-  lower index, the tie rule) and appended to the query's slice of a small candidate buffer
-  (``CAP`` slots per query and split, in global memory but private to the program, so it
-  stays in L1/L2). Positions come from a row-wise prefix sum; no atomics.
-* **Selection.** When a query's buffer could overflow, and once at the end, the program
-  reduces each buffer to its ``n_cand`` best with a bitonic top-k (``tl.topk``) and lowers
-  the threshold to the new ``n_cand``-th key.
+  lower index, the tie rule) and inserted into the query's register list, replacing its
+  worst entry (see ``_rowlist_kernel`` for how a tile with several survivors is taken).
 
 Memory traffic per program: the target tiles (shared through L2 by the programs that scan
-them at the same time; the register-list kernel reads them by TMA where the operand allows,
-:func:`target_descriptor`), one query tile per d-chunk, and the candidate buffer. Splits of the
-target range produce ``n_splits`` lists per query; the host merges them by sorting the
-packed keys (same tie rule as :func:`nearest_join.kernels.merge_topk`).
+them at the same time; read by TMA where the operand allows, :func:`target_descriptor`) and
+one query tile per d-chunk; the lists are stored once at the end. Splits of the target range
+produce ``n_splits`` lists per query; the host merges them by sorting the packed keys (same
+tie rule as :func:`nearest_join.kernels.merge_topk`).
 
-Besides the candidate kernels: the exact re-rank (:func:`triton_exact_values`), a target
+Besides the candidate kernel: the exact re-rank (:func:`triton_exact_values`), a target
 block's preparation in three streaming passes (:func:`triton_prepare_targets`, what
 ``gpu.prepare_targets`` runs on CUDA for every metric but cosine), and the compilation of a
 search's first candidate kernel and re-rank on threads while its blocks are prepared
@@ -75,30 +70,24 @@ _EMPTY = tl.constexpr(EMPTY)
 VIRTUAL_INDEX = 0x7FFFFFFF
 _VIRTUAL = tl.constexpr(VIRTUAL_INDEX)
 MAX_TARGETS = (1 << 31) - 1   # indices are packed as non-negative int32
-# Largest candidate list the kernels keep: the buffer kernel (the fallback at any width) sorts
-# BLOCK_M x CAP int64 in registers; the segmented mode merges 2 x n_cand per row on the host.
+# Largest candidate list the kernel keeps: the segmented mode merges 2 x n_cand per row on
+# the host.
 MAX_CANDIDATES = 1024
-# The selection sorts SEL_ROWS x CAP packed keys at a time (registers: 16 int64 per thread at 8 warps).
-SELECT_ELEMENTS = 4096
 
 
 @dataclass(frozen=True)
 class TileConfig:
-    """One compiled variant. ``kernel``: ``"rowlist"`` (register lists, small n_cand),
-    ``"segmented"`` (register lists of ``seg_cand`` entries over several target segments,
-    long n_cand; see :func:`triton_candidates`) or ``"buffer"`` (candidate buffer +
-    selection; its target loop appends survivors in bulk and unrolls the selection, so that
-    it holds no inner loop and triton's software pipeliner prefetches target tiles across
-    iterations (it skips loops that contain loops). ``extra_passes``: the
-    register-list kernel's argmin passes before the bitonic top-k (lists longer than
-    ``LOOP_CAND``) and ``skip_test`` its row-minimum test (see ``_rowlist_kernel``)."""
+    """One compiled variant of ``_rowlist_kernel``. ``kernel``: ``"rowlist"`` (one register
+    list per row, small n_cand) or ``"segmented"`` (register lists of ``seg_cand`` entries
+    over several target segments, long n_cand; see :func:`triton_candidates`).
+    ``extra_passes``: the argmin passes before the bitonic top-k (lists longer than
+    ``LOOP_CAND``) and ``skip_test`` the row-minimum test (see ``_rowlist_kernel``)."""
 
     block_m: int
     block_n: int
-    cap: int
     num_warps: int
     num_stages: int = 3
-    kernel: str = "buffer"
+    kernel: str = "rowlist"
     extra_passes: int = 3
     seg_cand: int = 0
     skip_test: bool | None = None   # register lists: None = by skip_share (SKIP_TEST_SHARE)
@@ -107,7 +96,8 @@ class TileConfig:
 
 
 # Lists up to this long live in registers (_rowlist_kernel); longer ones are the union of
-# SEG_CAND-long register lists over target segments (or, where that does not suit, the buffer).
+# SEG_CAND-long register lists over target segments (or, where that does not suit, the torch
+# path: :func:`plan_candidates`).
 ROWLIST_MAX = 64
 # Segment list length. S x SEG_CAND = 2 n_cand whatever SEG_CAND, and so is the number of
 # insertions per row; shorter lists make each insert (a reduction over the list) and each
@@ -153,17 +143,18 @@ def tile_config(n_cand: int, d: int, precision: str = "bf16") -> TileConfig:
     programs per SM (one program's list work overlaps the other's MMAs, which the compiler
     does not do within one program; benchmarks/gpu_notes.md). A search's widening rounds run
     its first pass's tiles (``gpu.search_prepared``), so those too share the kernel.
-    ``triton_candidates`` falls back to one register list or :func:`buffer_tile_config` where
-    the targets are too few for the segments.
+    :func:`plan_candidates` falls back to one register list where the targets are too few
+    for the segments, and to the torch path where that list would be longer than
+    ``ROWLIST_MAX``.
     """
     wide = precision != "bf16"
     if not wide and n_cand <= 2 * SEG_CAND and d <= 128:
-        return TileConfig(64, BLOCK_N, 0, 4, num_stages=3, kernel="segmented", seg_cand=SEG_CAND)
+        return TileConfig(64, BLOCK_N, 4, num_stages=3, kernel="segmented", seg_cand=SEG_CAND)
     # bf16 short lists take d in chunks of 128 where d does not fit one dot: fewer, longer
     # wgmma runs per target tile: faster passes at d = 384 and 1536 (k=10); the long lists of
     # k=100 only above CHUNK128_LONG_MIN_D (slower at d=768, faster at 1536: gpu_notes.md).
     chunk = 2 * BLOCK_D if not wide and (n_cand <= 2 * SEG_CAND or d >= CHUNK128_LONG_MIN_D) else 0
-    return TileConfig(128, BLOCK_N, 0, 8, num_stages=2 if wide else 3, kernel="segmented",
+    return TileConfig(128, BLOCK_N, 8, num_stages=2 if wide else 3, kernel="segmented",
                       seg_cand=SEG_CAND, block_d=chunk)
 
 
@@ -182,20 +173,6 @@ def search_tiles(m: int, nt: int, d: int, n_cand: int, precision: str,
     return cfg
 
 
-def buffer_tile_config(n_cand: int, precision: str = "bf16") -> TileConfig:
-    """The buffer kernel, whose selection's BLOCK_M x CAP int64 registers bound BLOCK_M;
-    CAP >= n_cand + BLOCK_N so that one tile's survivors always fit after a selection.
-    """
-    stages = 2 if precision != "bf16" else 3
-    if n_cand <= 64:
-        return TileConfig(64, BLOCK_N, 256, 8, num_stages=stages)
-    if n_cand <= 256:
-        return TileConfig(32, BLOCK_N, 512, 8, num_stages=stages)
-    if n_cand <= 512:
-        return TileConfig(16, BLOCK_N, 1024, 8, num_stages=stages)
-    return TileConfig(16, BLOCK_N, 2048, 16, num_stages=stages)
-
-
 @triton.jit
 def _pack(key, index):
     # Order-preserving int32 image of the float (negatives flipped), then the index below it.
@@ -209,48 +186,6 @@ def _unpack_key(packed):
     mono = (packed >> 32).to(tl.int32)
     bits = mono ^ ((mono >> 31) & 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _select_group(prog_buf, scratch, g, N_CAND: tl.constexpr, CAP: tl.constexpr,
-                  SEL_ROWS: tl.constexpr):
-    slots = tl.arange(0, CAP)
-    r = g * SEL_ROWS + tl.arange(0, SEL_ROWS)
-    base = r * CAP
-    n = tl.load(scratch + r)
-    packed = tl.load(prog_buf + base[:, None] + slots[None, :],
-                     mask=slots[None, :] < n[:, None], other=_EMPTY)
-    # topk keeps the largest: complement the keys (an order-reversing bijection on int64).
-    best = ~tl.topk(~packed, N_CAND)
-    tl.debug_barrier()  # the group's reads are done before its heads are overwritten
-    tl.store(prog_buf + base[:, None] + tl.arange(0, N_CAND)[None, :], best)
-
-
-@triton.jit
-def _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
-            N_CAND: tl.constexpr, CAP: tl.constexpr, BLOCK_M: tl.constexpr, SEL_ROWS: tl.constexpr,
-            UNROLL: tl.constexpr = False):
-    """Reduce each row's buffer to its N_CAND best (sorted); return (count, threshold).
-
-    Rows go through the bitonic top-k SEL_ROWS at a time (SEL_ROWS x CAP int64 live in
-    registers, not BLOCK_M x CAP: the hot loop keeps its registers).
-    """
-    offs = tl.arange(0, BLOCK_M)
-    scratch = scratch_ptr + (pid_m * n_splits + pid_s) * BLOCK_M
-    prog_buf = buf_ptr + (pid_m * n_splits + pid_s).to(tl.int64) * (BLOCK_M * CAP)
-    tl.store(scratch + offs, count)
-    # Every warp's appends (and counts) must be visible before any warp reads them back.
-    tl.debug_barrier()
-    if UNROLL:  # no scf loop: keeps the caller's target loop pipelinable
-        for g in tl.static_range(0, BLOCK_M // SEL_ROWS):
-            _select_group(prog_buf, scratch, g, N_CAND, CAP, SEL_ROWS)
-    else:
-        for g in range(0, BLOCK_M // SEL_ROWS):
-            _select_group(prog_buf, scratch, g, N_CAND, CAP, SEL_ROWS)
-    tl.debug_barrier()
-    worst = tl.load(prog_buf + offs * CAP + (N_CAND - 1))
-    new_count = tl.full([BLOCK_M], N_CAND, tl.int32)
-    return new_count, _unpack_key(worst)
 
 
 @triton.jit
@@ -313,63 +248,6 @@ def _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha, 
     # One FMA per key. alpha is 1 or 2 (key_alpha), so alpha * acc is exact and this equals
     # bias - alpha * acc rounded once, as the torch path computes it.
     return tl.fma(acc, -alpha, bias[None, :])
-
-
-# Sizes only bound loops and masks: one compiled variant serves every size.
-@triton.jit(do_not_specialize=["nq", "nt", "tiles_per_split"])
-def _fused_candidates_kernel(
-    q_ptr, t_ptr, bias_ptr, buf_ptr, scratch_ptr, level_ptr,
-    nq, nt, d, tiles_per_split, stride_q, stride_t,
-    alpha, stride_level, N_CAND: tl.constexpr, CAP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    SEL_ROWS: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    SINGLE_DOT: tl.constexpr = False, EVEN_D: tl.constexpr = False, LEVELS: tl.constexpr = False,
-):
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    if LEVELS:  # lower keys: this program's row of the bias table (_gpu_torch.lower_bias_table)
-        bias_ptr += tl.load(level_ptr + pid_m).to(tl.int64) * stride_level
-    n_splits = tl.num_programs(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < nq
-    # This program's buffer: BLOCK_M rows of CAP packed candidates, contiguous, so that
-    # per-element offsets stay 32-bit.
-    prog_buf = buf_ptr + (pid_m * n_splits + pid_s).to(tl.int64) * (BLOCK_M * CAP)
-    row_base = tl.arange(0, BLOCK_M) * CAP
-    t_start = pid_s * tiles_per_split * BLOCK_N
-    # Padding rows get -inf: no key is ever below it, so they store nothing.
-    thr = tl.where(row_ok, float("inf"), float("-inf"))
-    count = tl.zeros([BLOCK_M], dtype=tl.int32)
-    offs_n = tl.arange(0, BLOCK_N)
-    if SINGLE_DOT:
-        q = _query_tile(q_ptr, nq, d, stride_q, pid_m * BLOCK_M, BLOCK_M, BLOCK_D, DOT_UPCAST, EVEN_D)
-    else:
-        q = 0.0
-    for tile in range(0, tiles_per_split):
-        n0 = t_start + tile * BLOCK_N
-        if n0 < nt:  # the last split may be shorter
-            cols = n0 + offs_n
-            key = _tile_keys(q, q_ptr, t_ptr, bias_ptr, nq, nt, d, stride_q, stride_t, alpha,
-                             pid_m * BLOCK_M, n0, BLOCK_M, BLOCK_N, BLOCK_D, SINGLE_DOT,
-                             INPUT_PRECISION, DOT_UPCAST, EVEN_D)
-            row_min = tl.min(key, axis=1)
-            if tl.max((row_min < thr).to(tl.int32), axis=0) > 0:
-                survive = key < thr[:, None]
-                n_new = tl.sum(survive.to(tl.int32), axis=1)
-                if tl.max(count + n_new, axis=0) > CAP:
-                    # Unrolled (no scf loop): keeps the target loop pipelinable.
-                    count, thr = _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count,
-                                         N_CAND, CAP, BLOCK_M, SEL_ROWS, True)
-                    thr = tl.where(row_ok, thr, float("-inf"))
-                    survive = key < thr[:, None]
-                    n_new = tl.sum(survive.to(tl.int32), axis=1)
-                # Append every survivor (row-wise prefix sum): no inner loop, so the target
-                # loop stays pipelinable.
-                pos = count[:, None] + tl.cumsum(survive.to(tl.int32), axis=1) - 1
-                packed = _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32))
-                tl.store(prog_buf + row_base[:, None] + pos, packed, mask=survive)
-                count += n_new
-    _select(buf_ptr, scratch_ptr, pid_m, pid_s, n_splits, count, N_CAND, CAP, BLOCK_M, SEL_ROWS)
 
 
 @triton.jit
@@ -620,7 +498,7 @@ def segment_count(nq: int, nt: int, n_cand: int, config: TileConfig, num_sms: in
     :func:`split_count`, and at least ``SEGMENT_MIN_TILES`` tiles each. ``config.segments``
     replaces the first rules where set. 0 when the targets are too few for the union
     of the lists to fill even n_cand entries: those rows would all fail the margin; one
-    register list (n_cand <= ROWLIST_MAX) or the buffer kernel keeps a full list instead.
+    register list (n_cand <= ROWLIST_MAX) keeps a full list instead, or the torch path.
     """
     n_tiles = math.ceil(nt / config.block_n)
     seg = config.seg_cand
@@ -771,9 +649,8 @@ def shared_estimate(cfg: TileConfig, block_d: int, single_dot: bool, element_siz
     """Bytes of shared memory a configuration asks for: the query tile once and
     ``num_stages`` target tiles in flight (single dot), or ``num_stages`` (query, target)
     chunk pairs (d in ``block_d`` chunks); the bitonic merges' exchange of
-    (BLOCK_M, 2 list_len) packed keys (register lists) or the selection's SEL_ROWS x CAP
-    (buffer kernel) where that is larger; plus :data:`SHARED_SLACK`. Without TMA
-    (``t_desc``) the register-list kernel holds two copies of each operand tile in flight (the
+    (BLOCK_M, 2 list_len) packed keys where that is larger; plus :data:`SHARED_SLACK`.
+    Without TMA (``t_desc``) the kernel holds two copies of each operand tile in flight (the
     cp.async buffer and the transposed operand: sm_80, 128 x 128 bf16 tiles at d=128 and
     three stages compiled to 229,376 bytes, seven tiles; d in 64-chunks at d=96, 196,608
     bytes, twice the chunks)."""
@@ -781,14 +658,9 @@ def shared_estimate(cfg: TileConfig, block_d: int, single_dot: bool, element_siz
     copies = 1 if t_desc else 2
     if single_dot:
         tiles = (cfg.block_m + copies * stages * cfg.block_n) * block_d * element_size
-    elif cfg.kernel == "buffer":
-        tiles = stages * (cfg.block_m + cfg.block_n) * block_d * element_size
-    else:   # the register lists' flat (tile, chunk) loop: both operands, as the single dot
+    else:   # the flat (tile, chunk) loop: both operands, as the single dot
         tiles = copies * stages * (cfg.block_m + cfg.block_n) * block_d * element_size
-    if cfg.kernel == "buffer":
-        exchange = min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)) * cfg.cap * 8
-    else:
-        exchange = cfg.block_m * 2 * list_len * 8
+    exchange = cfg.block_m * 2 * list_len * 8
     return max(tiles, exchange) + SHARED_SLACK
 
 
@@ -796,7 +668,7 @@ def shared_estimate(cfg: TileConfig, block_d: int, single_dot: bool, element_siz
 class CandidatePlan:
     """One launch configuration of the candidate pass, as :func:`plan_candidates` returns it.
 
-    ``config``: tiles, warps, stages and kernel (``rowlist``, ``segmented`` or ``buffer``);
+    ``config``: tiles, warps, stages and kernel (``rowlist`` or ``segmented``);
     ``list_len`` the kernel's N_CAND (a segment's list in the segmented mode); ``n_splits``
     target splits (segments) and ``per_split`` targets per split (0: strided segments);
     ``block_d`` the d-chunk (the padded d with ``single_dot``); ``t_desc``: target tiles by TMA.
@@ -814,10 +686,6 @@ class CandidatePlan:
     @property
     def segmented(self) -> bool:
         return self.config.kernel == "segmented"
-
-    @property
-    def rowlist(self) -> bool:
-        return self.config.kernel in ("rowlist", "segmented")
 
 
 def _layouts(cfg: TileConfig, d: int, element_size: int):
@@ -860,25 +728,23 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
                              f"got {seg}")
         n_splits = splits or segment_count(m, nt, n_cand, cfg, limits.sms)
         if n_splits == 0 and n_cand <= min(ROWLIST_MAX, cfg.block_n):
-            cfg = TileConfig(cfg.block_m, cfg.block_n, 0, cfg.num_warps, num_stages=cfg.num_stages,
+            cfg = TileConfig(cfg.block_m, cfg.block_n, cfg.num_warps, num_stages=cfg.num_stages,
                              kernel="rowlist")
-        elif n_splits == 0 and n_cand <= BUFFER_MAX_CANDIDATES:
-            cfg = buffer_tile_config(n_cand, precision)
         elif n_splits == 0:
-            return []   # too few targets for segments, a list too long for a quick compile
+            # Too few targets for segments and a list too long for one register list: the
+            # torch path (LaunchRefused), whose cost at so few targets is small. (A kernel with
+            # a candidate buffer and a bitonic selection took 15-50 s to compile.)
+            return []
     segmented = cfg.kernel == "segmented"
-    rowlist = cfg.kernel == "rowlist" or segmented
     list_len = cfg.seg_cand if segmented else n_cand
-    if rowlist and list_len > cfg.block_n:
-        raise ValueError(f"config: rowlist needs n_cand {list_len} <= BLOCK_N {cfg.block_n}")
-    if not rowlist and cfg.cap < n_cand + cfg.block_n:
-        raise ValueError(f"config: CAP {cfg.cap} < n_cand {n_cand} + BLOCK_N {cfg.block_n}")
+    if list_len > cfg.block_n:
+        raise ValueError(f"config: a register list needs n_cand {list_len} <= BLOCK_N {cfg.block_n}")
     element_size = 2 if precision == "bf16" else 4
     plans = []
     for c, block_d, single_dot in _layouts(cfg, d, element_size):
         # TMA needs 16-byte rows (target_descriptor; the operands are contiguous, d wide);
         # d in chunks, the query chunks go by TMA too.
-        t_desc = (rowlist and limits.tma and block_d <= 256 and c.block_n <= 256
+        t_desc = (limits.tma and block_d <= 256 and c.block_n <= 256
                   and c.block_m <= 256 and (d * element_size) % 16 == 0)
         estimate = shared_estimate(c, block_d, single_dot, element_size, list_len, t_desc)
         if estimate > limits.shared_bytes:
@@ -890,12 +756,6 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
             n_split, per_split = _split_targets(nt, n_split, c.block_n)
         plans.append(CandidatePlan(c, list_len, n_split, per_split, block_d, single_dot, t_desc, estimate))
     return plans
-
-
-# The buffer kernel's widest list: its selection sorts BLOCK_M x CAP packed keys, and the
-# CAP = 2048 form (n_cand 1024) took most of a minute to compile; wider lists over targets too
-# few for segments run the torch path (:class:`LaunchRefused`).
-BUFFER_MAX_CANDIDATES = 256
 
 
 # Verdicts of _loads: (kernel name, compiled kernel's hash, device) -> None or the refusal.
@@ -948,22 +808,6 @@ def rowlist_arguments(plan: CandidatePlan, q_chunk, t_arg, t_op, bias, out, seed
     return grid, args, kwargs
 
 
-def buffer_arguments(plan: CandidatePlan, n_cand: int, q_chunk, t_op, bias, buf, scratch, level,
-                     rows: int, nt: int, d: int, alpha: float, stride_level: int, *,
-                     lower: bool, precision: str, upcast: bool):
-    """(grid, args, kwargs) of one ``_fused_candidates_kernel`` launch of ``plan``."""
-    cfg = plan.config
-    grid = (math.ceil(rows / cfg.block_m), plan.n_splits)
-    args = (q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, plan.per_split // cfg.block_n,
-            q_chunk.stride(0), t_op.stride(0), alpha, stride_level)
-    kwargs = dict(N_CAND=n_cand, CAP=cfg.cap, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                  BLOCK_D=plan.block_d, SEL_ROWS=min(cfg.block_m, max(1, SELECT_ELEMENTS // cfg.cap)),
-                  INPUT_PRECISION="ieee" if precision == "fp32" else "tf32", DOT_UPCAST=upcast,
-                  SINGLE_DOT=plan.single_dot, EVEN_D=d % plan.block_d == 0,
-                  LEVELS=lower, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return grid, args, kwargs
-
-
 def skip_test_of(plan: CandidatePlan, nt: int) -> bool:
     """Whether a register-list launch of ``plan`` over ``nt`` targets takes the row-minimum
     test (``SKIP_TEST``): the config's choice, else by :func:`skip_share` of its programs' tiles."""
@@ -975,29 +819,19 @@ def skip_test_of(plan: CandidatePlan, nt: int) -> bool:
     return skip_share(program_tiles, cfg.block_m, plan.list_len) >= SKIP_TEST_SHARE
 
 
-def candidate_launch(plan: CandidatePlan, n_cand: int, q_chunk, t_arg, t_op, bias, level, seed_chunk,
+def candidate_launch(plan: CandidatePlan, q_chunk, t_arg, t_op, bias, level, seed_chunk,
                      rows: int, nt: int, d: int, alpha: float, stride_level: int, *, lower: bool,
-                     precision: str, upcast: bool, buffer_rows: int | None = None):
+                     precision: str, upcast: bool, out_rows: int | None = None):
     """(kernel, grid, args, kwargs, output) of one candidate-kernel launch of ``plan`` over
-    ``rows`` query rows: the register lists' output (rows, splits x list) or the buffer
-    kernel's candidate buffer, both allocated here for ``buffer_rows`` rows (default
-    ``rows``: :func:`compile_ahead` compiles on one-row tensors, which specialise alike)."""
-    cfg = plan.config
-    device = q_chunk.device
-    alloc = rows if buffer_rows is None else buffer_rows
-    if plan.rowlist:
-        out = _kernel_buffer((alloc, plan.n_splits * plan.list_len), torch.int64, device)
-        grid, args, kwargs = rowlist_arguments(
-            plan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level, rows, nt, d, alpha, stride_level,
-            skip_test=skip_test_of(plan, nt), lower=lower, precision=precision, upcast=upcast)
-        return _rowlist_kernel, grid, args, kwargs, out
-    grid_m = math.ceil(alloc / cfg.block_m)
-    buf = _kernel_buffer((grid_m, plan.n_splits, cfg.block_m, cfg.cap), torch.int64, device)
-    scratch = _kernel_buffer((grid_m * plan.n_splits * cfg.block_m,), torch.int32, device)
-    grid, args, kwargs = buffer_arguments(
-        plan, n_cand, q_chunk, t_op, bias, buf, scratch, level, rows, nt, d, alpha, stride_level,
-        lower=lower, precision=precision, upcast=upcast)
-    return _fused_candidates_kernel, grid, args, kwargs, buf
+    ``rows`` query rows: the register lists' output (rows, splits x list), allocated here for
+    ``out_rows`` rows (default ``rows``: :func:`compile_ahead` compiles on one-row tensors,
+    which specialise alike)."""
+    alloc = rows if out_rows is None else out_rows
+    out = _kernel_buffer((alloc, plan.n_splits * plan.list_len), torch.int64, q_chunk.device)
+    grid, args, kwargs = rowlist_arguments(
+        plan, q_chunk, t_arg, t_op, bias, out, seed_chunk, level, rows, nt, d, alpha, stride_level,
+        skip_test=skip_test_of(plan, nt), lower=lower, precision=precision, upcast=upcast)
+    return _rowlist_kernel, grid, args, kwargs, out
 
 
 class _CompileAhead:
@@ -1086,9 +920,9 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
         for plan in plan_candidates(m, nt, d, n_cand, precision, limits, config=config):
             t_arg = target_descriptor(t_op, plan.config.block_n, plan.block_d) if plan.t_desc else t_op
             kernel, grid, args, kwargs, _ = candidate_launch(
-                plan, n_cand, q_op, t_arg, t_op, bias, level if lower else bias, seed, m, nt, d,
+                plan, q_op, t_arg, t_op, bias, level if lower else bias, seed, m, nt, d,
                 key_alpha(metric), 16 if lower else 0, lower=lower, precision=precision,
-                upcast=False, buffer_rows=1)
+                upcast=False, out_rows=1)
             if _loads(kernel, grid, args, kwargs, device) is None:
                 return
 
@@ -1131,8 +965,8 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     resolved to the lower index, and ``floor`` float32 (m,): every target not in a row's list
     has approximate key >= floor (the contract of :func:`_gpu_torch.exact_topk`).
 
-    The rowlist and buffer kernels return each row's n_cand best: floor is the last key, or
-    +inf when the list holds every target. The segmented mode (``config.kernel ==
+    One register list per row (``"rowlist"``) holds each row's n_cand best: floor is the last
+    key, or +inf when the list holds every target. The segmented mode (``config.kernel ==
     "segmented"``, the default above ``ROWLIST_MAX``) runs the register-list kernel with
     ``seg_cand``-long lists over ``S`` target segments (:func:`segment_count`; segment s
     holds tiles s, s + S, ..., so that neighbours stored together spread over the segments)
@@ -1143,24 +977,22 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     segment program loads its query tile once and stores rows x S x seg_cand int64, which
     the merge reads back. The cost is list work: S lists that each start empty take
     ~S * seg_cand * (1 + ln(targets per segment / seg_cand)) insertions per row against
-    ~n_cand * (1 + ln(nt / n_cand)) for one list, but each is a register update, not a
-    buffer append and a wide selection.
+    ~n_cand * (1 + ln(nt / n_cand)) for one list.
     The union (2 n_cand wide) is cut to n_cand: the re-rank gathers one d-vector per column,
     the cut keeps the floor valid, and a row that the cut leaves unproven needed more than
     n_cand candidates within its margin, more than ``candidate_width`` plans for. Where the
-    targets are too few for enough segments the buffer kernel runs instead
-    (:func:`buffer_tile_config`).
+    targets are too few for enough segments one register list runs instead, up to
+    ``ROWLIST_MAX`` entries (:func:`plan_candidates`; longer lists: :class:`LaunchRefused`).
 
     The launch configuration is the first of :func:`plan_candidates` (shared memory within
     the device's limit by estimate) whose compiled kernel the device can load (:func:`_loads`);
     :class:`LaunchRefused` when none can (the caller then runs the torch path).
 
     ``splits`` forces the number of target splits (segments in the segmented mode).
-    ``buffer_bytes`` bounds the candidate buffer: queries run in chunks that fit it.
+    ``buffer_bytes`` bounds the lists' output: queries run in chunks that fit it.
     ``seed`` (float32 (m,), +inf = none): keys above a row's seed cannot matter to the caller
     (the widening rounds of :func:`_gpu_torch.exact_topk`); the register-list kernels then
     never insert them and the row's floor is at most just above its seed (:func:`floor_key`).
-    The buffer kernel ignores it, which is valid: a seed only narrows what must be kept.
     ``lower``: the keys are lower keys (EXACT mode's per-target bound): each program reads
     its row of ``_gpu_torch.lower_bias_table`` as the bias; no other work per key.
     ``levels``: that table's levels (default ``_gpu_torch.lower_levels(n_cand)``).
@@ -1194,27 +1026,23 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
         cfg = plan.config
         if lower and cfg.block_m != plans[0].config.block_m:   # the table's levels are per program
             table, levels = lower_bias_table(queries, targets, cfg.block_m, n_levels)
-        rowlist, segmented, list_len = plan.rowlist, plan.segmented, plan.list_len
-        slots = list_len if rowlist else cfg.cap
+        segmented, list_len = plan.segmented, plan.list_len
         rows_per_launch = max(cfg.block_m,
-                              (buffer_bytes // (8 * slots * plan.n_splits)) // cfg.block_m * cfg.block_m)
+                              (buffer_bytes // (8 * list_len * plan.n_splits)) // cfg.block_m * cfg.block_m)
         t_arg = target_descriptor(t_op, cfg.block_n, plan.block_d) if plan.t_desc else t_op
         launched = False
         for r0 in range(0, m, rows_per_launch):
             r1 = min(m, r0 + rows_per_launch)
             rows = r1 - r0
-            grid_m = math.ceil(rows / cfg.block_m)
             q_chunk = q_op[r0:r1]
             if lower:   # rows_per_launch is a multiple of block_m: programs stay aligned
                 bias, level, stride_level = table, levels[r0 // cfg.block_m:], table.stride(0)
             else:
                 bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
-            seed_chunk = None
-            if rowlist:
-                seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
-                              if seeded else torch.full((rows,), math.inf, device=device))
-            kernel, grid, args, kwargs, out = candidate_launch(
-                plan, n_cand, q_chunk, t_arg, t_op, bias, level, seed_chunk, rows, nt, d, alpha,
+            seed_chunk = (torch.nan_to_num(seed[r0:r1].to(torch.float32), nan=math.inf).contiguous()
+                          if seeded else torch.full((rows,), math.inf, device=device))
+            kernel, grid, args, kwargs, lists = candidate_launch(
+                plan, q_chunk, t_arg, t_op, bias, level, seed_chunk, rows, nt, d, alpha,
                 stride_level, lower=lower, precision=precision, upcast=upcast)
             if not launched:
                 _AHEAD.wait()   # a compilation of this search's first pass started ahead
@@ -1226,28 +1054,23 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                     break
                 launched = True
             kernel[grid](*args, **kwargs)
-            if rowlist:
-                lists = out
-            else:
-                lists = out[:, :, :, :n_cand].permute(0, 2, 1, 3).reshape(
-                    grid_m * cfg.block_m, plan.n_splits * n_cand)[:rows]
             if segmented:
                 lists, floor = merge_segments(lists, plan.n_splits, n_cand)
                 floor_out[r0:r1] = floor
             elif plan.n_splits > 1:
                 # Merge the splits' lists: sorting packed keys sorts by (key, index).
                 lists = torch.topk(lists, n_cand, dim=1, largest=False, sorted=True).values
-            elif rowlist:  # register lists come back unsorted
+            else:  # register lists come back unsorted
                 lists = torch.sort(lists, dim=1).values
             k_vals, k_idx = unpack(lists)
-            if rowlist and seeded:   # placeholders of seeded lists: empty slots
+            if seeded:   # placeholders of seeded lists: empty slots
                 virtual = k_idx == VIRTUAL_INDEX
                 k_vals = torch.where(virtual, math.inf, k_vals)
                 k_idx = torch.where(virtual, -1, k_idx)
             width = lists.shape[1]
             keys_out[r0:r1, :width] = k_vals
             idx_out[r0:r1, :width] = k_idx
-            if not segmented and (nt > n_cand or (rowlist and seeded)):
+            if not segmented and (nt > n_cand or seeded):
                 # The list's n_cand best: the last key (just above a seed's placeholder).
                 floor_out[r0:r1] = floor_key(lists[:, -1])
         if launched:

@@ -10,14 +10,16 @@ would offer configurations only the device check catches).
 The shapes: d = 1..1536 (the common embedding sizes and odd ones), every candidate-list width
 a search can ask for (k = 1, 10, 100 and the largest the fused kernel takes, widening rounds
 included), bf16 / tf32 / fp32, many and few queries, targets enough for segments and too few.
-The grid has about 700 distinct configurations (a few seconds of compilation each): every one
-is checked against the limits by its estimate, and only the configurations distinct in shared
-memory are compiled: the most demanding one (largest estimate) of each target, kernel and
-layout (6 compilations), and the threshold filter's one launch shape on sm_90, the only target it runs on (2 compilations: plain and lower keys). The segmented mode is the row-list kernel with other list lengths
-(lists live in registers: it compiles to the row-list mode's shared memory, byte for byte),
-and the buffer kernel's shared memory does not follow its layout (its selection loop keeps the
-target loop unpipelined), so neither is a group of its own; per precision too took nine
-minutes on two cores, so not here. Compiled kernels stay in Triton's cache (``TRITON_CACHE_DIR``,
+The grid has hundreds of distinct configurations (a few seconds of compilation each): every
+one is checked against the limits by its estimate, and only the configurations distinct in
+shared memory are compiled: the most demanding one (largest estimate) of each target and
+layout (single dot or d in chunks: 4 compilations), and the threshold filter's one launch
+shape on sm_90, the only target it runs on (2 compilations: plain and lower keys). The
+segmented mode is the row-list kernel with other list lengths (lists live in registers: it
+compiles to the row-list mode's shared memory, byte for byte), so it is no group of its own;
+per precision too took nine minutes on two cores, so not here. Where the targets are too few
+for segments and the list too long for one register list, the chooser returns nothing: the
+torch path runs (checked over the grid). Compiled kernels stay in Triton's cache (``TRITON_CACHE_DIR``,
 by default ``~/.triton/cache``): a second run on the same machine only reads them back.
 """
 from __future__ import annotations
@@ -67,7 +69,9 @@ def plans_of_the_grid():
                     for m, nt in SHAPES:
                         plans = tr.plan_candidates(m, nt, d, n_cand, precision, limits)
                         if not plans:   # the torch path: too few targets for segments
-                            assert n_cand > tr.BUFFER_MAX_CANDIDATES, (name, d, n_cand, precision, m, nt)
+                            assert n_cand > tr.ROWLIST_MAX, (name, d, n_cand, precision, m, nt)
+                            assert tr.segment_count(m, nt, n_cand, tr.tile_config(n_cand, d, precision),
+                                                    limits.sms) == 0, (name, d, n_cand, precision, m, nt)
                             continue
                         for plan in plans:
                             assert plan.shared_estimate <= limits.shared_bytes
@@ -102,16 +106,10 @@ def _arguments(plan, d, precision, n_cand):
     level = torch.zeros(8, dtype=torch.int32)
     aligned = (d * t.element_size()) % 16 == 0
     t_arg = TensorDescriptor.from_tensor(t, [plan.config.block_n, plan.block_d]) if plan.t_desc and aligned else t
-    if plan.rowlist:
-        out = torch.zeros((rows, plan.n_splits * plan.list_len), dtype=torch.int64)
-        return tr._rowlist_kernel, tr.rowlist_arguments(
-            plan, q, t_arg, t, bias, out, bias, level, rows, nt, d, 2.0, 0, skip_test=True,
-            lower=False, precision=precision, upcast=False)
-    buf = torch.zeros(1, dtype=torch.int64)
-    scratch = torch.zeros(1, dtype=torch.int32)
-    return tr._fused_candidates_kernel, tr.buffer_arguments(
-        plan, n_cand, q, t, bias, buf, scratch, level, rows, nt, d, 2.0, 0, lower=False,
-        precision=precision, upcast=False)
+    out = torch.zeros((rows, plan.n_splits * plan.list_len), dtype=torch.int64)
+    return tr._rowlist_kernel, tr.rowlist_arguments(
+        plan, q, t_arg, t, bias, out, bias, level, rows, nt, d, 2.0, 0, skip_test=True,
+        lower=False, precision=precision, upcast=False)
 
 
 def _check_compiled(entry, name):
@@ -130,14 +128,12 @@ def _check_compiled(entry, name):
 
 
 def _representative(found, by_precision: bool):
-    """The configuration with the largest estimate per (target, kernel, layout), and per
-    precision too with ``by_precision``: the row-list kernel (segmented mode included) per
-    layout, the buffer kernel once per target (see the module notes)."""
+    """The configuration with the largest estimate per (target, layout), and per precision
+    too with ``by_precision`` (the segmented mode is the row-list kernel: see the module notes)."""
     best = {}
     for key, entry in found.items():
         plan = entry[0]
-        group = (key[0], key[1] if by_precision else "", "rowlist" if plan.rowlist else "buffer",
-                 plan.single_dot if plan.rowlist else None)
+        group = (key[0], key[1] if by_precision else "", plan.single_dot)
         if group not in best or entry[0].shared_estimate > best[group][1][0].shared_estimate:
             best[group] = (key, entry)
     return [pytest.param(entry, key[0], id=f"{key[0]}-{key[1]}-{entry[0].config.kernel}-"

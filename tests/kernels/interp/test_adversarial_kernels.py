@@ -31,7 +31,7 @@ CASES = [lambda: adv.offset_case(16, 10.0, 0.1, nq=6, nt=150, seed=3),
 IDS = ["offset10-d16-float32", "offset1000-d3-float64", "magnitude1e20", "parallel-d16"]
 
 
-# Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones.
+# Tiny tiles: the row-list kernel for short lists, the torch path for wider ones.
 small = Small("rowlist")
 
 

@@ -25,7 +25,7 @@ from tests.oracle import assert_capped_topk, backend_rtol, key_values, oracle_ke
 SIMILARITIES = ("cosine", "inner_product")
 
 
-# Tiny tiles: the row-list kernel for short lists, the buffer kernel for wider ones.
+# Tiny tiles: the row-list kernel for short lists, the torch path for wider ones.
 small = Small("rowlist")
 
 

@@ -102,7 +102,7 @@ def test_lower_keys_are_the_register_lists_lower_keys(monkeypatch):
     ts = gt.prepare_side(torch.from_numpy(t), "sqeuclidean", "bf16", frame=qs.frame)
     inf = torch.full((qs.rows,), math.inf)
     got = tr.filter_candidates(qs, ts, 16, inf, lower=True, levels=4, tiles=TINY, cap=256)
-    lists = tr.TileConfig(16, 32, 0, 4, kernel="rowlist", extra_passes=2)
+    lists = tr.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
     want = tr.triton_candidates(qs, ts, 16, config=lists, splits=1, lower=True, levels=4)
     tol = 1e-5 * float(want[0].abs().max())
     assert torch.allclose(got[0], want[0], atol=tol)
