@@ -403,6 +403,25 @@ TABLES: dict[tuple[str, str], Table] = {
                                            if r["precision"] == p),
                                        sum(1 for r in records if r["precision"] == p))}
             for p in dict.fromkeys(r["precision"] for r in records)]),
+    ("gpu_kernel", "compile_few_targets"): Table(
+        "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
+        [col("precision", "precision"), col("d measured", "dims"),
+         *[Col(f"k={k}: worst first call s (at d)", lambda row, run, k=k: row["worst"].get(k, "-"),
+               ("first_call_s",)) for k in (1, 10, 100, 1000)],
+         col("over 10 s", "over")],
+        about="2,048 x 5,003, l2 (at k >= 50 too few targets for the segments: one register list, or the torch path beyond it), each configuration's first call in a fresh process with an empty "
+              "Triton cache (what a new executor pays: compilation, CUDA and cuBLAS start-up), several "
+              "processes at once; the worst over the dimensions measured (every configuration, and its "
+              "warm call, is in the records).",
+        group=lambda records: [
+            {"precision": p, "dims": ", ".join(str(d) for d in sorted({r["d"] for r in records if r["precision"] == p})),
+             "worst": {k: "{:.1f} ({})".format(*max((r.get("first_call_s") or 0.0, r["d"]) for r in records
+                                                   if r["precision"] == p and r["k"] == k))
+                       for k in {r["k"] for r in records if r["precision"] == p}},
+             "over": "{} of {}".format(sum((r.get("first_call_s") or 0.0) > 10 for r in records
+                                           if r["precision"] == p),
+                                       sum(1 for r in records if r["precision"] == p))}
+            for p in dict.fromkeys(r["precision"] for r in records)]),
     ("gpu_kernel", "compare"): Table(
         "GPU kernel: fused top-k against the GEMM alone and addmm + topk",
         [col("d", "d"), col("precision", "precision"), col("k", "k"), col("GEMM ms", "gemm_ms", ".1f"),
