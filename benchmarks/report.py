@@ -297,6 +297,33 @@ CPU = Table(
           "one column group per BLAS kernel selection (a run each); ratios compare engines of one run.",
     plot=plot_cpu, group=by_engine, merge_tables=True)
 
+def compile_table(title: str, shape: str) -> Table:
+    """The first-call table of gpu_shapes' compile matrix at one shape: per precision, the
+    worst first call per k (and its d) and how many were over 10 s."""
+    def group(records):
+        out = []
+        for p in dict.fromkeys(r["precision"] for r in records):
+            mine = [r for r in records if r["precision"] == p]
+            worst = {k: "{:.1f} ({})".format(*max((r.get("first_call_s") or 0.0, r["d"]) for r in mine if r["k"] == k))
+                     for k in {r["k"] for r in mine}}
+            out.append({"precision": p, "dims": ", ".join(str(d) for d in sorted({r["d"] for r in mine})),
+                        "worst": worst,
+                        "over": f"{sum((r.get('first_call_s') or 0.0) > 10 for r in mine)} of {len(mine)}"})
+        return out
+
+    return Table(
+        title,
+        [col("precision", "precision"), col("d measured", "dims"),
+         *[Col(f"k={k}: worst first call s (at d)", lambda row, run, k=k: row["worst"].get(k, "-"),
+               ("first_call_s",)) for k in (1, 10, 100, 1000)],
+         col("over 10 s", "over")],
+        about=f"{shape}, l2, each configuration's first call in a fresh process with an empty Triton "
+              "cache (what a new executor pays: compilation, CUDA and cuBLAS start-up), several "
+              "processes at once; the worst over the dimensions measured (every configuration, and its "
+              "warm call, is in the records).",
+        group=group)
+
+
 TABLES: dict[tuple[str, str], Table] = {
     ("cpu_kernel", "*"): CPU,
     ("spark_join", "operator"): Table(
@@ -384,44 +411,12 @@ TABLES: dict[tuple[str, str], Table] = {
               "it (the machine is shared: under load the ratio of CPU seconds holds, that of wall "
               "times does not).",
         plot=plot_recall),
-    ("gpu_kernel", "compile"): Table(
-        "GPU first-call compile time (fresh Triton cache)",
-        [col("precision", "precision"), col("d measured", "dims"),
-         *[Col(f"k={k}: worst first call s (at d)", lambda row, run, k=k: row["worst"].get(k, "-"),
-               ("first_call_s",)) for k in (1, 10, 100, 1000)],
-         col("over 10 s", "over")],
-        about="2,048 x 60,000, l2, each configuration's first call in a fresh process with an empty "
-              "Triton cache (what a new executor pays: compilation, CUDA and cuBLAS start-up), several "
-              "processes at once; the worst over the dimensions measured (every configuration, and its "
-              "warm call, is in the records).",
-        group=lambda records: [
-            {"precision": p, "dims": ", ".join(str(d) for d in sorted({r["d"] for r in records if r["precision"] == p})),
-             "worst": {k: "{:.1f} ({})".format(*max((r.get("first_call_s") or 0.0, r["d"]) for r in records
-                                                   if r["precision"] == p and r["k"] == k))
-                       for k in {r["k"] for r in records if r["precision"] == p}},
-             "over": "{} of {}".format(sum((r.get("first_call_s") or 0.0) > 10 for r in records
-                                           if r["precision"] == p),
-                                       sum(1 for r in records if r["precision"] == p))}
-            for p in dict.fromkeys(r["precision"] for r in records)]),
-    ("gpu_kernel", "compile_few_targets"): Table(
+    ("gpu_kernel", "compile"): compile_table(
+        "GPU first-call compile time (fresh Triton cache)", "2,048 x 60,000"),
+    ("gpu_kernel", "compile_few_targets"): compile_table(
         "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
-        [col("precision", "precision"), col("d measured", "dims"),
-         *[Col(f"k={k}: worst first call s (at d)", lambda row, run, k=k: row["worst"].get(k, "-"),
-               ("first_call_s",)) for k in (1, 10, 100, 1000)],
-         col("over 10 s", "over")],
-        about="2,048 x 5,003, l2 (at k >= 50 too few targets for the segments: one register list, or the torch path beyond it), each configuration's first call in a fresh process with an empty "
-              "Triton cache (what a new executor pays: compilation, CUDA and cuBLAS start-up), several "
-              "processes at once; the worst over the dimensions measured (every configuration, and its "
-              "warm call, is in the records).",
-        group=lambda records: [
-            {"precision": p, "dims": ", ".join(str(d) for d in sorted({r["d"] for r in records if r["precision"] == p})),
-             "worst": {k: "{:.1f} ({})".format(*max((r.get("first_call_s") or 0.0, r["d"]) for r in records
-                                                   if r["precision"] == p and r["k"] == k))
-                       for k in {r["k"] for r in records if r["precision"] == p}},
-             "over": "{} of {}".format(sum((r.get("first_call_s") or 0.0) > 10 for r in records
-                                           if r["precision"] == p),
-                                       sum(1 for r in records if r["precision"] == p))}
-            for p in dict.fromkeys(r["precision"] for r in records)]),
+        "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the "
+        "torch path beyond it)"),
     ("gpu_kernel", "compare"): Table(
         "GPU kernel: fused top-k against the GEMM alone and addmm + topk",
         [col("d", "d"), col("precision", "precision"), col("k", "k"), col("GEMM ms", "gemm_ms", ".1f"),
