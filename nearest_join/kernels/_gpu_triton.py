@@ -733,7 +733,7 @@ def plan_candidates(m: int, nt: int, d: int, n_cand: int, precision: str, limits
         elif n_splits == 0:
             # Too few targets for segments and a list too long for one register list: the
             # torch path (LaunchRefused), whose cost at so few targets is small. (A kernel with
-            # a candidate buffer and a bitonic selection took 15-50 s to compile.)
+            # a candidate buffer and a bitonic selection compiled too slowly: gpu_notes.md.)
             return []
     segmented = cfg.kernel == "segmented"
     list_len = cfg.seg_cand if segmented else n_cand
