@@ -324,7 +324,8 @@ def sample_center(rows, factors):
     """The mean of ``rows[i] * factors[i]`` over at most MEAN_SAMPLE evenly spaced rows, in
     float64 (the shift's reference point), and the mean squared distance of those rows from
     it (the sample's spread). Any point keeps the search exact (the bound uses the shifted rows
-    as they are); one near the block's centre keeps the shifted values small."""
+    as they are); one near the block's centre keeps the shifted values small. Both passes
+    accumulate per column (independent sums, which the loop vectorises), then add the columns."""
     step = max(1, (rows.shape[0] + MEAN_SAMPLE - 1) // MEAN_SAMPLE)
     center = np.zeros(rows.shape[1], dtype=np.float64)
     count = 0
@@ -336,13 +337,13 @@ def sample_center(rows, factors):
     if count == 0:
         return center, 0.0
     center /= count
-    spread = 0.0
+    spread = np.zeros(rows.shape[1], dtype=np.float64)
     for i in range(0, rows.shape[0], step):
         f = factors[i]
         for j in range(rows.shape[1]):
             x = np.float64(rows[i, j]) * f - center[j]
-            spread += x * x
-    return center, spread / count
+            spread[j] += x * x
+    return center, spread.sum() / count
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -374,21 +375,28 @@ def row_peaks(rows, factors, center):
     return out
 
 
+@njit(fastmath={"reassoc"}, nogil=True, cache=True)
+def _square_sum(row):
+    """|row|^2 of a float32 row in float64: one compiled summation order (``reassoc`` lets
+    LLVM vectorise it) for every row, so equal rows get equal norms."""
+    total = 0.0
+    for j in range(row.shape[0]):
+        v = np.float64(row[j])
+        total += v * v
+    return total
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def shift_scale(rows, factors, center, scales, out, out_sq):
     """``out[i, j] = float32((rows[i, j] * factors[i] - center[j]) * scales[i])``: the
     shifted, scaled float32 operand of the sgemm, computed in float64 and rounded once; and
-    ``out_sq[i]`` = |out[i]|^2 accumulated in float64 in a fixed order (equal rows, equal
-    norms)."""
+    ``out_sq[i]`` = |out[i]|^2 in float64 (:func:`_square_sum`: equal rows, equal norms)."""
     for i in prange(rows.shape[0]):
         f = factors[i]
         s = scales[i]
-        total = 0.0
         for j in range(rows.shape[1]):
-            v = np.float32((np.float64(rows[i, j]) * f - center[j]) * s)
-            out[i, j] = v
-            total += np.float64(v) * np.float64(v)
-        out_sq[i] = total
+            out[i, j] = np.float32((np.float64(rows[i, j]) * f - center[j]) * s)
+        out_sq[i] = _square_sum(out[i])
 
 
 # Exact keys (see ``cpu.CpuBackend.run``): the ranking key of a pair in float64 from the
