@@ -233,10 +233,10 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         # JVM and the Python workers); without it the first approx calls ran slower than the
         # later calls of the same plan, and the first recall row paid for all of them.
         # Exact needs none: its calls are long, and its first full call is one of its repeats.
-        timed_once(mode="approx", **({"nlist": default_nlist(nt)} if force else {}))
+        timed_once(mode="approx", **({"nlist": default_nlist(nt, nq)} if force else {}))
     for wanted in recalls:
         # --quick forces the IVF plan (its size is below the one where approx runs IVF)
-        forced = {"nlist": default_nlist(nt)} if force else {}
+        forced = {"nlist": default_nlist(nt, nq)} if force else {}
         before = load()
         found, seconds, cpu, plan, runs = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf

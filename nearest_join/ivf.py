@@ -81,10 +81,19 @@ FORMAT = "nearest_join.ivf_index/1"
 _CENTROIDS, _META = "centroids.npy", "ivf_index.json"
 
 
-def default_nlist(target_rows: int) -> int:
-    """Lists for ``target_rows``: about sqrt(rows) (lists of ~sqrt(rows) rows each, so a
-    probe's search and the routing cost alike), between 1 and :data:`MAX_LISTS`."""
-    return int(min(max(1, round(math.sqrt(max(target_rows, 0)))), MAX_LISTS))
+def default_nlist(target_rows: int, query_rows: int | None = None) -> int:
+    """Lists for a join of ``query_rows`` against ``target_rows``: where what the lists cost
+    and what they save balance. Routing measures every target and query row against every
+    centroid, (target_rows + query_rows) x nlist distances, and a query's probe searches about
+    target_rows / nlist rows, query_rows x target_rows / nlist in all: the sum is smallest at
+    nlist = sqrt(query_rows x target_rows / (target_rows + query_rows)), about sqrt(query_rows)
+    for few queries against many targets and sqrt(target_rows / 2) for as many of each.
+    ``query_rows`` None (an index built before its joins, :func:`build_ivf_index`) counts as
+    many queries as targets. Between 1 and :data:`MAX_LISTS`."""
+    targets = max(target_rows, 0)
+    queries = targets if query_rows is None else max(query_rows, 0)
+    balanced = math.sqrt(targets * queries / (targets + queries)) if targets + queries else 0.0
+    return int(min(max(1, round(balanced)), MAX_LISTS))
 
 
 def default_sample_rows(nlist: int, target_rows: int) -> int:
@@ -246,7 +255,8 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
     metric : {"l2", "sqeuclidean", "cosine", "inner_product"}
         The joins' metric (lists of the similarities are trained on normalised copies).
     nlist : int, optional
-        Lists (centroids); default about sqrt(target rows) (:func:`default_nlist`).
+        Lists (centroids); default about sqrt(target rows / 2) (:func:`default_nlist`, for
+        joins of as many queries as targets).
     seed : int
         Seeds the sample and k-means: the same input and seed give the same index.
     sample : int, optional
@@ -283,9 +293,10 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
 
 
 def train_index(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
-                sample: int | None, target_rows: int) -> IVFIndex:
-    """:func:`build_ivf_index` once the arguments are checked and the rows counted."""
-    lists = nlist if nlist is not None else default_nlist(target_rows)
+                sample: int | None, target_rows: int, query_rows: int | None = None) -> IVFIndex:
+    """:func:`build_ivf_index` once the arguments are checked and the rows counted
+    (``query_rows``: the join's, for the default ``nlist``)."""
+    lists = nlist if nlist is not None else default_nlist(target_rows, query_rows)
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
     vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
     if nlist is None:   # the default adapts to what the sample holds
@@ -565,14 +576,16 @@ def plan_approx(planned):
                          f"multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core on {plan.cores} cores: too "
                          "little for IVF's fixed costs (pass nlist, nprobe or index to force it)")
     if keyed:
-        nlist = options.index.nlist if options.index is not None else options.nlist or default_nlist(plan.target_rows)
+        nlist = (options.index.nlist if options.index is not None
+                 else options.nlist or default_nlist(plan.target_rows, plan.query_rows))
         if rows <= KEY_WHOLE_LISTS * plan.target_rows // nlist:
             return exact(all_keys_whole(KEY_WHOLE_LISTS * plan.target_rows // nlist, nlist))
     index = options.index
     built = "given"
     if index is None:
         index = train_index(planned.target, parsed.target_column, parsed.metric, nlist=options.nlist,
-                            seed=options.seed, sample=None, target_rows=plan.target_rows)
+                            seed=options.seed, sample=None, target_rows=plan.target_rows,
+                            query_rows=plan.query_rows)
         built = f"trained on {index.sample_rows} sampled target rows ({index.iterations} Lloyd iterations)"
     if options.nprobe is not None and options.nprobe > index.nlist:
         raise ArgumentError("nprobe", f"expected at most nlist = {index.nlist} (the index's lists), "

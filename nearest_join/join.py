@@ -253,7 +253,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         whose estimate's lower 95% bound meets it; the estimate and its interval are in the
         plan. Ignored in exact mode.
     nlist, nprobe : int, keyword-only
-        ``mode="approx"``: lists of the index (default about sqrt(target rows)) and lists
+        ``mode="approx"``: lists of the index (default about sqrt(q t / (q + t)) for q query
+        and t target rows: what routing costs and what it saves balance) and lists
         probed per query (default: chosen by ``recall``); ``nprobe == nlist`` searches
         every list (the exact result). Either forces the IVF plan at any size.
     seed : int, keyword-only

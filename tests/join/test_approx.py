@@ -174,7 +174,12 @@ def test_default_sizes():
         default_sample_rows,
     )
 
-    assert default_nlist(1_000_000) == 1000 and default_nlist(0) == 1 and default_nlist(10**12) == MAX_LISTS
+    # sqrt(q t / (q + t)): about sqrt(q) for few queries, sqrt(t / 2) for as many of each
+    assert default_nlist(1_000_000, 100_000) == 302
+    assert default_nlist(1_000_000, 1_000_000) == default_nlist(1_000_000) == 707
+    assert default_nlist(10**8, 10_000) == 100
+    assert default_nlist(0) == 1 and default_nlist(0, 0) == 1 and default_nlist(10, 0) == 1
+    assert default_nlist(10**12) == MAX_LISTS
     assert default_sample_rows(1000, 1_000_000) == 50_000
     assert default_sample_rows(1000, 20_000) == 20_000
     assert default_sample_rows(60_000, 10**9) == MAX_SAMPLE_ROWS
