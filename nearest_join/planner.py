@@ -34,9 +34,9 @@ from .ranking import column, quote
 GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_BROADCAST_LIMIT = 1 * GiB
-# A broadcast target takes at most this fraction (1 / N) of the driver's and each executor's
-# heap (see broadcast_memory_cap), and at most Spark's own limit on a broadcast table.
-BROADCAST_MEMORY_SHARE = 4
+# Whole copies of a broadcast target one JVM holds besides those of its tasks (see
+# broadcast_memory_cap): the table and its serialised pieces.
+BROADCAST_COPIES = 2
 SPARK_MAX_BROADCAST_BYTES = 8 * GiB
 # The heap Spark reserves before its unified (execution + storage) memory.
 RESERVED_HEAP = 300 * MiB
@@ -425,21 +425,41 @@ def task_memory_bytes(spark) -> int:
 def broadcast_memory_cap(spark) -> tuple[int, str]:
     """(bytes, why): the largest target the driver and the executors can hold as a broadcast.
 
-    The driver collects the whole target and serialises it into the broadcast's chunks (two
-    copies of it at least, with the JVM's overheads on top), and every executor holds it
-    whole while its tasks decode blocks of it: a broadcast may take at most
-    1 / ``BROADCAST_MEMORY_SHARE`` of the smaller of the two heaps, and never more than
-    Spark's own limit on a broadcast table. In local mode the executors are the driver.
+    One JVM holds a broadcast target whole several times over. The driver collects it and
+    serialises it into the broadcast's pieces; an executor keeps the pieces and the table
+    built from them (:data:`BROADCAST_COPIES`); and each task running there copies it once
+    more, because the broadcast nested-loop join copies every joined row of one query block
+    before the Arrow writer hands them to Python. Those copies must fit the JVM's unified
+    memory, (heap - 300 MiB) x ``spark.memory.fraction``: the cap is the smallest quotient over
+    the driver and an executor, and never more than Spark's own limit on a broadcast table.
+    In local mode the executors are the driver; ``local-cluster[n, cores, MiB]`` names its
+    executors' heap.
     """
     master = str(_conf(spark, "spark.master", "local[*]"))
     driver = parse_bytes(_conf(spark, "spark.driver.memory", "1g"))
-    local = master.startswith("local[") or master == "local"
-    executor = driver if local else parse_bytes(_conf(spark, "spark.executor.memory", "1g"))
-    heap, name = (driver, "spark.driver.memory") if driver <= executor else (executor, "spark.executor.memory")
-    cap = heap // BROADCAST_MEMORY_SHARE
+    task_cpus = max(1, int(_conf(spark, "spark.task.cpus", 1)))
+    if master.startswith("local[") or master == "local":
+        jvms = [("spark.driver.memory", driver, cluster_cores(spark))]
+    else:
+        match = re.match(r"local-cluster\[\d+,\s*(\d+),\s*(\d+)", master)
+        if match:
+            executor, name = int(match.group(2)) * MiB, "spark.master's executors"
+            executor_cores = int(match.group(1))
+        else:
+            executor, name = parse_bytes(_conf(spark, "spark.executor.memory", "1g")), "spark.executor.memory"
+            executor_cores = int(_conf(spark, "spark.executor.cores", 1))
+        jvms = [("spark.driver.memory", driver, 0), (name, executor, max(1, executor_cores // task_cpus))]
+    fraction = float(_conf(spark, "spark.memory.fraction", 0.6))
+    cap, why = None, ""
+    for name, heap, tasks in jvms:
+        copies = BROADCAST_COPIES + tasks
+        fits = int(max(heap - RESERVED_HEAP, 0) * fraction) // copies
+        if cap is None or fits < cap:
+            cap, why = fits, (f"{copies} copies of it ({BROADCAST_COPIES}, and one per task of {tasks} at once) "
+                              f"in the unified memory of {name} {heap} B")
     if cap >= SPARK_MAX_BROADCAST_BYTES:
         return SPARK_MAX_BROADCAST_BYTES, "Spark's 8 GiB limit on a broadcast table"
-    return cap, f"1/{BROADCAST_MEMORY_SHARE} of {name} {heap} B"
+    return cap, why
 
 
 def broadcast_limit(spark, override: int | None) -> int:

@@ -192,20 +192,38 @@ def test_query_blocks_per_task_and_broadcast_target_block_size():
 
 def test_broadcast_limit_respects_driver_and_executor_memory():
     """A 0.92 GB target under the 1 GiB default limit, with a 1g driver: broadcasting it
-    killed the driver JVM (OutOfMemoryError); the plan is blocked and says why."""
+    killed the driver JVM (OutOfMemoryError); the plan is blocked and says why. The cap
+    counts the copies one JVM holds: the table, its pieces and one per task running there
+    (on local-cluster[2,1,1024], a 205 MB target under the old 1/4-of-the-heap cap lost an
+    executor to OutOfMemoryError in the join's row copies; 138 MB did not)."""
     from nearest_join.planner import broadcast_limit
+
+    def unified(heap):   # (heap - 300 MiB) x spark.memory.fraction
+        return int((heap - (300 << 20)) * 0.6)
 
     rows = 920_000_000 // (128 * 4)
     one_gig = _Spark(spark__master="local[2]", spark__driver__memory="1g")
     plan = choose_plan(spark=one_gig, ranking=Ranking("l2", "v", "w", "l2"), options=_options(),
                        dimension=128, itemsize=4, query_rows=1000, target_rows=rows)
     assert plan.plan == "blocked"
-    assert "1/4 of spark.driver.memory 1073741824 B" in plan.reason
-    assert broadcast_limit(one_gig, None) == 256 << 20
-    # a cluster: the smaller heap decides; an explicit limit is capped the same way
+    assert "4 copies of it (2, and one per task of 2 at once) in the unified memory of " \
+           "spark.driver.memory 1073741824 B" in plan.reason
+    assert broadcast_limit(one_gig, None) == unified(1 << 30) // 4
+    # local-cluster[n, cores, MiB]: its executors' heap, one task each
+    small = _Spark(spark__master="local-cluster[2,1,1024]")
+    assert broadcast_limit(small, None) == unified(1 << 30) // 3
+    for target_bytes, expected in ((205_000_000, "blocked"), (138_000_000, "broadcast")):
+        plan = choose_plan(spark=small, ranking=Ranking("l2", "v", "w", "l2"), options=_options(),
+                           dimension=128, itemsize=4, query_rows=10_000, target_rows=target_bytes // 512)
+        assert plan.plan == expected
+    # a cluster: the smaller quotient decides (4g executors, one task each: 3 copies); an
+    # explicit limit is capped the same way
     cluster = _Spark(spark__master="yarn", spark__driver__memory="16g", spark__executor__memory="4g")
-    assert broadcast_limit(cluster, None) == 1 << 30          # the default limit is below 1g
-    assert broadcast_limit(cluster, 10 << 30) == 1 << 30      # 4g executors / 4
+    assert broadcast_limit(cluster, None) == unified(4 << 30) // 3
+    assert broadcast_limit(cluster, 10 << 30) == unified(4 << 30) // 3
+    wide = _Spark(spark__master="yarn", spark__driver__memory="16g", spark__executor__memory="16g",
+                  spark__executor__cores="8")
+    assert broadcast_limit(wide, None) == unified(16 << 30) // 10
     huge = _Spark(spark__master="yarn", spark__driver__memory="256g", spark__executor__memory="128g",
                   spark__nearestJoin__broadcastLimitBytes="64g")
     assert broadcast_limit(huge, None) == 8 << 30             # Spark's broadcast table limit
