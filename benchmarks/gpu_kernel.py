@@ -100,10 +100,12 @@ def fused_pass(Q, prepared, k):
     return keys[:, :k], idx[:, :k]
 
 
-def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str = "gpu"):
-    """(JoinContext, pair batches) as the Spark plans feed them: ``list<float>`` vector columns
-    (what Spark sends for ``array<float>``), blocks packed by ``pack_blocks`` plus the empty
-    target block, every pair row carrying its two blobs."""
+def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str = "gpu",
+                  plan: str = "blocked"):
+    """(JoinContext, pair batches) as ``plan`` feeds them: ``list<float>`` vector columns
+    (what Spark sends for ``array<float>``), blocks packed by ``pack_blocks`` and the empty
+    target block first, every pair row carrying its target blob and, in the blocked plan,
+    its query blob (the broadcast plan: a query block's first pair only)."""
     import pyarrow as pa
 
     from udfs.blocks import JoinContext
@@ -124,9 +126,10 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(max_chunksize=1 << 16), ctx.query, 0)),
                                      schema=PACKED_SCHEMA)
     # With the empty target block, as the plans union it: every query block meets it.
-    t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1))
-                                     + [empty_target_block()], schema=PACKED_SCHEMA)
-    return ctx, list(pair_batches(q_packed, t_packed))
+    t_packed = pa.Table.from_batches([empty_target_block()]
+                                     + list(pack_blocks(tt.to_batches(max_chunksize=1 << 16), ctx.target, 1)),
+                                     schema=PACKED_SCHEMA)
+    return ctx, list(pair_batches(q_packed, t_packed, rows_once=plan == "broadcast"))
 
 
 def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked", profile=False,
@@ -143,7 +146,7 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked",
 
     from udfs.blocks import merge_partials, search_broadcast, search_pairs
 
-    ctx, pairs = _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows)
+    ctx, pairs = _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan=plan)
     torch.cuda.synchronize()
     if on_start:
         on_start()
@@ -193,7 +196,7 @@ def _concurrent_tasks(rank, spec, barrier, results) -> None:
     Qn = rng.standard_normal((spec["nq"], spec["d"]), dtype=np.float32)
     Tn = rng.standard_normal((spec["nt"], spec["d"]), dtype=np.float32)
     ctx, pairs = _packed_pairs(Qn, Tn, spec["k"], spec["precision"], spec["t_rows"], spec["q_rows"],
-                               spec["backend"])
+                               spec["backend"], plan="broadcast")
 
     def task() -> int:
         return sum(b.num_rows for b in search_broadcast(iter(pairs), ctx))

@@ -407,13 +407,18 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
     q_packed = (q_input.mapInArrow(functools.partial(q_pack, layout=q_layout), packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
+    # The empty target block comes first: the broadcast plan's query blocks travel with it.
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_packed = (t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed)
-                .unionByName(empty)
+    t_packed = (empty.unionByName(t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed))
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":
-        # The broadcast nested-loop join streams each query block against all target blocks.
-        pairs = q_packed.crossJoin(F.broadcast(t_packed))
+        # The broadcast nested-loop join streams each query block against all target blocks,
+        # in the broadcast's row order: the empty block first. Only that pair carries the
+        # query block's rows (the others a NULL), so a task reads each query block once, not
+        # once per target block.
+        pairs = q_packed.crossJoin(F.broadcast(t_packed)).select(
+            C.Q_BLOCK_ID, F.when(F.col(C.T_BLOCK_ID) == C.EMPTY_BLOCK_ID, F.col(C.Q_BLOB)).alias(C.Q_BLOB),
+            C.T_BLOCK_ID, C.T_BLOB)
         joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
     elif plan.plan == "blocked":
         # The exchanges materialise the packed blocks once (shuffle files), so the cartesian

@@ -270,8 +270,11 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
     """Broadcast plan, one pass: fold every target block into each query block, emit rows.
 
     Input rows ``(q_block_id, q_blob, t_block_id, t_blob)`` arrive grouped by query block (a
-    broadcast nested-loop join streams each query row against all broadcast rows). That order
-    is checked: every query block of a task must meet the same set of target blocks.
+    broadcast nested-loop join streams each query row against all broadcast rows), and only a
+    query block's first pair carries its rows (``q_blob`` NULL in the others; in Spark that is
+    the empty target block's pair, the broadcast's first row). That order is checked: a query
+    block must arrive with its rows, and every query block of a task must meet the same set
+    of target blocks.
     A worker thread searches and folds (on the device for a GPU searcher) while this thread
     emits the rows of the previous query block.
     """
@@ -309,6 +312,10 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
                     targets_seen.add(t_id)
                     pair.submit(pair.broadcast_target, t_id, t_blobs[r])
                 if block is None or q_ids[r] != block.id:
+                    if q_blobs[r].size == 0:
+                        raise RuntimeError(
+                            f"internal error: query block {q_ids[r]} arrived without its rows (its first "
+                            f"pair was with target block {t_id}); its output would be lost")
                     previous, block = block, _QueryBlock(q_ids[r], *pair.query_block(q_blobs[r]))
                     if prefetch is not None:   # to the device while the worker searches
                         prefetch(block.vectors)

@@ -16,12 +16,15 @@ from .gpu_task import local_task
 from .packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
 
 
-def pair_batches(q_packed: pa.Table, t_packed: pa.Table) -> Iterator[pa.RecordBatch]:
+def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True) -> Iterator[pa.RecordBatch]:
+    """Every (query block, target block) pair, one batch each, grouped by query block.
+    ``rows_once`` (the broadcast plan): only a query block's first pair carries its rows, the
+    others a NULL ``q_blob``; else (the blocked plan's cartesian product) every pair does."""
     for qi in range(q_packed.num_rows):
         for ti in range(t_packed.num_rows):
             yield pa.RecordBatch.from_pydict({
                 C.Q_BLOCK_ID: [q_packed.column(0)[qi].as_py()],
-                C.Q_BLOB: [q_packed.column(1)[qi].as_py()],
+                C.Q_BLOB: [q_packed.column(1)[qi].as_py() if ti == 0 or not rows_once else None],
                 C.T_BLOCK_ID: [t_packed.column(0)[ti].as_py()],
                 C.T_BLOB: [t_packed.column(1)[ti].as_py()],
             }, schema=pa.schema([(C.Q_BLOCK_ID, pa.int64()), (C.Q_BLOB, pa.binary()),
@@ -52,12 +55,12 @@ def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, 
         return pa.Table.from_batches(out, schema=PACKED_SCHEMA)
 
     q_packed = pack(query, ctx.query)
-    t_packed = pa.concat_tables([pack(target, ctx.target),
-                                 pa.Table.from_batches([empty_target_block()])])
+    t_packed = pa.concat_tables([pa.Table.from_batches([empty_target_block()]),
+                                 pack(target, ctx.target)])
     if plan == "broadcast":
         out = list(search_broadcast(pair_batches(q_packed, t_packed), ctx))
     elif plan == "blocked":
-        partial = list(search_pairs(pair_batches(q_packed, t_packed), ctx))
+        partial = list(search_pairs(pair_batches(q_packed, t_packed, rows_once=False), ctx))
         groups: dict[int, list[pa.RecordBatch]] = {}
         for b in partial:
             groups.setdefault(b.column(0)[0].as_py(), []).append(b)

@@ -279,7 +279,8 @@ def test_combining_many_states_at_once_equals_folding_them_one_by_one(metric):
 
 def test_broadcast_refuses_pairs_that_do_not_arrive_grouped():
     """The broadcast plan's order check: a query block meeting a different set of target
-    blocks, or one target block twice, is an internal error, never a silent wrong answer."""
+    blocks, one target block twice, or arriving without its rows (a pair other than its first
+    carries none) is an internal error, never a silent wrong answer."""
     from udfs.blocks import search_broadcast
     from udfs.local import pair_batches
     from udfs.packing import PACKED_SCHEMA
@@ -296,6 +297,12 @@ def test_broadcast_refuses_pairs_that_do_not_arrive_grouped():
         list(search_broadcast(iter(pairs[:3]), ctx))        # the second block misses one
     with pytest.raises(RuntimeError, match="met twice"):
         list(search_broadcast(iter([pairs[0], pairs[0]] + pairs[1:]), ctx))
+    # Only a query block's first pair carries its rows: a block starting without them fails.
+    assert pairs[1].column(C.Q_BLOB)[0].as_py() is None
+    with pytest.raises(RuntimeError, match="arrived without its rows"):
+        list(search_broadcast(iter(pairs[1:]), ctx))
+    with pytest.raises(RuntimeError, match="arrived without its rows"):
+        list(search_broadcast(iter([pairs[0], pairs[1], pairs[3], pairs[2]]), ctx))
 
 
 def test_blocked_plan_ships_each_query_blocks_rows_once():
@@ -312,7 +319,7 @@ def test_blocked_plan_ships_each_query_blocks_rows_once():
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(), ctx.query, 0)), schema=PACKED_SCHEMA)
     t_packed = pa.Table.from_batches(list(pack_blocks(tt.to_batches(), ctx.target, 1)) + [empty_target_block()],
                                      schema=PACKED_SCHEMA)
-    partials = list(search_pairs(pair_batches(q_packed, t_packed), ctx))
+    partials = list(search_pairs(pair_batches(q_packed, t_packed, rows_once=False), ctx))
     assert len(partials) == 3 * 4                    # 3 query blocks x (3 target blocks + empty)
     groups: dict[int, list] = {}
     for b in partials:
