@@ -4,8 +4,8 @@
   (``udfs.packing``). Each pair row holds ``(q_block_id, q_blob, t_block_id, t_blob)``.
 * broadcast: :func:`search_broadcast` folds every target block into the state
   (``udfs.topk.TopkState``) of a query block in one pass (the pairs of one query block arrive
-  together, as a broadcast nested loop join streams them) and emits the joined rows
-  (``udfs.emit``).
+  together, as a broadcast nested loop join streams them; the block's rows come with its
+  first pair only, that of the empty target block) and emits the joined rows (``udfs.emit``).
 * blocked: :func:`search_pairs` emits one partial state per pair (its own task), and
   :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
   A query block's own rows travel once, with its partial of the empty target block (every
