@@ -125,6 +125,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                               None, options.direction)
     else:
         direction = _check_direction(parsed, options.direction)
+        options.cap(parsed.metric)   # a cap that does not fit the metric, before any Spark job
         q_item = vector_itemsize(query, parsed.query_column, "query")
         t_item = vector_itemsize(target, parsed.target_column, "target")
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
@@ -183,8 +184,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
                     target_block_rows: int | None = None,
                     max_distance: float | None = None,
                     min_similarity: float | None = None, on=None,
-                    recall: float = 0.95, nlist: int | None = None,
-                    nprobe: int | None = None, seed: int = 0, index=None) -> DataFrame:
+                    recall: float | None = None, nlist: int | None = None,
+                    nprobe: int | None = None, seed: int | None = None, index=None) -> DataFrame:
     """For every query row, the ``num_results`` nearest target rows (Spark's ``nearestByJoin``).
 
     Parameters
@@ -251,15 +252,16 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
         ``mode="approx"``: the recall@k to reach (default 0.95). The planner estimates recall
         on a sample of the queries against their exact search and probes the fewest lists
         whose estimate's lower 95% bound meets it; the estimate and its interval are in the
-        plan. Ignored in exact mode.
+        plan. ``recall``, ``nlist``, ``nprobe``, ``seed`` and ``index`` are errors in exact
+        mode (a forgotten ``mode="approx"``).
     nlist, nprobe : int, keyword-only
         ``mode="approx"``: lists of the index (default about sqrt(q t / (q + t)) for q query
         and t target rows: what routing costs and what it saves balance) and lists
         probed per query (default: chosen by ``recall``); ``nprobe == nlist`` searches
         every list (the exact result). Either forces the IVF plan at any size.
     seed : int, keyword-only
-        ``mode="approx"``: seeds the samples and k-means; the same input and seed give the
-        same lists and rows.
+        ``mode="approx"``: seeds the samples and k-means (default 0); the same input and seed
+        give the same lists and rows.
     index : IVFIndex, keyword-only
         ``mode="approx"``: lists built before (:func:`nearest_join.build_ivf_index`,
         ``IVFIndex.load``) instead of training them in this call; of the join's metric

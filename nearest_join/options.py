@@ -33,6 +33,8 @@ MIN_RESULTS, MAX_RESULTS = 1, 100_000
 MODES = ("exact", "approx")
 DIRECTIONS = ("distance", "similarity")
 BACKENDS = ("auto", "cpu", "gpu", "reference")
+# The recall@k target of mode="approx" when none is given.
+DEFAULT_RECALL = 0.95
 # "auto": the fastest exact precision of the device a task gets (see JoinOptions.precision).
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 
@@ -109,6 +111,8 @@ def _on(value):
 
 DISTANCE_METRICS = ("l2", "sqeuclidean")
 SIMILARITY_METRICS = ("cosine", "inner_product")
+# The values a similarity can take (inner products are unbounded).
+SIMILARITY_RANGES = {"cosine": (-1.0, 1.0)}
 
 
 def _optional_cap(name: str, value, nonnegative: bool) -> float | None:
@@ -129,32 +133,39 @@ def _approx_options(options, mode: str) -> dict:
     from .ivf import MAX_LISTS, IVFIndex
 
     recall = options.recall
-    if isinstance(recall, bool) or not isinstance(recall, (int, float)):
-        raise ArgumentTypeError("recall", f"expected a number in (0, 1], got {describe(recall)}")
-    if not 0 < recall <= 1:
-        raise ArgumentError("recall", f"expected a number in (0, 1] (the target recall@k), got {short(recall)}")
+    if recall is not None:
+        if isinstance(recall, bool) or not isinstance(recall, (int, float)):
+            raise ArgumentTypeError("recall", f"expected a number in (0, 1], got {describe(recall)}")
+        if not 0 < recall <= 1:
+            raise ArgumentError("recall", f"expected a number in (0, 1] (the target recall@k), got {short(recall)}")
     nlist = _optional_int("nlist", options.nlist, 1, MAX_LISTS)
     nprobe = _optional_int("nprobe", options.nprobe, 1)
-    if not _is_int(options.seed):
-        raise ArgumentTypeError("seed", f"expected an int >= 0, got {describe(options.seed)}")
-    if options.seed < 0:
-        raise ArgumentError("seed", f"expected an int >= 0, got {short(options.seed)}")
+    seed = options.seed
+    if seed is not None and not _is_int(seed):
+        raise ArgumentTypeError("seed", f"expected an int >= 0, got {describe(seed)}")
+    if seed is not None and seed < 0:
+        raise ArgumentError("seed", f"expected an int >= 0, got {short(seed)}")
     index = options.index
     if index is not None and not isinstance(index, IVFIndex):
         raise ArgumentTypeError("index", f"expected None or an IVFIndex (build_ivf_index, IVFIndex.load), "
                                          f"got {describe(index)}")
     if mode != "approx":
-        for name, value in (("nlist", nlist), ("nprobe", nprobe), ("index", index)):
+        # All five shape the IVF plan only: one given to the exact mode is a forgotten
+        # mode="approx", not a setting to ignore.
+        for name, value in (("recall", recall), ("nlist", nlist), ("nprobe", nprobe), ("seed", seed),
+                            ("index", index)):
             if value is not None:
                 raise ArgumentError(name, f"applies to mode='approx' (the IVF plan), got {short(value)} "
                                           f"with mode={mode!r}")
+        return {"recall": None, "nlist": None, "nprobe": None, "seed": None}
     if index is not None and nlist is not None:
         raise ArgumentError("nlist", f"expected None with index (the index has its {index.nlist} lists), "
                                      f"got {nlist}")
     lists = index.nlist if index is not None else nlist
     if nprobe is not None and lists is not None and nprobe > lists:
         raise ArgumentError("nprobe", f"expected at most nlist = {lists} (lists probed per query), got {nprobe}")
-    return {"recall": float(recall), "nlist": nlist, "nprobe": nprobe}
+    return {"recall": DEFAULT_RECALL if recall is None else float(recall), "nlist": nlist, "nprobe": nprobe,
+            "seed": 0 if seed is None else seed}
 
 
 @dataclass(frozen=True)
@@ -197,10 +208,11 @@ class JoinOptions:
     on: object = None   # None | ((query_column, target_column), ...) | a Column equality
     # mode="approx" (the IVF plan, nearest_join.ivf): target recall@k, lists, lists probed
     # per query, the seed of sampling and k-means, a prebuilt nearest_join.ivf.IVFIndex.
-    recall: float = 0.95
+    # None: the default under approx (recall DEFAULT_RECALL, seed 0); all stay None in exact mode.
+    recall: float | None = None
     nlist: int | None = None
     nprobe: int | None = None
-    seed: int = 0
+    seed: int | None = None
     index: object = None
 
     @classmethod
@@ -262,6 +274,10 @@ class JoinOptions:
         Traceback (most recent call last):
         ...
         nearest_join.errors.ArgumentError: max_distance: caps the distance metrics l2 and sqeuclidean, not the similarity 'cosine'; pass min_similarity instead
+        >>> JoinOptions(min_similarity=1.5).cap("cosine")
+        Traceback (most recent call last):
+        ...
+        nearest_join.errors.ArgumentError: min_similarity: expected a cosine similarity in [-1, 1], got 1.5
         """
         if metric in DISTANCE_METRICS:
             if self.min_similarity is not None:
@@ -271,6 +287,12 @@ class JoinOptions:
         if self.max_distance is not None:
             raise ArgumentError("max_distance", f"caps the distance metrics {' and '.join(DISTANCE_METRICS)}, "
                                                 f"not the similarity {metric!r}; pass min_similarity instead")
+        low, high = SIMILARITY_RANGES.get(metric, (-math.inf, math.inf))
+        if self.min_similarity is not None and not low <= self.min_similarity <= high:
+            # Above the range no target can match and every query loses every row; below it
+            # the cap is no cap. Either is a mistake about the metric's scale, not a request.
+            raise ArgumentError("min_similarity", f"expected a {metric} similarity in [{low:g}, {high:g}], "
+                                                  f"got {short(self.min_similarity)}")
         return self.min_similarity
 
     @property

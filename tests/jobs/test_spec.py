@@ -106,6 +106,12 @@ BAD = [
      "join.max_distance", "not the similarity 'cosine'; pass min_similarity instead"),
     ("min_similarity with l2", lambda d: {**d, "join": {"metric": "l2", "min_similarity": 0.5}},
      "join.min_similarity", "not the distance 'l2'; pass max_distance instead"),
+    # a cosine similarity lies in [-1, 1]: above, every query would lose every row (exit 0,
+    # nothing written); below, the cap would be no cap
+    ("cosine min_similarity above 1", lambda d: {**d, "join": {"metric": "cosine", "min_similarity": 1.5}},
+     "join.min_similarity", "expected a cosine similarity in [-1, 1], got 1.5"),
+    ("cosine min_similarity below -1", lambda d: {**d, "join": {"metric": "cosine", "min_similarity": -2}},
+     "join.min_similarity", "expected a cosine similarity in [-1, 1], got -2.0"),
     ("both caps", lambda d: {**d, "join": {"metric": "l2", "max_distance": 1, "min_similarity": 0.5}},
      "join.min_similarity", "expected None when max_distance is given"),
     ("on not a name", lambda d: {**d, "join": {"metric": "l2", "on": 3}}, "join.on",

@@ -157,6 +157,11 @@ def test_explain_shows_the_cap(spark, frames):
     ("l2", {"max_distance": float("nan")}, ArgumentError, "max_distance", "got nan"),
     ("cosine", {"min_similarity": float("inf")}, ArgumentError, "min_similarity", "got inf"),
     ("l2", {"max_distance": "3"}, ArgumentTypeError, "max_distance", "got str '3'"),
+    # a cosine lies in [-1, 1]: above it every query would lose every row, below it no cap
+    ("cosine", {"min_similarity": 1.5}, ArgumentError, "min_similarity",
+     "expected a cosine similarity in [-1, 1], got 1.5"),
+    ("cosine", {"min_similarity": -2}, ArgumentError, "min_similarity",
+     "expected a cosine similarity in [-1, 1], got -2.0"),
 ], ids=lambda v: str(v)[:30])
 def test_bad_caps(spark, frames, metric, arguments, error, argument, text):
     q, t = frames
@@ -164,6 +169,24 @@ def test_bad_caps(spark, frames, metric, arguments, error, argument, text):
         with pytest.raises(error, match=None) as info:
             call(q, t, metric, 3, vectors=("qv", "tv"), **arguments)
         assert info.value.argument == argument and text in str(info.value), str(info.value)
+
+
+def test_cap_errors_come_before_any_spark_job(spark, frames, monkeypatch):
+    import nearest_join.join
+
+    def no_job(*args, **kwargs):
+        raise AssertionError("the planner's facts job ran before the cap was checked")
+
+    monkeypatch.setattr(nearest_join.join, "side_facts", no_job)
+    q, t = frames
+    for arguments in ({"min_similarity": 1.0000001}, {"max_distance": 1.0}):
+        with pytest.raises(ArgumentError) as info:
+            explain_nearest_join(q, t, "cosine", 3, vectors=("qv", "tv"), **arguments)
+        assert info.value.argument in arguments
+    # the inner product has no range: any finite cap is one
+    monkeypatch.undo()
+    plan = explain_nearest_join(q, t, "inner_product", 3, vectors=("qv", "tv"), min_similarity=1e6)
+    assert plan.cap == 1e6
 
 
 def test_cap_with_a_ranking_spark_runs_is_an_error(spark, frames):

@@ -24,6 +24,9 @@ def test_defaults_and_normalisation():
     assert (spelled.mode, spelled.direction, spelled.join_type, spelled.vectors) == (
         "exact", "distance", "leftouter", ("qv", "tv"))
     assert JoinOptions(join_type="left").join_type == "leftouter"
+    assert (default.recall, default.seed) == (None, None)
+    approx = JoinOptions(mode="approx")
+    assert (approx.recall, approx.seed) == (0.95, 0)
     assert JoinOptions(vectors="v").vectors == "v"
     # normalised values are valid input: replace() of a normalised object keeps them
     assert dataclasses.replace(spelled, num_results=3) == JoinOptions(
@@ -55,6 +58,10 @@ BAD = [
      "query_block_rows: expected None or an int between 1 and 16777215, got 0"),
     ({"target_block_rows": 1 << 24}, ArgumentError, "target_block_rows", "got 16777216"),
     ({"target_block_rows": 2.5}, ArgumentTypeError, "target_block_rows", "got float 2.5"),
+    # the IVF plan's options in the exact mode: a forgotten mode="approx", refused alike
+    ({"recall": 0.9}, ArgumentError, "recall", "recall: applies to mode='approx' (the IVF plan), got 0.9"),
+    ({"seed": 3}, ArgumentError, "seed", "seed: applies to mode='approx' (the IVF plan), got 3"),
+    ({"nprobe": 2}, ArgumentError, "nprobe", "nprobe: applies to mode='approx'"),
 ]
 
 
