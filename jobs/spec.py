@@ -82,10 +82,10 @@ _JOIN_KEYS: dict[str, Any] = {
     "min_similarity": None,
     "on": None,            # key columns (input names, before prefix): name, [names], [[query, target]]
     # mode approx (the IVF plan): recall@k target, lists, lists probed, seed, and a saved index
-    "recall": 0.95,
+    "recall": None,        # approx: 0.95
     "nlist": None,
     "nprobe": None,
-    "seed": 0,
+    "seed": None,          # approx: 0
     "index": None,         # {path: DIR, rebuild: false}: load the index there, or train and save it
 }
 _INDEX_KEYS: dict[str, Any] = {"path": _REQUIRED, "rebuild": False}

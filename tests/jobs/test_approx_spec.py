@@ -25,12 +25,22 @@ def test_approx_keys_reach_the_options(tmp_path):
     assert (o.mode, o.recall, o.nlist, o.nprobe, o.seed, o.index) == ("approx", 0.9, 8, 2, 5, None)
     assert spec.join.index == IndexSpec(path=os.path.abspath("ix"), rebuild=True)
     assert parse_spec(_document(tmp_path)).join.index is None
+    defaults = parse_spec(_document(tmp_path, mode="approx")).join.options
+    assert (defaults.recall, defaults.seed) == (0.95, 0)
+    exact = parse_spec(_document(tmp_path)).join.options
+    assert (exact.recall, exact.nlist, exact.nprobe, exact.seed, exact.index) == (None,) * 5
 
 
 @pytest.mark.parametrize("join, key, message", [
     ({"mode": "approx", "recall": 2}, "join.recall", r"expected a number in \(0, 1\]"),
     ({"mode": "approx", "nlist": 4, "nprobe": 9}, "join.nprobe", "expected at most nlist = 4"),
     ({"nprobe": 2}, "join.nprobe", "applies to mode='approx'"),
+    # recall and seed shape the IVF plan only, like nlist and index: the exact mode refuses
+    # them instead of ignoring a forgotten mode: approx
+    ({"recall": 0.9}, "join.recall", "applies to mode='approx'"),
+    ({"seed": 3}, "join.seed", "applies to mode='approx'"),
+    ({"nlist": 8}, "join.nlist", "applies to mode='approx'"),
+    ({"mode": "approx", "seed": -1}, "join.seed", "expected an int >= 0"),
     ({"index": {"path": "ix"}}, "join.index", "applies to join.mode: approx"),
     ({"mode": "approx", "index": "ix"}, "join.index", "expected a mapping"),
     ({"mode": "approx", "index": {"rebuild": True}}, "join.index.path", "missing"),
