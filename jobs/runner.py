@@ -276,6 +276,20 @@ def _check_output_columns(spec: JobSpec, query, target) -> None:
             )
 
 
+def _check_key_columns(spec: JobSpec, query, target) -> None:
+    """``join.on`` names the inputs' columns (before prefix) kept by each side's ``columns``:
+    checked with the other column checks, before the planner's first Spark job, and named
+    among the user's own columns (the runner's internal ones are not the user's to pick)."""
+    for q_name, t_name in spec.join.options.on or ():
+        for side, name, df in ((spec.query, q_name, query), (spec.target, t_name, target)):
+            if side.prefix + name in df.columns:
+                continue
+            kept = [c[len(side.prefix):] for c in df.columns]
+            where = f"{side.side}.columns" if side.columns is not None else f"{', '.join(side.paths)}"
+            raise SpecError("join.on", f"column {name!r} not found in the {side.side} input ({where}); "
+                                       f"its columns: {kept}")
+
+
 def _library_error(exc: BaseException) -> SpecError | None:
     """The SpecError for an error the library raised about its arguments or the inputs'
     vectors (the spec key comes from the error's ``argument``, never from its text)."""
@@ -312,6 +326,7 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
         if QUERY_ROW_ID in query.columns or QUERY_ROW_ID in target.columns:
             raise SpecError("query.columns", f"column name {QUERY_ROW_ID!r} is reserved")
         _check_output_columns(spec, query, target)
+        _check_key_columns(spec, query, target)
         query = query.withColumn(QUERY_ROW_ID, F.monotonically_increasing_id())
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector

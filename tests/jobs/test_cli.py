@@ -252,6 +252,12 @@ BAD_SPECS = [
     ("bad filter", lambda d: d["query"].update(where="nosuchcol > 1"), "query.where: "),
     ("duplicate output column", lambda d: d["target"].update(prefix=""),
      "target.columns: output column 'id' is also produced by query.columns"),
+    # join.on is checked with the other columns, before the plan, among the user's columns
+    # (not the runner's internal row id)
+    ("missing key column", lambda d: d["join"].update(on="country"),
+     "join.on: column 'country' not found in the query input ("),
+    ("key column not selected", lambda d: d["join"].update(on=[["id", "id"]]) or d["target"].update(columns=["label"]),
+     "join.on: column 'id' not found in the target input (target.columns); its columns: ['label', 'vec']"),
     ("bad join type", lambda d: d["join"].update(join_type="full_outer"),
      "join.join_type: [NEAREST_BY_JOIN.UNSUPPORTED_JOIN_TYPE] Invalid nearest-by join. "
      "Unsupported nearest-by join type full_outer"),
@@ -271,6 +277,7 @@ def test_bad_spec_exits_2_and_writes_nothing(job, capsys, change, message):
     err = capsys.readouterr().err
     assert message in err
     assert "nothing was written" in err
+    assert "_nearest_join_" not in err   # the runner's own columns are not the user's
     assert sorted(p.name for p in job.base.iterdir()) == before  # no output, staging or lock
 
 
