@@ -111,6 +111,14 @@ class IVFIndex:
     reuses it instead of training. ``metric`` is the metric it was trained for; an index of
     the l2 family (l2, sqeuclidean) serves both, as one of the similarities (cosine,
     inner_product) serves both (their lists are trained alike, see :mod:`nearest_join.ivf`).
+    ``column`` is the target column it was trained on (None: not recorded); a join on a
+    column of another name may use it (see :meth:`check_join`).
+
+    An ``IVFIndex`` that exists is valid, however it was made (trained, loaded or built by
+    hand): construction raises ArgumentError (a ValueError) or ArgumentTypeError naming the
+    field for centroids that are not a finite float32 ``(nlist, dimension)`` array, a zero
+    centroid in an index of the similarities, an unknown metric, or a seed, ``sample_rows``
+    or ``iterations`` that is not an int in range. The centroids are kept read-only.
     """
 
     centroids: np.ndarray   # float32 (nlist, dimension), read-only
@@ -118,6 +126,54 @@ class IVFIndex:
     seed: int
     sample_rows: int        # rows k-means was trained on
     iterations: int         # Lloyd iterations run
+    column: str | None = None   # the target column trained on (None: not recorded)
+
+    def __post_init__(self) -> None:
+        from .kernels import resolve_metric
+        from .kernels.kmeans import routing_metric
+
+        centroids = self.centroids
+        if not isinstance(centroids, np.ndarray) or centroids.dtype != np.float32 or centroids.ndim != 2:
+            found = (f"{centroids.dtype} of shape {centroids.shape}" if isinstance(centroids, np.ndarray)
+                     else describe(centroids))
+            raise ArgumentTypeError("centroids", f"expected a float32 numpy array of shape (nlist, dimension), "
+                                                 f"got {found}")
+        nlist, dimension = centroids.shape
+        if not 1 <= nlist <= MAX_LISTS or dimension < 1:
+            raise ArgumentError("centroids", f"expected between 1 and {MAX_LISTS} centroids of dimension >= 1, "
+                                             f"got shape {centroids.shape}")
+        try:
+            metric = resolve_metric(self.metric).name
+        except ValueError as exc:
+            raise ArgumentError("metric", str(exc).split(": ", 1)[-1]) from None
+        numbers = {name: _int_argument(name, getattr(self, name), low, optional=False)
+                   for name, low in (("seed", 0), ("sample_rows", 1), ("iterations", 0))}
+        if numbers["sample_rows"] < nlist:
+            raise ArgumentError("sample_rows", f"expected at least nlist = {nlist} (k-means trains nlist centroids "
+                                               f"on at least as many rankable rows), got {numbers['sample_rows']}")
+        if self.column is not None and (not isinstance(self.column, str) or not self.column):
+            raise ArgumentTypeError("column", f"expected None or a column name, got {describe(self.column)}")
+        # A NaN or infinite centroid is a target no row can rank against: its list is never
+        # probed, so with every centroid bad each row is dropped and the join returns nothing,
+        # silently, even at nprobe = nlist. Under the similarities routing is by cosine, and a
+        # zero centroid has no direction: it cannot rank either (kernels.kmeans.route).
+        nonfinite = ~np.isfinite(centroids).all(axis=1)
+        if nonfinite.any():
+            raise ArgumentError("centroids", f"expected finite numbers, got NaN or infinity in "
+                                             f"{_rows_named(nonfinite)}: no row can be routed to its list")
+        if routing_metric(metric) == "cosine":
+            zero = ~np.any(centroids != 0, axis=1)
+            if zero.any():
+                raise ArgumentError("centroids", f"expected no zero centroid in an index for {metric!r} "
+                                                 "(its lists are probed by cosine, and a zero vector has no "
+                                                 f"direction), got zeros in {_rows_named(zero)}: no row can be "
+                                                 "routed to its list")
+        if centroids.flags.writeable:
+            # A copy, so that no one holding the caller's array can change a checked index.
+            centroids = np.array(centroids, dtype=np.float32, order="C")
+            centroids.setflags(write=False)
+        for name, value in {"centroids": centroids, "metric": metric, **numbers}.items():
+            object.__setattr__(self, name, value)   # frozen: normalise in place, once
 
     @property
     def nlist(self) -> int:
@@ -128,8 +184,10 @@ class IVFIndex:
         return int(self.centroids.shape[1])
 
     @classmethod
-    def train(cls, vectors: np.ndarray, metric: str, nlist: int, seed: int = 0) -> IVFIndex:
-        """The index of a sample of target vectors (numpy; no Spark).
+    def train(cls, vectors: np.ndarray, metric: str, nlist: int, seed: int = 0,
+              column: str | None = None) -> IVFIndex:
+        """The index of a sample of target vectors (numpy; no Spark); ``column``: the target
+        column they came from, recorded in the index.
 
         Raises ArgumentError naming ``nlist`` when the sample has fewer rankable rows."""
         from .kernels.kmeans import kmeans, training_rows
@@ -141,7 +199,7 @@ class IVFIndex:
         result = kmeans(vectors, nlist, metric, seed=seed)
         centroids = np.ascontiguousarray(result.centroids, dtype=np.float32)
         centroids.setflags(write=False)
-        return cls(centroids, metric, int(seed), int(rankable), int(result.iterations))
+        return cls(centroids, metric, int(seed), int(rankable), int(result.iterations), column)
 
     def route(self, vectors: np.ndarray, nprobe: int = 1, metric: str | None = None) -> np.ndarray:
         """Each row's ``nprobe`` nearest lists, nearest first (-1: a row that cannot rank).
@@ -155,7 +213,12 @@ class IVFIndex:
         return route(vectors, self.centroids, metric or self.metric, nprobe)
 
     def check_join(self, metric: str, dimension: int | None) -> None:
-        """Raise ArgumentError naming ``index`` unless it serves a join of this metric and dimension."""
+        """Raise ArgumentError naming ``index`` unless it serves a join of this metric and
+        dimension (None: not known yet, the metric alone is checked).
+
+        The target column's name is not checked: an index trained on ``w`` serves a join on the
+        same vectors renamed (a job's prefixed column, an alias), and a matching name would not
+        prove the vectors are the same ones. The explanation names the index's column."""
         from .kernels.kmeans import routing_metric
 
         if routing_metric(self.metric) != routing_metric(metric):
@@ -173,7 +236,7 @@ class IVFIndex:
         np.save(os.path.join(path, _CENTROIDS), np.asarray(self.centroids), allow_pickle=False)
         meta = {"format": FORMAT, "metric": self.metric, "seed": self.seed, "nlist": self.nlist,
                 "dimension": self.dimension, "sample_rows": self.sample_rows,
-                "iterations": self.iterations}
+                "iterations": self.iterations, "column": self.column}
         temporary = os.path.join(path, _META + ".tmp")
         with open(temporary, "w") as f:
             json.dump(meta, f, indent=1)
@@ -181,7 +244,19 @@ class IVFIndex:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> IVFIndex:
-        """Read an index :meth:`save` wrote. Raises ValueError naming the path and what is wrong."""
+        """Read an index :meth:`save` wrote (files written before ``column`` was recorded
+        load with ``column`` None).
+
+        Raises
+        ------
+        ValueError
+            One for every way the directory is not such an index: the message starts with the
+            file at fault (``ivf_index.json`` or ``centroids.npy``) and says what was expected
+            and what was found: a key missing, unknown, or of the wrong type or range; a
+            centroids file missing, unreadable, truncated or with bytes appended, of another
+            dtype or shape than the parameters say, or holding a centroid no row can be routed
+            to (see :class:`IVFIndex`).
+        """
         meta_path = os.path.join(path, _META)
         try:
             with open(meta_path) as f:
@@ -189,22 +264,89 @@ class IVFIndex:
         except FileNotFoundError:
             raise ValueError(f"{str(path)!r}: expected an IVF index directory (with {_META}), "
                              "found none; build one with build_ivf_index(...).save(path)") from None
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{meta_path!r}: not valid JSON ({exc})") from None
+        except OSError as exc:
+            raise ValueError(f"{meta_path!r}: cannot be read ({exc})") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise ValueError(f"{meta_path!r}: expected format {FORMAT!r}, got "
                              f"{short(meta.get('format') if isinstance(meta, dict) else meta)}")
-        centroids = np.load(os.path.join(path, _CENTROIDS), allow_pickle=False)
-        if centroids.dtype != np.float32 or centroids.shape != (meta["nlist"], meta["dimension"]):
-            raise ValueError(f"{str(path)!r}: centroids of shape {centroids.shape} and dtype "
-                             f"{centroids.dtype}, expected float32 ({meta['nlist']}, {meta['dimension']})")
-        centroids.setflags(write=False)
-        return cls(centroids, meta["metric"], int(meta["seed"]), int(meta["sample_rows"]),
-                   int(meta["iterations"]))
+        # An unknown key is refused, not ignored: this format has none, so the file was
+        # written by something else, whose meaning this reader cannot honour.
+        missing = [key for key in _META_KEYS if key not in meta]
+        unknown = sorted(set(meta) - set(_META_KEYS) - {"format", "column"})
+        if missing or unknown:
+            found = ([f"key {key!r} missing" for key in missing] + [f"unknown key {short(key)}" for key in unknown])
+            raise ValueError(f"{meta_path!r}: {', '.join(found)}; expected the keys "
+                             f"{['format', *_META_KEYS]} and optionally 'column'")
+        try:
+            nlist = _int_argument("nlist", meta["nlist"], 1, MAX_LISTS, optional=False)
+            dimension = _int_argument("dimension", meta["dimension"], 1, optional=False)
+        except (ArgumentError, ArgumentTypeError) as exc:
+            raise ValueError(f"{meta_path!r}: key {exc}") from None
+        centroids_path = os.path.join(path, _CENTROIDS)
+        centroids = _read_centroids(centroids_path, (nlist, dimension))
+        try:
+            return cls(centroids, meta["metric"], meta["seed"], meta["sample_rows"], meta["iterations"],
+                       meta.get("column"))
+        except (ArgumentError, ArgumentTypeError) as exc:
+            if exc.argument == "centroids":
+                raise ValueError(f"{centroids_path!r}: {exc.problem}") from None
+            raise ValueError(f"{meta_path!r}: key {exc}") from None
 
     def __repr__(self) -> str:
         return (f"IVFIndex(nlist={self.nlist}, dimension={self.dimension}, metric={self.metric!r}, "
-                f"seed={self.seed}, sample_rows={self.sample_rows}, iterations={self.iterations})")
+                f"seed={self.seed}, sample_rows={self.sample_rows}, iterations={self.iterations}, "
+                f"column={self.column!r})")
+
+
+# The keys of ivf_index.json besides "format" (and the optional "column").
+_META_KEYS = ("metric", "seed", "nlist", "dimension", "sample_rows", "iterations")
+
+
+def _rows_named(rows: np.ndarray) -> str:
+    """``centroid 2`` or ``3 of the 8 centroids (0, 2, 5)`` for a mask of centroids."""
+    found = np.flatnonzero(rows)
+    if found.size == 1:
+        return f"centroid {found[0]} of {rows.size}"
+    listed = ", ".join(map(str, found[:5].tolist())) + (", ..." if found.size > 5 else "")
+    return f"{found.size} of the {rows.size} centroids ({listed})"
+
+
+def _read_centroids(path: str, shape: tuple[int, int]) -> np.ndarray:
+    """The float32 array of ``shape`` in the .npy file ``path``, or a ValueError naming it.
+
+    Reads the header first (numpy's own parser, bounded), so a header that claims another
+    shape or dtype is refused before any data is read, and so is a file holding fewer or
+    more bytes than the header promises (truncated, or something appended)."""
+    npy = np.lib.format
+    expected = f"expected float32 centroids of shape {shape} (nlist, dimension of {_META}) in numpy's .npy format"
+    try:
+        with open(path, "rb") as f:
+            version = npy.read_magic(f)
+            if version == (1, 0):
+                found_shape, fortran_order, dtype = npy.read_array_header_1_0(f)
+            elif version == (2, 0):
+                found_shape, fortran_order, dtype = npy.read_array_header_2_0(f)
+            else:
+                raise ValueError(f"npy format version {version}, not one numpy.save writes for float32")
+            if dtype.str not in ("<f4", ">f4") or tuple(found_shape) != shape:
+                raise ValueError(f"dtype {dtype} of shape {tuple(found_shape)}")
+            size = shape[0] * shape[1] * 4
+            # The file's length before reading: a header may claim more than the file holds.
+            stored = os.fstat(f.fileno()).st_size - f.tell()
+            if stored != size:
+                raise ValueError(f"{stored} bytes of data where the header says {size}: "
+                                 f"{'truncated' if stored < size else 'trailing bytes'}")
+            data = f.read(size)
+    except FileNotFoundError:
+        raise ValueError(f"{path!r}: missing; {expected} (IVFIndex.save writes it)") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise ValueError(f"{path!r}: {expected}, got {exc}") from None
+    centroids = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran_order else "C")
+    centroids = np.ascontiguousarray(centroids, dtype=np.float32)
+    centroids.setflags(write=False)
+    return centroids
 
 
 def _int_argument(name: str, value, low: int, high: int | None = None, optional: bool = True):
@@ -266,7 +408,8 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
     Returns
     -------
     IVFIndex
-        ``index.save(path)`` writes it; ``IVFIndex.load(path)`` reads it back.
+        ``index.save(path)`` writes it; ``IVFIndex.load(path)`` reads it back. It records
+        ``column`` (its ``column``), which a join's explanation names.
 
     Raises
     ------
@@ -303,7 +446,7 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
         from .kernels.kmeans import training_rows
 
         lists = max(1, min(lists, training_rows(vectors, metric).shape[0]))
-    index = IVFIndex.train(vectors, metric, lists, seed)
+    index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)
     logger.info("trained %r on %d sampled target rows", index, vectors.shape[0])
     return index
 
@@ -311,9 +454,17 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
 def load_or_build(path: str, *, rebuild: bool, target, column: str, metric: str,
                   nlist: int | None, seed: int) -> IVFIndex:
     """The index saved at ``path``, or (absent, or ``rebuild``) one trained on ``target``
-    and saved there: a nightly job retrains only when asked (the job spec's ``join.index``)."""
+    and saved there: a nightly job retrains only when asked (the job spec's ``join.index``).
+
+    A saved index that cannot be loaded, or that serves another metric family, raises
+    ArgumentError naming ``index`` (the job reports it under ``join.index``); it is not
+    silently retrained over."""
     if not rebuild and os.path.exists(os.path.join(path, _META)):
-        index = IVFIndex.load(path)
+        try:
+            index = IVFIndex.load(path)
+        except ValueError as exc:
+            raise ArgumentError("index", str(exc)) from None
+        index.check_join(metric, None)
         logger.info("loaded %r from %s", index, path)
         return index
     index = build_ivf_index(target, column=column, metric=metric, nlist=nlist, seed=seed)
@@ -547,6 +698,7 @@ def plan_approx(planned):
         keyed_inputs,
         keyed_vector_columns,
     )
+    from .ranking import quote
 
     options, plan, parsed = planned.options, planned.plan, planned.parsed
     explicit = [name for name in ("index", "nlist", "nprobe") if getattr(options, name) is not None]
@@ -555,10 +707,12 @@ def plan_approx(planned):
         note = {**figures, "runs": "exact", "explanation": f"runs the exact plan (a valid approximation): {why}"}
         return dataclasses.replace(planned, plan=dataclasses.replace(plan, ivf=note))
 
+    if options.index is not None:
+        # plan_join checked it once the facts job knew the dimension; again here, for a
+        # PlannedJoin built by other means, before an empty target's exact plan hides it.
+        options.index.check_join(parsed.metric, plan.dimension)
     if not plan.dimension or not plan.target_rows:
         return exact("no target vector to build lists of")
-    if options.index is not None:
-        options.index.check_join(parsed.metric, plan.dimension)
     blocked = ivf_carrier(plan)
     if blocked is not None:
         return exact(blocked)
@@ -581,8 +735,13 @@ def plan_approx(planned):
         if rows <= KEY_WHOLE_LISTS * plan.target_rows // nlist:
             return exact(all_keys_whole(KEY_WHOLE_LISTS * plan.target_rows // nlist, nlist))
     index = options.index
-    built = "given"
-    if index is None:
+    if index is not None:
+        # The name is not checked (check_join says why); the plan says which column it was built on.
+        built = "given, " + ("built on an unrecorded target column" if index.column is None
+                             else f"built on target column {quote(index.column)}")
+        if index.column is not None and index.column != parsed.target_column:
+            built += f", not the join's {quote(parsed.target_column)}"
+    else:
         index = train_index(planned.target, parsed.target_column, parsed.metric, nlist=options.nlist,
                             seed=options.seed, sample=None, target_rows=plan.target_rows,
                             query_rows=plan.query_rows)

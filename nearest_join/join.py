@@ -126,6 +126,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     else:
         direction = _check_direction(parsed, options.direction)
         options.cap(parsed.metric)   # a cap that does not fit the metric, before any Spark job
+        if options.index is not None:   # an index of the other metric family, likewise
+            options.index.check_join(parsed.metric, None)
         q_item = vector_itemsize(query, parsed.query_column, "query")
         t_item = vector_itemsize(target, parsed.target_column, "target")
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
@@ -141,6 +143,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
             query_rows=q_facts.rows, target_rows=t_facts.rows,
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts)
+        if options.index is not None:   # its dimension, known from the facts job, before any other job
+            options.index.check_join(parsed.metric, plan.dimension)
         layout = None
         if keys is not None and plan.plan == "blocked":
             # The cells need the groups' sizes: a second small job (one row per group).

@@ -81,3 +81,31 @@ def test_a_job_trains_its_index_once_then_reuses_it(spark, tmp_path, monkeypatch
     document["join"]["index"]["rebuild"] = True
     prepare(parse_spec(document), spark)
     assert len(built) == 2, "rebuild: true trains again"
+
+
+def test_a_saved_index_that_cannot_serve_is_a_join_index_error(spark, tmp_path):
+    """A saved index with a NaN centroid (which would drop rows silently), or one of the other
+    metric family, fails the job under join.index, naming the file, before the search."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from jobs.runner import prepare
+    from nearest_join.ivf import IVFIndex
+
+    rng = np.random.default_rng(0)
+    for side, n in (("q", 20), ("t", 100)):
+        os.makedirs(tmp_path / side)
+        pq.write_table(pa.table({"id": np.arange(n), "v": [r.tolist() for r in rng.standard_normal((n, 4))]}),
+                       tmp_path / side / "part.parquet")
+    IVFIndex.train(rng.standard_normal((100, 4)).astype(np.float32), "l2", 4).save(tmp_path / "ix")
+    centroids = np.load(tmp_path / "ix" / "centroids.npy")
+    centroids[1, 0] = np.nan
+    np.save(tmp_path / "ix" / "centroids.npy", centroids)
+    document = _document(tmp_path, mode="approx", nprobe=4, index={"path": str(tmp_path / "ix")})
+    with pytest.raises(SpecError, match=f"'{tmp_path / 'ix' / 'centroids.npy'}': expected finite numbers") as caught:
+        prepare(parse_spec(document), spark)
+    assert caught.value.key == "join.index"
+    IVFIndex.train(rng.standard_normal((100, 4)).astype(np.float32), "cosine", 4).save(tmp_path / "ix")
+    with pytest.raises(SpecError, match="expected an index built for l2 and sqeuclidean") as caught:
+        prepare(parse_spec(document), spark)
+    assert caught.value.key == "join.index"

@@ -7,6 +7,9 @@ and the choice of nprobe. A few small Spark joins check the plan end to end.
 """
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -127,13 +130,14 @@ def test_index_save_load_round_trip(tmp_path):
     from nearest_join.ivf import IVFIndex
 
     x = _clustered(2000, 7, 12, seed=1)
-    index = IVFIndex.train(x, "cosine", 12, seed=4)
+    index = IVFIndex.train(x, "cosine", 12, seed=4, column="emb")
     assert (index.nlist, index.dimension, index.metric, index.seed, index.sample_rows) == (12, 7, "cosine", 4, 2000)
     index.save(tmp_path / "ix")
     loaded = IVFIndex.load(tmp_path / "ix")
     np.testing.assert_array_equal(loaded.centroids, index.centroids)
-    assert (loaded.nlist, loaded.metric, loaded.seed, loaded.sample_rows, loaded.iterations) == \
-        (index.nlist, index.metric, index.seed, index.sample_rows, index.iterations)
+    assert (loaded.nlist, loaded.metric, loaded.seed, loaded.sample_rows, loaded.iterations, loaded.column) == \
+        (index.nlist, index.metric, index.seed, index.sample_rows, index.iterations, "emb")
+    assert repr(loaded).endswith(f"iterations={index.iterations}, column='emb')")
     np.testing.assert_array_equal(loaded.route(x, 3), index.route(x, 3))
     assert not loaded.centroids.flags.writeable
     # the same sample and seed: the same index
@@ -149,6 +153,157 @@ def test_index_load_errors(tmp_path):
     (tmp_path / "ix" / "ivf_index.json").write_text('{"format": "other"}')
     with pytest.raises(ValueError, match="expected format 'nearest_join.ivf_index/1'"):
         IVFIndex.load(tmp_path / "ix")
+
+
+def _saved(tmp_path, metric: str = "l2", nlist: int = 4, d: int = 3):
+    """An index saved under ``tmp_path / "ix"``, its directory and its parameters as written."""
+    from nearest_join.ivf import IVFIndex
+
+    directory = tmp_path / "ix"
+    IVFIndex.train(_clustered(200, d, nlist, seed=0), metric, nlist).save(directory)
+    return directory, json.loads((directory / "ivf_index.json").read_text())
+
+
+@pytest.mark.parametrize("metric, row, value", [
+    ("l2", 1, np.nan), ("l2", 0, np.inf), ("cosine", 3, -np.inf), ("inner_product", 2, np.nan),
+])
+def test_a_saved_index_with_a_non_finite_centroid_is_refused(tmp_path, metric, row, value):
+    """A NaN centroid is a target no row can rank against: the join would drop rows silently,
+    even at nprobe = nlist. Loading it is the error, naming the file."""
+    from nearest_join.ivf import IVFIndex
+
+    directory, _ = _saved(tmp_path, metric)
+    centroids = np.load(directory / "centroids.npy")
+    centroids[row, 1] = value
+    np.save(directory / "centroids.npy", centroids)
+    with pytest.raises(ValueError, match=f"^'{directory / 'centroids.npy'}': expected finite numbers, "
+                                         f"got NaN or infinity in centroid {row} of 4") as caught:
+        IVFIndex.load(directory)
+    assert type(caught.value) is ValueError
+    # built by hand, the same centroids are refused too, naming the field
+    with pytest.raises(ValueError, match="^centroids: expected finite numbers"):
+        IVFIndex(centroids, metric, 0, 200, 0)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "inner_product"])
+def test_a_zero_centroid_is_refused_where_lists_are_probed_by_cosine(tmp_path, metric):
+    """kernels.kmeans.route ranks lists by cosine for the similarities, where a zero vector
+    cannot rank: a zero centroid's list gets no row, and with every centroid zero every row
+    is dropped. Under l2 a zero centroid is a point like any other."""
+    from nearest_join.kernels.kmeans import route
+    from nearest_join.ivf import IVFIndex
+
+    x = _clustered(50, 3, 2, seed=0)
+    assert (route(x, np.zeros((2, 3), np.float32), metric, 2) == -1).all()   # why it is refused
+    directory, _ = _saved(tmp_path, metric)
+    centroids = np.load(directory / "centroids.npy")
+    centroids[2] = 0.0
+    np.save(directory / "centroids.npy", centroids)
+    with pytest.raises(ValueError, match=f"^'{directory / 'centroids.npy'}': expected no zero centroid in an "
+                                         f"index for '{metric}'.* got zeros in centroid 2 of 4"):
+        IVFIndex.load(directory)
+    l2 = IVFIndex(np.zeros((2, 3), np.float32), "l2", 0, 2, 0)
+    np.testing.assert_array_equal(l2.route(x[:1], 2), [[0, 1]])
+    # duplicate centroids are fine for every metric: the lower one takes the ties
+    IVFIndex(np.ones((2, 3), np.float32), metric, 0, 2, 0)
+
+
+# (what is done to the saved index, the file the error names, what the message says)
+_META_FAULTS = [
+    ("meta", {"nlist": None}, "ivf_index.json", "key 'nlist' missing"),
+    ("meta", {"metric": None}, "ivf_index.json", "key 'metric' missing"),
+    ("meta", {"normalised": True}, "ivf_index.json", "unknown key 'normalised'"),
+    ("meta", {"seed": "7"}, "ivf_index.json", "key seed: expected an int >= 0, got str '7'"),
+    ("meta", {"seed": 1.5}, "ivf_index.json", "key seed: expected an int >= 0, got float 1.5"),
+    ("meta", {"seed": -1}, "ivf_index.json", "key seed: expected an int >= 0, got -1"),
+    ("meta", {"nlist": True}, "ivf_index.json", "key nlist: expected an int between 1 and 65536, got bool True"),
+    ("meta", {"nlist": 0}, "ivf_index.json", "key nlist: expected an int between 1 and 65536, got 0"),
+    ("meta", {"nlist": 70000}, "ivf_index.json", "key nlist: expected an int between 1 and 65536, got 70000"),
+    ("meta", {"dimension": 0}, "ivf_index.json", "key dimension: expected an int >= 1, got 0"),
+    ("meta", {"sample_rows": 3}, "ivf_index.json", "key sample_rows: expected at least nlist = 4"),
+    ("meta", {"iterations": -2}, "ivf_index.json", "key iterations: expected an int >= 0, got -2"),
+    ("meta", {"metric": "manhattan"}, "ivf_index.json",
+     r"key metric: expected one of \['cosine', 'inner_product', 'l2', 'sqeuclidean'\], got 'manhattan'"),
+    ("meta", {"column": 5}, "ivf_index.json", "key column: expected None or a column name, got int 5"),
+    ("meta", {"nlist": 5}, "centroids.npy", r"expected float32 centroids of shape \(5, 3\).* got dtype float32 "
+                                            r"of shape \(4, 3\)"),
+    ("npy", "missing", "centroids.npy", "missing; expected float32 centroids of shape"),
+    ("npy", "truncated", "centroids.npy", "got 43 bytes of data where the header says 48: truncated"),
+    ("npy", "appended", "centroids.npy", "got 49 bytes of data where the header says 48: trailing bytes"),
+    ("npy", "text", "centroids.npy", "the magic string is not correct"),
+    ("npy", "empty", "centroids.npy", "EOF: reading magic string"),
+    ("npy", "float64", "centroids.npy", r"got dtype float64 of shape \(4, 3\)"),
+    ("npy", "3-D", "centroids.npy", r"got dtype float32 of shape \(4, 3, 1\)"),
+    ("npy", "object", "centroids.npy", r"got dtype object of shape \(4, 3\)"),
+]
+
+
+@pytest.mark.parametrize("kind, fault, at_fault, message", _META_FAULTS,
+                         ids=[",".join(f"{k}={v}" for k, v in fault.items()) if isinstance(fault, dict)
+                              else f"npy-{fault}" for _, fault, *_ in _META_FAULTS])
+def test_a_malformed_saved_index_is_one_value_error_naming_the_file(tmp_path, kind, fault, at_fault, message):
+    """Every malformed part of a saved index is a ValueError (not a KeyError, a numpy EOF, a
+    pickle complaint, nor a bad metric found only at join time) that starts with the file at
+    fault and says what was expected and found."""
+    from nearest_join.ivf import IVFIndex
+
+    directory, meta = _saved(tmp_path)
+    npy = directory / "centroids.npy"
+    if kind == "meta":
+        for key, value in fault.items():
+            if value is None:
+                del meta[key]
+            else:
+                meta[key] = value
+        (directory / "ivf_index.json").write_text(json.dumps(meta))
+    elif fault == "missing":
+        npy.unlink()
+    elif fault in ("truncated", "appended"):
+        data = npy.read_bytes()
+        npy.write_bytes(data[:-5] if fault == "truncated" else data + b"\0")
+    elif fault in ("text", "empty"):
+        npy.write_text("" if fault == "empty" else "0.1 0.2 0.3\n" * 4)
+    else:
+        centroids = np.load(npy)
+        changed = {"float64": centroids.astype(np.float64), "3-D": centroids[:, :, None],
+                   "object": centroids.astype(object)}[fault]
+        np.save(npy, changed, allow_pickle=True)
+    with pytest.raises(ValueError) as caught:
+        IVFIndex.load(directory)
+    assert type(caught.value) is ValueError, caught.value
+    text = str(caught.value)
+    assert text.startswith(f"'{directory / at_fault}': "), text
+    assert re.search(message, text), text
+
+
+def test_an_older_saved_index_without_its_column_still_loads(tmp_path):
+    from nearest_join.ivf import IVFIndex
+
+    directory, meta = _saved(tmp_path)
+    meta.pop("column")
+    (directory / "ivf_index.json").write_text(json.dumps(meta))
+    loaded = IVFIndex.load(directory)
+    assert loaded.column is None and "column=None" in repr(loaded)
+    assert loaded.nlist == meta["nlist"] and loaded.dimension == meta["dimension"]
+
+
+def test_a_jobs_saved_index_that_cannot_serve_is_an_index_error(tmp_path):
+    """load_or_build (the job spec's join.index) reports a bad saved index under ``index``,
+    so the job names join.index, and does not silently train a new one over it; nor does it
+    hand a join an index of the other metric family."""
+    from nearest_join.errors import ArgumentError
+    from nearest_join.ivf import load_or_build
+
+    directory, meta = _saved(tmp_path, "cosine")
+    arguments = {"rebuild": False, "target": None, "column": "w", "nlist": None, "seed": 0}
+    assert load_or_build(str(directory), metric="inner_product", **arguments).metric == "cosine"
+    with pytest.raises(ArgumentError, match="index: expected an index built for l2 and sqeuclidean") as caught:
+        load_or_build(str(directory), metric="l2", **arguments)
+    assert caught.value.argument == "index"
+    (directory / "ivf_index.json").write_text(json.dumps({**meta, "metric": "manhattan"}))
+    with pytest.raises(ArgumentError, match=f"^index: '{directory / 'ivf_index.json'}': key metric") as caught:
+        load_or_build(str(directory), metric="cosine", **arguments)
+    assert caught.value.argument == "index"
 
 
 def test_index_serves_its_metric_family_and_dimension():
@@ -429,6 +584,60 @@ def test_index_of_another_metric_or_dimension(frames):
     with pytest.raises(ArgumentError, match="index: expected an index of dimension 6"):
         explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"),
                              index=IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3))
+
+
+def _no_job(*args, **kwargs):
+    raise AssertionError("a Spark job ran before the index was checked")
+
+
+def test_an_index_of_the_other_family_is_refused_before_any_spark_job(frames, monkeypatch):
+    from nearest_join import join
+    from nearest_join.errors import ArgumentError
+    from nearest_join.ivf import IVFIndex
+
+    _, _, q, t = frames
+    monkeypatch.setattr(join, "side_facts", _no_job)   # the planner's facts job, its first
+    index = IVFIndex.train(_clustered(100, D, 3, seed=0), "cosine", 3)
+    with pytest.raises(ArgumentError, match="index: expected an index built for l2 and sqeuclidean") as caught:
+        explain_nearest_join(q, t, "sqeuclidean", 3, "approx", vectors=("v", "w"), index=index)
+    assert caught.value.argument == "index"
+
+
+def test_an_index_of_another_dimension_is_refused_right_after_the_facts_job(frames, monkeypatch):
+    """The dimension is known once the facts job has run, and checked then: before the keyed
+    blocked plan's group count, any sampling, training or routing, and whatever plan an
+    empty target would take."""
+    from nearest_join import ivf, keyed
+    from nearest_join.errors import ArgumentError
+
+    _, _, q, t = frames
+    for module, name in ((keyed, "layout_of"), (ivf, "train_index"), (ivf, "sample_vectors")):
+        monkeypatch.setattr(module, name, _no_job)
+    index = ivf.IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3)
+    with pytest.raises(ArgumentError, match=f"index: expected an index of dimension {D} "):
+        explain_nearest_join(q.withColumn("g", q.qid % 2), t.withColumn("g", t.tid % 2), "l2", 3, "approx",
+                             vectors=("v", "w"), on="g", index=index, broadcast_limit_bytes=0)
+    with pytest.raises(ArgumentError, match=f"index: expected an index of dimension {D} "):
+        explain_nearest_join(q, t.limit(0), "l2", 3, "approx", vectors=("v", "w"), index=index)
+
+
+def test_an_index_built_on_another_column_name_serves_and_the_plan_says_so(frames):
+    """A renamed target column (a job's prefix, an alias) is the same vectors: not an error,
+    but the plan names the column the index was built on."""
+    from nearest_join.ivf import IVFIndex
+
+    _, targets, q, t = frames
+    index = IVFIndex.train(targets, "l2", 8, column="w")
+    renamed = explain_nearest_join(q, t.withColumnRenamed("w", "emb"), "l2", 3, "approx", vectors=("v", "emb"),
+                                   index=index, nprobe=2)
+    assert renamed.ivf["runs"] == "ivf"
+    assert renamed.ivf["index"] == "given, built on target column `w`, not the join's `emb`"
+    assert "IVF: nlist=8 (given, built on target column `w`, not the join's `emb`, seed 0;" in str(renamed)
+    same = explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"), index=index, nprobe=2)
+    assert same.ivf["index"] == "given, built on target column `w`"
+    unrecorded = IVFIndex(index.centroids, "l2", 0, index.sample_rows, 0)
+    plan = explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"), index=unrecorded, nprobe=2)
+    assert plan.ivf["index"] == "given, built on an unrecorded target column"
 
 
 def test_a_recall_that_needs_many_lists_runs_exact(monkeypatch):
