@@ -14,6 +14,10 @@ query cut down to ``a`` joined with the target cut down to ``b``, and against ne
 alone. Only DataFrame analysis is used (no JVM handle), so this works the same under classic
 PySpark and Spark Connect.
 
+Spark's vector functions take ``array<float>`` only, and its analyzer checks types before it
+places a column on a side: over ``array<double>`` or ``VectorUDT`` columns (which the join
+takes) the names alone decide, and must allow one reading (:func:`_reading_by_names`).
+
 Anything else (an expression over the vectors, a literal, both arguments on one side, a
 column Spark cannot place) returns None, and the caller hands the join to Spark's own
 ``nearestByJoin``. A ranking whose two different columns resolve on *both* sides (one
@@ -255,6 +259,40 @@ def _on_both_sides_error(ranking, metric: str, readings) -> ValueError:
     )
 
 
+def _spark_vector_type(df, name: str) -> bool:
+    """Whether Spark's vector functions take the column: ``array<float>`` only."""
+    from pyspark.sql.types import ArrayType, FloatType
+
+    dtype = df.schema.fields[column_index(df, name)].dataType
+    return isinstance(dtype, ArrayType) and isinstance(dtype.elementType, FloatType)
+
+
+def _reading_by_names(ranking, metric: str, readings, query, target) -> Ranking:
+    """The ranking's columns when Spark's analyzer refuses its types (its vector functions
+    take ``array<float>`` only; the join also takes ``array<double>`` and ``VectorUDT``).
+
+    The analyzer checks the types before it places a column on a side, so it cannot tell
+    the sides here: the names must. One reading (one argument names a query column, the
+    other a target column) is taken, as the metric-name form takes ``vectors=``; several are
+    an error naming the columns, their types and the form that says which is which. The
+    three functions are symmetric, so which argument came first does not matter."""
+    def typed(df, name):
+        return f"`{name}` ({df.schema.fields[column_index(df, name)].dataType.simpleString()})"
+
+    if len(readings) == 1:
+        q_col, t_col = readings[0]
+        vector_itemsize(query, q_col, "query")     # a column of no vector type: its own error
+        vector_itemsize(target, t_col, "target")
+        return Ranking(metric, q_col, t_col, str(ranking))
+    found = "; ".join(f"query {typed(query, q)} and target {typed(target, t)}" for q, t in readings)
+    a, b = readings[0]
+    raise ArgumentError(
+        "ranking", f"{ranking}: Spark's vector functions take array<float>, so Spark cannot place its "
+        f"columns on a side, and their names fit several readings ({found}). Name the columns per "
+        f"side with the metric name, which takes array<float>, array<double> and VectorUDT: "
+        f"nearest_by_join(query, target, {metric!r}, k, vectors=({a!r}, {b!r})) (query column first)")
+
+
 def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     """Read the metric and the vector columns of a ranking; None means "let Spark run it".
 
@@ -298,6 +336,8 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     if not readings:
         logger.debug("ranking %s: its arguments name no query column and target column", text)
         return None
+    if not any(_spark_vector_type(query, q) and _spark_vector_type(target, t) for q, t in readings):
+        return _reading_by_names(ranking, metric, readings, query, target)
     on_query = _all_named_on(splits, q_cols) and _resolves(query, ranking)
     on_target = _all_named_on(splits, t_cols) and _resolves(target, ranking)
     if on_query and on_target:

@@ -141,3 +141,23 @@ def test_self_join_over_one_column(items):
 
 
 # The same cases through Spark Connect: tests/join/connect_parity.py (column_cases).
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_vector_functions_over_double_columns(spark, plan):
+    """Spark's vector functions refuse array<double>; the join runs them (as it runs the metric
+    names over such columns). Oracle: Spark's own join of float copies (every value here is
+    exact in float32, so the copies rank alike)."""
+    q = spark.createDataFrame([(1, [0.0, 0.5]), (2, [10.0, 0.0]), (3, None)], "qid int, v array<double>")
+    t = spark.createDataFrame([("a", [0.0, 0.0]), ("b", [5.0, 5.5]), ("c", [3.0, 0.0]), ("d", [1.0, 1.0])],
+                              "tid string, w array<double>")
+    qf = q.select("qid", q.v.cast("array<float>").alias("v"))
+    tf = t.select("tid", t.w.cast("array<float>").alias("w"))
+    for function, descending in ((F.vector_l2_distance, False), (F.vector_inner_product, True),
+                                 (F.vector_cosine_similarity, True)):
+        ours = nearest_by_join(q, t, function(t.w, q.v), 2, join_type="left", distance_col="d",
+                               **PLANS[plan]).collect()
+        ranking = function(qf.v, tf.w)
+        theirs = (qf.nearestByJoin(tf, ranking, 2, "exact", "similarity" if descending else "distance",
+                                   joinType="left").withColumn("d", ranking).collect())
+        _same(ours, theirs, lambda r: r["qid"], lambda r: r["tid"], descending=descending)

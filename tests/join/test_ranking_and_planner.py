@@ -67,6 +67,35 @@ def test_self_join_rankings(frames):
         parse_ranking(F.vector_inner_product(q.a, q.v), q, q.filter("id > 0"))
 
 
+def test_vector_functions_over_double_and_ml_vectors(spark):
+    """Spark's vector functions take array<float>; over array<double> or VectorUDT columns its
+    analyzer refuses the ranking before it places a column on a side, so the names decide."""
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import ArrayType, IntegerType, StructField, StructType
+
+    q = spark.createDataFrame([(1, [1.0], [2.0])], "id int, v array<double>, x array<double>")
+    t = spark.createDataFrame([(1, [1.0])], "id int, w array<double>")
+    assert _columns(parse_ranking(F.vector_l2_distance(q.v, t.w), q, t)) == ("v", "w")
+    assert _columns(parse_ranking(F.vector_cosine_similarity(t.w, q.v), q, t)) == ("v", "w")
+    mixed = spark.createDataFrame([(1, [1.0])], "id int, w array<float>")
+    assert parse_ranking(F.vector_inner_product(q.v, mixed.w), q, mixed).metric == "inner_product"
+    ml = spark.createDataFrame([(1, Vectors.dense([1.0]))], StructType([
+        StructField("id", IntegerType()), StructField("w", VectorUDT())]))
+    assert _columns(parse_ranking(F.vector_l2_distance(q.v, ml.w), q, ml)) == ("v", "w")
+    # a self-join through aliases: one reading, whichever argument is the query's
+    a, b = q.alias("a"), q.alias("b")
+    assert _columns(parse_ranking(F.vector_l2_distance(F.col("a.v"), F.col("b.v")), a, b)) == ("v", "v")
+    # names present on both sides: no single reading, an error that says what to write
+    both = t.withColumn("v", t.w)
+    with pytest.raises(ValueError, match=r"ranking: .*take array<float>.*query `v` \(array<double>\) and "
+                                         r"target `w` \(array<double>\).*vectors=\('v', 'w'\)"):
+        parse_ranking(F.vector_l2_distance(q.v, both.w), q.withColumn("w", q.v), both)
+    ints = spark.createDataFrame([(1, [1])], StructType([
+        StructField("id", IntegerType()), StructField("w", ArrayType(IntegerType()))]))
+    with pytest.raises(TypeError, match="target column 'w'.*got array<int>"):
+        parse_ranking(F.vector_l2_distance(q.v, ints.w), q, ints)
+
+
 def test_metric_name_rankings(frames):
     q, t = frames
     assert parse_ranking("sqeuclidean", q, t, ("a", "w")) == Ranking("sqeuclidean", "a", "w", "sqeuclidean")
