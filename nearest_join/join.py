@@ -43,6 +43,7 @@ from .ranking import (
     parse_keys,
     parse_ranking,
     quote,
+    side_qualifiers,
     vector_itemsize,
 )
 
@@ -96,6 +97,8 @@ class PlannedJoin:
     keys: tuple[JoinKey, ...] | None = None   # on=, resolved against both sides
     layout: KeyedLayout | None = None         # the keyed blocked plan's cells
     ivf: object = None   # mode="approx" running IVF: its nearest_join.ivf.IvfSearch
+    # The sides' aliases the ranking's columns were named through, kept by the output.
+    qualifiers: tuple[str | None, str | None] = (None, None)
 
     def dataframe(self) -> DataFrame:
         """The joined rows (lazy: the search runs when the DataFrame is evaluated)."""
@@ -152,7 +155,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                                      query_block_rows=plan.query_block_rows, cores=plan.cores,
                                      dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
             plan = dataclasses.replace(plan, key_cells=layout.summary())
-        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout)
+        planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout,
+                              qualifiers=side_qualifiers(ranking, query, target, parsed))
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
@@ -404,7 +408,7 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
-        return joined.toDF(*names)
+        return _output(joined, names, planned)
     packed = _packed_schema()
     if plan.plan == "broadcast" and plan.query_partitions:
         # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
@@ -436,7 +440,33 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         joined = partials.groupBy(C.Q_BLOCK_ID).applyInArrow(_merge_function(ctx), out_schema)
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
-    return joined.toDF(*names)
+    return _output(joined, names, planned)
+
+
+def _output(joined: DataFrame, names: list[str], planned: PlannedJoin) -> DataFrame:
+    """The executors' rows under the output's names and, where the ranking named its columns
+    through the sides' aliases (``F.col("a.v")``), under those qualifiers (``a.id``, ``b.id``).
+
+    The rows come out of ``mapInArrow`` as a new relation, which carries no qualifier. The
+    query's columns get the query's alias; the target's (and ``distance_col``) are packed in
+    a struct and unpacked by a lateral ``inline`` under the target's alias, the one cheap
+    way to give some columns another qualifier: Spark plans it as a Generate over the same
+    rows, no join and no exchange.
+    """
+    q_alias, t_alias = planned.qualifiers
+    if q_alias is None and t_alias is None:
+        return joined.toDF(*names)
+    n_query = len(planned.query.columns)
+    internal = joined.columns
+    target_struct = F.struct(*[F.col(c).alias(n) for c, n in zip(internal[n_query:], names[n_query:])])
+    left = joined.select(*[F.col(c).alias(n) for c, n in zip(internal[:n_query], names[:n_query])],
+                         target_struct.alias(C.TARGET_STRUCT))
+    right = planned.query.sparkSession.tvf.inline(F.array(F.col(C.TARGET_STRUCT).outer()))
+    if q_alias is not None:
+        left = left.alias(q_alias)
+    if t_alias is not None:
+        right = right.alias(t_alias)
+    return left.lateralJoin(right).drop(C.TARGET_STRUCT)
 
 
 def _inputs(query: DataFrame, target: DataFrame, keys) -> tuple[DataFrame, DataFrame]:

@@ -371,6 +371,32 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     return Ranking(metric, held[0][0], held[0][1], text)
 
 
+def side_qualifiers(ranking, query, target, parsed: Ranking) -> tuple[str | None, str | None]:
+    """The qualifiers (DataFrame aliases) a Column ranking names its query and its target
+    column with, ``F.col("a.v")`` over ``S.alias("a")``; None for a side it names plainly.
+
+    The join's output keeps them, as Spark's own join keeps its sides' aliases: after a
+    self-join through aliases ``a.id`` and ``b.id`` are the two ``id`` columns. A qualifier
+    counts when it names the column on its own side and not on the other."""
+    from pyspark.sql import functions as F
+
+    if isinstance(ranking, str):
+        return None, None
+    call = _call(ranking)
+    found: dict[str, str] = {}
+    for text in dict.fromkeys(t for split in (call[1] if call else ()) for t in split):
+        parts = _name_parts(text)
+        if not parts or len(parts) < 2:
+            continue
+        reference = ".".join(_reference(p) for p in parts)
+        for side, df, other, name in (("query", query, target, parsed.query_column),
+                                      ("target", target, query, parsed.target_column)):
+            if side not in found and parts[-1] == name and _resolves(df, F.col(reference)) \
+                    and not _resolves(other, F.col(reference)):
+                found[side] = ".".join(parts[:-1])
+    return found.get("query"), found.get("target")
+
+
 # ----------------------------------------------------------------------------- on= keys
 @dataclass(frozen=True)
 class JoinKey:

@@ -21,6 +21,9 @@ T_ROW = "__nj_t_row"
 # A query row's rank among its groups (an IVF query's probed lists, nearest first; 0 for a
 # query of one group): the row of rank 0 carries the query's payload to stage 2.
 PROBE = "__nj_probe"
+# The output's target columns packed in one struct, unpacked under the target's alias
+# (nearest_join.join: the output keeps the sides' qualifiers).
+TARGET_STRUCT = "__nj_target"
 
 
 def key_name(position: int) -> str:

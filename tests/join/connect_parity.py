@@ -136,6 +136,18 @@ def column_cases(spark) -> int:
         rows = nearest_by_join(t, t, F.vector_l2_distance(t.v, t.v), 2).collect()
         assert {(r[0], r[3]) for r in rows if r[0] == "c"} == {("c", "c"), ("c", "a")}, rows
 
+    def aliases_kept():
+        # the sides' aliases the ranking names stay on the output (a lateral inline under Connect too)
+        a, b = t.alias("a"), t.alias("b")
+        out = nearest_by_join(a, b, F.vector_l2_distance(F.col("a.v"), F.col("b.w")), 1, distance_col="d")
+        rows = out.select("a.tid", "b.tid", "d").collect()
+        assert {(r[0], r[1]) for r in rows} == {("a", "c"), ("b", "b"), ("c", "c")}, rows
+
+    def double_vectors():
+        qd = q.select("qid", q.v.cast("array<double>").alias("v"))
+        rows = nearest_by_join(qd, t, F.vector_l2_distance(qd.v, t.w), 1).collect()
+        assert {(r["qid"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
+
     def ragged():
         r = spark.createDataFrame([(0, [1.0, 0.0]), (1, [1.0, 0.0, 2.0])], "rid int, rv array<float>")
         try:
@@ -149,7 +161,8 @@ def column_cases(spark) -> int:
     failures = 0
     for name, check in [("columns-two-target-columns", two_target_columns),
                         ("columns-sides-by-plan-id", sides_by_plan_id), ("columns-dotted-names", dotted_names),
-                        ("columns-self-join", self_join), ("columns-ragged", ragged)]:
+                        ("columns-self-join", self_join), ("columns-aliases-kept", aliases_kept),
+                        ("columns-double-vectors", double_vectors), ("columns-ragged", ragged)]:
         try:
             check()
             print(name, "OK", flush=True)

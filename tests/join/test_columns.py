@@ -161,3 +161,25 @@ def test_vector_functions_over_double_columns(spark, plan):
         theirs = (qf.nearestByJoin(tf, ranking, 2, "exact", "similarity" if descending else "distance",
                                    joinType="left").withColumn("d", ranking).collect())
         _same(ours, theirs, lambda r: r["qid"], lambda r: r["tid"], descending=descending)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_the_output_keeps_the_aliases_the_ranking_names(spark, plan):
+    """A self-join through aliases: Spark's own join keeps the sides' qualifiers, so `a.id` and
+    `b.id` tell the two `id` columns apart; so does ours (a NULL vector: LEFT OUTER's NULL row)."""
+    S = spark.createDataFrame([(1, [0.0, 1.0]), (2, [1.0, 1.0]), (3, [5.0, 5.0]), (4, None)], "id int, v array<float>")
+    a, b = S.alias("a"), S.alias("b")
+    ranking = F.vector_l2_distance(F.col("a.v"), F.col("b.v"))
+    for join_type in ("inner", "left"):
+        ours = nearest_by_join(a, b, ranking, 2, join_type=join_type, distance_col="d", **PLANS[plan])
+        assert ours.columns == ["id", "v", "id", "v", "d"]
+        got = ours.select(F.col("a.id").alias("q"), F.col("b.id").alias("t"), "d").collect()
+        theirs = (a.nearestByJoin(b, ranking, 2, "exact", "distance", joinType=join_type)
+                  .select(F.col("a.id").alias("q"), F.col("b.id").alias("t"), ranking.alias("d")).collect())
+        _same(got, theirs, lambda r: r["q"], lambda r: r["t"])
+        assert (4, None, None) in [tuple(r) for r in got] if join_type == "left" else len(got) == 6
+    # one side aliased: its columns keep the alias, the other side's keep their names
+    q = spark.createDataFrame([(7, [0.0, 0.0])], "id int, v array<float>").alias("x")
+    t = S.toDF("tid", "w")
+    out = nearest_by_join(q, t, F.vector_l2_distance(F.col("x.v"), t.w), 1, **PLANS[plan])
+    assert [tuple(r) for r in out.select("x.id", "tid").collect()] == [(7, 1)]
