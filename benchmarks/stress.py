@@ -10,6 +10,17 @@ with NULL target columns), and, for up to ``--check-rows`` queries of each join,
 returned target is a true top-k row (``tests.adversarial.assert_true_topk``, with float32
 value rounding as the tie tolerance, as in tests/join/test_exactness.py).
 
+About half the joins (``--approx-share``) are ``mode="approx"`` instead, forced onto the IVF
+plan (``nlist`` given) over clustered, Gaussian, duplicated and offset data, with ``on=``
+keys (skewed groups, NULL keys), caps, forced blocked plans, a given ``nprobe``, and saved
+indexes (``IVFIndex.save``/``load``) trained on yesterday's target and reused after it
+changed (rows replaced, moved and deleted). Every returned row must be a candidate (rankable,
+same key, within the cap), once, with its exact float64 value; where the plan promises the
+exact result (it fell back to the exact plan, or probes every list) the rows must be the true
+top k; otherwise the recall@k of the whole join (a returned row counts when its oracle key is
+within the k-th best of its candidates: ties count) must meet the join's ``recall`` target
+whenever the planner chose ``nprobe`` from it.
+
 It prints one line per join that went wrong (with its seed: ``--replay SEED`` runs that one
 again) and the totals; a timed run (not ``--replay``) records them in
 ``benchmarks/results/stress.jsonl`` (table ``totals``) for ``make bench-report``, and ``--out FILE``
@@ -18,7 +29,7 @@ also appends them as a JSON line.
 Usage::
 
     python benchmarks/stress.py --minutes 30 --out benchmarks/out/stress.jsonl
-    python benchmarks/stress.py --replay 1234
+    python benchmarks/stress.py --replay 1234 1240
 """
 from __future__ import annotations
 
@@ -26,8 +37,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -182,6 +195,193 @@ def run_join(spark, case: dict, check_rows: int) -> tuple[int, list[str]]:
     return int(checked.size), problems
 
 
+APPROX_KINDS = ("clustered", "gaussian", "duplicates", "offset")
+
+
+def draw_approx(seed: int) -> dict:
+    """The inputs and options of one ``mode="approx"`` join."""
+    rng = np.random.default_rng([seed, 1])
+    nt = int(rng.integers(300, 6001))
+    nq = int(rng.choice([1, int(rng.integers(2, 60)), int(rng.integers(60, 1201))], p=[0.05, 0.25, 0.7]))
+    d = int(rng.choice([1, 2, int(rng.integers(3, 33)), int(rng.integers(33, 129)), 384],
+                       p=[0.05, 0.05, 0.4, 0.35, 0.15]))
+    while nq * nt * d > 1.5e8:
+        nq, nt = max(1, nq // 2), max(300, nt // 2) if nt > 300 else nt
+        if nq == 1 and nt == 300:
+            break
+    kind = str(rng.choice(APPROX_KINDS))
+    total = nq + nt
+    clusters = int(rng.integers(2, 200))
+    centres = rng.standard_normal((clusters, d)) * rng.uniform(0.5, 10)
+    data = centres[rng.integers(0, clusters, total)] + rng.standard_normal((total, d))
+    if kind == "gaussian":
+        data = rng.standard_normal((total, d))
+    elif kind == "duplicates":                                   # groups of identical rows
+        copies = rng.random(total) < 0.3
+        data[copies] = data[rng.integers(0, total, copies.sum())]
+    elif kind == "offset":
+        data += 1e3
+    dtype = np.float64 if rng.random() < 0.2 else np.float32
+    data = data.astype(dtype)
+    Q, T = data[:nq], data[nq:]
+    metric = str(rng.choice(METRICS))
+    null = lambda n: rng.random(n) < rng.choice([0, 0.03])       # noqa: E731
+    q_null, t_null = null(nq), null(nt)
+    options: dict = {"mode": "approx", "seed": int(rng.integers(0, 1000))}
+    estimated = rng.random() < 0.8
+    if estimated:
+        options["recall"] = float(rng.choice([0.5, 0.8, 0.9, 0.95, 0.99]))
+    keys = None
+    if rng.random() < 0.3:                                       # skewed key groups, NULL keys
+        groups = int(rng.integers(1, 12))
+        weights = 1.0 / np.arange(1, groups + 1) ** 1.5
+        draw_keys = lambda n: np.where(rng.random(n) < 0.03, -1,  # noqa: E731
+                                       rng.choice(groups, n, p=weights / weights.sum()))
+        keys = (draw_keys(nq), draw_keys(nt))
+        options["on"] = "key"
+    cap_quantile = float(rng.uniform(0.2, 0.9)) if rng.random() < 0.25 else None
+    if rng.random() < 0.25:
+        options.update(broadcast_limit_bytes=0, query_block_rows=int(rng.integers(max(1, nq // 8), nq // 4 + 200)),
+                       target_block_rows=int(rng.integers(max(1, nt // 8), nt // 4 + 400)))
+    old_target = None
+    nlist = int(rng.integers(1, max(2, int(2 * np.sqrt(nt))) + 1))
+    if rng.random() < 0.25:
+        # An index trained on yesterday's target: a fifth of its rows since replaced by new
+        # draws, a twentieth moved, a tenth deleted (today's T has them no more).
+        old_target = T.copy()
+        moved = rng.random(nt) < 0.2
+        old_target[moved] = centres[rng.integers(0, clusters, moved.sum())] + rng.standard_normal((moved.sum(), d))
+        shifted = rng.random(nt) < 0.05
+        old_target[shifted] += rng.standard_normal((shifted.sum(), d)).astype(dtype)
+        old_target = np.concatenate([old_target, rng.standard_normal((nt // 10, d)).astype(dtype)])
+    else:
+        options["nlist"] = nlist
+    if not estimated:
+        options["nprobe"] = int(rng.choice([1, int(rng.integers(1, nlist + 1)), nlist]))
+    return dict(seed=seed, Q=Q, T=T, q_null=q_null, t_null=t_null, metric=metric, kind=kind,
+                k=int(rng.choice([1, int(rng.integers(2, 11)), int(rng.integers(11, 51))])),
+                join_type=str(rng.choice(["inner", "leftouter"])), keys=keys, cap_quantile=cap_quantile,
+                q_parts=int(rng.choice([1, 2, rng.integers(3, 20)])), t_parts=int(rng.choice([1, 2, rng.integers(3, 20)])),
+                options=options, old_target=old_target, nlist=nlist)
+
+
+def _with_keys(table, keys):
+    import pyarrow as pa
+
+    if keys is None:
+        return table
+    return table.append_column("key", pa.array(keys, mask=keys < 0, type=pa.int32()))
+
+
+def _candidates(case: dict, all_keys: np.ndarray) -> np.ndarray:
+    """(nq, nt) bool: the targets each query may be given (rankable, same key, within the cap)."""
+    Q, T, metric = case["Q"], case["T"], case["metric"]
+    ok = _rankable(Q, case["q_null"], metric)[:, None] & _rankable(T, case["t_null"], metric)[None, :]
+    if case["keys"] is not None:
+        q_keys, t_keys = case["keys"]
+        ok &= (q_keys[:, None] == t_keys[None, :]) & (q_keys[:, None] >= 0)
+    if case["cap"] is not None:
+        values = adversarial.key_values(all_keys, metric)
+        ok &= values >= case["cap"] if metric in ("cosine", "inner_product") else values <= case["cap"]
+    return ok
+
+
+def run_approx_join(spark, case: dict, workdir: Path) -> dict:
+    """Run one approx join: its problems (wrong rows), its recall@k, what its plan promised."""
+    from nearest_join.ivf import IVFIndex
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    Q, T, metric, k = case["Q"], case["T"], case["metric"], case["k"]
+    clean = lambda M: np.nan_to_num(M.astype(np.float64), nan=0.0)  # noqa: E731 (NULLs are masked below)
+    all_keys = adversarial.oracle_keys(clean(Q), clean(T), metric)
+    case["cap"] = None
+    if case["cap_quantile"] is not None and Q.shape[0]:
+        values = adversarial.key_values(np.sort(all_keys, axis=1)[:, min(k, T.shape[0]) - 1], metric)
+        finite = values[np.isfinite(values)]
+        if finite.size:
+            case["cap"] = float(np.quantile(finite, case["cap_quantile"]))
+    options = dict(case["options"])
+    if case["cap"] is not None:
+        options["min_similarity" if metric in ("cosine", "inner_product") else "max_distance"] = case["cap"]
+    if case["old_target"] is not None:
+        rankable = case["old_target"][np.isfinite(case["old_target"]).all(axis=1)]
+        if metric == "cosine":
+            rankable = rankable[(rankable != 0).any(axis=1)]
+        index = IVFIndex.train(rankable, metric, min(case["nlist"], rankable.shape[0]), seed=options["seed"])
+        path = workdir / f"index-{case['seed']}"
+        index.save(path)
+        options["index"] = IVFIndex.load(path)
+        if options.get("nprobe", 0) > options["index"].nlist:
+            options["nprobe"] = options["index"].nlist
+    q = spark.createDataFrame(_with_keys(_arrow_side(Q, case["q_null"], "qid", "qv"),
+                                         None if case["keys"] is None else case["keys"][0])).repartition(case["q_parts"])
+    t = spark.createDataFrame(_with_keys(_arrow_side(T, case["t_null"], "tid", "tv"),
+                                         None if case["keys"] is None else case["keys"][1])).repartition(case["t_parts"])
+    join_options = JoinOptions(num_results=k, vectors=("qv", "tv"), join_type=case["join_type"],
+                               distance_col="d", **options)
+    planned = plan_join(q, t, metric, join_options)
+    ivf = planned.plan.ivf or {}
+    out = planned.dataframe().collect()
+
+    candidates = _candidates(case, all_keys)
+    scale = adversarial.key_scale(clean(Q), clean(T), metric)
+    values = adversarial.key_values(all_keys, metric)
+    promised_exact = ivf.get("runs") == "exact" or "the exact result" in ivf.get("explanation", "")
+    problems, hits, wanted = [], 0, 0
+    per_query: dict[int, list] = {}
+    for r in out:
+        per_query.setdefault(r["qid"], []).append((r["d"], r["tid"]))
+    if set(per_query) - set(range(Q.shape[0])):
+        problems.append(f"unknown query ids {sorted(set(per_query) - set(range(Q.shape[0])))[:5]}")
+    for i in range(Q.shape[0]):
+        allowed = np.flatnonzero(candidates[i])
+        width = min(k, allowed.size)
+        found = per_query.get(i, [])
+        if not [tid for _, tid in found if tid is not None]:
+            if case["join_type"] == "leftouter" and (len(found) != 1 or found[0] != (None, None)):
+                problems.append(f"query {i}: {found}, expected one NULL row")
+            if case["join_type"] == "inner" and found:
+                problems.append(f"query {i}: {found}, expected no row")
+            found = []
+        tids = [tid for _, tid in found]
+        if len(set(tids)) != len(tids) or len(tids) > width:
+            problems.append(f"query {i}: targets {tids}, at most {width} distinct expected")
+            continue
+        wrong = [tid for tid in tids if tid is None or not candidates[i, tid]]
+        if wrong:
+            problems.append(f"query {i}: targets {wrong} are not its candidates (key, cap, rankable)")
+            continue
+        for value, tid in found:
+            exact = values[i, tid]
+            tolerance = VALUE_RTOL * abs(exact) + 1e-9 * (np.sqrt(scale[i]) if metric == "l2" else
+                                                          1.0 if metric == "cosine" else scale[i])
+            if not abs(value - exact) <= tolerance:
+                problems.append(f"query {i} target {tid}: value {value}, exact {exact}")
+        if width == 0:
+            continue
+        kth = np.sort(all_keys[i, allowed])[width - 1]
+        near = kth + VALUE_RTOL * 4 * abs(kth) + 1e-12 * scale[i]   # ties by the float32 values merged
+        got = min(width, int((all_keys[i, tids] <= near).sum()))
+        hits, wanted = hits + got, wanted + width
+        if promised_exact and got < width:
+            problems.append(f"query {i}: {got} of its true top {width} where the plan promises the exact result")
+    recall = hits / wanted if wanted else 1.0
+    target = case["options"].get("recall") if ivf.get("recall_estimate") is not None else None
+    if ivf.get("runs") == "ivf" and target is not None and recall < target:
+        problems.append(f"recall@{k} {recall:.4f} < target {target} (estimate {ivf.get('recall_estimate')})")
+    return dict(problems=problems, recall=recall, target=target, promised_exact=promised_exact,
+                runs=ivf.get("runs"), nprobe=ivf.get("nprobe"), nlist=ivf.get("nlist"), rows=wanted)
+
+
+def describe_approx(case: dict) -> str:
+    options = {key: value for key, value in case["options"].items() if key != "index"}
+    return (f"seed={case['seed']} approx kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
+            f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} metric={case['metric']} "
+            f"join={case['join_type']} keys={case['keys'] is not None} cap={case.get('cap')} "
+            f"saved_index={case['old_target'] is not None} options={options}")
+
+
 def describe(case: dict) -> str:
     return (f"seed={case['seed']} kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
             f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} metric={case['metric']} "
@@ -192,10 +392,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000 * 1000)
-    parser.add_argument("--replay", type=int, help="run only the join of this seed")
+    parser.add_argument("--replay", type=int, nargs="+", help="run only the joins of these seeds")
     parser.add_argument("--check-rows", type=int, default=200)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--approx-share", type=float, default=0.5,
+                        help="share of the joins that run mode='approx' (the seed decides which)")
     args = parser.parse_args()
 
     from pyspark.sql import SparkSession
@@ -205,10 +407,13 @@ def main() -> int:
              .config("spark.sql.shuffle.partitions", "4").config("spark.task.maxFailures", "1")
              .config("spark.driver.memory", "3g").getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
-    seeds = [args.replay] if args.replay is not None else None
+    seeds = args.replay
     start = time.monotonic()
     joins = rows_checked = 0
     mismatches, crashes = [], []
+    approx = {"joins": 0, "ivf": 0, "exact_promised": 0, "saved_index": 0, "keyed": 0, "capped": 0,
+              "recall_targets": 0, "lowest_recall_margin": None}
+    workdir = Path(tempfile.mkdtemp(prefix="nearest_join-stress-"))
     i = 0
     while True:
         if seeds is not None:
@@ -220,19 +425,37 @@ def main() -> int:
                 break
             seed = args.seed + i
         i += 1
-        case = draw(seed)
+        is_approx = np.random.default_rng([seed, 2]).random() < args.approx_share
+        case = draw_approx(seed) if is_approx else draw(seed)
+        text = describe_approx if is_approx else describe
         try:
-            checked, problems = run_join(spark, case, args.check_rows)
+            if is_approx:
+                result = run_approx_join(spark, case, workdir)
+                checked, problems = result["rows"], result["problems"]
+            else:
+                checked, problems = run_join(spark, case, args.check_rows)
         except Exception as exc:  # noqa: BLE001 (a crash is a finding: record it, go on)
             crashes.append(seed)
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            print(f"CRASH {describe(case)}\n  {last[:1500]}", flush=True)
+            print(f"CRASH {text(case)}\n  {last[:1500]}", flush=True)
             continue
         joins += 1
         rows_checked += checked
+        if is_approx:
+            approx["joins"] += 1
+            approx["ivf"] += result["runs"] == "ivf"
+            approx["exact_promised"] += result["promised_exact"]
+            approx["saved_index"] += case["old_target"] is not None
+            approx["keyed"] += case["keys"] is not None
+            approx["capped"] += case["cap"] is not None
+            if result["target"] is not None and result["runs"] == "ivf" and not result["promised_exact"]:
+                approx["recall_targets"] += 1
+                margin = round(result["recall"] - result["target"], 4)
+                lowest = approx["lowest_recall_margin"]
+                approx["lowest_recall_margin"] = margin if lowest is None else min(lowest, margin)
         if problems:
             mismatches.append(seed)
-            print(f"MISMATCH {describe(case)}\n  " + "\n  ".join(problems[:5]), flush=True)
+            print(f"MISMATCH {text(case)}\n  " + "\n  ".join(problems[:5]), flush=True)
         if joins % 25 == 0:
             print(f"... {joins} joins, {rows_checked} rows checked, {len(mismatches)} mismatches, "
                   f"{len(crashes)} crashes, {time.monotonic() - start:.0f} s", flush=True)
@@ -240,20 +463,22 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     summary = dict(date=datetime.date.today().isoformat(), commit=commit, master=args.master,
-                   first_seed=args.seed if args.replay is None else args.replay,
+                   first_seed=args.seed if args.replay is None else args.replay[0],
                    minutes=round(elapsed / 60, 1), joins=joins, rows_checked=rows_checked,
-                   mismatches=mismatches, crashes=crashes,
+                   mismatches=mismatches, crashes=crashes, approx=approx,
                    openblas_coretype=os.environ.get("OPENBLAS_CORETYPE", "unset"))
     print(json.dumps(summary))
     if args.replay is None:
         Recorder("stress", gpu=False).add(
             "totals", master=args.master, first_seed=args.seed, minutes=round(elapsed / 60, 1), joins=joins,
-            rows_checked=rows_checked, mismatches=mismatches, crashes=crashes, check_rows=args.check_rows)
+            rows_checked=rows_checked, mismatches=mismatches, crashes=crashes, check_rows=args.check_rows,
+            approx_share=args.approx_share, **{f"approx_{key}": value for key, value in approx.items()})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
             f.write(json.dumps(summary) + "\n")
     spark.stop()
+    shutil.rmtree(workdir, ignore_errors=True)
     return 1 if mismatches or crashes else 0
 
 
