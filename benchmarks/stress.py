@@ -361,7 +361,9 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
         if width == 0:
             continue
         kth = np.sort(all_keys[i, allowed])[width - 1]
-        near = kth + VALUE_RTOL * 4 * abs(kth) + 1e-12 * scale[i]   # ties by the float32 values merged
+        # Rows whose values round to the same float32 tie (blocks merge on float32 values):
+        # as run_join's tolerance, relative to the value (a cosine's near 1, its key near 0).
+        near = kth + VALUE_RTOL * (max(abs(kth), 2.0) if metric == "cosine" else abs(kth)) + 1e-12 * scale[i]
         got = min(width, int((all_keys[i, tids] <= near).sum()))
         hits, wanted = hits + got, wanted + width
         if promised_exact and got < width:
