@@ -18,11 +18,11 @@ from tests import background, warm_kernels
 # Spark's Python workers must run this interpreter (the one with numpy/numba/pyarrow).
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
-# numba's parallel kernels run on its OpenMP threading layer, whose threads spin after every
-# parallel region before they sleep. The tests call the kernels thousands of times on tiny
-# inputs, in several processes at once on 2 cores: the spinning threads took the cores from
-# the ones with work. Read when the OpenMP runtime loads; inherited by Spark's workers and by
-# the background suites (set before tests/background.py copies the environment).
+# OpenMP runtimes (torch's and faiss's, which some tests load) spin their threads after every
+# parallel region before they sleep; with several test processes on 2 cores the spinning
+# threads take the cores from the ones with work. Read when the OpenMP runtime loads;
+# inherited by Spark's workers and by the background suites (set before tests/background.py
+# copies the environment).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -75,10 +75,8 @@ def take_matrix(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: 
     if _compiled(matrix, out):
         from nearest_join.kernels.gather import take_rows
 
-        # numba's threads where its threading layer allows concurrent calls (3x this pool's
-        # rate on the H200 host: 62 against 20 GB/s), else this pool of compiled chunks.
-        if take_rows(matrix, rows, out, threads=threads):
-            return
+        take_rows(matrix, rows, out, threads=threads)
+        return
     bounds = np.linspace(0, n, threads + 1).astype(np.int64)
     futures = [_pool(threads).submit(_take, matrix, rows[a:b], out[a:b])
                for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
@@ -102,8 +100,7 @@ def copy_into(out: np.ndarray, array: np.ndarray, threads: int | None = None) ->
 
 def _take_sources(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
                   threads: int = 1) -> None:
-    """:func:`take_matrices` source by source; ``threads`` > 1 only where the compiled
-    copies may run on numba's threads (``gather.parallel_calls_threadsafe``)."""
+    """:func:`take_matrices` source by source, each source's rows split over ``threads``."""
     from nearest_join.kernels.gather import take_rows_at
 
     for s, matrix in enumerate(matrices):
@@ -124,24 +121,13 @@ def _take_sources(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarr
 
 def take_matrices(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
                   threads: int | None = None) -> None:
-    """``out[j] = matrices[source[j]][rows[j]]`` (zeros where ``source[j] < 0``), in threads:
-    numba's (each source's rows in one parallel copy) where concurrent parallel calls are
-    safe, else this module's pool over row ranges."""
+    """``out[j] = matrices[source[j]][rows[j]]`` (zeros where ``source[j] < 0``), each
+    source's rows split over the task's threads when large."""
     n = source.shape[0]
     threads = threads or gather_threads()
     if threads <= 1 or out.nbytes < PARALLEL_BYTES or n < 2 * threads:
-        _take_sources(matrices, source, rows, out)
-        return
-    from nearest_join.kernels.gather import parallel_calls_threadsafe
-
-    if parallel_calls_threadsafe():
-        _take_sources(matrices, source, rows, out, threads)
-        return
-    bounds = np.linspace(0, n, threads + 1).astype(np.int64)
-    futures = [_pool(threads).submit(_take_sources, matrices, source[a:b], rows[a:b], out[a:b])
-               for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-    for f in futures:
-        f.result()
+        threads = 1
+    _take_sources(matrices, source, rows, out, threads)
 
 
 def vector_matrix(array: pa.Array) -> np.ndarray | None:

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from ._numba import run_split
 
 # Candidates tested per vectorised threshold check. A compile-time constant trip count lets LLVM
 # unroll and vectorise the count loop (a run-time bound measured 5x slower); 64 float32 are eight
@@ -200,8 +202,7 @@ def _square_sum_and_peak(row):
     return total, peak
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats):
+def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats, threads=None):
     """Fill ``heaps`` (n_split, nq, k) uint64 with per-split max-heaps of the best keys.
 
     ``queries`` (nq, d) and ``targets`` (nt, d) are C-contiguous float32, ``bias`` (nt,)
@@ -215,13 +216,22 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     The heaps arrive filled with EMPTY_KEY, or, under a distance cap, each row's with the key
     of the largest score that can be within the cap (:func:`cap_key`): a target enters only
     below it, so the cap prunes from the first tile on. Split ``s`` covers an equal share of the target
-    tiles, in order. Call with BLAS limited to one thread: each numba thread runs its own sgemm.
+    tiles, in order. Call with BLAS limited to one thread: each of the items' threads runs its own sgemm
+    (:func:`run_split` over the items, ``threads`` of them at once).
 
     ``stats`` (n_items, 2) float64, or (0, 2) for none: item ``i`` writes the largest squared
     norm and the largest element magnitude of the targets of every ``n_qtiles``-th tile of its
     split, from the tile it has just multiplied (still in cache); between them the items cover
     every target once (the bound of an inner product search, see ``cpu._Operands.finish``).
     """
+    n_qtiles = (queries.shape[0] + query_tile - 1) // query_tile
+    run_split(_search_items, n_qtiles * heaps.shape[0], queries, targets, bias, tail_targets, tail_bias,
+              heaps, query_tile, stats, threads=threads)
+
+
+@njit(nogil=True, cache=True)
+def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats):
+    """Items ``lo`` to ``hi`` of :func:`search_tiles`, on the calling thread."""
     nq = queries.shape[0]
     nt = targets.shape[0]
     target_tile = tail_targets.shape[0]
@@ -230,7 +240,7 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     n_ttiles = (nt + target_tile - 1) // target_tile
     n_full = nt // target_tile
     tiles_per_split = (n_ttiles + n_split - 1) // n_split
-    for item in prange(n_qtiles * n_split):
+    for item in range(lo, hi):
         qt = item // n_split
         split = item % n_split
         q0 = qt * query_tile
@@ -295,12 +305,17 @@ def decode(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return bits.view(np.float32), (keys & np.uint64(0xFFFFFFFF)).astype(np.int64)
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def inverse_norms(rows):
+def inverse_norms(rows, threads=None):
     """1 / |row| of each row in float64, each row first divided by its largest magnitude so
     that no square over- or underflows (elements from 1e-300 to 1e300); 0 for a zero row."""
     out = np.empty(rows.shape[0], dtype=np.float64)
-    for i in prange(rows.shape[0]):
+    run_split(_inverse_norms, rows.shape[0], rows, out, threads=threads)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _inverse_norms(lo, hi, rows, out):
+    for i in range(lo, hi):
         peak = 0.0
         for j in range(rows.shape[1]):
             peak = max(peak, abs(np.float64(rows[i, j])))
@@ -312,7 +327,6 @@ def inverse_norms(rows):
             v = np.float64(rows[i, j]) / peak
             total += v * v
         out[i] = 1.0 / peak / np.sqrt(total)
-    return out
 
 
 # Rows of a block whose mean is the shift's reference point (evenly spaced over the block).
@@ -346,12 +360,16 @@ def sample_center(rows, factors):
     return center, spread.sum() / count
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def norms_and_peaks(rows, out_sq, out_peak):
+def norms_and_peaks(rows, out_sq, out_peak, threads=None):
     """``out_sq[i]`` = |rows[i]|^2 in float64 in a fixed order (equal rows, equal norms) and
     ``out_peak[i]`` = max_j |rows[i, j]|: the operand's norms when a float32 block is used as
     it is (one read, no copy)."""
-    for i in prange(rows.shape[0]):
+    run_split(_norms_and_peaks, rows.shape[0], rows, out_sq, out_peak, threads=threads)
+
+
+@njit(nogil=True, cache=True)
+def _norms_and_peaks(lo, hi, rows, out_sq, out_peak):
+    for i in range(lo, hi):
         total = 0.0
         peak = 0.0
         for j in range(rows.shape[1]):
@@ -362,17 +380,21 @@ def norms_and_peaks(rows, out_sq, out_peak):
         out_peak[i] = peak
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def row_peaks(rows, factors, center):
+def row_peaks(rows, factors, center, threads=None):
     """max_j |rows[i, j] * factors[i] - center[j]| of each row, in float64."""
     out = np.empty(rows.shape[0], dtype=np.float64)
-    for i in prange(rows.shape[0]):
+    run_split(_row_peaks, rows.shape[0], rows, factors, center, out, threads=threads)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _row_peaks(lo, hi, rows, factors, center, out):
+    for i in range(lo, hi):
         peak = 0.0
         f = factors[i]
         for j in range(rows.shape[1]):
             peak = max(peak, abs(np.float64(rows[i, j]) * f - center[j]))
         out[i] = peak
-    return out
 
 
 @njit(fastmath={"reassoc"}, nogil=True, cache=True)
@@ -386,12 +408,16 @@ def _square_sum(row):
     return total
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def shift_scale(rows, factors, center, scales, out, out_sq):
+def shift_scale(rows, factors, center, scales, out, out_sq, threads=None):
     """``out[i, j] = float32((rows[i, j] * factors[i] - center[j]) * scales[i])``: the
     shifted, scaled float32 operand of the sgemm, computed in float64 and rounded once; and
     ``out_sq[i]`` = |out[i]|^2 in float64 (:func:`_square_sum`: equal rows, equal norms)."""
-    for i in prange(rows.shape[0]):
+    run_split(_shift_scale, rows.shape[0], rows, factors, center, scales, out, out_sq, threads=threads)
+
+
+@njit(nogil=True, cache=True)
+def _shift_scale(lo, hi, rows, factors, center, scales, out, out_sq):
+    for i in range(lo, hi):
         f = factors[i]
         s = scales[i]
         for j in range(rows.shape[1]):
@@ -489,45 +515,64 @@ def _prefetch_row(typingctx, rows, row):
 PREFETCH_AHEAD = 4
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out):
+def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out,
+              threads=None):
     """``out[i, c]``: the exact key of (queries[i], targets[candidates[i, c]]) for the flat
     positions ``i * width + c`` listed in ``pairs``, which the caller sorts by target: each
     target row is then read once per run of its pairs while the query rows stay in cache
     (reading one random target row per pair made this stage memory-bound). The rows of the
     pair ``PREFETCH_AHEAD`` further on are prefetched while a pair's key is summed."""
+    run_split(_pair_keys, pairs.shape[0], queries, q_factors, targets, t_factors, candidates, pairs,
+              difference, factor_after, out, threads=threads)
+
+
+@njit(nogil=True, cache=True)
+def _pair_keys(lo, hi, queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out):
     width = candidates.shape[1]
-    n = pairs.shape[0]
-    chunks = 64
-    for chunk in prange(chunks):
-        end = (chunk + 1) * n // chunks
-        for p in range(chunk * n // chunks, end):
-            if p + PREFETCH_AHEAD < end:
-                ahead = pairs[p + PREFETCH_AHEAD] // width
-                _prefetch_row(queries, ahead)
-                _prefetch_row(targets, candidates[ahead, pairs[p + PREFETCH_AHEAD] - ahead * width])
-            i = pairs[p] // width
-            c = pairs[p] - i * width
-            j = candidates[i, c]
-            out[i, c] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
-                                  factor_after)
+    for p in range(lo, hi):
+        if p + PREFETCH_AHEAD < hi:
+            ahead = pairs[p + PREFETCH_AHEAD] // width
+            _prefetch_row(queries, ahead)
+            _prefetch_row(targets, candidates[ahead, pairs[p + PREFETCH_AHEAD] - ahead * width])
+        i = pairs[p] // width
+        c = pairs[p] - i * width
+        j = candidates[i, c]
+        out[i, c] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
+                              factor_after)
 
 
-@njit(parallel=True, nogil=True, cache=True)
 def best_by_key(keys, candidates, best_key, best_index):
     """Each row's first ``best_key.shape[1]`` candidates by (key, target index), -1 (an empty
     slot) after every target. The rows arrive ordered by float32 score, which the exact keys
-    only permute among near-ties: an insertion sort is then linear; a row with many
-    inversions (exact ties, the float64 search) is sorted by two stable merge sorts instead."""
-    rows, width = keys.shape
+    only permute among near-ties: an insertion sort (:func:`_insertion_best`) is then linear;
+    the rows with many inversions (exact ties, the float64 search) are sorted by numpy's
+    lexsort instead. (A sort compiled by numba cost seconds of compilation in every new
+    process, for rows that are rare.)"""
+    unsorted = np.zeros(keys.shape[0], np.bool_)
+    run_split(_insertion_best, keys.shape[0], keys, candidates, best_key, best_index, unsorted)
+    rows = np.flatnonzero(unsorted)
+    if rows.size:
+        index = np.where(candidates[rows] >= 0, candidates[rows], np.iinfo(np.int64).max)
+        order = np.lexsort((index, keys[rows]), axis=1)[:, :best_key.shape[1]]
+        best_key[rows] = np.take_along_axis(keys[rows], order, 1)
+        chosen = np.take_along_axis(index, order, 1)
+        best_index[rows] = np.where(chosen != np.iinfo(np.int64).max, chosen, -1)
+
+
+@njit(nogil=True, cache=True)
+def _insertion_best(lo, hi, keys, candidates, best_key, best_index, unsorted):
+    """:func:`best_by_key` of rows ``lo`` to ``hi`` by insertion sort, given up (``unsorted[i]``
+    set, the row's output left for the caller) after 8 x width moves."""
+    width = keys.shape[1]
     out_width = best_key.shape[1]
     limit = 8 * width
-    for i in prange(rows):
+    big = np.iinfo(np.int64).max
+    for i in range(lo, hi):
         row_keys = keys[i].copy()
         row_index = candidates[i].copy()
         for a in range(width):
             if row_index[a] < 0:
-                row_index[a] = np.iinfo(np.int64).max
+                row_index[a] = big
         moves = 0
         for a in range(1, width):
             key, index = row_keys[a], row_index[a]
@@ -542,26 +587,23 @@ def best_by_key(keys, candidates, best_key, best_index):
             if moves > limit:
                 break
         if moves > limit:
-            row_keys = keys[i].copy()
-            row_index = candidates[i].copy()
-            for a in range(width):
-                if row_index[a] < 0:
-                    row_index[a] = np.iinfo(np.int64).max
-            by_index = np.argsort(row_index, kind="mergesort")
-            by_key = np.argsort(row_keys[by_index], kind="mergesort")
-            order = by_index[by_key]
-            row_keys = row_keys[order]
-            row_index = row_index[order]
+            unsorted[i] = True
+            continue
         for a in range(out_width):
             best_key[i, a] = row_keys[a]
-            best_index[i, a] = row_index[a] if row_index[a] != np.iinfo(np.int64).max else -1
+            best_index[i, a] = row_index[a] if row_index[a] != big else -1
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def all_keys(queries, rows, q_factors, targets, t_factors, difference, factor_after, out):
+def all_keys(queries, rows, q_factors, targets, t_factors, difference, factor_after, out, threads=None):
     """``out[r, j]``: the exact key of (queries[rows[r]], targets[j]) for every target: the
     float64 search of the rows the sgemm's bound cannot decide."""
-    for r in prange(rows.shape[0]):
+    run_split(_all_keys, rows.shape[0], queries, rows, q_factors, targets, t_factors, difference,
+              factor_after, out, threads=threads)
+
+
+@njit(nogil=True, cache=True)
+def _all_keys(lo, hi, queries, rows, q_factors, targets, t_factors, difference, factor_after, out):
+    for r in range(lo, hi):
         i = rows[r]
         for j in range(targets.shape[0]):
             out[r, j] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,

@@ -5,54 +5,31 @@ at a writable directory before numba is imported.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def take_rows(matrix, rows, out):
-    """``out[i] = matrix[rows[i]]`` for in-range ``rows``, on the calling thread with the GIL
-    released (callers split the rows over their threads). A plain copy loop: about twice
+def take_rows(lo, hi, matrix, rows, out):
+    """``out[i] = matrix[rows[i]]`` for ``i`` in ``lo..hi`` (in-range ``rows``), with the GIL
+    released (``gather`` splits the rows over threads). A plain copy loop: about twice
     ``np.take``'s rate for 128-float rows, whose per-row item copies do not vectorise."""
     width = matrix.shape[1]
-    for i in range(rows.shape[0]):
+    for i in range(lo, hi):
         r = rows[i]
         for j in range(width):
             out[i, j] = matrix[r, j]
 
 
 @njit(nogil=True, cache=True)
-def take_rows_at(matrix, rows, positions, out):
-    """``out[positions[i]] = matrix[rows[i]]``: one source's rows into their slots of an
-    output that several sources fill (no gathered temporary, GIL released)."""
+def take_rows_at(lo, hi, matrix, rows, positions, out):
+    """``out[positions[i]] = matrix[rows[i]]`` for ``i`` in ``lo..hi``: one source's rows into
+    their slots of an output that several sources fill (no gathered temporary, GIL released)."""
     width = matrix.shape[1]
-    for i in range(rows.shape[0]):
+    for i in range(lo, hi):
         r = rows[i]
         p = positions[i]
         for j in range(width):
             out[p, j] = matrix[r, j]
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def take_rows_at_parallel(matrix, rows, positions, out):
-    """:func:`take_rows_at` over numba's threads. (A serial and a parallel twin, as for
-    :func:`take_rows`: numba's ``parallel`` is per function, and concurrent parallel calls
-    are unsafe under some threading layers, where only the serial one may run.)"""
-    width = matrix.shape[1]
-    for i in prange(rows.shape[0]):
-        r = rows[i]
-        p = positions[i]
-        for j in range(width):
-            out[p, j] = matrix[r, j]
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def take_rows_parallel(matrix, rows, out):
-    """:func:`take_rows` over numba's threads (rows split by ``prange``)."""
-    width = matrix.shape[1]
-    for i in prange(rows.shape[0]):
-        r = rows[i]
-        for j in range(width):
-            out[i, j] = matrix[r, j]
 
 
 # Payload bookkeeping of a shipped state (``udfs.blocks.TopkState.to_blob``).

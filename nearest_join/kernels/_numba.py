@@ -1,16 +1,28 @@
-"""Where numba caches compiled kernels, and whether its threading layer takes parallel calls
-from several threads at once: the set-up every numba module of the package shares.
+"""Where numba caches compiled kernels, and how a kernel runs on several threads: the set-up
+every numba module of the package shares.
 
 Import this module before numba (``cpu`` and ``gather`` do, first): the cache directory is
 read when numba loads.
+
+**Threads.** No kernel uses numba's ``parallel=True``: its parallel lowering (a gufunc and a
+threading layer per function) cost seconds of compilation per kernel in every process whose
+cache is cold, the first thing a new executor pays, and concurrent parallel calls from two
+threads abort the process under numba's default threading layer. Each kernel is instead a
+serial ``nogil`` loop over a range of rows, ``kernel(lo, hi, *args)``, and :func:`run_split`
+runs it over ``threads`` contiguous ranges on a shared thread pool (the GIL released inside):
+the same static split numba's ``prange`` made, any number of callers at once.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import sys
 import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["ensure_numba_cache_dir", "parallel_calls_threadsafe"]
+__all__ = ["ensure_numba_cache_dir", "run_split", "task_threads", "threads_of_task"]
 
 
 def ensure_numba_cache_dir() -> None:
@@ -42,37 +54,51 @@ def ensure_numba_cache_dir() -> None:
 
 ensure_numba_cache_dir()
 
-_THREADSAFE: bool | None = None
+# The threads a kernel call splits its rows over when not told: the caller's share of cores,
+# set by :func:`task_threads` around a search (per thread: each task of a process has its own).
+_TASK_THREADS: contextvars.ContextVar[int] = contextvars.ContextVar("nearest_join_threads", default=1)
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
-def parallel_calls_threadsafe() -> bool:
-    """Whether numba's threading layer takes parallel calls from several threads at once.
-
-    tbb and omp do; workqueue aborts the process on a concurrent call. The layer is the one
-    already running, else the one numba will load: the first importable of its priority
-    list (or the configured one).
-    """
-    global _THREADSAFE
-    if _THREADSAFE is None:
-        import numba
-
-        try:
-            layer = numba.threading_layer()
-        except ValueError:                      # no parallel call yet: predict numba's choice
-            layer = numba.config.THREADING_LAYER
-            if layer == "default":
-                layer = "workqueue"
-                for name in numba.config.THREADING_LAYER_PRIORITY:
-                    if name == "workqueue" or _layer_loadable(name):
-                        layer = name
-                        break
-        _THREADSAFE = layer in ("tbb", "omp", "safe", "threadsafe")
-    return _THREADSAFE
-
-
-def _layer_loadable(name: str) -> bool:
+@contextlib.contextmanager
+def task_threads(threads: int):
+    """Within the block, kernels split their rows over ``threads`` threads by default."""
+    token = _TASK_THREADS.set(max(1, int(threads)))
     try:
-        __import__(f"numba.np.ufunc.{name}pool")
-    except Exception:   # noqa: BLE001 (missing libtbb / libgomp: numba cannot load it either)
-        return False
-    return True
+        yield
+    finally:
+        _TASK_THREADS.reset(token)
+
+
+def threads_of_task() -> int:
+    """The threads :func:`task_threads` set for this thread (1 outside it)."""
+    return _TASK_THREADS.get()
+
+
+def _shared_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            # Tasks never wait on the pool, so callers sharing it cannot deadlock; the width
+            # only bounds how many ranges of all callers run at once.
+            _pool = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1),
+                                       thread_name_prefix="nearest_join-kernel")
+        return _pool
+
+
+def run_split(kernel, n: int, *args, threads: int | None = None) -> None:
+    """``kernel(lo, hi, *args)`` over ``threads`` (default :func:`threads_of_task`) contiguous
+    ranges of ``range(n)``: the first on the calling thread, the others on the shared pool.
+    ``kernel`` must release the GIL (numba ``nogil=True``) for the ranges to run at once."""
+    parts = max(1, min(threads or threads_of_task(), n))
+    if parts == 1:
+        kernel(0, n, *args)
+        return
+    bounds = [n * p // parts for p in range(parts + 1)]
+    futures = [_shared_pool().submit(kernel, bounds[p], bounds[p + 1], *args) for p in range(1, parts)]
+    try:
+        kernel(bounds[0], bounds[1], *args)
+    finally:
+        for future in futures:
+            future.result()

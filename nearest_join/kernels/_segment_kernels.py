@@ -3,19 +3,19 @@ which chooses numba's cache directory)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from ._cpu_kernels import _difference_sum, _product_sum
+from ._numba import run_split
 
 
 # Query rows per iteration of the parallel loop: they share one buffer of keys.
 _QUERY_CHUNK = 64
 
 
-@njit(parallel=True, nogil=True, cache=True)
 def segment_topk(queries, q_factors, q_ok, targets, t_factors, t_ok, segment_starts, probe_starts,
-                 probe_segments, difference, keys, indices):
-    """Per query row (in parallel), the ``k = keys.shape[1]`` smallest (key, target index) of
+                 probe_segments, difference, keys, indices, threads=None):
+    """Per query row (chunks of :data:`_QUERY_CHUNK` rows split over ``threads``), the ``k = keys.shape[1]`` smallest (key, target index) of
     the rankable targets of its segments, best first, into ``keys`` (pre-filled +inf) and
     ``indices`` (pre-filled -1). A key is the float64 difference-form sum (``difference``) or
     the negated product of the rows scaled by their factors. The top k is kept by insertion:
@@ -23,12 +23,19 @@ def segment_topk(queries, q_factors, q_ok, targets, t_factors, t_ok, segment_sta
 
     Each segment's keys are computed in one tight loop into a buffer first, then inserted:
     interleaved with the insertions' branches the key loop ran at about half its speed."""
+    longest = int(np.diff(segment_starts).max(initial=0))
+    run_split(_segment_chunks, -(-queries.shape[0] // _QUERY_CHUNK), queries, q_factors, q_ok, targets,
+              t_factors, t_ok, segment_starts, probe_starts, probe_segments, difference, keys, indices,
+              longest, threads=threads)
+
+
+@njit(nogil=True, cache=True)
+def _segment_chunks(lo, hi, queries, q_factors, q_ok, targets, t_factors, t_ok, segment_starts, probe_starts,
+                    probe_segments, difference, keys, indices, longest):
+    """Chunks ``lo`` to ``hi`` of :func:`segment_topk`'s query rows."""
     k = keys.shape[1]
-    longest = 0
-    for s in range(segment_starts.shape[0] - 1):
-        longest = max(longest, segment_starts[s + 1] - segment_starts[s])
     n = queries.shape[0]
-    for chunk in prange((n + _QUERY_CHUNK - 1) // _QUERY_CHUNK):
+    for chunk in range(lo, hi):
         buffer = np.empty(longest)
         for i in range(chunk * _QUERY_CHUNK, min(n, (chunk + 1) * _QUERY_CHUNK)):
             if not q_ok[i]:

@@ -10,10 +10,10 @@ row, against the targets; cosine searches unit rows (normalised in float64). A f
 needing neither shift nor scale is multiplied as it is. The candidates are then ranked by keys
 computed in float64 from the caller's own rows, in difference form for the l2 family.
 
-Threads follow the caller's share of cores (``threads=``, in Spark ``spark.task.cpus``): numba
-runs that many threads for the whole search, each calling a single-threaded BLAS on its own
-tiles, so the process never runs more than ``threads`` busy threads; both settings are restored
-afterwards.
+Threads follow the caller's share of cores (``threads=``, in Spark ``spark.task.cpus``): the
+kernels split their rows over that many threads (``_numba.run_split``) for the whole search,
+each calling a single-threaded BLAS on its own tiles, so the process never runs more than
+``threads`` busy threads per search; the BLAS setting is restored afterwards.
 """
 from __future__ import annotations
 
@@ -23,10 +23,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import _numba  # noqa: F401  (chooses numba's cache directory before numba loads)
 from ._common import Metric, check_cap, drop_beyond_cap
+from ._numba import task_threads  # (chooses numba's cache directory before numba loads)
 
-import numba  # noqa: E402
 from threadpoolctl import ThreadpoolController  # noqa: E402
 
 from . import _cpu_kernels  # noqa: E402
@@ -167,21 +166,14 @@ def blas_controller() -> ThreadpoolController:
 
 @contextmanager
 def thread_limits(threads: int):
-    """Run numba on ``threads`` threads and BLAS on one, restoring both on exit.
+    """Split the kernels' rows over ``threads`` threads and run BLAS on one, restoring the
+    BLAS setting on exit.
 
-    BLAS gets one thread because each numba thread calls it on its own tile; a multithreaded
+    BLAS gets one thread because each kernel thread calls it on its own tile; a multithreaded
     BLAS inside would oversubscribe the caller's share of cores.
     """
-    numba_threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if numba_threads < threads:
-        logger.debug("threads=%d capped at numba's pool size %d", threads, numba_threads)
-    previous = numba.get_num_threads()
-    numba.set_num_threads(numba_threads)
-    try:
-        with blas_controller().limit(limits=1):
-            yield numba_threads
-    finally:
-        numba.set_num_threads(previous)
+    with task_threads(threads), blas_controller().limit(limits=1):
+        yield threads
 
 
 def plan_tiles(nq: int, nt: int, threads: int) -> tuple[int, int, int]:

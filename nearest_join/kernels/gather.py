@@ -1,78 +1,51 @@
 """Row gathers for the executors (``udfs.rows``, ``udfs.topk``): compiled copies of selected
-rows of a matrix, with the GIL released and, where numba's threading layer allows concurrent
-parallel calls, on numba's threads; and the distinct rows a shipped top-k state refers to.
-Pure numeric code: no pyspark.
+rows of a matrix, with the GIL released, split over threads; and the distinct rows a shipped
+top-k state refers to. Pure numeric code: no pyspark.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._numba import parallel_calls_threadsafe
+from ._numba import run_split
 
-import numba  # noqa: E402  (after _numba chose the cache directory)
+from . import _gather_kernels  # noqa: E402  (after _numba chose the cache directory)
 
-from . import _gather_kernels  # noqa: E402
-
-__all__ = ["distinct_rows", "parallel_calls_threadsafe", "take_rows", "take_rows_at"]
+__all__ = ["distinct_rows", "take_rows", "take_rows_at"]
 
 
-def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int = 1) -> bool:
-    """``out[:] = matrix[rows]`` (2-D, same dtype), GIL released.
-
-    ``threads`` > 1 runs the copy on numba's threads when concurrent parallel calls are safe
-    (see :func:`parallel_calls_threadsafe`: the CPU search may run parallel kernels on
-    another thread at the same time) and returns True; otherwise copies on this thread and
-    returns False only if ``threads`` > 1 was asked for, so that the caller can split the
-    rows over its own threads instead (``udfs.rows``). Indices are checked here: the
-    compiled loops do not bounds-check.
+def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: int = 1) -> None:
+    """``out[:] = matrix[rows]`` (2-D, same dtype), GIL released, the rows split over
+    ``threads`` threads. Indices are checked here: the compiled loops do not bounds-check.
     """
     if rows.shape[0] != out.shape[0] or matrix.shape[1:] != out.shape[1:] or matrix.dtype != out.dtype:
         raise ValueError(f"take_rows: shapes {matrix.shape} -> {out.shape} (dtypes {matrix.dtype}, "
                          f"{out.dtype}) do not match {rows.shape[0]} rows")
     if rows.shape[0] == 0:
-        return True
+        return
     lo, hi = int(rows.min()), int(rows.max())
     if lo < 0 or hi >= matrix.shape[0]:
         raise IndexError(f"take_rows: row {lo if lo < 0 else hi} outside 0..{matrix.shape[0] - 1}")
     rows = np.asarray(rows, dtype=np.int64)
-    return _run_copy(_gather_kernels.take_rows, _gather_kernels.take_rows_parallel, (matrix, rows, out), threads)
-
-
-def _run_copy(serial, parallel, args: tuple, threads: int) -> bool:
-    """Run a compiled copy on this thread, or on ``threads`` of numba's threads where
-    concurrent parallel calls are safe (else return False: the caller splits the work)."""
-    if threads > 1:
-        if not parallel_calls_threadsafe():
-            return False
-        previous = numba.get_num_threads()   # per calling thread in numba
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        try:
-            parallel(*args)
-        finally:
-            numba.set_num_threads(previous)
-        return True
-    serial(*args)
-    return True
+    run_split(_gather_kernels.take_rows, rows.shape[0], matrix, rows, out, threads=threads)
 
 
 def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray,
-                 threads: int = 1) -> bool:
+                 threads: int = 1) -> None:
     """``out[positions] = matrix[rows]`` (2-D, same dtype), GIL released: one source's rows
-    into their slots of an output that several sources fill. ``threads`` and the return
-    value as in :func:`take_rows`; the indices are checked here."""
+    into their slots of an output that several sources fill. ``threads`` as in
+    :func:`take_rows`; the indices are checked here."""
     if (rows.shape != positions.shape or rows.ndim != 1 or matrix.shape[1:] != out.shape[1:]
             or matrix.dtype != out.dtype or matrix.ndim != 2):
         raise ValueError(f"take_rows_at: {rows.shape[0]} rows of {matrix.shape} ({matrix.dtype}) to "
                          f"{positions.shape[0]} positions of {out.shape} ({out.dtype})")
     if rows.shape[0] == 0:
-        return True
+        return
     for name, idx, limit in (("row", rows, matrix.shape[0]), ("position", positions, out.shape[0])):
         lo, hi = int(idx.min()), int(idx.max())
         if lo < 0 or hi >= limit:
             raise IndexError(f"take_rows_at: {name} {lo if lo < 0 else hi} outside 0..{limit - 1}")
     rows, positions = np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-    return _run_copy(_gather_kernels.take_rows_at, _gather_kernels.take_rows_at_parallel,
-                     (matrix, rows, positions, out), threads)
+    run_split(_gather_kernels.take_rows_at, rows.shape[0], matrix, rows, positions, out, threads=threads)
 
 
 def distinct_rows(source: np.ndarray, rows: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

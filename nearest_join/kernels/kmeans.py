@@ -29,10 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import njit, prange
-
 from . import cpu  # noqa: F401  (first: it points numba's cache at a writable directory)
 from ._common import as_matrix, resolve_metric
+from ._numba import run_split
+from .cpu import default_threads
+
+from numba import njit  # noqa: E402
 from .dispatch import knn
 
 __all__ = ["MAX_ITERATIONS", "KMeansResult", "kmeans", "route", "routing_metric", "training_rows"]
@@ -135,17 +137,22 @@ def _cluster_sums(points, assignment, n_clusters):
     return sums
 
 
-@njit(parallel=True, nogil=True, cache=True)
-def _squared_distances(points, centroids, nearest):
+def _squared_distances(points, centroids, nearest, threads=None):
     """Each point's squared distance to its centroid, float64 difference form."""
     out = np.empty(points.shape[0])
-    for i in prange(points.shape[0]):
+    run_split(_squared_distance_rows, points.shape[0], points, centroids, nearest, out,
+              threads=threads or default_threads())
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _squared_distance_rows(lo, hi, points, centroids, nearest, out):
+    for i in range(lo, hi):
         total = 0.0
         for j in range(points.shape[1]):
             diff = np.float64(points[i, j]) - np.float64(centroids[nearest[i], j])
             total += diff * diff
         out[i] = total
-    return out
 
 
 def route(vectors: np.ndarray, centroids: np.ndarray, metric: str, nprobe: int = 1,
@@ -250,7 +257,7 @@ def kmeans(vectors: np.ndarray, n_clusters: int, metric: str = "l2", *, seed: in
 def _assign(points: np.ndarray, centroids: np.ndarray, metric: str, threads) -> tuple[np.ndarray, np.ndarray]:
     """Each point's nearest centroid and its squared distance to it (for re-seeding)."""
     nearest = route(points, centroids, metric, 1, threads)[:, 0]
-    return nearest, _squared_distances(points, centroids, nearest)
+    return nearest, _squared_distances(points, centroids, nearest, threads)
 
 
 def _update(points: np.ndarray, assignment: np.ndarray, distance: np.ndarray, n_clusters: int,

@@ -371,47 +371,57 @@ def blas_threads(paths=None) -> dict[str, int]:
 
 
 def test_cpu_honours_threads_and_restores_settings(monkeypatch):
-    """Inside the kernel numba runs ``threads`` threads and BLAS one (each numba thread calls
-    its own sgemm); afterwards both are back to what they were. Checked by wrapping the kernel
-    entry, not by timing."""
+    """Inside the kernel the rows are split over ``threads`` threads and BLAS runs one (each
+    kernel thread calls its own sgemm); afterwards BLAS is back to what it was. Checked by
+    wrapping the kernel entry, not by timing."""
     cpu = importlib.import_module("nearest_join.kernels.cpu")
     kernels = importlib.import_module("nearest_join.kernels._cpu_kernels")
+    numba_setup = importlib.import_module("nearest_join.kernels._numba")
     # The BLAS the kernel calls is scipy's (numba's np.dot binds to scipy.linalg.cython_blas).
     controlled = {lib["filepath"] for lib in cpu.blas_controller().info()}
     assert any("scipy" in path and "numpy" not in path for path in controlled), controlled
-    numba.set_num_threads(numba.config.NUMBA_NUM_THREADS)
-    before_numba, before_blas = numba.get_num_threads(), blas_threads()
+    before_blas = blas_threads()
     seen = []
-    real = kernels.search_tiles
+    real = kernels._search_items
+    ranges = []
 
-    def spy(*args):
-        seen.append((numba.get_num_threads(), blas_threads(controlled)))
-        return real(*args)
+    def spy(lo, hi, *args):
+        ranges.append((lo, hi))
+        return real(lo, hi, *args)
 
-    monkeypatch.setattr(kernels, "search_tiles", spy)
+    def entry(*args, **kwargs):
+        seen.append((numba_setup.threads_of_task(), blas_threads(controlled)))
+        return real_entry(*args, **kwargs)
+
+    real_entry = kernels.search_tiles
+    monkeypatch.setattr(kernels, "search_tiles", entry)
+    monkeypatch.setattr(kernels, "_search_items", spy)
     queries = np.random.default_rng(0).standard_normal((300, 8)).astype(np.float32)
-    for threads in (1, numba.config.NUMBA_NUM_THREADS):
+    for threads in (1, 3):
+        ranges.clear()
         knn(queries, queries, 5, "l2", backend="cpu", threads=threads)
         assert seen[-1][0] == threads
         assert set(seen[-1][1]) == controlled and set(seen[-1][1].values()) == {1}
-        assert numba.get_num_threads() == before_numba
+        assert len(ranges) == threads and sorted(ranges)[0][0] == 0   # the items, split in ranges
+        assert numba_setup.threads_of_task() == 1
         assert blas_threads() == before_blas
     # Without threads=, the kernel uses the CPUs this process may run on.
     knn(queries, queries, 5, "l2", backend="cpu")
-    assert seen[-1][0] == min(cpu.default_threads(), numba.config.NUMBA_NUM_THREADS)
+    assert seen[-1][0] == cpu.default_threads()
 
 
 def test_cpu_threads_are_restored_after_an_error(monkeypatch):
     kernels = importlib.import_module("nearest_join.kernels._cpu_kernels")
-    before_numba, before_blas = numba.get_num_threads(), blas_threads()
+    numba_setup = importlib.import_module("nearest_join.kernels._numba")
+    before_blas = blas_threads()
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("kernel failed")
 
     monkeypatch.setattr(kernels, "search_tiles", broken)
     with pytest.raises(RuntimeError, match="kernel failed"):
-        knn(GOOD, GOOD, 1, backend="cpu", threads=1)
-    assert numba.get_num_threads() == before_numba
+        knn(GOOD, GOOD, 1, backend="cpu", threads=2)
+    assert numba_setup.threads_of_task() == 1
     assert blas_threads() == before_blas
 
 

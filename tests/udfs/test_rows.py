@@ -145,30 +145,26 @@ def test_distinct_rows_of_a_state_equal_numpy_and_check_their_range():
         distinct_rows(np.array([4], np.int32), np.array([0]), sizes)
 
 
-@pytest.mark.parametrize("threadsafe", [True, False])
-def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(threadsafe, monkeypatch):
-    """numba's workqueue layer aborts on parallel calls from two threads at once (the CPU
-    search runs on a worker thread while rows are emitted): then the gather must take the
-    thread pool of single-threaded copies; either way, numpy's rows."""
-    from nearest_join.kernels import _numba, gather
+def test_large_gathers_split_their_rows_over_the_threads(monkeypatch):
+    """A large gather runs the compiled copy over the task's threads, in contiguous ranges that
+    cover every row once (each source's rows into their positions when several fill one
+    output); numpy's rows either way."""
+    from nearest_join.kernels import gather
 
-    monkeypatch.setattr(_numba, "_THREADSAFE", threadsafe)
-    calls = []
-    real = gather._gather_kernels.take_rows_parallel
-    monkeypatch.setattr(gather._gather_kernels, "take_rows_parallel", lambda *a: (calls.append(1), real(*a)))
+    ranges = []
+    real = gather._gather_kernels.take_rows
+    monkeypatch.setattr(gather._gather_kernels, "take_rows", lambda lo, hi, *a: (ranges.append((lo, hi)), real(lo, hi, *a)))
     rng = np.random.default_rng(7)
     m = rng.standard_normal((5000, 600)).astype(np.float32)    # 12 MB: above PARALLEL_BYTES
     rows = rng.integers(0, 5000, 6000)
     out = np.empty((6000, 600), np.float32)
     take_matrix(m, rows, out, threads=4)
     np.testing.assert_array_equal(out, m[rows])
-    assert bool(calls) == threadsafe
-    # Several sources: each source's rows in one parallel copy into their positions, or
-    # the pool over row ranges.
-    at_calls = []
-    real_at = gather._gather_kernels.take_rows_at_parallel
-    monkeypatch.setattr(gather._gather_kernels, "take_rows_at_parallel",
-                        lambda *a: (at_calls.append(1), real_at(*a)))
+    assert sorted(ranges) == [(0, 1500), (1500, 3000), (3000, 4500), (4500, 6000)]
+    at_ranges = []
+    real_at = gather._gather_kernels.take_rows_at
+    monkeypatch.setattr(gather._gather_kernels, "take_rows_at",
+                        lambda lo, hi, *a: (at_ranges.append((lo, hi)), real_at(lo, hi, *a)))
     mats = [m, m[::-1].copy(), m[:100].copy()]
     source = rng.integers(-1, 3, 6000)
     rows2 = np.where(source == 2, rows % 100, rows)
@@ -176,30 +172,4 @@ def test_large_gathers_use_numba_threads_only_where_concurrent_calls_are_safe(th
     take_matrices(mats, source, rows2, out, threads=4)
     want = np.stack([mats[s][r] if s >= 0 else np.zeros(600, np.float32) for s, r in zip(source, rows2)])
     np.testing.assert_array_equal(out, want)
-    assert len(at_calls) == (3 if threadsafe else 0)
-
-
-@pytest.mark.parametrize("active,configured,loadable,safe", [
-    ("workqueue", "default", {"tbb", "omp"}, False),   # the running layer decides
-    ("omp", "default", set(), True),
-    (None, "workqueue", {"tbb", "omp"}, False),        # not started: the configured one
-    (None, "tbb", set(), True),
-    (None, "default", {"omp"}, True),                  # default: the first loadable
-    (None, "default", set(), False),                   # ... down to workqueue
-])
-def test_the_threading_layer_check(active, configured, loadable, safe, monkeypatch):
-    import numba
-
-    from nearest_join.kernels import _numba
-
-    def threading_layer():
-        if active is None:
-            raise ValueError("no threading layer")
-        return active
-
-    monkeypatch.setattr(_numba, "_THREADSAFE", None)
-    monkeypatch.setattr(numba, "threading_layer", threading_layer)
-    monkeypatch.setattr(numba.config, "THREADING_LAYER", configured)
-    monkeypatch.setattr(numba.config, "THREADING_LAYER_PRIORITY", ["tbb", "omp", "workqueue"])
-    monkeypatch.setattr(_numba, "_layer_loadable", lambda name: name in loadable)
-    assert _numba.parallel_calls_threadsafe() is safe
+    assert len(at_ranges) == 3 * 4
