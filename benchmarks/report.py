@@ -343,9 +343,18 @@ TABLES: dict[tuple[str, str], Table] = {
          Col("mismatches", lambda r, run: fmt(len(r["mismatches"])), ("mismatches",)),
          Col("crashes", lambda r, run: fmt(len(r["crashes"])), ("crashes",)),
          Col("seeds", lambda r, run: f"{r['first_seed']}-{r['first_seed'] + r['joins'] + len(r['crashes']) - 1}",
-             ("first_seed",))],
+             ("first_seed",)),
+         col("approx joins", "approx_joins", ","), col("on the IVF plan", "approx_ivf", ","),
+         col("exact promised", "approx_exact_promised", ","), col("saved index reused", "approx_saved_index", ","),
+         col("with keys", "approx_keyed", ","), col("with a cap", "approx_capped", ","),
+         col("recall targets (all met)", "approx_recall_targets", ","),
+         col("lowest recall - target", "approx_lowest_recall_margin", ".4f")],
         about="Each join draws its inputs from its seed (`--replay SEED` runs one again): sizes, d, k, "
-              "metrics, join types, NULLs, adversarial data (`tests/adversarial.py`), forced blocked plans."),
+              "metrics, join types, NULLs, adversarial data (`tests/adversarial.py`), forced blocked plans. "
+              "Half are `mode=\"approx\"` on the IVF plan (clustered, Gaussian, duplicated and offset data; "
+              "keys, caps, a given nprobe, indexes saved on yesterday's target and reused after it changed): "
+              "every row a candidate with its exact value, the true top k where the plan promises it, and the "
+              "join's recall@k at least the target it chose nprobe for (a miss is a mismatch)."),
     ("memory", "blocked"): Table(
         "Memory of the blocked plan",
         [col("budget", "budget"), col("query block rows", "query_block_rows", ","),
