@@ -97,7 +97,7 @@ class PlannedJoin:
     keys: tuple[JoinKey, ...] | None = None   # on=, resolved against both sides
     layout: KeyedLayout | None = None         # the keyed blocked plan's cells
     ivf: object = None   # mode="approx" running IVF: its nearest_join.ivf.IvfSearch
-    # The sides' aliases the ranking's columns were named through, kept by the output.
+    # The sides' qualifiers (aliases, table names: ranking.side_qualifiers), kept by the output.
     qualifiers: tuple[str | None, str | None] = (None, None)
 
     def dataframe(self) -> DataFrame:
@@ -156,7 +156,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                                      dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
             plan = dataclasses.replace(plan, key_cells=layout.summary())
         planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout,
-                              qualifiers=side_qualifiers(ranking, query, target, parsed))
+                              qualifiers=side_qualifiers(query, target, parsed))
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
@@ -444,18 +444,22 @@ def _execute(planned: PlannedJoin) -> DataFrame:
 
 
 def _output(joined: DataFrame, names: list[str], planned: PlannedJoin) -> DataFrame:
-    """The executors' rows under the output's names and, where the ranking named its columns
-    through the sides' aliases (``F.col("a.v")``), under those qualifiers (``a.id``, ``b.id``).
+    """The executors' rows under the output's names and each side's qualifier, as Spark's own
+    join keeps them (``a.id`` and ``b.id`` after a self-join through ``S.alias("a")`` and
+    ``S.alias("b")``).
 
     The rows come out of ``mapInArrow`` as a new relation, which carries no qualifier. The
     query's columns get the query's alias; the target's (and ``distance_col``) are packed in
     a struct and unpacked by a lateral ``inline`` under the target's alias, the one cheap
     way to give some columns another qualifier: Spark plans it as a Generate over the same
-    rows, no join and no exchange.
+    rows, no join and no exchange. The columns of the inputs' own DataFrames (``q.id``) do
+    not resolve on the output, whose rows are new attributes: names do.
     """
     q_alias, t_alias = planned.qualifiers
     if q_alias is None and t_alias is None:
         return joined.toDF(*names)
+    if q_alias == t_alias:   # one qualifier for every column: no generator needed
+        return joined.toDF(*names).alias(q_alias)
     n_query = len(planned.query.columns)
     internal = joined.columns
     target_struct = F.struct(*[F.col(c).alias(n) for c, n in zip(internal[n_query:], names[n_query:])])

@@ -16,7 +16,10 @@ PySpark and Spark Connect.
 
 Spark's vector functions take ``array<float>`` only, and its analyzer checks types before it
 places a column on a side: over ``array<double>`` or ``VectorUDT`` columns (which the join
-takes) the names alone decide, and must allow one reading (:func:`_reading_by_names`).
+takes) each argument is placed on its own, as a bare column reference, which has no type to
+refuse (:func:`_reading_by_placement`). Under Connect that is exact; classic PySpark shows
+only the argument's printed name, so a plain name two columns of one side could carry is an
+error, not a guess.
 
 Anything else (an expression over the vectors, a literal, both arguments on one side, a
 column Spark cannot place) returns None, and the caller hands the join to Spark's own
@@ -267,30 +270,97 @@ def _spark_vector_type(df, name: str) -> bool:
     return isinstance(dtype, ArrayType) and isinstance(dtype.elementType, FloatType)
 
 
-def _reading_by_names(ranking, metric: str, readings, query, target) -> Ranking:
+def _connect_arguments(ranking) -> tuple | None:
+    """A Spark Connect call's two arguments as Columns, each with the plan id that ties it to
+    its DataFrame; None for a classic Column, whose arguments only its printed text shows."""
+    if not type(ranking).__module__.startswith("pyspark.sql.connect"):
+        return None
+    return tuple(type(ranking)(arg) for arg in ranking._expr._args)
+
+
+def _placements(text: str, argument, df, cols) -> list[str]:
+    """The columns of ``df`` (one side) a ranking argument printed as ``text`` can be.
+
+    The argument is resolved as a bare column reference, which Spark's analyzer places
+    whatever its type, against ``df`` cut down to each column its names allow: under Connect
+    the argument itself (``argument``: its plan id decides), in classic PySpark its printed
+    name, where a qualified one (``a.v``, through an alias ``a``) resolves on its side only
+    and a plain one on every side that has a column of that name."""
+    from pyspark.sql import functions as F
+
+    out = []
+    for name in _names(text):
+        col = _find(name, cols)
+        if col is None or col in out:
+            continue
+        if argument is None and name == text:   # a plain name: nothing more to ask
+            out.append(col)
+            continue
+        try:
+            with _probing():   # classic PySpark resolves df[...] eagerly
+                one = df.select(column(df, col))
+        except AnalysisException:   # a name that is ambiguous under case-insensitive resolution
+            continue
+        if _resolves(one, argument if argument is not None else F.col(text)):
+            out.append(col)
+    return out
+
+
+def _typed(df, name: str) -> str:
+    return f"`{name}` ({df.schema.fields[column_index(df, name)].dataType.simpleString()})"
+
+
+def _reading_by_placement(ranking, metric: str, splits, query, target) -> Ranking | None:
     """The ranking's columns when Spark's analyzer refuses its types (its vector functions
     take ``array<float>`` only; the join also takes ``array<double>`` and ``VectorUDT``).
 
-    The analyzer checks the types before it places a column on a side, so it cannot tell
-    the sides here: the names must. One reading (one argument names a query column, the
-    other a target column) is taken, as the metric-name form takes ``vectors=``; several are
-    an error naming the columns, their types and the form that says which is which. The
-    three functions are symmetric, so which argument came first does not matter."""
-    def typed(df, name):
-        return f"`{name}` ({df.schema.fields[column_index(df, name)].dataType.simpleString()})"
+    Each argument is placed on its own (:func:`_placements`). The ranking is the join's when
+    one argument is a query column and the other a target column in exactly one way, and
+    neither could instead be a second column of the other's side (the ranking may then be
+    over one side, which is Spark's own join's). A reading over ``array<float>`` columns
+    only is left out: the analyzer, which resolved none, would have resolved that one. The
+    three functions are symmetric, so which argument came first does not matter.
 
-    if len(readings) == 1:
-        q_col, t_col = readings[0]
+    Raises
+    ------
+    ValueError
+        Several readings: the error names them, the columns' types, and the two ways to say
+        which column is which (``vectors=``, or qualified names through the sides' aliases).
+    """
+    q_cols, t_cols = list(query.columns), list(target.columns)
+    arguments = _connect_arguments(ranking) or (None, None)
+    cross, one_side = [], []
+    for first, second in splits:
+        (q1, t1), (q2, t2) = [(_placements(text, arg, query, q_cols), _placements(text, arg, target, t_cols))
+                              for text, arg in zip((first, second), arguments)]
+        cross += [(a, b) for a in q1 for b in t2] + [(b, a) for a in t1 for b in q2]
+        # one column twice is the join's own reading of S against S, not a ranking of one side
+        one_side += [("query", a, b) for a in q1 for b in q2 if a != b]
+        one_side += [("target", a, b) for a in t1 for b in t2 if a != b]
+    frames = {"query": query, "target": target}
+    cross = [(a, b) for a, b in dict.fromkeys(cross)
+             if not (_spark_vector_type(query, a) and _spark_vector_type(target, b))]
+    one_side = [(side, a, b) for side, a, b in dict.fromkeys(one_side)
+                if not (_spark_vector_type(frames[side], a) and _spark_vector_type(frames[side], b))]
+    if len(cross) == 1 and not one_side:
+        q_col, t_col = cross[0]
         vector_itemsize(query, q_col, "query")     # a column of no vector type: its own error
         vector_itemsize(target, t_col, "target")
         return Ranking(metric, q_col, t_col, str(ranking))
-    found = "; ".join(f"query {typed(query, q)} and target {typed(target, t)}" for q, t in readings)
-    a, b = readings[0]
+    if not cross:
+        logger.debug("ranking %s: its arguments name no query column and target column", ranking)
+        return None
+    found = "; ".join([f"query {_typed(query, a)} and target {_typed(target, b)}" for a, b in cross]
+                      + [f"{side} {_typed(frames[side], a)} and {side} {_typed(frames[side], b)}"
+                         for side, a, b in one_side])
+    a, b = cross[0]
     raise ArgumentError(
         "ranking", f"{ranking}: Spark's vector functions take array<float>, so Spark cannot place its "
         f"columns on a side, and their names fit several readings ({found}). Name the columns per "
         f"side with the metric name, which takes array<float>, array<double> and VectorUDT: "
-        f"nearest_by_join(query, target, {metric!r}, k, vectors=({a!r}, {b!r})) (query column first)")
+        f"nearest_by_join(query, target, {metric!r}, k, vectors=({a!r}, {b!r})) (query column first), "
+        f"or alias the sides (query.alias('q'), target.alias('t')) and rank with "
+        f"F.col('q.{_reference(a)}') and F.col('t.{_reference(b)}')")
 
 
 def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
@@ -301,7 +371,12 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     ValueError
         A metric name without usable ``vectors``, an unknown metric name, a vector column
         missing from its side, or a ranking over two different columns that both sides
-        have in common (a DataFrame joined with itself), whose sides cannot be told apart.
+        have in common (a DataFrame joined with itself), whose sides cannot be told apart;
+        over ``array<double>`` or ``VectorUDT`` columns, arguments that fit several readings
+        (:func:`_reading_by_placement`).
+    TypeError
+        A Column ranking placed by :func:`_reading_by_placement` on a column of no vector type
+        (:func:`vector_itemsize`).
     """
     q_cols, t_cols = list(query.columns), list(target.columns)
     if isinstance(ranking, str):
@@ -336,8 +411,6 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
     if not readings:
         logger.debug("ranking %s: its arguments name no query column and target column", text)
         return None
-    if not any(_spark_vector_type(query, q) and _spark_vector_type(target, t) for q, t in readings):
-        return _reading_by_names(ranking, metric, readings, query, target)
     on_query = _all_named_on(splits, q_cols) and _resolves(query, ranking)
     on_target = _all_named_on(splits, t_cols) and _resolves(target, ranking)
     if on_query and on_target:
@@ -365,36 +438,48 @@ def parse_ranking(ranking, query, target, vectors=None) -> Ranking | None:
             continue
         if _resolves(pair, ranking):
             held.append((q_col, t_col))
-    if len(held) != 1:
-        logger.debug("ranking %s: %d readings resolve as one query and one target column", text, len(held))
-        return None
-    return Ranking(metric, held[0][0], held[0][1], text)
+    if len(held) == 1:
+        return Ranking(metric, held[0][0], held[0][1], text)
+    if not held and not all(_spark_vector_type(query, q) and _spark_vector_type(target, t) for q, t in readings):
+        # Nothing resolved, and a column the names allow is one Spark's vector functions refuse:
+        # the analyzer stopped at the types before it placed a column on a side.
+        return _reading_by_placement(ranking, metric, splits, query, target)
+    logger.debug("ranking %s: %d readings resolve as one query and one target column", text, len(held))
+    return None
 
 
-def side_qualifiers(ranking, query, target, parsed: Ranking) -> tuple[str | None, str | None]:
-    """The qualifiers (DataFrame aliases) a Column ranking names its query and its target
-    column with, ``F.col("a.v")`` over ``S.alias("a")``; None for a side it names plainly.
+# A reference no column has, of two parts: for a qualified name Spark's suggestions spell out
+# the candidates' qualifiers, which it leaves out for a plain name.
+_NO_SUCH_COLUMN = "`__nearest_join_no_table`.`__nearest_join_no_column`"
 
-    The join's output keeps them, as Spark's own join keeps its sides' aliases: after a
-    self-join through aliases ``a.id`` and ``b.id`` are the two ``id`` columns. A qualifier
-    counts when it names the column on its own side and not on the other."""
+
+def qualifier(df, name: str) -> str | None:
+    """The qualifier Spark's analyzer gives the column ``name`` of ``df``: the DataFrame's alias
+    (``S.alias("a")``), a table's or view's name; None when it has none.
+
+    No DataFrame method tells it, and under Spark Connect no plan is at hand, so the analyzer is
+    asked: a reference to no column of ``df`` cut down to that one column fails with
+    ``UNRESOLVED_COLUMN.WITH_SUGGESTION``, whose ``proposal`` is that column's qualified name.
+    An answer of another shape is read as no qualifier.
+    """
     from pyspark.sql import functions as F
 
-    if isinstance(ranking, str):
-        return None, None
-    call = _call(ranking)
-    found: dict[str, str] = {}
-    for text in dict.fromkeys(t for split in (call[1] if call else ()) for t in split):
-        parts = _name_parts(text)
-        if not parts or len(parts) < 2:
-            continue
-        reference = ".".join(_reference(p) for p in parts)
-        for side, df, other, name in (("query", query, target, parsed.query_column),
-                                      ("target", target, query, parsed.target_column)):
-            if side not in found and parts[-1] == name and _resolves(df, F.col(reference)) \
-                    and not _resolves(other, F.col(reference)):
-                found[side] = ".".join(parts[:-1])
-    return found.get("query"), found.get("target")
+    try:
+        with _probing():
+            df.select(column(df, name)).select(F.col(_NO_SUCH_COLUMN)).schema
+    except AnalysisException as exc:
+        parts = _name_parts((exc.getMessageParameters() or {}).get("proposal", ""))
+        if parts and len(parts) >= 2 and parts[-1] == name:
+            return parts[-2]
+    return None
+
+
+def side_qualifiers(query, target, parsed: Ranking) -> tuple[str | None, str | None]:
+    """The qualifiers of the query's and the target's vector columns (:func:`qualifier`), which
+    the join's output gives each side's columns, as Spark's own join keeps its sides' qualifiers:
+    after a self-join through ``S.alias("a")`` and ``S.alias("b")``, ``a.id`` and ``b.id`` are the
+    two ``id`` columns, however the ranking named the vectors (the metric-name form too)."""
+    return qualifier(query, parsed.query_column), qualifier(target, parsed.target_column)
 
 
 # ----------------------------------------------------------------------------- on= keys

@@ -148,6 +148,28 @@ def column_cases(spark) -> int:
         rows = nearest_by_join(qd, t, F.vector_l2_distance(qd.v, t.w), 1).collect()
         assert {(r["qid"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
 
+    def aliases_of_the_sides():
+        # the sides' qualifiers stay on the output whatever names the vectors: here columns of the
+        # aliased frames, which print without their alias under Connect
+        a, b = t.alias("a"), t.alias("b")
+        out = nearest_by_join(a, b, F.vector_l2_distance(a.v, b.w), 1, distance_col="d")
+        rows = out.select("a.tid", "b.tid", "d").collect()
+        assert {(r[0], r[1]) for r in rows} == {("a", "c"), ("b", "b"), ("c", "c")}, rows
+
+    def double_vectors_placed():
+        # over array<double> each argument is placed by its plan id or its qualifier, not its name
+        td = t.select("tid", *[t[c].cast("array<double>").alias(c) for c in ("v", "w")])
+        qd = q.select("qid", q.v.cast("array<double>").alias("v"))
+        a, b = td.alias("a"), td.alias("b")
+        for ranking in (F.vector_l2_distance(F.col("a.v"), F.col("b.w")), F.vector_l2_distance(b.w, a.v)):
+            plan = explain_nearest_join(a, b, ranking, 1)
+            assert (plan.plan, plan.query_column, plan.target_column) == ("broadcast", "v", "w"), plan
+        # td.v against td.w, the query having a `v` too: two target columns, not qd.v vs td.w
+        plan = explain_nearest_join(qd, td, F.vector_l2_distance(td.v, td.w), 1, direction="distance")
+        assert plan.plan == "spark", plan
+        rows = nearest_by_join(qd, td, F.vector_l2_distance(qd.v, td.w), 1).collect()
+        assert {(r["qid"], r["tid"]) for r in rows} == {(1, "c"), (2, "a")}, rows
+
     def ragged():
         r = spark.createDataFrame([(0, [1.0, 0.0]), (1, [1.0, 0.0, 2.0])], "rid int, rv array<float>")
         try:
@@ -162,7 +184,9 @@ def column_cases(spark) -> int:
     for name, check in [("columns-two-target-columns", two_target_columns),
                         ("columns-sides-by-plan-id", sides_by_plan_id), ("columns-dotted-names", dotted_names),
                         ("columns-self-join", self_join), ("columns-aliases-kept", aliases_kept),
-                        ("columns-double-vectors", double_vectors), ("columns-ragged", ragged)]:
+                        ("columns-double-vectors", double_vectors),
+                        ("columns-aliases-of-the-sides", aliases_of_the_sides),
+                        ("columns-double-vectors-placed", double_vectors_placed), ("columns-ragged", ragged)]:
         try:
             check()
             print(name, "OK", flush=True)

@@ -183,3 +183,74 @@ def test_the_output_keeps_the_aliases_the_ranking_names(spark, plan):
     t = S.toDF("tid", "w")
     out = nearest_by_join(q, t, F.vector_l2_distance(F.col("x.v"), t.w), 1, **PLANS[plan])
     assert [tuple(r) for r in out.select("x.id", "tid").collect()] == [(7, 1)]
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_double_vectors_of_a_self_join_through_aliases(spark, plan):
+    """array<double> columns of one DataFrame joined with itself through aliases: the aliases
+    place the columns (Spark's analyzer refuses the function over them) and stay on the output.
+    Oracle: Spark's own join of float copies (every value is exact in float32)."""
+    S = spark.createDataFrame([(1, [0.0, 1.0], [1.0, 1.0]), (2, [1.0, 1.0], [5.0, 5.5]),
+                               (3, [5.0, 5.0], [0.0, 1.5]), (4, [0.5, 0.0], [4.0, 4.0])],
+                              "id int, v array<double>, w array<double>")
+    Sf = S.select("id", *[S[c].cast("array<float>").alias(c) for c in ("v", "w")])
+    for function, descending in ((F.vector_l2_distance, False), (F.vector_inner_product, True),
+                                 (F.vector_cosine_similarity, True)):
+        ours = nearest_by_join(S.alias("a"), S.alias("b"), function(F.col("a.v"), F.col("b.w")), 2,
+                               distance_col="d", **PLANS[plan])
+        got = ours.select(F.col("a.id").alias("q"), F.col("b.id").alias("t"), "d").collect()
+        ranking = function(F.col("a.v"), F.col("b.w"))
+        theirs = (Sf.alias("a").nearestByJoin(Sf.alias("b"), ranking, 2, "exact",
+                                              "similarity" if descending else "distance")
+                  .select(F.col("a.id").alias("q"), F.col("b.id").alias("t"), ranking.alias("d")).collect())
+        _same(got, theirs, lambda r: r["q"], lambda r: r["t"], descending=descending)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_the_output_keeps_each_side_s_qualifier(spark, plan):
+    """Spark's own join keeps each side's qualifier (its alias, a view's name) whatever the
+    ranking names its columns through; so does ours, the metric-name form included."""
+    q = spark.createDataFrame([(1, [0.0, 0.0]), (2, [10.0, 0.0]), (3, None)], "id int, v array<float>")
+    t = spark.createDataFrame([("a", [0.0, 1.0]), ("b", [9.0, 0.0]), ("c", [4.0, 4.0])],
+                              "name string, w array<float>")
+    x, y = q.alias("x"), t.alias("y")
+    t.createOrReplaceTempView("nj_view_targets")
+    view = spark.table("nj_view_targets")
+    try:
+        for query, target, how, vectors, names in (
+                (x, y, F.vector_l2_distance(q.v, t.w), None, ("x.id", "y.name")),  # the frames before aliasing
+                (x, y, "l2", ("v", "w"), ("x.id", "y.name")),
+                (x, view, F.vector_l2_distance(x.v, view.w), None, ("x.id", "nj_view_targets.name"))):
+            ranking = F.vector_l2_distance(query.v, target.w)
+            for join_type in ("inner", "leftouter"):
+                ours = nearest_by_join(query, target, how, 2, vectors=vectors, join_type=join_type,
+                                       distance_col="d", **PLANS[plan])
+                assert ours.columns == ["id", "v", "name", "w", "d"]
+                got = ours.select(F.col(names[0]).alias("q"), F.col(names[1]).alias("t"), "d").collect()
+                theirs = (query.nearestByJoin(target, ranking, 2, "exact", "distance", joinType=join_type)
+                          .select(F.col(names[0]).alias("q"), F.col(names[1]).alias("t"),
+                                  ranking.alias("d")).collect())
+                _same(got, theirs, lambda r: r["q"], lambda r: r["t"])
+        # a self-join through aliases by the metric name: `a.id` and `b.id` are the two `id` columns
+        out = nearest_by_join(q.alias("a"), q.alias("b"), "l2", 1, vectors="v", **PLANS[plan])
+        assert sorted(tuple(r) for r in out.select("a.id", "b.id").collect()) == [(1, 1), (2, 2)]
+    finally:
+        spark.catalog.dropTempView("nj_view_targets")
+
+
+def test_qualifiers_cost_no_exchange(spark, capsys):
+    """The target's qualifier comes from a lateral inline over each output row: a Generate in
+    the same stage, no join and no exchange beyond those of the unqualified output."""
+    q = spark.createDataFrame([(1, [0.0, 0.0])], "id int, v array<float>")
+    t = spark.createDataFrame([("a", [0.0, 1.0])], "name string, w array<float>")
+
+    def physical(out) -> str:
+        out.explain()
+        return capsys.readouterr().out
+
+    for options in PLANS.values():
+        plain = physical(nearest_by_join(q, t, "l2", 1, vectors=("v", "w"), **options))
+        qualified = physical(nearest_by_join(q.alias("x"), t.alias("y"), "l2", 1, vectors=("v", "w"), **options))
+        assert "Generate inline" in qualified and "Generate" not in plain
+        for node in ("Exchange", "Join", "MapInArrow", "ArrowEvalPython", "FlatMapGroupsInArrow"):
+            assert qualified.count(node) == plain.count(node), (node, plain, qualified)

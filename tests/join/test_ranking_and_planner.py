@@ -69,7 +69,8 @@ def test_self_join_rankings(frames):
 
 def test_vector_functions_over_double_and_ml_vectors(spark):
     """Spark's vector functions take array<float>; over array<double> or VectorUDT columns its
-    analyzer refuses the ranking before it places a column on a side, so the names decide."""
+    analyzer refuses the ranking before it places a column on a side, so each argument is
+    placed on its own (test_double_vectors_are_placed_by_their_references_not_guessed)."""
     from pyspark.ml.linalg import Vectors, VectorUDT
     from pyspark.sql.types import ArrayType, IntegerType, StructField, StructType
 
@@ -94,6 +95,28 @@ def test_vector_functions_over_double_and_ml_vectors(spark):
         StructField("id", IntegerType()), StructField("w", ArrayType(IntegerType()))]))
     with pytest.raises(TypeError, match="target column 'w'.*got array<int>"):
         parse_ranking(F.vector_l2_distance(q.v, ints.w), q, ints)
+
+
+def test_double_vectors_are_placed_by_their_references_not_guessed(spark):
+    """Over array<double> the analyzer refuses the ranking, but not its arguments as bare
+    column references: an argument named through a side's alias is on that side. A plain name
+    that two columns of one side could carry is an error, not a guess: the ranking may be over
+    two target columns (Spark's own join, were they array<float>)."""
+    S = spark.createDataFrame([(1, [1.0], [2.0])], "id int, v array<double>, w array<double>")
+    a, b = S.alias("a"), S.alias("b")
+    for ranking in (F.vector_l2_distance(F.col("a.v"), F.col("b.w")), F.vector_cosine_similarity(b.w, a.v),
+                    F.vector_inner_product(F.col("b.w"), F.col("a.v"))):
+        assert _columns(parse_ranking(ranking, a, b)) == ("v", "w")
+    assert _columns(parse_ranking(F.vector_l2_distance(F.col("a.w"), F.col("b.v")), a, b)) == ("w", "v")
+    q = spark.createDataFrame([(1, [1.0])], "id int, v array<double>")
+    with pytest.raises(ValueError, match=r"ranking: .*take array<float>.*query `v` \(array<double>\) and target "
+                                         r"`w` \(array<double>\); target `v` \(array<double>\) and target `w` "
+                                         r"\(array<double>\).*vectors=\('v', 'w'\).*F\.col\('q\.v'\)"):
+        parse_ranking(F.vector_l2_distance(S.v, S.w), q, S)
+    # ... which a qualifier settles
+    assert _columns(parse_ranking(F.vector_l2_distance(F.col("x.v"), S.w), q.alias("x"), S)) == ("v", "w")
+    # a plain name that both sides carry, against a column of one side: the one reading
+    assert _columns(parse_ranking(F.vector_l2_distance(q.v, S.v), q, S)) == ("v", "v")
 
 
 def test_metric_name_rankings(frames):
