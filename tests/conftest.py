@@ -1,5 +1,5 @@
 """One SparkSession for the whole test run (local[2], UI off, few shuffle partitions; Python
-workers from tests/spark_daemon.py), the subprocess suites that run beside the main run
+workers from udfs/daemon.py, as the jobs run them), the subprocess suites that run beside the main run
 (tests/background.py), and what the run's processes share: OpenMP threads that sleep when
 idle, and numba's compiled kernels (tests/warm_kernels.py).
 
@@ -41,8 +41,8 @@ def spark():
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.driver.extraJavaOptions", background.JVM_OPTIONS)
-        # pyspark.daemon, less its full garbage collection after every task (tests/spark_daemon.py)
-        .config("spark.python.daemon.module", "tests.spark_daemon")
+        # the executors' daemon of the jobs' profiles (udfs/daemon.py)
+        .config("spark.python.daemon.module", "udfs.daemon")
         .config("spark.executorEnv.PYTHONPATH", str(background.REPO))
         .getOrCreate()
     )

@@ -21,11 +21,11 @@ from tests.oracle import assert_same_neighbours, group_rows  # noqa: E402
 
 def main() -> int:
     # The local server as the suite's session (tests/conftest.py): UI off, C1-compiled driver,
-    # Python workers from tests/spark_daemon.py.
+    # Python workers from udfs/daemon.py.
     spark = (SparkSession.builder.remote("local[2]")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
-             .config("spark.python.daemon.module", "tests.spark_daemon")
+             .config("spark.python.daemon.module", "udfs.daemon")
              .config("spark.executorEnv.PYTHONPATH", ROOT)
              .getOrCreate())
     assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
