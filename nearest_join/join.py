@@ -20,6 +20,7 @@ from pyspark.sql.types import BinaryType, FloatType, LongType, StructField, Stru
 from udfs import blocks, packing
 from udfs import columns as C
 from udfs.searcher import SearchSettings
+from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 
 from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
@@ -133,6 +134,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             options.index.check_join(parsed.metric, None)
         q_item = vector_itemsize(query, parsed.query_column, "query")
         t_item = vector_itemsize(target, parsed.target_column, "target")
+        _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
+                                                             parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
         if keys is None:
             q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
@@ -415,11 +418,15 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
         q_input = q_input.repartition(plan.query_partitions)
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
-    q_packed = (q_input.mapInArrow(functools.partial(q_pack, layout=q_layout), packed)
+    # The first packing task of each process starts compiling the search's kernels (udfs.warm).
+    warm = WarmUp.of(ctx, _decoded_dtypes(query, q_name, target, t_name))
+    q_pack = warming(functools.partial(q_pack, layout=q_layout), warm, plan.plan)
+    t_pack = warming(functools.partial(t_pack, layout=t_layout), warm, plan.plan)
+    q_packed = (q_input.mapInArrow(q_pack, packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     # The empty target block comes first: the broadcast plan's query blocks travel with it.
     empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
-    t_packed = (empty.unionByName(t_input.mapInArrow(functools.partial(t_pack, layout=t_layout), packed))
+    t_packed = (empty.unionByName(t_input.mapInArrow(t_pack, packed))
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":
         # The broadcast nested-loop join streams each query block against all target blocks,
@@ -471,6 +478,42 @@ def _output(joined: DataFrame, names: list[str], planned: PlannedJoin) -> DataFr
     if t_alias is not None:
         right = right.alias(t_alias)
     return left.lateralJoin(right).drop(C.TARGET_STRUCT)
+
+
+def _decoded_dtypes(query: DataFrame, q_name: str, target: DataFrame, t_name: str) -> tuple[str, str]:
+    """The element types the executors decode each side's vectors to."""
+    return tuple("float32" if vector_itemsize(df, name, side) == 4 else "float64"
+                 for df, name, side in ((query, q_name, "query"), (target, t_name, "target")))
+
+
+def warm_up_kernels(metric: str, dtypes: tuple[str, str], options: JoinOptions) -> None:
+    """Compile the CPU kernels a join of ``metric`` over vectors decoded as ``dtypes``
+    ("float32"/"float64", query then target) with ``options`` runs, on a thread of this
+    process, into numba's cache (``udfs.warm``): for executors that share this machine (a
+    ``local`` master), whose first search then loads them. The job runner starts it before
+    Spark's session; a join under a local master does at planning (once per process)."""
+    keyed = options.on is not None
+    warm = WarmUp(metric, options.backend, tuple(dtypes), keyed=keyed,
+                  capped=options.max_distance is not None or options.min_similarity is not None)
+    start_warm_up(warm, ("broadcast", "blocked"))
+    if options.mode == "approx" and not keyed:   # the IVF plan searches lists as groups
+        start_warm_up(dataclasses.replace(warm, keyed=True), ("broadcast",))
+
+
+def kernel_warm_up_seconds() -> float:
+    """Seconds this process's kernel warm-ups spent compiling (or loading cached) kernels."""
+    return warm_up_seconds()
+
+
+def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[str, str]) -> None:
+    """Under a local master the executors' Python workers share this machine and numba's
+    cache: :func:`warm_up_kernels` while Spark reads and plans. Spark Connect's client may be
+    elsewhere: it leaves the warm-up to the executors (their first packing task starts it)."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return
+    if not spark.conf.get("spark.master", "").startswith("local"):
+        return
+    warm_up_kernels(ranking.metric, dtypes, options)
 
 
 def _inputs(query: DataFrame, target: DataFrame, keys) -> tuple[DataFrame, DataFrame]:

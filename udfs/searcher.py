@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,6 +73,20 @@ class BlockSearcher:
                    threads=self.threads, cap=cap)
 
 
+# The kernel warm-ups this process started (udfs.warm), by what they warm.
+warm_up_threads: dict[tuple, threading.Thread] = {}
+
+
+def wait_for_warm_ups() -> None:
+    """Wait for this process's kernel warm-ups: a search that compiled on its own would compile
+    what the warm-up (or, under the machine's compile lock, another process) is compiling."""
+    threads = set(warm_up_threads.values())
+    if threading.current_thread() in threads:   # a warm-up's own search: it compiles
+        return
+    for thread in threads:
+        thread.join()
+
+
 def cuda_may_exist() -> bool:
     """A cheap look for an NVIDIA device before paying for ``import torch`` (seconds).
 
@@ -115,6 +130,7 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
             raise RuntimeError("backend 'gpu' requested but this executor has no usable CUDA device")
         name, reasons = choose_task_backend(settings.backend, skip={"gpu": "no usable CUDA device"})
     logger.info("task backend %s%s", name, "".join(f" ({r})" for r in reasons))
+    wait_for_warm_ups()
     # The blocks run the backend chosen here, not "auto" again per block (which would import
     # torch for the GPU backend's refusal on every CPU executor).
     return BlockSearcher(settings, backend=name)

@@ -22,7 +22,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["ensure_numba_cache_dir", "run_split", "task_threads", "threads_of_task"]
+__all__ = ["compile_lock", "ensure_numba_cache_dir", "run_split", "task_threads", "threads_of_task"]
 
 
 def ensure_numba_cache_dir() -> None:
@@ -53,6 +53,30 @@ def ensure_numba_cache_dir() -> None:
 
 
 ensure_numba_cache_dir()
+
+
+@contextlib.contextmanager
+def compile_lock():
+    """Held by one process of the machine at a time, per numba cache directory: processes that
+    would compile the same kernels at once (a local master's driver and workers, an executor's
+    workers) take turns, the first compiling into the cache and the others loading from it,
+    instead of each compiling on the same cores. Without a writable directory, no lock."""
+    import fcntl
+
+    directory = os.environ.get("NUMBA_CACHE_DIR") or os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                  "__pycache__")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        handle = open(os.path.join(directory, "nearest_join-compile.lock"), "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 # The threads a kernel call splits its rows over when not told: the caller's share of cores,
 # set by :func:`task_threads` around a search (per thread: each task of a process has its own).

@@ -1,0 +1,107 @@
+"""The kernel warm-up (udfs.warm): it compiles what a join's search then runs, once per process
+and configuration, off the calling thread, and a search waits for it instead of compiling the
+same kernels beside it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from udfs import searcher, warm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("metric, dtype, plan, cap", [
+    ("l2", "float32", "broadcast", None),
+    ("inner_product", "float64", "blocked", -50.0),
+])
+def test_the_warm_up_covers_the_search_it_warms(tmp_path, metric, dtype, plan, cap):
+    """In a process with an empty numba cache: after the warm-up of a join, a real search of
+    that join (other sizes, k and values) compiles nothing more."""
+    script = textwrap.dedent("""
+        import json, sys, numpy as np, pyarrow as pa
+        from numba.core import event
+        from udfs.warm import WarmUp, start_warm_up
+        from udfs.blocks import JoinContext
+        from udfs.local import local_join
+        from udfs.packing import SideLayout
+        from udfs.searcher import SearchSettings
+
+        metric, dtype, plan, cap = json.loads(sys.argv[1])
+        start_warm_up(WarmUp(metric, "auto", (dtype, dtype), capped=cap is not None), (plan,)).join()
+        compiled = []
+        class Seen(event.Listener):
+            def on_start(self, ev): compiled.append(ev.data["dispatcher"].py_func.__qualname__)
+            def on_end(self, ev): pass
+        event.register("numba:compile", Seen())
+        rng = np.random.default_rng(1)
+        q = pa.table({"id": np.arange(300), "v": pa.array(list(rng.standard_normal((300, 17)).astype(dtype)))})
+        t = pa.table({"id": np.arange(900), "w": pa.array(list(rng.standard_normal((900, 17)).astype(dtype)))})
+        ctx = JoinContext(SearchSettings(70, metric, "auto"), SideLayout("v", 1, 17, 128),
+                          SideLayout("w", 1, 17, 400), "leftouter", True, t.schema, cap=cap)
+        out = local_join(q, t, ctx, plan=plan, partitions=2)
+        print(json.dumps({"rows": out.num_rows, "compiled": compiled}))
+    """)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps([metric, dtype, plan, cap])], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["rows"] >= 300
+    assert result["compiled"] == [], result["compiled"]
+
+
+def test_once_per_process_and_configuration(monkeypatch):
+    started = []
+    monkeypatch.setattr(warm, "_warm", lambda w, plans: started.append((w, plans)))
+    monkeypatch.setattr(searcher, "warm_up_threads", {})
+    monkeypatch.setattr(warm, "warm_up_threads", searcher.warm_up_threads)
+    monkeypatch.setattr(warm, "cuda_may_exist", lambda: False)
+    l2 = warm.WarmUp("l2", "auto", ("float32", "float32"))
+    first = warm.start_warm_up(l2, ("broadcast", "blocked"))
+    first.join()
+    assert started == [(l2, ("broadcast", "blocked"))]
+    assert warm.start_warm_up(l2, ("broadcast",)) is None            # warmed already
+    keyed = warm.WarmUp("l2", "auto", ("float32", "float64"), keyed=True)
+    warm.start_warm_up(keyed, ("broadcast", "blocked")).join()
+    assert started[-1] == (keyed, ("broadcast",))   # the keyed blocked plan runs its own cells
+    assert warm.start_warm_up(warm.WarmUp("l2", "gpu", ("float32", "float32")), ("broadcast",)) is None
+    monkeypatch.setattr(warm, "cuda_may_exist", lambda: True)      # a GPU task compiles its own
+    assert warm.start_warm_up(warm.WarmUp("cosine", "auto", ("float32", "float32")), ("broadcast",)) is None
+    assert warm.start_warm_up(warm.WarmUp("cosine", "cpu", ("float32", "float32")), ("broadcast",)) is not None
+
+
+def test_a_search_waits_for_the_warm_ups_of_its_process(monkeypatch):
+    import threading
+
+    release, order = threading.Event(), []
+
+    def slow(w, plans):
+        release.wait(5)
+        order.append("warmed")
+
+    monkeypatch.setattr(warm, "_warm", slow)
+    monkeypatch.setattr(searcher, "warm_up_threads", {})
+    monkeypatch.setattr(warm, "warm_up_threads", searcher.warm_up_threads)
+    monkeypatch.setattr(warm, "cuda_may_exist", lambda: False)
+    warm.start_warm_up(warm.WarmUp("sqeuclidean", "cpu", ("float64", "float64")), ("broadcast",))
+    threading.Timer(0.2, release.set).start()
+    searcher.open_block_searcher(searcher.SearchSettings(3, "sqeuclidean", "cpu"))
+    order.append("searched")
+    assert order == ["warmed", "searched"]
+
+
+@pytest.mark.parametrize("metric", ["cosine", "inner_product"])
+def test_the_tiny_join_admits_every_target_under_its_cap(metric):
+    """A capped warm-up must reach every kernel past the cap: its cap admits all targets."""
+    query, target, ctx = warm._tiny_join(warm.WarmUp(metric, "auto", ("float32", "float64"), capped=True))
+    from udfs.local import local_join
+
+    out = local_join(query, target, ctx, plan="broadcast")
+    assert out.num_rows == query.num_rows * ctx.k

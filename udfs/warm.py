@@ -1,0 +1,140 @@
+"""Compile a join's CPU kernels off the critical path, once per process.
+
+numba compiles a kernel the first time a process calls it with new argument types (or loads
+it from its on-disk cache, when a process of the same machine compiled it before). A new
+executor would otherwise pay that inside its first search task. :func:`start_warm_up` runs
+the executor path of one join (decode, search, fold, merge, emit: ``udfs.local.local_join``)
+on a few rows of the join's own element types, metric, k, cap and keys, on a daemon thread:
+
+* on executors, from the first task that packs a side's rows (:func:`warming`), so that the
+  search stage that follows finds the kernels compiled in the same process, or in the cache;
+* on a driver whose executors share its machine (a ``local`` master), from the start of the
+  planning, so that the cache is filled before the first search task asks for it.
+
+A search that reaches a kernel still compiling waits for that compilation (numba compiles
+under one lock per process) instead of compiling it again. GPU tasks compile their own
+kernels (``udfs.gpu``): the warm-up covers the CPU backend only.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from .blocks import JoinContext
+from .local import local_join
+from .packing import SideLayout
+from .searcher import SearchSettings, cuda_may_exist, warm_up_threads
+
+logger = logging.getLogger(__name__)
+
+_seconds: dict[tuple, float] = {}
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """What decides which kernels, and which compiled types of them, a join's tasks run."""
+
+    metric: str
+    backend: str                 # the join's: "auto" or "cpu" warm up; a GPU task compiles its own
+    dtypes: tuple[str, str]      # query and target elements as decoded: "float32" / "float64"
+    keyed: bool = False          # on= keys or IVF lists: the grouped (segment) searches
+    capped: bool = False
+
+    @classmethod
+    def of(cls, ctx: JoinContext, dtypes: tuple[str, str]) -> WarmUp:
+        return cls(ctx.settings.metric, ctx.settings.backend, dtypes, ctx.keyed, ctx.cap is not None)
+
+
+def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | None:
+    """Compile the CPU kernels of ``warm``'s joins in each plan of ``plans`` ("broadcast",
+    "blocked") on a daemon thread, once per process and configuration. None when nothing is
+    to be done (a GPU task, or warmed already)."""
+    if warm.backend not in ("auto", "cpu") or (warm.backend == "auto" and cuda_may_exist()):
+        return None
+    if warm.keyed:   # the keyed blocked plan runs its own cells (nearest_join.keyed), not these
+        plans = tuple(plan for plan in plans if plan == "broadcast")
+    with _lock:
+        todo = tuple(plan for plan in plans if (warm, plan) not in warm_up_threads)
+        if not todo:
+            return None
+        thread = threading.Thread(target=_warm, args=(warm, todo), daemon=True, name="nj-warm-up")
+        for plan in todo:
+            warm_up_threads[(warm, plan)] = thread
+    thread.start()
+    return thread
+
+
+def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
+    from nearest_join.kernels._numba import compile_lock
+
+    start = time.perf_counter()
+    try:
+        with compile_lock():   # one process of the machine compiles, the others then load
+            locked = time.perf_counter()
+            for plan in plans:
+                for offset in (0.0, 100.0):   # both the as-is and the shifted operands
+                    local_join(*_tiny_join(warm, offset), plan=plan, partitions=2)
+    except Exception:   # noqa: BLE001 (a warm-up is an optimisation: the search reports errors)
+        logger.warning("kernel warm-up failed", exc_info=True)
+        return
+    done = time.perf_counter()
+    _seconds[(warm, plans)] = done - locked
+    logger.info("kernels for %s %s warmed in %.2f s (%.2f s waiting for another process's)",
+                warm, plans, done - locked, locked - start)
+
+
+def warm_up_seconds() -> float:
+    """Seconds this process's finished warm-ups spent compiling or loading kernels."""
+    return sum(_seconds.values())
+
+
+def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, JoinContext]:
+    """A few rows of ``warm``'s element types (and group ids), and a join context over them:
+    every block pair, fold, merge and emit of a real join (LEFT OUTER, with the distance), at
+    a size that costs nothing but compiling. A query row equals a target row, so that the
+    exact stage meets a tie. The targets are symmetric about ``offset``: at 0 their mean is 0,
+    and the kernel multiplies them as they are; far from 0 it shifts them first (the two
+    ways ``nearest_join.kernels.cpu`` prepares its operands)."""
+    rng = np.random.default_rng(0)
+    d, rows = 3, 12
+
+    def side(name: str, dtype: str, vectors: np.ndarray) -> pa.Table:
+        element = pa.from_numpy_dtype(np.dtype(dtype))
+        columns = {"id": pa.array(np.arange(rows)), name: pa.array(list(vectors.astype(dtype)), type=pa.list_(element))}
+        if warm.keyed:
+            columns["group"] = pa.array(np.arange(rows, dtype=np.int32) % 2)
+        return pa.table(columns)
+
+    half = rng.standard_normal((rows // 2, d))
+    targets = np.stack([half, -half], axis=1).reshape(rows, d) + offset   # pairs: every block symmetric
+    queries = rng.standard_normal((rows, d)) + offset
+    queries[0] = targets[3]
+    query, target = side("qv", warm.dtypes[0], queries), side("tv", warm.dtypes[1], targets)
+    group = 2 if warm.keyed else None
+    ctx = JoinContext(SearchSettings(3, warm.metric, "cpu"), SideLayout("qv", 1, d, 5, group_index=group),
+                      SideLayout("tv", 1, d, 7, group_index=group), "leftouter", True, target.schema,
+                      cap=_admitting_cap(warm.metric) if warm.capped else None)
+    return query, target, ctx
+
+
+def _admitting_cap(metric: str) -> float:
+    """A cap every target is within: the capped paths run, and every later kernel is reached."""
+    return -1e15 if metric in ("cosine", "inner_product") else 1e15
+
+
+def warming(pack, warm: WarmUp, plan: str):
+    """``pack`` (a mapInArrow function) that first starts the join's warm-up in its process."""
+    return functools.partial(_warm_then_pack, pack, warm, plan)
+
+
+def _warm_then_pack(pack, warm: WarmUp, plan: str, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    start_warm_up(warm, (plan,))
+    yield from pack(batches)
