@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame
@@ -418,10 +419,13 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
         q_input = q_input.repartition(plan.query_partitions)
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
-    # The first packing task of each process starts compiling the search's kernels (udfs.warm).
-    warm = WarmUp.of(ctx, _decoded_dtypes(query, q_name, target, t_name))
-    q_pack = warming(functools.partial(q_pack, layout=q_layout), warm, plan.plan)
-    t_pack = warming(functools.partial(t_pack, layout=t_layout), warm, plan.plan)
+    q_pack = functools.partial(q_pack, layout=q_layout)
+    t_pack = functools.partial(t_pack, layout=t_layout)
+    if not _executors_share_this_machine(spark):
+        # The first packing task of each executor process starts compiling the search's
+        # kernels (udfs.warm); under a local master this process has (_warm_up_here).
+        warm = WarmUp.of(ctx, _decoded_dtypes(query, q_name, target, t_name))
+        q_pack, t_pack = warming(q_pack, warm, plan.plan), warming(t_pack, warm, plan.plan)
     q_packed = (q_input.mapInArrow(q_pack, packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     # The empty target block comes first: the broadcast plan's query blocks travel with it.
@@ -500,6 +504,50 @@ def warm_up_kernels(metric: str, dtypes: tuple[str, str], options: JoinOptions) 
         start_warm_up(dataclasses.replace(warm, keyed=True), ("broadcast",))
 
 
+_workers_started: set[str] = set()
+
+
+def local_task_slots(master: str) -> int | None:
+    """Tasks a local master runs at once: ``local`` 1, ``local[N]`` (or ``local[N,F]``) N,
+    ``local[*]`` the machine's cores, ``local-cluster[E,C,M]`` E x C; None for another master."""
+    import re
+
+    match = re.fullmatch(r"local(?:\[(\d+|\*)(?:,\d+)?\])?|local-cluster\[\s*(\d+)\s*,\s*(\d+)\s*,\s*\d+\s*\]",
+                         master)
+    if match is None:
+        return None
+    if match.group(2):
+        return int(match.group(2)) * int(match.group(3))
+    if match.group(1) is None:
+        return 1
+    return os.cpu_count() or 1 if match.group(1) == "*" else int(match.group(1))
+
+
+def start_python_workers(spark) -> None:
+    """Under a local master, start the executors' Python workers now, with a job of one empty
+    task per task slot on a thread of this process: Spark starts them (its daemon, then one
+    process per slot) only at a join's first Python stage, seconds on the critical path of a
+    session's first join. The join's stages reuse them. Once per application."""
+    import threading
+
+    if not _executors_share_this_machine(spark):
+        return
+    slots = local_task_slots(spark.conf.get("spark.master", ""))
+    app = spark.conf.get("spark.app.id", "")
+    if not slots or app in _workers_started:
+        return
+    _workers_started.add(app)
+    from udfs.warm import started_worker
+
+    def run():
+        try:
+            spark.range(slots, numPartitions=slots).mapInArrow(started_worker, "id long").collect()
+        except Exception:   # noqa: BLE001 (an optimisation: a join's own stages start workers anyway)
+            logger.debug("starting the Python workers failed", exc_info=True)
+
+    threading.Thread(target=run, daemon=True, name="nj-start-workers").start()
+
+
 def kernel_warm_up_seconds() -> float:
     """Seconds this process's kernel warm-ups spent compiling (or loading cached) kernels."""
     return warm_up_seconds()
@@ -507,13 +555,18 @@ def kernel_warm_up_seconds() -> float:
 
 def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[str, str]) -> None:
     """Under a local master the executors' Python workers share this machine and numba's
-    cache: :func:`warm_up_kernels` while Spark reads and plans. Spark Connect's client may be
+    cache: :func:`warm_up_kernels` and :func:`start_python_workers` while Spark plans. Spark Connect's client may be
     elsewhere: it leaves the warm-up to the executors (their first packing task starts it)."""
-    if type(spark).__module__.startswith("pyspark.sql.connect"):
-        return
-    if not spark.conf.get("spark.master", "").startswith("local"):
-        return
-    warm_up_kernels(ranking.metric, dtypes, options)
+    if _executors_share_this_machine(spark):
+        warm_up_kernels(ranking.metric, dtypes, options)
+        start_python_workers(spark)
+
+
+def _executors_share_this_machine(spark) -> bool:
+    """A classic session under a local master: its executors' Python workers run on this
+    machine, with this process's numba cache."""
+    return (not type(spark).__module__.startswith("pyspark.sql.connect")
+            and spark.conf.get("spark.master", "").startswith("local"))
 
 
 def _inputs(query: DataFrame, target: DataFrame, keys) -> tuple[DataFrame, DataFrame]:

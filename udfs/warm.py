@@ -138,3 +138,10 @@ def warming(pack, warm: WarmUp, plan: str):
 def _warm_then_pack(pack, warm: WarmUp, plan: str, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
     start_warm_up(warm, (plan,))
     yield from pack(batches)
+
+
+def started_worker(batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """mapInArrow function of no output: the task that starts a Python worker (and its daemon)."""
+    for _ in batches:
+        pass
+    return iter(())

@@ -1,6 +1,8 @@
 """nearest_by_join against the float64 reference at larger sizes, for every plan."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from pyspark.sql import functions as F
@@ -158,3 +160,36 @@ def test_several_query_blocks_per_task_and_small_broadcast_target_blocks(spark, 
         for key in settings:
             spark.conf.unset(key)
     _check(rows, Q, T, K, "l2")
+
+
+@pytest.mark.parametrize("master, slots", [
+    ("local", 1), ("local[2]", 2), ("local[3,4]", 3), ("local[*]", os.cpu_count()),
+    ("local-cluster[2,1,1024]", 2), ("local-cluster[3, 2, 512]", 6), ("yarn", None), ("spark://h:7077", None),
+])
+def test_local_task_slots(master, slots):
+    from nearest_join.join import local_task_slots
+
+    assert local_task_slots(master) == slots
+
+
+def test_a_local_session_starts_its_python_workers_once(spark, monkeypatch):
+    """Under a local master the first join starts one empty task per slot (its Python workers)
+    on a thread, once per application."""
+    import threading
+
+    from nearest_join import join
+
+    started = []
+    monkeypatch.setattr(join, "_workers_started", set())
+    monkeypatch.setattr(threading, "Thread", lambda target, **kw: started.append(target) or _Now(target))
+    join.start_python_workers(spark)
+    join.start_python_workers(spark)
+    assert len(started) == 1
+
+
+class _Now:
+    def __init__(self, target):
+        self.target = target
+
+    def start(self):
+        self.target()
