@@ -1,6 +1,7 @@
-"""Fixed costs: what a small job, a new worker and a call in a warm session pay besides the search.
+"""Fixed costs: what a small job and a new worker pay besides the search.
 
-Three tables, each from fresh processes of this machine:
+Two tables, each from fresh processes of this machine (a call in a warm session, against
+Spark's own join and the kernel alone, is ``benchmarks/spark_join.py``'s small case):
 
 * ``demo``: the demo job through the CLI (``nearest-join demo``: 2,000 x 20,000, d=64, k=5),
   twice: first with an empty numba cache (``NUMBA_CACHE_DIR`` a new directory: what a fresh
@@ -10,13 +11,9 @@ Three tables, each from fresh processes of this machine:
 * ``compile``: per metric, what one worker process pays for the kernels of its first search:
   the executor path (``udfs.warm``) in a new process with an empty numba cache, then in a new
   process with that cache.
-* ``call``: in one warm ``local[2]`` session, ``nearest_by_join`` on the demo's tables (best of
-  ``--repeat``) against Spark's own ``nearestByJoin`` on the same cached DataFrames (one run), and
-  the CPU kernel alone on the same arrays: the call's fixed cost is its time less the kernel's.
-
 Usage::
 
-    python benchmarks/fixed_costs.py                  # all three tables
+    python benchmarks/fixed_costs.py                  # both tables
     python benchmarks/fixed_costs.py --tables demo compile
 
 Records go to ``benchmarks/results/fixed_costs.jsonl``; ``make bench-report`` renders them.
@@ -54,7 +51,7 @@ def demo(rec: Recorder, data_dir: Path) -> None:
     env = {**os.environ, "NUMBA_CACHE_DIR": cache}
     nearest_join = str(Path(sys.executable).parent / "nearest-join")
     out = data_dir / "out"
-    for run in ("cold numba cache", "its cache warm"):
+    for run in ("empty", "warm"):
         start = time.perf_counter()
         proc = subprocess.run([nearest_join, "demo", "--data-dir", str(data_dir / "demo"),
                                "--set", f"output.path={out}", "--set", "output.mode=overwrite",
@@ -67,68 +64,29 @@ def demo(rec: Recorder, data_dir: Path) -> None:
         phases = summary["phases_s"]
         print(f"demo, {run}: wall {wall:.1f} s, job {summary['wall_time_s']:.1f} s, {phases}, "
               f"warm-up {summary['kernel_warm_up_s']:.2f} s", flush=True)
-        rec.add("demo", run=run, wall_s=round(wall, 2), job_s=summary["wall_time_s"],
+        rec.add("demo", numba_cache=run, wall_s=round(wall, 2), job_s=summary["wall_time_s"],
                 session_s=round(wall - summary["wall_time_s"], 2), kernel_warm_up_s=summary["kernel_warm_up_s"],
                 **{f"{name}_s": seconds for name, seconds in phases.items()})
 
 
 def compile_costs(rec: Recorder) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    seconds: dict[str, list[float]] = {}
     for metric in METRICS:
         cache = tempfile.mkdtemp(prefix="nj-numba-")
-        seconds = []
-        for _ in range(2):
+        for _ in range(2):   # an empty cache, then the one the first process filled
             proc = subprocess.run([sys.executable, "-c", _WARM, metric], env={**env, "NUMBA_CACHE_DIR": cache},
                                   capture_output=True, text=True, check=True)
-            seconds.append(float(proc.stdout.split()[-1]))
-        print(f"compile {metric}: {seconds[0]:.2f} s cold, {seconds[1]:.2f} s from the cache", flush=True)
-        rec.add("compile", metric=metric, cold_s=round(seconds[0], 2), cached_s=round(seconds[1], 2))
-
-
-def call(rec: Recorder, data_dir: Path, repeat: int) -> None:
-    import numpy as np
-    from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
-
-    from jobs.demo import DemoSize, ensure_demo_data
-    from nearest_join import nearest_by_join
-    from nearest_join.kernels import knn
-
-    tables = ensure_demo_data(data_dir / "demo", DemoSize())
-    spark = (SparkSession.builder.master("local[2]").config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false").config("spark.python.daemon.module", "udfs.daemon")
-             .config("spark.sql.shuffle.partitions", "8").config("spark.driver.memory", "4g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    q = spark.read.parquet(str(tables / "query")).cache()
-    t = spark.read.parquet(str(tables / "target")).toDF("tid", "tname", "w").cache()
-    q.count(), t.count()
-    ours = lambda: nearest_by_join(q, t, F.vector_l2_distance(q.vec, t.w), 5).write.format("noop").mode("overwrite").save()  # noqa: E731
-    ours()   # the session's first call: its workers start and load the kernels
-    best = min(_timed(ours) for _ in range(repeat))
-    theirs = _timed(lambda: q.nearestByJoin(t, F.vector_l2_distance(q.vec, t.w), 5, "exact", "distance")
-                    .write.format("noop").mode("overwrite").save())
-    queries = np.array(q.select("vec").toPandas()["vec"].tolist(), np.float32)
-    targets = np.array(t.select("w").toPandas()["w"].tolist(), np.float32)
-    knn(queries, targets, 5, "l2", backend="cpu")
-    kernel = min(_timed(lambda: knn(queries, targets, 5, "l2", backend="cpu")) for _ in range(repeat))
-    print(f"call: ours {best:.3f} s (kernel {kernel:.3f} s, fixed {best - kernel:.3f} s), Spark's {theirs:.1f} s, "
-          f"{theirs / best:.1f}x", flush=True)
-    rec.add("call", nq=queries.shape[0], nt=targets.shape[0], d=queries.shape[1], k=5, ours_s=round(best, 3),
-            kernel_s=round(kernel, 4), fixed_s=round(best - kernel, 3), spark_s=round(theirs, 2),
-            speedup=round(theirs / best, 1), repeat=repeat)
-    spark.stop()
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+            seconds.setdefault(metric, []).append(round(float(proc.stdout.split()[-1]), 2))
+        print(f"compile {metric}: {seconds[metric][0]:.2f} s cold, {seconds[metric][1]:.2f} s from the cache",
+              flush=True)
+    for i, state in enumerate(("empty", "warm")):
+        rec.add("compile", numba_cache=state, **{metric: s[i] for metric, s in seconds.items()})
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tables", nargs="+", default=["demo", "compile", "call"], choices=["demo", "compile", "call"])
-    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--tables", nargs="+", default=["demo", "compile"], choices=["demo", "compile"])
     args = parser.parse_args()
     rec = Recorder("fixed_costs")
     with tempfile.TemporaryDirectory(prefix="nj-fixed-") as work:
@@ -137,8 +95,6 @@ def main() -> int:
             demo(rec, work)
         if "compile" in args.tables:
             compile_costs(rec)
-        if "call" in args.tables:
-            call(rec, work, args.repeat)
     return 0
 
 

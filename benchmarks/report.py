@@ -338,7 +338,7 @@ TABLES: dict[tuple[str, str], Table] = {
         plot=plot_spark),
     ("fixed_costs", "demo"): Table(
         "Fixed costs: the demo job through the CLI, first and second run",
-        [col("run", "run"), col("wall s", "wall_s", ".1f"), col("Spark session start s", "session_s", ".1f"),
+        [col("numba cache", "numba_cache"), col("wall s", "wall_s", ".1f"), col("Spark session start s", "session_s", ".1f"),
          col("job s", "job_s", ".1f"), col("read s", "read_s", ".2f"), col("plan s", "plan_s", ".2f"),
          col("search+merge s", "search+merge_s", ".2f"), col("write s", "write_s", ".2f"),
          col("kernel warm-up s (beside the phases)", "kernel_warm_up_s", ".2f")],
@@ -347,19 +347,9 @@ TABLES: dict[tuple[str, str], Table] = {
               "Session start: wall less the job (Spark's JVM and session, the demo data on the first run)."),
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",
-        [col("metric", "metric"), col("empty numba cache s", "cold_s", ".2f"),
-         col("from the cache s", "cached_s", ".2f")],
+        [col("numba cache", "numba_cache"), *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
         about="The executor path of a broadcast join (float32, `udfs.warm`) in a new process: what one "
               "worker pays for its kernels, compiling them, or loading what another process compiled."),
-    ("fixed_costs", "call"): Table(
-        "Fixed costs: a call in a warm session against Spark's own nearestByJoin",
-        [Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")), col("d", "d"), col("k", "k"),
-         col("nearest_by_join s", "ours_s", ".3f"), col("kernel alone s", "kernel_s", ".3f"),
-         col("fixed cost s", "fixed_s", ".3f"), col("Spark nearestByJoin s", "spark_s", ".1f"),
-         col("x Spark", "speedup", "x")],
-        about="Cached demo tables in one local[2] session, each result written to Spark's `noop` sink: ours "
-              "best of `repeat` after a first call, Spark's one run; the kernel alone is `knn(..., "
-              "backend=\"cpu\")` on the same arrays in the same process."),
     ("stress", "totals"): Table(
         "Stress: random joins checked against the float64 oracle",
         [col("minutes", "minutes", ".1f"), col("joins", "joins", ","),
