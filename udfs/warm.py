@@ -73,7 +73,7 @@ def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | No
 
 
 def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
-    from nearest_join.kernels._numba import compile_lock
+    from nearest_join.kernels import compile_lock
 
     start = time.perf_counter()
     try:
