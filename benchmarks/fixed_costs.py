@@ -1,6 +1,6 @@
 """Fixed costs: what a small job and a new worker pay besides the search.
 
-Two tables, each from fresh processes of this machine (a call in a warm session, against
+Three tables, each from fresh processes of this machine (a call in a warm session, against
 Spark's own join and the kernel alone, is ``benchmarks/spark_join.py``'s small case):
 
 * ``demo``: the demo job through the CLI (``nearest-join demo``: 2,000 x 20,000, d=64, k=5),
@@ -10,10 +10,12 @@ Spark's own join and the kernel alone, is ``benchmarks/spark_join.py``'s small c
   kernel warm-up spent compiling or loading kernels beside the phases.
 * ``compile``: per metric, what one worker process pays for the kernels of its first search:
   the executor path (``udfs.warm``) in a new process with an empty numba cache, then in a new
-  process with that cache.
+  process with that cache.* ``fresh_clone``: ``make run`` and then ``make test`` in a new clone of HEAD, with its own
+  virtualenv (pip's download cache as the machine has it).
+
 Usage::
 
-    python benchmarks/fixed_costs.py                  # both tables
+    python benchmarks/fixed_costs.py                  # all three tables
     python benchmarks/fixed_costs.py --tables demo compile
 
 Records go to ``benchmarks/results/fixed_costs.jsonl``; ``make bench-report`` renders them.
@@ -84,9 +86,24 @@ def compile_costs(rec: Recorder) -> None:
         rec.add("compile", numba_cache=state, **{metric: s[i] for metric, s in seconds.items()})
 
 
+def fresh_clone(rec: Recorder, work: Path) -> None:
+    """``make run`` then ``make test`` in a new clone of HEAD (its own virtualenv), as a new
+    user's first two commands and as .ci/run."""
+    clone = work / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("NUMBA_CACHE_DIR", "PYSPARK_PYTHON", "VIRTUAL_ENV")}
+    for target in ("run", "test"):
+        start = time.perf_counter()
+        proc = subprocess.run(["make", target], cwd=clone, env=env, capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        print(f"make {target} on a fresh clone: {seconds:.0f} s, rc {proc.returncode}", flush=True)
+        rec.add("fresh_clone", command=f"make {target}", seconds=round(seconds, 1), rc=proc.returncode)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tables", nargs="+", default=["demo", "compile"], choices=["demo", "compile"])
+    parser.add_argument("--tables", nargs="+", default=["demo", "compile", "fresh_clone"],
+                        choices=["demo", "compile", "fresh_clone"])
     args = parser.parse_args()
     rec = Recorder("fixed_costs")
     with tempfile.TemporaryDirectory(prefix="nj-fixed-") as work:
@@ -95,6 +112,8 @@ def main() -> int:
             demo(rec, work)
         if "compile" in args.tables:
             compile_costs(rec)
+        if "fresh_clone" in args.tables:
+            fresh_clone(rec, work)
     return 0
 
 

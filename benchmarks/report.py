@@ -350,6 +350,11 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("numba cache", "numba_cache"), *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
         about="The executor path of a broadcast join (float32, `udfs.warm`) in a new process: what one "
               "worker pays for its kernels, compiling them, or loading what another process compiled."),
+    ("fixed_costs", "fresh_clone"): Table(
+        "Fixed costs: a new user's two commands on a fresh clone",
+        [col("command", "command"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
+        about="A new clone of the commit, its own virtualenv: `make run` (install, the demo job) then "
+              "`make test` (the test dependencies, the suite), on this machine's two cores."),
     ("stress", "totals"): Table(
         "Stress: random joins checked against the float64 oracle",
         [col("minutes", "minutes", ".1f"), col("joins", "joins", ","),
