@@ -10,7 +10,8 @@ Spark's own join and the kernel alone, is ``benchmarks/spark_join.py``'s small c
   kernel warm-up spent compiling or loading kernels beside the phases.
 * ``compile``: per metric, what one worker process pays for the kernels of its first search:
   the executor path (``udfs.warm``) in a new process with an empty numba cache, then in a new
-  process with that cache.* ``fresh_clone``: ``make run`` and then ``make test`` in a new clone of HEAD, with its own
+  process with that cache.
+* ``fresh_clone``: ``make run`` and then ``make test`` in a new clone of HEAD, with its own
   virtualenv (pip's download cache as the machine has it).
 
 Usage::
@@ -97,7 +98,7 @@ def fresh_clone(rec: Recorder, work: Path) -> None:
         proc = subprocess.run(["make", target], cwd=clone, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
         print(f"make {target} on a fresh clone: {seconds:.0f} s, rc {proc.returncode}", flush=True)
-        rec.add("fresh_clone", command=f"make {target}", seconds=round(seconds, 1), rc=proc.returncode)
+        rec.add("fresh_clone", step=f"make {target}", seconds=round(seconds, 1), rc=proc.returncode)
 
 
 def main() -> int:

@@ -352,7 +352,7 @@ TABLES: dict[tuple[str, str], Table] = {
               "worker pays for its kernels, compiling them, or loading what another process compiled."),
     ("fixed_costs", "fresh_clone"): Table(
         "Fixed costs: a new user's two commands on a fresh clone",
-        [col("command", "command"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
+        [col("step", "step"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
         about="A new clone of the commit, its own virtualenv: `make run` (install, the demo job) then "
               "`make test` (the test dependencies, the suite), on this machine's two cores."),
     ("stress", "totals"): Table(
