@@ -245,15 +245,17 @@ def _input_errors(spec: JobSpec) -> Iterator[None]:
         raise error from None
 
 
-def _read_side(spark, side) -> Any:
-    """Read one input, filter, select and prefix its columns; errors name the spec key."""
+def _read_side(spark, side, schema=None) -> Any:
+    """Read one input (with ``schema``, its footers' when they settle it: no Spark job to read
+    one), filter, select and prefix its columns; errors name the spec key."""
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
     from nearest_join.ranking import quote
 
     try:
-        df = spark.read.parquet(*side.paths)
+        reader = spark.read if schema is None else spark.read.schema(schema)
+        df = reader.parquet(*side.paths)
     except AnalysisException as exc:
         raise SpecError(f"{side.side}.path", f"cannot read Parquet: {_first_line(exc)}") from None
     if side.vector not in df.columns:
@@ -357,11 +359,12 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
     check_paths(spec)
     with phases("read"), _input_errors(spec):
         # Every file's footer, before Spark takes a schema from one file of either side.
-        check_parquet_input(spec.query)
-        if spec.target.paths != spec.query.paths:  # a self-join reads one input twice
-            check_parquet_input(spec.target)
-        query = _read_side(spark, spec.query)
-        target = _read_side(spark, spec.target)
+        query_schema = check_parquet_input(spec.query)
+        # a self-join reads one input twice
+        target_schema = (check_parquet_input(spec.target) if spec.target.paths != spec.query.paths
+                         else query_schema)
+        query = _read_side(spark, spec.query, query_schema)
+        target = _read_side(spark, spec.target, target_schema)
         if QUERY_ROW_ID in query.columns or QUERY_ROW_ID in target.columns:
             raise SpecError("query.columns", f"column name {QUERY_ROW_ID!r} is reserved")
         _check_output_columns(spec, query, target)

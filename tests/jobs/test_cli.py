@@ -364,9 +364,9 @@ def test_bad_input_file_exits_2_naming_it(job, capsys, monkeypatch, kind, messag
     read_by_spark = []
     real_read_side = runner._read_side
 
-    def read_side(spark, side):
+    def read_side(spark, side, schema=None):
         read_by_spark.append(side.side)
-        return real_read_side(spark, side)
+        return real_read_side(spark, side, schema)
 
     monkeypatch.setattr(runner, "_read_side", read_side)
     out = job.base / "new" / "out"  # its parent too is made for the lock, then taken back

@@ -39,15 +39,17 @@ def test_prepare_runs_exactly_one_facts_job(job, spark, monkeypatch):  # noqa: F
     prepared, prepare_jobs = _spark_jobs(spark, "nj-test-prepare", lambda: runner.prepare(spec, spark))
     assert len(calls) == 1
     assert (prepared.query_rows, prepared.target_rows) == (QUERY_ROWS, TARGET_ROWS)
-    # The Spark jobs of reading, checking and planning are those of opening both inputs
-    # (Spark reads Parquet footers for the schema) and of one facts job, no more: no counts,
-    # no second facts job.
-    _, open_jobs = _spark_jobs(spark, "nj-test-open", lambda: [
-        runner._read_side(spark, side) for side in (spec.query, spec.target)])
+    # The Spark jobs of reading, checking and planning are those of one facts job, no more:
+    # no job to open the inputs (their footers give Spark the schema), no counts, no second
+    # facts job.
     _, facts_jobs = _spark_jobs(spark, "nj-test-facts", lambda: side_facts(
         prepared.query, prepared.query_vector, prepared.target, prepared.target_vector))
     assert len(facts_jobs) >= 1
-    assert len(prepare_jobs) == len(open_jobs) + len(facts_jobs), (prepare_jobs, open_jobs, facts_jobs)
+    assert len(prepare_jobs) == len(facts_jobs), (prepare_jobs, facts_jobs)
+    # Without the footers' schema, opening the inputs is a Spark job each side.
+    _, open_jobs = _spark_jobs(spark, "nj-test-open", lambda: [
+        runner._read_side(spark, side) for side in (spec.query, spec.target)])
+    assert len(open_jobs) >= 1
 
 
 def test_a_run_plans_once_and_its_summary_uses_those_facts(job, spark, monkeypatch):  # noqa: F811
