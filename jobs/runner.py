@@ -429,7 +429,7 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     from pyspark.sql import functions as F
 
     import nearest_join
-    from nearest_join.join import kernel_warm_up_seconds, start_python_workers
+    from nearest_join.join import kernel_warm_up_seconds
     from nearest_join.planner import describe_precision
     from nearest_join.ranking import quote
 
@@ -439,7 +439,6 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         # The lock before the inputs: a run whose output is busy or cannot be written fails
         # in seconds, not after the search. prepare() re-checks the output under the lock.
         staged = _lock_output(spec, stack)
-        start_python_workers(spark)
         prepared = prepare(spec, spark, phases)
         joined = prepared.planned.dataframe()
         joined = joined.persist(StorageLevel.MEMORY_AND_DISK)

@@ -145,6 +145,10 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             q_facts, t_facts, key_facts = side_facts(
                 query, parsed.query_column, target, parsed.target_column,
                 target_keys=[column(target, k.target_column).cast(k.common) for k in keys])
+        if _executors_share_this_machine(spark):
+            # After the facts job, not beside it: its tasks would wait for the workers' slots.
+            # The workers then start while this process plans and builds the search.
+            start_python_workers(spark)
         plan = choose_plan(
             spark=spark, ranking=parsed, options=options,
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
@@ -429,7 +433,10 @@ def _execute(planned: PlannedJoin) -> DataFrame:
     q_packed = (q_input.mapInArrow(q_pack, packed)
                 .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
     # The empty target block comes first: the broadcast plan's query blocks travel with it.
-    empty = spark.createDataFrame([(C.EMPTY_BLOCK_ID, bytearray())], packed)
+    # A JVM-only row: a DataFrame of Python rows would be deserialised by Python tasks, which
+    # start a Python worker daemon of their own (another than the UDFs').
+    empty = spark.range(1, numPartitions=1).select(F.lit(C.EMPTY_BLOCK_ID).cast("long").alias(C.BLOCK_ID),
+                                                   F.lit(bytearray()).cast("binary").alias(C.BLOB))
     t_packed = (empty.unionByName(t_input.mapInArrow(t_pack, packed))
                 .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
     if plan.plan == "broadcast":
@@ -555,11 +562,11 @@ def kernel_warm_up_seconds() -> float:
 
 def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[str, str]) -> None:
     """Under a local master the executors' Python workers share this machine and numba's
-    cache: :func:`warm_up_kernels` and :func:`start_python_workers` while Spark plans. Spark Connect's client may be
-    elsewhere: it leaves the warm-up to the executors (their first packing task starts it)."""
+    cache: :func:`warm_up_kernels` while Spark plans (and :func:`start_python_workers` after
+    the facts job). Spark Connect's client may be elsewhere: it leaves the warm-up to the
+    executors (their first packing task starts it)."""
     if _executors_share_this_machine(spark):
         warm_up_kernels(ranking.metric, dtypes, options)
-        start_python_workers(spark)
 
 
 def _executors_share_this_machine(spark) -> bool:
