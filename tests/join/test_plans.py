@@ -193,3 +193,15 @@ class _Now:
 
     def start(self):
         self.target()
+
+
+def test_the_search_runs_no_python_but_the_join_s_own(spark, capsys):
+    """The Python stages of a join are its packing, search and merge (mapInArrow,
+    applyInArrow): no Python rows deserialised by a Python RDD (``ExistingRDD``, which also
+    starts a Python worker daemon of its own in the first join of a session)."""
+    q = spark.range(3).selectExpr("id", "array(cast(id as float), 0f) as v")
+    t = spark.range(5).selectExpr("id as tid", "array(0f, cast(id as float)) as w")
+    for options in ({}, dict(broadcast_limit_bytes=0, query_block_rows=2, target_block_rows=2)):
+        nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), **options).explain()
+        physical = capsys.readouterr().out
+        assert "MapInArrow" in physical and "ExistingRDD" not in physical, physical
