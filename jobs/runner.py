@@ -84,6 +84,13 @@ def spark_session(settings: dict[str, str], *, app_name: str, use_master: bool =
             # Local-mode Python workers must use this interpreter (numpy, pyarrow, the
             # library), not whatever `python3` is first on PATH under cron.
             os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+            # The driver JVM is the whole cluster here: it starts from Spark's class archive
+            # where one was recorded (jobs.jvm).
+            from .jvm import with_archive
+
+            options = with_archive(settings.get("spark.driver.extraJavaOptions"))
+            if options:
+                settings = {**settings, "spark.driver.extraJavaOptions": options}
     elif master:
         logger.info("spark.master from the spec not applied: spark-submit's --master wins")
     for name, value in settings.items():

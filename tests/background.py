@@ -36,6 +36,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobs.jvm import with_archive
+
 REPO = Path(__file__).resolve().parents[1]
 # The JVM options of every Spark JVM the tests start (the sessions' drivers, local-cluster's
 # executors, the Connect server). The tests' JVMs plan and run thousands of tiny queries:
@@ -43,7 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 # - G1 started a concurrent marking cycle for nearly every humongous allocation (Arrow and
 #   task-result buffers larger than half its 1 MB regions), each on a core the suite needs;
 #   the parallel collector has no concurrent cycles.
-JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseParallelGC"
+# - Spark's class archive, where `make run` (jobs.jvm) has recorded one: the JVMs start faster.
+JVM_OPTIONS = with_archive("-XX:TieredStopAtLevel=1 -XX:+UseParallelGC")
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
 ORDER = ("join-oracles", "approx-and-jobs", "triton-interpreter", "local-cluster", "spark-connect", "blas-default",
