@@ -4,10 +4,12 @@ Three tables, each from fresh processes of this machine (a call in a warm sessio
 Spark's own join and the kernel alone, is ``benchmarks/spark_join.py``'s small case):
 
 * ``demo``: the demo job through the CLI (``nearest-join demo``: 2,000 x 20,000, d=64, k=5),
-  twice: first with an empty numba cache (``NUMBA_CACHE_DIR`` a new directory: what a fresh
-  install pays), then again with that cache. Wall time of the command, the job's own time (its
-  summary), each phase, Spark's session start (wall less the job), and the seconds the job's
-  kernel warm-up spent compiling or loading kernels beside the phases.
+  three times: with an empty numba cache (``NUMBA_CACHE_DIR`` a new directory) and no class
+  archive (``jobs.jvm``); with an empty numba cache after recording the archive (what ``make
+  run`` gives a fresh install); then with both. Wall time of the command, the job's own time
+  (its summary), each phase, Spark's session start (wall less the job), and the seconds the
+  job's kernel warm-up spent compiling or loading kernels beside the phases. ``class_archive``:
+  the seconds ``python -m jobs.jvm`` took to record the archive.
 * ``compile``: per metric, what one worker process pays for the kernels of its first search:
   the executor path (``udfs.warm``) in a new process with an empty numba cache, then in a new
   process with that cache.
@@ -50,11 +52,22 @@ print(time.perf_counter() - t)
 
 
 def demo(rec: Recorder, data_dir: Path) -> None:
-    cache = tempfile.mkdtemp(prefix="nj-numba-")
-    env = {**os.environ, "NUMBA_CACHE_DIR": cache}
+    """Three runs of the demo, each a new process: with nothing cached (no numba cache, no
+    class archive: a ``pip install`` that never ran ``make``); after recording the class
+    archive, with an empty numba cache (what ``make run`` gives a fresh install); then again."""
+    classes = tempfile.mkdtemp(prefix="nj-jvm-")   # XDG_CACHE_HOME: where jobs.jvm keeps the archive
+    base = {**os.environ, "XDG_CACHE_HOME": classes}
     nearest_join = str(Path(sys.executable).parent / "nearest-join")
     out = data_dir / "out"
-    for run in ("empty", "warm"):
+    for numba_cache, archive in (("empty", "none"), ("empty", "recorded"), ("warm", "recorded")):
+        if archive == "recorded" and numba_cache == "empty":
+            start = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "jobs.jvm"], env=base, cwd=ROOT, check=True, capture_output=True)
+            recording_s = round(time.perf_counter() - start, 1)
+            print(f"class archive recorded in {recording_s:.1f} s", flush=True)
+            rec.add("class_archive", recording_s=recording_s)
+        if numba_cache == "empty":
+            env = {**base, "NUMBA_CACHE_DIR": tempfile.mkdtemp(prefix="nj-numba-")}
         start = time.perf_counter()
         proc = subprocess.run([nearest_join, "demo", "--data-dir", str(data_dir / "demo"),
                                "--set", f"output.path={out}", "--set", "output.mode=overwrite",
@@ -65,10 +78,11 @@ def demo(rec: Recorder, data_dir: Path) -> None:
             raise RuntimeError(proc.stderr[-3000:])
         summary = json.loads((out / "_nearest_join_summary.json").read_text())
         phases = summary["phases_s"]
-        print(f"demo, {run}: wall {wall:.1f} s, job {summary['wall_time_s']:.1f} s, {phases}, "
-              f"warm-up {summary['kernel_warm_up_s']:.2f} s", flush=True)
-        rec.add("demo", numba_cache=run, wall_s=round(wall, 2), job_s=summary["wall_time_s"],
-                session_s=round(wall - summary["wall_time_s"], 2), kernel_warm_up_s=summary["kernel_warm_up_s"],
+        print(f"demo, numba cache {numba_cache}, class archive {archive}: wall {wall:.1f} s, "
+              f"job {summary['wall_time_s']:.1f} s, {phases}, warm-up {summary['kernel_warm_up_s']:.2f} s", flush=True)
+        rec.add("demo", numba_cache=numba_cache, class_archive=archive, wall_s=round(wall, 2),
+                job_s=summary["wall_time_s"], session_s=round(wall - summary["wall_time_s"], 2),
+                kernel_warm_up_s=summary["kernel_warm_up_s"],
                 **{f"{name}_s": seconds for name, seconds in phases.items()})
 
 

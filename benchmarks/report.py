@@ -338,13 +338,20 @@ TABLES: dict[tuple[str, str], Table] = {
         plot=plot_spark),
     ("fixed_costs", "demo"): Table(
         "Fixed costs: the demo job through the CLI, first and second run",
-        [col("numba cache", "numba_cache"), col("wall s", "wall_s", ".1f"), col("Spark session start s", "session_s", ".1f"),
+        [col("numba cache", "numba_cache"), col("class archive", "class_archive"), col("wall s", "wall_s", ".1f"),
+         col("Spark session start s", "session_s", ".1f"),
          col("job s", "job_s", ".1f"), col("read s", "read_s", ".2f"), col("plan s", "plan_s", ".2f"),
          col("search+merge s", "search+merge_s", ".2f"), col("write s", "write_s", ".2f"),
          col("kernel warm-up s (beside the phases)", "kernel_warm_up_s", ".2f")],
-        about="`nearest-join demo` (2,000 x 20,000, d=64, k=5, local[2]) in a new process, first with an "
-              "empty numba cache (a fresh install), then with that cache; the job's phases from its summary. "
+        about="`nearest-join demo` (2,000 x 20,000, d=64, k=5, local[2]) in a new process: with nothing "
+              "cached; with an empty numba cache after `python -m jobs.jvm` recorded Spark's class archive "
+              "(what `make run` gives a fresh install); then with both. The job's phases from its summary. "
               "Session start: wall less the job (Spark's JVM and session, the demo data on the first run)."),
+    ("fixed_costs", "class_archive"): Table(
+        "Fixed costs: recording Spark's class archive",
+        [col("seconds", "recording_s", ".1f")],
+        about="`python -m jobs.jvm` with no archive: a local session runs a small join of each plan and its "
+              "JVM dumps the classes it loaded as it exits (`make run` does this once per pyspark install)."),
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",
         [col("numba cache", "numba_cache"), *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
