@@ -555,8 +555,9 @@ def start_python_workers(spark) -> None:
     threading.Thread(target=run, daemon=True, name="nj-start-workers").start()
 
 
-def kernel_warm_up_seconds() -> float:
-    """Seconds this process's kernel warm-ups spent compiling (or loading cached) kernels."""
+def kernel_warm_up_seconds() -> tuple[float, float]:
+    """(seconds, of which compiling) this process's kernel warm-ups spent on kernels; the rest
+    is loading them from numba's cache."""
     return warm_up_seconds()
 
 

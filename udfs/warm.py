@@ -73,9 +73,13 @@ def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | No
 
 
 def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
+    from numba.core import event
+
     from nearest_join.kernels import compile_lock
 
     start = time.perf_counter()
+    compiling = _compile_time()
+    event.register("numba:compile", compiling)
     try:
         with compile_lock():   # one process of the machine compiles, the others then load
             locked = time.perf_counter()
@@ -85,15 +89,46 @@ def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
     except Exception:   # noqa: BLE001 (a warm-up is an optimisation: the search reports errors)
         logger.warning("kernel warm-up failed", exc_info=True)
         return
+    finally:
+        event.unregister("numba:compile", compiling)
     done = time.perf_counter()
-    _seconds[(warm, plans)] = done - locked
-    logger.info("kernels for %s %s warmed in %.2f s (%.2f s waiting for another process's)",
-                warm, plans, done - locked, locked - start)
+    _seconds[(warm, plans)] = (done - locked, compiling.seconds)
+    logger.info("kernels for %s %s warmed in %.2f s, %.2f s of it compiling (%.2f s waiting for "
+                "another process's)", warm, plans, done - locked, compiling.seconds, locked - start)
 
 
-def warm_up_seconds() -> float:
-    """Seconds this process's finished warm-ups spent compiling or loading kernels."""
-    return sum(_seconds.values())
+def _compile_time():
+    """A numba event listener whose ``seconds`` are those this thread spends in numba's
+    compilations (the outermost ones: a kernel's callees compile inside it). A kernel numba
+    loads from its cache raises no compile event."""
+    from numba.core import event
+
+    class CompileTime(event.Listener):
+        def __init__(self) -> None:
+            self.thread = threading.get_ident()
+            self.depth = 0
+            self.started = 0.0
+            self.seconds = 0.0
+
+        def on_start(self, ev) -> None:
+            if threading.get_ident() == self.thread:
+                self.depth += 1
+                if self.depth == 1:
+                    self.started = time.perf_counter()
+
+        def on_end(self, ev) -> None:
+            if threading.get_ident() == self.thread:
+                self.depth -= 1
+                if self.depth == 0:
+                    self.seconds += time.perf_counter() - self.started
+
+    return CompileTime()
+
+
+def warm_up_seconds() -> tuple[float, float]:
+    """(seconds, of which compiling) this process's finished warm-ups spent on kernels: the
+    rest is loading what numba's cache holds."""
+    return sum(total for total, _ in _seconds.values()), sum(compiled for _, compiled in _seconds.values())
 
 
 def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, JoinContext]:

@@ -65,3 +65,6 @@ def test_a_run_plans_once_and_its_summary_uses_those_facts(job, spark, monkeypat
     # the default precision, and what it runs on each kind of executor
     assert summary["precision"] == written["plan"]["precision"] == "auto"
     assert summary["precision_runs"].startswith("auto: bf16 on GPUs of compute capability >= 8.0, fp32 on older")
+    # this process's kernel warm-up: its seconds, of which compiling (0 where numba's cache had them)
+    assert 0 <= written["kernel_compile_s"] <= written["kernel_warm_up_s"]
+    assert f"compiling {written['kernel_compile_s']:.2f} s" in runner.format_summary(written)

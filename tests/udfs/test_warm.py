@@ -47,14 +47,28 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
                               SideLayout("w", 1, 17, 400), "leftouter", True, t.schema, cap=cap)
             out = local_join(q, t, ctx, plan=plan, partitions=2)
             results.append({"join": metric, "rows": out.num_rows, "compiled": list(compiled)})
-        print(json.dumps(results))
+        from udfs.warm import warm_up_seconds
+        print(json.dumps({"joins": results, "seconds": warm_up_seconds()}))
     """)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for result in json.loads(proc.stdout.strip().splitlines()[-1]):
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    for result in found["joins"]:
         assert result["rows"] >= 300, result
         assert result["compiled"] == [], result
+    total, compiling = found["seconds"]
+    assert 0 < compiling <= total, found["seconds"]   # the warm-ups compiled, with an empty cache
+    # A new process with the cache the first one filled loads its kernels: no second compiling.
+    again = textwrap.dedent("""
+        from udfs.warm import WarmUp, start_warm_up, warm_up_seconds
+        start_warm_up(WarmUp("l2", "auto", ("float32", "float32")), ("broadcast",)).join()
+        print(*warm_up_seconds())
+    """)
+    proc = subprocess.run([sys.executable, "-c", again], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total, compiling = map(float, proc.stdout.split()[-2:])
+    assert total > 0 and compiling == 0, (total, compiling)
 
 
 def test_once_per_process_and_configuration(monkeypatch):
