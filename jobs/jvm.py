@@ -103,8 +103,11 @@ def with_archive(options: str | None) -> str:
 
 def _maps(java: str, archive: Path) -> bool:
     """Whether a JVM starts with ``archive`` (a truncated archive kills it with SIGBUS)."""
-    result = subprocess.run([java, f"-XX:SharedArchiveFile={archive}", *_QUIET.split(), "-version"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+    # A JVM that crashes writes hs_err_pid*.log into its working directory: into none here.
+    result = subprocess.run([java, f"-XX:SharedArchiveFile={archive}", *_QUIET.split(),
+                             f"-XX:ErrorFile={os.devnull}", "-XX:-CreateCoredumpOnCrash", "-version"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120,
+                            cwd=tempfile.gettempdir())
     return result.returncode == 0
 
 

@@ -61,6 +61,7 @@ def test_an_archive_no_jvm_maps_is_never_in_place(cache, monkeypatch, tmp_path):
         jvm.build_archive()
     assert jvm.java_options() == ""
     assert [p.name for p in cache.iterdir()] == []
+    assert not list(jvm.Path.cwd().glob("hs_err_pid*.log"))   # the crashed JVM's report went nowhere
 
     monkeypatch.setattr(jvm, "_recorder", lambda recording: ["python3", "-c", "raise SystemExit('no JVM here')"])
     with pytest.raises(RuntimeError, match="no JVM here"):
