@@ -79,18 +79,20 @@ def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
 
     start = time.perf_counter()
     compiling = _compile_time()
-    event.register("numba:compile", compiling)
     try:
         with compile_lock():   # one process of the machine compiles, the others then load
             locked = time.perf_counter()
-            for plan in plans:
-                for offset in (0.0, 100.0):   # both the as-is and the shifted operands
-                    local_join(*_tiny_join(warm, offset), plan=plan, partitions=2)
+            # Inside the lock: another warm-up of this process compiles only outside it.
+            event.register("numba:compile", compiling)
+            try:
+                for plan in plans:
+                    for offset in (0.0, 100.0):   # both the as-is and the shifted operands
+                        local_join(*_tiny_join(warm, offset), plan=plan, partitions=2)
+            finally:
+                event.unregister("numba:compile", compiling)
     except Exception:   # noqa: BLE001 (a warm-up is an optimisation: the search reports errors)
         logger.warning("kernel warm-up failed", exc_info=True)
         return
-    finally:
-        event.unregister("numba:compile", compiling)
     done = time.perf_counter()
     _seconds[(warm, plans)] = (done - locked, compiling.seconds)
     logger.info("kernels for %s %s warmed in %.2f s, %.2f s of it compiling (%.2f s waiting for "
@@ -98,29 +100,29 @@ def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
 
 
 def _compile_time():
-    """A numba event listener whose ``seconds`` are those this thread spends in numba's
-    compilations (the outermost ones: a kernel's callees compile inside it). A kernel numba
-    loads from its cache raises no compile event."""
+    """A numba event listener whose ``seconds`` are those spent in numba's outermost
+    compilations (a kernel's callees compile inside it) on any thread: the warm-up's kernels
+    run on the task's threads (``run_split``). numba compiles under one lock per process, so
+    they never overlap. A kernel numba loads from its cache raises no compile event."""
     from numba.core import event
 
     class CompileTime(event.Listener):
         def __init__(self) -> None:
-            self.thread = threading.get_ident()
-            self.depth = 0
-            self.started = 0.0
+            self.depth: dict[int, int] = {}
+            self.started: dict[int, float] = {}
             self.seconds = 0.0
 
         def on_start(self, ev) -> None:
-            if threading.get_ident() == self.thread:
-                self.depth += 1
-                if self.depth == 1:
-                    self.started = time.perf_counter()
+            thread = threading.get_ident()
+            self.depth[thread] = self.depth.get(thread, 0) + 1
+            if self.depth[thread] == 1:
+                self.started[thread] = time.perf_counter()
 
         def on_end(self, ev) -> None:
-            if threading.get_ident() == self.thread:
-                self.depth -= 1
-                if self.depth == 0:
-                    self.seconds += time.perf_counter() - self.started
+            thread = threading.get_ident()
+            self.depth[thread] -= 1
+            if self.depth[thread] == 0:
+                self.seconds += time.perf_counter() - self.started.pop(thread)
 
     return CompileTime()
 
