@@ -348,11 +348,6 @@ TABLES: dict[tuple[str, str], Table] = {
               "cached; with an empty numba cache after `python -m jobs.jvm` recorded Spark's class archive "
               "(what `make run` gives a fresh install); then with both. The job's phases from its summary. "
               "Session start: wall less the job (Spark's JVM and session, the demo data on the first run)."),
-    ("fixed_costs", "class_archive"): Table(
-        "Fixed costs: recording Spark's class archive",
-        [col("seconds", "recording_s", ".1f")],
-        about="`python -m jobs.jvm` with no archive: a local session runs a small join of each plan and its "
-              "JVM dumps the classes it loaded as it exits (`make run` does this once per pyspark install)."),
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",
         [col("numba cache", "numba_cache"), *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
@@ -361,8 +356,8 @@ TABLES: dict[tuple[str, str], Table] = {
     ("fixed_costs", "fresh_clone"): Table(
         "Fixed costs: a new user's two commands on a fresh clone",
         [col("step", "step"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
-        about="A new clone of the commit, its own virtualenv: `make run` (install, the demo job) then "
-              "`make test` (the test dependencies, the suite), on this machine's two cores."),
+        about="A new clone of the commit, its own virtualenv: `make run` (install, Spark's class archive, "
+              "the demo job) then `make test` (the test dependencies, the suite), on this machine's two cores."),
     ("stress", "totals"): Table(
         "Stress: random joins checked against the float64 oracle",
         [col("minutes", "minutes", ".1f"), col("joins", "joins", ","),
