@@ -22,7 +22,12 @@ Each call also records its CPU seconds (this process and its descendants: the Sp
 and its Python workers) and the 1-minute load before and after it: the machine may be
 shared, and a ratio of CPU seconds holds under load where a ratio of wall times does not.
 
-Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian]
+Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
+
+``minilm``: a cosine self-join of real sentence embeddings (``benchmarks/embeddings.py``:
+all-MiniLM-L6-v2 over docstrings, d=384, ``--rows`` of them, duplicates kept), recall targets
+0.9 and 0.95. Recall counts ties: a returned row as near as the k-th exact one is a hit
+(duplicated rows tie).
 
 Default size nt = 200,000, nq = 20,000; ``--full`` is the issue's nt = 1,000,000,
 nq = 100,000; d = 128, k = 10. Records go to ``benchmarks/results/approx.jsonl`` (table
@@ -51,8 +56,20 @@ ROWS_PER_CLUSTER = 1000
 RECALLS = (0.9, 0.95, 0.99)
 
 
+def metric_of(kind: str) -> str:
+    """The real embeddings are compared as sentence embeddings are: by cosine similarity."""
+    return "cosine" if kind == "minilm" else METRIC
+
+
 def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(targets, queries). ``minilm``: a self-join of ``nt`` real sentence embeddings
+    (benchmarks/embeddings.py; d=384, unit rows, their duplicates kept)."""
     rng = np.random.default_rng(seed)
+    if kind == "minilm":
+        from benchmarks.embeddings import load
+
+        vectors = load(nt)
+        return vectors, vectors
     if kind == "gaussian":
         return (rng.standard_normal((nt, D), dtype=np.float32),
                 rng.standard_normal((nq, D), dtype=np.float32))
@@ -69,7 +86,7 @@ def to_parquet(path: str, ids: str, vectors: str, matrix: np.ndarray) -> None:
     import pyarrow.parquet as pq
 
     flat = pa.array(matrix.reshape(-1))
-    offsets = pa.array(np.arange(0, matrix.size + 1, D, dtype=np.int32))
+    offsets = pa.array(np.arange(0, matrix.size + 1, matrix.shape[1], dtype=np.int32))
     table = pa.table({ids: pa.array(np.arange(matrix.shape[0], dtype=np.int32)),
                       vectors: pa.ListArray.from_arrays(offsets, flat)})
     pq.write_table(table, path, row_group_size=50_000)
@@ -128,42 +145,61 @@ class CpuMeter:
 
 
 def pairs_of(df) -> np.ndarray:
-    """(query id, target id) pairs, sorted."""
+    """(query id, target id, value) rows, sorted by query, then nearest first (float64)."""
     table = df.toArrow()
-    pairs = np.stack([table.column(0).to_numpy(), table.column(1).to_numpy()], axis=1).astype(np.int64)
-    return pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
+    rows = np.stack([table.column(i).to_numpy().astype(np.float64) for i in range(3)], axis=1)
+    return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
 
 
-def recall_of(found: np.ndarray, exact: np.ndarray, nq: int) -> float:
-    """Mean over queries of |found & exact| / |exact| (pairs as (query, target) rows)."""
-    code = lambda p: p[:, 0] * (1 << 32) + p[:, 1]
-    hit = np.isin(code(exact), code(found))
-    per_query = np.bincount(exact[:, 0], weights=hit, minlength=nq) / np.maximum(np.bincount(exact[:, 0], minlength=nq), 1)
-    return float(per_query.mean())
+def recall_of(found: np.ndarray, exact: np.ndarray, nq: int, descending: bool = False) -> float:
+    """Mean over queries of the share of their exact neighbours that ``found`` matches, ties
+    included: a found row counts when its value is at least as near as the query's k-th exact
+    value (the values are exact in both: a query with more tied neighbours than k, such as
+    duplicated rows, may return any of them). Rows are (query, target, value)."""
+    sign = -1.0 if descending else 1.0
+    queries = exact[:, 0].astype(np.int64)
+    wanted = np.bincount(queries, minlength=nq)
+    kth = np.full(nq, -np.inf)
+    np.maximum.at(kth, queries, sign * exact[:, 2])          # the k-th (farthest kept) exact value
+    tolerance = 1e-6 * np.maximum(1.0, np.abs(kth))
+    by = found[:, 0].astype(np.int64)
+    near = sign * found[:, 2] <= (kth + tolerance)[by]
+    hits = np.minimum(np.bincount(by, weights=near, minlength=nq), wanted)
+    return float(np.mean(hits / np.maximum(wanted, 1)))
 
 
-def faiss_at_recall(targets, queries, exact_rows: np.ndarray, nlist: int, sample_rows: int,
-                    wanted: float) -> tuple[int, float, float]:
-    """(nprobe, recall, seconds) of faiss IVFFlat: the smallest nprobe reaching ``wanted``."""
+def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows: int,
+                    wanted: float, metric: str = METRIC) -> tuple[int, float, float]:
+    """(nprobe, recall, seconds) of faiss IVFFlat: the smallest nprobe reaching ``wanted``
+    (recall as :func:`recall_of` measures ours). Cosine: inner product over unit rows."""
     import faiss
 
     faiss.omp_set_num_threads(2)
     rng = np.random.default_rng(0)
+    d = targets.shape[1]
     sample = targets[rng.choice(targets.shape[0], min(sample_rows, targets.shape[0]), replace=False)]
     start = time.perf_counter()
-    quantizer = faiss.IndexFlatL2(D)
-    index = faiss.IndexIVFFlat(quantizer, D, nlist)
+    if metric == "cosine":
+        quantizer = faiss.IndexFlatIP(d)
+        index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+    else:
+        quantizer = faiss.IndexFlatL2(d)
+        index = faiss.IndexIVFFlat(quantizer, d, nlist)
     index.train(sample)
     index.add(targets)
     build = time.perf_counter() - start
+    nq = queries.shape[0]
 
     def at(nprobe: int) -> tuple[float, float]:
         index.nprobe = nprobe
         start = time.perf_counter()
-        _, found = index.search(queries, K)
+        values, found = index.search(queries, K)
         seconds = time.perf_counter() - start
-        recall = float(np.mean([len(set(a) & set(b)) / K for a, b in zip(found.tolist(), exact_rows.tolist())]))
-        return recall, seconds
+        keep = found >= 0
+        rows = np.stack([np.repeat(np.arange(nq), K)[keep.ravel()], found[keep].astype(np.float64),
+                         (values if metric == "cosine" else np.sqrt(np.maximum(values, 0)))[keep].astype(np.float64)],
+                        axis=1)
+        return recall_of(rows, exact, nq, descending=metric == "cosine"), seconds
 
     # Doubling, then bisection: the smallest nprobe reaching ``wanted``.
     low, high, seen = 0, 1, {}
@@ -192,13 +228,16 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
     q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
     t.count(), q.count()
-    common = {"data": kind, "nt": nt, "nq": nq, "d": D, "k": K, "master": "local[2]"}
+    metric = metric_of(kind)
+    table = f"recall_minilm{nt}" if kind == "minilm" else f"recall_nt{nt}"
+    common = {"data": kind, "nt": nt, "nq": nq, "d": targets.shape[1], "k": K, "metric": metric, "master": "local[2]"}
 
     def timed_once(**options):
         start = time.perf_counter()
         with CpuMeter() as cpu:
-            planned = plan_join(q, t, METRIC, JoinOptions(num_results=K, vectors=("v", "w"), **options))
-            pairs = pairs_of(planned.dataframe().select("qid", "tid"))
+            planned = plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value",
+                                                          **options))
+            pairs = pairs_of(planned.dataframe().select("qid", "tid", "value"))
         return pairs, time.perf_counter() - start, cpu.seconds, planned.plan
 
     def timed(**options):
@@ -212,7 +251,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
 
     # warm-up (Python workers, numba caches, both plans, the recall estimate) on a slice
     for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}, {"mode": "approx", "nlist": 8}):
-        plan_join(q.limit(500), t.limit(5000), METRIC,
+        plan_join(q.limit(500), t.limit(5000), metric,
                   JoinOptions(num_results=K, vectors=("v", "w"), **options)).dataframe().toArrow()
     load = lambda: round(os.getloadavg()[0], 1)
     before = load()
@@ -220,13 +259,11 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     print(f"[{kind}] exact: {exact_s:.1f} s, {exact_cpu:.1f} CPU s, {exact.shape[0]} pairs, load "
           f"{before} -> {load()}", flush=True)
     rows = []
-    rec.add(f"recall_nt{nt}", engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
+    rec.add(table, engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
             recall_estimate=None,
             recall=1.0, seconds=round(exact_s, 2), speedup_vs_exact=1.0, cpu_seconds=round(exact_cpu, 1),
             cpu_vs_exact=1.0, load_1min=[before, load()], faiss_seconds=None, ours_over_faiss=None,
             runs=exact_runs, **common)
-    # exact neighbour rows for faiss's recall (one row of k per query, in query order)
-    exact_rows = exact[:, 1].reshape(nq, K)
     if repeat > 1:
         # One untimed call of the approx plan at full size: a slice does not warm what the first
         # full-size calls pay (the JVM's compiled code for the large loops, fresh memory in the
@@ -240,15 +277,15 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         before = load()
         found, seconds, cpu, plan, runs = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf
-        measured = recall_of(found, exact, nq)
+        measured = recall_of(found, exact, nq, descending=metric == "cosine")
         row = {"recall_target": wanted, "ran": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
                "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
                "seconds": round(seconds, 2), "speedup_vs_exact": round(exact_s / seconds, 2),
                "cpu_seconds": round(cpu, 1), "cpu_vs_exact": round(exact_cpu / cpu, 2),
                "load_1min": [before, load()], "runs": runs}
         if plan["runs"] == "ivf":   # (an exact fallback has recall 1: faiss would search every list)
-            f_probe, f_recall, f_seconds = faiss_at_recall(targets, queries, exact_rows, plan["nlist"],
-                                                           50 * plan["nlist"], measured)
+            f_probe, f_recall, f_seconds = faiss_at_recall(targets, queries, exact, plan["nlist"],
+                                                           50 * plan["nlist"], measured, metric)
             row.update(faiss_seconds=round(f_seconds, 2), faiss_nprobe=f_probe,
                        faiss_recall=round(f_recall, 4), ours_over_faiss=round(seconds / f_seconds, 2))
         print(f"[{kind}] approx recall>={wanted}: nprobe {row['nprobe']}/{row['nlist']}, estimate "
@@ -256,7 +293,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
               f"({row['speedup_vs_exact']}x exact), {cpu:.1f} CPU s ({row['cpu_vs_exact']}x exact), "
               f"load {row['load_1min']}; faiss {row.get('faiss_seconds')} s at nprobe "
               f"{row.get('faiss_nprobe')} (recall {row.get('faiss_recall')})", flush=True)
-        rec.add(f"recall_nt{nt}", engine="nearest_by_join approx", **row, **common)
+        rec.add(table, engine="nearest_by_join approx", **row, **common)
         rows.append({**row, **common})
     t.unpersist(), q.unpersist()
     return rows
@@ -267,7 +304,10 @@ def main() -> None:
     size = ap.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="nt 50,000, nq 5,000 (smoke)")
     size.add_argument("--full", action="store_true", help="the issue's nt 1,000,000, nq 100,000")
-    ap.add_argument("--datasets", nargs="+", default=["clustered", "gaussian"], choices=["clustered", "gaussian"])
+    ap.add_argument("--datasets", nargs="+", default=["clustered", "gaussian"],
+                    choices=["clustered", "gaussian", "minilm"])
+    ap.add_argument("--rows", type=int, default=64_000,
+                    help="minilm: the real embeddings' rows (benchmarks/embeddings.py), joined with themselves")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--repeat", type=int, default=2,
                     help="calls per engine on the clustered data, the fastest reported (the Gaussian "
@@ -285,6 +325,9 @@ def main() -> None:
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
+            if kind == "minilm":
+                run_dataset(spark, rec, kind, args.rows, args.rows, (0.9, 0.95), workdir, repeat=args.repeat)
+                continue
             run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
                         force=args.quick, repeat=args.repeat if kind == "clustered" else 1)
     spark.stop()

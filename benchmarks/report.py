@@ -442,6 +442,25 @@ TABLES: dict[tuple[str, str], Table] = {
               "it (the machine is shared: under load the ratio of CPU seconds holds, that of wall "
               "times does not).",
         plot=plot_recall),
+    ("approx", "recall_minilm64000"): Table(
+        "Approximate search on real sentence embeddings (MiniLM over docstrings), local[2]",
+        [col("data", "data"), col("engine", "engine"), col("recall target", "recall_target"),
+         Col("nprobe / nlist", lambda row, run: fmt(row.get("nprobe")) if row.get("nlist") is None
+             else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist")),
+         col("estimate", "recall_estimate", ".4f"),
+         col("recall@10", "recall", ".4f"), col("seconds", "seconds", ".1f"),
+         col("vs exact", "speedup_vs_exact", "x"), col("CPU s", "cpu_seconds", ".1f"),
+         col("CPU vs exact", "cpu_vs_exact", "x"), col("load before, after", "load_1min", ".1f"),
+         col("faiss s at that recall", "faiss_seconds", ".1f"),
+         col("faiss nprobe", "faiss_nprobe"), col("ours / faiss", "ours_over_faiss", "x")],
+        about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; "
+              "d=384, unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. "
+              "Each engine's fastest of the calls in its record's `runs`, the approx rows after one untimed "
+              "approx call; each approx call trains, estimates recall and searches. recall@10 counts ties: a "
+              "returned row as near as the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat "
+              "over inner product, 2 threads, same nlist and training rows, at the smallest nprobe reaching our "
+              "recall.",
+        plot=None),
     ("gpu_kernel", "compile"): compile_table(
         "GPU first-call compile time (fresh Triton cache)", "2,048 x 60,000"),
     ("gpu_kernel", "compile_few_targets"): compile_table(
