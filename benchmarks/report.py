@@ -324,6 +324,18 @@ def compile_table(title: str, shape: str) -> Table:
         group=group)
 
 
+# The columns of both approx tables (synthetic and real data).
+APPROX_COLUMNS = [col("data", "data"), col("engine", "engine"), col("recall target", "recall_target"),
+                  Col("nprobe / nlist", lambda row, run: fmt(row.get("nprobe")) if row.get("nlist") is None
+                      else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist")),
+                  col("estimate", "recall_estimate", ".4f"),
+                  col("recall@10", "recall", ".4f"), col("seconds", "seconds", ".1f"),
+                  col("vs exact", "speedup_vs_exact", "x"), col("CPU s", "cpu_seconds", ".1f"),
+                  col("CPU vs exact", "cpu_vs_exact", "x"), col("load before, after", "load_1min", ".1f"),
+                  col("faiss s at that recall", "faiss_seconds", ".1f"),
+                  col("faiss nprobe", "faiss_nprobe"), col("ours / faiss", "ours_over_faiss", "x")]
+
+
 TABLES: dict[tuple[str, str], Table] = {
     ("cpu_kernel", "*"): CPU,
     ("spark_join", "operator"): Table(
@@ -419,15 +431,7 @@ TABLES: dict[tuple[str, str], Table] = {
               "oracle (every exact search: 0)."),
     ("approx", "recall_nt1000000"): Table(
         "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
-        [col("data", "data"), col("engine", "engine"), col("recall target", "recall_target"),
-         Col("nprobe / nlist", lambda row, run: fmt(row.get("nprobe")) if row.get("nlist") is None
-             else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist")),
-         col("estimate", "recall_estimate", ".4f"),
-         col("recall@10", "recall", ".4f"), col("seconds", "seconds", ".1f"),
-         col("vs exact", "speedup_vs_exact", "x"), col("CPU s", "cpu_seconds", ".1f"),
-         col("CPU vs exact", "cpu_vs_exact", "x"), col("load before, after", "load_1min", ".1f"),
-         col("faiss s at that recall", "faiss_seconds", ".1f"),
-         col("faiss nprobe", "faiss_nprobe"), col("ours / faiss", "ours_over_faiss", "x")],
+        APPROX_COLUMNS,
         about="1,000,000 targets x 100,000 queries, d=128, k=10, l2, nlist the planner's default "
               "(`nearest_join.ivf.default_nlist`); clustered: 1,000 "
               "Gaussian clusters; gaussian: N(0, 1). Each approx call trains, estimates recall on a "
@@ -444,15 +448,7 @@ TABLES: dict[tuple[str, str], Table] = {
         plot=plot_recall),
     ("approx", "recall_minilm64000"): Table(
         "Approximate search on real sentence embeddings (MiniLM over docstrings), local[2]",
-        [col("data", "data"), col("engine", "engine"), col("recall target", "recall_target"),
-         Col("nprobe / nlist", lambda row, run: fmt(row.get("nprobe")) if row.get("nlist") is None
-             else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist")),
-         col("estimate", "recall_estimate", ".4f"),
-         col("recall@10", "recall", ".4f"), col("seconds", "seconds", ".1f"),
-         col("vs exact", "speedup_vs_exact", "x"), col("CPU s", "cpu_seconds", ".1f"),
-         col("CPU vs exact", "cpu_vs_exact", "x"), col("load before, after", "load_1min", ".1f"),
-         col("faiss s at that recall", "faiss_seconds", ".1f"),
-         col("faiss nprobe", "faiss_nprobe"), col("ours / faiss", "ours_over_faiss", "x")],
+        APPROX_COLUMNS,
         about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; "
               "d=384, unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. "
               "Each engine's fastest of the calls in its record's `runs`, the approx rows after one untimed "
