@@ -119,7 +119,11 @@ def _compile_time():
                 self.started[thread] = time.perf_counter()
 
         def on_end(self, ev) -> None:
+            # A compilation that began before the listener was registered ends unmatched:
+            # ignored (an exception here would fail that compilation).
             thread = threading.get_ident()
+            if not self.depth.get(thread):
+                return
             self.depth[thread] -= 1
             if self.depth[thread] == 0:
                 self.seconds += time.perf_counter() - self.started.pop(thread)

@@ -119,3 +119,12 @@ def test_the_tiny_join_admits_every_target_under_its_cap(metric):
 
     out = local_join(query, target, ctx, plan="broadcast")
     assert out.num_rows == query.num_rows * ctx.k
+
+
+def test_the_compile_timer_ignores_a_compilation_it_did_not_see_begin():
+    """A compilation that began before the warm-up's listener was registered (another thread of
+    the process) ends unmatched: ignored, never an error inside numba's compilation."""
+    timer = warm._compile_time()
+    timer.on_end(None)                      # no start seen on this thread
+    timer.on_start(None), timer.on_start(None), timer.on_end(None), timer.on_end(None)
+    assert timer.seconds >= 0 and timer.depth == {__import__("threading").get_ident(): 0}
