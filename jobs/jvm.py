@@ -144,7 +144,11 @@ def build_archive(timeout_s: float = 600) -> Path | None:
     try:
         child = subprocess.Popen(_recorder(recording), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  start_new_session=True, cwd=Path(__file__).resolve().parents[1])
-        _, err = child.communicate(timeout=timeout_s)
+        try:
+            _, err = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            raise RuntimeError(f"recording the class archive took over {timeout_s:.0f} s") from None
         _wait_for_group(child.pid, deadline)
         if child.returncode != 0:
             raise RuntimeError(f"recording the class archive failed:\n{err.decode(errors='replace')[-2000:]}")
@@ -200,7 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     existed = (archive_path() or Path()).is_file()
-    path = build_archive()
+    try:
+        path = build_archive()
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        # An archive only makes Spark start sooner: without one it starts as it always did.
+        print(f"no class archive for Spark's JVM ({exc}); local jobs start without one", file=sys.stderr)
+        return 0
     if path is None:
         print("no java or pyspark: no class archive", file=sys.stderr)
     elif not existed:

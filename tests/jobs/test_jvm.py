@@ -82,3 +82,10 @@ def test_archives_of_removed_installs_are_deleted(cache, monkeypatch, tmp_path):
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [path.name, path.with_suffix(".json").name, kept.name, kept.with_suffix(".json").name])
     assert os.path.isdir(__import__("json").loads(path.with_suffix(".json").read_text())["jars"])
+
+
+def test_a_failed_recording_leaves_make_run_going(cache, monkeypatch, capsys):
+    monkeypatch.setattr(jvm, "_recorder", lambda recording: ["python3", "-c", "raise SystemExit('no JVM here')"])
+    assert jvm.main([]) == 0
+    assert "local jobs start without one" in capsys.readouterr().err
+    assert jvm.java_options() == ""
