@@ -330,6 +330,7 @@ APPROX_COLUMNS = [col("data", "data"), col("engine", "engine"), col("recall targ
                       else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist")),
                   col("estimate", "recall_estimate", ".4f"),
                   col("recall@10", "recall", ".4f"), col("seconds", "seconds", ".1f"),
+                  col("of which planning s", "plan_seconds", ".1f"),
                   col("vs exact", "speedup_vs_exact", "x"), col("CPU s", "cpu_seconds", ".1f"),
                   col("CPU vs exact", "cpu_vs_exact", "x"), col("load before, after", "load_1min", ".1f"),
                   col("faiss s at that recall", "faiss_seconds", ".1f"),
