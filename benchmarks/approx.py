@@ -246,9 +246,9 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
 
     def timed(**options):
         """(pairs, seconds, CPU seconds, plan, planning seconds, every call's seconds): planning
-        (an approx plan's training and recall estimate included) and the search, as nearest_by_join runs them;
-        the fastest of ``repeat`` calls (each approx call trains its own index), its CPU
-        seconds and plan."""
+        (an approx plan's training and recall estimate included) and the search, as
+        nearest_by_join runs them; the fastest of ``repeat`` calls (each approx call trains its
+        own index), its CPU seconds and plan."""
         calls = [timed_once(**options) for _ in range(repeat)]
         best = min(calls, key=lambda c: c[1])
         return (*best, [round(c[1], 2) for c in calls])
