@@ -172,10 +172,10 @@ def _record(archive: str) -> None:
 
     from nearest_join import nearest_by_join
 
-    from .spec import _profile
+    from .spec import load_profile
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)   # as the runner's local sessions
-    _, settings = _profile("local")   # the local profile's session, recording
+    _, settings = load_profile("local")   # the local profile's session, recording
     settings["spark.driver.extraJavaOptions"] = (
         f"{settings.get('spark.driver.extraJavaOptions', '')} -XX:ArchiveClassesAtExit={archive} {_QUIET}")
     settings["spark.ui.showConsoleProgress"] = "false"

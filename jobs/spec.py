@@ -41,6 +41,7 @@ __all__ = [
     "WRITE_MODES",
     "SUMMARY_FILE",
     "load_spec",
+    "load_profile",
     "parse_spec",
     "parse_override",
     "apply_overrides",
@@ -590,7 +591,9 @@ def _spark_settings(value: Any, key: str) -> dict[str, str]:
     return result
 
 
-def _profile(name: Any) -> tuple[str, dict[str, str]]:
+def load_profile(name: Any) -> tuple[str, dict[str, str]]:
+    """(name, Spark settings) of the profile ``name``: one of ``conf/`` (``local``...) or a
+    YAML file's path. Raises SpecError (``spark_profile``) for one not found or malformed."""
     name = _text(name, "spark_profile")
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         path = Path(name).expanduser()
@@ -621,7 +624,7 @@ def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
     target = _input(_section(document, "target", _SIDE_KEYS), "target")
     join = _join(_section(document, "join", _JOIN_KEYS))
     output = _output(_section(document, "output", _OUTPUT_KEYS))
-    profile, settings = _profile(document.get("spark_profile") or "local")
+    profile, settings = load_profile(document.get("spark_profile") or "local")
     settings.update(_spark_settings(document.get("spark"), "spark"))
     name = document.get("name") or Path(source).stem
     if not isinstance(name, str):
