@@ -74,7 +74,7 @@ class GroupSegments:
 def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                    query_vectors: np.ndarray, query_groups: np.ndarray, sorted_targets: np.ndarray,
                    segments: GroupSegments, k: int, metric: str, *, cap: float | None = None,
-                   threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                   threads: int = 1, wide: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched only
     against its group's segment.
 
@@ -92,7 +92,7 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
         from .probes import probed_search
 
         return probed_search(search, query_vectors, query_groups, sorted_targets, segments, k,
-                             metric, cap=cap, threads=threads)
+                             metric, cap=cap, threads=threads, wide=wide)
     nq = query_vectors.shape[0]
     worst = resolve_metric(metric).worst
     values = np.full((nq, k), worst, np.float32)

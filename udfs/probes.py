@@ -55,15 +55,17 @@ class Probes:
 def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                   query_vectors: np.ndarray, probes: Probes, sorted_targets: np.ndarray, segments,
                   k: int, metric: str, *, cap: float | None = None, threads: int = 1,
-                  segment_work: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  wide: bool = False, segment_work: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched
     against the segments of all its groups (the contract of
     :func:`udfs.groups.grouped_search`, with :class:`Probes` for the query groups).
 
-    ``segment_work`` (tests) overrides the work above which a segment gets its own call.
+    ``wide`` (the task searches on the CPU): the large segments go to one
+    :func:`~nearest_join.kernels.segments.knn_probed` call instead of one ``search`` call
+    per segment. ``segment_work`` (tests) overrides the work above which a segment is large.
     """
     from nearest_join.kernels import merge_topk, resolve_metric
-    from nearest_join.kernels.segments import knn_segments  # numba: on executors only
+    from nearest_join.kernels.segments import knn_probed, knn_segments  # numba: on executors only
 
     from .groups import SEGMENT_WORK
 
@@ -109,7 +111,17 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
         rows[by_segment] = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
 
     big = np.flatnonzero(~small)
-    if big.size:
+    if big.size and wide:
+        # Every query's large segments in one call: one operand set-up for the block, each
+        # segment multiplied once for all its queries, each query ranked once.
+        b_owner = owner[big]
+        starts = np.zeros(nq + 1, np.int64)
+        np.cumsum(np.bincount(b_owner, minlength=nq), out=starts[1:])
+        v, local = knn_probed(query_vectors, sorted_targets, segments.starts, starts, segment[big], k,
+                              metric, cap=cap, threads=threads)
+        found = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
+        values, rows = merge_topk([values, v], [rows, found], k, metric)
+    elif big.size:
         b_owner, b_segment = owner[big], segment[big]
         by_segment = np.argsort(b_segment, kind="stable")
         bounds = np.flatnonzero(np.diff(b_segment[by_segment])) + 1
