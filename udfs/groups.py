@@ -79,7 +79,9 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
     against its group's segment.
 
     ``search(queries, targets)`` is the task's kernel call for a large group (the knn
-    contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied);
+    contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied;
+    ``wide``: the task searches on the CPU, and a query's several large groups, IVF probes,
+    go to one ``knn_probed`` call instead, :func:`udfs.probes.probed_search`);
     small groups go to one :func:`~nearest_join.kernels.segments.knn_segments` call with
     ``cap`` and ``threads``. ``sorted_targets`` are the target block's vectors in
     ``segments.order``. Query rows of no group, or of a group the block lacks, get empty

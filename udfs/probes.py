@@ -10,14 +10,19 @@ same split of the work,
 
 * probes of small segments in one :func:`~nearest_join.kernels.segments.knn_segments` call,
   a query's small segments ranked together (float64 keys, exact for every metric);
-* each large segment (a dense list: queries x rows x d above ``SEGMENT_WORK``) one call of
-  the task's searcher for all the queries that probe it, whatever the list's size;
+* the large segments (dense lists: queries x rows x d above ``SEGMENT_WORK``): on a CPU
+  task all of them in one :func:`~nearest_join.kernels.segments.knn_probed` call (one
+  operand set-up for the block, each list multiplied once for the queries that probe it,
+  each query ranked once: a probed pair costs about what an exact one does); on a GPU task
+  one call of its searcher per list, for all the queries that probe it, each list's
+  results folded into its queries' top k by the shared
+  :func:`nearest_join.kernels.merge_topk` (a running (queries, k) state, whatever nprobe is);
 
-and each large segment's results folded into its queries' top k by the shared
-:func:`nearest_join.kernels.merge_topk` (a running (queries, k) state, whatever nprobe is). Every pair searched is exact; only
+and the two parts merged by the same ``merge_topk``. Every pair searched is exact; only
 which lists a query probes is approximate. Ties between targets of equal value go to the
-lower block row, except within the small segments' one call, where they go to the lower
-list first (the segments' order); both are deterministic for a given input.
+lower block row, except within one segment call (``knn_segments``, ``knn_probed``), where
+they go to the lower list first (the segments' order); both are deterministic for a given
+input.
 """
 from __future__ import annotations
 
