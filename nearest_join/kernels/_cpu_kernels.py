@@ -32,9 +32,13 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from ._numba import import_numba
+
+import_numba()
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 from ._numba import run_split
 
