@@ -25,18 +25,23 @@ holds one run: the current one. Use::
 On a machine without git (a device that receives the working tree only) pass ``commit=`` or
 set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, with ``+dirty``
 when library code (``nearest_join/``, ``udfs/``) differs from it.
+
+The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
+:func:`run_spawned`.
 """
 from __future__ import annotations
 
 import datetime
 import fcntl
 import json
+import multiprocessing as mp
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -206,6 +211,14 @@ class Recorder:
             os.replace(tmp, self.path)
         return record
 
+    def print_tables(self) -> None:
+        """Print the tables this run wrote, as ``benchmarks/report.py`` renders them in RESULTS.md."""
+        from benchmarks.report import render_table   # here: report imports this module
+
+        records = [r for r in read_records(self.path) if r.get("run") == self.run]
+        for table in dict.fromkeys(r["table"] for r in records):
+            print("\n" + render_table(self.benchmark, table, [r for r in records if r["table"] == table], None))
+
 
 def _plain(value):
     """numpy scalars and paths as JSON values."""
@@ -221,3 +234,50 @@ def read_records(path: Path) -> list[dict]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# --- helpers the benchmarks share ---------------------------------------------------------
+
+
+def best_of(fn, repeat: int) -> float:
+    """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):
+    """The Spark session of a benchmark: ``master``, no UI and no progress bar, 4 shuffle
+    partitions, ``driver_memory``, any other ``conf``; Spark's log at ERROR."""
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master(master).appName(app)
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.memory", driver_memory).config("spark.sql.shuffle.partitions", "4"))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def run_spawned(target, rank_args: list[tuple], timeout: float) -> list:
+    """Benchmark processes started together, one per rank (as Spark's Python workers, or one
+    per GPU): ``target(*args, barrier, results)`` in a spawned process per ``args`` of
+    ``rank_args``; each passes ``barrier`` (all ranks) before its timed part and puts one
+    result on ``results``. Returns the results (in arrival order); raises when a process
+    exits with an error."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(rank_args)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, barrier, results)) for args in rank_args]
+    for proc in procs:
+        proc.start()
+    got = [results.get(timeout=timeout) for _ in procs]
+    for proc in procs:
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"benchmark process exited with {proc.exitcode}")
+    return got

@@ -198,7 +198,7 @@ def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> 
     """Several broadcast tasks sharing one GPU, as ``spark.task.resource.gpu.amount`` < 1 runs
     them: each in its own process (Spark's Python workers), the GPU time-sliced between them.
     Throughput share = tasks x one kernel call's time / wall time from the common start."""
-    from benchmarks.spawned import run_spawned
+    from benchmarks._record import run_spawned
 
     for plan, q_blocks, t_blocks in [s for s in ARROW_SHAPES if s[0] == "broadcast"]:
         spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-from benchmarks._record import Recorder  # noqa: E402
+from benchmarks._record import Recorder, local_spark  # noqa: E402
 from tests import adversarial  # noqa: E402
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
@@ -402,13 +402,7 @@ def main() -> int:
                         help="share of the joins that run mode='approx' (the seed decides which)")
     args = parser.parse_args()
 
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master(args.master).appName("nearest_join-stress")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "4").config("spark.task.maxFailures", "1")
-             .config("spark.driver.memory", "3g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_spark("nearest_join-stress", "3g", args.master, {"spark.task.maxFailures": "1"})
     seeds = args.replay
     start = time.monotonic()
     joins = rows_checked = 0
