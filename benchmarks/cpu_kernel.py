@@ -40,7 +40,7 @@ from threadpoolctl import threadpool_limits
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder
+from benchmarks._record import SMOKE_DIR, Recorder, import_base_kernels
 from nearest_join.kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
@@ -127,7 +127,7 @@ BASE = None   # --compare-base: another commit's kernels package, imported as ba
 def load_base(commit: str):
     """``nearest_join/kernels`` of ``commit``, extracted from git into a temporary directory
     and imported as the package ``base_kernels`` (its dispatcher pointed at its own backends)."""
-    import importlib.util
+    import importlib
 
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
@@ -138,11 +138,7 @@ def load_base(commit: str):
             source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True,
                                     text=True, check=True).stdout
             (folder / Path(path).name).write_text(source)
-    spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_kernels"] = module
-    spec.loader.exec_module(module)
+    module = import_base_kernels(folder)
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
         entry.module = entry.module.replace("nearest_join.kernels", "base_kernels")

@@ -230,13 +230,10 @@ def _load_base_kernels(folder: Path):
     """The kernels package of another commit (a copy of its ``nearest_join/kernels``) as the
     top-level package ``base_kernels``: its modules import each other relatively."""
     import importlib
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_kernels"] = module
-    spec.loader.exec_module(module)
+    from benchmarks._record import import_base_kernels
+
+    import_base_kernels(folder)
     return importlib.import_module("base_kernels.gpu")
 
 
