@@ -27,7 +27,7 @@ set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, wi
 when library code (``nearest_join/``, ``udfs/``) differs from it.
 
 The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
-:func:`run_spawned`, :func:`import_base_kernels`.
+:func:`run_spawned`, :func:`import_base_kernels`, :func:`process_tree`.
 """
 from __future__ import annotations
 
@@ -294,3 +294,28 @@ def import_base_kernels(folder: Path):
     sys.modules["base_kernels"] = module
     spec.loader.exec_module(module)
     return module
+
+
+def process_tree(root: int) -> dict[int, list[str]]:
+    """``root`` and its descendants now (the Spark JVM, its Python daemon and workers), each
+    with the fields of its ``/proc/PID/stat`` after the command name (``[1]`` the parent,
+    ``[11]``, ``[12]`` user and system ticks, ``[19]`` the start time)."""
+    stats: dict[int, list[str]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            stats[int(name)] = stat[stat.rindex(")") + 2:].split()
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    found, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in stats:
+            found[pid] = stats[pid]
+        stack.extend(children.get(pid, ()))
+    return found

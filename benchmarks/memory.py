@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import Recorder, local_spark  # noqa: E402
+from benchmarks._record import Recorder, local_spark, process_tree  # noqa: E402
 
 MiB = 1 << 20
 CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
@@ -97,27 +97,16 @@ def _cmdline(pid: int) -> str:
 def descendants(root: int) -> dict[int, str]:
     """{pid: kind} of this process tree's JVMs ("driver JVM", "executor JVM") and Python
     workers ("worker"; pyspark's daemon, which only forks them, is "daemon")."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    found, stack = {}, list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, []))
+    found = {}
+    for pid, fields in process_tree(root).items():
+        if pid == root:
+            continue
         cmd = _cmdline(pid)
         if "java" in cmd.split(" ")[0]:
             found[pid] = "executor JVM" if "CoarseGrainedExecutorBackend" in cmd else "driver JVM"
         elif "pyspark.daemon" in cmd or "pyspark.worker" in cmd:
             # The daemon (a JVM's child) forks the workers: a worker's parent is a daemon.
-            forked = "pyspark.daemon" in _cmdline(parent.get(pid, 0))
+            forked = "pyspark.daemon" in _cmdline(int(fields[1]))
             found[pid] = "worker" if forked or "pyspark.daemon" not in cmd else "daemon"
     return found
 
