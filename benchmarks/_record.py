@@ -25,18 +25,24 @@ holds one run: the current one. Use::
 On a machine without git (a device that receives the working tree only) pass ``commit=`` or
 set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, with ``+dirty``
 when library code (``nearest_join/``, ``udfs/``) differs from it.
+
+The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
+:func:`run_spawned`, :func:`import_base_kernels`, :func:`process_tree`.
 """
 from __future__ import annotations
 
 import datetime
 import fcntl
+import importlib.util
 import json
+import multiprocessing as mp
 import os
 import platform
 import shlex
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -206,6 +212,14 @@ class Recorder:
             os.replace(tmp, self.path)
         return record
 
+    def print_tables(self) -> None:
+        """Print the tables this run wrote, as ``benchmarks/report.py`` renders them in RESULTS.md."""
+        from benchmarks.report import render_table   # here: report imports this module
+
+        records = [r for r in read_records(self.path) if r.get("run") == self.run]
+        for table in dict.fromkeys(r["table"] for r in records):
+            print("\n" + render_table(self.benchmark, table, [r for r in records if r["table"] == table], None))
+
 
 def _plain(value):
     """numpy scalars and paths as JSON values."""
@@ -221,3 +235,87 @@ def read_records(path: Path) -> list[dict]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# --- helpers the benchmarks share ---------------------------------------------------------
+
+
+def best_of(fn, repeat: int) -> float:
+    """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):
+    """The Spark session of a benchmark: ``master``, no UI and no progress bar, 4 shuffle
+    partitions, ``driver_memory``, any other ``conf``; Spark's log at ERROR."""
+    from pyspark.sql import SparkSession
+
+    builder = (SparkSession.builder.master(master).appName(app)
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.memory", driver_memory).config("spark.sql.shuffle.partitions", "4"))
+    for key, value in (conf or {}).items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def run_spawned(target, rank_args: list[tuple], timeout: float) -> list:
+    """Benchmark processes started together, one per rank (as Spark's Python workers, or one
+    per GPU): ``target(*args, barrier, results)`` in a spawned process per ``args`` of
+    ``rank_args``; each passes ``barrier`` (all ranks) before its timed part and puts one
+    result on ``results``. Returns the results (in arrival order); raises when a process
+    exits with an error."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(len(rank_args)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, barrier, results)) for args in rank_args]
+    for proc in procs:
+        proc.start()
+    got = [results.get(timeout=timeout) for _ in procs]
+    for proc in procs:
+        proc.join()
+        if proc.exitcode:
+            raise RuntimeError(f"benchmark process exited with {proc.exitcode}")
+    return got
+
+
+def import_base_kernels(folder: Path):
+    """A copy of another commit's ``nearest_join/kernels`` in ``folder``, imported as the
+    top-level package ``base_kernels`` (its modules import each other relatively): the peer
+    of the ``--compare-base`` runs."""
+    spec = importlib.util.spec_from_file_location("base_kernels", Path(folder) / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["base_kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def process_tree(root: int) -> dict[int, list[str]]:
+    """``root`` and its descendants now (the Spark JVM, its Python daemon and workers), each
+    with the fields of its ``/proc/PID/stat`` after the command name (``[1]`` the parent,
+    ``[11]``, ``[12]`` user and system ticks, ``[19]`` the start time)."""
+    stats: dict[int, list[str]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            stats[int(name)] = stat[stat.rindex(")") + 2:].split()
+    children: dict[int, list[int]] = {}
+    for pid, fields in stats.items():
+        children.setdefault(int(fields[1]), []).append(pid)
+    found, stack = {}, [root]
+    while stack:
+        pid = stack.pop()
+        if pid in stats:
+            found[pid] = stats[pid]
+        stack.extend(children.get(pid, ()))
+    return found

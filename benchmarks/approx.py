@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-from benchmarks._record import SMOKE_DIR, Recorder
+from benchmarks._record import SMOKE_DIR, Recorder, local_spark, process_tree
 
 D, K, METRIC = 128, 10, "l2"
 ROWS_PER_CLUSTER = 1000
@@ -96,26 +96,8 @@ def _tree_cpu() -> dict:
     """{(pid, start time): CPU seconds} of this process and its descendants (the Spark JVM,
     its Python daemon and workers)."""
     tick = os.sysconf("SC_CLK_TCK")
-    children, seconds = {}, {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(name))
-        seconds[int(name)] = ((int(name), fields[19]), (int(fields[11]) + int(fields[12])) / tick)
-    found, stack = {}, [os.getpid()]
-    while stack:
-        pid = stack.pop()
-        if pid in seconds:
-            key, value = seconds[pid]
-            found[key] = value
-        stack.extend(children.get(pid, ()))
-    return found
+    return {(pid, fields[19]): (int(fields[11]) + int(fields[12])) / tick
+            for pid, fields in process_tree(os.getpid()).items()}
 
 
 class CpuMeter:
@@ -321,13 +303,7 @@ def main() -> None:
     args = ap.parse_args()
     nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
 
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("nearest_join-approx-bench")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", args.driver_memory)
-             .config("spark.sql.shuffle.partitions", "4").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_spark("nearest_join-approx-bench", args.driver_memory)
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:

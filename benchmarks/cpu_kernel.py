@@ -13,7 +13,7 @@ Usage::
 
     python benchmarks/cpu_kernel.py                      # nq=20000 nt=200000 d=128, k=10,100
     python benchmarks/cpu_kernel.py --dims 768 --nq 5000 --metrics l2
-    python benchmarks/cpu_kernel.py --quick --out benchmarks/out/cpu
+    python benchmarks/cpu_kernel.py --quick                # smoke run
 
 Each row is recorded in ``benchmarks/results/cpu_kernel.jsonl`` (table
 ``OPENBLAS_CORETYPE=<value or unset>``: a run replaces the records of its BLAS selection;
@@ -40,14 +40,7 @@ from threadpoolctl import threadpool_limits
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import (
-    SMOKE_DIR,
-    Recorder,
-    command_line,
-    git_commit,
-    machine_info,
-    now,
-)
+from benchmarks._record import SMOKE_DIR, Recorder, import_base_kernels
 from nearest_join.kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
@@ -63,17 +56,6 @@ for metric in ("l2", "cosine"):
     knn(q, q, 5, metric, backend="cpu", threads=1)
 print(time.perf_counter() - start)
 """
-
-
-def machine() -> dict:
-    """Where the numbers come from (``benchmarks/_record.py``): CPU, cores, BLAS kernels, commit."""
-    # Load every BLAS a method will use, so that the record names each one's kernel choice.
-    import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot: the cpu kernel's sgemm)
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        pass
-    return {"date": now(), "commit": git_commit(), "command": command_line(), **machine_info(gpu=False)}
 
 
 def _busy_cpu_seconds() -> float:
@@ -145,7 +127,7 @@ BASE = None   # --compare-base: another commit's kernels package, imported as ba
 def load_base(commit: str):
     """``nearest_join/kernels`` of ``commit``, extracted from git into a temporary directory
     and imported as the package ``base_kernels`` (its dispatcher pointed at its own backends)."""
-    import importlib.util
+    import importlib
 
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
@@ -156,11 +138,7 @@ def load_base(commit: str):
             source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True,
                                     text=True, check=True).stdout
             (folder / Path(path).name).write_text(source)
-    spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_kernels"] = module
-    spec.loader.exec_module(module)
+    module = import_base_kernels(folder)
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
         entry.module = entry.module.replace("nearest_join.kernels", "base_kernels")
@@ -262,30 +240,6 @@ def print_table(rows, ceiling, ceiling_others):
     print("others: share of the cores other processes used during the timing (0% = quiet).")
 
 
-def plot(rows, path: Path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    configs = sorted({(r["d"], r["metric"], r["k"]) for r in rows})
-    methods = sorted({r["method"] for r in rows})
-    width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(configs)), 4))
-    for m, method in enumerate(methods):
-        heights = [next((r["pairs_per_s"] for r in rows
-                         if (r["d"], r["metric"], r["k"]) == c and r["method"] == method), 0)
-                   for c in configs]
-        ax.bar([i + m * width for i in range(len(configs))], heights, width, label=method)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
-    ax.set_xticklabels([f"d={d}\n{metric}\nk={k}" for d, metric, k in configs])
-    ax.set_yscale("log")
-    ax.set_ylabel("pairs / s")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nq", type=int, default=20_000)
@@ -307,7 +261,6 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small run (seconds)")
     parser.add_argument("--compare-base", metavar="COMMIT",
                         help="also time that commit's cpu kernel, alternating with ours")
-    parser.add_argument("--out", type=Path, help="directory for results.json and pairs_per_s.png")
     args = parser.parse_args(argv)
     if args.quick:
         args.nq, args.nt, args.repeat = 2_000, 20_000, 1
@@ -316,9 +269,12 @@ def main(argv=None):
     if args.compare_base:
         BASE = load_base(args.compare_base)
 
-    info = machine()
-    info["threads"] = args.threads
-    print(json.dumps(info, indent=1))
+    try:   # loaded before the record reads the machine: it names each BLAS library's kernel choice
+        import faiss  # noqa: F401
+    except ImportError:
+        pass
+    rec = Recorder("cpu_kernel", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
+    print(json.dumps({"commit": rec.commit, "command": rec.command, **rec.machine, "threads": args.threads}, indent=1))
     compile_info = {} if args.skip_compile else compile_times()
     if compile_info:
         print(f"first call (import + compile), fresh interpreter: empty numba cache "
@@ -337,23 +293,12 @@ def main(argv=None):
             rows += bench_config(d, "cosine", k, args, ceiling, rng, data="embedding")
             print(f"done embedding d={d} cosine k={k}", file=sys.stderr, flush=True)
     print_table(rows, ceiling, ceiling_others)
-    rec = Recorder("cpu_kernel", gpu=False, results_dir=SMOKE_DIR if args.quick else None,
-                   commit=info["commit"], command=info["command"],
-                   machine={k: v for k, v in info.items() if k not in ("date", "commit", "command", "threads")})
-    table = f"OPENBLAS_CORETYPE={info['blas']['OPENBLAS_CORETYPE']}"
+    table = f"OPENBLAS_CORETYPE={rec.machine['blas']['OPENBLAS_CORETYPE']}"
     for row in rows:
         rec.add(table, engine=row["method"] if " at " in row["method"] else row["method"].split()[0], **row, nq=args.nq, nt=args.nt, threads=args.threads,
                 repeat=args.repeat, sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3),
                 **compile_info)
     print(f"recorded {len(rows)} rows in {rec.path}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        payload = {"machine": info, "compile": compile_info, "sgemm_gflops": ceiling,
-                   "sgemm_others": ceiling_others,
-                   "nq": args.nq, "nt": args.nt, "rows": rows}
-        (args.out / "results.json").write_text(json.dumps(payload, indent=1))
-        plot(rows, args.out / "pairs_per_s.png")
-        print(f"wrote {args.out / 'results.json'} and {args.out / 'pairs_per_s.png'}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ Run on a CUDA machine from the repository root:
 
     python benchmarks/gpu_kernel.py --out results/        # full table (about 3 minutes)
     python benchmarks/gpu_kernel.py --quick               # small shapes, smoke run
-    python benchmarks/gpu_kernel.py --variants --out results/   # kernel variants: check + time
     python benchmarks/gpu_kernel.py --compare-base .bench_base/kernels   # EXACT: this tree vs another
 
 For nq x nt x d (default 65,536 x 1,000,000 x 128, plus d=768 in tf32/bf16 at k=10) and
@@ -132,27 +131,17 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     return ctx, list(pair_batches(q_packed, t_packed, rows_once=plan == "broadcast"))
 
 
-def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked", profile=False,
-               on_start=None):
+def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked"):
     """Time one plan's executor functions on Arrow batches as Spark feeds them (packing untimed).
 
     The pairs come from :func:`_packed_pairs`; the blocked plan runs ``search_pairs`` then
     ``merge_partials`` per query block, the broadcast plan ``search_broadcast``; rows are
     emitted with their payload (ids and both vectors), host-device copies included.
     """
-    import cProfile
-    import io
-    import pstats
-
     from udfs.blocks import merge_partials, search_broadcast, search_pairs
 
     ctx, pairs = _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan=plan)
     torch.cuda.synchronize()
-    if on_start:
-        on_start()
-    prof = cProfile.Profile() if profile else None
-    if prof:
-        prof.enable()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     if plan == "blocked":
@@ -169,14 +158,7 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked",
     # First-touch page faults (fresh output or staging memory) were the cost of some stages
     # on some hosts: count them (each is ~0.1-1 us; millions of them show up in the times).
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
-    top = ""
-    if prof:
-        prof.disable()
-        buf = io.StringIO()
-        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(10)
-        top = buf.getvalue()
-    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "profile": top,
-            "minor_faults": faults}
+    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "minor_faults": faults}
 
 
 def _concurrent_worker(rank, spec, barrier, results) -> None:
@@ -216,7 +198,7 @@ def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> 
     """Several broadcast tasks sharing one GPU, as ``spark.task.resource.gpu.amount`` < 1 runs
     them: each in its own process (Spark's Python workers), the GPU time-sliced between them.
     Throughput share = tasks x one kernel call's time / wall time from the common start."""
-    from benchmarks.spawned import run_spawned
+    from benchmarks._record import run_spawned
 
     for plan, q_blocks, t_blocks in [s for s in ARROW_SHAPES if s[0] == "broadcast"]:
         spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,
@@ -231,373 +213,6 @@ def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> 
                    precision=precision, k=k, processes=n_proc, tasks=tasks, wall_ms=round(1e3 * wall, 1),
                    task_ms_median=round(task_ms[len(task_ms) // 2], 1), rows=sum(d[4] for d in done),
                    kernel_exact_ms=kernel_ms, share_of_kernel=kernel_ms * tasks / (1e3 * wall))
-
-
-def install_stage_timers() -> dict:
-    """Wrap the Arrow path's stages with wall-clock timers (inclusive, summed over threads)."""
-    import collections
-
-    from nearest_join.kernels import gpu as kg
-    from udfs import blocks, emit, rows, topk
-    from udfs import gpu as ug
-
-    acc = collections.defaultdict(float)
-
-    def wrap(owner, name, label):
-        def add(t0, t1):
-            acc[label] += t1 - t0
-        _timed(owner, name, add)
-
-    # Wrapped where they are looked up: the modules import these names.
-    wrap(blocks, "blob_to_table", "blob_to_table")
-    wrap(blocks, "decode_vectors", "decode_vectors")
-    wrap(topk, "merge_topk", "merge_topk")
-    wrap(topk, "gather_rows", "gather_rows (states, emit)")
-    wrap(emit, "gather_rows", "gather_rows (states, emit)")
-    wrap(topk.TopkState, "absorb", "TopkState.absorb")
-    wrap(topk.TopkState, "to_blob", "TopkState.to_blob")
-    wrap(topk.TopkState, "from_blob", "TopkState.from_blob")
-    wrap(blocks._PairSearch, "search", "worker: pair search")
-    wrap(ug.GpuBlockSearcher, "search", "worker: GpuBlockSearcher.search")
-    wrap(ug.GpuBlockSearcher, "_resident_targets", "worker: target upload+prepare")
-    wrap(ug.GpuBlockSearcher, "_stage", "worker: query upload")
-    wrap(kg, "search_prepared", "worker: search_prepared")
-    wrap(rows, "copy_into", "copy_into (pinned staging)")
-    return acc
-
-
-def _timed(owner, name: str, done) -> None:
-    """Replace ``owner.name`` by a wrapper that calls ``done(start, end)`` after each call."""
-    fn = getattr(owner, name)
-
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **kw)
-        finally:
-            done(t0, time.perf_counter())
-    setattr(owner, name, timed)
-
-
-def install_timeline() -> list:
-    """Record (thread, label, start, end) of the broadcast plan's stages, for one task's
-    timeline: which stage is on the critical path, and where the device waits for the host."""
-    import threading
-
-    from nearest_join.kernels import gpu as kg
-    from udfs import blocks
-    from udfs import device_fold
-    from udfs import gpu as ug
-
-    events: list = []
-
-    def wrap(owner, name, label):
-        _timed(owner, name, lambda t0, t1: events.append((threading.current_thread().name, label, t0, t1)))
-
-    wrap(blocks._PairSearch, "query_block", "decode query block")
-    wrap(blocks._PairSearch, "broadcast_target", "decode target block")
-    wrap(blocks._QueryBlock, "fold", "fold (worker)")
-    wrap(blocks, "gather_rows", "gather_rows")
-    wrap(ug.GpuBlockSearcher, "prefetch", "prefetch query block")
-    wrap(ug.GpuBlockSearcher, "_resident_targets", "resident targets")
-    wrap(device_fold.DeviceFold, "to_numpy", "fold result to host")
-    wrap(kg, "search_prepared", "search_prepared")
-    return events
-
-
-def arrow_timeline(args, Qn, Tn, precision: str, k: int) -> None:
-    """Print one warm broadcast task's stage timeline per broadcast shape (--arrow-timeline)."""
-    from udfs.gpu_task import local_task
-
-    events = install_timeline()
-    for plan, q_blocks, t_blocks in ARROW_SHAPES:
-        if plan != "broadcast":
-            continue
-        totals = []
-        with local_task(scope=f"timeline {plan} {q_blocks}x{t_blocks} {precision}"):
-            for _ in range(3):             # the first task uploads the targets; the others find them
-                events.clear()
-                marks: list = []
-                res = arrow_path(Qn, Tn, k, precision, -(-args.nt // t_blocks), -(-args.nq // q_blocks), plan,
-                                 on_start=lambda: marks.append(time.perf_counter()))
-                totals.append((res["search_s"] + res["merge_s"]) * 1e3)
-        t0 = marks[0]
-        print(f"# timeline {plan} {q_blocks}x{t_blocks} {precision} k={k}: tasks "
-              + ", ".join(f"{t:.1f}" for t in totals) + " ms; the last one (ms from its start):")
-        for thread, label, start, end in sorted(events, key=lambda e: e[2]):
-            print(f"#   {thread[:14]:<14} {label:<22} {1e3 * (start - t0):7.1f} .. {1e3 * (end - t0):7.1f}"
-                  f" ({1e3 * (end - start):5.1f})")
-
-
-def exact_breakdown(args, ks, precisions, record) -> None:
-    """Where the exact search's time goes: each stage of ``exact_topk`` between two syncs.
-
-    Stages run one after another (synchronised), so the sum is a little above the plain
-    timed call; the split is what matters: candidate passes (and how many: widening rounds)
-    against the re-rank's torch work (bound, margin test, gathers, sorts).
-    """
-    import collections
-
-    from nearest_join.kernels import _gpu_triton as tr
-
-    acc = collections.defaultdict(float)
-    calls = collections.Counter()
-
-    def wrap(owner, name, label):
-        fn = getattr(owner, name)
-
-        def timed(*a, **kw):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                torch.cuda.synchronize()
-                acc[label] += time.perf_counter() - t0
-                calls[label] += 1
-        setattr(owner, name, timed)
-        return fn
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(args.d)
-    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
-    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
-    for precision in precisions:
-        prepared = prepare_targets(T, "l2", precision)
-        for k in ks:
-            search_prepared(Q, prepared, k)        # compile
-            plain = statistics.median(cuda_ms(lambda: fused_pass(Q, prepared, k), args.reps))
-            whole = statistics.median(cuda_ms(lambda: search_prepared(Q, prepared, k), args.reps))
-            originals = [(tr, "triton_candidates", wrap(tr, "triton_candidates", "candidates (kernel)"))]
-            originals += [(gt, n, wrap(gt, n, n)) for n in
-                          ("prepare_side", "key_error_bound", "margin_holds", "skip_beyond", "exact_values",
-                           "rank_exact", "torch_candidates", "value_limit")]
-            originals.append((tr, "triton_exact_values", wrap(tr, "triton_exact_values", "triton_exact_values")))
-            rows_in = []     # (query rows, n_cand) of each candidate pass: the widening rounds
-            timed_candidates = tr.triton_candidates
-
-            def counted(q, t, n_cand, **kw):
-                rows_in.append((q.rows, n_cand))
-                return timed_candidates(q, t, n_cand, **kw)
-            tr.triton_candidates = counted
-            acc.clear()
-            calls.clear()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            search_prepared(Q, prepared, k)
-            torch.cuda.synchronize()
-            total = time.perf_counter() - t0
-            for owner, name, fn in originals:
-                setattr(owner, name, fn)
-            record(what="exact_breakdown", precision=precision, k=k, plain_ms=plain, exact_ms=whole,
-                   exact_over_plain=whole / plain, synced_total_ms=round(total * 1e3, 2),
-                   candidate_calls=[f"{r} rows x {n}" for r, n in rows_in],
-                   **{f"{n} ms": round(v * 1e3, 2) for n, v in acc.items()},
-                   **{f"{n} calls": c for n, c in calls.items()})
-        del prepared
-        torch.cuda.empty_cache()
-
-
-def upload_rates(nbytes=128 << 20):
-    """GB/s of the ways a host array can reach the device (the target block's upload)."""
-    from udfs.rows import copy_into
-
-    dev = torch.device("cuda")
-    host = np.random.default_rng(0).standard_normal(nbytes // 4, dtype=np.float32).reshape(-1, 128)
-    pinned = torch.empty(host.shape, dtype=torch.float32, pin_memory=True)
-    out = {}
-    for threads in (1, 4, 8):
-        copy_into(pinned.numpy(), host, threads=threads)
-        t0 = time.perf_counter()
-        copy_into(pinned.numpy(), host, threads=threads)
-        out[f"pinned_memcpy_{threads}t"] = nbytes / (time.perf_counter() - t0) / 1e9
-    for name, fn in (("h2d_pinned", lambda: pinned.to(dev, non_blocking=True)),
-                     ("h2d_pageable", lambda: torch.from_numpy(host).to(dev))):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out[name] = nbytes / (time.perf_counter() - t0) / 1e9
-    return out
-
-
-def kernel_variants(only: str = ""):
-    """(name, precision, n_cand, TileConfig or None, min_only) timed by ``--variants``."""
-    from nearest_join.kernels import _gpu_triton as tr
-
-    out = []
-    for precision, n10 in (("tf32", 16), ("bf16", 32)):
-        wide = precision != "bf16"
-        stages = 2 if wide else 3
-        out += [
-            ("rowlist", precision, n10, tr.tile_config(n10, 128, precision), False),
-            ("rowlist-64x128-w4", precision, n10, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist"), False),
-            ("rowlist-x1", precision, n10, tr.TileConfig(128, 128, 8, num_stages=stages,
-                                                         kernel="rowlist", extra_passes=1), False),
-            # Segmented register lists (the default above ROWLIST_MAX is seg_cand 16, 128 x 128).
-            *[("segmented-32", precision, n_cand, tr.TileConfig(128, 128, 8, num_stages=stages,
-                                                                kernel="segmented", seg_cand=32), False)
-              for n_cand in (128, 256)],   # 128: k = 100 from the plain width; how many rows proven?
-            ("segmented-64", precision, 256, tr.TileConfig(128, 128, 8, num_stages=stages,
-                                                           kernel="segmented", seg_cand=64), False),
-            # 64 rows, 8 warps: no spills at seg_cand 64 (128 rows: 40-48 B stack; 4 warps: 192 B).
-            ("segmented-64-64x128-w8", precision, 256, tr.TileConfig(64, 128, 8, num_stages=stages,
-                                                                     kernel="segmented", seg_cand=64), False),
-        ]
-    out.append(("rowlist-s4", "bf16", 32, tr.TileConfig(128, 128, 8, num_stages=4, kernel="rowlist"), False))
-    # tf32 operands fill shared memory at 128 x 128 (64 KiB query tile + 64 KiB per stage):
-    # narrower target tiles or fewer query rows leave room for deeper prefetch.
-    out += [
-        ("rowlist-128x64-s4", "tf32", 16, tr.TileConfig(128, 64, 8, num_stages=4, kernel="rowlist"), False),
-        ("rowlist-128x64-s3", "tf32", 16, tr.TileConfig(128, 64, 8, num_stages=3, kernel="rowlist"), False),
-        ("rowlist-64x128-w8-s3", "tf32", 16, tr.TileConfig(64, 128, 8, num_stages=3, kernel="rowlist"), False),
-        ("rowlist-128x64-s4", "bf16", 32, tr.TileConfig(128, 64, 8, num_stages=4, kernel="rowlist"), False),
-        # The plain k=10 bf16 list (16), and 64-row programs of 4 warps (two per SM).
-        ("rowlist16", "bf16", 16, tr.TileConfig(128, 128, 8, num_stages=3, kernel="rowlist"), False),
-        ("rowlist16-64x128-w4", "bf16", 16, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist"), False),
-        ("rowlist16-64x128-w4-noskip", "bf16", 16, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist",
-                                                                  skip_test=False), False),
-        ("rowlist16-skip", "tf32", 16, tr.TileConfig(128, 128, 8, num_stages=2, kernel="rowlist",
-                                                     skip_test=True), False),
-        ("rowlist16-noskip", "tf32", 16, tr.TileConfig(128, 128, 8, num_stages=2, kernel="rowlist",
-                                                       skip_test=False), False),
-        ("rowlist-64x128-w4-noskip", "bf16", 32, tr.TileConfig(64, 128, 4, num_stages=3, kernel="rowlist",
-                                                                skip_test=False), False),
-    ]
-    for n_cand in (128, 256):   # segments of 64-row, 4-warp programs, two per SM
-        out.append(("segmented-32-64x128-w4", "bf16", n_cand,
-                    tr.TileConfig(64, 128, 4, num_stages=3, kernel="segmented", seg_cand=32), False))
-    # Not yet timed: tf32 with three stages where d is consumed in 64-wide chunks (d > 128:
-    # 32 + 32 KiB per stage fit three; at d=128 the whole 64 KiB query tile does not):
-    # `--variants --no-check --d 768 --precisions tf32 --only rowlist-s3-tf32`.
-    out.append(("rowlist-s3-tf32", "tf32", 16, tr.TileConfig(128, 128, 8, num_stages=3, kernel="rowlist"), False))
-    # Not yet timed (next device session): the exact bf16 k=10 pass (n_cand 32) as four
-    # 16-entry segments, and 8-entry segments for k=100 (S = n_cand / 4).
-    out.append(("segmented-16-64x128-w4", "bf16", 32,
-                tr.TileConfig(64, 128, 4, num_stages=3, kernel="segmented", seg_cand=16), False))
-    # Two 16-entry segments: as many insertions as one list of 32, each over 16 entries; the
-    # floor (the lesser segment's 16th key) proves fewer rows than a list of 32.
-    out.append(("segmented-16-s2-64x128-w4", "bf16", 32,
-                tr.TileConfig(64, 128, 4, num_stages=3, kernel="segmented", seg_cand=16, segments=2), False))
-    out.append(("segmented-16", "bf16", 32,
-                tr.TileConfig(128, 128, 8, num_stages=3, kernel="segmented", seg_cand=16), False))
-    for precision, stages in (("tf32", 2), ("bf16", 3)):
-        for seg, n_cand in [(seg, n) for seg in (8, 16) for n in (128, 256)]:
-            out.append((f"segmented-{seg}", precision, n_cand, tr.TileConfig(128, 128, 8, num_stages=stages,
-                                                                             kernel="segmented", seg_cand=seg), False))
-        out.append(("segmented-32-skip", precision, 256, tr.TileConfig(128, 128, 8, num_stages=stages,
-                                                                       kernel="segmented", seg_cand=32,
-                                                                       skip_test=True), False))
-    parts = [p for p in only.split(",") if p]
-    return [v for v in out if not parts or any(p in v[0] for p in parts)]
-
-
-def run_variants(args, record) -> None:
-    """Check every variant against the float64 reference, then time its candidate pass.
-
-    Candidate generators return (keys, idx, floor): below its floor a row's list holds every
-    target, so the keys are compared with the torch path's there (the segmented lists may
-    leave out targets above it). The timing rows also give the share of rows whose first
-    list is proven at k = 10 / 100 (the rest widen: a second pass in exact mode).
-    """
-    from nearest_join.kernels import _gpu_triton as tr
-    from nearest_join.kernels.reference import knn_reference  # noqa: F401 (oracle via check_result)
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.kernels.test_gpu import check_result, make_data
-
-    def served_k(n_cand, precision):
-        """The largest k whose first candidate list is n_cand wide (so the check uses cfg)."""
-        return max(k for k in range(1, n_cand + 1) if gt.candidate_width(k, precision) <= n_cand)
-
-    dev = torch.device("cuda")
-    # The checks run with the kernels' buffers filled with garbage first: every slot a
-    # kernel reads back must have been written (tests/kernels/test_gpu.py does the same).
-    allocate = tr._kernel_buffer
-    tr._kernel_buffer = lambda shape, dtype, device: allocate(shape, dtype, device).fill_(
-        0x5A5A5A5A5A5A5A5A if dtype == torch.int64 else -7)
-    checked = {}
-    for name, precision, n_cand, cfg, min_only in kernel_variants(args.only):
-        if args.no_check:
-            checked[(name, precision, n_cand)] = True
-        if min_only or args.no_check:
-            continue
-        ok = True
-        for n, (nq, nt, d, kind, metric) in enumerate([(517, 20_011, 128, "clustered", "sqeuclidean"),
-                                                        (300, 7_001, 33, "gaussian", "inner_product"),
-                                                        (1000, 30_000, 128, "gaussian", "l2")]):
-            q, t = make_data(kind, nq, nt, d, 1000 * n + n_cand + len(name))
-            qs, ts = gt.prepare_pair(torch.from_numpy(q).to(dev), torch.from_numpy(t).to(dev), metric, precision)
-            k = served_k(n_cand, precision)
-            try:
-                fn = lambda a, b, c: tr.triton_candidates(a, b, c, config=cfg if c == n_cand else None)
-                keys, idx, floor = fn(qs, ts, n_cand)
-                # Candidate keys against the torch path's (same operands, float32 keys).
-                ref_keys, _ = gt.torch_candidates(qs, ts, n_cand)
-                sure = keys < floor[:, None]
-                assert torch.allclose(torch.where(sure, keys, 0), torch.where(sure, ref_keys, 0), rtol=1e-5,
-                                      atol=1e-3 * float(ref_keys.abs().max())), "keys"
-                v, i = gt.exact_topk(qs, ts, k, fn, max_candidates=tr.MAX_CANDIDATES)
-                check_result(q, t, k, metric, v.cpu().numpy(), i.cpu().numpy())
-            except Exception as exc:  # report and keep going: one failed variant must not hide the rest
-                ok = False
-                record(what="variant_check", name=name, precision=precision, n_cand=n_cand, ok=False,
-                       error=f"{type(exc).__name__}: {str(exc)[:400]}")
-                break
-        checked[(name, precision, n_cand)] = ok
-        if ok:
-            record(what="variant_check", name=name, precision=precision, n_cand=n_cand, ok=True)
-    tr._kernel_buffer = allocate
-    gen = torch.Generator(device=dev).manual_seed(args.d)
-    Q = torch.randn(args.nq, args.d, device=dev, generator=gen)
-    T = torch.randn(args.nt, args.d, device=dev, generator=gen)
-    flops = 2.0 * args.nq * args.nt * args.d
-    for precision in args.precisions.split(","):
-        qs, ts = gt.prepare_pair(Q, T, "l2", precision)
-        bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "l2")
-        for name, p, n_cand, cfg, min_only in kernel_variants(args.only):
-            if p != precision or not checked.get((name.replace("-min-only", ""), p, n_cand), min_only):
-                continue
-            try:
-                ms = cuda_ms(lambda: tr.triton_candidates(qs, ts, n_cand, config=cfg), args.reps)
-                extra = {}
-                k_head = 100 if n_cand > 64 else 10
-                if not min_only and k_head <= n_cand:   # also lists narrower than the exact width
-                    keys, _, floor = tr.triton_candidates(qs, ts, n_cand, config=cfg)
-                    extra[f"proven_k{k_head}"] = float(gt.margin_holds(keys, bound, k_head, floor).float().mean())
-                    del keys, floor
-                    # The list's first k_head against the torch path's k_head best of the same
-                    # keys (2,048 rows): what the segments' short lists lose in plain mode.
-                    sub = qs.take(torch.arange(2048, device=dev))
-                    _, got, _ = tr.triton_candidates(sub, ts, n_cand, config=cfg)
-                    _, want = gt.torch_candidates(sub, ts, k_head)
-                    extra["list_recall"] = float((got[:, :k_head, None] == want[:, None, :]).any(2).float().mean())
-            except Exception as exc:
-                record(what="variant_time", name=name, precision=precision, n_cand=n_cand,
-                       error=f"{type(exc).__name__}: {str(exc)[:300]}")
-                continue
-            t = statistics.median(ms)
-            record(what="variant_time", name=name, precision=precision, n_cand=n_cand, ms=t,
-                   spread_ms=max(ms) - min(ms), tflops=flops / t / 1e9, config=repr(cfg), **extra)
-        del qs, ts
-        torch.cuda.empty_cache()
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # (data, metric, d, precisions, ks) of --compare-base: the main table's shape at d=128, d=384,
@@ -615,13 +230,10 @@ def _load_base_kernels(folder: Path):
     """The kernels package of another commit (a copy of its ``nearest_join/kernels``) as the
     top-level package ``base_kernels``: its modules import each other relatively."""
     import importlib
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_kernels"] = module
-    spec.loader.exec_module(module)
+    from benchmarks._record import import_base_kernels
+
+    import_base_kernels(folder)
     return importlib.import_module("base_kernels.gpu")
 
 
@@ -704,12 +316,8 @@ def main(argv=None) -> None:
     ap.add_argument("--no-arrow", action="store_true")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--out", default=None, help="folder for results.jsonl")
-    ap.add_argument("--variants", action="store_true", help="check and time the kernel variants only")
-    ap.add_argument("--no-check", action="store_true", help="--variants: time without the checks")
     ap.add_argument("--only", default="",
-                    help="--variants / --compare-base: comma-separated name parts; run only the variants "
-                         "whose name has one (--variants' checks take ~30-60 s per variant: plan device "
-                         "calls with this)")
+                    help="--compare-base: comma-separated name parts; run only the shapes whose name has one")
     ap.add_argument("--arrow-only", action="store_true", help="only the Arrow-batch path")
     ap.add_argument("--arrow-shapes", default=None,
                     help="Arrow path: comma-separated plan:QxT shapes, e.g. broadcast:2x1,blocked:1x4 "
@@ -720,13 +328,6 @@ def main(argv=None) -> None:
     ap.add_argument("--arrow-tasks", type=int, default=6, help="--arrow-concurrent: timed tasks per process")
     ap.add_argument("--arrow-reps", type=int, default=3,
                     help="Arrow path: next-task runs per shape (the median is reported)")
-    ap.add_argument("--profile", action="store_true", help="cProfile the Arrow path's main thread")
-    ap.add_argument("--exact-breakdown", action="store_true",
-                    help="only: time each stage of the exact search (candidates, bound, re-rank) at d")
-    ap.add_argument("--arrow-timeline", action="store_true",
-                    help="only: one warm broadcast task's stage timeline per broadcast shape (bf16, first k)")
-    ap.add_argument("--arrow-breakdown", action="store_true",
-                    help="also time the Arrow path's stages (bf16; a separate, instrumented run)")
     ap.add_argument("--compare-base", default=None,
                     help="only: the EXACT search against another commit's nearest_join/kernels copied to "
                          "this folder (git show), interleaved, on COMPARE_SHAPES (--only picks by name part)")
@@ -756,17 +357,6 @@ def main(argv=None) -> None:
             with open(out / "results.jsonl", "a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    if args.variants:
-        run_variants(args, record)
-        print("\n| variant | precision | n_cand | ms | TFLOP/s |")
-        print("|---|---|---|---|---|")
-        for r in rows:
-            if r["what"] == "variant_time" and "ms" in r:
-                print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | {r['ms']:.1f} | {r['tflops']:.0f} |")
-            elif r.get("error") or r.get("ok") is False:
-                print(f"| {r['name']} | {r['precision']} | {r['n_cand']} | FAILED {r.get('error', '')[:150]} | |")
-        return
-
     if args.compare_base:
         compare_base(args, record)
         print("\n| data | metric | d | precision | k | base ms | new ms | new / base | rows same |")
@@ -777,9 +367,6 @@ def main(argv=None) -> None:
                 same = "" if r["rows_same_indices"] is None else f"{r['rows_same_indices']:.4f}"
                 print(f"| {r['data']} | {r['metric']} | {r['d']} | {r['precision']} | {r['k']} | "
                       f"{r['base_ms']:.1f} | {r['new_ms']:.1f} | {ratio} | {same} |")
-        return
-    if args.exact_breakdown:
-        exact_breakdown(args, ks, precisions, record)
         return
     if args.arrow_concurrent:
         rng = np.random.default_rng(7)
@@ -799,11 +386,6 @@ def main(argv=None) -> None:
                   f"{r['precision']} k={r['k']}: {r['tasks']} tasks in {r['wall_ms']:.0f} ms (task median "
                   f"{r['task_ms_median']:.0f} ms) vs kernel {r['kernel_exact_ms']:.0f} ms -> "
                   f"{100 * r['share_of_kernel']:.0f}% of kernel throughput")
-        return
-    if args.arrow_timeline:
-        rng = np.random.default_rng(7)
-        arrow_timeline(args, rng.standard_normal((args.nq, args.d), dtype=np.float32),
-                       rng.standard_normal((args.nt, args.d), dtype=np.float32), "bf16", ks[0])
         return
 
     shapes = [] if args.arrow_only else [(args.d, ks, precisions)]
@@ -839,7 +421,6 @@ def main(argv=None) -> None:
         torch.cuda.empty_cache()
 
     if not args.no_arrow:
-        record(what="upload_rates", **upload_rates())
         rng = np.random.default_rng(7)
         nq_a, nt_a, d = args.nq, args.nt, args.d
         Qn = rng.standard_normal((nq_a, d), dtype=np.float32)
@@ -877,17 +458,13 @@ def main(argv=None) -> None:
                     res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
                     # The next tasks of the stage: the median of --arrow-reps (the host side's
                     # time moves between runs).
-                    warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan,
-                                            profile=precision == "bf16" and args.profile and r == 0)
-                                 for r in range(max(1, args.arrow_reps))]
+                    warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
+                                 for _ in range(max(1, args.arrow_reps))]
                 warm_runs.sort(key=lambda r: r["search_s"] + r["merge_s"])
                 res_warm = warm_runs[len(warm_runs) // 2]
                 res_fresh = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
                 total = res_warm["search_s"] + res_warm["merge_s"]
                 fresh = res_fresh["search_s"] + res_fresh["merge_s"]
-                for r in warm_runs:
-                    if r["profile"]:
-                        print(f"# profile, {plan} {precision}\n" + r["profile"], flush=True)
                 record(d=d, precision=precision, k=k, what="arrow", plan=plan, query_blocks=q_blocks,
                        target_blocks=t_blocks, kernel_exact_ms=t_exact,
                        searcher_ms=searcher_ms, searcher_share_of_kernel=t_exact / searcher_ms,
@@ -898,20 +475,6 @@ def main(argv=None) -> None:
                        arrow_unkept_ms=fresh * 1e3, arrow_unkept_share=(t_exact / 1e3) / fresh,
                        pairs=res_warm["pairs"],
                        rows=res_warm["rows"], minor_faults=res_warm["minor_faults"])
-
-    if args.arrow_breakdown:   # last: the timers stay installed
-        acc = install_stage_timers()
-        from udfs.gpu_task import local_task
-
-        for plan, q_blocks, t_blocks in ARROW_SHAPES:
-            # The second task of a stage (kept broadcast blocks): the timers keep its stages.
-            with local_task(scope=f"breakdown {plan} {q_blocks}x{t_blocks}"):
-                for _ in range(2):
-                    res = arrow_path(Qn, Tn, ks[0], "bf16", -(-args.nt // t_blocks), -(-args.nq // q_blocks),
-                                     plan, on_start=acc.clear)
-            record(what="arrow_breakdown", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
-                   total_ms=round((res["search_s"] + res["merge_s"]) * 1e3, 1), minor_faults=res["minor_faults"],
-                   **{name: round(v * 1e3, 1) for name, v in sorted(acc.items())})
 
     print("\n| d | precision | k | GEMM ms | addmm+topk ms | fused ms | exact ms | fused TFLOP/s | "
           "fused vs addmm+topk | fused / GEMM | exact / fused |")

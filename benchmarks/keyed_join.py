@@ -38,20 +38,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder
+from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark
 from nearest_join.kernels import knn
 from udfs.groups import GroupSegments, grouped_search
 
 D, K, METRIC = 64, 10, "l2"
-
-
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def data(n_keys: int, n_queries: int, seed: int = 0):
@@ -169,10 +160,6 @@ def spark_frames(spark, q_keys, t_keys, seed: int):
     return frame("qid", "qv", q_keys), frame("tid", "tv", t_keys)
 
 
-def timed(action, repeat: int) -> float:
-    return best_of(action, repeat)
-
-
 def noop(df) -> None:
     df.write.format("noop").mode("overwrite").save()
 
@@ -208,16 +195,16 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool,
     print(f"[{case}] {q_keys.size} x {t_keys.size}, {common['keys']} keys, {pairs:,} same-key pairs; "
           f"plan {plan.plan}")
     expected = sorted(map(tuple, ours().collect()))            # also the warm-up
-    results = {"nearest_by_join(on=key)": timed(lambda: noop(ours()), repeat)}
+    results = {"nearest_by_join(on=key)": best_of(lambda: noop(ours()), repeat)}
     if blocked:
         got = sorted(map(tuple, ours(broadcast_limit_bytes=0).collect()))
         assert got == expected, "the keyed blocked plan and the broadcast plan differ"
-        results["nearest_by_join(on=key), blocked plan"] = timed(lambda: noop(ours(broadcast_limit_bytes=0)),
-                                                                 repeat)
+        results["nearest_by_join(on=key), blocked plan"] = best_of(lambda: noop(ours(broadcast_limit_bytes=0)),
+                                                                   repeat)
     if unkeyed:
         plain = nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d").select("qid", "tid")
         noop(plain)                                             # warm-up
-        results["nearest_by_join (no key)"] = timed(lambda: noop(nearest_by_join(
+        results["nearest_by_join (no key)"] = best_of(lambda: noop(nearest_by_join(
             q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d").select("qid", "tid")), 1)
     if window:
         start = time.perf_counter()
@@ -258,13 +245,7 @@ def main() -> None:
             executor_case(rec, 100_000, 20_000, args.threads, 3)
     if args.skip_spark:
         return
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("nearest_join-keyed-bench")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.memory", "6g").config("spark.sql.shuffle.partitions", "4")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_spark("nearest_join-keyed-bench", "6g")
     n_queries, n_targets = (2_000, 20_000) if args.quick else (20_000, 200_000)
     rng = np.random.default_rng(0)
     spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, n_queries, rng), zipf_keys(100, n_targets, rng),

@@ -15,7 +15,7 @@ What it does, in one Spark session (``local[2]`` by default, or ``local-cluster[
    run it resets each process's peak (``/proc/PID/clear_refs``: 5) and after it reads the
    kernel's own peak (``VmHWM``), so that a spike between two samples still counts.
 4. Prints one row per budget: block rows chosen, peak RSS per Python worker, the fixed cost,
-   peak per JVM, and ``(peak - fixed) / budget``.
+   peak per JVM, and ``(peak - fixed) / budget`` (the table as ``make bench-report`` renders it).
 
 Only processes descended from this one are measured (other jobs on the machine are not). The
 rows are recorded in ``benchmarks/results/memory.jsonl`` (table ``blocked``) for
@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -45,7 +43,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import Recorder  # noqa: E402
+from benchmarks._record import Recorder, local_spark, process_tree  # noqa: E402
 
 MiB = 1 << 20
 CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
@@ -99,27 +97,16 @@ def _cmdline(pid: int) -> str:
 def descendants(root: int) -> dict[int, str]:
     """{pid: kind} of this process tree's JVMs ("driver JVM", "executor JVM") and Python
     workers ("worker"; pyspark's daemon, which only forks them, is "daemon")."""
-    parent: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    children: dict[int, list[int]] = {}
-    for pid, ppid in parent.items():
-        children.setdefault(ppid, []).append(pid)
-    found, stack = {}, list(children.get(root, []))
-    while stack:
-        pid = stack.pop()
-        stack.extend(children.get(pid, []))
+    found = {}
+    for pid, fields in process_tree(root).items():
+        if pid == root:
+            continue
         cmd = _cmdline(pid)
         if "java" in cmd.split(" ")[0]:
             found[pid] = "executor JVM" if "CoarseGrainedExecutorBackend" in cmd else "driver JVM"
         elif "pyspark.daemon" in cmd or "pyspark.worker" in cmd:
             # The daemon (a JVM's child) forks the workers: a worker's parent is a daemon.
-            forked = "pyspark.daemon" in _cmdline(parent.get(pid, 0))
+            forked = "pyspark.daemon" in _cmdline(int(fields[1]))
             found[pid] = "worker" if forked or "pyspark.daemon" not in cmd else "daemon"
     return found
 
@@ -206,7 +193,6 @@ def main(argv=None) -> int:
 
 
 def run(args, data: str) -> int:
-    from pyspark.sql import SparkSession
     from pyspark.sql import functions as F
 
     from nearest_join import explain_nearest_join, nearest_by_join
@@ -223,15 +209,10 @@ def run(args, data: str) -> int:
           f"({t_bytes / parse_bytes(args.driver_memory):.1f}x driver memory {args.driver_memory}), "
           f"query {args.query_rows} rows; written in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    builder = (SparkSession.builder.master(args.master).appName("nearest_join-memory")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.memory", args.driver_memory)
-               .config("spark.sql.shuffle.partitions", "4")
-               .config("spark.executorEnv.PYTHONPATH", ROOT))
+    conf = {"spark.executorEnv.PYTHONPATH": ROOT}
     if args.master.startswith("local-cluster"):
-        builder = builder.config("spark.executor.memory", args.master.rstrip("]").split(",")[-1] + "m")
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+        conf["spark.executor.memory"] = args.master.rstrip("]").split(",")[-1] + "m"
+    spark = local_spark("nearest_join-memory", args.driver_memory, args.master, conf)
     try:
         q = spark.read.parquet(q_path)
         t = spark.read.parquet(t_path)
@@ -295,26 +276,8 @@ def run(args, data: str) -> int:
                 query_block_rows=q_rows, target_block_rows=t_rows, target_blocks=t_blocks,
                 worker_peak_mib=[round(v / MiB) for v in workers], worker_fixed_mib=round(fixed_cost / MiB),
                 jvm_peak_mib=[round(v / MiB) for v in jvms], join_s=round(seconds, 1), over_budget=round(ratio, 2))
-    print()
-    print(f"machine: {platform.node()} {os.cpu_count()} cores, master {args.master}, driver memory "
-          f"{args.driver_memory}, d={args.d}, k={args.k}, {args.query_rows} x {args.target_rows}, "
-          f"commit {_commit()}")
-    print("| budget | query block rows | target block rows | target blocks | peak RSS per worker MiB "
-          "| worker fixed MiB | peak RSS per JVM MiB | join s | (peak - fixed) / budget |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for budget, q_rows, t_rows, t_blocks, workers, fixed_cost, jvms, seconds, ratio in table:
-        print(f"| {budget} | {q_rows} | {t_rows} | {t_blocks} | {', '.join(str(round(v / MiB)) for v in workers)} "
-              f"| {fixed_cost / MiB:.0f} | {', '.join(str(round(v / MiB)) for v in jvms)} | {seconds:.0f} "
-              f"| {ratio:.2f} |")
+    rec.print_tables()
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip() or "?"
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":

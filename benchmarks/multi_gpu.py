@@ -112,7 +112,7 @@ def _executor(rank, n_procs, work_dir, params, barrier, results):
 
 
 def run(n_procs, addresses, work_dir, params):
-    from benchmarks.spawned import run_spawned
+    from benchmarks._record import run_spawned
 
     got = run_spawned(worker, [(r, n_procs, addresses[r], work_dir, params) for r in range(n_procs)],
                       timeout=1800)

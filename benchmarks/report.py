@@ -168,12 +168,11 @@ def pratio(header: str, name: str, num, den) -> Col:
 
 def by_engine(records: list[dict]) -> list[dict]:
     """cpu_kernel: one display row per (d, metric, k); each record under (its table, its engine)."""
-    return pivot(("table", "engine"), ("data", "d", "metric", "k"))(
-        [{**r, "engine": r.get("engine", r.get("method")), "data": r.get("data", "gaussian")} for r in records])
+    return pivot(("table", "engine"), ("data", "d", "metric", "k"))(records)
 
 
 def engines(records: list[dict]) -> list[str]:
-    names = list(dict.fromkeys(r.get("engine", r.get("method")) for r in records))
+    names = list(dict.fromkeys(r["engine"] for r in records))
     return sorted(names, key=lambda n: (n != "nearest_join", names.index(n)))
 
 
@@ -505,14 +504,6 @@ TABLES: dict[tuple[str, str], Table] = {
         about="Share of the kernel's throughput: tasks x one exact kernel call / wall time, broadcast "
               "tasks in separate processes (Spark's Python workers) on one GPU.",
         plot=plot_gpu_concurrent, group=CONCURRENT),
-    ("gpu_kernel", "tma_ab"): Table(
-        "GPU target tiles: TMA descriptors against pointer loads",
-        [col("precision", "precision"), col("pass", "name"), col("GEMM ms", "gemm_ms", ".1f"),
-         col("TMA ms", "tma_ms", ".1f"), col("pointer ms", "pointer_ms", ".1f"),
-         col("TMA / GEMM", "tma_over_gemm", ".2f"), col("pointer / GEMM", "pointer_over_gemm", ".2f"),
-         Col("TMA vs pointer", lambda r, run: fmt(r["pointer_ms"] / r["tma_ms"], "x")
-             if r.get("tma_ms") and r.get("pointer_ms") else "-", ("tma_ms", "pointer_ms"))],
-        about="Both forms of the register-list kernel on the same data in one process, interleaved (medians)."),
     ("multi_gpu", "scaling"): Table(
         "Multi-GPU blocked plan",
         [col("GPUs", "gpus"), col("wall s", "wall_s", ".1f"), col("merge s", "merge_s", ".1f"),

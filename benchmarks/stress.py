@@ -38,7 +38,6 @@ import datetime
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-from benchmarks._record import Recorder  # noqa: E402
+from benchmarks._record import Recorder, git_commit, local_spark  # noqa: E402
 from tests import adversarial  # noqa: E402
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
@@ -132,6 +131,16 @@ def _arrow_side(M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str)
     return pa.table({id_name: pa.array(np.arange(M.shape[0], dtype=np.int32)), vector_name: vectors})
 
 
+def _by_query(out, nq: int, problems: list) -> dict[int, list]:
+    """A join's rows as {query id: [(value, target id)]}; a query id not in 0..nq-1 is a problem."""
+    per_query: dict[int, list] = {}
+    for r in out:
+        per_query.setdefault(r["qid"], []).append((r["d"], r["tid"]))
+    if set(per_query) - set(range(nq)):
+        problems.append(f"unknown query ids {sorted(set(per_query) - set(range(nq)))[:5]}")
+    return per_query
+
+
 def run_join(spark, case: dict, check_rows: int) -> tuple[int, list[str]]:
     """Run one join; (rows checked, problems)."""
     from nearest_join import nearest_by_join
@@ -144,9 +153,7 @@ def run_join(spark, case: dict, check_rows: int) -> tuple[int, list[str]]:
     problems = []
     q_ok = _rankable(Q, case["q_null"], metric)
     t_ok = np.flatnonzero(_rankable(T, case["t_null"], metric))
-    per_query: dict[int, list] = {}
-    for r in out:
-        per_query.setdefault(r["qid"], []).append((r["d"], r["tid"]))
+    per_query = _by_query(out, Q.shape[0], problems)
     expected_count = min(k, t_ok.size)
     for i in range(Q.shape[0]):
         found = per_query.get(i, [])
@@ -158,8 +165,6 @@ def run_join(spark, case: dict, check_rows: int) -> tuple[int, list[str]]:
                 problems.append(f"query {i} (no candidate): {found}, expected one NULL row")
         elif found:
             problems.append(f"query {i} (no candidate): {len(found)} rows, expected none")
-    if set(per_query) - set(range(Q.shape[0])):
-        problems.append(f"unknown query ids {sorted(set(per_query) - set(range(Q.shape[0])))[:5]}")
     checked = np.flatnonzero(q_ok)
     if expected_count and checked.size and not problems:
         rng = np.random.default_rng(case["seed"])
@@ -329,11 +334,7 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     values = adversarial.key_values(all_keys, metric)
     promised_exact = ivf.get("runs") == "exact" or "the exact result" in ivf.get("explanation", "")
     problems, hits, wanted = [], 0, 0
-    per_query: dict[int, list] = {}
-    for r in out:
-        per_query.setdefault(r["qid"], []).append((r["d"], r["tid"]))
-    if set(per_query) - set(range(Q.shape[0])):
-        problems.append(f"unknown query ids {sorted(set(per_query) - set(range(Q.shape[0])))[:5]}")
+    per_query = _by_query(out, Q.shape[0], problems)
     for i in range(Q.shape[0]):
         allowed = np.flatnonzero(candidates[i])
         width = min(k, allowed.size)
@@ -376,18 +377,15 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
                 runs=ivf.get("runs"), nprobe=ivf.get("nprobe"), nlist=ivf.get("nlist"), rows=wanted)
 
 
-def describe_approx(case: dict) -> str:
-    options = {key: value for key, value in case["options"].items() if key != "index"}
-    return (f"seed={case['seed']} approx kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
-            f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} metric={case['metric']} "
-            f"join={case['join_type']} keys={case['keys'] is not None} cap={case.get('cap')} "
-            f"saved_index={case['old_target'] is not None} options={options}")
-
-
 def describe(case: dict) -> str:
-    return (f"seed={case['seed']} kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
-            f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} metric={case['metric']} "
-            f"join={case['join_type']} parts={case['q_parts']}/{case['t_parts']} options={case['options']}")
+    """One join's inputs and options, for a line that reports it (``--replay`` its seed)."""
+    approx = "old_target" in case
+    options = {key: value for key, value in case["options"].items() if key != "index"}
+    extra = (f"keys={case['keys'] is not None} cap={case.get('cap')} saved_index={case['old_target'] is not None}"
+             if approx else f"parts={case['q_parts']}/{case['t_parts']}")
+    return (f"seed={case['seed']}{' approx' if approx else ''} kind={case['kind']} nq={case['Q'].shape[0]} "
+            f"nt={case['T'].shape[0]} d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} "
+            f"metric={case['metric']} join={case['join_type']} {extra} options={options}")
 
 
 def main() -> int:
@@ -402,13 +400,7 @@ def main() -> int:
                         help="share of the joins that run mode='approx' (the seed decides which)")
     args = parser.parse_args()
 
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master(args.master).appName("nearest_join-stress")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", "4").config("spark.task.maxFailures", "1")
-             .config("spark.driver.memory", "3g").getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_spark("nearest_join-stress", "3g", args.master, {"spark.task.maxFailures": "1"})
     seeds = args.replay
     start = time.monotonic()
     joins = rows_checked = 0
@@ -429,7 +421,6 @@ def main() -> int:
         i += 1
         is_approx = np.random.default_rng([seed, 2]).random() < args.approx_share
         case = draw_approx(seed) if is_approx else draw(seed)
-        text = describe_approx if is_approx else describe
         try:
             if is_approx:
                 result = run_approx_join(spark, case, workdir)
@@ -439,7 +430,7 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001 (a crash is a finding: record it, go on)
             crashes.append(seed)
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
-            print(f"CRASH {text(case)}\n  {last[:1500]}", flush=True)
+            print(f"CRASH {describe(case)}\n  {last[:1500]}", flush=True)
             continue
         joins += 1
         rows_checked += checked
@@ -457,14 +448,12 @@ def main() -> int:
                 approx["lowest_recall_margin"] = margin if lowest is None else min(lowest, margin)
         if problems:
             mismatches.append(seed)
-            print(f"MISMATCH {text(case)}\n  " + "\n  ".join(problems[:5]), flush=True)
+            print(f"MISMATCH {describe(case)}\n  " + "\n  ".join(problems[:5]), flush=True)
         if joins % 25 == 0:
             print(f"... {joins} joins, {rows_checked} rows checked, {len(mismatches)} mismatches, "
                   f"{len(crashes)} crashes, {time.monotonic() - start:.0f} s", flush=True)
     elapsed = time.monotonic() - start
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
-    summary = dict(date=datetime.date.today().isoformat(), commit=commit, master=args.master,
+    summary = dict(date=datetime.date.today().isoformat(), commit=git_commit(), master=args.master,
                    first_seed=args.seed if args.replay is None else args.replay[0],
                    minutes=round(elapsed / 60, 1), joins=joins, rows_checked=rows_checked,
                    mismatches=mismatches, crashes=crashes, approx=approx,

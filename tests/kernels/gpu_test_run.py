@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root::
 
-    python3 benchmarks/gpu_test_run.py --out $OUT --deadline-s 520 [--workers 14]
+    python3 tests/kernels/gpu_test_run.py --out $OUT --deadline-s 520 [--workers 14]
         [--only FILE] [--timeout-s 180] [FILES...]
 
 The tests run in ``--workers`` pytest-xdist processes on the one GPU (the cost is mostly Triton
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FILES = ["tests/kernels/test_gpu_exactness.py", "tests/kernels/test_gpu.py",
                  "tests/udfs/test_gpu_searcher.py", "tests/kernels/test_gpu_shapes.py"]
 
