@@ -48,7 +48,7 @@ from benchmarks._record import (
     machine_info,
     now,
 )
-from nearest_join.kernels import knn
+from kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
 SKLEARN_METRIC = {"l2": "euclidean", "cosine": "cosine"}
@@ -57,7 +57,7 @@ COMPILE_PROBE = """
 import time
 start = time.perf_counter()
 import numpy as np
-from nearest_join.kernels import knn
+from kernels import knn
 q = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
 for metric in ("l2", "cosine"):
     knn(q, q, 5, metric, backend="cpu", threads=1)
@@ -143,13 +143,13 @@ BASE = None   # --compare-base: another commit's kernels package, imported as ba
 
 
 def load_base(commit: str):
-    """``nearest_join/kernels`` of ``commit``, extracted from git into a temporary directory
+    """``kernels`` of ``commit``, extracted from git into a temporary directory
     and imported as the package ``base_kernels`` (its dispatcher pointed at its own backends)."""
     import importlib.util
 
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
-    listing = subprocess.run(["git", "ls-tree", "--name-only", commit, "nearest_join/kernels/"],
+    listing = subprocess.run(["git", "ls-tree", "--name-only", commit, "kernels/"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     for path in listing:
         if path.endswith(".py"):
@@ -163,7 +163,7 @@ def load_base(commit: str):
     spec.loader.exec_module(module)
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
-        entry.module = entry.module.replace("nearest_join.kernels", "base_kernels")
+        entry.module = entry.module.replace("kernels", "base_kernels")
     module.commit = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT,
                                    capture_output=True, text=True, check=True).stdout.strip()
     return module

@@ -1,8 +1,9 @@
 """nearest_join: a fast, exact distributed nearest-neighbour join for Apache Spark.
 
 ``from nearest_join import nearest_by_join`` is the public entry (Spark's ``nearestByJoin``
-contract). The Spark layer is imported lazily so that ``nearest_join.kernels`` works on
-machines without pyspark (GPU executors under test, benchmarks).
+contract). The Spark layer is imported lazily, on the first use of one of the names below, so
+that ``import nearest_join`` itself costs nothing (the numeric kernels are a package of their
+own, :mod:`kernels`, which never imports this one).
 """
 from __future__ import annotations
 

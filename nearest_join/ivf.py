@@ -1,7 +1,7 @@
 """``mode="approx"``: an inverted-file (IVF) plan with a recall target, on the keyed plan.
 
 The index (:class:`IVFIndex`, built by :func:`build_ivf_index` or by the planner) is
-``nlist`` centroids of a sample of the target, trained by :func:`nearest_join.kernels.kmeans.kmeans`
+``nlist`` centroids of a sample of the target, trained by :func:`kernels.kmeans.kmeans`
 (deterministic for a seed). The plan:
 
 1. every target row is assigned to its nearest centroid: its *list*, which takes the place
@@ -129,8 +129,8 @@ class IVFIndex:
     column: str | None = None   # the target column trained on (None: not recorded)
 
     def __post_init__(self) -> None:
-        from .kernels import resolve_metric
-        from .kernels.kmeans import routing_metric
+        from kernels import resolve_metric
+        from kernels.kmeans import routing_metric
 
         centroids = self.centroids
         if not isinstance(centroids, np.ndarray) or centroids.dtype != np.float32 or centroids.ndim != 2:
@@ -190,7 +190,7 @@ class IVFIndex:
         column they came from, recorded in the index.
 
         Raises ArgumentError naming ``nlist`` when the sample has fewer rankable rows."""
-        from .kernels.kmeans import kmeans, training_rows
+        from kernels.kmeans import kmeans, training_rows
 
         rankable = training_rows(vectors, metric).shape[0]
         if not 1 <= nlist <= rankable:
@@ -208,7 +208,7 @@ class IVFIndex:
         zero vector ranks (inner product: it probes lists 0, 1, ...; cosine: it cannot rank), so
         an index trained for cosine routes an inner-product join's zero vectors as that join
         ranks them."""
-        from .kernels.kmeans import route
+        from kernels.kmeans import route
 
         return route(vectors, self.centroids, metric or self.metric, nprobe)
 
@@ -219,7 +219,7 @@ class IVFIndex:
         The target column's name is not checked: an index trained on ``w`` serves a join on the
         same vectors renamed (a job's prefixed column, an alias), and a matching name would not
         prove the vectors are the same ones. The explanation names the index's column."""
-        from .kernels.kmeans import routing_metric
+        from kernels.kmeans import routing_metric
 
         if routing_metric(self.metric) != routing_metric(metric):
             family = "l2 and sqeuclidean" if routing_metric(metric) == "l2" else "cosine and inner_product"
@@ -418,7 +418,7 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
         ``nlist``/``sample``; a TypeError for arguments of the wrong type. Runs two small
         Spark jobs (the row count and the sample).
     """
-    from .kernels import resolve_metric
+    from kernels import resolve_metric
     from .ranking import column as column_of
 
     if not isinstance(column, str) or not column:
@@ -443,7 +443,7 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
     vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
     if nlist is None:   # the default adapts to what the sample holds
-        from .kernels.kmeans import training_rows
+        from kernels.kmeans import training_rows
 
         lists = max(1, min(lists, training_rows(vectors, metric).shape[0]))
     index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)
@@ -512,7 +512,7 @@ def recall_curve(query_order: np.ndarray, neighbour_lists: list[np.ndarray]) -> 
     """Recall@k for every nprobe from the lists of the sampled queries' true neighbours.
 
     ``query_order[i]`` is query ``i``'s lists, nearest first (all nlist of them, as
-    :func:`~nearest_join.kernels.kmeans.route` orders them); ``neighbour_lists[i]`` the lists
+    :func:`~kernels.kmeans.route` orders them); ``neighbour_lists[i]`` the lists
     of its exact top k. A neighbour is found at nprobe p exactly when its list is among the
     query's first p (the search inside probed lists is exact), so query i's recall at p is
     the share of its neighbours whose list ranks below p. Queries without neighbours (none
@@ -575,7 +575,7 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
 def _neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarray]:
     """The lists of each sampled query's k best neighbours over all partitions of a
     ``udfs.lists.SAMPLE_SCHEMA`` table, ties to the lower (partition, row)."""
-    from .kernels import resolve_metric
+    from kernels import resolve_metric
 
     query = table.column("query").to_numpy().astype(np.int64)
     value = table.column("value").to_numpy().astype(np.float64)

@@ -336,7 +336,7 @@ def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped, scan_rows
 
     import udfs.lists
     from nearest_join.ivf import IVFIndex
-    from nearest_join.kernels import knn
+    from kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
-from nearest_join.kernels.segments import knn_segments
+from kernels import knn
+from kernels.segments import knn_segments
 from tests.oracle import (
     assert_capped_topk,
     assert_knn_result,
