@@ -13,8 +13,8 @@ _LAZY = {
     "nearest_by_join": "nearest_join.join",
     "explain_nearest_join": "nearest_join.join",
     "JoinPlan": "nearest_join.planner",
-    "build_ivf_index": "nearest_join.ivf",
-    "IVFIndex": "nearest_join.ivf",
+    "build_ivf_index": "nearest_join.ivf_index",
+    "IVFIndex": "nearest_join.ivf_index",
 }
 
 __all__ = sorted(_LAZY)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from pyspark.sql import functions as F
 
-from nearest_join.ivf import IVFIndex
+from nearest_join.ivf_index import IVFIndex
 from nearest_join.join import plan_join
 from nearest_join.options import JoinOptions
 from tests.join.test_keys import check_keyed
