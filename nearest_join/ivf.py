@@ -121,7 +121,7 @@ class IvfSearch:
         return side(self.nprobe), side(None)
 
     def listed(self, query, target, q_layout, t_layout):
-        """Both sides (``nearest_join.join._inputs``' positional frames, or the vector columns
+        """Both sides (``nearest_join.inputs.positional_inputs``' frames, or the vector columns
         alone) with their lists appended as ``C.GROUP`` (``udfs.lists.append_lists``): the keyed blocked plan's
         grouped inputs, a query row's group a ``list<int>`` of its ``nprobe`` lists."""
         from pyspark.sql.types import ArrayType, IntegerType, StructField, StructType

@@ -75,7 +75,7 @@ class KeyLists:
 
 
 def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
-    """The :class:`KeyLists` of ``t_input`` (the keyed target, ``nearest_join.join._inputs``:
+    """The :class:`KeyLists` of ``t_input`` (the keyed target, ``nearest_join.inputs.positional_inputs``:
     its vector column ``vector_name``, its key group ``C.GROUP`` last): one Spark job, a scan
     of the target that routes every row to its list (``udfs.lists.count_key_lists``, a
     partition's pairs counted there) and sends the driver one row per (key, list) pair of the
@@ -240,13 +240,13 @@ def keyed_vector_columns(planned, frames, names):
 
 def keyed_inputs(planned):
     """((query, target) with positional names and the key group last, (their vector
-    columns' names)): the keyed inputs :func:`nearest_join.join._inputs` gives the join."""
+    columns' names)): the keyed inputs :func:`nearest_join.inputs.positional_inputs` gives the join."""
     from udfs import columns as C
 
-    from .join import _inputs
+    from .inputs import positional_inputs
     from .ranking import column_index
 
     query, target, parsed = planned.query, planned.target, planned.parsed
     names = (C.output_name(column_index(query, parsed.query_column)),
              C.output_name(len(query.columns) + column_index(target, parsed.target_column)))
-    return _inputs(query, target, planned.keys), names
+    return positional_inputs(query, target, planned.keys), names

@@ -1,7 +1,7 @@
 """The keyed search: each query row meets only the target rows of its group.
 
 A group is a dense int id per row (``-1``: none): the driver numbers the distinct keys of
-``on=`` (``nearest_join.join._with_groups``); an IVF plan would number its lists the same
+``on=`` (``nearest_join.inputs.positional_inputs``); an IVF plan would number its lists the same
 way. A target block is sorted by group once per task (:class:`GroupSegments`), so each
 group's rows are one contiguous segment; a query block is searched against those segments
 (:func:`grouped_search`) and gives the same ``(values, rows)`` as one search of the whole
