@@ -48,7 +48,7 @@ from benchmarks._record import (
     machine_info,
     now,
 )
-from kernels import knn
+from nearest_kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
 SKLEARN_METRIC = {"l2": "euclidean", "cosine": "cosine"}
@@ -57,7 +57,7 @@ COMPILE_PROBE = """
 import time
 start = time.perf_counter()
 import numpy as np
-from kernels import knn
+from nearest_kernels import knn
 q = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
 for metric in ("l2", "cosine"):
     knn(q, q, 5, metric, backend="cpu", threads=1)
@@ -143,14 +143,18 @@ BASE = None   # --compare-base: another commit's kernels package, imported as ba
 
 
 def load_base(commit: str):
-    """``kernels`` of ``commit``, extracted from git into a temporary directory
-    and imported as the package ``base_kernels`` (its dispatcher pointed at its own backends)."""
+    """The kernels package of ``commit`` (``nearest_kernels``, ``nearest_join/kernels`` before
+    it moved), extracted from git into a temporary directory and imported as the package
+    ``base_kernels`` (its dispatcher pointed at its own backends)."""
     import importlib.util
 
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
-    listing = subprocess.run(["git", "ls-tree", "--name-only", commit, "kernels/"],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for package in ("nearest_kernels/", "nearest_join/kernels/"):
+        listing = subprocess.run(["git", "ls-tree", "--name-only", commit, package],
+                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+        if listing:
+            break
     for path in listing:
         if path.endswith(".py"):
             source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True,
@@ -163,7 +167,7 @@ def load_base(commit: str):
     spec.loader.exec_module(module)
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
-        entry.module = entry.module.replace("kernels", "base_kernels")
+        entry.module = "base_kernels." + entry.module.rsplit(".", 1)[1]
     module.commit = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT,
                                    capture_output=True, text=True, check=True).stdout.strip()
     return module

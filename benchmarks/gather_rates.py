@@ -84,7 +84,7 @@ def main(argv=None) -> None:
 
     out = np.empty((args.rows, args.d), np.float32)
     timed("np.take 1 thread, reused", lambda: np.take(table, rows, axis=0, out=out))
-    from kernels.gather import take_rows
+    from nearest_kernels.gather import take_rows
     timed("take_rows (compiled) 1 thread, reused", lambda: take_rows(table, rows, out))
     for t in threads:
         timed(f"take_matrix {t} threads, reused", lambda t=t: take_matrix(table, rows, out, threads=t))

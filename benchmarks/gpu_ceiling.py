@@ -128,9 +128,9 @@ def main(argv=None) -> int:
         q, t = Q.bfloat16().contiguous(), T.bfloat16().contiguous()
         rows = []
         if args.library:
-            from kernels import _gpu_torch as gt
-            from kernels import _gpu_triton as tr
-            from kernels import gpu
+            from nearest_kernels import _gpu_torch as gt
+            from nearest_kernels import _gpu_triton as tr
+            from nearest_kernels import gpu
             prepared = gpu.prepare_targets(T, "l2")
             qs = gt.prepare_queries(Q, prepared.side)
             n_cand = gt.candidate_width(10, "bf16", gpu.uses_lower_keys(10, "bf16", d))

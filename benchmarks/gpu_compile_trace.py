@@ -27,7 +27,7 @@ def trace(precision: str, d: int, k: int, nq: int = 2048, nt: int = 60_000) -> d
     import torch
     from triton.runtime.jit import JITFunction
 
-    from kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     compiles = []
     began = [time.perf_counter()]   # the call's start, reset before it

@@ -57,7 +57,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
-from kernels._gpu_triton import _append_ptx  # noqa: E402
+from nearest_kernels._gpu_triton import _append_ptx  # noqa: E402
 
 SAMPLE_STEP = 16                       # the default sample: every 16th target
 EMPTY = torch.iinfo(torch.int64).max   # an unused buffer slot: after every packed entry
@@ -204,7 +204,7 @@ def cap_for(step: int, j: int) -> int:
 # ------------------------------------------------------------------------- checks on rows
 def check_rows(qs, ts, rows, thr, count, buf, sel_keys, sel_idx, cut, k, cap):
     """The filter's own correctness on ``rows`` and the plain-key proof with thr as floor."""
-    from kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     q = qs.operand[rows].float()
     tol_scale = (qs.operand_norm[rows].double() * float(ts.operand_norm.max())
@@ -255,8 +255,8 @@ def exact_tail(qs, ts, sel_keys, sel_idx, floor, k):
     """The library's stage after a candidate pass, on every row (``_gpu_torch.exact_topk``'s
     first round): the plain-key bound, the float64 re-rank (``triton_exact_values``) and the
     proof with ``floor``; returns the rows it proves."""
-    from kernels import _gpu_torch as gt
-    from kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_triton as tr
 
     bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "l2")
     v, _ = gt.rerank(qs, ts, sel_keys, sel_idx, bound, k, tr.triton_exact_values)
@@ -285,8 +285,8 @@ def float64_topk(sub, ts, k, chunk=1 << 17):
 def thresholds(qs, ts, step: int, j: int, reps: int):
     """(thr, ms): the j-th key over every ``step``-th target by the library's fused kernel (a
     list of next_pow2(j), as ``sample_seed`` runs it), timed as the library would pay it."""
-    from kernels import _gpu_torch as gt
-    from kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_triton as tr
     from gpu_kernel import cuda_ms
 
     sample = ts.cache.get(("filter-sample", step))
@@ -306,8 +306,8 @@ def thresholds(qs, ts, step: int, j: int, reps: int):
 def selection_width(k: int, d: int) -> int:
     """The library's first list for bf16 k at d: its plain width, or the sampled first
     pass's widened one (``gpu.sampled_first_pass``)."""
-    from kernels import _gpu_torch as gt
-    from kernels import gpu
+    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import gpu
 
     width = gt.candidate_width(k, "bf16", gpu.uses_lower_keys(k, "bf16", d))
     return gt.widened(width) if gpu.sampled_first_pass(k, "bf16", d) else width
@@ -331,8 +331,8 @@ def thresholds_ranks(k: int, n_sel: int, spec: str | None) -> list[tuple[int, in
 def run_device(args) -> int:
     from gpu_kernel import cuda_ms, gemm_alone
 
-    from kernels import gpu
-    from kernels import _gpu_torch as gt
+    from nearest_kernels import gpu
+    from nearest_kernels import _gpu_torch as gt
 
     start = time.perf_counter()
     out = open(Path(args.out) / "filter.jsonl", "a") if args.out else None

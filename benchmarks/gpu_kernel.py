@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import _gpu_torch as gt  # noqa: E402
-from kernels.gpu import prepare_targets, search_prepared  # noqa: E402
+from nearest_kernels import _gpu_torch as gt  # noqa: E402
+from nearest_kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
 ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
 CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 1e6 floats = 16 GB)
@@ -93,7 +93,7 @@ def fused_pass(Q, prepared, k):
     """(keys, indices) of the fused kernel's candidate pass alone at k's plain list width, the
     first k of each row: the plain low-precision search, no re-rank and no proof. The library
     always re-ranks; this is the peer that says what exactness costs on top of the pass."""
-    from kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     qs = gt.prepare_queries(Q, prepared.side)
     keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gt.MIN_CANDIDATES, gt.next_pow2(k)))
@@ -237,7 +237,7 @@ def install_stage_timers() -> dict:
     """Wrap the Arrow path's stages with wall-clock timers (inclusive, summed over threads)."""
     import collections
 
-    from kernels import gpu as kg
+    from nearest_kernels import gpu as kg
     from udfs import blocks, emit, rows, topk
     from udfs import gpu as ug
 
@@ -284,7 +284,7 @@ def install_timeline() -> list:
     timeline: which stage is on the critical path, and where the device waits for the host."""
     import threading
 
-    from kernels import gpu as kg
+    from nearest_kernels import gpu as kg
     from udfs import blocks
     from udfs import device_fold
     from udfs import gpu as ug
@@ -338,7 +338,7 @@ def exact_breakdown(args, ks, precisions, record) -> None:
     """
     import collections
 
-    from kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     acc = collections.defaultdict(float)
     calls = collections.Counter()
@@ -424,7 +424,7 @@ def upload_rates(nbytes=128 << 20):
 
 def kernel_variants(only: str = ""):
     """(name, precision, n_cand, TileConfig or None, min_only) timed by ``--variants``."""
-    from kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     out = []
     for precision, n10 in (("tf32", 16), ("bf16", 32)):
@@ -501,8 +501,8 @@ def run_variants(args, record) -> None:
     leave out targets above it). The timing rows also give the share of rows whose first
     list is proven at k = 10 / 100 (the rest widen: a second pass in exact mode).
     """
-    from kernels import _gpu_triton as tr
-    from kernels.reference import knn_reference  # noqa: F401 (oracle via check_result)
+    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels.reference import knn_reference  # noqa: F401 (oracle via check_result)
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tests.kernels.test_gpu import check_result, make_data
@@ -612,7 +612,7 @@ COMPARE_SHAPES = [
 
 
 def _load_base_kernels(folder: Path):
-    """The kernels package of another commit (a copy of its ``kernels``) as the
+    """The kernels package of another commit (a copy of its ``nearest_kernels`` folder) as the
     top-level package ``base_kernels``: its modules import each other relatively."""
     import importlib
     import importlib.util

@@ -38,9 +38,9 @@ import torch  # noqa: E402
 from gpu_kernel import cuda_ms, gemm_alone  # noqa: E402
 from gpu_shapes import data  # noqa: E402
 
-from kernels import _gpu_torch as gt  # noqa: E402
-from kernels import _gpu_triton as tr  # noqa: E402
-from kernels import gpu  # noqa: E402
+from nearest_kernels import _gpu_torch as gt  # noqa: E402
+from nearest_kernels import _gpu_triton as tr  # noqa: E402
+from nearest_kernels import gpu  # noqa: E402
 
 # (module, function name): the stages timed apart. Functions the library imports at call time
 # (``from ._gpu_triton import ...`` inside ``search_prepared``) are patched on their module.
@@ -313,7 +313,7 @@ def main(argv=None):
     clock = StageClock()
     install(clock)
     widen = WidenLog()
-    for name in ("kernels._gpu_torch", "kernels.gpu"):
+    for name in ("nearest_kernels._gpu_torch", "nearest_kernels.gpu"):
         logging.getLogger(name).addHandler(widen)
         logging.getLogger(name).setLevel(logging.DEBUG)
     out = Path(args.out) / "profile.jsonl" if args.out else None

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from gpu_kernel import cuda_ms, gemm_alone  # noqa: E402
 
-from kernels import _gpu_torch as gt  # noqa: E402
-from kernels import _gpu_triton as tr  # noqa: E402
-from kernels import gpu  # noqa: E402
+from nearest_kernels import _gpu_torch as gt  # noqa: E402
+from nearest_kernels import _gpu_triton as tr  # noqa: E402
+from nearest_kernels import gpu  # noqa: E402
 
 
 def data(n, d, gen, offset):

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     from pyspark.sql import functions as F
 
     from nearest_join import explain_nearest_join, nearest_by_join
-    from kernels import knn
+    from nearest_kernels import knn
 
     spark = (SparkSession.builder.master("local[2]").appName("nearest_join-bench")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")

@@ -3,7 +3,7 @@
 ``from nearest_join import nearest_by_join`` is the public entry (Spark's ``nearestByJoin``
 contract). The Spark layer is imported lazily, on the first use of one of the names below, so
 that ``import nearest_join`` itself costs nothing (the numeric kernels are a package of their
-own, :mod:`kernels`, which never imports this one).
+own, :mod:`nearest_kernels`, which never imports this one).
 """
 from __future__ import annotations
 

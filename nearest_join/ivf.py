@@ -2,7 +2,7 @@
 
 The index (:class:`nearest_join.ivf_index.IVFIndex`, built by
 :func:`~nearest_join.ivf_index.build_ivf_index` or by the planner) is ``nlist`` centroids of a
-sample of the target, trained by :func:`kernels.kmeans.kmeans` (deterministic for a seed). The
+sample of the target, trained by :func:`nearest_kernels.kmeans.kmeans` (deterministic for a seed). The
 plan:
 
 1. every target row is assigned to its nearest centroid: its *list*, which takes the place

@@ -1,5 +1,5 @@
 """The IVF index of ``mode="approx"``: ``nlist`` centroids trained by k-means on a sample of the
-target (:func:`kernels.kmeans.kmeans`, deterministic for a seed), saved and loaded back.
+target (:func:`nearest_kernels.kmeans.kmeans`, deterministic for a seed), saved and loaded back.
 
 :class:`IVFIndex` is the index, valid however it was made (trained, loaded or built by hand);
 :func:`build_ivf_index` trains one on a target DataFrame (two small Spark jobs: the row count
@@ -78,8 +78,8 @@ class IVFIndex:
     column: str | None = None   # the target column trained on (None: not recorded)
 
     def __post_init__(self) -> None:
-        from kernels import resolve_metric
-        from kernels.kmeans import routing_metric
+        from nearest_kernels import resolve_metric
+        from nearest_kernels.kmeans import routing_metric
 
         centroids = self.centroids
         if not isinstance(centroids, np.ndarray) or centroids.dtype != np.float32 or centroids.ndim != 2:
@@ -105,7 +105,7 @@ class IVFIndex:
         # A NaN or infinite centroid is a target no row can rank against: its list is never
         # probed, so with every centroid bad each row is dropped and the join returns nothing,
         # silently, even at nprobe = nlist. Under the similarities routing is by cosine, and a
-        # zero centroid has no direction: it cannot rank either (kernels.kmeans.route).
+        # zero centroid has no direction: it cannot rank either (nearest_kernels.kmeans.route).
         nonfinite = ~np.isfinite(centroids).all(axis=1)
         if nonfinite.any():
             raise ArgumentError("centroids", f"expected finite numbers, got NaN or infinity in "
@@ -139,7 +139,7 @@ class IVFIndex:
         column they came from, recorded in the index.
 
         Raises ArgumentError naming ``nlist`` when the sample has fewer rankable rows."""
-        from kernels.kmeans import kmeans, training_rows
+        from nearest_kernels.kmeans import kmeans, training_rows
 
         rankable = training_rows(vectors, metric).shape[0]
         if not 1 <= nlist <= rankable:
@@ -157,7 +157,7 @@ class IVFIndex:
         zero vector ranks (inner product: it probes lists 0, 1, ...; cosine: it cannot rank), so
         an index trained for cosine routes an inner-product join's zero vectors as that join
         ranks them."""
-        from kernels.kmeans import route
+        from nearest_kernels.kmeans import route
 
         return route(vectors, self.centroids, metric or self.metric, nprobe)
 
@@ -168,7 +168,7 @@ class IVFIndex:
         The target column's name is not checked: an index trained on ``w`` serves a join on the
         same vectors renamed (a job's prefixed column, an alias), and a matching name would not
         prove the vectors are the same ones. The explanation names the index's column."""
-        from kernels.kmeans import routing_metric
+        from nearest_kernels.kmeans import routing_metric
 
         if routing_metric(self.metric) != routing_metric(metric):
             family = "l2 and sqeuclidean" if routing_metric(metric) == "l2" else "cosine and inner_product"
@@ -367,7 +367,7 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
         ``nlist``/``sample``; a TypeError for arguments of the wrong type. Runs two small
         Spark jobs (the row count and the sample).
     """
-    from kernels import resolve_metric
+    from nearest_kernels import resolve_metric
     from .ranking import column as column_of
 
     if not isinstance(column, str) or not column:
@@ -392,7 +392,7 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
     vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
     if nlist is None:   # the default adapts to what the sample holds
-        from kernels.kmeans import training_rows
+        from nearest_kernels.kmeans import training_rows
 
         lists = max(1, min(lists, training_rows(vectors, metric).shape[0]))
     index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)

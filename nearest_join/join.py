@@ -2,8 +2,9 @@
 
 The driver validates the arguments once into a :class:`~nearest_join.options.JoinOptions`,
 plans (:func:`plan_join`: one facts job) and builds a DataFrame; executors do the work in
-``udfs`` (packing, the plan loops of ``udfs.blocks``, emission); the numeric core is ``kernels``. No SparkContext, RDD or JVM
-handle is touched, so the same code runs under classic PySpark and Spark Connect.
+``udfs`` (packing, the plan loops of ``udfs.blocks``, emission); the numeric core is
+``nearest_kernels``. No SparkContext, RDD or JVM handle is touched, so the same code runs under
+classic PySpark and Spark Connect.
 """
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def recall_curve(query_order: np.ndarray, neighbour_lists: list[np.ndarray]) -> 
     """Recall@k for every nprobe from the lists of the sampled queries' true neighbours.
 
     ``query_order[i]`` is query ``i``'s lists, nearest first (all nlist of them, as
-    :func:`~kernels.kmeans.route` orders them); ``neighbour_lists[i]`` the lists
+    :func:`~nearest_kernels.kmeans.route` orders them); ``neighbour_lists[i]`` the lists
     of its exact top k. A neighbour is found at nprobe p exactly when its list is among the
     query's first p (the search inside probed lists is exact), so query i's recall at p is
     the share of its neighbours whose list ranks below p. Queries without neighbours (none
@@ -93,7 +93,7 @@ def recall_of_ranks(ranks: list[np.ndarray], width: int) -> RecallCurve:
 def neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarray]:
     """The lists of each sampled query's k best neighbours over all partitions of a
     ``udfs.lists.SAMPLE_SCHEMA`` table, ties to the lower (partition, row)."""
-    from kernels import resolve_metric
+    from nearest_kernels import resolve_metric
 
     query = table.column("query").to_numpy().astype(np.int64)
     value = table.column("value").to_numpy().astype(np.float64)

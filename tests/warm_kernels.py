@@ -63,7 +63,7 @@ def _rare_paths() -> None:
     and the float64 search of rows the bound did not prove."""
     import numpy as np
 
-    from kernels import _cpu_kernels, gather, kmeans, knn, segments
+    from nearest_kernels import _cpu_kernels, gather, kmeans, knn, segments
 
     rng = np.random.default_rng(1)
     d = 3

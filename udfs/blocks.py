@@ -181,7 +181,7 @@ class _KeyedUnion:
         sizes = [b[2].shape[0] for b in blocks]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.segments = GroupSegments.of(np.concatenate([b[3] for b in blocks]))
-        from kernels.gather import take_rows_at   # numba: on executors only
+        from nearest_kernels.gather import take_rows_at   # numba: on executors only
 
         order = self.segments.order
         # One copy, block by block, into pool memory (reused: no fresh page faults): union

@@ -12,11 +12,11 @@ tie rule holds: the sort is stable, so within a segment block order is kept.
 Groups are searched two ways, by their work (queries x targets x d of the pair):
 
 * small groups, all of them at once, in one call of
-  :func:`kernels.segments.knn_segments`: every query row of the block against
+  :func:`nearest_kernels.segments.knn_segments`: every query row of the block against
   its group's segment in one compiled loop, float64 keys ranked by (key, row), exact for
   every metric. 100,000 keys of ~10 targets then cost one call, not 100,000; an IVF plan
   passes several segments (its probed lists) per query to the same call;
-* large groups one :func:`~kernels.knn` call each (the task's searcher: sgemm
+* large groups one :func:`~nearest_kernels.knn` call each (the task's searcher: sgemm
   or GPU), where the call's fixed cost is small against the arithmetic it speeds up.
 
 Both are exact with the same tie rule, so where the line falls changes the time, not the
@@ -80,13 +80,13 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
 
     ``search(queries, targets)`` is the task's kernel call for a large group (the knn
     contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied);
-    small groups go to one :func:`~kernels.segments.knn_segments` call with
+    small groups go to one :func:`~nearest_kernels.segments.knn_segments` call with
     ``cap`` and ``threads``. ``sorted_targets`` are the target block's vectors in
     ``segments.order``. Query rows of no group, or of a group the block lacks, get empty
     slots (the metric's worst value, row -1).
     """
-    from kernels import resolve_metric
-    from kernels.segments import knn_segments  # numba: on executors only
+    from nearest_kernels import resolve_metric
+    from nearest_kernels.segments import knn_segments  # numba: on executors only
 
     if not isinstance(query_groups, np.ndarray):   # several groups per row (IVF probes)
         from .probes import probed_search

@@ -8,13 +8,13 @@ column: :class:`Probes` is that column as CSR (row ``i`` probes
 same target block sorted by group once per task (:class:`udfs.groups.GroupSegments`), the
 same split of the work,
 
-* probes of small segments in one :func:`~kernels.segments.knn_segments` call,
+* probes of small segments in one :func:`~nearest_kernels.segments.knn_segments` call,
   a query's small segments ranked together (float64 keys, exact for every metric);
 * each large segment (a dense list: queries x rows x d above ``SEGMENT_WORK``) one call of
   the task's searcher for all the queries that probe it, whatever the list's size;
 
 and each large segment's results folded into its queries' top k by the shared
-:func:`kernels.merge_topk` (a running (queries, k) state, whatever nprobe is). Every pair searched is exact; only
+:func:`nearest_kernels.merge_topk` (a running (queries, k) state, whatever nprobe is). Every pair searched is exact; only
 which lists a query probes is approximate. Ties between targets of equal value go to the
 lower block row, except within the small segments' one call, where they go to the lower
 list first (the segments' order); both are deterministic for a given input.
@@ -62,8 +62,8 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
 
     ``segment_work`` (tests) overrides the work above which a segment gets its own call.
     """
-    from kernels import merge_topk, resolve_metric
-    from kernels.segments import knn_segments  # numba: on executors only
+    from nearest_kernels import merge_topk, resolve_metric
+    from nearest_kernels.segments import knn_segments  # numba: on executors only
 
     from .groups import SEGMENT_WORK
 

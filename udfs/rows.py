@@ -58,7 +58,7 @@ def _take(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = matrix[rows]`` on this thread: the compiled row copy (GIL released, about
     twice ``np.take`` for 128-float rows) for 2-D arrays of one dtype, else ``np.take``."""
     if _compiled(matrix, out):
-        from kernels.gather import take_rows
+        from nearest_kernels.gather import take_rows
 
         take_rows(matrix, rows, out)
     else:
@@ -73,7 +73,7 @@ def take_matrix(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: 
         _take(matrix, rows, out)
         return
     if _compiled(matrix, out):
-        from kernels.gather import take_rows
+        from nearest_kernels.gather import take_rows
 
         take_rows(matrix, rows, out, threads=threads)
         return
@@ -101,7 +101,7 @@ def copy_into(out: np.ndarray, array: np.ndarray, threads: int | None = None) ->
 def _take_sources(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
                   threads: int = 1) -> None:
     """:func:`take_matrices` source by source, each source's rows split over ``threads``."""
-    from kernels.gather import take_rows_at
+    from nearest_kernels.gather import take_rows_at
 
     for s, matrix in enumerate(matrices):
         sel = np.flatnonzero(source == s)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kernels import knn
+from nearest_kernels import knn
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class SearchSettings:
 
 
 class BlockSearcher:
-    """CPU (or reference) searcher: a thin wrapper over :func:`kernels.knn`."""
+    """CPU (or reference) searcher: a thin wrapper over :func:`nearest_kernels.knn`."""
 
     def __init__(self, settings: SearchSettings, threads: int | None = None, backend: str | None = None):
         self.settings = settings
@@ -66,7 +66,7 @@ class BlockSearcher:
 
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
                target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k of each query row against the target block (:func:`kernels.knn`);
+        """Top-k of each query row against the target block (:func:`nearest_kernels.knn`);
         ``cap``: knn's (only targets within it rank, inclusive; None: no cap)."""
         s = self.settings
         return knn(query_vectors, target_vectors, s.k, s.metric, backend=self.backend,
@@ -105,7 +105,7 @@ def cuda_may_exist() -> bool:
 
 def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
     """The searcher for this task, chosen by the kernels' dispatcher
-    (:func:`kernels.dispatch.choose_task_backend`): the GPU Spark assigned to the
+    (:func:`nearest_kernels.dispatch.choose_task_backend`): the GPU Spark assigned to the
     task when the gpu backend accepts it, else the CPU kernel.
 
     ``backend="cpu"`` / ``"reference"`` run that backend; ``"gpu"`` without a usable GPU is
@@ -113,7 +113,7 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
     import torch where no NVIDIA device can exist: :func:`cuda_may_exist`). The choice and
     the reasons of the backends refused before it are logged.
     """
-    from kernels.dispatch import choose_task_backend
+    from nearest_kernels.dispatch import choose_task_backend
 
     skip = {}
     if settings.backend == "auto" and not cuda_may_exist():

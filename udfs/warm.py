@@ -75,7 +75,7 @@ def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | No
 def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
     from numba.core import event
 
-    from kernels import compile_lock
+    from nearest_kernels import compile_lock
 
     start = time.perf_counter()
     compiling = _compile_time()
@@ -143,7 +143,7 @@ def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, J
     a size that costs nothing but compiling. A query row equals a target row, so that the
     exact stage meets a tie. The targets are symmetric about ``offset``: at 0 their mean is 0,
     and the kernel multiplies them as they are; far from 0 it shifts them first (the two
-    ways ``kernels.cpu`` prepares its operands)."""
+    ways ``nearest_kernels.cpu`` prepares its operands)."""
     rng = np.random.default_rng(0)
     d, rows = 3, 12
 

@@ -15,14 +15,14 @@ import pyarrow as pa
 import pytest
 
 from nearest_join import explain_nearest_join, nearest_by_join
-from kernels import rankable_rows, resolve_metric
+from nearest_kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs.groups import GroupSegments, group_ids, grouped_search
 
 
 def _knn_search(k: int, metric: str):
-    from kernels import knn
+    from nearest_kernels import knn
 
     return lambda q, t: knn(q, t, k, metric, backend="cpu")
 
@@ -93,7 +93,7 @@ def test_grouped_search_takes_probes_and_caps(metric):
     segments = GroupSegments.of(t_groups)
     sorted_targets = np.ascontiguousarray(targets[segments.order])
     cap = 2.0 if metric in ("l2", "sqeuclidean") else 0.3
-    from kernels import knn
+    from nearest_kernels import knn
 
     values, rows = grouped_search(lambda q, t: knn(q, t, 4, metric, backend="cpu", cap=cap), queries,
                                   group_ids(_probe_column(probes)), sorted_targets, segments, 4, metric,
@@ -187,10 +187,10 @@ def test_a_saved_index_with_a_non_finite_centroid_is_refused(tmp_path, metric, r
 
 @pytest.mark.parametrize("metric", ["cosine", "inner_product"])
 def test_a_zero_centroid_is_refused_where_lists_are_probed_by_cosine(tmp_path, metric):
-    """kernels.kmeans.route ranks lists by cosine for the similarities, where a zero vector
+    """nearest_kernels.kmeans.route ranks lists by cosine for the similarities, where a zero vector
     cannot rank: a zero centroid's list gets no row, and with every centroid zero every row
     is dropped. Under l2 a zero centroid is a point like any other."""
-    from kernels.kmeans import route
+    from nearest_kernels.kmeans import route
     from nearest_join.ivf_index import IVFIndex
 
     x = _clustered(50, 3, 2, seed=0)
@@ -374,7 +374,7 @@ def test_recall_estimate_against_measured_recall_without_spark():
     order) is the measured recall of the probed search, on the whole query set."""
     from nearest_join.ivf_index import IVFIndex
     from nearest_join.recall import recall_curve
-    from kernels import knn
+    from nearest_kernels import knn
     from udfs.probes import Probes, probed_search
 
     targets = _clustered(4000, 8, 30, seed=2, spread=0.8)
@@ -404,7 +404,7 @@ def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, cappe
     its exact top k (the float64 reference, under the cap), each slot once."""
     import udfs.lists
     from nearest_join.ivf_index import IVFIndex
-    from kernels import knn
+    from nearest_kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
 
@@ -516,7 +516,7 @@ def test_all_lists_give_exactly_the_exact_result(frames, metric):
 def _exact_pairs(queries, targets, metric: str, k: int) -> set:
     """The exact (qid, tid) pairs, NULL vectors (query 7, target 9) as NaN rows: never ranked
     (the float64 reference backend; these rows have no ties)."""
-    from kernels import knn
+    from nearest_kernels import knn
 
     queries, targets = queries.copy(), targets.copy()
     queries[7], targets[9] = np.nan, np.nan

@@ -144,7 +144,7 @@ def test_recall_target_met_and_the_same_rows_twice(spark, data, frames):
     """recall=0.9: the estimate picks nprobe < nlist, the measured recall@k against the exact
     pairs meets the target, the distances returned are exact, and a second run of the same
     plan gives the same rows (the row ids, parts and ties are functions of the input)."""
-    from kernels import knn
+    from nearest_kernels import knn
 
     queries, targets, indexes = data
     q, t = frames

@@ -338,7 +338,7 @@ def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped, scan_rows
 
     import udfs.lists
     from nearest_join.ivf_index import IVFIndex
-    from kernels import knn
+    from nearest_kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernels import cpu, knn
+from nearest_kernels import cpu, knn
 from tests import adversarial, background
 from tests.oracle import assert_true_topk, backend_rtol
 

@@ -3,7 +3,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kernels import knn
+from nearest_kernels import knn
 from udfs import columns as C
 from udfs.blocks import JoinContext
 from udfs.local import local_join

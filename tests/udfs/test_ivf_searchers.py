@@ -20,8 +20,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from kernels import rankable_rows, resolve_metric
-from kernels.kmeans import route
+from nearest_kernels import rankable_rows, resolve_metric
+from nearest_kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
 from udfs.groups import SEGMENT_WORK

@@ -1,7 +1,7 @@
 """Exact top-k of many small searches in one call: each query row against its own segments.
 
 The keyed plan (``on=``) meets many tiny groups (100,000 keys of ~10 targets): one
-:func:`~kernels.knn` call per group would pay its fixed cost (dispatch, operand
+:func:`~nearest_kernels.knn` call per group would pay its fixed cost (dispatch, operand
 set-up, thread start, the exact stage's bookkeeping) per group, far more than the
 arithmetic of a 10-target search. :func:`knn_segments` searches a whole query block in one
 compiled, parallel loop instead: the targets are laid out in contiguous segments
@@ -72,7 +72,7 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
     k : int >= 1
     metric : {"l2", "sqeuclidean", "inner_product", "cosine"}
     cap : float, optional
-        As :func:`~kernels.knn`'s ``cap``: only targets whose value is within it
+        As :func:`~nearest_kernels.knn`'s ``cap``: only targets whose value is within it
         (inclusive) rank.
     threads : int, optional
         Threads of the parallel loop over queries (default: this process's share of cores).
@@ -87,12 +87,12 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
     Raises
     ------
     ValueError
-        As :func:`~kernels.knn`, and segments or probes out of range.
+        As :func:`~nearest_kernels.knn`, and segments or probes out of range.
 
     Notes
     -----
     Rows that cannot rank (a NaN or infinite element; a zero vector under cosine) never
-    match, as in :func:`~kernels.knn`. The work is
+    match, as in :func:`~nearest_kernels.knn`. The work is
     ``sum over queries of (their segments' rows) x d`` multiply-adds in float64.
 
     Examples

@@ -1,6 +1,6 @@
 """Numba kernels of the "cpu" backend: tiled GEMM fused with a per-query running top-k.
 
-Import this module only through :mod:`kernels.cpu`, which points numba's cache at a
+Import this module only through :mod:`nearest_kernels.cpu`, which points numba's cache at a
 writable directory before numba is imported.
 
 Every metric is reduced to one problem: for each query row ``i`` keep the ``k`` targets ``j``

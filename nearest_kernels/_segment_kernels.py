@@ -1,4 +1,4 @@
-"""Numba loop of :func:`kernels.segments.knn_segments` (imported after ``cpu``,
+"""Numba loop of :func:`nearest_kernels.segments.knn_segments` (imported after ``cpu``,
 which chooses numba's cache directory)."""
 from __future__ import annotations
 

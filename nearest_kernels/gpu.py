@@ -38,7 +38,7 @@ from ._common import Metric, check_cap, resolve_metric
 
 logger = logging.getLogger(__name__)
 
-try:  # optional dependency: `import kernels` must never need torch
+try:  # optional dependency: `import nearest_kernels` must never need torch
     import torch
 except ImportError as _exc:  # pragma: no cover - exercised only without torch
     torch = None
@@ -185,7 +185,7 @@ def prepare_queries(queries, targets):
 @dataclass(frozen=True)
 class Implementation:
     """One way of computing the GPU backend's candidates, chosen like the backends
-    (:mod:`kernels.dispatch`): it states its devices, precisions and widest
+    (:mod:`nearest_kernels.dispatch`): it states its devices, precisions and widest
     candidate list, and :meth:`refuse` says why it cannot run a call (None: it can)."""
 
     name: str
@@ -375,7 +375,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
-    :func:`kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
+    :func:`nearest_kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
     targets within it rank, a row may have fewer than k (``_gpu_torch.exact_topk``: the cap
     is the searches' limit from their first candidate pass).
     """
@@ -513,7 +513,7 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
     Returns
     -------
     values : float32 tensor (nq, k), indices : int64 tensor (nq, k), on the inputs' device.
-    Same contract as :func:`kernels.knn` (order, ties, missing slots, rows that
+    Same contract as :func:`nearest_kernels.knn` (order, ties, missing slots, rows that
     cannot rank).
 
     Raises

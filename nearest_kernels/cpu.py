@@ -3,7 +3,7 @@ ranking of the candidates in float64 (see :meth:`CpuBackend.run` for the two sta
 they are exact on every finite input).
 
 Every metric becomes "smallest ``Q' T^T + bias``" on float32 operands (see
-:mod:`kernels._cpu_kernels`): the l2 family searches squared distances between
+:mod:`nearest_kernels._cpu_kernels`): the l2 family searches squared distances between
 both blocks shifted by the targets' sample mean (unless the mean is small against the spread)
 and scaled by a power of two; inner product searches the queries, scaled by a power of two per
 row, against the targets; cosine searches unit rows (normalised in float64). A float32 block

@@ -32,7 +32,7 @@ Memory traffic per program: the target tiles (shared through L2 by the programs 
 them at the same time; read by TMA where the operand allows, :func:`target_descriptor`) and
 one query tile per d-chunk; the lists are stored once at the end. Splits of the target range
 produce ``n_splits`` lists per query; the host merges them by sorting the packed keys (same
-tie rule as :func:`kernels.merge_topk`).
+tie rule as :func:`nearest_kernels.merge_topk`).
 
 Besides the candidate kernel: the exact re-rank (:func:`triton_exact_values`), a target
 block's preparation in three streaming passes (:func:`triton_prepare_targets`, what
