@@ -92,7 +92,7 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
         from .probes import probed_search
 
         return probed_search(search, query_vectors, query_groups, sorted_targets, segments, k,
-                             metric, cap=cap, threads=threads)
+                             metric, segment_work=SEGMENT_WORK, cap=cap, threads=threads)
     nq = query_vectors.shape[0]
     worst = resolve_metric(metric).worst
     values = np.full((nq, k), worst, np.float32)

@@ -10,8 +10,8 @@ same split of the work,
 
 * probes of small segments in one :func:`~nearest_kernels.segments.knn_segments` call,
   a query's small segments ranked together (float64 keys, exact for every metric);
-* each large segment (a dense list: queries x rows x d above ``SEGMENT_WORK``) one call of
-  the task's searcher for all the queries that probe it, whatever the list's size;
+* each large segment (a dense list: queries x rows x d above ``udfs.groups.SEGMENT_WORK``)
+  one call of the task's searcher for all the queries that probe it, whatever the list's size;
 
 and each large segment's results folded into its queries' top k by the shared
 :func:`nearest_kernels.merge_topk` (a running (queries, k) state, whatever nprobe is). Every pair searched is exact; only
@@ -54,20 +54,18 @@ class Probes:
 
 def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                   query_vectors: np.ndarray, probes: Probes, sorted_targets: np.ndarray, segments,
-                  k: int, metric: str, *, cap: float | None = None, threads: int = 1,
-                  segment_work: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  k: int, metric: str, *, segment_work: int, cap: float | None = None,
+                  threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched
     against the segments of all its groups (the contract of
     :func:`udfs.groups.grouped_search`, with :class:`Probes` for the query groups).
 
-    ``segment_work`` (tests) overrides the work above which a segment gets its own call.
+    ``segment_work``: the work (queries x rows x d) above which a segment gets its own call
+    of ``search`` (``grouped_search`` passes ``udfs.groups.SEGMENT_WORK``).
     """
     from nearest_kernels import merge_topk, resolve_metric
     from nearest_kernels.segments import knn_segments  # numba: on executors only
 
-    from .groups import SEGMENT_WORK
-
-    limit = SEGMENT_WORK if segment_work is None else segment_work
     nq, d = query_vectors.shape
     if probes.rows != nq:
         raise RuntimeError(f"internal error: {probes.rows} probe rows for {nq} query rows")
@@ -84,7 +82,7 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
     if segment.size == 0:
         return values, rows
     sizes = np.diff(segments.starts)
-    large = np.bincount(segment, minlength=sizes.size) * sizes * d > limit
+    large = np.bincount(segment, minlength=sizes.size) * sizes * d > segment_work
     small = ~large[segment]
     if small.any():
         # The queries in the order of their first small segment: queries of one list run one

@@ -18,7 +18,7 @@ from nearest_join import explain_nearest_join, nearest_by_join
 from nearest_kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
-from udfs.groups import GroupSegments, group_ids, grouped_search
+from udfs.groups import SEGMENT_WORK, GroupSegments, group_ids, grouped_search
 
 
 def _knn_search(k: int, metric: str):
@@ -389,7 +389,7 @@ def test_recall_estimate_against_measured_recall_without_spark():
         probes = index.route(queries, nprobe)
         starts = np.arange(0, probes.size + 1, nprobe, dtype=np.int64)
         _, rows = probed_search(_knn_search(10, "l2"), queries, Probes(starts, probes.reshape(-1)),
-                                sorted_targets, segments, 10, "l2")
+                                sorted_targets, segments, 10, "l2", segment_work=SEGMENT_WORK)
         measured = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows.tolist(), true.tolist())])
         assert abs(measured - curve.recall[nprobe - 1]) < 1e-12
 
