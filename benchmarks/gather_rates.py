@@ -100,11 +100,11 @@ def main(argv=None) -> None:
         timed("numba prange, fresh pool buffer",
               lambda: gather(table, rows, pooled_empty(out.shape, np.float32)[0]))
     if args.emit:
-        from udfs.blocks import JoinContext
+        from udfs.context import JoinContext
         from udfs.emit import emit_rows
         from udfs.packing import SideLayout
         from udfs.topk import TopkState
-        from udfs.searcher import SearchSettings
+        from udfs.context import SearchSettings
 
         k, nq = 10, args.rows * args.batches // 10
         d = args.d

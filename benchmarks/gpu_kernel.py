@@ -108,10 +108,10 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     its query blob (the broadcast plan: a query block's first pair only)."""
     import pyarrow as pa
 
-    from udfs.blocks import JoinContext
+    from udfs.context import JoinContext
     from udfs.local import pair_batches
     from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
-    from udfs.searcher import SearchSettings
+    from udfs.context import SearchSettings
 
     d = Qn.shape[1]
 
@@ -853,7 +853,7 @@ def main(argv=None) -> None:
             torch.cuda.empty_cache()
             # The GPU searcher alone (numpy in/out, host-device copies included, no Arrow).
             from udfs.gpu import GpuBlockSearcher
-            from udfs.searcher import SearchSettings
+            from udfs.context import SearchSettings
 
             searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), dev)
             bounds = np.linspace(0, nt_a, 5).astype(int)

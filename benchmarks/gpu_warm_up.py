@@ -32,7 +32,7 @@ def child(args) -> dict:
     import torch
 
     from udfs.gpu import GpuBlockSearcher
-    from udfs.searcher import SearchSettings
+    from udfs.context import SearchSettings
 
     rng = np.random.default_rng(0)
     q = rng.standard_normal((args.nq, args.d), dtype=np.float32)

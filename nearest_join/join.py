@@ -21,7 +21,7 @@ from pyspark.sql.types import BinaryType, FloatType, LongType, StructField, Stru
 
 from udfs import blocks, packing
 from udfs import columns as C
-from udfs.searcher import SearchSettings
+from udfs.context import JoinContext, SearchSettings
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 
 from . import keyed
@@ -412,7 +412,7 @@ def _execute(planned: PlannedJoin) -> DataFrame:
             q_input, t_input = planned.ivf.listed(q_input, t_input, q_layout, t_layout)
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
-    ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
+    ctx = JoinContext(settings, q_layout, t_layout, plan.join_type,
                              plan.distance_col is not None, target_arrow, cap=plan.cap)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
@@ -579,5 +579,5 @@ def _executors_share_this_machine(spark) -> bool:
             and spark.conf.get("spark.master", "").startswith("local"))
 
 
-def _merge_function(ctx: blocks.JoinContext):
+def _merge_function(ctx: JoinContext):
     return blocks.merge_function(ctx)

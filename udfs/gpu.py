@@ -34,7 +34,7 @@ import numpy as np
 
 from .device_fold import DeviceFold
 from .gpu_task import address_to_ordinal, task_gpu_address, task_scope
-from .searcher import SearchSettings
+from .context import SearchSettings
 from .staging import HostStaging, same_memory
 from .target_cache import TargetStore, fingerprint, kept_targets, prepared_bytes
 

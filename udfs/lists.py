@@ -78,7 +78,7 @@ def append_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centr
     row's one list; else a query row's ``nprobe`` probed lists)."""
     from nearest_kernels.kmeans import route  # numba: on executors only
 
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     for batch in batches:
@@ -146,7 +146,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     from nearest_kernels.kmeans import route
 
     from .packing import _task_partition
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     nq, d = queries.shape
@@ -211,7 +211,7 @@ def count_key_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, ce
     from nearest_kernels.kmeans import route  # numba: on executors only
 
     from .groups import group_ids
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     nlist = centroids.shape[0]
@@ -303,7 +303,7 @@ def replace_key_groups(batches: Iterable[pa.RecordBatch], *, layout: SideLayout,
     from nearest_kernels.kmeans import route  # numba: on executors only
 
     from .groups import group_ids
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     at = layout.group_index

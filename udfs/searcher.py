@@ -10,43 +10,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
 from nearest_kernels import knn
 
+from .context import SearchSettings, task_cpus
+
 logger = logging.getLogger(__name__)
-
-
-def task_cpus() -> int:
-    """This task's share of cores: ``spark.task.cpus`` inside Spark, else the cores this
-    process may run on (outside Spark, e.g. in a benchmark, set it with ``taskset``)."""
-    try:
-        from pyspark import TaskContext  # only present inside Spark
-
-        ctx = TaskContext.get()
-        if ctx is not None:
-            return max(1, int(ctx.cpus()))
-    except ImportError:
-        pass
-    return max(1, len(os.sched_getaffinity(0)))
-
-
-@dataclass(frozen=True)
-class SearchSettings:
-    """Plain, picklable search settings the driver captures in the executor closure."""
-
-    k: int
-    metric: str
-    backend: str = "auto"       # "auto" | "cpu" | "gpu" | "reference"
-    precision: str = "auto"     # GPU only: "auto" | "fp32" | "tf32" | "bf16" (results stay exact)
-    keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
-    gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
-    # GPU only: (query rows, target rows, dimension, query dtype, target dtype) of the plan's
-    # full block pair, or None: a GPU searcher compiles that configuration once per worker
-    # process before its first block (udfs.gpu.GpuBlockSearcher.warm_up).
-    warm_shape: tuple | None = None
 
 
 class BlockSearcher:
@@ -120,7 +91,7 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
         skip["gpu"] = "no GPU assigned to this task and no NVIDIA driver on this host"
     name, reasons = choose_task_backend(settings.backend, skip=skip)
     if name == "gpu":
-        from udfs.gpu import gpu_searcher_or_none
+        from .gpu import gpu_searcher_or_none
 
         searcher = gpu_searcher_or_none(settings)
         if searcher is not None:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .blocks import JoinContext
+from .context import JoinContext, SearchSettings
 from .local import local_join
 from .packing import SideLayout
-from .searcher import SearchSettings, cuda_may_exist, warm_up_threads
+from .searcher import cuda_may_exist, warm_up_threads
 
 logger = logging.getLogger(__name__)
 

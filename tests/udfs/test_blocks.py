@@ -5,11 +5,11 @@ import pytest
 
 from nearest_kernels import knn
 from udfs import columns as C
-from udfs.blocks import JoinContext
+from udfs.context import JoinContext
 from udfs.local import local_join
 from udfs.packing import SideLayout, blob_to_table, pack_blocks
 from udfs.topk import TopkState
-from udfs.searcher import SearchSettings
+from udfs.context import SearchSettings
 
 
 def _tables(rng, nq, nt, d):

@@ -11,7 +11,7 @@ import pytest
 
 from nearest_kernels import knn
 from tests.oracle import assert_knn_result, backend_rtol
-from udfs.searcher import SearchSettings
+from udfs.context import SearchSettings
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 

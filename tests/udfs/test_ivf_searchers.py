@@ -28,7 +28,8 @@ from udfs.groups import SEGMENT_WORK
 from udfs.lists import pack_listed
 from udfs.local import pair_batches
 from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block
-from udfs.searcher import BlockSearcher, SearchSettings
+from udfs.context import SearchSettings
+from udfs.searcher import BlockSearcher
 
 try:
     import torch
