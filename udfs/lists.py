@@ -145,7 +145,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     from nearest_kernels import knn, merge_topk
     from nearest_kernels.kmeans import route
 
-    from .packing import _task_partition
+    from .packing import task_partition
     from .context import task_cpus
 
     threads = task_cpus()
@@ -175,7 +175,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     if query.size == 0:
         return
     lists = route(held[query, slot], centroids, metric, 1, threads=threads)[:, 0]
-    order = (np.int64(_task_partition()) << _ROW_BITS) | rows[query, slot]
+    order = (np.int64(task_partition()) << _ROW_BITS) | rows[query, slot]
     yield pa.RecordBatch.from_arrays(
         [pa.array(query.astype(np.int32)), pa.array(values[query, slot].astype(np.float32)),
          pa.array(lists.astype(np.int32)), pa.array(order)], schema=SAMPLE_SCHEMA)

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from .vectors import _as_array, value_offsets
+from .vectors import as_array, value_offsets
 
 # Gathers above this many bytes are split over the task's threads.
 PARALLEL_BYTES = 8 << 20
@@ -173,7 +173,7 @@ def _vector_array(type_: pa.DataType, matrix: np.ndarray, missing: np.ndarray) -
 
 
 def _column(table: pa.Table, position: int) -> pa.Array:
-    return _as_array(table.column(position))
+    return as_array(table.column(position))
 
 
 class ColumnViews:
