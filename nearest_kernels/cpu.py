@@ -138,7 +138,7 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _check_threads(threads) -> int:
+def check_threads(threads) -> int:
     if threads is None:
         return default_threads()
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
@@ -491,7 +491,7 @@ class CpuBackend:
         beyond the cap are dropped; a row is proven when its floor is above its k-th key or
         above the cap's key (no target outside the heap is then within the cap).
         """
-        threads = _check_threads(threads)
+        threads = check_threads(threads)
         cap = check_cap(cap)
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)

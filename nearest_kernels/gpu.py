@@ -344,6 +344,24 @@ def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> in
     return filter_sample_rows(nt, width) if filter_refusal(nt, d, k, precision, device) is None else seeded
 
 
+def lower_table_bytes(nt: int) -> int:
+    """Device memory of one lower-key search's bias table for ``nt`` targets, temporaries
+    included (``_gpu_torch.lower_table_bytes``): what a device memory budget adds to a
+    block's where :func:`uses_lower_keys`."""
+    from ._gpu_torch import lower_table_bytes as table_bytes
+
+    return table_bytes(nt)
+
+
+def best_order(values, idx, k: int, descending: bool):
+    """Columns of each row's ``min(k, columns)`` best entries by (value, index), best first,
+    on the tensors' device: every backend's tie rule (``_gpu_torch.best_order``), for a caller
+    that folds per-block results on the device."""
+    from ._gpu_torch import best_order as order
+
+    return order(values, idx, k, descending)
+
+
 def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision: str, device,
                        dtypes: tuple = ("float32", "float32")) -> bool:
     """Start compiling, on threads, the Triton kernels that a search of ``nq`` x ``nt`` rows

@@ -41,6 +41,7 @@ from ._common import (
     rankable_rows,
     resolve_metric,
 )
+from ._cpu_kernels import inverse_norms
 from ._segment_kernels import segment_topk
 
 __all__ = ["TOLERANCE", "knn_segments"]
@@ -130,11 +131,11 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
         q_ok = rankable_rows(queries, m)
         t_ok = rankable_rows(targets, m)
         if m.name == "cosine":   # unit rows in float64, as the oracle's difference form
-            q_factors = cpu._cpu_kernels.inverse_norms(np.ascontiguousarray(queries))
-            t_factors = cpu._cpu_kernels.inverse_norms(np.ascontiguousarray(targets))
+            q_factors = inverse_norms(np.ascontiguousarray(queries))
+            t_factors = inverse_norms(np.ascontiguousarray(targets))
         else:
             q_factors, t_factors = np.ones(nq), np.ones(nt)
-        with cpu.thread_limits(cpu._check_threads(threads)):
+        with cpu.thread_limits(cpu.check_threads(threads)):
             segment_topk(np.ascontiguousarray(queries), q_factors, q_ok, np.ascontiguousarray(targets),
                          t_factors, t_ok, segment_starts, probe_starts, probe_segments,
                          m.name != "inner_product", keys, indices)

@@ -209,8 +209,12 @@ class GpuBlockSearcher:
         ``keep``: the block is the same for every task of this stage (a broadcast block):
         it is stored for the stage's next task in this worker, when there is a task scope.
         """
-        from nearest_kernels._gpu_torch import lower_table_bytes
-        from nearest_kernels.gpu import kept_sample_rows, prepare_targets, uses_lower_keys
+        from nearest_kernels.gpu import (
+            kept_sample_rows,
+            lower_table_bytes,
+            prepare_targets,
+            uses_lower_keys,
+        )
 
         target_vectors = np.asarray(target_vectors)
         shared = keep and target_key is not None and self._kept is not None
@@ -282,7 +286,7 @@ class GpuBlockSearcher:
         import torch
 
         from nearest_kernels import resolve_metric
-        from nearest_kernels._gpu_torch import best_order
+        from nearest_kernels.gpu import best_order
 
         from .columns import ROW_BITS
 
