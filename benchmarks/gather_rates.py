@@ -100,11 +100,10 @@ def main(argv=None) -> None:
         timed("numba prange, fresh pool buffer",
               lambda: gather(table, rows, pooled_empty(out.shape, np.float32)[0]))
     if args.emit:
-        from udfs.context import JoinContext
+        from udfs.context import JoinContext, SearchSettings
         from udfs.emit import emit_rows
         from udfs.packing import SideLayout
         from udfs.topk import TopkState
-        from udfs.context import SearchSettings
 
         k, nq = 10, args.rows * args.batches // 10
         d = args.d

@@ -108,10 +108,9 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     its query blob (the broadcast plan: a query block's first pair only)."""
     import pyarrow as pa
 
-    from udfs.context import JoinContext
+    from udfs.context import JoinContext, SearchSettings
     from udfs.local import pair_batches
     from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
-    from udfs.context import SearchSettings
 
     d = Qn.shape[1]
 

@@ -368,6 +368,7 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
         Spark jobs (the row count and the sample).
     """
     from nearest_kernels import resolve_metric
+
     from .ranking import column as column_of
 
     if not isinstance(column, str) or not column:

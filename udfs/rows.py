@@ -29,7 +29,7 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 def gather_threads() -> int:
-    """Threads for large gathers: this task's cores (``udfs.searcher.task_cpus``)."""
+    """Threads for large gathers: this task's cores (``udfs.context.task_cpus``)."""
     from .context import task_cpus
 
     return task_cpus()

@@ -34,9 +34,8 @@ from tests.oracle import (
 )
 from udfs import columns as C
 from udfs.blocks import merge_cells, search_cell
-from udfs.context import JoinContext
+from udfs.context import JoinContext, SearchSettings
 from udfs.packing import SideLayout
-from udfs.context import SearchSettings
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
 SIMILARITY = ("cosine", "inner_product")

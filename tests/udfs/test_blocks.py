@@ -5,11 +5,10 @@ import pytest
 
 from nearest_kernels import knn
 from udfs import columns as C
-from udfs.context import JoinContext
+from udfs.context import JoinContext, SearchSettings
 from udfs.local import local_join
 from udfs.packing import SideLayout, blob_to_table, pack_blocks
 from udfs.topk import TopkState
-from udfs.context import SearchSettings
 
 
 def _tables(rng, nq, nt, d):
