@@ -1,4 +1,4 @@
-"""Run a job spec: read -> plan -> search+merge -> write -> commit, with a summary.
+"""Run a job spec: read -> plan -> search+write -> commit, with a summary.
 
 The runner holds no join logic: it reads the inputs the spec names, asks
 :func:`nearest_join.explain_nearest_join` for the plan and :func:`nearest_join.nearest_by_join`
@@ -7,9 +7,11 @@ logged with its row counts and time. Problems with the spec or the inputs become
 :class:`~jobs.spec.SpecError` (exit status 2) before anything is written. A run takes the
 output's lock before it reads any input, so a busy or unwritable output fails in seconds.
 
-Search and merge run in one Spark job (the merge is the shuffle stage after the partial
-top-k of each block), so they are timed together as ``search+merge``. The joined rows are
-persisted once so that counting them and writing them do not run the search twice.
+Search, merge and write run in one Spark job (the merge is the shuffle stage after the
+partial top-k of each block, the write the last stage's output), so they are timed together
+as ``search+write``. The rows written and the queries that found a match are counted as the
+rows pass (an observation over the join's first-match marker), not by a second pass over a
+persisted result.
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ from .spec import JobSpec, SpecError, check_paths, is_local, local_path, option_
 
 logger = logging.getLogger(__name__)
 
-# Internal bookkeeping column: identifies query rows so that queries left without a
-# candidate can be counted for inner joins too. Dropped before writing.
-QUERY_ROW_ID = "_nearest_join_query_row"
+# Internal bookkeeping column: 1 on each query row's best match (PlannedJoin.dataframe's
+# first_match_column), so that queries left without a candidate are counted for inner joins
+# too. Dropped before writing.
+FIRST_MATCH = "_nearest_join_first_match"
 
 # Spark's error conditions for an input file it cannot read: not Parquet, or a column whose
 # type differs from the schema Spark took from another file. Local inputs are checked before
@@ -174,7 +177,7 @@ def _fmt(value: Any) -> str:
 class Prepared:
     """The inputs as the library will see them, and the join it planned (one facts job)."""
 
-    query: Any          # pyspark DataFrame, renamed, with QUERY_ROW_ID
+    query: Any          # pyspark DataFrame, renamed
     target: Any
     query_vector: str   # output names of the vector columns
     target_vector: str
@@ -372,11 +375,10 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
                          else query_schema)
         query = _read_side(spark, spec.query, query_schema)
         target = _read_side(spark, spec.target, target_schema)
-        if QUERY_ROW_ID in query.columns or QUERY_ROW_ID in target.columns:
-            raise SpecError("query.columns", f"column name {QUERY_ROW_ID!r} is reserved")
+        if FIRST_MATCH in query.columns or FIRST_MATCH in target.columns:
+            raise SpecError("query.columns", f"column name {FIRST_MATCH!r} is reserved")
         _check_output_columns(spec, query, target)
         _check_key_columns(spec, query, target)
-        query = query.withColumn(QUERY_ROW_ID, F.monotonically_increasing_id())
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector
     on = spec.join.options.on
@@ -432,13 +434,12 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     jobs.output.OutputBusyError
         Another run is writing the same output path (found before any input is read).
     """
-    from pyspark import StorageLevel
+    from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
     import nearest_join
     from nearest_join.join import kernel_warm_up_seconds
     from nearest_join.planner import describe_precision
-    from nearest_join.ranking import quote
 
     started_at, start = _now(), time.perf_counter()
     phases = _Phases()
@@ -447,83 +448,75 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         # in seconds, not after the search. prepare() re-checks the output under the lock.
         staged = _lock_output(spec, stack)
         prepared = prepare(spec, spark, phases)
-        joined = prepared.planned.dataframe()
-        joined = joined.persist(StorageLevel.MEMORY_AND_DISK)
-        try:
-            with phases("search+merge") as facts:
-                try:
-                    counts = joined.agg(
-                        F.count(F.lit(1)).alias("rows"),
-                        F.countDistinct(
-                            F.when(F.col(quote(prepared.target_vector)).isNotNull(), F.col(QUERY_ROW_ID))
-                        ).alias("matched"),
-                    ).first()
-                except Exception as exc:  # a ragged row surfaces as a failed Spark job
-                    # An executor's error reaches the driver as the text of a failed job.
-                    if "VECTOR_DIMENSION_MISMATCH" in str(exc):
-                        raise SpecError(
-                            option_key("vectors"),
-                            "a row's vector has another dimension than the rest "
-                            "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
-                            "query.where: size(vec) = 64",
-                        ) from exc
-                    unreadable = _unreadable_input(exc, spec)
-                    if unreadable is not None:
-                        raise unreadable from None
-                    raise
-                facts["output rows"] = output_rows = int(counts["rows"])
-                facts["queries without candidates"] = unmatched = prepared.query_rows - int(counts["matched"])
-            drop = [QUERY_ROW_ID]
-            if not spec.output.include_vectors:
-                drop += [prepared.query_vector, prepared.target_vector]
-            result = joined.drop(*drop)
-
-            with phases("write") as facts:
+        counted = Observation("nearest_join_rows")
+        joined = prepared.planned.dataframe(first_match_column=FIRST_MATCH).observe(
+            counted, F.count(F.lit(1)).alias("rows"), F.sum(FIRST_MATCH).alias("matched"))
+        drop = [FIRST_MATCH]
+        if not spec.output.include_vectors:
+            drop += [prepared.query_vector, prepared.target_vector]
+        result = joined.drop(*drop)
+        with phases("search+write") as facts:
+            try:
                 write_parquet(result, str(staged.staging), spec.output.partition_by,
                               spec.output.num_files)
-                facts["files"] = files = len(data_files(staged.staging))
-            search_s = phases.seconds["search+merge"]
-            warm_up = kernel_warm_up_seconds()
-            pairs = prepared.query_rows * prepared.target_rows
-            plan = prepared.plan.to_dict()
-            summary = {
-                "job": spec.name,
-                "spec_file": spec.source,
-                "nearest_join_version": nearest_join.__version__,
-                "status": "succeeded",
-                "started_at": started_at,
-                "finished_at": _now(),
-                "input_rows": {"query": prepared.query_rows, "target": prepared.target_rows},
-                "output_rows": output_rows,
-                "queries_without_candidates": unmatched,
-                "plan": plan,
-                "backend": plan.get("backend"),
-                # What the plan asked for; "auto" is resolved by each executor for its device
-                # (the driver is not told which one ran: see describe_precision's words).
-                "precision": plan.get("precision"),
-                "precision_runs": describe_precision(plan.get("backend"), plan.get("precision")),
-                "wall_time_s": round(time.perf_counter() - start, 3),
-                "phases_s": dict(phases.seconds),
-                # This process's kernel warm-up (a local master's executors share its
-                # machine): compiling, or loading cached, kernels beside the other phases.
-                "kernel_warm_up_s": round(warm_up[0], 3),
-                "kernel_compile_s": round(warm_up[1], 3),   # the rest: loading numba's cache
-                "pairs": pairs,
-                "pairs_per_s": round(pairs / search_s, 1) if search_s > 0 else None,
-                "output": {
-                    "path": spec.output.path,
-                    "files": files,
-                    "partition_by": list(spec.output.partition_by),
-                    "mode": spec.output.mode,
-                },
-                "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},
-                "spark_settings": redact_settings(spec.spark_settings),
-                "spec": spec.redacted_document(),
-            }
-            with phases("commit"):
-                staged.publish(summary)
-        finally:
-            joined.unpersist()
+            except Exception as exc:  # a ragged row surfaces as a failed Spark job
+                # An executor's error reaches the driver as the text of a failed job.
+                if "VECTOR_DIMENSION_MISMATCH" in str(exc):
+                    raise SpecError(
+                        option_key("vectors"),
+                        "a row's vector has another dimension than the rest "
+                        "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
+                        "query.where: size(vec) = 64",
+                    ) from exc
+                unreadable = _unreadable_input(exc, spec)
+                if unreadable is not None:
+                    raise unreadable from None
+                raise
+            counts = counted.get
+            facts["output rows"] = output_rows = int(counts["rows"])
+            facts["queries without candidates"] = unmatched = \
+                prepared.query_rows - int(counts["matched"] or 0)
+            facts["files"] = files = len(data_files(staged.staging))
+        search_s = phases.seconds["search+write"]
+        warm_up = kernel_warm_up_seconds()
+        pairs = prepared.query_rows * prepared.target_rows
+        plan = prepared.plan.to_dict()
+        summary = {
+            "job": spec.name,
+            "spec_file": spec.source,
+            "nearest_join_version": nearest_join.__version__,
+            "status": "succeeded",
+            "started_at": started_at,
+            "finished_at": _now(),
+            "input_rows": {"query": prepared.query_rows, "target": prepared.target_rows},
+            "output_rows": output_rows,
+            "queries_without_candidates": unmatched,
+            "plan": plan,
+            "backend": plan.get("backend"),
+            # What the plan asked for; "auto" is resolved by each executor for its device
+            # (the driver is not told which one ran: see describe_precision's words).
+            "precision": plan.get("precision"),
+            "precision_runs": describe_precision(plan.get("backend"), plan.get("precision")),
+            "wall_time_s": round(time.perf_counter() - start, 3),
+            "phases_s": dict(phases.seconds),
+            # This process's kernel warm-up (a local master's executors share its
+            # machine): compiling, or loading cached, kernels beside the other phases.
+            "kernel_warm_up_s": round(warm_up[0], 3),
+            "kernel_compile_s": round(warm_up[1], 3),   # the rest: loading numba's cache
+            "pairs": pairs,
+            "pairs_per_s": round(pairs / search_s, 1) if search_s > 0 else None,
+            "output": {
+                "path": spec.output.path,
+                "files": files,
+                "partition_by": list(spec.output.partition_by),
+                "mode": spec.output.mode,
+            },
+            "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},
+            "spark_settings": redact_settings(spec.spark_settings),
+            "spec": spec.redacted_document(),
+        }
+        with phases("commit"):
+            staged.publish(summary)
     return summary
 
 
@@ -574,7 +567,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"  output       {summary['output_rows']:,} rows in {summary['output']['files']} files"
         f"  -> {summary['output']['path']}",
         f"  no candidate {summary['queries_without_candidates']:,} query rows",
-        f"  throughput   {summary['pairs']:,} pairs scored, {rate_text} (search+merge)",
+        f"  throughput   {summary['pairs']:,} pairs scored, {rate_text} (search+write)",
         f"  phases       {phases}",
         f"  kernels      {_warm_up_text(summary.get('kernel_warm_up_s', 0.0), summary.get('kernel_compile_s', 0.0))}",
         f"  summary      {os.path.join(summary['output']['path'], '_nearest_join_summary.json')}",

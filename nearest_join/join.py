@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import BinaryType, FloatType, LongType, StructField, StructType
+from pyspark.sql.types import BinaryType, ByteType, FloatType, LongType, StructField, StructType
 
 from udfs import blocks, packing
 from udfs import columns as C
@@ -104,11 +104,17 @@ class PlannedJoin:
     # The sides' qualifiers (aliases, table names: ranking.side_qualifiers), kept by the output.
     qualifiers: tuple[str | None, str | None] = (None, None)
 
-    def dataframe(self) -> DataFrame:
-        """The joined rows (lazy: the search runs when the DataFrame is evaluated)."""
+    def dataframe(self, first_match_column: str | None = None) -> DataFrame:
+        """The joined rows (lazy: the search runs when the DataFrame is evaluated).
+
+        ``first_match_column``: a last int8 column of this name, 1 on each query row's best
+        match and 0 on its other rows and on a query row without one (the batch jobs count
+        the queries that matched from it as they write). Not for Spark's own plan."""
         if self.parsed is None:
+            if first_match_column is not None:
+                raise ValueError("first_match_column: the fast path's plans only, not Spark's own")
             return _spark_fallback(self)
-        return _execute(self)
+        return _execute(self, first_match_column)
 
 
 def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions) -> PlannedJoin:
@@ -371,7 +377,7 @@ def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPl
                           gpu_share=gpu_task_share(spark), warm_shape=warm)
 
 
-def _execute(planned: PlannedJoin) -> DataFrame:
+def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> DataFrame:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
@@ -388,6 +394,8 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         for f in target.schema.fields]
     if plan.distance_col:
         out_fields.append(StructField(plan.distance_col, FloatType(), True))
+    if first_match_column is not None:
+        out_fields.append(StructField(first_match_column, ByteType(), False))
     out_schema = StructType([StructField(C.output_name(i), f.dataType, f.nullable)
                              for i, f in enumerate(out_fields)])
     names = [f.name for f in out_fields]
@@ -413,7 +421,8 @@ def _execute(planned: PlannedJoin) -> DataFrame:
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = JoinContext(settings, q_layout, t_layout, plan.join_type,
-                             plan.distance_col is not None, target_arrow, cap=plan.cap)
+                      plan.distance_col is not None, target_arrow, cap=plan.cap,
+                      mark_first=first_match_column is not None)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,

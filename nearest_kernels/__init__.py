@@ -4,12 +4,13 @@ Imports neither pyspark nor pandas. The public entry is :func:`knn`; :func:`merg
 merges partial results of several target blocks and is shared by every plan.
 """
 from ._common import METRICS, Metric, rankable_rows, resolve_metric
-from ._numba import compile_lock
+from ._numba import compile_lock, import_numba
 from .dispatch import backend_names, choose_backend, get_backend, knn, register_backend
 from .merge import merge_topk
 
 __all__ = [
     "compile_lock",
+    "import_numba",
     "knn",
     "merge_topk",
     "METRICS",

@@ -32,9 +32,13 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+
+from ._numba import import_numba
+
+import_numba()
+from numba import njit, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 from ._numba import run_split
 
@@ -202,7 +206,8 @@ def _square_sum_and_peak(row):
     return total, peak
 
 
-def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats, threads=None):
+def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats, threads=None,
+                 offset=0, seed=True):
     """Fill ``heaps`` (n_split, nq, k) uint64 with per-split max-heaps of the best keys.
 
     ``queries`` (nq, d) and ``targets`` (nt, d) are C-contiguous float32, ``bias`` (nt,)
@@ -223,14 +228,20 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     norm and the largest element magnitude of the targets of every ``n_qtiles``-th tile of its
     split, from the tile it has just multiplied (still in cache); between them the items cover
     every target once (the bound of an inner product search, see ``cpu._Operands.finish``).
+
+    ``offset`` is added to the target indices the keys carry (``targets`` a slice of a larger
+    block: the probed search, ``cpu.probed_heaps``). ``seed`` False folds into heaps that
+    already hold candidates (a wide heap is otherwise seeded from the first tile, which
+    assumes every slot holds the same starting key).
     """
     n_qtiles = (queries.shape[0] + query_tile - 1) // query_tile
     run_split(_search_items, n_qtiles * heaps.shape[0], queries, targets, bias, tail_targets, tail_bias,
-              heaps, query_tile, stats, threads=threads)
+              heaps, query_tile, stats, np.int64(offset), bool(seed), threads=threads)
 
 
 @njit(nogil=True, cache=True)
-def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats):
+def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats,
+                  offset, seed):
     """Items ``lo`` to ``hi`` of :func:`search_tiles`, on the calling thread."""
     nq = queries.shape[0]
     nt = targets.shape[0]
@@ -271,12 +282,13 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
                     sq, peak = _square_sum_and_peak(targets[j])
                     largest_sq = max(largest_sq, sq)
                     largest = max(largest, peak)
-            if tt == first and split_heaps.shape[1] >= SEED_WIDTH:
+            if seed and tt == first and split_heaps.shape[1] >= SEED_WIDTH:
                 for r in range(rows):
-                    _seed_row(scores, r, tile_bias, t0, split_heaps, q0 + r, row_scores, row_bits, row_keys)
+                    _seed_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, row_scores, row_bits,
+                              row_keys)
                 continue
             for r in range(rows):
-                _fold_row(scores, r, tile_bias, t0, split_heaps, q0 + r, scratch, scratch_bits)
+                _fold_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, scratch, scratch_bits)
         if stats.shape[0] > 0:
             stats[item, 0] = largest_sq
             stats[item, 1] = largest

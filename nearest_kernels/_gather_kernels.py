@@ -5,7 +5,10 @@ at a writable directory before numba is imported.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from ._numba import import_numba
+
+import_numba()
+from numba import njit  # noqa: E402
 
 
 @njit(nogil=True, cache=True)

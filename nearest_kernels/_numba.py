@@ -22,7 +22,8 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["compile_lock", "ensure_numba_cache_dir", "run_split", "task_threads", "threads_of_task"]
+__all__ = ["compile_lock", "ensure_numba_cache_dir", "import_numba", "run_split", "task_threads",
+           "threads_of_task"]
 
 
 def ensure_numba_cache_dir() -> None:
@@ -53,6 +54,20 @@ def ensure_numba_cache_dir() -> None:
 
 
 ensure_numba_cache_dir()
+
+_numba_import = threading.Lock()
+
+
+def import_numba() -> None:
+    """Import numba, one thread of the process at a time: every module of ours that uses
+    numba calls this before its first ``from numba import ...``, and so does the kernel
+    warm-up thread. Two threads importing numba for the first time at once can each hold an
+    import lock of numba's own modules that the other waits for; Python breaks that deadlock
+    by handing one of them a partially initialised module (seen on a local master's driver:
+    the warm-up thread's ``numba.core.event`` without ``start_event`` while the approx
+    planner imported k-means)."""
+    with _numba_import:
+        import numba  # noqa: F401
 
 
 @contextlib.contextmanager

@@ -3,7 +3,10 @@ which chooses numba's cache directory)."""
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from ._numba import import_numba
+
+import_numba()
+from numba import njit  # noqa: E402
 
 from ._cpu_kernels import difference_sum, product_sum
 from ._numba import run_split

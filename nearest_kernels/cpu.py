@@ -576,3 +576,151 @@ def _tail_tile(targets: np.ndarray, bias: np.ndarray, target_tile: int):
 
 
 BACKEND = CpuBackend()
+
+
+# ------------------------------------------------------------------------ probed segments
+def segment_members(probe_starts: np.ndarray, probe_segments: np.ndarray, rows: np.ndarray,
+                    n_segments: int) -> tuple[np.ndarray, np.ndarray]:
+    """The probes of query ``rows`` by segment, CSR: segment ``s`` is probed by
+    ``rows[members[member_starts[s]:member_starts[s + 1]]]`` (positions in ``rows``, ascending)."""
+    counts = probe_starts[rows + 1] - probe_starts[rows]
+    firsts = np.cumsum(counts) - counts
+    at = np.repeat(probe_starts[rows] - firsts, counts) + np.arange(counts.sum(), dtype=np.int64)
+    segments = probe_segments[at]
+    owners = np.repeat(np.arange(rows.shape[0], dtype=np.int64), counts)
+    order = np.argsort(segments, kind="stable")
+    member_starts = np.searchsorted(segments[order], np.arange(n_segments + 1)).astype(np.int64)
+    return owners[order], member_starts
+
+
+def probed_tile(sizes: np.ndarray, probes: np.ndarray) -> int:
+    """The target tile of a probed search (a multiple of ``TILE_MULTIPLE`` up to
+    ``TARGET_TILE``): the one that multiplies the fewest padded rows over the segments'
+    probes, counting a tile's fixed cost (its fold's set-up, the sgemm's packing) as
+    ``TILE_MULTIPLE`` rows. Every call of a search uses the same tile (see
+    ``_cpu_kernels.search_tiles``)."""
+    used = probes > 0
+    sizes, probes = sizes[used], probes[used]
+    best, best_cost = TARGET_TILE, None
+    for tile in range(TILE_MULTIPLE, TARGET_TILE + 1, TILE_MULTIPLE):
+        cost = int((probes * -(-sizes // tile) * (tile + TILE_MULTIPLE)).sum())
+        if best_cost is None or cost < best_cost:
+            best, best_cost = tile, cost
+    return best
+
+
+def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_starts: np.ndarray,
+                 segment_starts: np.ndarray, kept: int, start: np.ndarray | None, target_tile: int,
+                 threads: int) -> np.ndarray:
+    """(len(rows), kept) max-heaps of each query row's best keys over the rows of the
+    segments it probes (:func:`segment_members` of ``rows``): the fused sgemm search of each
+    segment against the queries that probe it, folded into the heaps those queries carry
+    from segment to segment (keys hold the block's target indices). ``start``: each row's
+    limit key, as :func:`_search`'s."""
+    heaps = np.full((rows.shape[0], kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
+    if start is not None:
+        heaps[:] = start[:, None]
+    no_stats = np.zeros((0, 2))
+    for s in np.flatnonzero(np.diff(member_starts)):
+        lo, hi = int(segment_starts[s]), int(segment_starts[s + 1])
+        if hi == lo:
+            continue
+        probing = members[member_starts[s]:member_starts[s + 1]]
+        scaled = _frozen(np.ascontiguousarray(ops.scaled[rows[probing]]))
+        block = heaps[probing][None]
+        targets, bias = ops.targets32[lo:hi], ops.bias[lo:hi]
+        tail, tail_bias = _tail_tile(targets, bias, target_tile)
+        query_tile = plan_tiles(probing.shape[0], hi - lo, threads)[0]
+        _cpu_kernels.search_tiles(scaled, targets, bias, tail, tail_bias, block, query_tile, no_stats,
+                                  threads=threads, offset=lo, seed=False)
+        heaps[probing] = block[0]
+    return heaps
+
+
+def knn_probed_rows(queries: np.ndarray, targets: np.ndarray, segment_starts: np.ndarray,
+                    probe_starts: np.ndarray, probe_segments: np.ndarray, k: int, metric: Metric,
+                    threads: int, cap: float | None) -> tuple[np.ndarray, np.ndarray]:
+    """``segments.knn_probed`` on clean rows (it removes the rows that cannot rank): each
+    query row's top k among the rows of its probed segments.
+
+    :meth:`CpuBackend.run`'s two stages, with the candidate stage run segment by segment:
+    the operands are set up once for the whole block (a shift and scale any subset of the
+    block keeps exact), each segment is searched by the fused sgemm for the queries that
+    probe it (:func:`probed_heaps`), and each query's one heap collects its candidates over
+    all its segments. The exact ranking, the proof and its fallbacks then run once per query,
+    as in ``run``, over the probed rows only: a row is proven when its heap holds every row
+    it probes or its floor is above its k-th key; the others collect every probed target
+    within their bound, and a row with more of them than that search keeps is ranked in
+    float64 against every row it probes. The work is that of one wide search over the
+    probed pairs, not one search per segment.
+    """
+    nq, nt = queries.shape[0], targets.shape[0]
+    n_segments = segment_starts.shape[0] - 1
+    width = min(k, nt)
+    with thread_limits(threads) as used:
+        ops = _Operands(queries, targets, metric)
+        everyone = np.arange(nq, dtype=np.int64)
+        members, member_starts = segment_members(probe_starts, probe_segments, everyone, n_segments)
+        sizes = np.diff(segment_starts)
+        tile = probed_tile(sizes, np.diff(member_starts))
+        owners = np.repeat(everyone, np.diff(probe_starts))
+        probed = np.bincount(owners, weights=sizes[probe_segments], minlength=nq).astype(np.int64)
+        kept = heap_width(k, nt)
+        start = cap_keys = None
+        if cap is not None:
+            cap_keys = ops.cap_keys(cap)
+            start = _cpu_kernels.cap_key(cap_keys - ops.offset + ops.margin)
+        heaps = probed_heaps(ops, everyone, members, member_starts, segment_starts, kept, start, tile, used)
+        scores, cand = _cpu_kernels.decode(np.sort(heaps, axis=1))
+        cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
+        needed = ~(scores > scores[:, width - 1:width] + 2 * ops.margin[:, None])
+        exact = ops.exact_keys(cand, needed)
+        best_key = np.empty((nq, width))
+        best_i = np.empty((nq, width), dtype=np.int64)
+        _cpu_kernels.best_by_key(exact, cand, best_key, best_i)
+        floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
+        bound = best_key[:, -1] if cap is None else np.minimum(best_key[:, -1], cap_keys)
+        unproven = np.flatnonzero(~(floor > bound) & (probed > kept))
+        if unproven.size:
+            collect = int(min(probed[unproven].max(), max(COLLECT_WIDTH, 4 * width)))
+            limit = _cpu_kernels.cap_key(bound[unproven] - ops.offset[unproven] + ops.margin[unproven])
+            chunk = max(1, COLLECT_KEYS // collect)
+            for first in range(0, unproven.shape[0], chunk):
+                part = unproven[first:first + chunk]
+                m, m_starts = segment_members(probe_starts, probe_segments, part, n_segments)
+                heaps = probed_heaps(ops, part, m, m_starts, segment_starts, collect,
+                                     limit[first:first + chunk], tile, used)
+                _, found = _cpu_kernels.decode(heaps)
+                overflow = (found != _cpu_kernels.EMPTY_INDEX).all(axis=1) & (probed[part] > collect)
+                found = np.where(found != _cpu_kernels.EMPTY_INDEX, found, -1).astype(np.int64)
+                part_key = np.empty((part.shape[0], width))
+                part_best = np.empty((part.shape[0], width), dtype=np.int64)
+                _cpu_kernels.best_by_key(ops.exact_keys(found, found >= 0, rows=part), found, part_key,
+                                         part_best)
+                best_key[part], best_i[part] = part_key, part_best
+                for row in part[overflow]:
+                    best_key[row], best_i[row] = _probed_float64(ops, row, probe_starts, probe_segments,
+                                                                 segment_starts, width)
+    values = np.full((nq, k), metric.worst, dtype=np.float32)
+    indices = np.full((nq, k), -1, dtype=np.int64)
+    best_values, best_i = drop_beyond_cap(ops.values(best_key), best_i, cap, metric)
+    with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
+        values[:, :width] = best_values
+    indices[:, :width] = best_i
+    return values, indices
+
+
+def _probed_float64(ops: _Operands, row: int, probe_starts: np.ndarray, probe_segments: np.ndarray,
+                    segment_starts: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, indices) of query ``row``'s best ``width`` by (key, index) among every row of
+    its segments, from float64 keys: the probed search's last resort (thousands of targets
+    tied within the bound)."""
+    segments = probe_segments[probe_starts[row]:probe_starts[row + 1]]
+    candidates = np.concatenate([np.arange(segment_starts[s], segment_starts[s + 1]) for s in segments])
+    candidates = np.sort(candidates).astype(np.int64)[None]
+    keys = np.empty((1, width))
+    best = np.empty((1, width), dtype=np.int64)
+    rows = np.array([row], dtype=np.int64)
+    _cpu_kernels.best_by_key(ops.exact_keys(candidates, np.ones(candidates.shape, bool), rows=rows),
+                             candidates, keys, best)
+    return keys[0], best[0]

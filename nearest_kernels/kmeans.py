@@ -34,6 +34,9 @@ from ._common import as_matrix, resolve_metric
 from ._numba import run_split
 from .cpu import default_threads
 
+from ._numba import import_numba
+
+import_numba()
 from numba import njit  # noqa: E402
 from .dispatch import knn
 

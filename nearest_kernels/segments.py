@@ -44,7 +44,7 @@ from ._common import (
 from ._cpu_kernels import inverse_norms
 from ._segment_kernels import segment_topk
 
-__all__ = ["TOLERANCE", "knn_segments"]
+__all__ = ["TOLERANCE", "knn_probed", "knn_segments"]
 
 # Values are float64 keys rounded once to float32 (plus a square root for l2): within the
 # cpu backend's tolerance, in the same units (``cpu.TOLERANCE``).
@@ -106,25 +106,9 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
     >>> np.round(v.astype(np.float64), 2).tolist(), i.tolist()
     ([[0.9, 4.1], [0.1, 1.1]], [[0, 1], [2, 3]])
     """
-    queries, targets, k = check_inputs(queries, targets, k)
-    m = resolve_metric(metric)
-    cap = check_cap(cap)
+    queries, targets, k, m, cap, segment_starts, probe_starts, probe_segments = _check_segments(
+        queries, targets, segment_starts, probe_starts, probe_segments, k, metric, cap)
     nq, nt = queries.shape[0], targets.shape[0]
-    segment_starts = np.ascontiguousarray(segment_starts, dtype=np.int64)
-    probe_starts = np.ascontiguousarray(probe_starts, dtype=np.int64)
-    probe_segments = np.ascontiguousarray(probe_segments, dtype=np.int64)
-    n_segments = segment_starts.shape[0] - 1
-    if segment_starts.ndim != 1 or n_segments < 0 or segment_starts[0] < 0 \
-            or segment_starts[-1] > nt or np.any(np.diff(segment_starts) < 0):
-        raise ValueError(f"segment_starts: expected non-decreasing offsets from 0 to at most {nt} "
-                         f"(the targets' rows), got {segment_starts[:8].tolist()}...")
-    if probe_starts.shape != (nq + 1,) or probe_starts[0] != 0 or np.any(np.diff(probe_starts) < 0) \
-            or probe_starts[-1] != probe_segments.shape[0]:
-        raise ValueError(f"probe_starts: expected {nq + 1} non-decreasing offsets from 0 to "
-                         f"{probe_segments.shape[0]} (len(probe_segments)), got shape {probe_starts.shape}")
-    if probe_segments.size and (probe_segments.min() < 0 or probe_segments.max() >= n_segments):
-        raise ValueError(f"probe_segments: expected segment numbers in 0..{n_segments - 1}, got "
-                         f"{int(probe_segments.min())}..{int(probe_segments.max())}")
     keys = np.full((nq, k), np.inf)
     indices = np.full((nq, k), -1, np.int64)
     if nq and nt and probe_segments.size:
@@ -152,3 +136,76 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
     values, indices = drop_beyond_cap(values, indices, cap, m)
     with np.errstate(over="ignore"):   # beyond float32's range reads +-inf, as knn's
         return values.astype(np.float32), indices
+
+
+def knn_probed(queries: np.ndarray, targets: np.ndarray, segment_starts: np.ndarray,
+               probe_starts: np.ndarray, probe_segments: np.ndarray, k: int, metric: str = "l2",
+               *, cap: float | None = None, threads: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`knn_segments`' contract (same arguments, same results up to ties' float32
+    rounding) for large segments: each segment is searched by the cpu backend's fused sgemm
+    for every query that probes it, and each query is ranked exactly once over all its
+    segments (``cpu.knn_probed_rows``). Its fixed cost is one operand set-up per call, its
+    work that of one wide search of the probed pairs, so a query block probing a few
+    hundred-row lists each (an IVF plan) costs about what the same pairs cost in
+    :func:`~nearest_kernels.knn`; tiny segments waste most of a target tile
+    (``knn_segments`` suits them).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> t = np.array([[0.0], [5.0], [1.0], [2.0]], dtype=np.float32)
+    >>> q = np.array([[0.9], [0.9]], dtype=np.float32)
+    >>> starts = np.array([0, 2, 4])               # segments {0, 5} and {1, 2}
+    >>> v, i = knn_probed(q, t, starts, np.array([0, 1, 2]), np.array([0, 1]), 2)
+    >>> np.round(v.astype(np.float64), 2).tolist(), i.tolist()
+    ([[0.9, 4.1], [0.1, 1.1]], [[0, 1], [2, 3]])
+    """
+    queries, targets, k, m, cap, segment_starts, probe_starts, probe_segments = _check_segments(
+        queries, targets, segment_starts, probe_starts, probe_segments, k, metric, cap)
+    nq, nt = queries.shape[0], targets.shape[0]
+    values = np.full((nq, k), m.worst, np.float32)
+    indices = np.full((nq, k), -1, np.int64)
+    if not (nq and nt and probe_segments.size):
+        return values, indices
+    # Rows that cannot rank leave: such queries probe nothing, such targets leave their
+    # segments (the clean rows keep their order, so ties still go to the lower index).
+    q_ok = np.flatnonzero(rankable_rows(queries, m))
+    t_ok = rankable_rows(targets, m)
+    kept = np.concatenate([[0], np.cumsum(t_ok)]).astype(np.int64)
+    counts = probe_starts[q_ok + 1] - probe_starts[q_ok]
+    q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    at = np.repeat(probe_starts[q_ok] - q_starts[:-1], counts) + np.arange(q_starts[-1], dtype=np.int64)
+    clean_targets = np.flatnonzero(t_ok)
+    if q_ok.size == 0 or clean_targets.size == 0:
+        return values, indices
+    v, i = cpu.knn_probed_rows(np.ascontiguousarray(queries[q_ok]), np.ascontiguousarray(targets[clean_targets]),
+                               kept[segment_starts], q_starts, probe_segments[at], k, m,
+                               cpu.check_threads(threads), check_cap(cap))
+    values[q_ok] = v
+    indices[q_ok] = np.where(i >= 0, clean_targets[np.maximum(i, 0)], -1)
+    return values, indices
+
+
+def _check_segments(queries, targets, segment_starts, probe_starts, probe_segments, k, metric, cap):
+    """knn_segments' arguments checked and converted (the errors its docstring names)."""
+    queries, targets, k = check_inputs(queries, targets, k)
+    m = resolve_metric(metric)
+    cap = check_cap(cap)
+    nq, nt = queries.shape[0], targets.shape[0]
+    segment_starts = np.ascontiguousarray(segment_starts, dtype=np.int64)
+    probe_starts = np.ascontiguousarray(probe_starts, dtype=np.int64)
+    probe_segments = np.ascontiguousarray(probe_segments, dtype=np.int64)
+    n_segments = segment_starts.shape[0] - 1
+    if segment_starts.ndim != 1 or n_segments < 0 or segment_starts[0] < 0 \
+            or segment_starts[-1] > nt or np.any(np.diff(segment_starts) < 0):
+        raise ValueError(f"segment_starts: expected non-decreasing offsets from 0 to at most {nt} "
+                         f"(the targets' rows), got {segment_starts[:8].tolist()}...")
+    if probe_starts.shape != (nq + 1,) or probe_starts[0] != 0 or np.any(np.diff(probe_starts) < 0) \
+            or probe_starts[-1] != probe_segments.shape[0]:
+        raise ValueError(f"probe_starts: expected {nq + 1} non-decreasing offsets from 0 to "
+                         f"{probe_segments.shape[0]} (len(probe_segments)), got shape {probe_starts.shape}")
+    if probe_segments.size and (probe_segments.min() < 0 or probe_segments.max() >= n_segments):
+        raise ValueError(f"probe_segments: expected segment numbers in 0..{n_segments - 1}, got "
+                         f"{int(probe_segments.min())}..{int(probe_segments.max())}")
+    return queries, targets, k, m, cap, segment_starts, probe_starts, probe_segments

@@ -218,9 +218,12 @@ class _QueryBlock:
             return
         union = pair.keyed_union(blocks)
         # target_key None: a segment is no block a GPU searcher may keep resident.
+        # On the CPU an IVF block's probed lists are one wide search (knn_probed); a GPU
+        # searcher takes one call per list.
         values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
                                       self.groups, union.vectors, union.segments, pair.ctx.k,
-                                      pair.ctx.settings.metric, cap=pair.ctx.cap, threads=task_cpus())
+                                      pair.ctx.settings.metric, cap=pair.ctx.cap, threads=task_cpus(),
+                                      wide=getattr(pair.searcher, "backend", None) == "cpu")
         self.state = union.state(values, rows)
 
     def result(self, views: ColumnViews | None = None) -> TopkState | None:

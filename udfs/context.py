@@ -58,6 +58,9 @@ class JoinContext:
     target_schema: pa.Schema            # Arrow schema of the target's columns (NULL padding)
     output_names: tuple[str, ...] = field(default=())
     cap: float | None = None            # knn's cap (the metric's units, inclusive) or None
+    # A last int8 output column, 1 on a query row's best match and 0 elsewhere (the batch
+    # jobs count the queries that found a candidate from it, without a second pass).
+    mark_first: bool = False
 
     @property
     def k(self) -> int:

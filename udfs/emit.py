@@ -1,4 +1,4 @@
-"""Joined output rows of one query block: query columns, target columns, [distance].
+"""Joined output rows of one query block: query columns, target columns, [distance], [first].
 
 Batches are built ahead on helper threads, so building the next batch overlaps whatever the
 consumer does with the current one (Spark: writing it to the JVM).
@@ -62,6 +62,8 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
         if ctx.with_distance:
             arrays.append(pa.array(values.reshape(-1)[part], pa.float32(),
                                    mask=None if filled.all() else ~filled))
+        if ctx.mark_first:   # slots are best first: a query's best match is its slot 0
+            arrays.append(pa.array((filled & (part % k == 0)).astype(np.int8), pa.int8()))
         return pa.RecordBatch.from_arrays(arrays, names=[C.output_name(i) for i in range(len(arrays))])
 
     if len(parts) <= 1 or gather_threads() <= 1:

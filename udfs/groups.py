@@ -74,12 +74,14 @@ class GroupSegments:
 def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                    query_vectors: np.ndarray, query_groups: np.ndarray, sorted_targets: np.ndarray,
                    segments: GroupSegments, k: int, metric: str, *, cap: float | None = None,
-                   threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                   threads: int = 1, wide: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched only
     against its group's segment.
 
     ``search(queries, targets)`` is the task's kernel call for a large group (the knn
-    contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied);
+    contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied;
+    ``wide``: the task searches on the CPU, and a query's several large groups, IVF probes,
+    go to one ``knn_probed`` call instead, :func:`udfs.probes.probed_search`);
     small groups go to one :func:`~nearest_kernels.segments.knn_segments` call with
     ``cap`` and ``threads``. ``sorted_targets`` are the target block's vectors in
     ``segments.order``. Query rows of no group, or of a group the block lacks, get empty
@@ -92,7 +94,7 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
         from .probes import probed_search
 
         return probed_search(search, query_vectors, query_groups, sorted_targets, segments, k,
-                             metric, segment_work=SEGMENT_WORK, cap=cap, threads=threads)
+                             metric, segment_work=SEGMENT_WORK, cap=cap, threads=threads, wide=wide)
     nq = query_vectors.shape[0]
     worst = resolve_metric(metric).worst
     values = np.full((nq, k), worst, np.float32)

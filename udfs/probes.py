@@ -10,14 +10,19 @@ same split of the work,
 
 * probes of small segments in one :func:`~nearest_kernels.segments.knn_segments` call,
   a query's small segments ranked together (float64 keys, exact for every metric);
-* each large segment (a dense list: queries x rows x d above ``udfs.groups.SEGMENT_WORK``)
-  one call of the task's searcher for all the queries that probe it, whatever the list's size;
+* the large segments (dense lists: queries x rows x d above ``udfs.groups.SEGMENT_WORK``): on
+  a CPU task all of them in one :func:`~nearest_kernels.segments.knn_probed` call (one
+  operand set-up for the block, each list multiplied once for the queries that probe it,
+  each query ranked once: a probed pair costs about what an exact one does); on a GPU task
+  one call of its searcher per list, for all the queries that probe it, each list's
+  results folded into its queries' top k by the shared
+  :func:`nearest_kernels.merge_topk` (a running (queries, k) state, whatever nprobe is);
 
-and each large segment's results folded into its queries' top k by the shared
-:func:`nearest_kernels.merge_topk` (a running (queries, k) state, whatever nprobe is). Every pair searched is exact; only
+and the two parts merged by the same ``merge_topk``. Every pair searched is exact; only
 which lists a query probes is approximate. Ties between targets of equal value go to the
-lower block row, except within the small segments' one call, where they go to the lower
-list first (the segments' order); both are deterministic for a given input.
+lower block row, except within one segment call (``knn_segments``, ``knn_probed``), where
+they go to the lower list first (the segments' order); both are deterministic for a given
+input.
 """
 from __future__ import annotations
 
@@ -55,16 +60,18 @@ class Probes:
 def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                   query_vectors: np.ndarray, probes: Probes, sorted_targets: np.ndarray, segments,
                   k: int, metric: str, *, segment_work: int, cap: float | None = None,
-                  threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+                  threads: int = 1, wide: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched
     against the segments of all its groups (the contract of
     :func:`udfs.groups.grouped_search`, with :class:`Probes` for the query groups).
 
-    ``segment_work``: the work (queries x rows x d) above which a segment gets its own call
-    of ``search`` (``grouped_search`` passes ``udfs.groups.SEGMENT_WORK``).
+    ``wide`` (the task searches on the CPU): the large segments go to one
+    :func:`~nearest_kernels.segments.knn_probed` call instead of one ``search`` call
+    per segment. ``segment_work``: the work (queries x rows x d) above which a segment is large
+    (``grouped_search`` passes ``udfs.groups.SEGMENT_WORK``).
     """
     from nearest_kernels import merge_topk, resolve_metric
-    from nearest_kernels.segments import knn_segments  # numba: on executors only
+    from nearest_kernels.segments import knn_probed, knn_segments  # numba: on executors only
 
     nq, d = query_vectors.shape
     if probes.rows != nq:
@@ -107,7 +114,17 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
         rows[by_segment] = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
 
     big = np.flatnonzero(~small)
-    if big.size:
+    if big.size and wide:
+        # Every query's large segments in one call: one operand set-up for the block, each
+        # segment multiplied once for all its queries, each query ranked once.
+        b_owner = owner[big]
+        starts = np.zeros(nq + 1, np.int64)
+        np.cumsum(np.bincount(b_owner, minlength=nq), out=starts[1:])
+        v, local = knn_probed(query_vectors, sorted_targets, segments.starts, starts, segment[big], k,
+                              metric, cap=cap, threads=threads)
+        found = np.where(local >= 0, segments.order[np.maximum(local, 0)], -1)
+        values, rows = merge_topk([values, v], [rows, found], k, metric)
+    elif big.size:
         b_owner, b_segment = owner[big], segment[big]
         by_segment = np.argsort(b_segment, kind="stable")
         bounds = np.flatnonzero(np.diff(b_segment[by_segment])) + 1

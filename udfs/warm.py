@@ -73,9 +73,10 @@ def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | No
 
 
 def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
-    from numba.core import event
+    from nearest_kernels import compile_lock, import_numba
 
-    from nearest_kernels import compile_lock
+    import_numba()   # not beside another thread's first import of it (import_numba says why)
+    from numba.core import event
 
     start = time.perf_counter()
     compiling = _compile_time()
@@ -104,6 +105,9 @@ def _compile_time():
     compilations (a kernel's callees compile inside it) on any thread: the warm-up's kernels
     run on the task's threads (``run_split``). numba compiles under one lock per process, so
     they never overlap. A kernel numba loads from its cache raises no compile event."""
+    from nearest_kernels import import_numba
+
+    import_numba()
     from numba.core import event
 
     class CompileTime(event.Listener):

@@ -159,7 +159,7 @@ def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
     assert summary["plan"]["k"] == 3
     assert summary["backend"] == summary["plan"]["backend"]
     assert summary["pairs"] == QUERY_ROWS * TARGET_ROWS and summary["pairs_per_s"] > 0
-    assert set(summary["phases_s"]) == {"read", "plan", "search+merge", "write"}
+    assert set(summary["phases_s"]) == {"read", "plan", "search+write"}
     assert summary["wall_time_s"] >= sum(summary["phases_s"].values()) - 1e-3
     assert (out / "_SUCCESS").is_file()
     # Secrets never reach the summary, the log or the screen.
@@ -168,7 +168,7 @@ def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
     assert "hunter2" not in (out / SUMMARY_FILE).read_text()
     assert "hunter2" not in captured.out + captured.err
     # The log names every phase with its counts; the screen ends with the summary.
-    for phase in ("read: done", "plan: done", "search+merge: done", "write: done", "commit: done"):
+    for phase in ("read: done", "plan: done", "search+write: done", "commit: done"):
         assert phase in captured.err
     assert f"query rows {QUERY_ROWS}" in captured.err
     assert "queries without candidates 1" in captured.err
@@ -197,6 +197,36 @@ def test_rerun_gives_the_same_result_and_partitioning_works(job, spark, capsys):
     assert labels == {f"t_label={v}" for v in first["t_label"].astype(str)}
     assert _summary(out)["started_at"] >= first_summary["started_at"]
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".out.")] == [".out.nj-lock"]
+
+
+@pytest.mark.parametrize("join_type", ["inner", "left_outer"])
+@pytest.mark.parametrize("case", ["no query row", "no match within the cap", "some within the cap"])
+def test_counts_come_from_the_write(job, capsys, join_type, case):
+    """The summary's counts are observed as the rows are written (no second pass): an empty
+    query side, a cap no target meets, and a cap some queries meet, both join types."""
+    out = job.base / "out"
+    distances = np.linalg.norm(job.query[:, None, :].astype(np.float64) - job.target[None, :, :], axis=2)
+    nearest = np.sort(distances.min(axis=1))          # the NaN query's NaN last
+    # Caps half-way between two distances, so that float32 rounding cannot move a pair.
+    cap = {"no query row": None, "no match within the cap": float(nearest[0]) / 2,
+           "some within the cap": float(nearest[QUERY_ROWS // 2] + nearest[QUERY_ROWS // 2 + 1]) / 2}[case]
+    sets = [f"output.path={out}", "join.k=3", f"join.join_type={join_type}"]
+    if case == "no query row":
+        sets.append("query.where=id < 0")
+    if cap is not None:
+        sets.append(f"join.max_distance={cap!r}")
+    assert main(["run", str(job.spec), *[a for s in sets for a in ("--set", s)]]) == 0, capsys.readouterr().err
+    summary = _summary(out)
+    rows = pq.read_table(out).to_pylist()
+    within = np.zeros(QUERY_ROWS, np.int64) if cap is None else np.minimum(3, (distances <= cap).sum(axis=1))
+    query_rows = 0 if case == "no query row" else QUERY_ROWS
+    unmatched = 0 if case == "no query row" else int((within == 0).sum())
+    assert summary["input_rows"]["query"] == query_rows
+    assert summary["queries_without_candidates"] == unmatched
+    expected_rows = 0 if case == "no query row" else int(within.sum()) + (unmatched if join_type == "left_outer" else 0)
+    assert summary["output_rows"] == len(rows) == expected_rows
+    assert not any(name.startswith("_nearest_join") for name in pq.read_schema(
+        next(out.glob("part-*.parquet"))).names) if rows else True
 
 
 def test_explain_prints_the_plan_and_runs_nothing(job, capsys):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from nearest_kernels import cpu, knn
+from nearest_kernels.segments import knn_probed
 from tests import adversarial, background
 from tests.oracle import assert_true_topk, backend_rtol
 
@@ -35,20 +36,37 @@ def _larger_cases():
     return out
 
 
+def probed_knn(queries, targets, k, metric, threads):
+    """knn_probed with the targets cut into segments of uneven sizes (an empty one among
+    them), every query probing all of them in a shuffled order: the probed search's heaps
+    carried across segments must give every target's true top k."""
+    nt = targets.shape[0]
+    cuts = sorted({0, nt // 7, nt // 7, nt // 2, nt - nt // 5, nt})
+    starts = np.array(cuts, np.int64)
+    order = np.random.default_rng(nt).permutation(starts.shape[0] - 1)
+    nq = queries.shape[0]
+    probe_starts = np.arange(nq + 1, dtype=np.int64) * order.shape[0]
+    return knn_probed(queries, targets, starts, probe_starts, np.tile(order, nq), k, metric, threads=threads)
+
+
 def check_cases(cases, backend: str = "cpu", threads: int = 2) -> list[str]:
-    """Run every case x metric x k; return the failures (one line each)."""
+    """Run every case x metric x k; return the failures (one line each). The cpu backend is
+    checked twice: knn, and its probed search over segments (``probed_knn``)."""
     failures = []
+    searches = {"reference": lambda q, t, k, m: knn(q, t, k, m, backend="reference")}
+    if backend == "cpu":
+        searches = {"cpu": lambda q, t, k, m: knn(q, t, k, m, backend="cpu", threads=threads),
+                    "cpu probed": lambda q, t, k, m: probed_knn(q, t, k, m, threads)}
     for case in cases:
         for metric in case.metrics:
             for k in KS:
-                values, indices = knn(case.queries, case.targets, k, metric, backend=backend,
-                                      threads=threads) if backend == "cpu" else \
-                    knn(case.queries, case.targets, k, metric, backend=backend)
-                try:
-                    assert_true_topk(case.queries, case.targets, k, metric, values,
-                                                 indices, RTOL[backend], case=case.name)
-                except AssertionError as exc:
-                    failures.append(str(exc).splitlines()[0])
+                for name, search in searches.items():
+                    values, indices = search(case.queries, case.targets, k, metric)
+                    try:
+                        assert_true_topk(case.queries, case.targets, k, metric, values,
+                                         indices, RTOL[backend], case=f"{case.name} ({name})")
+                    except AssertionError as exc:
+                        failures.append(str(exc).splitlines()[0])
     return failures
 
 

@@ -15,6 +15,7 @@ import doctest
 import importlib
 import os
 import zlib
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -473,3 +474,28 @@ def test_docstring_examples_run(module):
     result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0
     assert result.failed == 0
+
+
+def test_numba_is_first_imported_through_one_lock():
+    """Every module of ours that imports numba calls kernels.import_numba first (one thread
+    at a time: two threads' first imports of numba at once can leave one of them a partially
+    initialised numba module), the warm-up thread included."""
+    import ast
+
+    root = Path(__file__).resolve().parents[2]
+    offenders = []
+    for path in sorted((root / "nearest_join").rglob("*.py")) + sorted((root / "udfs").rglob("*.py")):
+        if path.name == "_numba.py":
+            continue
+        tree = ast.parse(path.read_text())
+        scopes = [tree] + [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for scope in scopes:
+            called = False
+            for node in (scope.body if scope is tree else ast.walk(scope)):
+                if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+                        and getattr(node.value.func, "id", None) == "import_numba":
+                    called = True
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "numba" \
+                        and not called:
+                    offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not offenders, offenders

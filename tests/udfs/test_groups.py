@@ -2,8 +2,9 @@
 groups of 1-12 targets (some smaller than k, some with rows that cannot rank) and one large
 group in one target block, against the float64 oracle over each query's own group, with and
 without a cap; small groups must share one batched call (the task's kernel sees only the large
-group). Then knn_segments itself: several segments per query (an IVF plan's probes), the tie
-rule, and its argument errors.
+group). Then knn_segments and knn_probed (its sgemm form for large segments) themselves:
+several segments per query (an IVF plan's probes), the tie rule, the argument errors, and
+knn_probed's exact stage's fallbacks on ties.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import numpy as np
 import pytest
 
 from nearest_kernels import knn
-from nearest_kernels.segments import knn_segments
+from nearest_kernels import cpu
+from nearest_kernels.segments import knn_probed, knn_segments
 from tests.oracle import (
     assert_capped_topk,
     assert_knn_result,
@@ -95,31 +97,77 @@ def test_many_tiny_groups_against_the_oracle(block, metric, capped):
     assert fewer > 0    # some queries had fewer than k (small groups, the cap)
 
 
-def test_knn_segments_probes_several_segments_per_query():
-    # An IVF plan's shape: each query searches the union of 1-3 segments.
+SEGMENT_SEARCHES = pytest.mark.parametrize("search", [knn_segments, knn_probed],
+                                           ids=["knn_segments", "knn_probed"])
+
+
+@SEGMENT_SEARCHES
+@pytest.mark.parametrize("offset, scale", [(0.0, 1.0), (1e3, 1.0), (0.0, 1e-30), (0.0, 1e30)])
+def test_segments_probe_several_segments_per_query(search, offset, scale):
+    # An IVF plan's shape: each query searches the union of 0-3 segments (some empty), with
+    # rows that cannot rank, far from the origin and at extreme magnitudes.
     rng = np.random.default_rng(7)
     starts = np.concatenate([[0], np.cumsum(rng.integers(0, 30, 40))])
-    targets = rng.standard_normal((starts[-1], 33)).astype(np.float32)
-    queries = rng.standard_normal((60, 33)).astype(np.float32)
-    probes = [rng.choice(40, rng.integers(1, 4), replace=False) for _ in range(60)]
+    targets = ((rng.standard_normal((starts[-1], 33)) + offset) * scale).astype(np.float32)
+    targets[5] = targets[6]     # a duplicate
+    targets[9] = 0.0            # cosine cannot rank it
+    targets[11, 2] = np.nan
+    queries = ((rng.standard_normal((60, 33)) + offset) * scale).astype(np.float32)
+    queries[3] = np.nan
+    probes = [rng.choice(40, rng.integers(0, 4), replace=False) for _ in range(60)]
     probe_starts = np.concatenate([[0], np.cumsum([p.size for p in probes])])
     for metric in METRICS:
-        values, indices = knn_segments(queries, targets, starts, probe_starts, np.concatenate(probes), 7,
-                                       metric, threads=2)
+        values, indices = search(queries, targets, starts, probe_starts, np.concatenate(probes), 7,
+                                 metric, threads=2)
         for i, p in enumerate(probes):
-            rows = np.concatenate([np.arange(starts[s], starts[s + 1]) for s in p])
-            rows.sort()
+            rows = np.sort(np.concatenate([np.arange(starts[s], starts[s + 1]) for s in p] + [[]])).astype(int)
+            # The oracle's rows: those that can rank (no NaN; no zero vector under cosine).
+            rows = rows[np.isfinite(targets[rows]).all(axis=1) & (metric != "cosine" or targets[rows].any(axis=1))]
+            if rows.size == 0 or not np.isfinite(queries[i]).all():   # probes nothing, cannot rank
+                assert (indices[i] == -1).all(), (metric, i)
+                continue
             local = np.where(indices[i] >= 0, np.searchsorted(rows, indices[i]), -1)
             assert np.isin(indices[i][indices[i] >= 0], rows).all(), (metric, i)
             assert_knn_result(queries[i:i + 1], targets[rows], 7, metric, values[i:i + 1], local[None],
                               RTOL, case=f"{metric} query {i}")
 
 
-def test_knn_segments_ties_go_to_the_lower_row():
+@SEGMENT_SEARCHES
+def test_segments_ties_go_to_the_lower_row(search):
     targets = np.array([[1.0], [3.0], [1.0], [1.0], [9.0]], np.float32)
-    values, indices = knn_segments(np.array([[2.0]], np.float32), targets, np.array([0, 2, 5]),
-                                   np.array([0, 2]), np.array([1, 0]), 4, "l2")
+    values, indices = search(np.array([[2.0]], np.float32), targets, np.array([0, 2, 5]),
+                             np.array([0, 2]), np.array([1, 0]), 4, "l2")
     assert indices.tolist() == [[0, 1, 2, 3]] and values.tolist() == [[1.0, 1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize("copies", [300, 3000])
+@pytest.mark.parametrize("metric", METRICS)
+def test_knn_probed_ties_beyond_its_heap(copies, metric, monkeypatch):
+    """A query among ``copies`` identical targets (a duplicate group, as real embeddings have)
+    spread over three segments, near-copies one ulp away, and other rows: its k-th place is
+    a tie the sgemm's heap cannot settle. 300 copies are settled by the collecting search,
+    3000 (more than it keeps) by float64 keys over every probed row; either way the k
+    lowest-indexed copies, as knn_segments ranks them."""
+    rng = np.random.default_rng(copies)
+    d = 24
+    row = (rng.standard_normal(d) + 3.0).astype(np.float32)
+    others = (rng.standard_normal((1000, d)) + 3.0).astype(np.float32)
+    near = np.tile(row, (40, 1))
+    near[np.arange(40), np.arange(40) % d] = np.nextafter(row[np.arange(40) % d], np.float32(np.inf))
+    targets = np.concatenate([others[:500], np.tile(row, (copies, 1)), near, others[500:]])
+    targets = targets[rng.permutation(targets.shape[0])]
+    starts = np.array([0, targets.shape[0] // 3, targets.shape[0] // 2, targets.shape[0]])
+    queries = np.stack([row, others[0]])
+    probe_starts, probes = np.array([0, 3, 5]), np.array([2, 0, 1, 1, 2])
+    fallbacks = []
+    real = cpu._probed_float64
+    monkeypatch.setattr(cpu, "_probed_float64", lambda *a: fallbacks.append(a[1]) or real(*a))
+    for k in (1, 10, 100):
+        expected = knn_segments(queries, targets, starts, probe_starts, probes, k, metric)
+        values, indices = knn_probed(queries, targets, starts, probe_starts, probes, k, metric, threads=2)
+        np.testing.assert_array_equal(indices, expected[1], err_msg=f"{metric} k={k}")
+        np.testing.assert_allclose(values, expected[0], rtol=RTOL, err_msg=f"{metric} k={k}")
+    assert bool(fallbacks) == (copies > cpu.COLLECT_WIDTH and metric != "inner_product"), fallbacks
 
 
 @pytest.mark.parametrize("starts, probe_starts, probes, argument", [
@@ -128,7 +176,8 @@ def test_knn_segments_ties_go_to_the_lower_row():
     ([0, 2], [0, 2], [0], "probe_starts"),
     ([0, 2], [0, 1], [1], "probe_segments"),
 ])
-def test_knn_segments_errors_name_the_argument(starts, probe_starts, probes, argument):
+@SEGMENT_SEARCHES
+def test_segments_errors_name_the_argument(search, starts, probe_starts, probes, argument):
     with pytest.raises(ValueError, match=f"^{argument}:"):
-        knn_segments(np.zeros((1, 2), np.float32), np.zeros((3, 2), np.float32), np.array(starts),
+        search(np.zeros((1, 2), np.float32), np.zeros((3, 2), np.float32), np.array(starts),
                      np.array(probe_starts), np.array(probes), 2)

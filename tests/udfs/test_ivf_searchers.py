@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from nearest_kernels import rankable_rows, resolve_metric
+from nearest_kernels import rankable_rows, resolve_metric, segments
 from nearest_kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
@@ -103,6 +103,17 @@ def test_ivf_search_on_the_block_searcher_matches_the_oracle(monkeypatch, search
         return opened
 
     monkeypatch.setattr(B, "open_block_searcher", open_searcher)
+    probed = []
+    real_probed = segments.knn_probed
+
+    def counted_probed(q, t, starts, probe_starts, probe_segments, *args, **options):
+        sizes = np.diff(starts)[probe_segments]
+        owners = np.repeat(np.arange(q.shape[0]), np.diff(probe_starts))
+        probed.extend((int((owners[probe_segments == s] >= 0).sum()), int(sizes[probe_segments == s][0]))
+                      for s in np.unique(probe_segments))
+        return real_probed(q, t, starts, probe_starts, probe_segments, *args, **options)
+
+    monkeypatch.setattr(segments, "knn_probed", counted_probed)
     q_layout = SideLayout("qv", 1, D, Q_BLOCK_ROWS, group_index=2)
     t_layout = SideLayout("tv", 1, D, T_BLOCK_ROWS, group_index=2)
     q_pack, t_pack = (functools.partial(pack_listed, centroids=centroids, metric=metric, nprobe=p)
@@ -114,8 +125,12 @@ def test_ivf_search_on_the_block_searcher_matches_the_oracle(monkeypatch, search
     ctx = B.JoinContext(settings, q_layout, t_layout, "leftouter", True, t_table.schema)
     out = pa.Table.from_batches(list(B.search_broadcast(pair_batches(q_packed, t_packed), ctx)))
 
-    # The large list went to the task's searcher, the other lists to the segment search.
-    assert any(nq * nt * D > SEGMENT_WORK for nq, nt in calls), calls
+    # The large list went to the task's searcher (on the CPU: one knn_probed call for the
+    # block), the other lists to the segment search.
+    if searcher == "cpu":
+        assert not calls and any(nq * nt * D > SEGMENT_WORK for nq, nt in probed), (calls, probed)
+    else:
+        assert any(nq * nt * D > SEGMENT_WORK for nq, nt in calls) and not probed, (calls, probed)
     qid, tid, value = (out.column(i).to_numpy(zero_copy_only=False) for i in (0, 2, 4))
     m = resolve_metric(metric)
     t_lists = route(targets, centroids, metric)[:, 0]
