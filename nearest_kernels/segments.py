@@ -169,21 +169,28 @@ def knn_probed(queries: np.ndarray, targets: np.ndarray, segment_starts: np.ndar
     if not (nq and nt and probe_segments.size):
         return values, indices
     # Rows that cannot rank leave: such queries probe nothing, such targets leave their
-    # segments (the clean rows keep their order, so ties still go to the lower index).
-    q_ok = np.flatnonzero(rankable_rows(queries, m))
+    # segments (the clean rows keep their order, so ties still go to the lower index). Blocks
+    # whose rows all rank, the usual case, are searched as they are, without a copy.
+    q_ok = rankable_rows(queries, m)
     t_ok = rankable_rows(targets, m)
-    kept = np.concatenate([[0], np.cumsum(t_ok)]).astype(np.int64)
-    counts = probe_starts[q_ok + 1] - probe_starts[q_ok]
-    q_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    at = np.repeat(probe_starts[q_ok] - q_starts[:-1], counts) + np.arange(q_starts[-1], dtype=np.int64)
-    clean_targets = np.flatnonzero(t_ok)
-    if q_ok.size == 0 or clean_targets.size == 0:
+    q_rows = slice(None) if q_ok.all() else np.flatnonzero(q_ok)
+    clean_targets = None if t_ok.all() else np.flatnonzero(t_ok)
+    if not q_ok.any() or not t_ok.any():
         return values, indices
-    v, i = cpu.knn_probed_rows(np.ascontiguousarray(queries[q_ok]), np.ascontiguousarray(targets[clean_targets]),
-                               kept[segment_starts], q_starts, probe_segments[at], k, m,
-                               cpu.check_threads(threads), check_cap(cap))
-    values[q_ok] = v
-    indices[q_ok] = np.where(i >= 0, clean_targets[np.maximum(i, 0)], -1)
+    if clean_targets is not None:
+        targets = targets[clean_targets]
+        segment_starts = np.concatenate([[0], np.cumsum(t_ok)]).astype(np.int64)[segment_starts]
+    if not isinstance(q_rows, slice):
+        queries = queries[q_rows]
+        counts = probe_starts[q_rows + 1] - probe_starts[q_rows]
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        probe_segments = probe_segments[np.repeat(probe_starts[q_rows] - starts[:-1], counts)
+                                        + np.arange(starts[-1], dtype=np.int64)]
+        probe_starts = starts
+    v, i = cpu.knn_probed_rows(np.ascontiguousarray(queries), np.ascontiguousarray(targets), segment_starts,
+                               probe_starts, probe_segments, k, m, cpu.check_threads(threads), check_cap(cap))
+    values[q_rows] = v
+    indices[q_rows] = i if clean_targets is None else np.where(i >= 0, clean_targets[np.maximum(i, 0)], -1)
     return values, indices
 
 
