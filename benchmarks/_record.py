@@ -285,7 +285,7 @@ def run_spawned(target, rank_args: list[tuple], timeout: float) -> list:
 
 
 def import_base_kernels(folder: Path):
-    """A copy of another commit's ``nearest_join/kernels`` in ``folder``, imported as the
+    """A copy of another commit's kernels package (``nearest_kernels``) in ``folder``, imported as the
     top-level package ``base_kernels`` (its modules import each other relatively): the peer
     of the ``--compare-base`` runs."""
     spec = importlib.util.spec_from_file_location("base_kernels", Path(folder) / "__init__.py",

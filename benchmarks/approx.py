@@ -200,7 +200,7 @@ def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows
 
 def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, workdir: str,
                 force: bool = False, repeat: int = 1) -> list[dict]:
-    from nearest_join.ivf import default_nlist
+    from nearest_join.ivf_index import default_nlist
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._record import SMOKE_DIR, Recorder, import_base_kernels
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
 SKLEARN_METRIC = {"l2": "euclidean", "cosine": "cosine"}
@@ -50,7 +50,7 @@ COMPILE_PROBE = """
 import time
 start = time.perf_counter()
 import numpy as np
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 q = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
 for metric in ("l2", "cosine"):
     knn(q, q, 5, metric, backend="cpu", threads=1)
@@ -125,14 +125,18 @@ BASE = None   # --compare-base: another commit's kernels package, imported as ba
 
 
 def load_base(commit: str):
-    """``nearest_join/kernels`` of ``commit``, extracted from git into a temporary directory
-    and imported as the package ``base_kernels`` (its dispatcher pointed at its own backends)."""
+    """The kernels package of ``commit`` (``nearest_kernels``, ``nearest_join/kernels`` before
+    it moved), extracted from git into a temporary directory and imported as the package
+    ``base_kernels`` (its dispatcher pointed at its own backends)."""
     import importlib
 
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
-    listing = subprocess.run(["git", "ls-tree", "--name-only", commit, "nearest_join/kernels/"],
-                             cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for package in ("nearest_kernels/", "nearest_join/kernels/"):
+        listing = subprocess.run(["git", "ls-tree", "--name-only", commit, package],
+                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+        if listing:
+            break
     for path in listing:
         if path.endswith(".py"):
             source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True,
@@ -141,7 +145,7 @@ def load_base(commit: str):
     module = import_base_kernels(folder)
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
-        entry.module = entry.module.replace("nearest_join.kernels", "base_kernels")
+        entry.module = "base_kernels." + entry.module.rsplit(".", 1)[1]
     module.commit = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT,
                                    capture_output=True, text=True, check=True).stdout.strip()
     return module

@@ -37,8 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nearest_join.kernels import _gpu_torch as gt  # noqa: E402
-from nearest_join.kernels.gpu import prepare_targets, search_prepared  # noqa: E402
+from nearest_kernels import _gpu_torch as gt  # noqa: E402
+from nearest_kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
 ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
 CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 1e6 floats = 16 GB)
@@ -92,7 +92,7 @@ def fused_pass(Q, prepared, k):
     """(keys, indices) of the fused kernel's candidate pass alone at k's plain list width, the
     first k of each row: the plain low-precision search, no re-rank and no proof. The library
     always re-ranks; this is the peer that says what exactness costs on top of the pass."""
-    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     qs = gt.prepare_queries(Q, prepared.side)
     keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gt.MIN_CANDIDATES, gt.next_pow2(k)))
@@ -227,7 +227,7 @@ COMPARE_SHAPES = [
 
 
 def _load_base_kernels(folder: Path):
-    """The kernels package of another commit (a copy of its ``nearest_join/kernels``) as the
+    """The kernels package of another commit (a copy of its ``nearest_kernels`` folder) as the
     top-level package ``base_kernels``: its modules import each other relatively."""
     import importlib
 
@@ -329,7 +329,7 @@ def main(argv=None) -> None:
     ap.add_argument("--arrow-reps", type=int, default=3,
                     help="Arrow path: next-task runs per shape (the median is reported)")
     ap.add_argument("--compare-base", default=None,
-                    help="only: the EXACT search against another commit's nearest_join/kernels copied to "
+                    help="only: the EXACT search against another commit's nearest_kernels copied to "
                          "this folder (git show), interleaved, on COMPARE_SHAPES (--only picks by name part)")
     args = ap.parse_args(argv)
     if args.arrow_shapes:

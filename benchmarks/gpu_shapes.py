@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from gpu_kernel import addmm_topk, cuda_ms, gemm_alone  # noqa: E402
 
-from nearest_join.kernels.gpu import knn_torch, resolve_precision  # noqa: E402
+from nearest_kernels.gpu import knn_torch, resolve_precision  # noqa: E402
 from tests import oracle  # noqa: E402
 from tests.kernels.test_gpu_shapes import DIMS as DEVICE_TEST_DIMS  # noqa: E402
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 from udfs.groups import GroupSegments, grouped_search
 
 D, K, METRIC = 64, 10, "l2"
@@ -103,7 +103,7 @@ def segment_work_case(rec: Recorder, threads: int, max_groups: int = 64) -> None
     (``knn_segments``, all groups in one call) against one ``knn`` call per group, over
     groups of one shape (queries x targets) at d=64, k=10. The segment search costs in
     proportion to the work; a knn call pays its set-up first and runs sgemm after."""
-    from nearest_join.kernels.segments import knn_segments
+    from nearest_kernels.segments import knn_segments
 
     rng = np.random.default_rng(3)
     for q_rows, t_rows in ((1, 16), (4, 64), (16, 256), (64, 256), (64, 1024), (256, 1024), (256, 4096),

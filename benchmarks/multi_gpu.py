@@ -32,9 +32,8 @@ sys.path.insert(0, str(REPO))
 
 
 def _context(k, d, precision, q_rows, t_rows, schema, backend="gpu"):
-    from udfs.blocks import JoinContext
+    from udfs.context import JoinContext, SearchSettings
     from udfs.packing import SideLayout
-    from udfs.searcher import SearchSettings
 
     return JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_rows),
                        SideLayout("tv", 1, d, t_rows), "inner", True, schema)

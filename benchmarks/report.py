@@ -433,7 +433,7 @@ TABLES: dict[tuple[str, str], Table] = {
         "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
         APPROX_COLUMNS,
         about="1,000,000 targets x 100,000 queries, d=128, k=10, l2, nlist the planner's default "
-              "(`nearest_join.ivf.default_nlist`); clustered: 1,000 "
+              "(`nearest_join.ivf_index.default_nlist`); clustered: 1,000 "
               "Gaussian clusters; gaussian: N(0, 1). Each approx call trains, estimates recall on a "
               "sample and searches; on the clustered data each engine's fastest of the calls in its "
               "record's `runs` (the Gaussian's: one call), the approx rows after one untimed full-size "

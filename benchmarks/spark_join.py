@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from pyspark.sql import functions as F
 
     from nearest_join import nearest_by_join
-    from nearest_join.kernels import knn
+    from nearest_kernels import knn
 
     spark = local_spark("nearest_join-bench", "8g")
     tmp = tempfile.mkdtemp(prefix="nj-bench-")

@@ -293,7 +293,7 @@ def _candidates(case: dict, all_keys: np.ndarray) -> np.ndarray:
 
 def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     """Run one approx join: its problems (wrong rows), its recall@k, what its plan promised."""
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 

@@ -388,7 +388,7 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
     with phases("plan") as facts, _input_errors(spec):
         try:
             if spec.join.index is not None:   # join.index: a saved IVF index, or train and save one
-                from nearest_join.ivf import load_or_build
+                from nearest_join.ivf_index import load_or_build
 
                 index = load_or_build(spec.join.index.path, rebuild=spec.join.index.rebuild, target=target,
                                       column=target_vector, metric=spec.join.metric, nlist=options.nlist,

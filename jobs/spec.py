@@ -517,7 +517,7 @@ def option_key(argument: str | None) -> str:
 
 def _join(values: dict[str, Any]) -> JoinSpec:
     from nearest_join.errors import ArgumentError, ArgumentTypeError, NearestByJoinError
-    from nearest_join.kernels import METRICS  # pure numpy; the library's list of metrics
+    from nearest_kernels import METRICS  # pure numpy; the library's list of metrics
 
     metric = values["metric"]
     if not isinstance(metric, str) or metric not in METRICS:

@@ -1,8 +1,9 @@
 """nearest_join: a fast, exact distributed nearest-neighbour join for Apache Spark.
 
 ``from nearest_join import nearest_by_join`` is the public entry (Spark's ``nearestByJoin``
-contract). The Spark layer is imported lazily so that ``nearest_join.kernels`` works on
-machines without pyspark (GPU executors under test, benchmarks).
+contract). The Spark layer is imported lazily, on the first use of one of the names below, so
+that ``import nearest_join`` itself costs nothing (the numeric kernels are a package of their
+own, :mod:`nearest_kernels`, which never imports this one).
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ _LAZY = {
     "nearest_by_join": "nearest_join.join",
     "explain_nearest_join": "nearest_join.join",
     "JoinPlan": "nearest_join.planner",
-    "build_ivf_index": "nearest_join.ivf",
-    "IVFIndex": "nearest_join.ivf",
+    "build_ivf_index": "nearest_join.ivf_index",
+    "IVFIndex": "nearest_join.ivf_index",
 }
 
 __all__ = sorted(_LAZY)

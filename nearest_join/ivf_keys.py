@@ -38,14 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .ivf import (
-    RECALL_QUERIES,
-    IVFIndex,
-    RecallCurve,
-    _neighbour_lists,
-    _sample_table,
-    recall_of_ranks,
-)
+from .ivf_index import IVFIndex, sample_table
+from .recall import RECALL_QUERIES, RecallCurve, neighbour_lists, recall_of_ranks
 
 # With on= keys, a key of at most this many lists' worth of target rows (target rows / nlist
 # each) is searched whole: IVF cannot win on so few rows (its queries would probe most of
@@ -81,7 +75,7 @@ class KeyLists:
 
 
 def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
-    """The :class:`KeyLists` of ``t_input`` (the keyed target, ``nearest_join.join._inputs``:
+    """The :class:`KeyLists` of ``t_input`` (the keyed target, ``nearest_join.inputs.positional_inputs``:
     its vector column ``vector_name``, its key group ``C.GROUP`` last): one Spark job, a scan
     of the target that routes every row to its list (``udfs.lists.count_key_lists``, a
     partition's pairs counted there) and sends the driver one row per (key, list) pair of the
@@ -136,7 +130,7 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
     (q_input, t_input), (q_vector, t_vector) = inputs, vector_names
     width = max(lists.widest, 1)
     picked = q_input.select(q_vector, C.GROUP).where(F.col(q_vector).isNotNull() & F.col(C.GROUP).isNotNull())
-    table = _sample_table(picked, RECALL_QUERIES, plan.query_rows, seed)
+    table = sample_table(picked, RECALL_QUERIES, plan.query_rows, seed)
     queries = decode_vectors(table.column(0), None, label=quote(parsed.query_column))
     if queries.shape[0] == 0:
         return RecallCurve(np.ones(width), 0)
@@ -147,8 +141,8 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
                                  cap=plan.cap, query_groups=groups)
     scanned = t_input.select(t_vector, C.GROUP).mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
-    neighbour_lists = _neighbour_lists(scanned, queries.shape[0], plan.k, parsed.metric)
-    return recall_of_ranks(key_ranks(queries, groups, neighbour_lists, lists, index, parsed.metric), width)
+    true_lists = neighbour_lists(scanned, queries.shape[0], plan.k, parsed.metric)
+    return recall_of_ranks(key_ranks(queries, groups, true_lists, lists, index, parsed.metric), width)
 
 
 def key_ranks(queries: np.ndarray, groups: np.ndarray, neighbour_lists: list[np.ndarray], lists: KeyLists,
@@ -246,13 +240,13 @@ def keyed_vector_columns(planned, frames, names):
 
 def keyed_inputs(planned):
     """((query, target) with positional names and the key group last, (their vector
-    columns' names)): the keyed inputs :func:`nearest_join.join._inputs` gives the join."""
+    columns' names)): the keyed inputs :func:`nearest_join.inputs.positional_inputs` gives the join."""
     from udfs import columns as C
 
-    from .join import _inputs
+    from .inputs import positional_inputs
     from .ranking import column_index
 
     query, target, parsed = planned.query, planned.target, planned.parsed
     names = (C.output_name(column_index(query, parsed.query_column)),
              C.output_name(len(query.columns) + column_index(target, parsed.target_column)))
-    return _inputs(query, target, planned.keys), names
+    return positional_inputs(query, target, planned.keys), names

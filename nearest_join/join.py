@@ -2,8 +2,9 @@
 
 The driver validates the arguments once into a :class:`~nearest_join.options.JoinOptions`,
 plans (:func:`plan_join`: one facts job) and builds a DataFrame; executors do the work in
-``udfs`` (packing, the plan loops of ``udfs.blocks``, emission); the numeric core is ``nearest_join.kernels``. No SparkContext, RDD or JVM
-handle is touched, so the same code runs under classic PySpark and Spark Connect.
+``udfs`` (packing, the plan loops of ``udfs.blocks``, emission); the numeric core is
+``nearest_kernels``. No SparkContext, RDD or JVM handle is touched, so the same code runs under
+classic PySpark and Spark Connect.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from pyspark.sql.types import BinaryType, ByteType, FloatType, LongType, StructF
 
 from udfs import blocks, packing
 from udfs import columns as C
-from udfs.searcher import SearchSettings
+from udfs.context import JoinContext, SearchSettings
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 
 from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
+from .inputs import positional_inputs
 from .options import JoinOptions
 from .planner import (
     JoinPlan,
@@ -165,7 +167,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         layout = None
         if keys is not None and plan.plan == "blocked":
             # The cells need the groups' sizes: a second small job (one row per group).
-            layout = keyed.layout_of(*_inputs(query, target, keys), target_block_rows=plan.target_block_rows,
+            layout = keyed.layout_of(*positional_inputs(query, target, keys), target_block_rows=plan.target_block_rows,
                                      query_block_rows=plan.query_block_rows, cores=plan.cores,
                                      dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
             plan = dataclasses.replace(plan, key_cells=layout.summary())
@@ -402,7 +404,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> Dat
     target_arrow = to_arrow_schema(target.toDF(*[C.output_name(len(query.columns) + j)
                                                  for j in range(len(target.columns))]).schema,
                                    timezone=timezone)
-    q_input, t_input = _inputs(query, target, planned.keys)
+    q_input, t_input = positional_inputs(query, target, planned.keys)
     if planned.keys is not None:
         # The group id is each side's last column; the executors drop it from the blocks'
         # rows before they search or emit them.
@@ -418,9 +420,9 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> Dat
             q_input, t_input = planned.ivf.listed(q_input, t_input, q_layout, t_layout)
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
-    ctx = blocks.JoinContext(settings, q_layout, t_layout, plan.join_type,
-                             plan.distance_col is not None, target_arrow, cap=plan.cap,
-                             mark_first=first_match_column is not None)
+    ctx = JoinContext(settings, q_layout, t_layout, plan.join_type,
+                      plan.distance_col is not None, target_arrow, cap=plan.cap,
+                      mark_first=first_match_column is not None)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
@@ -586,49 +588,5 @@ def _executors_share_this_machine(spark) -> bool:
             and spark.conf.get("spark.master", "").startswith("local"))
 
 
-def _inputs(query: DataFrame, target: DataFrame, keys) -> tuple[DataFrame, DataFrame]:
-    """Both sides with plain positional column names (those of the columns' output
-    positions) and, with ``on=`` keys, each side's group id last (:func:`_with_groups`).
-
-    mapInArrow passes its input to the UDF as df[name] for every column name, and Spark
-    parses those (a dot is a field access, a backtick a syntax error): the mapped inputs get
-    plain names. Only positions matter to the executors.
-    """
-    n_query = len(query.columns)
-    q_input = query.toDF(*[C.output_name(i) for i in range(n_query)])
-    t_input = target.toDF(*[C.output_name(n_query + j) for j in range(len(target.columns))])
-    if keys is None:
-        return q_input, t_input
-    return _with_groups(q_input, t_input, keys,
-                        [C.output_name(column_index(query, k.query_column)) for k in keys],
-                        [C.output_name(n_query + column_index(target, k.target_column)) for k in keys])
-
-
-def _with_groups(q_input: DataFrame, t_input: DataFrame, keys, q_names: list[str],
-                 t_names: list[str]) -> tuple[DataFrame, DataFrame]:
-    """Both sides with a dense int group id (``C.GROUP``) per distinct non-NULL target key.
-
-    The keys are cast to their common type (as Spark's ``=`` compares them) and the distinct
-    target keys numbered 0..G-1 in key order (deterministic: the same ids however often
-    Spark evaluates it). The target keeps the rows whose key has an id (a NULL key matches
-    nothing); the query keeps every row, with a NULL id where its key has no group. The ids
-    are the keyed plan's only notion of a key, so any grouping (an IVF list id) can take
-    their place.
-    """
-    from pyspark.sql import Window
-
-    names = [C.key_name(i) for i in range(len(keys))]
-
-    def keyed(df: DataFrame, sources: list[str]) -> DataFrame:
-        return df.select("*", *[F.col(src).cast(k.common).alias(n) for src, k, n in zip(sources, keys, names)])
-
-    t_keyed = keyed(t_input, t_names)
-    groups = (t_keyed.select(*names).where(" AND ".join(f"{n} IS NOT NULL" for n in names)).distinct()
-              .withColumn(C.GROUP, (F.row_number().over(Window.orderBy(*names)) - 1).cast("int")))
-    t_out = t_keyed.join(F.broadcast(groups), names, "inner").select(*t_input.columns, C.GROUP)
-    q_out = keyed(q_input, q_names).join(F.broadcast(groups), names, "left").select(*q_input.columns, C.GROUP)
-    return q_out, t_out
-
-
-def _merge_function(ctx: blocks.JoinContext):
+def _merge_function(ctx: JoinContext):
     return blocks.merge_function(ctx)

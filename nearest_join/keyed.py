@@ -53,6 +53,7 @@ from pyspark.sql.types import ArrayType
 
 from udfs import blocks
 from udfs import columns as C
+from udfs.context import JoinContext
 
 from .planner import KeyedLayout, keyed_layout
 
@@ -123,7 +124,7 @@ def _cells_frame(spark, layout: KeyedLayout) -> DataFrame:
 
 
 def keyed_blocked_join(q_grouped: DataFrame, t_grouped: DataFrame, layout: KeyedLayout,
-                       ctx: blocks.JoinContext, out_schema, partial_schema, cores: int) -> DataFrame:
+                       ctx: JoinContext, out_schema, partial_schema, cores: int) -> DataFrame:
     """The joined rows (positional output names, ``out_schema``) of a keyed blocked join.
 
     ``q_grouped`` and ``t_grouped`` are the sides' columns (as ``ctx``'s layouts place them)

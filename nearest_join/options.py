@@ -130,7 +130,7 @@ def _optional_cap(name: str, value, nonnegative: bool) -> float | None:
 def _approx_options(options, mode: str) -> dict:
     """``recall``, ``nlist``, ``nprobe``, ``seed`` and ``index`` checked (the IVF plan of
     ``mode="approx"``; nlist, nprobe and index mean nothing to the exact mode)."""
-    from .ivf import MAX_LISTS, IVFIndex
+    from .ivf_index import MAX_LISTS, IVFIndex
 
     recall = options.recall
     if recall is not None:
@@ -207,7 +207,7 @@ class JoinOptions:
     min_similarity: float | None = None
     on: object = None   # None | ((query_column, target_column), ...) | a Column equality
     # mode="approx" (the IVF plan, nearest_join.ivf): target recall@k, lists, lists probed
-    # per query, the seed of sampling and k-means, a prebuilt nearest_join.ivf.IVFIndex.
+    # per query, the seed of sampling and k-means, a prebuilt nearest_join.ivf_index.IVFIndex.
     # None: the default under approx (recall DEFAULT_RECALL, seed 0); all stay None in exact mode.
     recall: float | None = None
     nlist: int | None = None

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from pyspark.errors import AnalysisException
 
-from nearest_join.kernels import METRICS
+from nearest_kernels import METRICS
 
 from .errors import ArgumentError, VectorTypeError
 

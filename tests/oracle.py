@@ -5,7 +5,7 @@ The oracle ranks by the difference form, in float64: sum((q - t)^2) for l2 / sqe
 sum((q/|q| - t/|t|)^2) = 2 - 2 cos for cosine, and -q.t for inner product (which has no
 difference form). The expansion |q|^2 - 2 q.t + |t|^2 cancels catastrophically on offset
 data even in float64; the difference form does not. It is written here, apart from
-``nearest_join.kernels.reference`` (the reference *backend*), so that the reference is checked
+``nearest_kernels.reference`` (the reference *backend*), so that the reference is checked
 against it rather than against itself.
 
 :func:`assert_true_topk` is the check: every returned row must be a true top-k row of the
@@ -36,9 +36,9 @@ _CHUNK_VALUES = 1 << 22
 
 # Where each backend declares its tolerance for assert_true_topk (module, constant).
 _RTOL_OF = {
-    "cpu": ("nearest_join.kernels.cpu", "RANK_TOLERANCE"),
-    "gpu": ("nearest_join.kernels.gpu", "RTOL"),
-    "reference": ("nearest_join.kernels.reference_backend", "RTOL"),
+    "cpu": ("nearest_kernels.cpu", "RANK_TOLERANCE"),
+    "gpu": ("nearest_kernels.gpu", "RTOL"),
+    "reference": ("nearest_kernels.reference_backend", "RTOL"),
 }
 
 # A join's values are float32, and the blocked plans merge the partial top k of target blocks on

@@ -26,10 +26,9 @@ def warm() -> None:
     import numpy as np
     import pyarrow as pa
 
-    from udfs.blocks import JoinContext
+    from udfs.context import JoinContext, SearchSettings
     from udfs.local import local_join
     from udfs.packing import SideLayout
-    from udfs.searcher import SearchSettings
 
     # the rare paths compile in a process of their own meanwhile: the machine's second core
     rare = subprocess.Popen([sys.executable, "-c", "from tests import warm_kernels; warm_kernels._rare_paths()"],
@@ -63,7 +62,7 @@ def _rare_paths() -> None:
     and the float64 search of rows the bound did not prove."""
     import numpy as np
 
-    from nearest_join.kernels import _cpu_kernels, gather, kmeans, knn, segments
+    from nearest_kernels import _cpu_kernels, gather, kmeans, knn, segments
 
     rng = np.random.default_rng(1)
     d = 3

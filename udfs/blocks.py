@@ -25,12 +25,12 @@ from __future__ import annotations
 import typing
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
 
 from . import columns as C
+from .context import JoinContext, SearchSettings, task_cpus
 from .emit import emit_rows
 from .groups import GroupSegments, group_ids, grouped_search
 from .packing import (
@@ -41,7 +41,7 @@ from .packing import (
     table_to_blob,
 )
 from .rows import ColumnViews, pooled_empty, take_rows
-from .searcher import SearchSettings, open_block_searcher, task_cpus
+from .searcher import open_block_searcher
 from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
 from .vectors import decode_vectors
 
@@ -49,33 +49,6 @@ PARTIAL_SCHEMA = pa.schema([
     (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),
     (C.Q_BLOB, pa.binary()), (C.PARTIAL, pa.binary()),
 ])
-
-
-@dataclass(frozen=True)
-class JoinContext:
-    """Everything an executor needs, captured by value in the UDF closures."""
-
-    settings: SearchSettings
-    query: SideLayout
-    target: SideLayout
-    join_type: str                      # "inner" | "leftouter"
-    with_distance: bool
-    target_schema: pa.Schema            # Arrow schema of the target's columns (NULL padding)
-    output_names: tuple[str, ...] = field(default=())
-    cap: float | None = None            # knn's cap (the metric's units, inclusive) or None
-    # A last int8 output column, 1 on a query row's best match and 0 elsewhere (the batch
-    # jobs count the queries that found a candidate from it, without a second pass).
-    mark_first: bool = False
-
-    @property
-    def k(self) -> int:
-        return self.settings.k
-
-    @property
-    def keyed(self) -> bool:
-        """Whether rows carry a group id (``on=`` keys): each query row meets only its group."""
-        return self.query.group_index is not None
-
 
 
 def block_search(ctx: JoinContext, searcher, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
@@ -184,7 +157,7 @@ class _KeyedUnion:
         sizes = [b[2].shape[0] for b in blocks]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.segments = GroupSegments.of(np.concatenate([b[3] for b in blocks]))
-        from nearest_join.kernels.gather import take_rows_at   # numba: on executors only
+        from nearest_kernels.gather import take_rows_at   # numba: on executors only
 
         order = self.segments.order
         # One copy, block by block, into pool memory (reused: no fresh page faults): union

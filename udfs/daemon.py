@@ -83,7 +83,7 @@ def _preload() -> None:
     import pandas  # noqa: F401
     import pyarrow  # noqa: F401
 
-    import nearest_join.kernels.cpu  # noqa: F401
+    import nearest_kernels.cpu  # noqa: F401
     import udfs.blocks  # noqa: F401
     import udfs.lists  # noqa: F401
     import udfs.probes  # noqa: F401

@@ -17,7 +17,7 @@ from . import columns as C
 from .rows import ColumnViews, gather_rows, gather_threads
 
 if TYPE_CHECKING:
-    from .blocks import JoinContext
+    from .context import JoinContext
     from .topk import TopkState
 
 # Output batches are cut to about this many rows.

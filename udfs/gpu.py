@@ -34,7 +34,7 @@ import numpy as np
 
 from .device_fold import DeviceFold
 from .gpu_task import address_to_ordinal, task_gpu_address, task_scope
-from .searcher import SearchSettings
+from .context import SearchSettings
 from .staging import HostStaging, same_memory
 from .target_cache import TargetStore, fingerprint, kept_targets, prepared_bytes
 
@@ -89,7 +89,7 @@ class GpuBlockSearcher:
                  batch_rows: int | None = None):
         import torch
 
-        from nearest_join.kernels.gpu import choose, resolve_precision
+        from nearest_kernels.gpu import choose, resolve_precision
 
         self.settings = settings
         self.device = torch.device(device)
@@ -145,7 +145,7 @@ class GpuBlockSearcher:
 
         import torch
 
-        from nearest_join.kernels.gpu import compile_first_pass, prepare_targets, search_prepared
+        from nearest_kernels.gpu import compile_first_pass, prepare_targets, search_prepared
 
         q_rows, t_rows, d, q_dtype, t_dtype = shape
         rows = min(q_rows, self._rows_per_batch(q_rows, d))
@@ -209,8 +209,12 @@ class GpuBlockSearcher:
         ``keep``: the block is the same for every task of this stage (a broadcast block):
         it is stored for the stage's next task in this worker, when there is a task scope.
         """
-        from nearest_join.kernels._gpu_torch import lower_table_bytes
-        from nearest_join.kernels.gpu import kept_sample_rows, prepare_targets, uses_lower_keys
+        from nearest_kernels.gpu import (
+            kept_sample_rows,
+            lower_table_bytes,
+            prepare_targets,
+            uses_lower_keys,
+        )
 
         target_vectors = np.asarray(target_vectors)
         shared = keep and target_key is not None and self._kept is not None
@@ -258,7 +262,7 @@ class GpuBlockSearcher:
                target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Top-k of each query row against the target block: numpy in, numpy out.
 
-        Same contract as :func:`nearest_join.kernels.knn`, ``cap`` included (the kernels'
+        Same contract as :func:`nearest_kernels.knn`, ``cap`` included (the kernels'
         limit from their first pass; a row may have fewer than k). ``target_key`` names the
         target block: equal keys reuse the block already on the device.
         """
@@ -273,7 +277,7 @@ class GpuBlockSearcher:
         The running top-k of a query block stays on the device across its target blocks:
         a fold is a sort of (nq, 2k) there, not a host merge of numpy arrays. Slots are
         ordered by (value, global key ``block_id << ROW_BITS | row``), the tie rule of
-        :func:`nearest_join.kernels.merge_topk`. ``source`` tags the block's slots (the
+        :func:`nearest_kernels.merge_topk`. ``source`` tags the block's slots (the
         caller's payload table). The fold's host copy starts at once; read it with
         :meth:`DeviceFold.to_numpy` from any thread. ``keep``: a broadcast block, kept for
         the stage's next task (see :meth:`_resident_targets`). ``cap``: as in :meth:`search`
@@ -281,8 +285,8 @@ class GpuBlockSearcher:
         """
         import torch
 
-        from nearest_join.kernels import resolve_metric
-        from nearest_join.kernels._gpu_torch import best_order
+        from nearest_kernels import resolve_metric
+        from nearest_kernels.gpu import best_order
 
         from .columns import ROW_BITS
 
@@ -307,8 +311,8 @@ class GpuBlockSearcher:
         """(values, indices) on the device for the whole query block."""
         import torch
 
-        from nearest_join.kernels import resolve_metric
-        from nearest_join.kernels.gpu import search_prepared
+        from nearest_kernels import resolve_metric
+        from nearest_kernels.gpu import search_prepared
 
         k, metric = self.settings.k, resolve_metric(self.settings.metric)
         query_vectors = np.asarray(query_vectors)

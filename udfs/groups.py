@@ -1,7 +1,7 @@
 """The keyed search: each query row meets only the target rows of its group.
 
 A group is a dense int id per row (``-1``: none): the driver numbers the distinct keys of
-``on=`` (``nearest_join.join._with_groups``); an IVF plan would number its lists the same
+``on=`` (``nearest_join.inputs.positional_inputs``); an IVF plan would number its lists the same
 way. A target block is sorted by group once per task (:class:`GroupSegments`), so each
 group's rows are one contiguous segment; a query block is searched against those segments
 (:func:`grouped_search`) and gives the same ``(values, rows)`` as one search of the whole
@@ -12,11 +12,11 @@ tie rule holds: the sort is stable, so within a segment block order is kept.
 Groups are searched two ways, by their work (queries x targets x d of the pair):
 
 * small groups, all of them at once, in one call of
-  :func:`nearest_join.kernels.segments.knn_segments`: every query row of the block against
+  :func:`nearest_kernels.segments.knn_segments`: every query row of the block against
   its group's segment in one compiled loop, float64 keys ranked by (key, row), exact for
   every metric. 100,000 keys of ~10 targets then cost one call, not 100,000; an IVF plan
   passes several segments (its probed lists) per query to the same call;
-* large groups one :func:`~nearest_join.kernels.knn` call each (the task's searcher: sgemm
+* large groups one :func:`~nearest_kernels.knn` call each (the task's searcher: sgemm
   or GPU), where the call's fixed cost is small against the arithmetic it speeds up.
 
 Both are exact with the same tie rule, so where the line falls changes the time, not the
@@ -82,19 +82,19 @@ def grouped_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, 
     contract: (nq, k) float32 values and int64 rows, -1 for an empty slot, ``cap`` applied;
     ``wide``: the task searches on the CPU, and a query's several large groups, IVF probes,
     go to one ``knn_probed`` call instead, :func:`udfs.probes.probed_search`);
-    small groups go to one :func:`~nearest_join.kernels.segments.knn_segments` call with
+    small groups go to one :func:`~nearest_kernels.segments.knn_segments` call with
     ``cap`` and ``threads``. ``sorted_targets`` are the target block's vectors in
     ``segments.order``. Query rows of no group, or of a group the block lacks, get empty
     slots (the metric's worst value, row -1).
     """
-    from nearest_join.kernels import resolve_metric
-    from nearest_join.kernels.segments import knn_segments  # numba: on executors only
+    from nearest_kernels import resolve_metric
+    from nearest_kernels.segments import knn_segments  # numba: on executors only
 
     if not isinstance(query_groups, np.ndarray):   # several groups per row (IVF probes)
         from .probes import probed_search
 
         return probed_search(search, query_vectors, query_groups, sorted_targets, segments, k,
-                             metric, cap=cap, threads=threads, wide=wide)
+                             metric, segment_work=SEGMENT_WORK, cap=cap, threads=threads, wide=wide)
     nq = query_vectors.shape[0]
     worst = resolve_metric(metric).worst
     values = np.full((nq, k), worst, np.float32)

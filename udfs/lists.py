@@ -5,7 +5,7 @@ Each side gets its routing appended as the group column (``C.GROUP``) that the k
 reads (``udfs.groups``): a target row its list (nearest centroid, int; NULL when its vector
 cannot rank), a query row the ``nprobe`` lists it probes, nearest first (``list<int>``;
 empty when its vector cannot rank). Both come from
-:func:`nearest_join.kernels.kmeans.route`, the one exact assignment the driver trained and
+:func:`nearest_kernels.kmeans.route`, the one exact assignment the driver trained and
 estimated recall with, so a row's lists are the same wherever they are computed.
 :func:`pack_listed` routes and packs in one pass (``udfs.packing.pack_blocks`` on the routed
 batches), so a side's rows cross between the JVM and Python once.
@@ -76,9 +76,9 @@ def append_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centr
                  metric: str, nprobe: int | None) -> Iterator[pa.RecordBatch]:
     """Every batch with its rows' lists appended as ``C.GROUP`` (``nprobe`` None: a target
     row's one list; else a query row's ``nprobe`` probed lists)."""
-    from nearest_join.kernels.kmeans import route  # numba: on executors only
+    from nearest_kernels.kmeans import route  # numba: on executors only
 
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     for batch in batches:
@@ -131,22 +131,22 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     """mapInArrow function over the target: the exact top ``k`` of ``queries`` (the recall
     estimate's sample) against this partition's rows, emitted once at the end as
     ``SAMPLE_SCHEMA`` rows: one per filled slot, with the list of the neighbour
-    (:func:`~nearest_join.kernels.kmeans.route` under the join's ``metric``, as the search routes).
+    (:func:`~nearest_kernels.kmeans.route` under the join's ``metric``, as the search routes).
 
     The running state is (queries, k) values, partition row numbers and vectors: the
     partition's rows are searched :data:`SCAN_ROWS` at a time, and each search's top k is
-    merged into it (:func:`nearest_join.kernels.merge_topk`, ties to the
+    merged into it (:func:`nearest_kernels.merge_topk`, ties to the
     lower row) and only the k neighbours left at the end are routed.
 
     ``query_groups`` (``on=`` keys: each sampled query's key group, -1 none): each query is
     ranked against the rows of its own group only, the batches' ``layout.group_index``
     column holding the target rows' groups (:func:`udfs.groups.grouped_search`).
     """
-    from nearest_join.kernels import knn, merge_topk
-    from nearest_join.kernels.kmeans import route
+    from nearest_kernels import knn, merge_topk
+    from nearest_kernels.kmeans import route
 
-    from .packing import _task_partition
-    from .searcher import task_cpus
+    from .packing import task_partition
+    from .context import task_cpus
 
     threads = task_cpus()
     nq, d = queries.shape
@@ -175,7 +175,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     if query.size == 0:
         return
     lists = route(held[query, slot], centroids, metric, 1, threads=threads)[:, 0]
-    order = (np.int64(_task_partition()) << _ROW_BITS) | rows[query, slot]
+    order = (np.int64(task_partition()) << _ROW_BITS) | rows[query, slot]
     yield pa.RecordBatch.from_arrays(
         [pa.array(query.astype(np.int32)), pa.array(values[query, slot].astype(np.float32)),
          pa.array(lists.astype(np.int32)), pa.array(order)], schema=SAMPLE_SCHEMA)
@@ -187,7 +187,7 @@ def _grouped_knn(queries: np.ndarray, query_groups: np.ndarray, vectors: np.ndar
     """knn's (values, chunk rows) of ``queries`` against ``vectors`` (of group ids
     ``target_groups``), each query ranked against the rows of its own group only
     (:func:`udfs.groups.grouped_search`)."""
-    from nearest_join.kernels import knn
+    from nearest_kernels import knn
 
     from .groups import GroupSegments, grouped_search
 
@@ -208,10 +208,10 @@ def count_key_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, ce
     ``layout.group_index``): the rows of each (key group, list) pair in the partition, one
     ``KEY_LIST_SCHEMA`` row per pair, emitted at the end. A row of no group, or whose vector
     cannot rank, counts nowhere."""
-    from nearest_join.kernels.kmeans import route  # numba: on executors only
+    from nearest_kernels.kmeans import route  # numba: on executors only
 
     from .groups import group_ids
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     nlist = centroids.shape[0]
@@ -244,12 +244,12 @@ def key_probes(vectors: np.ndarray, groups: np.ndarray, key_lists: np.ndarray, c
     ``key_lists`` are the sorted codes ``key group * nlist + list`` of the (key, list)
     pairs of the keys searched by lists; pair ``i``'s group id is ``i``. A row of such a key
     probes its ``nprobe`` nearest lists *among those its key's targets occupy*
-    (:func:`~nearest_join.kernels.kmeans.route` over those centroids, ties to the lower
+    (:func:`~nearest_kernels.kmeans.route` over those centroids, ties to the lower
     list; all of them when the key has fewer; none when its vector cannot rank). A row of
     any other key group ``g`` (one searched whole) probes the one id
     ``len(key_lists) + g``; a row of no group (-1) probes nothing.
     """
-    from nearest_join.kernels.kmeans import route  # numba: on executors only
+    from nearest_kernels.kmeans import route  # numba: on executors only
 
     nlist = centroids.shape[0]
     lo, hi = _key_ranges(groups, key_lists, nlist)
@@ -300,10 +300,10 @@ def replace_key_groups(batches: Iterable[pa.RecordBatch], *, layout: SideLayout,
     """Every batch with its key group column (``layout.group_index``, ``C.GROUP``) replaced
     by the IVF group ids: a target row's one id (``nprobe`` None, :func:`target_key_ids`),
     a query row's probed ids (:func:`key_probes`)."""
-    from nearest_join.kernels.kmeans import route  # numba: on executors only
+    from nearest_kernels.kmeans import route  # numba: on executors only
 
     from .groups import group_ids
-    from .searcher import task_cpus
+    from .context import task_cpus
 
     threads = task_cpus()
     at = layout.group_index

@@ -11,7 +11,8 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .blocks import JoinContext, merge_partials, search_broadcast, search_pairs
+from .blocks import merge_partials, search_broadcast, search_pairs
+from .context import JoinContext
 from .gpu_task import local_task
 from .packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
 

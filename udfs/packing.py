@@ -71,7 +71,9 @@ def binary_array(buffers: list[pa.Buffer]) -> pa.Array:
                                  [None, pa.py_buffer(offsets.astype(np.int32)), data])
 
 
-def _task_partition() -> int:
+def task_partition() -> int:
+    """This task's partition id inside Spark (0 outside it): the high bits of the ids this
+    task gives its blocks (and ``udfs.lists.sample_topk`` its rows)."""
     try:
         from pyspark import TaskContext
 
@@ -96,7 +98,7 @@ def pack_blocks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
     Every incoming batch is checked for ragged vectors first, so a bad row fails the job
     before any output exists.
     """
-    partition = _task_partition() if partition is None else partition
+    partition = task_partition() if partition is None else partition
     if partition >= 1 << C.PARTITION_BITS:
         raise ValueError(f"partition {partition} exceeds the {1 << C.PARTITION_BITS} partitions a join supports")
     pending: list[pa.RecordBatch] = []

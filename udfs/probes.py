@@ -8,15 +8,15 @@ column: :class:`Probes` is that column as CSR (row ``i`` probes
 same target block sorted by group once per task (:class:`udfs.groups.GroupSegments`), the
 same split of the work,
 
-* probes of small segments in one :func:`~nearest_join.kernels.segments.knn_segments` call,
+* probes of small segments in one :func:`~nearest_kernels.segments.knn_segments` call,
   a query's small segments ranked together (float64 keys, exact for every metric);
-* the large segments (dense lists: queries x rows x d above ``SEGMENT_WORK``): on a CPU
-  task all of them in one :func:`~nearest_join.kernels.segments.knn_probed` call (one
+* the large segments (dense lists: queries x rows x d above ``udfs.groups.SEGMENT_WORK``): on
+  a CPU task all of them in one :func:`~nearest_kernels.segments.knn_probed` call (one
   operand set-up for the block, each list multiplied once for the queries that probe it,
   each query ranked once: a probed pair costs about what an exact one does); on a GPU task
   one call of its searcher per list, for all the queries that probe it, each list's
   results folded into its queries' top k by the shared
-  :func:`nearest_join.kernels.merge_topk` (a running (queries, k) state, whatever nprobe is);
+  :func:`nearest_kernels.merge_topk` (a running (queries, k) state, whatever nprobe is);
 
 and the two parts merged by the same ``merge_topk``. Every pair searched is exact; only
 which lists a query probes is approximate. Ties between targets of equal value go to the
@@ -59,22 +59,20 @@ class Probes:
 
 def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],
                   query_vectors: np.ndarray, probes: Probes, sorted_targets: np.ndarray, segments,
-                  k: int, metric: str, *, cap: float | None = None, threads: int = 1,
-                  wide: bool = False, segment_work: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  k: int, metric: str, *, segment_work: int, cap: float | None = None,
+                  threads: int = 1, wide: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """(values, rows) of a query block against a target block, each query row searched
     against the segments of all its groups (the contract of
     :func:`udfs.groups.grouped_search`, with :class:`Probes` for the query groups).
 
     ``wide`` (the task searches on the CPU): the large segments go to one
-    :func:`~nearest_join.kernels.segments.knn_probed` call instead of one ``search`` call
-    per segment. ``segment_work`` (tests) overrides the work above which a segment is large.
+    :func:`~nearest_kernels.segments.knn_probed` call instead of one ``search`` call
+    per segment. ``segment_work``: the work (queries x rows x d) above which a segment is large
+    (``grouped_search`` passes ``udfs.groups.SEGMENT_WORK``).
     """
-    from nearest_join.kernels import merge_topk, resolve_metric
-    from nearest_join.kernels.segments import knn_probed, knn_segments  # numba: on executors only
+    from nearest_kernels import merge_topk, resolve_metric
+    from nearest_kernels.segments import knn_probed, knn_segments  # numba: on executors only
 
-    from .groups import SEGMENT_WORK
-
-    limit = SEGMENT_WORK if segment_work is None else segment_work
     nq, d = query_vectors.shape
     if probes.rows != nq:
         raise RuntimeError(f"internal error: {probes.rows} probe rows for {nq} query rows")
@@ -91,7 +89,7 @@ def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, n
     if segment.size == 0:
         return values, rows
     sizes = np.diff(segments.starts)
-    large = np.bincount(segment, minlength=sizes.size) * sizes * d > limit
+    large = np.bincount(segment, minlength=sizes.size) * sizes * d > segment_work
     small = ~large[segment]
     if small.any():
         # The queries in the order of their first small segment: queries of one list run one

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from .vectors import _as_array, value_offsets
+from .vectors import as_array, value_offsets
 
 # Gathers above this many bytes are split over the task's threads.
 PARALLEL_BYTES = 8 << 20
@@ -29,8 +29,8 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 def gather_threads() -> int:
-    """Threads for large gathers: this task's cores (``udfs.searcher.task_cpus``)."""
-    from .searcher import task_cpus
+    """Threads for large gathers: this task's cores (``udfs.context.task_cpus``)."""
+    from .context import task_cpus
 
     return task_cpus()
 
@@ -58,7 +58,7 @@ def _take(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = matrix[rows]`` on this thread: the compiled row copy (GIL released, about
     twice ``np.take`` for 128-float rows) for 2-D arrays of one dtype, else ``np.take``."""
     if _compiled(matrix, out):
-        from nearest_join.kernels.gather import take_rows
+        from nearest_kernels.gather import take_rows
 
         take_rows(matrix, rows, out)
     else:
@@ -73,7 +73,7 @@ def take_matrix(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: 
         _take(matrix, rows, out)
         return
     if _compiled(matrix, out):
-        from nearest_join.kernels.gather import take_rows
+        from nearest_kernels.gather import take_rows
 
         take_rows(matrix, rows, out, threads=threads)
         return
@@ -101,7 +101,7 @@ def copy_into(out: np.ndarray, array: np.ndarray, threads: int | None = None) ->
 def _take_sources(matrices: list[np.ndarray], source: np.ndarray, rows: np.ndarray, out: np.ndarray,
                   threads: int = 1) -> None:
     """:func:`take_matrices` source by source, each source's rows split over ``threads``."""
-    from nearest_join.kernels.gather import take_rows_at
+    from nearest_kernels.gather import take_rows_at
 
     for s, matrix in enumerate(matrices):
         sel = np.flatnonzero(source == s)
@@ -173,7 +173,7 @@ def _vector_array(type_: pa.DataType, matrix: np.ndarray, missing: np.ndarray) -
 
 
 def _column(table: pa.Table, position: int) -> pa.Array:
-    return _as_array(table.column(position))
+    return as_array(table.column(position))
 
 
 class ColumnViews:

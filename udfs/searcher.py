@@ -10,47 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
-from nearest_join.kernels import knn
+from nearest_kernels import knn
+
+from .context import SearchSettings, task_cpus
 
 logger = logging.getLogger(__name__)
 
 
-def task_cpus() -> int:
-    """This task's share of cores: ``spark.task.cpus`` inside Spark, else the cores this
-    process may run on (outside Spark, e.g. in a benchmark, set it with ``taskset``)."""
-    try:
-        from pyspark import TaskContext  # only present inside Spark
-
-        ctx = TaskContext.get()
-        if ctx is not None:
-            return max(1, int(ctx.cpus()))
-    except ImportError:
-        pass
-    return max(1, len(os.sched_getaffinity(0)))
-
-
-@dataclass(frozen=True)
-class SearchSettings:
-    """Plain, picklable search settings the driver captures in the executor closure."""
-
-    k: int
-    metric: str
-    backend: str = "auto"       # "auto" | "cpu" | "gpu" | "reference"
-    precision: str = "auto"     # GPU only: "auto" | "fp32" | "tf32" | "bf16" (results stay exact)
-    keep_targets: bool = True   # GPU only: keep broadcast blocks for the stage's next task
-    gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
-    # GPU only: (query rows, target rows, dimension, query dtype, target dtype) of the plan's
-    # full block pair, or None: a GPU searcher compiles that configuration once per worker
-    # process before its first block (udfs.gpu.GpuBlockSearcher.warm_up).
-    warm_shape: tuple | None = None
-
-
 class BlockSearcher:
-    """CPU (or reference) searcher: a thin wrapper over :func:`nearest_join.kernels.knn`."""
+    """CPU (or reference) searcher: a thin wrapper over :func:`nearest_kernels.knn`."""
 
     def __init__(self, settings: SearchSettings, threads: int | None = None, backend: str | None = None):
         self.settings = settings
@@ -66,7 +37,7 @@ class BlockSearcher:
 
     def search(self, query_vectors: np.ndarray, target_vectors: np.ndarray,
                target_key: object = None, cap: float | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k of each query row against the target block (:func:`nearest_join.kernels.knn`);
+        """Top-k of each query row against the target block (:func:`nearest_kernels.knn`);
         ``cap``: knn's (only targets within it rank, inclusive; None: no cap)."""
         s = self.settings
         return knn(query_vectors, target_vectors, s.k, s.metric, backend=self.backend,
@@ -105,7 +76,7 @@ def cuda_may_exist() -> bool:
 
 def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
     """The searcher for this task, chosen by the kernels' dispatcher
-    (:func:`nearest_join.kernels.dispatch.choose_task_backend`): the GPU Spark assigned to the
+    (:func:`nearest_kernels.dispatch.choose_task_backend`): the GPU Spark assigned to the
     task when the gpu backend accepts it, else the CPU kernel.
 
     ``backend="cpu"`` / ``"reference"`` run that backend; ``"gpu"`` without a usable GPU is
@@ -113,14 +84,14 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
     import torch where no NVIDIA device can exist: :func:`cuda_may_exist`). The choice and
     the reasons of the backends refused before it are logged.
     """
-    from nearest_join.kernels.dispatch import choose_task_backend
+    from nearest_kernels.dispatch import choose_task_backend
 
     skip = {}
     if settings.backend == "auto" and not cuda_may_exist():
         skip["gpu"] = "no GPU assigned to this task and no NVIDIA driver on this host"
     name, reasons = choose_task_backend(settings.backend, skip=skip)
     if name == "gpu":
-        from udfs.gpu import gpu_searcher_or_none
+        from .gpu import gpu_searcher_or_none
 
         searcher = gpu_searcher_or_none(settings)
         if searcher is not None:

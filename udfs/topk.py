@@ -3,7 +3,7 @@
 ``TopkState`` holds, for one query block, the running best ``k`` values, global target keys
 (``block_id << ROW_BITS | row``: the tie rule's order) and references to the payload rows of
 those targets. States of several target blocks merge through the shared
-:func:`nearest_join.kernels.merge_topk`; ``to_blob`` / ``from_blob`` ship a state between the
+:func:`nearest_kernels.merge_topk`; ``to_blob`` / ``from_blob`` ship a state between the
 blocked plan's stages.
 
 :class:`RowsTopk` is the keyed blocked plan's stage 2 (``nearest_join.keyed``): there a partial
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from nearest_join.kernels import merge_topk
+from nearest_kernels import merge_topk
 
 from . import columns as C
 from .packing import blob_to_table, table_to_blob, write_stream
@@ -124,7 +124,7 @@ class TopkState:
         # Distinct (source, row) pairs, compiled (a bitmap over the sources' rows laid end to
         # end: linear; a sort of nq * k codes was a fifth of the shipping cost, the numpy
         # bitmap passes ~12 ms of ~50 per 65,536 x 10 state).
-        from nearest_join.kernels.gather import distinct_rows   # numba: on executors only
+        from nearest_kernels.gather import distinct_rows   # numba: on executors only
 
         distinct_source, distinct_row, payload_row = distinct_rows(
             self.source, self.rows, [t.num_rows for t in self.sources])
@@ -179,7 +179,7 @@ class RowsTopk:
 
     A row's slot is appended when one of its partials first arrives (capacity doubles), so a
     partial costs its own rows, not the block's: :meth:`absorb` merges it into those rows with
-    the shared :func:`nearest_join.kernels.merge_topk` (ties to the lower target key).
+    the shared :func:`nearest_kernels.merge_topk` (ties to the lower target key).
     Payload rows stay referenced in the partials' tables until those hold more than twice
     the filled slots (the rest displaced), then the filled slots are gathered into one table:
     memory is about twice the state's payload plus one partial, and each payload row is
@@ -187,7 +187,7 @@ class RowsTopk:
     """
 
     def __init__(self, k: int, metric: str):
-        from nearest_join.kernels import resolve_metric
+        from nearest_kernels import resolve_metric
 
         self.k, self.metric = k, metric
         self._worst = resolve_metric(metric).worst

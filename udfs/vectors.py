@@ -17,7 +17,8 @@ class VectorDimensionError(ValueError):
     """A vector whose length differs from the join's dimension (Spark: VECTOR_DIMENSION_MISMATCH)."""
 
 
-def _as_array(column) -> pa.Array:
+def as_array(column) -> pa.Array:
+    """``column`` as one Arrow array: a ChunkedArray's chunks combined (its only chunk as is)."""
     if isinstance(column, pa.ChunkedArray):
         return column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
     return column
@@ -94,7 +95,7 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     VectorDimensionError
         A non-NULL vector of another length (a ragged row).
     """
-    arr = _as_array(column)
+    arr = as_array(column)
     n = len(arr)
     if pa.types.is_struct(arr.type):
         return _decode_ml_vectors(arr, dimension, label, expected_from)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .blocks import JoinContext
+from .context import JoinContext, SearchSettings
 from .local import local_join
 from .packing import SideLayout
-from .searcher import SearchSettings, cuda_may_exist, warm_up_threads
+from .searcher import cuda_may_exist, warm_up_threads
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | No
 
 
 def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
-    from nearest_join.kernels import compile_lock, import_numba
+    from nearest_kernels import compile_lock, import_numba
 
     import_numba()   # not beside another thread's first import of it (import_numba says why)
     from numba.core import event
@@ -105,7 +105,7 @@ def _compile_time():
     compilations (a kernel's callees compile inside it) on any thread: the warm-up's kernels
     run on the task's threads (``run_split``). numba compiles under one lock per process, so
     they never overlap. A kernel numba loads from its cache raises no compile event."""
-    from nearest_join.kernels import import_numba
+    from nearest_kernels import import_numba
 
     import_numba()
     from numba.core import event
@@ -147,7 +147,7 @@ def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, J
     a size that costs nothing but compiling. A query row equals a target row, so that the
     exact stage meets a tie. The targets are symmetric about ``offset``: at 0 their mean is 0,
     and the kernel multiplies them as they are; far from 0 it shifts them first (the two
-    ways ``nearest_join.kernels.cpu`` prepares its operands)."""
+    ways ``nearest_kernels.cpu`` prepares its operands)."""
     rng = np.random.default_rng(0)
     d, rows = 3, 12
 

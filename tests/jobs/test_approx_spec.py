@@ -59,7 +59,7 @@ def test_a_job_trains_its_index_once_then_reuses_it(spark, tmp_path, monkeypatch
     import pyarrow.parquet as pq
 
     from jobs.runner import prepare
-    from nearest_join import ivf
+    from nearest_join import ivf_index
 
     rng = np.random.default_rng(0)
     for side, n in (("q", 50), ("t", 600)):
@@ -68,8 +68,8 @@ def test_a_job_trains_its_index_once_then_reuses_it(spark, tmp_path, monkeypatch
                        tmp_path / side / "part.parquet")
     document = _document(tmp_path, mode="approx", nlist=6, nprobe=2, index={"path": str(tmp_path / "ix")})
     built = []
-    original = ivf.build_ivf_index
-    monkeypatch.setattr(ivf, "build_ivf_index", lambda *a, **k: built.append(k) or original(*a, **k))
+    original = ivf_index.build_ivf_index
+    monkeypatch.setattr(ivf_index, "build_ivf_index", lambda *a, **k: built.append(k) or original(*a, **k))
     first = prepare(parse_spec(document), spark).planned
     assert len(built) == 1 and built[0]["nlist"] == 6 and built[0]["column"] == "t_v"
     meta = json.loads((tmp_path / "ix" / "ivf_index.json").read_text())
@@ -90,7 +90,7 @@ def test_a_saved_index_that_cannot_serve_is_a_join_index_error(spark, tmp_path):
     import pyarrow.parquet as pq
 
     from jobs.runner import prepare
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     rng = np.random.default_rng(0)
     for side, n in (("q", 20), ("t", 100)):

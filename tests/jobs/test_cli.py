@@ -22,7 +22,7 @@ from jobs import runner
 from jobs.cli import _cause, main
 from jobs.output import StagedOutput
 from jobs.spec import REDACTED, SUMMARY_FILE
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 
 from .test_spec import _bomb_override, _bomb_spec
 

@@ -15,14 +15,14 @@ import pyarrow as pa
 import pytest
 
 from nearest_join import explain_nearest_join, nearest_by_join
-from nearest_join.kernels import rankable_rows, resolve_metric
+from nearest_kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
-from udfs.groups import GroupSegments, group_ids, grouped_search
+from udfs.groups import SEGMENT_WORK, GroupSegments, group_ids, grouped_search
 
 
 def _knn_search(k: int, metric: str):
-    from nearest_join.kernels import knn
+    from nearest_kernels import knn
 
     return lambda q, t: knn(q, t, k, metric, backend="cpu")
 
@@ -93,7 +93,7 @@ def test_grouped_search_takes_probes_and_caps(metric):
     segments = GroupSegments.of(t_groups)
     sorted_targets = np.ascontiguousarray(targets[segments.order])
     cap = 2.0 if metric in ("l2", "sqeuclidean") else 0.3
-    from nearest_join.kernels import knn
+    from nearest_kernels import knn
 
     values, rows = grouped_search(lambda q, t: knn(q, t, 4, metric, backend="cpu", cap=cap), queries,
                                   group_ids(_probe_column(probes)), sorted_targets, segments, 4, metric,
@@ -127,7 +127,7 @@ def _clustered(n: int, d: int, clusters: int, seed: int, spread: float = 0.3):
 
 
 def test_index_save_load_round_trip(tmp_path):
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     x = _clustered(2000, 7, 12, seed=1)
     index = IVFIndex.train(x, "cosine", 12, seed=4, column="emb")
@@ -145,7 +145,7 @@ def test_index_save_load_round_trip(tmp_path):
 
 
 def test_index_load_errors(tmp_path):
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     with pytest.raises(ValueError, match="expected an IVF index directory"):
         IVFIndex.load(tmp_path)
@@ -157,7 +157,7 @@ def test_index_load_errors(tmp_path):
 
 def _saved(tmp_path, metric: str = "l2", nlist: int = 4, d: int = 3):
     """An index saved under ``tmp_path / "ix"``, its directory and its parameters as written."""
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     directory = tmp_path / "ix"
     IVFIndex.train(_clustered(200, d, nlist, seed=0), metric, nlist).save(directory)
@@ -170,7 +170,7 @@ def _saved(tmp_path, metric: str = "l2", nlist: int = 4, d: int = 3):
 def test_a_saved_index_with_a_non_finite_centroid_is_refused(tmp_path, metric, row, value):
     """A NaN centroid is a target no row can rank against: the join would drop rows silently,
     even at nprobe = nlist. Loading it is the error, naming the file."""
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     directory, _ = _saved(tmp_path, metric)
     centroids = np.load(directory / "centroids.npy")
@@ -187,11 +187,11 @@ def test_a_saved_index_with_a_non_finite_centroid_is_refused(tmp_path, metric, r
 
 @pytest.mark.parametrize("metric", ["cosine", "inner_product"])
 def test_a_zero_centroid_is_refused_where_lists_are_probed_by_cosine(tmp_path, metric):
-    """kernels.kmeans.route ranks lists by cosine for the similarities, where a zero vector
+    """nearest_kernels.kmeans.route ranks lists by cosine for the similarities, where a zero vector
     cannot rank: a zero centroid's list gets no row, and with every centroid zero every row
     is dropped. Under l2 a zero centroid is a point like any other."""
-    from nearest_join.kernels.kmeans import route
-    from nearest_join.ivf import IVFIndex
+    from nearest_kernels.kmeans import route
+    from nearest_join.ivf_index import IVFIndex
 
     x = _clustered(50, 3, 2, seed=0)
     assert (route(x, np.zeros((2, 3), np.float32), metric, 2) == -1).all()   # why it is refused
@@ -245,7 +245,7 @@ def test_a_malformed_saved_index_is_one_value_error_naming_the_file(tmp_path, ki
     """Every malformed part of a saved index is a ValueError (not a KeyError, a numpy EOF, a
     pickle complaint, nor a bad metric found only at join time) that starts with the file at
     fault and says what was expected and found."""
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     directory, meta = _saved(tmp_path)
     npy = directory / "centroids.npy"
@@ -277,7 +277,7 @@ def test_a_malformed_saved_index_is_one_value_error_naming_the_file(tmp_path, ki
 
 
 def test_an_older_saved_index_without_its_column_still_loads(tmp_path):
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     directory, meta = _saved(tmp_path)
     meta.pop("column")
@@ -292,7 +292,7 @@ def test_a_jobs_saved_index_that_cannot_serve_is_an_index_error(tmp_path):
     so the job names join.index, and does not silently train a new one over it; nor does it
     hand a join an index of the other metric family."""
     from nearest_join.errors import ArgumentError
-    from nearest_join.ivf import load_or_build
+    from nearest_join.ivf_index import load_or_build
 
     directory, meta = _saved(tmp_path, "cosine")
     arguments = {"rebuild": False, "target": None, "column": "w", "nlist": None, "seed": 0}
@@ -308,7 +308,7 @@ def test_a_jobs_saved_index_that_cannot_serve_is_an_index_error(tmp_path):
 
 def test_index_serves_its_metric_family_and_dimension():
     from nearest_join.errors import ArgumentError
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     index = IVFIndex.train(_clustered(300, 4, 3, seed=0), "l2", 3)
     index.check_join("sqeuclidean", 4)
@@ -322,7 +322,7 @@ def test_index_serves_its_metric_family_and_dimension():
 
 
 def test_default_sizes():
-    from nearest_join.ivf import (
+    from nearest_join.ivf_index import (
         MAX_LISTS,
         MAX_SAMPLE_ROWS,
         default_nlist,
@@ -342,7 +342,7 @@ def test_default_sizes():
 
 # ----------------------------------------------------------------------------- recall
 def test_recall_curve_counts_neighbours_in_probed_lists():
-    from nearest_join.ivf import recall_curve
+    from nearest_join.recall import recall_curve
 
     order = np.array([[2, 0, 1, 3], [1, 3, 0, 2], [0, 1, 2, 3]])
     lists = [np.array([2, 2, 0, 3]), np.array([1]), np.array([], np.int64)]   # the third: no neighbour
@@ -356,7 +356,7 @@ def test_recall_curve_counts_neighbours_in_probed_lists():
 
 
 def test_wilson_interval_and_the_choice_of_nprobe():
-    from nearest_join.ivf import RecallCurve, wilson_interval
+    from nearest_join.recall import RecallCurve, wilson_interval
 
     lower, upper = wilson_interval(1.0, 1000)
     assert 0.995 < lower < 1.0 and upper == 1.0
@@ -372,8 +372,9 @@ def test_wilson_interval_and_the_choice_of_nprobe():
 def test_recall_estimate_against_measured_recall_without_spark():
     """The estimate's mechanism (lists of the true neighbours against the query's probe
     order) is the measured recall of the probed search, on the whole query set."""
-    from nearest_join.ivf import IVFIndex, recall_curve
-    from nearest_join.kernels import knn
+    from nearest_join.ivf_index import IVFIndex
+    from nearest_join.recall import recall_curve
+    from nearest_kernels import knn
     from udfs.probes import Probes, probed_search
 
     targets = _clustered(4000, 8, 30, seed=2, spread=0.8)
@@ -388,7 +389,7 @@ def test_recall_estimate_against_measured_recall_without_spark():
         probes = index.route(queries, nprobe)
         starts = np.arange(0, probes.size + 1, nprobe, dtype=np.int64)
         _, rows = probed_search(_knn_search(10, "l2"), queries, Probes(starts, probes.reshape(-1)),
-                                sorted_targets, segments, 10, "l2")
+                                sorted_targets, segments, 10, "l2", segment_work=SEGMENT_WORK)
         measured = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows.tolist(), true.tolist())])
         assert abs(measured - curve.recall[nprobe - 1]) < 1e-12
 
@@ -402,8 +403,8 @@ def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, cappe
     into the running top k) or gathered into one search: per sampled query, the lists of
     its exact top k (the float64 reference, under the cap), each slot once."""
     import udfs.lists
-    from nearest_join.ivf import IVFIndex
-    from nearest_join.kernels import knn
+    from nearest_join.ivf_index import IVFIndex
+    from nearest_kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
 
@@ -461,7 +462,7 @@ def test_bad_approx_options(arguments, argument, message):
 
 
 def test_index_options_checked_against_the_index():
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
     from nearest_join.options import JoinOptions
 
     index = IVFIndex.train(_clustered(200, 3, 4, seed=0), "l2", 4)
@@ -515,7 +516,7 @@ def test_all_lists_give_exactly_the_exact_result(frames, metric):
 def _exact_pairs(queries, targets, metric: str, k: int) -> set:
     """The exact (qid, tid) pairs, NULL vectors (query 7, target 9) as NaN rows: never ranked
     (the float64 reference backend; these rows have no ties)."""
-    from nearest_join.kernels import knn
+    from nearest_kernels import knn
 
     queries, targets = queries.copy(), targets.copy()
     queries[7], targets[9] = np.nan, np.nan
@@ -575,7 +576,7 @@ def test_small_joins_and_small_keys_run_exact(frames):
 
 def test_index_of_another_metric_or_dimension(frames):
     from nearest_join.errors import ArgumentError
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     _, _, q, t = frames
     with pytest.raises(ArgumentError, match="index: expected an index built for l2 and sqeuclidean"):
@@ -593,7 +594,7 @@ def _no_job(*args, **kwargs):
 def test_an_index_of_the_other_family_is_refused_before_any_spark_job(frames, monkeypatch):
     from nearest_join import join
     from nearest_join.errors import ArgumentError
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     _, _, q, t = frames
     monkeypatch.setattr(join, "side_facts", _no_job)   # the planner's facts job, its first
@@ -607,13 +608,15 @@ def test_an_index_of_another_dimension_is_refused_right_after_the_facts_job(fram
     """The dimension is known once the facts job has run, and checked then: before the keyed
     blocked plan's group count, any sampling, training or routing, and whatever plan an
     empty target would take."""
-    from nearest_join import ivf, keyed
+    from nearest_join import ivf, ivf_index, keyed
     from nearest_join.errors import ArgumentError
 
     _, _, q, t = frames
-    for module, name in ((keyed, "layout_of"), (ivf, "train_index"), (ivf, "sample_vectors")):
+    # Each where it is called from: the planner trains and samples through ivf's names.
+    for module, name in ((keyed, "layout_of"), (ivf, "train_index"), (ivf, "sample_vectors"),
+                         (ivf_index, "sample_vectors")):
         monkeypatch.setattr(module, name, _no_job)
-    index = ivf.IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3)
+    index = ivf_index.IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3)
     with pytest.raises(ArgumentError, match=f"index: expected an index of dimension {D} "):
         explain_nearest_join(q.withColumn("g", q.qid % 2), t.withColumn("g", t.tid % 2), "l2", 3, "approx",
                              vectors=("v", "w"), on="g", index=index, broadcast_limit_bytes=0)
@@ -624,7 +627,7 @@ def test_an_index_of_another_dimension_is_refused_right_after_the_facts_job(fram
 def test_an_index_built_on_another_column_name_serves_and_the_plan_says_so(frames):
     """A renamed target column (a job's prefix, an alias) is the same vectors: not an error,
     but the plan names the column the index was built on."""
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
 
     _, targets, q, t = frames
     index = IVFIndex.train(targets, "l2", 8, column="w")
@@ -646,12 +649,14 @@ def test_a_recall_that_needs_many_lists_runs_exact(monkeypatch):
     from types import SimpleNamespace
 
     from nearest_join import ivf
+    from nearest_join.ivf_index import IVFIndex
     from nearest_join.join import PlannedJoin
     from nearest_join.options import JoinOptions
     from nearest_join.planner import JoinPlan
+    from nearest_join.recall import RecallCurve
 
-    index = ivf.IVFIndex.train(_clustered(400, 3, 16, seed=0), "l2", 16)
-    curve = ivf.RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 12), 5000)
+    index = IVFIndex.train(_clustered(400, 3, 16, seed=0), "l2", 16)
+    curve = RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 12), 5000)
     monkeypatch.setattr(ivf, "estimate_recall", lambda planned, index, seed: curve)
     plan = JoinPlan(plan="broadcast", reason="", metric="l2", k=5, mode="approx", join_type="inner",
                     query_column="v", target_column="w", dimension=3, query_rows=10, target_rows=400,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from pyspark.sql import functions as F
 
-from nearest_join.ivf import IVFIndex
+from nearest_join.ivf_index import IVFIndex
 from nearest_join.join import plan_join
 from nearest_join.options import JoinOptions
 from tests.join.test_keys import check_keyed
@@ -144,7 +144,7 @@ def test_recall_target_met_and_the_same_rows_twice(spark, data, frames):
     """recall=0.9: the estimate picks nprobe < nlist, the measured recall@k against the exact
     pairs meets the target, the distances returned are exact, and a second run of the same
     plan gives the same rows (the row ids, parts and ties are functions of the input)."""
-    from nearest_join.kernels import knn
+    from nearest_kernels import knn
 
     queries, targets, indexes = data
     q, t = frames

@@ -260,19 +260,21 @@ def test_the_keyed_plan_choice_without_spark(monkeypatch):
     from types import SimpleNamespace
 
     from nearest_join import ivf, ivf_keys
+    from nearest_join.ivf_index import IVFIndex
     from nearest_join.join import PlannedJoin
     from nearest_join.options import JoinOptions
     from nearest_join.planner import JoinPlan
+    from nearest_join.recall import RecallCurve
 
     rng = np.random.default_rng(0)
-    index = ivf.IVFIndex.train(rng.standard_normal((400, 3)).astype(np.float32), "l2", 16)
+    index = IVFIndex.train(rng.standard_normal((400, 3)).astype(np.float32), "l2", 16)
     # two keys of 12 and 8 lists: group ids 0..19
     lists = ivf_keys.KeyLists(np.array([16 * 0 + i for i in range(12)] + [16 * 3 + i for i in range(8)], np.int64),
                          np.full(20, 30, np.int64), 16, 100)
     assert (lists.keys, lists.widest) == (2, 12)
     monkeypatch.setattr(ivf_keys, "keyed_inputs", lambda planned: ((None, None), ("v", "w")))
     monkeypatch.setattr(ivf_keys, "key_lists", lambda t_input, name, planned, index: lists)
-    curve = ivf.RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 8), 5000)
+    curve = RecallCurve(np.array([0.5, 0.99, 0.999, 0.9999] + [1.0] * 8), 5000)
     monkeypatch.setattr(ivf_keys, "estimate_keyed_recall", lambda *args: curve)
 
     def planned(largest: int, **options):
@@ -301,7 +303,7 @@ def test_key_ranks_against_each_keys_sorted_lists():
     """The estimate's ranks (nearest_join.ivf_keys.key_ranks) over more queries than one routing
     chunk, the chunks' keys of different widths: each neighbour's list ranked among its key's
     lists by float64 distance; a whole key's neighbours at rank 0."""
-    from nearest_join.ivf import IVFIndex
+    from nearest_join.ivf_index import IVFIndex
     from nearest_join.ivf_keys import KeyLists, key_ranks
 
     rng = np.random.default_rng(4)
@@ -335,8 +337,8 @@ def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped, scan_rows
     import pyarrow as pa
 
     import udfs.lists
-    from nearest_join.ivf import IVFIndex
-    from nearest_join.kernels import knn
+    from nearest_join.ivf_index import IVFIndex
+    from nearest_kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.packing import SideLayout
 

@@ -33,9 +33,9 @@ from tests.oracle import (
     oracle_keys,
 )
 from udfs import columns as C
-from udfs.blocks import JoinContext, merge_cells, search_cell
+from udfs.blocks import merge_cells, search_cell
+from udfs.context import JoinContext, SearchSettings
 from udfs.packing import SideLayout
-from udfs.searcher import SearchSettings
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
 SIMILARITY = ("cosine", "inner_product")

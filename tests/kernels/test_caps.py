@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 from tests import adversarial as adv
 from tests.oracle import assert_capped_topk, backend_rtol, key_values, oracle_keys
 
@@ -43,7 +43,7 @@ GPU_PRECISIONS = ("fp32", "tf32", "bf16")
 def capped_searches(backend: str, queries, targets, k: int, metric: str, cap: float):
     """[(label, values, indices)] of a capped search on ``backend``: gpu in each precision."""
     if backend == "gpu-torch":
-        from nearest_join.kernels.gpu import knn_torch
+        from nearest_kernels.gpu import knn_torch
 
         precision = TORCH_PRECISION[metric]
         v, i = knn_torch(torch.from_numpy(queries), torch.from_numpy(targets), k, metric, precision,
@@ -208,7 +208,7 @@ def test_the_gpu_cap_seeds_the_first_round_and_proves_short_rows(metric, cap, pr
     seeded generator gets each row's cap limit on its first call, and rows with fewer than k
     targets within the cap are proven by it in that round. Uncapped, the same rows widen
     (:func:`_shells`), so the round count can fail."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     queries, targets = _shells()
     qs, ts = gt.prepare_pair(torch.from_numpy(queries), torch.from_numpy(targets), metric, precision)
@@ -233,8 +233,8 @@ def test_the_gpu_cap_seeds_the_first_round_and_proves_short_rows(metric, cap, pr
 def test_the_gpu_cap_applies_to_rows_searched_apart_in_float64(metric):
     """Query rows far beyond the block's working frame (``_gpu_torch.far_topk``) take the cap
     too: the near row keeps its targets within the cap, the far row none, then all."""
-    from nearest_join.kernels import _gpu_torch as gt
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels.gpu import knn_torch
 
     rng = np.random.default_rng(9)
     targets = rng.standard_normal((40, 3)).astype(np.float32)
@@ -260,7 +260,7 @@ def test_capped_rows_need_no_float64_scan(request, metric, caplog):
     targets = rng.standard_normal((3000, 64)).astype(np.float32)
     values = key_values(oracle_keys(queries, targets, metric), metric)
     cap = midpoint_cap(values, 0.001, DESCENDING[metric])
-    with caplog.at_level(logging.DEBUG, logger="nearest_join.kernels.cpu"):
+    with caplog.at_level(logging.DEBUG, logger="nearest_kernels.cpu"):
         _, indices = knn(queries, targets, 10, metric, backend="cpu", cap=cap)
     counts = (indices >= 0).sum(axis=1)
     assert (counts < 10).any() and (counts > 0).any()
@@ -275,7 +275,7 @@ def test_bad_cap(cap):
         with pytest.raises(ValueError, match="cap: expected None or a finite number"):
             knn(q, q, 1, "l2", backend=backend, cap=cap)
     if torch is not None:
-        from nearest_join.kernels.gpu import knn_torch
+        from nearest_kernels.gpu import knn_torch
 
         with pytest.raises(ValueError, match="cap: expected None or a finite number"):
             knn_torch(torch.from_numpy(q), torch.from_numpy(q), 1, "l2", cap=cap)
@@ -284,8 +284,8 @@ def test_bad_cap(cap):
 def test_a_backend_without_caps_is_refused_a_capped_call(monkeypatch):
     """A backend that does not declare ``caps`` would ignore the cap and return rows beyond it:
     the dispatcher refuses it by name, and ``auto`` passes over it to one that takes caps."""
-    from nearest_join.kernels import dispatch
-    from nearest_join.kernels.reference_backend import BACKEND as reference
+    from nearest_kernels import dispatch
+    from nearest_kernels.reference_backend import BACKEND as reference
 
     class Uncapped:
         name, devices, dtypes, metrics, max_k, caps = "uncapped", ("cpu",), ("float32",), \

@@ -1,4 +1,4 @@
-"""The CPU backend's operand choice and exact ranking step (``nearest_join.kernels.cpu``).
+"""The CPU backend's operand choice and exact ranking step (``nearest_kernels.cpu``).
 
 The search's exactness on every input is checked in ``test_exactness.py``; these tests pin the
 two decisions that exactness must not depend on: whether a block is multiplied as it is or
@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_join.kernels import _cpu_kernels, cpu
-from nearest_join.kernels._common import resolve_metric
+from nearest_kernels import _cpu_kernels, cpu
+from nearest_kernels._common import resolve_metric
 from tests import adversarial
 
 
@@ -185,7 +185,7 @@ def test_exact_ties_at_the_kth_place_are_settled_without_the_float64_scan(metric
     queries[:, 0] += 1    # no zero rows (cosine)
     targets[:, 0] += 1
     m = resolve_metric(metric)
-    with caplog.at_level("DEBUG", logger="nearest_join.kernels.cpu"):
+    with caplog.at_level("DEBUG", logger="nearest_kernels.cpu"):
         values, indices = cpu.BACKEND.run(queries, targets, 10, m, threads=2, cap=cap)
     collected, scanned = _search_counts(caplog)
     assert collected > 0 and scanned == 0, (collected, scanned)
@@ -201,7 +201,7 @@ def test_rows_tied_with_more_targets_than_collected_are_searched_in_float64(capl
     nt = cpu.COLLECT_WIDTH + 500
     targets = np.tile(np.float32([1.0, 2.0, 3.0]), (nt, 1))
     queries = np.float32([[0.0, 0.0, 0.0], [1.0, 2.0, 3.0], [5.0, -1.0, 2.0]])
-    with caplog.at_level("DEBUG", logger="nearest_join.kernels.cpu"):
+    with caplog.at_level("DEBUG", logger="nearest_kernels.cpu"):
         values, indices = cpu.BACKEND.run(queries, targets, 5, resolve_metric("l2"), threads=1)
     assert _search_counts(caplog) == (3, 3)
     np.testing.assert_array_equal(indices, np.tile(np.arange(5), (3, 1)))

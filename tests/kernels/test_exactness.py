@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nearest_join.kernels import cpu, knn
-from nearest_join.kernels.segments import knn_probed
+from nearest_kernels import cpu, knn
+from nearest_kernels.segments import knn_probed
 from tests import adversarial, background
 from tests.oracle import assert_true_topk, backend_rtol
 

@@ -6,7 +6,7 @@ variable never reaches other tests), and the backend's refusal. On a CUDA machin
 k x data, with near-tie (clustered) data, poisoned kernel buffers and fresh data per check.
 
 Every result goes through the tests' one oracle (:func:`check_result`, which is
-:func:`tests.oracle.assert_knn_result` at ``nearest_join.kernels.gpu.RTOL``): the true top k
+:func:`tests.oracle.assert_knn_result` at ``nearest_kernels.gpu.RTOL``): the true top k
 of the float64 difference form, ties within that tolerance, squared distances compared.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn, resolve_metric
+from nearest_kernels import knn, resolve_metric
 from tests import background
 from tests.oracle import assert_knn_result, backend_rtol
 
@@ -54,14 +54,14 @@ def make_data(kind: str, nq: int, nt: int, d: int, seed: int):
 
 def check_result(q, t, k, metric, values, indices) -> None:
     """The oracle's check (:func:`tests.oracle.assert_knn_result`) at the tolerance the gpu
-    backend declares (``nearest_join.kernels.gpu.RTOL``)."""
+    backend declares (``nearest_kernels.gpu.RTOL``)."""
     assert_knn_result(q, t, k, metric, np.asarray(values), np.asarray(indices), backend_rtol("gpu"),
                       case=f"gpu {q.shape} x {t.shape}")
 
 
 # ----------------------------------------------------------------------------- no GPU needed
 def test_backend_refuses_without_cuda_and_names_why():
-    from nearest_join.kernels.gpu import BACKEND
+    from nearest_kernels.gpu import BACKEND
 
     q = np.zeros((2, 3), np.float32)
     reason = BACKEND.refuse(q, q, 1, resolve_metric("l2"))
@@ -72,7 +72,7 @@ def test_backend_refuses_without_cuda_and_names_why():
 
 
 def test_invalid_precision_is_a_value_error_naming_the_argument():
-    from nearest_join.kernels.gpu import BACKEND
+    from nearest_kernels.gpu import BACKEND
 
     q = np.ones((2, 3), np.float32)
     with pytest.raises(ValueError, match="precision"):
@@ -85,7 +85,7 @@ def test_invalid_precision_is_a_value_error_naming_the_argument():
 @pytest.mark.parametrize("kind", ["gaussian", "clustered"])
 @pytest.mark.parametrize("d,k", [(1, 3), (3, 7), (33, 40), (31, 400)], ids=lambda v: str(v))
 def test_torch_path_on_cpu_matches_reference(metric, precision, kind, d, k):
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     seed = zlib.crc32(repr((metric, precision, kind, d, k)).encode())
     q, t = make_data(kind, 37, 301, d, seed)
@@ -96,7 +96,7 @@ def test_torch_path_on_cpu_matches_reference(metric, precision, kind, d, k):
 @needs_torch
 @pytest.mark.parametrize("metric", METRICS)
 def test_rows_that_cannot_rank_never_match(metric):
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     q, t = make_data("gaussian", 6, 40, 5, 3)
     q[1, 2] = np.nan
@@ -110,7 +110,7 @@ def test_rows_that_cannot_rank_never_match(metric):
 
 @needs_torch
 def test_ties_go_to_the_lower_index():
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     t = np.array([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [1.0, 0.0], [0.0, -1.0]], np.float32)
     q = np.zeros((1, 2), np.float32)
@@ -133,7 +133,7 @@ def test_the_check_catches_a_plain_bf16_search():
 
 # ----------------------------------------------------------------------------- floors
 def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     return (gt.prepare_side(torch.from_numpy(q), metric, precision),
             gt.prepare_side(torch.from_numpy(t), metric, precision))
@@ -144,7 +144,7 @@ def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
 def test_torch_candidates_in_target_chunks_equal_one_pass(lower):
     """The torch generator converts and scans the targets chunk by chunk (its float32 copy
     of a bf16 operand is bounded by chunk_elements): the lists do not depend on the chunks."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     q, t = make_data("gaussian", 5, 1000, 16, 11)
     qs, ts = _prepared(q, t, "l2", "bf16")
@@ -158,7 +158,7 @@ def test_torch_candidates_in_target_chunks_equal_one_pass(lower):
 def test_a_floor_above_the_margin_proves_a_list_whose_last_key_does_not():
     """8 targets tie at squared distance 1 from the query, the rest are at 9. The 8-long list
     ends on a tie (last key = theta: the plain rule widens); a floor of 9 proves it."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     rng = np.random.default_rng(1)
     near = np.concatenate([np.eye(4), -np.eye(4)])
@@ -185,7 +185,7 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
     """The first list leaves out each row's best target and ends in empty slots, which by
     the plain rule means "every target is here"; its floor (the left-out key) says otherwise:
     the rows must widen and find the target."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     q, t = make_data("gaussian", 5, 200, 8, 2)
     qs, ts = _prepared(q, t)
@@ -216,7 +216,7 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
 
 @needs_torch
 def test_the_rerank_skips_candidates_beyond_the_value_limit():
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     keys = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5, 9.0, 10.0, 11.0],
                          [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]])
@@ -280,7 +280,7 @@ def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
     (E the error bound). The key-only test needs a gap of 2E and would widen; the re-ranked
     3rd value lies within the actual error of the 3rd key, far inside E, and proves the
     list. The setup itself is asserted, so the test cannot pass vacuously."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     rng = np.random.default_rng(4)
     d, k = 16, 3
@@ -341,7 +341,7 @@ def test_lower_keys_bound_every_exact_key_from_below(metric, precision):
     """L - E' <= the exact key for every pair (the per-target bound is valid), while the plain
     key - E' is above it for some pair (E' alone does not cover the residual terms, so the
     test fails if the lower key's weights were dropped)."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     q, t = _spread_norms("gaussian", 40, 500, 48, 9)
     qs, ts = _prepared(q, t, metric, precision)
@@ -365,7 +365,7 @@ def test_the_bias_table_never_lifts_a_lower_key(metric, precision):
     lower keys, for rows of spread norms in any order and a zero row; the table has the
     levels asked for, and each row's shift is at most ``lower_shift`` (which the bound's
     roundings use)."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     q, t = _spread_norms("gaussian", 45, 300, 24, 3)
     if metric != "cosine":
@@ -405,8 +405,8 @@ def test_search_ranks_by_lower_keys_where_the_rule_says(precision, d, k, expecte
     """EXACT searches pass ``lower`` to exact_topk by precision, k and dimension
     (gpu.LOWER_KEYS, LOWER_KEYS_SMALL_K_MAX_D: at d=768 bf16 k=10 the lower-key start cost
     1.54x the plain search against 1.07), and the answer is exact either way."""
-    from nearest_join.kernels import _gpu_torch as gt
-    from nearest_join.kernels import gpu as kgpu
+    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import gpu as kgpu
 
     seen = []
     exact_topk = gt.exact_topk
@@ -428,7 +428,7 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
     4,000 targets have 30x the norm and point the other way: they never rank, but they set
     the block maxima of the bound's target terms. Ranked by the lower key, whose target
     terms are each row's own, fewer rows widen; both results are exact."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     rng = np.random.default_rng(5)
     d, k = 32, 10
@@ -458,7 +458,7 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
 def test_skip_share_predicts_the_tiles_without_survivors():
     """The model behind the row-minimum test's switch against a simulated scan: random keys,
     each row's threshold the list_len-th best so far, a tile skipped when no row reaches it."""
-    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     rng = np.random.default_rng(5)
     for block_m, list_len, n_tiles in [(8, 4, 400), (4, 2, 300), (16, 8, 150)]:
@@ -481,7 +481,7 @@ def test_skip_share_predicts_the_tiles_without_survivors():
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_merging_segments_keeps_the_floor_of_every_held_back_target():
-    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     def pack(key, index):
         bits = torch.tensor([key], dtype=torch.float32).view(torch.int32).to(torch.int64)
@@ -511,7 +511,7 @@ def test_merging_segments_keeps_the_floor_of_every_held_back_target():
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch):
-    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     def form(t, block_d=64):
         out = tr.target_descriptor(t, 32, block_d)
@@ -561,7 +561,7 @@ def poison_kernel_buffers(monkeypatch):
     """Make every output and scratch buffer of the fused candidate kernels start as garbage
     (they allocate them uninitialised): a slot a kernel reads back without writing it, or a
     stale one, then shows in the results."""
-    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_triton as tr
 
     allocate = tr._kernel_buffer
 
@@ -602,7 +602,7 @@ def test_gpu_widening_through_search_prepared(metric, precision, k, poisoned_buf
     k=100 by lower keys): clustered data makes rows widen. Through ``search_prepared`` (as the
     executors call it, not through knn, which drops unrankable rows first), with a non-finite
     query row riding along: it must come back empty."""
-    from nearest_join.kernels import gpu as kgpu
+    from nearest_kernels import gpu as kgpu
 
     shapes = [(517, 3001, 128), (19, 20_011, 33)] + ([(131, 5003, 200)] if precision == "bf16" else [])
     lower = {kgpu.uses_lower_keys(k, precision, d) for _, _, d in shapes}
@@ -613,7 +613,7 @@ def test_gpu_widening_through_search_prepared(metric, precision, k, poisoned_buf
 def _check_search_prepared_with_a_nan_row(metric, precision, k, tag, shapes):
     """search_prepared on clustered data (rows widen) with a NaN query row: exact results,
     the NaN row empty."""
-    from nearest_join.kernels import gpu as kgpu
+    from nearest_kernels import gpu as kgpu
 
     dev = torch.device("cuda")
     seed = zlib.crc32(repr(tag).encode())
@@ -633,8 +633,8 @@ def _check_search_prepared_with_a_nan_row(metric, precision, k, tag, shapes):
 @pytest.mark.parametrize("metric", METRICS)
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
-    from nearest_join.kernels import gpu as kgpu
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels import gpu as kgpu
+    from nearest_kernels.gpu import knn_torch
 
     q, t = make_data("clustered", 300, 2000, 96, 11)
     qd, td = torch.from_numpy(q).cuda(), torch.from_numpy(t).cuda()
@@ -651,7 +651,7 @@ def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
 @needs_cuda
 def test_the_sample_kept_with_a_block_has_the_rows_its_budget_counts():
     # udfs.gpu budgets a block with kept_sample_rows: the sample a sampled first pass keeps
-    from nearest_join.kernels import gpu
+    from nearest_kernels import gpu
 
     # (a block large enough for the first pass's segments: a smaller one runs it on the torch
     # path, without a sample, which the budget counts as if it took one)
@@ -681,7 +681,7 @@ os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-ahead-")
 sys.path.insert(0, sys.argv[1])
 import torch
 from triton.runtime.jit import JITFunction
-from nearest_join.kernels.gpu import knn_torch
+from nearest_kernels.gpu import knn_torch
 
 compiled = []
 real = JITFunction._do_compile

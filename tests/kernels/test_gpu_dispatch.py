@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from nearest_join.kernels import gpu  # noqa: E402
+from nearest_kernels import gpu  # noqa: E402
 
 
 @pytest.mark.parametrize("capability, expected", [((9, 0), "bf16"), ((8, 0), "bf16"), ((7, 5), "fp32")])
@@ -46,7 +46,7 @@ def test_without_triton_support_the_reason_is_named(monkeypatch):
 
 
 def test_the_gpu_backend_refuses_a_task_without_cuda(monkeypatch):
-    from nearest_join.kernels import dispatch
+    from nearest_kernels import dispatch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     name, reasons = dispatch.choose_task_backend("auto")
@@ -64,7 +64,7 @@ def test_long_bf16_lists_above_d_128_start_from_a_sampled_wider_list(k, precisio
 
 def test_the_kept_sample_is_counted_only_where_searches_take_one():
     # the sample sample_seed keeps with the block: every (width / SAMPLE_LIST)-th row
-    from nearest_join.kernels._gpu_triton import SAMPLE_LIST
+    from nearest_kernels._gpu_triton import SAMPLE_LIST
 
     width = gpu.sampled_width(100, "bf16", 384)
     step = width // SAMPLE_LIST
@@ -80,7 +80,7 @@ def test_the_threshold_filter_refuses_off_cuda_tf32_and_small_d_and_says_why():
     assert "CUDA" in gpu.filter_refusal(1_000_000, 384, 10, "bf16", cpu)
     # Without a device the budget counts the larger sample: the filter's (every 32nd target
     # for k=10's list of 32) where only it takes one.
-    from nearest_join.kernels._gpu_triton import filter_sample_rows
+    from nearest_kernels._gpu_triton import filter_sample_rows
 
     assert gpu.kept_sample_rows(1_000_000, 384, 10, "bf16") == filter_sample_rows(1_000_000, 32) == 31_250
     assert gpu.kept_sample_rows(1_000_000, 128, 10, "bf16") == 0      # below FILTER_MIN_D

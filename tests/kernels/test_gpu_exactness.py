@@ -2,7 +2,7 @@
 magnitudes from 1e-30 to 1e30, nearly parallel vectors, exact ties, float64 inputs.
 
 Every check is :func:`tests.adversarial.assert_true_topk` with the tolerance the backend
-declares (``nearest_join.kernels.gpu.RTOL``, relative to the size of the shifted problem).
+declares (``nearest_kernels.gpu.RTOL``, relative to the size of the shifted problem).
 
 Here (no GPU): the torch path on CPU tensors over a subset of the cases, the working frame and
 the precision switch by their own tests; the fused Triton kernels on small adversarial shapes
@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 from tests import adversarial as adv
 
 try:
@@ -39,7 +39,7 @@ needs_cuda = pytest.mark.skipif(torch is None or not torch.cuda.is_available(),
 
 
 def _rtol() -> float:
-    from nearest_join.kernels.gpu import RTOL
+    from nearest_kernels.gpu import RTOL
 
     return RTOL
 
@@ -68,7 +68,7 @@ def _cpu_params():
 @needs_torch
 @pytest.mark.parametrize("case,metric,precision", list(_cpu_params()))
 def test_torch_path_on_cpu_returns_the_true_top_k(case, metric, precision):
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     for k in (10, 100) if case.name.startswith("integer") else (10,):
         v, i = knn_torch(torch.from_numpy(case.queries), torch.from_numpy(case.targets), k, metric,
@@ -84,7 +84,7 @@ def test_the_working_frame_centres_and_scales_by_a_power_of_two(metric):
     """Working rows are the targets minus their mean (of the unit rows for cosine), scaled by a
     power of two that puts the largest shifted norm in [1/2, 1); queries share the frame,
     inner product queries are scaled each by their own power of two and not shifted."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     case = adv.offset_case(16, 1e4, 1.0, nq=20, nt=300, seed=5)
     q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
@@ -119,7 +119,7 @@ def test_the_bound_follows_the_spread_not_the_offset(metric):
     """The issue's data (10 + 0.1 x noise, d=64): in bf16 the first list proves nearly every
     row at k=10, as on centred data. Without the frame (the identity, as before) the same
     bound covers keys of norm-sized error and proves none."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     case = adv.offset_case(64, 10.0, 0.1, nq=200, nt=4000, seed=7, duplicates=False)
     q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
@@ -142,7 +142,7 @@ def test_rows_whose_bound_admits_too_much_switch_to_fp32(monkeypatch):
     whose next list would exceed FALLBACK_SHARE of the block search again with float32
     operands (the torch generator sees fp32 sides) instead of widening in bf16, and the answer
     is the true top k."""
-    from nearest_join.kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_torch as gt
 
     case = adv.integer_case(3, high=1, nq=30, nt=4000, seed=4)   # 8 points, ~500 copies each
     q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
@@ -176,7 +176,7 @@ def test_queries_far_from_a_tight_block_are_exact_and_overflow_only_where_true(m
     """Targets within 1e-20 of a point, queries 1e30 away (working norms past FAR_NORM) and
     close by: the far rows take the float64 difference form; squared distances of 1e60 read
     +inf (beyond float32), their roots do not."""
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     rng = np.random.default_rng(9)
     t = 1e-20 * rng.standard_normal((300, 6))
@@ -275,8 +275,8 @@ def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
     (centre to float64 rounding, the same power of two), and in that frame the same working
     rows and operands bit for bit and norms, residuals and biases within one float32 step,
     never below their float64 values (the interpreter suite checks the same on the CPU)."""
-    from nearest_join.kernels import _gpu_torch as gt
-    from nearest_join.kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_triton as tr
 
     for case in _by_name(PREP_CASES):
         if metric not in case.metrics:
@@ -357,8 +357,8 @@ def _filter_case(d: int) -> adv.Case:
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
 @pytest.mark.parametrize("d", FILTER_DIMS)
 def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d, metric, monkeypatch):
-    from nearest_join.kernels import _gpu_triton as tr
-    from nearest_join.kernels import gpu
+    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import gpu
 
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device)[0] != 9:

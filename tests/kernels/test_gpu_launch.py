@@ -1,6 +1,6 @@
 """Every launch configuration the fused kernel's chooser can return fits the device.
 
-:func:`nearest_join.kernels._gpu_triton.plan_candidates` filters its configurations by its own
+:func:`nearest_kernels._gpu_triton.plan_candidates` filters its configurations by its own
 shared-memory estimate; on a device the compiled kernel's metadata has the last word
 (``_loads``). Here, with no GPU, the configurations are lowered for sm_80 and sm_90 by
 Triton's own stages down to LLVM IR, where the shared-memory allocation is final
@@ -29,8 +29,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from nearest_join.kernels import _gpu_torch as gt
-from nearest_join.kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_triton as tr
 
 DIMS = [1, 3, 17, 31, 33, 64, 96, 100, 128, 200, 256, 300, 384, 512, 768, 1024, 1536]
 N_CANDS = [1 << e for e in range(3, 11)]          # 8 .. MAX_CANDIDATES

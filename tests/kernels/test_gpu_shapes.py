@@ -4,7 +4,7 @@ every precision x query rows in {1, 7, 2048, 65,536}, against the float64 oracle
 for any of them.
 
 Precisions: fp32, tf32 and bf16. ``"auto"`` is not a fourth: it resolves to bf16 on every
-device this runs on (compute capability >= 8.0; :func:`nearest_join.kernels.gpu.resolve_precision`,
+device this runs on (compute capability >= 8.0; :func:`nearest_kernels.gpu.resolve_precision`,
 whose choice has its own CPU test), so it would repeat the bf16 case.
 
 Data: non-centred Gaussian rows (a per-dimension offset, as in real embeddings), queries and
@@ -83,7 +83,7 @@ def check_every_row_is_well_formed(values, indices, nt: int, k: int, metric: str
 @needs_cuda
 @pytest.mark.parametrize("d,k,precision,rows,metric", list(_params()))
 def test_gpu_every_shape(d, k, precision, rows, metric):
-    from nearest_join.kernels.gpu import knn_torch
+    from nearest_kernels.gpu import knn_torch
 
     seed = zlib.crc32(repr((d, k, precision, rows)).encode())
     q, t = _data(rows, N_TARGETS, d, seed)

@@ -1,4 +1,4 @@
-"""k-means of the IVF plan (nearest_join.kernels.kmeans): the assignment against the float64
+"""k-means of the IVF plan (nearest_kernels.kmeans): the assignment against the float64
 oracle on the adversarial inputs, determinism for a seed, spherical centroids, degenerate
 samples (duplicates, fewer distinct rows than clusters), routing and errors. No Spark."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_join.kernels.kmeans import kmeans, route, routing_metric, training_rows
+from nearest_kernels.kmeans import kmeans, route, routing_metric, training_rows
 from tests.adversarial import ALL_METRICS, cases, key_scale, oracle_keys
 
 CASES = [c for c in cases(dims=(1, 3, 16, 128)) if c.targets.shape[0] >= 8]
@@ -103,7 +103,7 @@ def test_duplicates_and_empty_clusters():
 
 
 def test_empty_cluster_is_reseeded_with_the_farthest_row():
-    from nearest_join.kernels.kmeans import _update
+    from nearest_kernels.kmeans import _update
 
     points = np.array([[0.0], [1.0], [10.0], [11.0]], np.float32)
     assignment = np.array([0, 0, 0, 0])
@@ -156,7 +156,7 @@ def test_bad_iterations_and_input():
 def test_docstring_examples_run():
     import doctest
 
-    from nearest_join.kernels import kmeans as module
+    from nearest_kernels import kmeans as module
 
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

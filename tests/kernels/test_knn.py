@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_info
 
-from nearest_join.kernels import METRICS, backend_names, choose_backend, knn
-from nearest_join.kernels import dispatch as dispatch_module
-from nearest_join.kernels import merge as merge_module
-from nearest_join.kernels.reference import knn_reference
+from nearest_kernels import METRICS, backend_names, choose_backend, knn
+from nearest_kernels import dispatch as dispatch_module
+from nearest_kernels import merge as merge_module
+from nearest_kernels.reference import knn_reference
 from tests.oracle import assert_knn_result, backend_rtol
 
 GOOD = np.zeros((2, 3), dtype=np.float32)
@@ -124,7 +124,7 @@ def test_query_tiles_start_at_the_same_rows_for_any_thread_count():
     tiles start at multiples of QUERY_TILE_MULTIPLE, so a row's position does not depend on
     the number of threads (test_cpu_result_does_not_depend_on_threads checks the bits where
     such a kernel runs)."""
-    from nearest_join.kernels import cpu
+    from nearest_kernels import cpu
 
     for nq in (1, 63, 130, 700, 1000, 4000, 9999):
         for threads in (1, 2, 3, 8):
@@ -140,7 +140,7 @@ def _count_rescans(monkeypatch):
     """Count the rows the exact stage searches again: (collected, scanned), the rows searched
     keeping every target that can be within their k-th key, and those then searched in float64
     against every target."""
-    from nearest_join.kernels import cpu
+    from nearest_kernels import cpu
 
     collected, scanned = [], []
     real_collect, real_scan = cpu._Operands.collect_rows, cpu._Operands.search_rows
@@ -164,7 +164,7 @@ def test_cpu_searches_again_rows_whose_ties_outnumber_the_kept_candidates(reques
     k + margin slots: the kept scores cannot prove which copies rank, so that row is searched
     again keeping every target that can be within its k-th key (all the copies), and the
     lowest indices win; no float64 scan is needed. A row far from the copies is proven at once."""
-    from nearest_join.kernels import cpu
+    from nearest_kernels import cpu
 
     collected, scanned = _count_rescans(monkeypatch)
     rng = seeded_rng(request)
@@ -375,9 +375,9 @@ def test_cpu_honours_threads_and_restores_settings(monkeypatch):
     """Inside the kernel the rows are split over ``threads`` threads and BLAS runs one (each
     kernel thread calls its own sgemm); afterwards BLAS is back to what it was. Checked by
     wrapping the kernel entry, not by timing."""
-    cpu = importlib.import_module("nearest_join.kernels.cpu")
-    kernels = importlib.import_module("nearest_join.kernels._cpu_kernels")
-    numba_setup = importlib.import_module("nearest_join.kernels._numba")
+    cpu = importlib.import_module("nearest_kernels.cpu")
+    kernels = importlib.import_module("nearest_kernels._cpu_kernels")
+    numba_setup = importlib.import_module("nearest_kernels._numba")
     # The BLAS the kernel calls is scipy's (numba's np.dot binds to scipy.linalg.cython_blas).
     controlled = {lib["filepath"] for lib in cpu.blas_controller().info()}
     assert any("scipy" in path and "numpy" not in path for path in controlled), controlled
@@ -412,8 +412,8 @@ def test_cpu_honours_threads_and_restores_settings(monkeypatch):
 
 
 def test_cpu_threads_are_restored_after_an_error(monkeypatch):
-    kernels = importlib.import_module("nearest_join.kernels._cpu_kernels")
-    numba_setup = importlib.import_module("nearest_join.kernels._numba")
+    kernels = importlib.import_module("nearest_kernels._cpu_kernels")
+    numba_setup = importlib.import_module("nearest_kernels._numba")
     before_blas = blas_threads()
 
     def broken(*args, **kwargs):
@@ -430,7 +430,7 @@ def test_cpu_threads_are_restored_after_an_error(monkeypatch):
 
 def test_numba_cache_moves_to_home_when_package_dir_is_read_only(monkeypatch, tmp_path):
     """Executors often install the package read-only; numba's cache must still persist."""
-    setup = importlib.import_module("nearest_join.kernels._numba")
+    setup = importlib.import_module("nearest_kernels._numba")
     package_dir = os.path.dirname(os.path.abspath(setup.__file__))
     real_access = os.access
     monkeypatch.setattr(os, "access",
@@ -445,7 +445,7 @@ def test_numba_cache_moves_to_home_when_package_dir_is_read_only(monkeypatch, tm
 
 
 def test_explicit_numba_cache_dir_wins(monkeypatch, tmp_path):
-    setup = importlib.import_module("nearest_join.kernels._numba")
+    setup = importlib.import_module("nearest_kernels._numba")
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "mine"))
     setup.ensure_numba_cache_dir()
@@ -462,7 +462,7 @@ def test_auto_prefers_cpu_over_reference():
 
 
 def test_cpu_backend_declares_what_it_supports():
-    cpu = importlib.import_module("nearest_join.kernels.cpu").BACKEND
+    cpu = importlib.import_module("nearest_kernels.cpu").BACKEND
     assert cpu.name == "cpu" and cpu.devices == ("cpu",)
     assert set(cpu.metrics) == set(METRICS) and set(cpu.dtypes) == {"float32", "float64"}
     assert cpu.max_k is None

@@ -6,7 +6,7 @@ import zlib
 import numpy as np
 import pytest
 
-from nearest_join.kernels import METRICS, knn, merge_topk
+from nearest_kernels import METRICS, knn, merge_topk
 from tests.kernels.test_knn import check_knn
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_join.kernels import METRICS
-from nearest_join.kernels.reference import knn_reference, scores_float64
+from nearest_kernels import METRICS
+from nearest_kernels.reference import knn_reference, scores_float64
 
 # Queries q0 = (0, 0), q1 = (1, 2); targets t0 = (3, 4), t1 = (1, 0), t2 = (-2, 2), t3 = (1, 0).
 QUERIES = np.array([[0.0, 0.0], [1.0, 2.0]])

@@ -3,13 +3,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 from udfs import columns as C
-from udfs.blocks import JoinContext
+from udfs.context import JoinContext, SearchSettings
 from udfs.local import local_join
 from udfs.packing import SideLayout, blob_to_table, pack_blocks
 from udfs.topk import TopkState
-from udfs.searcher import SearchSettings
 
 
 def _tables(rng, nq, nt, d):

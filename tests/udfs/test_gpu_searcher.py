@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 from tests.oracle import assert_knn_result, backend_rtol
-from udfs.searcher import SearchSettings
+from udfs.context import SearchSettings
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -190,7 +190,7 @@ def no_kept_blocks():
 
 
 def _counting_prepare(monkeypatch):
-    from nearest_join.kernels import gpu as kgpu
+    from nearest_kernels import gpu as kgpu
 
     calls = []
     real = kgpu.prepare_targets
@@ -364,7 +364,7 @@ def test_a_searcher_compiles_the_plans_configuration_once_per_worker(monkeypatch
     """``SearchSettings.warm_shape`` (the plan's block pair): the searcher's opening runs one
     search of that shape, in the plan's dtypes, with its k, metric and precision, once per
     worker process and configuration; without it, none."""
-    from nearest_join.kernels import gpu as kgpu
+    from nearest_kernels import gpu as kgpu
 
     monkeypatch.setattr(G, "_WARMED", set())
     calls = []

@@ -1,4 +1,4 @@
-"""The keyed search of many tiny groups (udfs.groups, kernels.segments; issue 22): thousands of
+"""The keyed search of many tiny groups (udfs.groups, nearest_kernels.segments; issue 22): thousands of
 groups of 1-12 targets (some smaller than k, some with rows that cannot rank) and one large
 group in one target block, against the float64 oracle over each query's own group, with and
 without a cap; small groups must share one batched call (the task's kernel sees only the large
@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
-from nearest_join.kernels import cpu
-from nearest_join.kernels.segments import knn_probed, knn_segments
+from nearest_kernels import knn
+from nearest_kernels import cpu
+from nearest_kernels.segments import knn_probed, knn_segments
 from tests.oracle import (
     assert_capped_topk,
     assert_knn_result,

@@ -20,15 +20,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from nearest_join.kernels import rankable_rows, resolve_metric, segments
-from nearest_join.kernels.kmeans import route
+from nearest_kernels import rankable_rows, resolve_metric, segments
+from nearest_kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
 from udfs.groups import SEGMENT_WORK
 from udfs.lists import pack_listed
 from udfs.local import pair_batches
 from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block
-from udfs.searcher import BlockSearcher, SearchSettings
+from udfs.context import SearchSettings
+from udfs.searcher import BlockSearcher
 
 try:
     import torch

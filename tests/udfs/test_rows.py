@@ -79,7 +79,7 @@ def test_threaded_matrix_take_and_copy_equal_numpy():
 
 
 def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
-    from nearest_join.kernels.gather import take_rows as compiled_take
+    from nearest_kernels.gather import take_rows as compiled_take
 
     rng = np.random.default_rng(6)
     for dtype in (np.float32, np.float64):
@@ -102,7 +102,7 @@ def test_compiled_row_copy_equals_numpy_and_checks_its_indices():
     take_matrices([m + 1, m], np.zeros(500, np.int64), rng.integers(0, 300, 500), one, threads=1)
     np.testing.assert_array_equal(one, np.ones((500, 7), np.float32))
     # Rows of one source into their positions (several sources fill one output).
-    from nearest_join.kernels.gather import take_rows_at
+    from nearest_kernels.gather import take_rows_at
 
     src = rng.standard_normal((300, 7))[:, ::2]          # float64, non-contiguous
     out = np.full((50, 4), -1.0)
@@ -123,7 +123,7 @@ def test_distinct_rows_of_a_state_equal_numpy_and_check_their_range():
     """A shipped state's distinct (source, row) pairs in (source, row) order and each slot's
     position among them, against a numpy reference: several sources, repeats, empty slots;
     a slot outside its source raises."""
-    from nearest_join.kernels.gather import distinct_rows
+    from nearest_kernels.gather import distinct_rows
 
     rng = np.random.default_rng(3)
     sizes = [40, 0, 25, 60]
@@ -149,7 +149,7 @@ def test_large_gathers_split_their_rows_over_the_threads(monkeypatch):
     """A large gather runs the compiled copy over the task's threads, in contiguous ranges that
     cover every row once (each source's rows into their positions when several fill one
     output); numpy's rows either way."""
-    from nearest_join.kernels import gather
+    from nearest_kernels import gather
 
     ranges = []
     real = gather._gather_kernels.take_rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_join.kernels import knn
+from nearest_kernels import knn
 from udfs import searcher as S
 
 
@@ -33,7 +33,7 @@ def test_an_explicit_cpu_backend_never_opens_a_gpu_searcher(monkeypatch):
 
 def test_auto_opens_the_gpu_searcher_the_dispatcher_chooses(monkeypatch):
     import udfs.gpu as G
-    from nearest_join.kernels import dispatch
+    from nearest_kernels import dispatch
 
     monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
     monkeypatch.setattr(dispatch, "choose_task_backend", lambda backend, skip=None: ("gpu", []))
@@ -64,7 +64,7 @@ def test_a_cpu_task_searches_its_blocks_without_importing_torch(monkeypatch):
     """Where the probe finds no GPU, the task's CPU searcher runs "cpu" on every block: "auto"
     per block would load the GPU backend first (the registry imports its module, and with it
     torch: seconds per Python worker) only to hear that it has no device."""
-    from nearest_join.kernels import dispatch
+    from nearest_kernels import dispatch
 
     loaded = []
     load = dispatch._load
@@ -83,7 +83,7 @@ def test_a_cpu_task_searches_its_blocks_without_importing_torch(monkeypatch):
 
 def test_auto_whose_gpu_searcher_cannot_open_runs_the_next_backend(monkeypatch):
     import udfs.gpu as G
-    from nearest_join.kernels import dispatch
+    from nearest_kernels import dispatch
 
     monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
     real = dispatch.choose_task_backend

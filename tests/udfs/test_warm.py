@@ -24,11 +24,10 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
     script = textwrap.dedent("""
         import json, sys, numpy as np, pyarrow as pa
         from numba.core import event
-        from udfs.warm import WarmUp, start_warm_up
-        from udfs.blocks import JoinContext
+        from udfs.context import JoinContext, SearchSettings
         from udfs.local import local_join
         from udfs.packing import SideLayout
-        from udfs.searcher import SearchSettings
+        from udfs.warm import WarmUp, start_warm_up
 
         compiled = []
         class Seen(event.Listener):

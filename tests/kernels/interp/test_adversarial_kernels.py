@@ -4,7 +4,7 @@ vectors. Each case, in every metric it declares: the re-rank kernel equals the t
 exact_topk through the kernels with tiny tiles (16 x 32: several tiles and splits of a 150-row
 block) returns the true top k; then the default tile configurations through ``knn_torch``, as
 the backend runs them. Every check is :func:`tests.adversarial.assert_true_topk` at the
-tolerance the backend declares (``nearest_join.kernels.gpu.RTOL``).
+tolerance the backend declares (``nearest_kernels.gpu.RTOL``).
 
 The GPU runs every adversarial case in every precision (tests/kernels/test_gpu_exactness.py,
 ``-m gpu``); here one precision per case, alternating bf16 / tf32, keeps the interpreter's
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_join.kernels import _gpu_torch as gt
-from nearest_join.kernels import _gpu_triton as tr
-from nearest_join.kernels.gpu import RTOL, knn_torch
+from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_triton as tr
+from nearest_kernels.gpu import RTOL, knn_torch
 from tests import adversarial as adv
 from tests.kernels.interp.test_fused_kernels import Small
 

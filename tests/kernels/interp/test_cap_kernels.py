@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_join.kernels import _gpu_torch as gt
-from nearest_join.kernels import _gpu_triton as tr
-from nearest_join.kernels.gpu import knn_torch
+from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_triton as tr
+from nearest_kernels.gpu import knn_torch
 from tests import adversarial as adv
 from tests.kernels.interp.test_fused_kernels import Small
 from tests.oracle import assert_capped_topk, backend_rtol, key_values, oracle_keys

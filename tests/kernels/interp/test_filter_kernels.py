@@ -13,8 +13,8 @@ import math
 import numpy as np
 import torch
 
-from nearest_join.kernels import _gpu_torch as gt
-from nearest_join.kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data, poison_kernel_buffers
 
 TINY = tr.FilterTiles(block_m=16, block_n=32, block_d=16, num_warps=4, num_stages=1)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_join.kernels import _gpu_torch as gt
-from nearest_join.kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data, poison_kernel_buffers
 
 KERNELS = ["rowlist", "segmented"]

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_join.kernels import _gpu_torch as gt
-from nearest_join.kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_triton as tr
 
 CASES = [("l2", "bf16", torch.float32, 37, 130), ("sqeuclidean", "tf32", torch.float64, 70, 3),
          ("inner_product", "fp32", torch.float32, 5, 129), ("l2", "bf16", torch.float64, 33, 256)]

@@ -1,10 +1,10 @@
-"""Backend registry and the one dispatcher behind :func:`nearest_join.kernels.knn`.
+"""Backend registry and the one dispatcher behind :func:`nearest_kernels.knn`.
 
 Each backend states what it supports (devices, dtypes, metrics, largest k) and can say why it
 refuses an input; ``backend="auto"`` takes the first backend, in preference order, that
 accepts the call, and when every backend refuses the error lists every reason (the shape of
 xformers' ``ops/fmha/dispatch.py``). Backends are imported lazily so that a missing optional
-dependency (numba, torch, triton) never breaks ``import nearest_join``.
+dependency (numba, torch, triton) never breaks ``import nearest_kernels``.
 """
 from __future__ import annotations
 
@@ -55,9 +55,9 @@ class _Entry:
 
 # Preference order for backend="auto": fastest first, the float64 oracle last.
 _REGISTRY: dict[str, _Entry] = {
-    "gpu": _Entry("gpu", "nearest_join.kernels.gpu"),
-    "cpu": _Entry("cpu", "nearest_join.kernels.cpu"),
-    "reference": _Entry("reference", "nearest_join.kernels.reference_backend"),
+    "gpu": _Entry("gpu", "nearest_kernels.gpu"),
+    "cpu": _Entry("cpu", "nearest_kernels.cpu"),
+    "reference": _Entry("reference", "nearest_kernels.reference_backend"),
 }
 
 

@@ -32,7 +32,7 @@ Memory traffic per program: the target tiles (shared through L2 by the programs 
 them at the same time; read by TMA where the operand allows, :func:`target_descriptor`) and
 one query tile per d-chunk; the lists are stored once at the end. Splits of the target range
 produce ``n_splits`` lists per query; the host merges them by sorting the packed keys (same
-tie rule as :func:`nearest_join.kernels.merge_topk`).
+tie rule as :func:`nearest_kernels.merge_topk`).
 
 Besides the candidate kernel: the exact re-rank (:func:`triton_exact_values`), a target
 block's preparation in three streaming passes (:func:`triton_prepare_targets`, what
@@ -1761,7 +1761,7 @@ def triton_working_frame(targets: torch.Tensor, metric: str, precision: str = "b
     its unit rows stay with the torch form). The same frame up to the order of the float64
     sums; one host sync. ``precision`` and ``buffers`` (:func:`_prepare_buffers`): those of the
     fill pass that follows, whose signature every pass shares."""
-    from ._gpu_torch import Frame, _pow2_below
+    from ._gpu_torch import Frame, pow2_below
 
     n, d = targets.shape
     assert metric != "cosine" and n and d
@@ -1780,7 +1780,7 @@ def triton_working_frame(targets: torch.Tensor, metric: str, precision: str = "b
                                              torch.linalg.vector_norm(center)]).tolist()
     if not (extent > 0 and math.isfinite(extent)):
         extent = peak if peak > 0 and math.isfinite(peak) else 1.0
-    return Frame(center, _pow2_below(extent), metric == "inner_product", center_norm)
+    return Frame(center, pow2_below(extent), metric == "inner_product", center_norm)
 
 
 def _fill_side(source: torch.Tensor, metric: str, precision: str, frame, bufs) -> PreparedSide:

@@ -49,7 +49,7 @@ def merge_topk(
     Parameters
     ----------
     values, indices : sequences of arrays, each (nq, k_i)
-        Partial results as returned by :func:`nearest_join.kernels.knn`: float values and int64
+        Partial results as returned by :func:`nearest_kernels.knn`: float values and int64
         indices, -1 where a slot is empty. All parts have the same number of rows.
     k : int
         Number of results to keep per query.

@@ -242,7 +242,7 @@ class Frame:
         return cls()
 
 
-def _pow2_below(x: float) -> float:
+def pow2_below(x: float) -> float:
     """The power of two ``2^-e`` with ``x * 2^-e`` in [1/2, 1) (x > 0 finite)."""
     return math.ldexp(1.0, -math.frexp(x)[1])
 
@@ -286,7 +286,7 @@ def working_frame(targets: torch.Tensor, metric: str) -> Frame:
                                              torch.linalg.vector_norm(center)]).tolist()
     if not (extent > 0 and math.isfinite(extent)):
         extent = peak if peak > 0 and math.isfinite(peak) else 1.0
-    return Frame(center, _pow2_below(extent), metric == "inner_product", center_norm)
+    return Frame(center, pow2_below(extent), metric == "inner_product", center_norm)
 
 
 # Query rows whose working norm exceeds this are searched apart (:func:`far_topk`): their

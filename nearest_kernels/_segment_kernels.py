@@ -1,4 +1,4 @@
-"""Numba loop of :func:`nearest_join.kernels.segments.knn_segments` (imported after ``cpu``,
+"""Numba loop of :func:`nearest_kernels.segments.knn_segments` (imported after ``cpu``,
 which chooses numba's cache directory)."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from ._numba import import_numba
 import_numba()
 from numba import njit  # noqa: E402
 
-from ._cpu_kernels import _difference_sum, _product_sum
+from ._cpu_kernels import difference_sum, product_sum
 from ._numba import run_split
 
 
@@ -50,10 +50,10 @@ def _segment_chunks(lo, hi, queries, q_factors, q_ok, targets, t_factors, t_ok, 
                 lo, hi = segment_starts[s], segment_starts[s + 1]
                 if difference:
                     for j in range(lo, hi):
-                        buffer[j - lo] = _difference_sum(query, factor, targets[j], t_factors[j])
+                        buffer[j - lo] = difference_sum(query, factor, targets[j], t_factors[j])
                 else:
                     for j in range(lo, hi):
-                        buffer[j - lo] = -_product_sum(query, factor, targets[j], t_factors[j])
+                        buffer[j - lo] = -product_sum(query, factor, targets[j], t_factors[j])
                 for j in range(lo, hi):
                     if not t_ok[j]:
                         continue

@@ -38,7 +38,7 @@ from ._common import Metric, check_cap, resolve_metric
 
 logger = logging.getLogger(__name__)
 
-try:  # optional dependency: `import nearest_join` must never need torch
+try:  # optional dependency: `import nearest_kernels` must never need torch
     import torch
 except ImportError as _exc:  # pragma: no cover - exercised only without torch
     torch = None
@@ -185,7 +185,7 @@ def prepare_queries(queries, targets):
 @dataclass(frozen=True)
 class Implementation:
     """One way of computing the GPU backend's candidates, chosen like the backends
-    (:mod:`nearest_join.kernels.dispatch`): it states its devices, precisions and widest
+    (:mod:`nearest_kernels.dispatch`): it states its devices, precisions and widest
     candidate list, and :meth:`refuse` says why it cannot run a call (None: it can)."""
 
     name: str
@@ -344,6 +344,24 @@ def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> in
     return filter_sample_rows(nt, width) if filter_refusal(nt, d, k, precision, device) is None else seeded
 
 
+def lower_table_bytes(nt: int) -> int:
+    """Device memory of one lower-key search's bias table for ``nt`` targets, temporaries
+    included (``_gpu_torch.lower_table_bytes``): what a device memory budget adds to a
+    block's where :func:`uses_lower_keys`."""
+    from ._gpu_torch import lower_table_bytes as table_bytes
+
+    return table_bytes(nt)
+
+
+def best_order(values, idx, k: int, descending: bool):
+    """Columns of each row's ``min(k, columns)`` best entries by (value, index), best first,
+    on the tensors' device: every backend's tie rule (``_gpu_torch.best_order``), for a caller
+    that folds per-block results on the device."""
+    from ._gpu_torch import best_order as order
+
+    return order(values, idx, k, descending)
+
+
 def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision: str, device,
                        dtypes: tuple = ("float32", "float32")) -> bool:
     """Start compiling, on threads, the Triton kernels that a search of ``nq`` x ``nt`` rows
@@ -375,7 +393,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     """Exact top-k of every query row (a float tensor on the targets' device) against ``targets``.
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
-    :func:`nearest_join.kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
+    :func:`nearest_kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
     targets within it rank, a row may have fewer than k (``_gpu_torch.exact_topk``: the cap
     is the searches' limit from their first candidate pass).
     """
@@ -513,7 +531,7 @@ def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "au
     Returns
     -------
     values : float32 tensor (nq, k), indices : int64 tensor (nq, k), on the inputs' device.
-    Same contract as :func:`nearest_join.kernels.knn` (order, ties, missing slots, rows that
+    Same contract as :func:`nearest_kernels.knn` (order, ties, missing slots, rows that
     cannot rank).
 
     Raises

@@ -1,4 +1,4 @@
-"""Numba kernels of :mod:`nearest_join.kernels.gather`: row copies and the payload bookkeeping
+"""Numba kernels of :mod:`nearest_kernels.gather`: row copies and the payload bookkeeping
 of a shipped top-k state. Import this module only through ``gather``, which points numba's cache
 at a writable directory before numba is imported.
 """

@@ -3,7 +3,7 @@ ranking of the candidates in float64 (see :meth:`CpuBackend.run` for the two sta
 they are exact on every finite input).
 
 Every metric becomes "smallest ``Q' T^T + bias``" on float32 operands (see
-:mod:`nearest_join.kernels._cpu_kernels`): the l2 family searches squared distances between
+:mod:`nearest_kernels._cpu_kernels`): the l2 family searches squared distances between
 both blocks shifted by the targets' sample mean (unless the mean is small against the spread)
 and scaled by a power of two; inner product searches the queries, scaled by a power of two per
 row, against the targets; cosine searches unit rows (normalised in float64). A float32 block
@@ -138,7 +138,7 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _check_threads(threads) -> int:
+def check_threads(threads) -> int:
     if threads is None:
         return default_threads()
     if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
@@ -491,7 +491,7 @@ class CpuBackend:
         beyond the cap are dropped; a row is proven when its floor is above its k-th key or
         above the cap's key (no target outside the heap is then within the cap).
         """
-        threads = _check_threads(threads)
+        threads = check_threads(threads)
         cap = check_cap(cap)
         nq, nt = queries.shape[0], targets.shape[0]
         width = min(k, nt)

@@ -78,7 +78,7 @@ def scores_float64(queries: np.ndarray, targets: np.ndarray, metric: Metric) -> 
 
 def knn_reference(queries: np.ndarray, targets: np.ndarray, k: int, metric: Metric,
                   cap: float | None = None):
-    """Exact top-k in float64. See :func:`nearest_join.kernels.knn` for the contract;
+    """Exact top-k in float64. See :func:`nearest_kernels.knn` for the contract;
     ``cap``: only targets whose float64 value is within it (inclusive) rank."""
     nq = queries.shape[0]
     values, indices = empty_result(nq, k, metric)

@@ -111,7 +111,7 @@ def empty_result(nq: int, k: int, metric: Metric) -> tuple[np.ndarray, np.ndarra
 
 
 def check_cap(cap) -> float | None:
-    """A ``cap`` option of :func:`nearest_join.kernels.knn`: None or a finite number."""
+    """A ``cap`` option of :func:`nearest_kernels.knn`: None or a finite number."""
     if cap is None:
         return None
     if isinstance(cap, bool) or not isinstance(cap, (int, float, np.integer, np.floating)) \

@@ -1,6 +1,6 @@
 """Numba kernels of the "cpu" backend: tiled GEMM fused with a per-query running top-k.
 
-Import this module only through :mod:`nearest_join.kernels.cpu`, which points numba's cache at a
+Import this module only through :mod:`nearest_kernels.cpu`, which points numba's cache at a
 writable directory before numba is imported.
 
 Every metric is reduced to one problem: for each query row ``i`` keep the ``k`` targets ``j``
@@ -452,7 +452,7 @@ def _shift_scale(lo, hi, rows, factors, center, scales, out, out_sq):
 # (``keys64`` in ``cpu._Operands``). They are not inlined at numba's level: numba would
 # compile an inlined body with the caller's (strict) flags and the loops would stay scalar.
 @njit(fastmath={"reassoc"}, nogil=True, cache=True)
-def _difference_sum(q, gq, t, gt):
+def difference_sum(q, gq, t, gt):
     total = 0.0
     for c in range(q.shape[0]):
         x = np.float64(q[c]) * gq - np.float64(t[c]) * gt
@@ -461,7 +461,7 @@ def _difference_sum(q, gq, t, gt):
 
 
 @njit(fastmath={"reassoc"}, nogil=True, cache=True)
-def _product_sum(q, gq, t, gt):
+def product_sum(q, gq, t, gt):
     total = 0.0
     for c in range(q.shape[0]):
         total += (np.float64(q[c]) * gq) * (np.float64(t[c]) * gt)
@@ -472,9 +472,9 @@ def _product_sum(q, gq, t, gt):
 def _pair_key(queries, i, fq, targets, j, ft, difference, factor_after):
     gq, gt = (1.0, 1.0) if factor_after else (fq, ft)
     if difference:
-        total = _difference_sum(queries[i], gq, targets[j], gt)
+        total = difference_sum(queries[i], gq, targets[j], gt)
         return total * (fq * ft) if factor_after else total
-    total = _product_sum(queries[i], gq, targets[j], gt)
+    total = product_sum(queries[i], gq, targets[j], gt)
     return -(total * (fq * ft)) if factor_after else -total
 
 

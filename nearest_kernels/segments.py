@@ -1,7 +1,7 @@
 """Exact top-k of many small searches in one call: each query row against its own segments.
 
 The keyed plan (``on=``) meets many tiny groups (100,000 keys of ~10 targets): one
-:func:`~nearest_join.kernels.knn` call per group would pay its fixed cost (dispatch, operand
+:func:`~nearest_kernels.knn` call per group would pay its fixed cost (dispatch, operand
 set-up, thread start, the exact stage's bookkeeping) per group, far more than the
 arithmetic of a 10-target search. :func:`knn_segments` searches a whole query block in one
 compiled, parallel loop instead: the targets are laid out in contiguous segments
@@ -41,6 +41,7 @@ from ._common import (
     rankable_rows,
     resolve_metric,
 )
+from ._cpu_kernels import inverse_norms
 from ._segment_kernels import segment_topk
 
 __all__ = ["TOLERANCE", "knn_probed", "knn_segments"]
@@ -72,7 +73,7 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
     k : int >= 1
     metric : {"l2", "sqeuclidean", "inner_product", "cosine"}
     cap : float, optional
-        As :func:`~nearest_join.kernels.knn`'s ``cap``: only targets whose value is within it
+        As :func:`~nearest_kernels.knn`'s ``cap``: only targets whose value is within it
         (inclusive) rank.
     threads : int, optional
         Threads of the parallel loop over queries (default: this process's share of cores).
@@ -87,12 +88,12 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
     Raises
     ------
     ValueError
-        As :func:`~nearest_join.kernels.knn`, and segments or probes out of range.
+        As :func:`~nearest_kernels.knn`, and segments or probes out of range.
 
     Notes
     -----
     Rows that cannot rank (a NaN or infinite element; a zero vector under cosine) never
-    match, as in :func:`~nearest_join.kernels.knn`. The work is
+    match, as in :func:`~nearest_kernels.knn`. The work is
     ``sum over queries of (their segments' rows) x d`` multiply-adds in float64.
 
     Examples
@@ -114,11 +115,11 @@ def knn_segments(queries: np.ndarray, targets: np.ndarray, segment_starts: np.nd
         q_ok = rankable_rows(queries, m)
         t_ok = rankable_rows(targets, m)
         if m.name == "cosine":   # unit rows in float64, as the oracle's difference form
-            q_factors = cpu._cpu_kernels.inverse_norms(np.ascontiguousarray(queries))
-            t_factors = cpu._cpu_kernels.inverse_norms(np.ascontiguousarray(targets))
+            q_factors = inverse_norms(np.ascontiguousarray(queries))
+            t_factors = inverse_norms(np.ascontiguousarray(targets))
         else:
             q_factors, t_factors = np.ones(nq), np.ones(nt)
-        with cpu.thread_limits(cpu._check_threads(threads)):
+        with cpu.thread_limits(cpu.check_threads(threads)):
             segment_topk(np.ascontiguousarray(queries), q_factors, q_ok, np.ascontiguousarray(targets),
                          t_factors, t_ok, segment_starts, probe_starts, probe_segments,
                          m.name != "inner_product", keys, indices)
@@ -147,7 +148,7 @@ def knn_probed(queries: np.ndarray, targets: np.ndarray, segment_starts: np.ndar
     segments (``cpu.knn_probed_rows``). Its fixed cost is one operand set-up per call, its
     work that of one wide search of the probed pairs, so a query block probing a few
     hundred-row lists each (an IVF plan) costs about what the same pairs cost in
-    :func:`~nearest_join.kernels.knn`; tiny segments waste most of a target tile
+    :func:`~nearest_kernels.knn`; tiny segments waste most of a target tile
     (``knn_segments`` suits them).
 
     Examples
@@ -187,7 +188,7 @@ def knn_probed(queries: np.ndarray, targets: np.ndarray, segment_starts: np.ndar
                                         + np.arange(starts[-1], dtype=np.int64)]
         probe_starts = starts
     v, i = cpu.knn_probed_rows(np.ascontiguousarray(queries), np.ascontiguousarray(targets), segment_starts,
-                               probe_starts, probe_segments, k, m, cpu._check_threads(threads), check_cap(cap))
+                               probe_starts, probe_segments, k, m, cpu.check_threads(threads), check_cap(cap))
     values[q_rows] = v
     indices[q_rows] = i if clean_targets is None else np.where(i >= 0, clean_targets[np.maximum(i, 0)], -1)
     return values, indices

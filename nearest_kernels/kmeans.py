@@ -4,7 +4,7 @@
 (:mod:`nearest_join.ivf`) then assigns every target row to its nearest centroid and routes
 every query to its ``nprobe`` nearest ones. Three properties matter more than speed here:
 
-* **Exact assignment.** The assignment step is :func:`nearest_join.kernels.knn` with k=1 on
+* **Exact assignment.** The assignment step is :func:`nearest_kernels.knn` with k=1 on
   the cpu backend: the true nearest centroid of the float64 difference form, ties to the lower
   centroid. Training, target assignment and query routing all use that one kernel
   (:func:`route`), so a row's list is the same on the driver and on every executor.

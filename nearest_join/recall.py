@@ -1,0 +1,106 @@
+"""The recall estimate of the IVF plan: recall@k for every nprobe, with its 95% interval.
+
+A sample of the queries is searched exactly (one scan of the target, in
+:func:`nearest_join.ivf.estimate_recall`, or within each query's own key in
+:func:`nearest_join.ivf_keys.estimate_keyed_recall`); here, from the lists of each sampled
+query's true neighbours (:func:`neighbour_lists`) and the rank at which the query probes them,
+the share of its neighbours found at every nprobe (:func:`recall_curve`,
+:func:`recall_of_ranks`) and the smallest nprobe whose lower Wilson bound meets the target
+(:class:`RecallCurve`). Pure numpy; both plans share all of it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Sampled queries of the recall estimate (their exact search is one scan of the target).
+RECALL_QUERIES = 1000
+# z of the two-sided 95% interval of the recall estimate.
+_Z95 = 1.959963984540054
+
+
+def wilson_interval(estimate: float, n: int) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion ``estimate`` over ``n`` trials."""
+    if n <= 0:
+        return 0.0, 1.0
+    z2 = _Z95 * _Z95
+    centre = (estimate + z2 / (2 * n)) / (1 + z2 / n)
+    half = _Z95 * math.sqrt(max(estimate * (1 - estimate), 0.0) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class RecallCurve:
+    """Estimated recall@k for each nprobe 1..nlist, from ``queries`` sampled query rows."""
+
+    recall: np.ndarray   # float64 (nlist,): recall[p - 1] at nprobe p
+    queries: int         # sampled queries with at least one true neighbour
+
+    def at(self, nprobe: int) -> tuple[float, float, float]:
+        """(estimate, lower, upper) at ``nprobe``: the mean per-query recall and its 95%
+        Wilson interval (conservative for a mean of values in [0, 1])."""
+        estimate = float(self.recall[nprobe - 1]) if self.queries else 1.0
+        if nprobe >= self.recall.shape[0]:
+            return 1.0, 1.0, 1.0   # every list: the exact search, by construction
+        lower, upper = wilson_interval(estimate, self.queries)
+        return estimate, lower, upper
+
+    def smallest_nprobe(self, target: float) -> int:
+        """The smallest nprobe whose lower bound meets ``target`` (nlist: every list)."""
+        for nprobe in range(1, self.recall.shape[0] + 1):
+            if self.at(nprobe)[1] >= target:
+                return nprobe
+        return self.recall.shape[0]
+
+
+def recall_curve(query_order: np.ndarray, neighbour_lists: list[np.ndarray]) -> RecallCurve:
+    """Recall@k for every nprobe from the lists of the sampled queries' true neighbours.
+
+    ``query_order[i]`` is query ``i``'s lists, nearest first (all nlist of them, as
+    :func:`~nearest_kernels.kmeans.route` orders them); ``neighbour_lists[i]`` the lists
+    of its exact top k. A neighbour is found at nprobe p exactly when its list is among the
+    query's first p (the search inside probed lists is exact), so query i's recall at p is
+    the share of its neighbours whose list ranks below p. Queries without neighbours (none
+    in the exact result) are left out.
+    """
+    nlist = query_order.shape[1]
+    ranks = []
+    for order, lists in zip(query_order, neighbour_lists):
+        rank = np.full(nlist, nlist, np.int64)
+        valid = order >= 0
+        rank[order[valid]] = np.flatnonzero(valid)
+        ranks.append(rank[lists])
+    return recall_of_ranks(ranks, nlist)
+
+
+def recall_of_ranks(ranks: list[np.ndarray], width: int) -> RecallCurve:
+    """Recall@k for every nprobe 1..``width`` from each sampled query's neighbours' probe
+    ranks (``ranks[i][j]``: the probe at which query ``i``'s neighbour ``j`` is found, 0 the
+    first; ``width`` or more: never). Queries without neighbours are left out."""
+    found = np.zeros(width + 1)
+    queries = 0
+    for rank in ranks:
+        if rank.size == 0:
+            continue
+        found += np.bincount(np.minimum(rank, width), minlength=width + 1)[: width + 1] / rank.size
+        queries += 1
+    recall = np.cumsum(found[:width]) / max(queries, 1)
+    return RecallCurve(recall, queries)
+
+
+def neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarray]:
+    """The lists of each sampled query's k best neighbours over all partitions of a
+    ``udfs.lists.SAMPLE_SCHEMA`` table, ties to the lower (partition, row)."""
+    from nearest_kernels import resolve_metric
+
+    query = table.column("query").to_numpy().astype(np.int64)
+    value = table.column("value").to_numpy().astype(np.float64)
+    lists = table.column("list").to_numpy().astype(np.int64)
+    order = table.column("order").to_numpy()
+    rank = np.lexsort((order, -value if resolve_metric(metric).descending else value, query))
+    query, lists = query[rank], lists[rank]
+    starts = np.searchsorted(query, np.arange(queries + 1))
+    return [lists[starts[i]:min(starts[i + 1], starts[i] + k)] for i in range(queries)]
+
