@@ -559,7 +559,7 @@ def _output(values: dict[str, Any]) -> OutputSpec:
         raise SpecError(
             "output.path",
             f"{path!r} is not a local filesystem path; the atomic writer renames directories, "
-            "which object stores cannot do atomically (see README, Batch jobs)",
+            "which object stores cannot do atomically (see docs/jobs.md, Atomicity)",
         )
     mode = values["mode"]
     if mode not in WRITE_MODES:

@@ -73,7 +73,7 @@ def test_probed_search_is_exact_within_the_probed_lists(case, segment_work):
     for metric in case.metrics:
         if squares_leave_float32 and metric in ("sqeuclidean", "inner_product") and segment_work != 1 << 40:
             # Parts merge on their float32 values (the shared merge), and squares of these
-            # magnitudes read 0 or inf in float32: ties, as the README says of every plan's merge.
+            # magnitudes read 0 or inf in float32: ties, as docs/exactness.md says of every plan's merge.
             continue
         values, rows = probed_search(_knn_search(k, metric), case.queries, group_ids(_probe_column(probes)),
                                      sorted_targets, segments, k, metric, segment_work=segment_work)
