@@ -353,7 +353,7 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("numba cache", "numba_cache"), col("class archive", "class_archive"), col("wall s", "wall_s", ".1f"),
          col("Spark session start s", "session_s", ".1f"),
          col("job s", "job_s", ".1f"), col("read s", "read_s", ".2f"), col("plan s", "plan_s", ".2f"),
-         col("search+merge s", "search+merge_s", ".2f"), col("write s", "write_s", ".2f"),
+         col("search+write s", "search+write_s", ".2f"),
          col("kernel warm-up s (beside the phases)", "kernel_warm_up_s", ".2f"),
          col("of which compiling s", "kernel_compile_s", ".2f")],
         about="`nearest-join demo` (2,000 x 20,000, d=64, k=5, local[2]) in a new process: with nothing "

@@ -199,8 +199,8 @@ def test_rerun_gives_the_same_result_and_partitioning_works(job, spark, capsys):
     assert [p.name for p in out.parent.iterdir() if p.name.startswith(".out.")] == [".out.nj-lock"]
 
 
-@pytest.mark.parametrize("join_type", ["inner", "left_outer"])
-@pytest.mark.parametrize("case", ["no query row", "no match within the cap", "some within the cap"])
+@pytest.mark.parametrize("join_type, case", [("inner", "no query row"), ("inner", "no match within the cap"),
+                                             ("left_outer", "some within the cap")])
 def test_counts_come_from_the_write(job, capsys, join_type, case):
     """The summary's counts are observed as the rows are written (no second pass): an empty
     query side, a cap no target meets, and a cap some queries meet, both join types."""
