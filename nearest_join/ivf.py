@@ -62,9 +62,11 @@ from .recall import RECALL_QUERIES, RecallCurve, neighbour_lists, recall_curve
 # the driver, the estimate's scan of the target).
 IVF_MIN_TARGET_ROWS = 20_000
 IVF_MIN_WORK_PER_CORE = 2 * 10**11
-# A recall target that needs this share of the lists or more runs the exact plan: the
-# per-list searches are narrow (a list's rows of one target block) and cost several times
-# more per pair than one search of the whole block, so IVF would be slower than exact.
+# A recall target that needs this share of the lists or more runs the exact plan: the lists
+# queries probe are the larger ones (real data's lists are uneven), a probed pair costs more
+# than an exact one (a CPU task searches its block's probed lists in one call, but each
+# list's last tile is padded; a GPU task makes one call per list), and the routing, the
+# sampling, k-means and the recall estimate come on top, so IVF would be slower than exact.
 IVF_MAX_PROBED_SHARE = 0.25
 
 
