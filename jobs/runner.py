@@ -449,12 +449,17 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         staged = _lock_output(spec, stack)
         prepared = prepare(spec, spark, phases)
         counted = Observation("nearest_join_rows")
-        joined = prepared.planned.dataframe(first_match_column=FIRST_MATCH).observe(
-            counted, F.count(F.lit(1)).alias("rows"), F.sum(FIRST_MATCH).alias("matched"))
-        drop = [FIRST_MATCH]
-        if not spec.output.include_vectors:
-            drop += [prepared.query_vector, prepared.target_vector]
-        result = joined.drop(*drop)
+        planned = prepared.planned
+        # Without output.include_vectors the executors emit no vector (not dropped after).
+        keep = spec.output.include_vectors
+        joined = planned.dataframe(
+            first_match_column=FIRST_MATCH,
+            query_columns=[i for i, name in enumerate(planned.query.columns)
+                           if keep or name != prepared.query_vector],
+            target_columns=[i for i, name in enumerate(planned.target.columns)
+                            if keep or name != prepared.target_vector],
+        ).observe(counted, F.count(F.lit(1)).alias("rows"), F.sum(FIRST_MATCH).alias("matched"))
+        result = joined.drop(FIRST_MATCH)
         with phases("search+write") as facts:
             try:
                 write_parquet(result, str(staged.staging), spec.output.partition_by,

@@ -104,17 +104,24 @@ class PlannedJoin:
     # The sides' qualifiers (aliases, table names: ranking.side_qualifiers), kept by the output.
     qualifiers: tuple[str | None, str | None] = (None, None)
 
-    def dataframe(self, first_match_column: str | None = None) -> DataFrame:
+    def dataframe(self, first_match_column: str | None = None, query_columns=None,
+                  target_columns=None) -> DataFrame:
         """The joined rows (lazy: the search runs when the DataFrame is evaluated).
 
-        ``first_match_column``: a last int8 column of this name, 1 on each query row's best
-        match and 0 on its other rows and on a query row without one (the batch jobs count
-        the queries that matched from it as they write). Not for Spark's own plan."""
+        For the batch jobs, not for Spark's own plan: ``first_match_column``, a last int8
+        column of this name, 1 on each query row's best match and 0 on its other rows and on
+        a query row without one (the jobs count the queries that matched from it as they
+        write); ``query_columns`` / ``target_columns``, the positions of each side's columns
+        the output keeps, in their order (default: all). The executors then never emit the
+        others: a column dropped after the join would still cross from Python to the JVM."""
         if self.parsed is None:
-            if first_match_column is not None:
-                raise ValueError("first_match_column: the fast path's plans only, not Spark's own")
+            if first_match_column is not None or query_columns is not None or target_columns is not None:
+                raise ValueError("first_match_column, query_columns, target_columns: the fast path's plans "
+                                 "only, not Spark's own")
             return _spark_fallback(self)
-        return _execute(self, first_match_column)
+        return _execute(self, first_match_column,
+                        None if query_columns is None else tuple(int(c) for c in query_columns),
+                        None if target_columns is None else tuple(int(c) for c in target_columns))
 
 
 def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions) -> PlannedJoin:
@@ -377,7 +384,9 @@ def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPl
                           gpu_share=gpu_task_share(spark), warm_shape=warm)
 
 
-def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> DataFrame:
+def _execute(planned: PlannedJoin, first_match_column: str | None = None,
+             query_columns: tuple[int, ...] | None = None,
+             target_columns: tuple[int, ...] | None = None) -> DataFrame:
     from pyspark.sql.pandas.types import to_arrow_schema
 
     query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
@@ -389,9 +398,12 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> Dat
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
     t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
                                  plan.target_block_rows, expected_from=f"query column {quote(q_name)}")
-    out_fields = list(query.schema.fields) + [
-        StructField(f.name, f.dataType, True if plan.join_type == "leftouter" else f.nullable)
-        for f in target.schema.fields]
+    q_fields, t_fields = query.schema.fields, target.schema.fields
+    q_kept = range(len(q_fields)) if query_columns is None else query_columns
+    t_kept = range(len(t_fields)) if target_columns is None else target_columns
+    out_fields = [q_fields[c] for c in q_kept] + [
+        StructField(t_fields[c].name, t_fields[c].dataType, True if plan.join_type == "leftouter" else t_fields[c].nullable)
+        for c in t_kept]
     if plan.distance_col:
         out_fields.append(StructField(plan.distance_col, FloatType(), True))
     if first_match_column is not None:
@@ -422,12 +434,13 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> Dat
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
     ctx = JoinContext(settings, q_layout, t_layout, plan.join_type,
                       plan.distance_col is not None, target_arrow, cap=plan.cap,
-                      mark_first=first_match_column is not None)
+                      mark_first=first_match_column is not None, query_columns=query_columns,
+                      target_columns=target_columns)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
-        return _output(joined, names, planned)
+        return _output(joined, names, planned, len(q_kept))
     packed = _packed_schema()
     if plan.plan == "broadcast" and plan.query_partitions:
         # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
@@ -469,10 +482,10 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None) -> Dat
         joined = partials.groupBy(C.Q_BLOCK_ID).applyInArrow(_merge_function(ctx), out_schema)
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
-    return _output(joined, names, planned)
+    return _output(joined, names, planned, len(q_kept))
 
 
-def _output(joined: DataFrame, names: list[str], planned: PlannedJoin) -> DataFrame:
+def _output(joined: DataFrame, names: list[str], planned: PlannedJoin, n_query: int) -> DataFrame:
     """The executors' rows under the output's names and each side's qualifier, as Spark's own
     join keeps them (``a.id`` and ``b.id`` after a self-join through ``S.alias("a")`` and
     ``S.alias("b")``).
@@ -482,14 +495,14 @@ def _output(joined: DataFrame, names: list[str], planned: PlannedJoin) -> DataFr
     a struct and unpacked by a lateral ``inline`` under the target's alias, the one cheap
     way to give some columns another qualifier: Spark plans it as a Generate over the same
     rows, no join and no exchange. The columns of the inputs' own DataFrames (``q.id``) do
-    not resolve on the output, whose rows are new attributes: names do.
+    not resolve on the output, whose rows are new attributes: names do. The first ``n_query``
+    columns are the query's.
     """
     q_alias, t_alias = planned.qualifiers
     if q_alias is None and t_alias is None:
         return joined.toDF(*names)
     if q_alias == t_alias:   # one qualifier for every column: no generator needed
         return joined.toDF(*names).alias(q_alias)
-    n_query = len(planned.query.columns)
     internal = joined.columns
     target_struct = F.struct(*[F.col(c).alias(n) for c, n in zip(internal[n_query:], names[n_query:])])
     left = joined.select(*[F.col(c).alias(n) for c, n in zip(internal[:n_query], names[:n_query])],

@@ -61,6 +61,11 @@ class JoinContext:
     # A last int8 output column, 1 on a query row's best match and 0 elsewhere (the batch
     # jobs count the queries that found a candidate from it, without a second pass).
     mark_first: bool = False
+    # Positions of each side's columns the output keeps (None: all). The batch jobs leave the
+    # vectors out here, not after: a vector column is most of the rows' bytes, and every byte
+    # emitted crosses to the JVM.
+    query_columns: tuple[int, ...] | None = None
+    target_columns: tuple[int, ...] | None = None
 
     @property
     def k(self) -> int:

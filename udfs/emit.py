@@ -54,11 +54,13 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
     def build(part: np.ndarray) -> pa.RecordBatch:
         filled = keys.reshape(-1)[part] >= 0
         q_rows = part // k
-        arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows, views=query_views)
+        arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows, views=query_views,
+                             columns=ctx.query_columns)
         if state is None:
-            arrays += [pa.nulls(part.size, f.type) for f in ctx.target_schema]
+            targets = range(len(ctx.target_schema)) if ctx.target_columns is None else ctx.target_columns
+            arrays += [pa.nulls(part.size, ctx.target_schema.field(c).type) for c in targets]
         else:
-            arrays += state.gather(part)
+            arrays += state.gather(part, ctx.target_columns)
         if ctx.with_distance:
             arrays.append(pa.array(values.reshape(-1)[part], pa.float32(),
                                    mask=None if filled.all() else ~filled))

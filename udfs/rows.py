@@ -195,11 +195,12 @@ class ColumnViews:
 
 def gather_rows(sources: list[pa.Table], source: np.ndarray, rows: np.ndarray,
                 schema: pa.Schema | None = None, threads: int | None = None,
-                views: ColumnViews | None = None) -> list[pa.Array]:
+                views: ColumnViews | None = None, columns=None) -> list[pa.Array]:
     """Columns whose row ``j`` is row ``rows[j]`` of ``sources[source[j]]``; NULL where ``source[j] < 0``.
 
     All sources have the same column types (names may differ: they are matched by position).
-    ``views`` caches the sources' vector views across calls.
+    ``views`` caches the sources' vector views across calls. ``columns``: the positions to
+    gather, in that order (default: all).
     """
     views = views or ColumnViews()
     source = np.asarray(source, dtype=np.int64).reshape(-1)
@@ -211,8 +212,8 @@ def gather_rows(sources: list[pa.Table], source: np.ndarray, rows: np.ndarray,
     picks = {s: np.flatnonzero(source == s) for s in present} if len(sources) > 1 else None
     safe_rows = np.where(missing, 0, rows)
     out = []
-    for c, field in enumerate(schema):
-        columns = [_column(t, c) for t in sources]
+    for c in range(len(schema)) if columns is None else columns:
+        columns_c = [_column(t, c) for t in sources]
         matrices = [views.matrix(t, c) for t in sources] if n else [None]
         if all(m is not None for m in matrices) and len({(m.shape[1], m.dtype) for m in matrices}) == 1:
             width, dtype = matrices[0].shape[1], matrices[0].dtype
@@ -221,20 +222,20 @@ def gather_rows(sources: list[pa.Table], source: np.ndarray, rows: np.ndarray,
                 take_matrix(matrices[0], safe_rows, matrix, threads)
             else:
                 take_matrices(matrices, source, safe_rows, matrix, threads)
-            array = _vector_array(columns[0].type, matrix, missing)
+            array = _vector_array(columns_c[0].type, matrix, missing)
             out.append(array)
             continue
         if len(sources) == 1:
             indices = pa.array(rows, mask=missing) if missing.any() else pa.array(rows)
-            out.append(columns[0].take(indices))
+            out.append(columns_c[0].take(indices))
             continue
         # Several sources: take each source's rows, then put them in slot order.
         parts, order = [], []
         for s in present:
             sel = picks[s]
-            parts.append(columns[s].take(pa.array(rows[sel])))
+            parts.append(columns_c[s].take(pa.array(rows[sel])))
             order.append(sel)
-        stacked = pa.concat_arrays(parts) if parts else pa.nulls(0, columns[0].type)
+        stacked = pa.concat_arrays(parts) if parts else pa.nulls(0, columns_c[0].type)
         position = np.full(n, -1, np.int64)
         if order:
             where = np.concatenate(order)

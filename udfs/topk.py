@@ -64,12 +64,13 @@ class TopkState:
             self._views = ColumnViews()
         return self._views
 
-    def gather(self, slots: np.ndarray | None = None) -> list[pa.Array]:
-        """Payload columns of the flat slots ``slots`` (all when None); NULL for empty slots."""
+    def gather(self, slots: np.ndarray | None = None, columns=None) -> list[pa.Array]:
+        """Payload columns (the positions ``columns``, default all) of the flat slots ``slots``
+        (all when None); NULL for empty slots."""
         source, rows = self.source.reshape(-1), self.rows.reshape(-1)
         if slots is not None:
             source, rows = source[slots], rows[slots]
-        return gather_rows(self.sources, source, rows, views=self.views())
+        return gather_rows(self.sources, source, rows, views=self.views(), columns=columns)
 
     @property
     def payload(self) -> pa.Table:

@@ -215,6 +215,9 @@ def test_counts_come_from_the_write(job, capsys, join_type, case):
         sets.append("query.where=id < 0")
     if cap is not None:
         sets.append(f"join.max_distance={cap!r}")
+    vectors = join_type == "left_outer"   # and the vectors emitted with the other columns
+    if vectors:
+        sets.append("output.include_vectors=true")
     assert main(["run", str(job.spec), *[a for s in sets for a in ("--set", s)]]) == 0, capsys.readouterr().err
     summary = _summary(out)
     rows = pq.read_table(out).to_pylist()
@@ -227,6 +230,13 @@ def test_counts_come_from_the_write(job, capsys, join_type, case):
     assert summary["output_rows"] == len(rows) == expected_rows
     assert not any(name.startswith("_nearest_join") for name in pq.read_schema(
         next(out.glob("part-*.parquet"))).names) if rows else True
+    if vectors:
+        for row in rows:
+            assert row["vec"] == pytest.approx(job.query[row["id"] - 1000].tolist(), nan_ok=True)
+            if row["t_id"] is not None:
+                assert row["t_vec"] == pytest.approx(job.target[row["t_id"] - 5000].tolist())
+            else:
+                assert row["t_vec"] is None
 
 
 def test_explain_prints_the_plan_and_runs_nothing(job, capsys):
