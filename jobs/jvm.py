@@ -6,7 +6,7 @@ previous JVM dumped (``-XX:ArchiveClassesAtExit``) instead: the session and the 
 start in about half the time. The archive belongs to one Java build and one classpath (one
 pyspark install), so it is kept per pair, under the user's cache directory.
 
-* :func:`build_archive` (``python -m jobs.jvm``; ``make run`` and ``make test`` run it) records
+* :func:`build_archive` (``python -m jobs.jvm``; ``make run`` runs it, ``make test`` does not) records
   one: a subprocess runs a small join of each plan through Parquet under a local master, its
   JVM dumps the classes as it exits, and only an archive that a JVM then maps is moved into
   place (a truncated one crashes the JVM that maps it, so none is ever half there).

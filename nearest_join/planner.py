@@ -10,8 +10,9 @@ that ragged or mismatched vectors fail at call time, before any output exists
   once to every executor and query blocks stream through them in a single pass.
 * ``blocked`` otherwise: every (query block, target block) pair is its own task, and the
   partial top-k results are merged per query block. Block sizes come from the per-task memory
-  budget (``spark.nearestJoin.taskMemoryBytes``, default: executor memory over its cores,
-  halved), so memory per task is bounded by configuration, not by table size.
+  budget (``spark.nearestJoin.taskMemoryBytes``, default: a quarter of a task's share of the
+  JVM's unified memory, between 64m and 4g: :func:`task_memory_bytes`), so memory per task is
+  bounded by configuration, not by table size.
 
 A third plan (IVF for ``mode="approx"``) plugs in as another value of :class:`JoinPlan.plan`.
 """
