@@ -511,16 +511,7 @@ class CpuBackend:
             # Sorting the keys orders each row by (score, index). With several target
             # splits, the best of their union is the first ``kept``.
             keys = heaps[0] if n_split == 1 else np.concatenate(list(heaps), axis=1)
-            scores, cand = _cpu_kernels.decode(np.sort(keys, axis=1)[:, :kept])
-            cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
-            # Only candidates whose score is within twice the bound of the k-th score can
-            # rank (key >= score + offset - margin > k-th score + offset + margin >= the
-            # k-th key); the others keep +inf, and so never rank.
-            needed = ~(scores > scores[:, width - 1:width] + 2 * ops.margin[:, None])
-            exact = ops.exact_keys(cand, needed)
-            best_key = np.empty((nq, width))
-            best_i = np.empty((nq, width), dtype=np.int64)
-            _cpu_kernels.best_by_key(exact, cand, best_key, best_i)
+            scores, best_key, best_i = _rank_exactly(ops, np.sort(keys, axis=1)[:, :kept], width)
             if kept < nt:
                 floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
                 bound = best_key[:, -1] if cap is None else np.minimum(best_key[:, -1], cap_keys)
@@ -538,13 +529,36 @@ class CpuBackend:
         logger.debug("cpu knn nq=%d nt=%d k=%d threads=%d tiles=(%d, %d) splits=%d collected rows=%d "
                      "float64 rows=%d", nq, nt, k, used, query_tile, target_tile, n_split, len(unproven),
                      len(scanned))
-        values = np.full((nq, k), metric.worst, dtype=np.float32)
-        indices = np.full((nq, k), -1, dtype=np.int64)
-        best_values, best_i = drop_beyond_cap(ops.values(best_key), best_i, cap, metric)
-        with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
-            values[:, :width] = best_values
-        indices[:, :width] = best_i
-        return values, indices
+        return _result(ops, best_key, best_i, k, cap, metric)
+
+
+def _rank_exactly(ops: _Operands, sorted_keys: np.ndarray, width: int):
+    """(scores, keys, indices): each row's candidates (heap keys sorted, best first) decoded,
+    and its best ``width`` by (exact float64 key, index); the exact stage of
+    :meth:`CpuBackend.run` and of :func:`knn_probed_rows`."""
+    scores, cand = _cpu_kernels.decode(sorted_keys)
+    cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
+    # Only candidates whose score is within twice the bound of the k-th score can rank
+    # (key >= score + offset - margin > k-th score + offset + margin >= the k-th key); the
+    # others keep +inf, and so never rank.
+    needed = ~(scores > scores[:, width - 1:width] + 2 * ops.margin[:, None])
+    best_key = np.empty((cand.shape[0], width))
+    best_i = np.empty((cand.shape[0], width), dtype=np.int64)
+    _cpu_kernels.best_by_key(ops.exact_keys(cand, needed), cand, best_key, best_i)
+    return scores, best_key, best_i
+
+
+def _result(ops: _Operands, best_key: np.ndarray, best_i: np.ndarray, k: int, cap, metric: Metric):
+    """knn's (values, indices) of each row's best keys: the metric's values, the cap applied,
+    padded to k with the metric's worst value and -1."""
+    nq, width = best_key.shape
+    values = np.full((nq, k), metric.worst, dtype=np.float32)
+    indices = np.full((nq, k), -1, dtype=np.int64)
+    best_values, best_i = drop_beyond_cap(ops.values(best_key), best_i, cap, metric)
+    with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
+        values[:, :width] = best_values
+    indices[:, :width] = best_i
+    return values, indices
 
 
 def _search(ops: _Operands, kept: int, query_tile: int, target_tile: int, n_split: int,
@@ -671,13 +685,7 @@ def knn_probed_rows(queries: np.ndarray, targets: np.ndarray, segment_starts: np
             cap_keys = ops.cap_keys(cap)
             start = _cpu_kernels.cap_key(cap_keys - ops.offset + ops.margin)
         heaps = probed_heaps(ops, everyone, members, member_starts, segment_starts, kept, start, tile, used)
-        scores, cand = _cpu_kernels.decode(np.sort(heaps, axis=1))
-        cand = np.where(cand != _cpu_kernels.EMPTY_INDEX, cand, -1).astype(np.int64)
-        needed = ~(scores > scores[:, width - 1:width] + 2 * ops.margin[:, None])
-        exact = ops.exact_keys(cand, needed)
-        best_key = np.empty((nq, width))
-        best_i = np.empty((nq, width), dtype=np.int64)
-        _cpu_kernels.best_by_key(exact, cand, best_key, best_i)
+        scores, best_key, best_i = _rank_exactly(ops, np.sort(heaps, axis=1), width)
         floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
         bound = best_key[:, -1] if cap is None else np.minimum(best_key[:, -1], cap_keys)
         unproven = np.flatnonzero(~(floor > bound) & (probed > kept))
@@ -701,13 +709,7 @@ def knn_probed_rows(queries: np.ndarray, targets: np.ndarray, segment_starts: np
                 for row in part[overflow]:
                     best_key[row], best_i[row] = _probed_float64(ops, row, probe_starts, probe_segments,
                                                                  segment_starts, width)
-    values = np.full((nq, k), metric.worst, dtype=np.float32)
-    indices = np.full((nq, k), -1, dtype=np.int64)
-    best_values, best_i = drop_beyond_cap(ops.values(best_key), best_i, cap, metric)
-    with np.errstate(over="ignore"):   # beyond float32's range reads +-inf (documented)
-        values[:, :width] = best_values
-    indices[:, :width] = best_i
-    return values, indices
+    return _result(ops, best_key, best_i, k, cap, metric)
 
 
 def _probed_float64(ops: _Operands, row: int, probe_starts: np.ndarray, probe_segments: np.ndarray,
