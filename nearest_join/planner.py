@@ -567,10 +567,12 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         q_parts = cores * max(1, math.ceil(query_rows / (cores * max(memory_q_rows, 1))))
         q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / (q_parts * per_task)) or 1)
         t_rows = target_block_rows or _clamp_rows(broadcast_target_block_bytes(spark) // row_bytes)
-        # Balance the query rows over the tasks with a (cheap, row-level) shuffle, unless the
-        # join is too small for it to pay and the input already has enough partitions.
+        # Balance the query rows over the tasks with a (cheap, row-level) shuffle when the
+        # join is large, or when the input has fewer partitions than the cores and the join
+        # is not so small that one task searches it faster than a shuffle round starts.
         work = query_rows * target_rows * d
-        spread = query_input_partitions is None or query_input_partitions < cores or work >= SPREAD_WORK
+        few_partitions = query_input_partitions is None or query_input_partitions < cores
+        spread = work >= SPREAD_WORK or (few_partitions and work >= SPREAD_WORK / 10)
     else:
         plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
         cap, why = broadcast_memory_cap(spark)

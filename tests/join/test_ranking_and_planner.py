@@ -199,6 +199,10 @@ def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
     # a small join on an input with enough partitions keeps them: no shuffle
     tiny = _plan(2_000, query_input_partitions=4)
     assert tiny.plan == "broadcast" and tiny.query_partitions == 0
+    # ... and one of fewer partitions than the cores too, when one task searches it faster
+    # than a shuffle round starts; a larger join on one partition is spread over the cores
+    assert _plan(2_000, query_input_partitions=1).query_partitions == 0
+    assert _plan(20_000, query_input_partitions=1).query_partitions == 2
     # a per-task memory budget smaller than one block per core gives more blocks, a multiple of the cores
     tight = choose_plan(spark=_Spark(spark__master="local[2]", **{"spark__nearestJoin__taskMemoryBytes": "64m"}),
                         ranking=Ranking("l2", "v", "w", "l2"), options=_options(), dimension=128,
