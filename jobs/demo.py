@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .output import replace_directory
+from nearest_join.publish import replace_directory
 from .spec import SpecError
 
 logger = logging.getLogger(__name__)

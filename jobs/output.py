@@ -28,9 +28,6 @@ committer and a pointer that readers follow, swapped once the write is complete.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
-import errno
 import fcntl
 import json
 import logging
@@ -40,74 +37,18 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from nearest_join.publish import PREVIOUS, fsync_path, replace_directory, sibling
+
 from .spec import SUMMARY_FILE
 
 logger = logging.getLogger(__name__)
 
 SUCCESS_FILE = "_SUCCESS"
 _STAGING = ".nj-staging-"
-_PREVIOUS = ".nj-previous-"
 
 
 class OutputBusyError(RuntimeError):
     """Another run holds the lock of this output path."""
-
-
-def _sibling(final: Path, kind: str, run_id: str = "") -> Path:
-    return final.parent / f".{final.name}{kind}{run_id}"
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _libc_renameat2():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        return libc.renameat2
-    except (OSError, AttributeError):  # not glibc >= 2.28, or not Linux
-        return None
-
-
-_RENAMEAT2 = _libc_renameat2()
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths; False where the kernel or filesystem cannot."""
-    if _RENAMEAT2 is None:
-        return False
-    rc = _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-        return False
-    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
-
-
-def replace_directory(staging: Path, final: Path) -> None:
-    """Make the complete directory ``staging`` appear at ``final`` in one step.
-
-    An existing ``final`` is replaced (and deleted afterwards); see the module notes for what
-    a reader or a killed process can observe.
-    """
-    staging, final = Path(staging), Path(final)
-    if not os.path.lexists(final):
-        os.rename(staging, final)
-    elif _exchange(staging, final):
-        shutil.rmtree(staging)  # now holds the previous output
-    else:
-        previous = _sibling(final, _PREVIOUS, uuid.uuid4().hex[:12])
-        os.rename(final, previous)
-        os.rename(staging, final)
-        shutil.rmtree(previous)
-    _fsync_path(final.parent)
 
 
 def _recover(final: Path) -> None:
@@ -120,7 +61,7 @@ def _recover(final: Path) -> None:
     for leftover in sorted(final.parent.glob(f".{final.name}{_STAGING}*")):
         logger.warning("removing %s, left by an interrupted run", leftover)
         shutil.rmtree(leftover, ignore_errors=True)
-    parked = sorted(final.parent.glob(f".{final.name}{_PREVIOUS}*"), key=os.path.getmtime)
+    parked = sorted(final.parent.glob(f".{final.name}{PREVIOUS}*"), key=os.path.getmtime)
     for leftover in parked:
         if not os.path.lexists(final):
             logger.warning("restoring %s to %s, left by an interrupted run", leftover, final)
@@ -147,8 +88,8 @@ class StagedOutput:
         self.final = Path(final)
         self.replace = replace
         self.run_id = uuid.uuid4().hex[:12]
-        self.staging = _sibling(self.final, _STAGING, self.run_id)
-        self.lock_path = _sibling(self.final, ".nj-lock")
+        self.staging = sibling(self.final, _STAGING, self.run_id)
+        self.lock_path = sibling(self.final, ".nj-lock")
         self._lock_fd: int | None = None
         self._lock_created = False
         self._created_dirs: list[Path] = []  # parents of the output this run made, outermost first
@@ -247,7 +188,7 @@ class StagedOutput:
         summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
         (self.staging / SUCCESS_FILE).touch()
         for path in (summary_path, self.staging / SUCCESS_FILE, self.staging):
-            _fsync_path(path)
+            fsync_path(path)
         replace_directory(self.staging, self.final)
         self.published = True
         return self.final

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs import output
+from nearest_join import publish
 from jobs.output import OutputBusyError, StagedOutput, replace_directory
 from jobs.spec import SUMMARY_FILE
 
@@ -39,8 +40,8 @@ def _siblings(final: Path) -> list[str]:
 def swap(request, monkeypatch):
     """Run each test with the one-step exchange and with the two-rename fallback."""
     if not request.param:
-        monkeypatch.setattr(output, "_exchange", lambda a, b: False)
-    elif output._RENAMEAT2 is None:
+        monkeypatch.setattr(publish, "exchange", lambda a, b: False)
+    elif publish.RENAMEAT2 is None:
         pytest.skip("renameat2 unavailable on this platform")
     return request.param
 
