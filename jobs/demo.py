@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from nearest_join.publish import replace_directory
+
 from .spec import SpecError
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,192 @@
+"""The incremental join (issue 43): each day's refreshed result equals a full recompute of that
+day's inputs by nearest_by_join, ties aside, after inserts, deletes and updates on both sides;
+the state is used only when it answers the join; bad ids fail before anything is written."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from pyspark.sql import functions as F
+
+from nearest_join import nearest_by_join
+from nearest_join.incremental import incremental_nearest_join
+
+D = 4
+
+
+def _frame(spark, ids, vectors, id_name, vector_name, payload=None):
+    rows = [(int(i), None if v is None else [float(x) for x in v], f"p{int(i)}" if payload is None else payload[j])
+            for j, (i, v) in enumerate(zip(ids, vectors))]
+    return spark.createDataFrame(rows, f"{id_name} long, {vector_name} array<float>, {id_name}_note string")
+
+
+def _by_query(rows, qid, tid, value):
+    out = {}
+    for r in rows:
+        out.setdefault(r[qid], []).append((r[value], r[tid]))
+    return {q: sorted(v) for q, v in out.items()}
+
+
+def _same_up_to_ties(got, want, k, descending):
+    """Per query: the same values in order; the same targets except among those tied with the
+    k-th value (either may be returned)."""
+    assert got.keys() == want.keys()
+    for q in want:
+        g, w = got[q], want[q]
+        assert [v for v, _ in g] == [v for v, _ in w], q
+        last = w[-1][0]
+        assert {t for v, t in g if v != last} == {t for v, t in w if v != last}, q
+
+
+class Day:
+    """One day's inputs, as numpy arrays the test edits (NaN rows: NULL vectors)."""
+
+    def __init__(self, rng, nq, nt):
+        self.q_ids, self.t_ids = np.arange(nq), np.arange(1000, 1000 + nt)
+        # integer data: many exact ties
+        self.q, self.t = rng.integers(-3, 4, (nq, D)).astype(float), rng.integers(-3, 4, (nt, D)).astype(float)
+        self.next_id = 5000
+
+    def change(self, rng, share):
+        nt, nq = len(self.t_ids), len(self.q_ids)
+        n = max(1, int(share * nt))
+        keep = np.ones(nt, bool)
+        keep[rng.choice(nt, n, replace=False)] = False                 # deletes
+        self.t_ids, self.t = self.t_ids[keep], self.t[keep]
+        upd = rng.choice(len(self.t_ids), n, replace=False)              # updates
+        self.t[upd] = rng.integers(-3, 4, (n, D))
+        new = rng.integers(-3, 4, (n, D)).astype(float)                  # inserts
+        self.t_ids = np.concatenate([self.t_ids, self.next_id + np.arange(n)])
+        self.t = np.concatenate([self.t, new])
+        self.next_id += n
+        m = max(1, int(share * nq))
+        keep = np.ones(nq, bool)
+        keep[rng.choice(nq, m, replace=False)] = False
+        self.q_ids, self.q = self.q_ids[keep], self.q[keep]
+        self.q[rng.choice(len(self.q_ids), m, replace=False)] = rng.integers(-3, 4, (m, D))
+        self.q_ids = np.concatenate([self.q_ids, self.next_id + np.arange(m)])
+        self.q = np.concatenate([self.q, rng.integers(-3, 4, (m, D)).astype(float)])
+        self.next_id += m
+
+    def frames(self, spark):
+        def vectors(m):
+            return [None if np.isnan(row).any() else row for row in m]
+        return (_frame(spark, self.q_ids, vectors(self.q), "qid", "v"),
+                _frame(spark, self.t_ids, vectors(self.t), "tid", "w"))
+
+
+@pytest.mark.parametrize("metric, margin", [("l2", 2), ("cosine", 0)])
+def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin):
+    rng = np.random.default_rng(7)
+    day, k = Day(rng, 60, 300), 3
+    day.t[5] = np.nan     # a target without a vector
+    day.q[7] = np.nan     # a query without one
+    state = tmp_path / "state"
+    descending = metric == "cosine"
+    for n in range(4):
+        q, t = day.frames(spark)
+        run = incremental_nearest_join(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                       state=str(state), margin=margin, distance_col="d")
+        got = run.result.collect()
+        assert run.result.columns == ["qid", "v", "qid_note", "tid", "w", "tid_note", "d"]
+        full = nearest_by_join(q, t, metric, k, vectors=("v", "w"), distance_col="d").collect()
+        key = (lambda r: -r) if descending else (lambda r: r)
+        _same_up_to_ties(_by_query([{**r.asDict(), "d": key(r["d"])} for r in got], "qid", "tid", "d"),
+                         _by_query([{**r.asDict(), "d": key(r["d"])} for r in full], "qid", "tid", "d"),
+                         k, descending)
+        # payload comes from today's rows
+        notes = {(r["qid"], r["tid"]): (r["qid_note"], r["tid_note"]) for r in got}
+        assert all(a == f"p{qi}" and b == f"p{ti}" for (qi, ti), (a, b) in notes.items())
+        assert run.changes.refreshed == (n > 0)
+        if n:
+            c = run.changes
+            assert (c.targets_inserted, c.targets_deleted) == (3, 3) and c.targets_changed <= 3
+            assert c.queries_deleted == 1 and c.queries_inserted == 1
+            # the kept queries were not searched whole, bar those whose list ran short
+            assert c.queries_searched_whole == c.queries_inserted + c.queries_changed + c.queries_short
+            assert c.queries_searched_whole < len(day.q_ids)
+        run.commit()
+        day.change(rng, 0.01)
+
+
+def test_left_outer_keeps_queries_without_a_match(spark, tmp_path):
+    q = _frame(spark, [1, 2], [[0.0] * D, None], "qid", "v")
+    t = _frame(spark, [10], [[1.0] * D], "tid", "w")
+    run = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                   state=str(tmp_path / "s"), join_type="left", distance_col="d")
+    rows = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
+    assert rows == [(1, 10, 2.0), (2, None, None)]
+
+
+def test_an_uncommitted_run_leaves_the_state_as_it_was(spark, tmp_path):
+    rng = np.random.default_rng(3)
+    day = Day(rng, 20, 80)
+    state = tmp_path / "state"
+    q, t = day.frames(spark)
+    first = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                     state=str(state))
+    first.commit()
+    before = sorted(p.name for p in state.rglob("*"))
+    day.change(rng, 0.05)
+    q, t = day.frames(spark)
+    lost = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                    state=str(state))
+    lost.discard()
+    assert sorted(p.name for p in state.rglob("*")) == before
+    again = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                     state=str(state), distance_col="d")
+    assert again.changes.refreshed
+    full = nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), distance_col="d").collect()
+    _same_up_to_ties(_by_query(again.result.collect(), "qid", "tid", "d"), _by_query(full, "qid", "tid", "d"), 2, False)
+
+
+def test_a_state_of_another_join_means_a_full_run(spark, tmp_path, caplog):
+    q = _frame(spark, [1, 2], [[0.0] * D, [1.0] * D], "qid", "v")
+    t = _frame(spark, [10, 11], [[1.0] * D, [0.0] * D], "tid", "w")
+    state = str(tmp_path / "s")
+    incremental_nearest_join(q, t, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid", state=state).commit()
+    run = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid", state=state)
+    assert not run.changes.refreshed and "num_results" in run.changes.reason
+    assert sorted((r["qid"], r["tid"]) for r in run.result.collect()) == [(1, 10), (1, 11), (2, 10), (2, 11)]
+    run.commit()
+    (tmp_path / "s" / "meta.json").write_text("{not json")
+    run = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid", state=state)
+    assert not run.changes.refreshed and "unreadable" in run.changes.reason
+
+
+def test_bad_ids_and_dimensions_fail_before_anything_is_written(spark, tmp_path):
+    state = tmp_path / "s"
+    q = _frame(spark, [1, 1], [[0.0] * D, [1.0] * D], "qid", "v")
+    t = _frame(spark, [10, 11], [[1.0] * D, [0.0] * D], "tid", "w")
+    with pytest.raises(ValueError, match=r"query_id.*`qid`.*id 1 on 2 rows"):
+        incremental_nearest_join(q, t, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid", state=str(state))
+    with pytest.raises(ValueError, match=r"target_id.*expected the name of a column"):
+        incremental_nearest_join(q, t, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="id", state=str(state))
+    assert not state.exists() and not list(tmp_path.iterdir())
+    q = _frame(spark, [1, 2], [[0.0] * D, [1.0] * D], "qid", "v")
+    incremental_nearest_join(q, t, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid",
+                             state=str(state)).commit()
+    snapshot = sorted(p.name for p in state.rglob("*"))
+    t3 = spark.createDataFrame([(10, [1.0, 2.0, 3.0])], "tid long, w array<float>")
+    q3 = spark.createDataFrame([(1, [1.0, 2.0, 3.0])], "qid long, v array<float>")
+    with pytest.raises(ValueError, match="dimension 3.*dimension 4"):
+        incremental_nearest_join(q3, t3, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid", state=str(state))
+    t_str = t.withColumn("tid", F.col("tid").cast("string"))
+    with pytest.raises(ValueError, match="target_id.*type is string.*type bigint"):
+        incremental_nearest_join(q, t_str, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                 state=str(state))
+    assert sorted(p.name for p in state.rglob("*")) == snapshot
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]
+    assert json.loads((state / "meta.json").read_text())["dimension"] == D
+    assert not math.isnan(D)
+
+
+def test_docstring_example_runs(spark, tmp_path):
+    import doctest
+
+    import nearest_join.incremental as module
+
+    result = doctest.testmod(module, extraglobs={"spark": spark, "tmp": tmp_path}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 7 and result.failed == 0
