@@ -89,6 +89,7 @@ class Changes:
     targets_changed: int = 0
     queries_searched_whole: int = 0   # new, changed and short-listed queries: against all targets
     queries_short: int = 0            # kept queries whose list ran short
+    queries_merged: int = 0           # kept queries whose list met a removed or an entering target
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -319,11 +320,14 @@ class _Searcher:
                                    backend=options.backend, precision=options.precision)
         self.metric, self.width, self.similarity = metric, width, similarity
 
-    def candidates(self, queries: DataFrame, targets: DataFrame) -> DataFrame:
-        planned = plan_join(queries.select(_QID, _QV), targets.select(_TID, _TV), self.metric, self.options)
-        rows = planned.dataframe(query_columns=(0,), target_columns=(0,))
+    def candidates(self, queries: DataFrame, targets: DataFrame, query_extra: str | None = None) -> DataFrame:
+        """(query id, x: struct(key, target)), and ``query_extra``, a column of the queries
+        each of its rows carries."""
+        extra = () if query_extra is None else (query_extra,)
+        planned = plan_join(queries.select(_QID, _QV, *extra), targets.select(_TID, _TV), self.metric, self.options)
+        rows = planned.dataframe(query_columns=(0, 2) if extra else (0,), target_columns=(0,))
         key = -F.col(_KEY) if self.similarity else F.col(_KEY)
-        return rows.select(_QID, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))
+        return rows.select(_QID, *extra, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))
 
 
 def _lists(candidates: DataFrame, width: int) -> DataFrame:
@@ -354,59 +358,61 @@ def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> None:
 
 def _refresh(spark, q_now: DataFrame, t_now: DataFrame, previous: dict, search: _Searcher,
              staging: Path, k: int) -> Changes:
+    """Today's lists from the state's: see the module notes. Only the kept queries whose list
+    meets a change are merged: those holding a removed target, and those that an added target
+    enters at or within their bound (the search of the added targets carries each query's
+    bound and keeps nothing beyond it). The others' state rows are kept as they are."""
     width = search.width
-    old_t = previous["targets"].select(F.col(_TID), F.col(_H1).alias(_OLD_H1), F.col(_H2).alias(_OLD_H2))
-    t_diff = (t_now.select(_TID, _H1, _H2, F.lit(True).alias("now"))
-              .join(old_t.withColumn("old", F.lit(True)), _TID, "full_outer")
-              .select(_TID, F.when(F.col("old").isNull(), "inserted").when(F.col("now").isNull(), "deleted")
-                      .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
-                      .alias("status"))
-              .where(F.col("status").isNotNull())
-              .cache())
-    old_q = previous["queries"].select(F.col(_QID), F.col(_H1).alias(_OLD_H1), F.col(_H2).alias(_OLD_H2),
-                                       _LIST, _BOUND)
-    q_diff = (q_now.select(_QID, _H1, _H2, F.lit(True).alias("now"))
-              .join(old_q.select(_QID, _OLD_H1, _OLD_H2, F.lit(True).alias("old")), _QID, "full_outer")
-              .select(_QID, F.when(F.col("old").isNull(), "inserted").when(F.col("now").isNull(), "deleted")
-                      .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
-                      .otherwise("kept").alias("status"))
-              .cache())
+    t_diff = _diff(t_now, previous["targets"], _TID).where(F.col("status") != "kept").cache()
+    q_diff = _diff(q_now, previous["queries"], _QID).cache()
     counts = {(side, row["status"]): row["count"]
               for side, diff in (("q", q_diff), ("t", t_diff))
               for row in diff.groupBy("status").count().collect()}
     try:
-        removed = t_diff.where(F.col("status") != "inserted").select(_TID)
-        added = t_now.join(t_diff.where(F.col("status") != "deleted").select(_TID), _TID, "left_semi")
-        kept_ids = q_diff.where(F.col("status") == "kept").select(_QID)
-        kept = old_q.join(kept_ids, _QID, "left_semi")
-        # The kept lists less the removed targets, and the kept queries' search of the added ones.
-        remaining = (kept.select(_QID, F.explode(_LIST).alias("x"))
-                     .join(F.broadcast(removed), F.col("x.target") == F.col(_TID), "left_anti")
-                     .select(_QID, "x", F.lit(0).alias(_SOURCE)))
-        parts = remaining
+        removed = F.broadcast(t_diff.where(F.col("status") != "inserted").select(_TID))
+        kept = previous["queries"].join(q_diff.where(F.col("status") == "kept").select(_QID), _QID, "left_semi")
+        touched = (kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
+                   .join(removed, _TID, "left_semi").select(_QID))
+        entering = None
         if counts.get(("t", "inserted"), 0) + counts.get(("t", "changed"), 0):
-            kept_vectors = q_now.join(kept_ids, _QID, "left_semi")
-            parts = parts.unionByName(search.candidates(kept_vectors, added).withColumn(_SOURCE, F.lit(1)))
+            added = t_now.join(t_diff.where(F.col("status") != "deleted").select(_TID), _TID, "left_semi")
+            kept_vectors = q_now.join(kept.select(_QID, _BOUND), _QID)
+            entering = (search.candidates(kept_vectors, added, query_extra=_BOUND)
+                        .where(F.col("x.key") <= F.col(_BOUND)).select(_QID, "x")
+                        .cache())
+            touched = touched.unionByName(entering.select(_QID))
+        affected = touched.distinct().cache()
+        n_affected = affected.count()
+        # The untouched kept rows, as the state holds them (their fingerprints are today's).
+        kept.join(F.broadcast(affected), _QID, "left_anti").write.parquet(str(staging / "queries" / "part=kept"))
+        old = kept.join(F.broadcast(affected), _QID, "left_semi")
+        parts = (old.select(_QID, F.explode(_LIST).alias("x"))
+                 .join(removed, F.col("x.target") == F.col(_TID), "left_anti")
+                 .select(_QID, "x", F.lit(0).alias(_SOURCE)))
+        if entering is not None:
+            parts = parts.unionByName(entering.withColumn(_SOURCE, F.lit(1)))
         merged = parts.groupBy(_QID).agg(
             F.array_sort(F.collect_list("x")).alias("all"),
             F.count(F.when(F.col(_SOURCE) == 1, 1)).alias("added"),
             F.max(F.when(F.col(_SOURCE) == 1, F.col("x.key"))).alias("worst_added"))
+        # An added target beyond its query's bound was dropped by the search: then fewer than
+        # the width entered, and the bound of the added targets is beyond the list's own.
         bound = F.least(
             F.col(_BOUND),
             F.when(F.col("added") >= width, F.col("worst_added")).otherwise(F.lit(math.inf)),
             F.when(F.size("all") > width, F.element_at("all", width + 1)["key"]).otherwise(F.lit(math.inf)))
         all_list = F.coalesce("all", F.array().cast(kept.schema[_LIST].dataType))
-        refreshed = (kept.select(_QID, _BOUND).join(merged, _QID, "left")
+        refreshed = (old.select(_QID, _H1, _H2, _BOUND).join(merged, _QID, "left")
                      .withColumn("all", all_list).withColumn("added", F.coalesce("added", F.lit(0)))
                      .withColumn("b", bound)
-                     .select(_QID, F.filter(F.slice("all", 1, width), lambda x: x["key"] <= F.col("b")).alias(_LIST),
+                     .select(_QID, _H1, _H2,
+                             F.filter(F.slice("all", 1, width), lambda x: x["key"] <= F.col("b")).alias(_LIST),
                              F.col("b").alias(_BOUND)))
         complete = (F.size(_LIST) >= k) | (F.col(_BOUND) == math.inf)
         merged_path = staging / "queries" / "part=merged"
-        (q_now.select(_QID, _H1, _H2).join(refreshed.withColumn(_COMPLETE, complete), _QID)
-         .write.parquet(str(merged_path)))
+        refreshed.withColumn(_COMPLETE, complete).write.parquet(str(merged_path))
         # A short list stays in the merged part, marked incomplete: its query's whole search
-        # is the other part's, and only complete lists are read (_complete_lists).
+        # is the searched part's, and only complete lists are read (_complete_lists).
         short = spark.read.parquet(str(merged_path)).where(~F.col(_COMPLETE)).select(_QID)
         whole = q_diff.where(F.col("status").isin("inserted", "changed")).select(_QID).unionByName(short)
         whole_rows = q_now.join(whole, _QID, "left_semi")
@@ -414,14 +420,25 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, previous: dict, search: 
                      staging / "queries" / "part=searched")
         n_short = short.count()
     finally:
-        t_diff.unpersist()
-        q_diff.unpersist()
+        for frame in (t_diff, q_diff) + (() if entering is None else (entering,)):
+            frame.unpersist()
+        if "affected" in locals():
+            affected.unpersist()
     return Changes(refreshed=True, reason="", queries_inserted=counts.get(("q", "inserted"), 0),
                    queries_deleted=counts.get(("q", "deleted"), 0), queries_changed=counts.get(("q", "changed"), 0),
                    queries_kept=counts.get(("q", "kept"), 0), targets_inserted=counts.get(("t", "inserted"), 0),
                    targets_deleted=counts.get(("t", "deleted"), 0), targets_changed=counts.get(("t", "changed"), 0),
                    queries_searched_whole=counts.get(("q", "inserted"), 0) + counts.get(("q", "changed"), 0) + n_short,
-                   queries_short=n_short)
+                   queries_short=n_short, queries_merged=n_affected)
+
+
+def _diff(now: DataFrame, old: DataFrame, id_as: str) -> DataFrame:
+    """(id, status) of every id of either: inserted, deleted, changed (its fingerprint) or kept."""
+    old = old.select(id_as, F.col(_H1).alias(_OLD_H1), F.col(_H2).alias(_OLD_H2), F.lit(True).alias("old"))
+    return (now.select(id_as, _H1, _H2, F.lit(True).alias("now")).join(old, id_as, "full_outer")
+            .select(id_as, F.when(F.col("old").isNull(), "inserted").when(F.col("now").isNull(), "deleted")
+                    .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
+                    .otherwise("kept").alias("status")))
 
 
 # ---------------------------------------------------------------------------- the result

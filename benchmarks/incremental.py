@@ -1,0 +1,146 @@
+"""Incremental refresh against a full recompute (issue 43), local[2].
+
+Day 0: ``--nq`` queries x ``--nt`` targets (d, k from the options; clustered float32 vectors in
+Parquet, ids on both sides) joined in full by ``incremental_nearest_join`` (which writes the
+state) and by ``nearest_by_join`` (the full recompute a nightly job runs today). Then for each
+share in ``--shares``: that share of each side changed (a third deleted, a third updated, a
+third inserted), joined by a refresh from day 0's state and by a full recompute of the changed
+inputs, both writing ids and values to Parquet (no vectors, as the jobs write); the refresh's rows are checked against the full
+recompute's (same values per query; targets equal outside ties at the k-th value).
+
+Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000 --d 64 --k 10] [--shares 0.01 0.001]
+Records table ``refresh_<nq>x<nt>`` in benchmarks/results/incremental.jsonl.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
+
+from benchmarks._record import SMOKE_DIR, Recorder, local_spark  # noqa: E402
+
+
+def clustered(rng, n, d, centers):
+    return (centers[rng.integers(0, len(centers), n)] + 0.3 * rng.standard_normal((n, d))).astype(np.float32)
+
+
+def write_side(path, ids, vectors, id_name, vector_name):
+    d = vectors.shape[1]
+    table = pa.table({id_name: pa.array(ids, pa.int64()),
+                      vector_name: pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), d).cast(pa.list_(pa.float32()))})
+    pq.write_table(table, path, row_group_size=max(1, min(len(ids), 1 << 17)))
+
+
+def changed(rng, ids, vectors, share, next_id, centers):
+    """A third of ``share`` of the rows deleted, a third updated, a third inserted."""
+    n = max(3, int(share * len(ids))) // 3
+    keep = np.ones(len(ids), bool)
+    keep[rng.choice(len(ids), n, replace=False)] = False
+    ids, vectors = ids[keep], vectors[keep].copy()
+    vectors[rng.choice(len(ids), n, replace=False)] = clustered(rng, n, vectors.shape[1], centers)
+    ids = np.concatenate([ids, next_id + np.arange(n)])
+    vectors = np.concatenate([vectors, clustered(rng, n, vectors.shape[1], centers)])
+    return ids, vectors
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nq", type=int, default=200_000)
+    ap.add_argument("--nt", type=int, default=1_000_000)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--shares", type=float, nargs="+", default=[0.01, 0.001])
+    ap.add_argument("--driver-memory", default="12g")
+    ap.add_argument("--quick", action="store_true", help="20,000 x 100,000; results not recorded in git")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.nq, args.nt = 20_000, 100_000
+
+    from nearest_join.incremental import incremental_nearest_join
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    rng = np.random.default_rng(0)
+    centers = rng.standard_normal((1000, args.d)) * 3
+    tmp = tempfile.mkdtemp(prefix="nj-incremental-")
+    spark = local_spark("nearest_join-incremental", args.driver_memory)
+    rec = Recorder("incremental", results_dir=SMOKE_DIR if args.quick else None)
+    table = f"refresh_{args.nq}x{args.nt}"
+    q_ids, t_ids = np.arange(args.nq), np.arange(args.nt)
+    Q, T = clustered(rng, args.nq, args.d, centers), clustered(rng, args.nt, args.d, centers)
+
+    def frames(day, q_ids, Q, t_ids, T):
+        write_side(f"{tmp}/q{day}.parquet", q_ids, Q, "qid", "v")
+        write_side(f"{tmp}/t{day}.parquet", t_ids, T, "tid", "w")
+        return spark.read.parquet(f"{tmp}/q{day}.parquet"), spark.read.parquet(f"{tmp}/t{day}.parquet")
+
+    def full(q, t, out):
+        # What a nightly job writes today: ids and values, no vectors (the executors emit
+        # only the kept columns, as jobs.runner has them do).
+        start = time.perf_counter()
+        options = JoinOptions(num_results=args.k, vectors=("v", "w"), distance_col="d")
+        plan_join(q, t, "l2", options).dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
+        return time.perf_counter() - start
+
+    def incremental(q, t, state, out):
+        start = time.perf_counter()
+        run = incremental_nearest_join(q, t, "l2", args.k, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                       state=state, distance_col="d")
+        run.result.select("qid", "tid", "d").write.parquet(out)
+        run.commit()
+        return time.perf_counter() - start, run.changes
+
+    def rows(path):
+        table = pq.read_table(path, columns=["qid", "tid", "d"]).to_pandas()
+        return table.sort_values(["qid", "d", "tid"]).reset_index(drop=True)
+
+    def check(got, want):
+        """Same values per query; same targets outside the ties at each query's k-th value."""
+        if len(got) != len(want) or not np.array_equal(got["qid"], want["qid"]) or not np.array_equal(got["d"], want["d"]):
+            return False
+        last = want.groupby("qid")["d"].transform("max")
+        untied = want["d"] != last
+        return bool(np.array_equal(got["tid"][untied], want["tid"][untied]))
+
+    q0, t0 = frames(0, q_ids, Q, t_ids, T)
+    state = f"{tmp}/state"
+    seconds, changes = incremental(q0, t0, state, f"{tmp}/inc0")
+    rec.add(table, what="full run, writing the state", share=0.0, seconds=round(seconds, 1), nq=args.nq,
+            nt=args.nt, d=args.d, k=args.k, master="local[2]")
+    full0 = full(q0, t0, f"{tmp}/full0")
+    rec.add(table, what="full recompute (ids and values written)", share=0.0, seconds=round(full0, 1), nq=args.nq,
+            nt=args.nt, d=args.d, k=args.k, master="local[2]")
+    rec.print_tables()
+    for i, share in enumerate(args.shares, start=1):
+        nq_ids, nQ = changed(rng, q_ids, Q, share, 10 * args.nt, centers)
+        nt_ids, nT = changed(rng, t_ids, T, share, 20 * args.nt, centers)
+        q, t = frames(i, nq_ids, nQ, nt_ids, nT)
+        # each share refreshes day 0's state
+        day_state = f"{tmp}/state{i}"
+        shutil.copytree(state, day_state)
+        seconds, changes = incremental(q, t, day_state, f"{tmp}/inc{i}")
+        full_s = full(q, t, f"{tmp}/full{i}")
+        same = check(rows(f"{tmp}/inc{i}"), rows(f"{tmp}/full{i}"))
+        rec.add(table, what="refresh", share=share, seconds=round(seconds, 1), full_seconds=round(full_s, 1),
+                speedup=round(full_s / seconds, 1), same_rows_as_full=same,
+                queries_searched_whole=changes.queries_searched_whole, queries_short=changes.queries_short,
+                queries_merged=changes.queries_merged,
+                targets_changed=changes.targets_inserted + changes.targets_deleted + changes.targets_changed,
+                nq=args.nq, nt=args.nt, d=args.d, k=args.k, master="local[2]")
+        rec.print_tables()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
