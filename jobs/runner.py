@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from .inputs import check_parquet_input
 from .output import StagedOutput, data_files
-from .spec import JobSpec, SpecError, check_paths, is_local, local_path, option_key, redact_settings
+from .spec import STATE_DIR, JobSpec, SpecError, check_paths, is_local, local_path, option_key, redact_settings
 
 logger = logging.getLogger(__name__)
 
@@ -355,17 +355,8 @@ def _library_error(exc: BaseException) -> SpecError | None:
     return None
 
 
-def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
-    """Validate paths, read both inputs, check columns, and plan (the inputs' one facts job,
-    which the explanation, the summary and the run share). Writes nothing."""
-    import dataclasses
-
-    from pyspark.errors import AnalysisException
-    from pyspark.sql import functions as F
-
-    from nearest_join.join import plan_join
-
-    phases = phases or _Phases()
+def read_inputs(spec: JobSpec, spark, phases: _Phases) -> tuple[Any, Any]:
+    """Validate paths, read both inputs and check their columns (the ``read`` phase)."""
     check_paths(spec)
     with phases("read"), _input_errors(spec):
         # Every file's footer, before Spark takes a schema from one file of either side.
@@ -379,6 +370,21 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
             raise SpecError("query.columns", f"column name {FIRST_MATCH!r} is reserved")
         _check_output_columns(spec, query, target)
         _check_key_columns(spec, query, target)
+    return query, target
+
+
+def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
+    """Validate paths, read both inputs, check columns, and plan (the inputs' one facts job,
+    which the explanation, the summary and the run share). Writes nothing."""
+    import dataclasses
+
+    from pyspark.errors import AnalysisException
+    from pyspark.sql import functions as F
+
+    from nearest_join.join import plan_join
+
+    phases = phases or _Phases()
+    query, target = read_inputs(spec, spark, phases)
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector
     on = spec.join.options.on
@@ -447,6 +453,11 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         # The lock before the inputs: a run whose output is busy or cannot be written fails
         # in seconds, not after the search. prepare() re-checks the output under the lock.
         staged = _lock_output(spec, stack)
+        if spec.incremental is not None:
+            summary = _run_incremental(spec, spark, staged, phases, started_at, start)
+            with phases("commit"):
+                staged.publish(summary)
+            return summary
         prepared = prepare(spec, spark, phases)
         counted = Observation("nearest_join_rows")
         planned = prepared.planned
@@ -525,6 +536,86 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     return summary
 
 
+def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases, started_at: str,
+                     start: float) -> dict[str, Any]:
+    """``incremental``: refresh the output from the state inside the last published output
+    (:mod:`nearest_join.incremental`; a full run when there is none or it answers another
+    join), then write the result, and the new state inside the staging directory, which
+    ``staged`` publishes in one step. Returns the run summary."""
+    import shutil
+    from pathlib import Path
+
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    import nearest_join
+    from nearest_join.errors import ArgumentError, ArgumentTypeError
+    from nearest_join.incremental import incremental_nearest_join
+    from nearest_join.join import kernel_warm_up_seconds
+
+    query, target = read_inputs(spec, spark, phases)
+    incremental, options = spec.incremental, spec.join.options
+    q_vector, t_vector = spec.query.prefix + spec.query.vector, spec.target.prefix + spec.target.vector
+    state = Path(spec.output.path) / STATE_DIR
+    # Beside the staging directory, under its name: a killed run's is removed with it.
+    new_state = staged.staging.parent / f"{staged.staging.name}-state"
+    keys = {"query_id": "incremental.query_id", "target_id": "incremental.target_id",
+            "margin": "incremental.margin"}
+    try:
+        with phases("search") as facts, _input_errors(spec):
+            try:
+                run = incremental_nearest_join(
+                    query, target, spec.join.metric, options.num_results,
+                    query_id=spec.query.prefix + incremental.query_id,
+                    target_id=spec.target.prefix + incremental.target_id, state=state, new_state=new_state,
+                    margin=incremental.margin, vectors=(q_vector, t_vector), join_type=options.join_type,
+                    distance_col=options.distance_col, backend=options.backend, precision=options.precision)
+            except (ArgumentError, ArgumentTypeError) as exc:
+                raise SpecError(keys.get(exc.argument) or option_key(exc.argument), exc.problem) from None
+            changes = run.changes
+            facts["refresh"] = changes.refreshed
+            facts["queries searched whole"] = changes.queries_searched_whole
+        result = run.result if spec.output.include_vectors else run.result.drop(q_vector, t_vector)
+        counted = Observation("nearest_join_rows")
+        result = result.observe(counted, F.count(F.lit(1)).alias("rows"))
+        with phases("write") as facts:
+            write_parquet(result, str(staged.staging), spec.output.partition_by, spec.output.num_files)
+            facts["output rows"] = output_rows = int(counted.get["rows"])
+            files = len(data_files(staged.staging))
+        os.rename(new_state, staged.staging / STATE_DIR)
+    finally:
+        shutil.rmtree(new_state, ignore_errors=True)
+    warm_up = kernel_warm_up_seconds()
+    plan = {"plan": "incremental refresh" if changes.refreshed else "incremental, full run",
+            "metric": spec.join.metric, "k": options.num_results, "mode": "exact", "join_type": options.join_type}
+    return {
+        "job": spec.name,
+        "spec_file": spec.source,
+        "nearest_join_version": nearest_join.__version__,
+        "status": "succeeded",
+        "started_at": started_at,
+        "finished_at": _now(),
+        "input_rows": {"query": changes.query_rows, "target": changes.target_rows},
+        "output_rows": output_rows,
+        "queries_without_candidates": None,
+        "plan": plan,
+        "backend": options.backend,
+        "precision": options.precision,
+        "incremental": {"state": str(state), **changes.as_dict()},
+        "wall_time_s": round(time.perf_counter() - start, 3),
+        "phases_s": dict(phases.seconds),
+        "kernel_warm_up_s": round(warm_up[0], 3),
+        "kernel_compile_s": round(warm_up[1], 3),
+        "pairs": None,
+        "pairs_per_s": None,
+        "output": {"path": spec.output.path, "files": files, "partition_by": list(spec.output.partition_by),
+                   "mode": spec.output.mode},
+        "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},
+        "spark_settings": redact_settings(spec.spark_settings),
+        "spec": spec.redacted_document(),
+    }
+
+
 def _lock_output(spec: JobSpec, stack: contextlib.ExitStack) -> StagedOutput:
     """Take the output's lock for the rest of ``stack``; an unwritable location is a SpecError."""
     staged = StagedOutput(spec.output.path, replace=spec.output.mode == "overwrite")
@@ -571,8 +662,22 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"join {plan.get('join_type')}",
         f"  output       {summary['output_rows']:,} rows in {summary['output']['files']} files"
         f"  -> {summary['output']['path']}",
-        f"  no candidate {summary['queries_without_candidates']:,} query rows",
-        f"  throughput   {summary['pairs']:,} pairs scored, {rate_text} (search+write)",
+    ]
+    incremental = summary.get("incremental")
+    if incremental is not None:
+        what = ("refreshed" if incremental["refreshed"] else f"full run ({incremental['reason']})")
+        lines.append(
+            f"  incremental  {what}: queries +{incremental['queries_inserted']:,} "
+            f"-{incremental['queries_deleted']:,} ~{incremental['queries_changed']:,}, targets "
+            f"+{incremental['targets_inserted']:,} -{incremental['targets_deleted']:,} "
+            f"~{incremental['targets_changed']:,}; {incremental['queries_searched_whole']:,} queries "
+            f"searched whole, {incremental['queries_merged']:,} lists merged")
+    else:
+        lines += [
+            f"  no candidate {summary['queries_without_candidates']:,} query rows",
+            f"  throughput   {summary['pairs']:,} pairs scored, {rate_text} (search+write)",
+        ]
+    lines += [
         f"  phases       {phases}",
         f"  kernels      {_warm_up_text(summary.get('kernel_warm_up_s', 0.0), summary.get('kernel_compile_s', 0.0))}",
         f"  summary      {os.path.join(summary['output']['path'], '_nearest_join_summary.json')}",

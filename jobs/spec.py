@@ -97,7 +97,16 @@ _OUTPUT_KEYS: dict[str, Any] = {
     "num_files": None,
     "include_vectors": False,
 }
-_TOP_KEYS = ("name", "query", "target", "join", "output", "spark_profile", "spark")
+# incremental: refresh the last run's output from its state (nearest_join.incremental)
+_INCREMENTAL_KEYS: dict[str, Any] = {
+    "query_id": _REQUIRED,   # unique id column of each input (input names, before prefix)
+    "target_id": _REQUIRED,
+    "margin": None,          # candidates kept per query beyond k (nearest_join.incremental.default_margin)
+}
+# The state lives inside the output directory (hidden from Spark's readers by its leading
+# underscore), so that the output and its state are published in one step.
+STATE_DIR = "_nearest_join_state"
+_TOP_KEYS = ("name", "query", "target", "join", "output", "incremental", "spark_profile", "spark")
 
 # Spark settings whose names suggest credentials are never logged or written to the summary.
 _SECRET_NAME = re.compile(r"password|secret|token|key", re.IGNORECASE)
@@ -157,6 +166,15 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class IncrementalSpec:
+    """``incremental``: each run refreshes the output from the state the last one kept."""
+
+    query_id: str                     # input column names (before prefix)
+    target_id: str
+    margin: int | None
+
+
+@dataclass(frozen=True)
 class JobSpec:
     name: str
     source: str                       # the spec file, for messages and the summary
@@ -167,6 +185,7 @@ class JobSpec:
     spark_profile: str
     spark_settings: dict[str, str]    # profile + spec + overrides; may hold secrets
     document: dict[str, Any]          # the spec after overrides (may hold secrets)
+    incremental: IncrementalSpec | None = None
 
     def redacted_document(self) -> dict[str, Any]:
         """The spec as written, with secret-looking Spark settings masked."""
@@ -576,6 +595,26 @@ def _output(values: dict[str, Any]) -> OutputSpec:
     )
 
 
+def _incremental(document: dict, join: JoinSpec, output: OutputSpec) -> IncrementalSpec | None:
+    if document.get("incremental") is None:
+        return None
+    values = _section(document, "incremental", _INCREMENTAL_KEYS)
+    options = join.options
+    unsupported = [name for name, used in (("join.on", options.on is not None),
+                                           ("join.max_distance", options.max_distance is not None),
+                                           ("join.min_similarity", options.min_similarity is not None),
+                                           ("join.mode: approx", options.mode != "exact")) if used]
+    if unsupported:
+        raise SpecError("incremental", f"refreshes exact joins without keys or caps so far; this spec has "
+                                       f"{', '.join(unsupported)}")
+    if output.mode != "overwrite":
+        raise SpecError("output.mode", f"an incremental job replaces its output each run: expected "
+                                       f"overwrite, got {output.mode!r}")
+    return IncrementalSpec(query_id=_text(values["query_id"], "incremental.query_id"),
+                           target_id=_text(values["target_id"], "incremental.target_id"),
+                           margin=_integer(values["margin"], "incremental.margin", low=0, optional=True))
+
+
 def _spark_settings(value: Any, key: str) -> dict[str, str]:
     if value is None:
         return {}
@@ -624,6 +663,7 @@ def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
     target = _input(_section(document, "target", _SIDE_KEYS), "target")
     join = _join(_section(document, "join", _JOIN_KEYS))
     output = _output(_section(document, "output", _OUTPUT_KEYS))
+    incremental = _incremental(document, join, output)
     profile, settings = load_profile(document.get("spark_profile") or "local")
     settings.update(_spark_settings(document.get("spark"), "spark"))
     name = document.get("name") or Path(source).stem
@@ -631,7 +671,7 @@ def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
         raise SpecError("name", f"expected a string, got {describe(name)}")
     return JobSpec(
         name=name, source=source, query=query, target=target, join=join, output=output,
-        spark_profile=profile, spark_settings=settings, document=document,
+        spark_profile=profile, spark_settings=settings, document=document, incremental=incremental,
     )
 
 

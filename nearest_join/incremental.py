@@ -90,6 +90,8 @@ class Changes:
     queries_searched_whole: int = 0   # new, changed and short-listed queries: against all targets
     queries_short: int = 0            # kept queries whose list ran short
     queries_merged: int = 0           # kept queries whose list met a removed or an entering target
+    query_rows: int = 0               # today's rows
+    target_rows: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -100,7 +102,7 @@ class IncrementalJoin:
     (:class:`Changes`) and :meth:`commit`, which makes this run's state the one the next run
     starts from."""
 
-    def __init__(self, result: DataFrame, changes: Changes, staging: Path, state: Path):
+    def __init__(self, result: DataFrame, changes: Changes, staging: Path, state: Path | None):
         self.result = result
         self.changes = changes
         self._staging, self._state = staging, state
@@ -109,6 +111,8 @@ class IncrementalJoin:
     def commit(self) -> None:
         """Publish this run's state in one step (after the result has been written: a run
         whose result is lost then refreshes from this state, not from yesterday's)."""
+        if self._state is None:
+            raise RuntimeError(f"this run wrote its state to {self._staging}: its caller publishes it")
         if self._committed:
             raise RuntimeError(f"state {self._state}: this run's state is committed already")
         replace_directory(self._staging, self._state)
@@ -116,12 +120,12 @@ class IncrementalJoin:
 
     def discard(self) -> None:
         """Delete this run's staged state; the previous one stays."""
-        if not self._committed:
+        if not self._committed and self._state is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
 
 
 def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1, *,
-                             query_id: str, target_id: str, state, margin: int | None = None,
+                             query_id: str, target_id: str, state, new_state=None, margin: int | None = None,
                              vectors=None, join_type: str = "inner", distance_col: str | None = None,
                              backend: str = "auto", precision: str = "auto") -> IncrementalJoin:
     """Today's :func:`~nearest_join.nearest_by_join` result, refreshed from the last run's state.
@@ -140,6 +144,11 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         A directory on a local (or shared POSIX) filesystem: the last committed run's state is
         read from it (none, or one for another join: a full run, logged), and this run's is
         staged beside it until :meth:`IncrementalJoin.commit`.
+    new_state : str or path, optional
+        Where to write this run's state instead (a directory that does not exist yet), for a
+        caller that publishes it itself: the batch jobs write it inside the output's staging
+        directory, so that the output and its state are published in one step. No commit
+        then.
     margin : int, optional
         Candidates kept per query beyond ``num_results`` (default :func:`default_margin`).
 
@@ -218,8 +227,11 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     previous, reason = _previous_state(spark, state_dir, meta)
 
     search = _Searcher(options, parsed.metric, width, similarity)
-    staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
-    state_dir.parent.mkdir(parents=True, exist_ok=True)
+    if new_state is None:
+        staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
+        state_dir.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        staging = Path(new_state)
     try:
         if previous is None:
             changes = _full_run(spark, q_now, t_now, search, staging, reason)
@@ -233,7 +245,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     logger.info("incremental join: %s", changes)
     lists = _complete_lists(spark, staging)
     result = _result(query, target, query_id, target_id, lists, k, options, similarity)
-    return IncrementalJoin(result, changes, staging, state_dir)
+    return IncrementalJoin(result, changes, staging, None if new_state is not None else state_dir)
 
 
 # ---------------------------------------------------------------------------- inputs and state
@@ -341,9 +353,9 @@ def _lists(candidates: DataFrame, width: int) -> DataFrame:
 def _full_run(spark, q_now: DataFrame, t_now: DataFrame, search: _Searcher, staging: Path, reason: str) -> Changes:
     lists = _lists(search.candidates(q_now, t_now), search.width)
     _write_lists(q_now, lists, staging / "queries" / "part=searched")
-    queries = q_now.count()
-    return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=t_now.count(),
-                   queries_searched_whole=queries)
+    queries, targets = q_now.count(), t_now.count()
+    return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
+                   queries_searched_whole=queries, query_rows=queries, target_rows=targets)
 
 
 def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> None:
@@ -363,11 +375,12 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, previous: dict, search: 
     enters at or within their bound (the search of the added targets carries each query's
     bound and keeps nothing beyond it). The others' state rows are kept as they are."""
     width = search.width
-    t_diff = _diff(t_now, previous["targets"], _TID).where(F.col("status") != "kept").cache()
+    t_all = _diff(t_now, previous["targets"], _TID).cache()
     q_diff = _diff(q_now, previous["queries"], _QID).cache()
     counts = {(side, row["status"]): row["count"]
-              for side, diff in (("q", q_diff), ("t", t_diff))
+              for side, diff in (("q", q_diff), ("t", t_all))
               for row in diff.groupBy("status").count().collect()}
+    t_diff = t_all.where(F.col("status") != "kept")
     try:
         removed = F.broadcast(t_diff.where(F.col("status") != "inserted").select(_TID))
         kept = previous["queries"].join(q_diff.where(F.col("status") == "kept").select(_QID), _QID, "left_semi")
@@ -420,7 +433,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, previous: dict, search: 
                      staging / "queries" / "part=searched")
         n_short = short.count()
     finally:
-        for frame in (t_diff, q_diff) + (() if entering is None else (entering,)):
+        for frame in (t_all, q_diff) + (() if entering is None else (entering,)):
             frame.unpersist()
         if "affected" in locals():
             affected.unpersist()
@@ -429,7 +442,9 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, previous: dict, search: 
                    queries_kept=counts.get(("q", "kept"), 0), targets_inserted=counts.get(("t", "inserted"), 0),
                    targets_deleted=counts.get(("t", "deleted"), 0), targets_changed=counts.get(("t", "changed"), 0),
                    queries_searched_whole=counts.get(("q", "inserted"), 0) + counts.get(("q", "changed"), 0) + n_short,
-                   queries_short=n_short, queries_merged=n_affected)
+                   queries_short=n_short, queries_merged=n_affected,
+                   query_rows=sum(counts.get(("q", s), 0) for s in ("inserted", "changed", "kept")),
+                   target_rows=sum(counts.get(("t", s), 0) for s in ("inserted", "changed", "kept")))
 
 
 def _diff(now: DataFrame, old: DataFrame, id_as: str) -> DataFrame:

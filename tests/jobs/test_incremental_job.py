@@ -1,0 +1,91 @@
+"""A spec with ``incremental:`` (issue 43): the first run is a full run that keeps its state
+inside the output; the next night's run refreshes it, and its output equals the float64
+oracle's join of that night's inputs; a spec the refresh cannot serve exits 2."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.cli import main
+from jobs.spec import STATE_DIR
+
+from .test_cli import Job, _read, _summary, _vectors, _write, job  # noqa: F401 (the fixture)
+
+
+def _incremental(job: Job, out) -> None:
+    document = job.document()
+    document["output"] = {"path": str(out), "mode": "overwrite"}
+    document["incremental"] = {"query_id": "id", "target_id": "id", "margin": 3}
+    job.write_spec(document)
+
+
+def _check(job: Job, out, k: int) -> None:
+    got = _read(out)
+    want = job.reference(k)
+    want = {q: v for q, v in want.items() if v}
+    assert got.keys() == want.keys()
+    for q, pairs in want.items():
+        assert [t for t, _ in got[q]] == [t for t, _ in pairs], q
+        assert [d for _, d in got[q]] == [np.float32(d) for _, d in pairs] or np.allclose(
+            [d for _, d in got[q]], [d for _, d in pairs], rtol=1e-6), q
+
+
+def test_two_nights_refresh_equals_the_oracle(job, capsys):
+    out = job.base / "out"
+    _incremental(job, out)
+    assert main(["run", str(job.spec)]) == 0, capsys.readouterr().err
+    first = _summary(out)
+    assert first["incremental"]["refreshed"] is False and (out / STATE_DIR / "meta.json").exists()
+    _check(job, out, 5)
+    # night 2: a tenth of the targets deleted, a tenth changed, as many inserted; queries too
+    rng = np.random.default_rng(11)
+    n = len(job.target_ids) // 10
+    keep = np.ones(len(job.target_ids), bool)
+    keep[rng.choice(len(keep), n, replace=False)] = False
+    job.target_ids, job.target = job.target_ids[keep], job.target[keep]
+    job.target[rng.choice(len(job.target), n, replace=False)] = rng.normal(size=(n, job.target.shape[1]))
+    job.target_ids = np.concatenate([job.target_ids, 9000 + np.arange(n)])
+    job.target = np.concatenate([job.target, rng.normal(size=(n, job.target.shape[1])).astype(np.float32)])
+    job.query[rng.choice(len(job.query), 3, replace=False)] = rng.normal(size=(3, job.query.shape[1]))
+    for side in ("query", "target"):
+        shutil.rmtree(job.base / "in" / side)
+    _write(job.base / "in" / "query", {"id": pa.array(job.query_ids, pa.int64()), "vec": _vectors(job.query)})
+    _write(job.base / "in" / "target", {"id": pa.array(job.target_ids, pa.int64()),
+                                        "label": pa.array([f"t{i}" for i in job.target_ids]),
+                                        "vec": _vectors(job.target)})
+    assert main(["run", str(job.spec)]) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    second = _summary(out)["incremental"]
+    assert second["refreshed"] is True and "incremental  refreshed" in printed
+    assert (second["targets_inserted"], second["targets_deleted"]) == (n, n)
+    assert second["queries_changed"] == 3
+    assert second["queries_searched_whole"] < len(job.query_ids)
+    _check(job, out, 5)
+    # the vectors are not written (output.include_vectors), the payload is today's
+    names = pq.read_schema(next(out.glob("part-*.parquet"))).names
+    assert "vec" not in names and "t_vec" not in names and "t_label" in names
+
+
+def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys):
+    out = job.base / "out"
+    _incremental(job, out)
+    document = job.document()
+    document["output"] = {"path": str(out)}
+    document["incremental"] = {"query_id": "id", "target_id": "id"}
+    job.write_spec(document)
+    assert main(["run", str(job.spec)]) == 2
+    assert "output.mode" in capsys.readouterr().err
+    document["output"]["mode"] = "overwrite"
+    document["join"]["max_distance"] = 1.0
+    job.write_spec(document)
+    assert main(["run", str(job.spec)]) == 2
+    assert "join.max_distance" in capsys.readouterr().err
+    del document["join"]["max_distance"]
+    document["incremental"]["query_id"] = "nope"
+    job.write_spec(document)
+    assert main(["run", str(job.spec)]) == 2
+    assert "incremental.query_id" in capsys.readouterr().err
+    assert not out.exists()
