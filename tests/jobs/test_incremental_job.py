@@ -3,7 +3,13 @@ inside the output; the next night's run refreshes it, and its output equals the 
 oracle's join of that night's inputs; a spec the refresh cannot serve exits 2."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -12,7 +18,9 @@ import pyarrow.parquet as pq
 from jobs.cli import main
 from jobs.spec import STATE_DIR
 
-from .test_cli import Job, _read, _summary, _vectors, _write, job  # noqa: F401 (the fixture)
+from .test_cli import Job, _files, _read, _summary, _vectors, _write, job  # noqa: F401 (the fixture)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _incremental(job: Job, out) -> None:
@@ -56,7 +64,13 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
     _write(job.base / "in" / "target", {"id": pa.array(job.target_ids, pa.int64()),
                                         "label": pa.array([f"t{i}" for i in job.target_ids]),
                                         "vec": _vectors(job.target)})
+    # A kill -9 in the middle of the refresh: the first night's output stays whole and
+    # readable, and the next run (which tidies what the killed one left) refreshes from its state.
+    before = _files(out)
+    _killed_mid_refresh(job, out)
+    assert _files(out) == before and len(pq.read_table(out)) == first["output_rows"]
     assert main(["run", str(job.spec)]) == 0, capsys.readouterr().err
+    assert not list(out.parent.glob(".out.nj-staging-*"))
     printed = capsys.readouterr().out
     second = _summary(out)["incremental"]
     assert second["refreshed"] is True and "incremental  refreshed" in printed
@@ -67,6 +81,24 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
     # the vectors are not written (output.include_vectors), the payload is today's
     names = pq.read_schema(next(out.glob("part-*.parquet"))).names
     assert "vec" not in names and "t_vec" not in names and "t_label" in names
+
+
+def _killed_mid_refresh(job: Job, out) -> None:
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    process = subprocess.Popen([sys.executable, "-m", "jobs", "run", str(job.spec)], cwd=ROOT, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(out.parent.glob(".out.nj-staging-*-state/queries")):
+            assert process.poll() is None, "the run ended before its refresh was caught"
+            assert time.monotonic() < deadline, "the refresh did not start"
+            time.sleep(0.05)
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert list(out.parent.glob(".out.nj-staging-*-state"))   # what the next run tidies
 
 
 def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys):
