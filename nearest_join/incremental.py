@@ -233,11 +233,14 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     else:
         staging = Path(new_state)
     try:
+        # Today's target fingerprints first: the refresh compares the written ones with the
+        # state's, rather than hashing every vector a second time.
+        t_now.select(_TID, _H1, _H2).write.parquet(str(staging / "targets"))
         if previous is None:
             changes = _full_run(spark, q_now, t_now, search, staging, reason)
         else:
-            changes = _refresh(spark, q_now, t_now, previous, search, staging, k)
-        t_now.select(_TID, _H1, _H2).write.parquet(str(staging / "targets"))
+            t_prints = spark.read.parquet(str(staging / "targets"))
+            changes = _refresh(spark, q_now, t_now, t_prints, previous, search, staging, k)
         (staging / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -368,14 +371,14 @@ def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> None:
      .write.parquet(str(path)))
 
 
-def _refresh(spark, q_now: DataFrame, t_now: DataFrame, previous: dict, search: _Searcher,
+def _refresh(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, previous: dict, search: _Searcher,
              staging: Path, k: int) -> Changes:
     """Today's lists from the state's: see the module notes. Only the kept queries whose list
     meets a change are merged: those holding a removed target, and those that an added target
     enters at or within their bound (the search of the added targets carries each query's
     bound and keeps nothing beyond it). The others' state rows are kept as they are."""
     width = search.width
-    t_all = _diff(t_now, previous["targets"], _TID).cache()
+    t_all = _diff(t_prints, previous["targets"], _TID).cache()
     q_diff = _diff(q_now, previous["queries"], _QID).cache()
     counts = {(side, row["status"]): row["count"]
               for side, diff in (("q", q_diff), ("t", t_all))
