@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nearest_kernels import _gpu_torch as gt  # noqa: E402
+from nearest_kernels import _gpu_bound as gb  # noqa: E402
+from nearest_kernels import _gpu_prepare as gp  # noqa: E402
 from nearest_kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
 ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
@@ -94,8 +95,8 @@ def fused_pass(Q, prepared, k):
     always re-ranks; this is the peer that says what exactness costs on top of the pass."""
     from nearest_kernels import _gpu_triton as tr
 
-    qs = gt.prepare_queries(Q, prepared.side)
-    keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gt.MIN_CANDIDATES, gt.next_pow2(k)))
+    qs = gp.prepare_queries(Q, prepared.side)
+    keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gb.MIN_CANDIDATES, gb.next_pow2(k)))
     return keys[:, :k], idx[:, :k]
 
 

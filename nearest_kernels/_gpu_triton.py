@@ -17,7 +17,7 @@ One program owns ``BLOCK_M`` queries and a contiguous range of targets (the whol
 one split of it when there are few queries). For each ``BLOCK_N``-target tile it computes
 the ``BLOCK_M x BLOCK_N`` dot products with ``tl.dot`` (IEEE float32 FMA, tf32 or bf16 tensor
 cores), turns them into keys ``bias_t - alpha * dot`` (smaller is better, see
-``_gpu_torch``) and never writes the tile to memory:
+``_gpu_prepare.key_alpha``) and never writes the tile to memory:
 
 * **Threshold test.** Each query keeps ``thr``, the ``n_cand``-th best key known so far.
   One row minimum per tile and one compare per query reject the tile when no key beats its
@@ -56,7 +56,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._gpu_torch import PreparedSide, key_alpha, l2_form, live_width, lower_bias_table, lower_levels
+from ._gpu_bound import lower_bias_table, lower_levels
+from ._gpu_prepare import PreparedSide, key_alpha, l2_form
+from ._gpu_rerank import live_width
 
 logger = logging.getLogger(__name__)
 
@@ -406,7 +408,7 @@ def _rowlist_kernel(
     placeholder EMPTY (same bits), so an unseeded search passes +inf seeds and runs the same
     compiled kernel as the widening rounds of its width (one compilation, not two).
     ``LEVELS`` (EXACT mode's lower keys): the bias is this program's row ``level_ptr[pid_m]``
-    of a table (``_gpu_torch.lower_bias_table``); the product and the keys' one FMA are as
+    of a table (``_gpu_bound.lower_bias_table``); the product and the keys' one FMA are as
     without.
     """
     pid_m = tl.program_id(0)
@@ -963,7 +965,7 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
 
     Returns keys float32 (m, n_cand) ascending (+inf empty), indices int64 (-1 empty), ties
     resolved to the lower index, and ``floor`` float32 (m,): every target not in a row's list
-    has approximate key >= floor (the contract of :func:`_gpu_torch.exact_topk`).
+    has approximate key >= floor (the contract of :func:`_gpu_search.exact_topk`).
 
     One register list per row (``"rowlist"``) holds each row's n_cand best: floor is the last
     key, or +inf when the list holds every target. The segmented mode (``config.kernel ==
@@ -991,11 +993,11 @@ def triton_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     ``splits`` forces the number of target splits (segments in the segmented mode).
     ``buffer_bytes`` bounds the lists' output: queries run in chunks that fit it.
     ``seed`` (float32 (m,), +inf = none): keys above a row's seed cannot matter to the caller
-    (the widening rounds of :func:`_gpu_torch.exact_topk`); the register-list kernels then
+    (the widening rounds of :func:`_gpu_search.exact_topk`); the register-list kernels then
     never insert them and the row's floor is at most just above its seed (:func:`floor_key`).
     ``lower``: the keys are lower keys (EXACT mode's per-target bound): each program reads
-    its row of ``_gpu_torch.lower_bias_table`` as the bias; no other work per key.
-    ``levels``: that table's levels (default ``_gpu_torch.lower_levels(n_cand)``).
+    its row of ``_gpu_bound.lower_bias_table`` as the bias; no other work per key.
+    ``levels``: that table's levels (default ``_gpu_bound.lower_levels(n_cand)``).
     """
     if n_cand & (n_cand - 1) or n_cand > MAX_CANDIDATES:
         raise ValueError(f"n_cand: expected a power of two <= {MAX_CANDIDATES}, got {n_cand}")
@@ -1428,7 +1430,7 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
     it). More hits than ``n_cand``: the n_cand best (packed order: key, then the lower
     index), floor the lesser of that and the first key cut off. A slice with more hits than
     its positions (overflow): the n_cand best of those stored, floor -inf (not proven:
-    ``_gpu_torch.exact_topk`` widens it). One host sync (the largest count: only the
+    ``_gpu_search.exact_topk`` widens it). One host sync (the largest count: only the
     positions below it are read)."""
     rows, slices = count.shape
     slots = buf.shape[1] // slices
@@ -1461,7 +1463,7 @@ def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     ``floor`` (m,): every target not in a row's list has approximate key >= floor
     (:func:`filter_select`; -inf for a row that overflowed its buffer, which the proof
     never accepts). The keys are the candidate kernels' keys of the same operands
-    (``lower``: lower keys from :func:`_gpu_torch.lower_bias_table` at ``levels``, default
+    (``lower``: lower keys from :func:`_gpu_bound.lower_bias_table` at ``levels``, default
     ``lower_levels(n_cand)``). ``threshold`` float32 (m,), usually :func:`filter_threshold`;
     any value is exact. ``cap``: buffer slots per row (default :func:`filter_cap`), in slices of
     ``slots`` positions (default :func:`filter_slots`); rows run in chunks whose int64 buffer
@@ -1529,7 +1531,7 @@ def _rerank_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, width_ptr, out_
     """float32 working values of (query row, candidate) pairs, summed in float64 from the
     source rows (float32 or float64) and rounded once: ``sum((qf q - tf t)^2)`` (l2 form) or
     ``sum(qf q * tf (t - c))``; each scaled coordinate is O(1), so nothing over- or
-    underflows (the torch form, ``_gpu_torch.exact_values``). NaN in empty slots.
+    underflows (the torch form, ``_gpu_rerank.exact_values``). NaN in empty slots.
 
     One program owns BLOCK_R query rows and reads only their first ``width[row]`` columns
     (the caller's count: past it every slot is empty), BLOCK_C columns at a time: per
@@ -1579,7 +1581,7 @@ def _center(queries: PreparedSide, targets: PreparedSide) -> torch.Tensor:
 
 
 def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor) -> torch.Tensor:
-    """:func:`_gpu_torch.exact_values` by :func:`_rerank_kernel`: the same values up to the
+    """:func:`_gpu_rerank.exact_values` by :func:`_rerank_kernel`: the same values up to the
     order of the float64 summation (the error bound covers any order)."""
     m, c = idx.shape
     out = torch.full((m, c), math.nan, dtype=torch.float32, device=idx.device)
@@ -1605,7 +1607,7 @@ def rerank_arguments(q, t, q_factor, t_factor, center, idx, width, out, metric: 
 
 
 # ----------------------------------------------------------------------------- preparation
-# A target block's preparation (``_gpu_torch.working_frame`` and ``prepare_side``) in three
+# A target block's preparation (``_gpu_prepare.working_frame`` and ``prepare_side``) in three
 # streaming passes over its rows: column sums (the centre), the rows' distances from it (the
 # scale), then the working rows, operands, norms, residuals and biases. The torch form makes
 # float64 copies of each chunk and reads them again per quantity: at embedding sizes that was a
@@ -1657,11 +1659,11 @@ def _prepare_spread(x_ptr, c_ptr, spread_ptr, n, d, stride_x, BLOCK_R: tl.conste
 def _prepare_fill(x_ptr, c_ptr, scale_ptr, exact_ptr, op_ptr, norm_ptr, op_norm_ptr, res_ptr, bias_ptr,
                   n, d, stride_x, up, L2: tl.constexpr, OPERAND: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``_gpu_torch.prepare_side`` of target rows: working rows ``(x - c) scale`` (float64,
+    """``_gpu_prepare.prepare_side`` of target rows: working rows ``(x - c) scale`` (float64,
     rounded once to float32, as the torch form), operands (``OPERAND`` 0: none, the working
     rows are; 1: tf32, ``round_to_tf32``; 2: bf16; both to nearest, ties even, as torch rounds
     them), and per row the float64 norms of the working rows, the operands and their
-    difference, written as float32 times ``up`` (never rounded down: ``_gpu_torch._up32``),
+    difference, written as float32 times ``up`` (never rounded down: ``_gpu_prepare._up32``),
     and the bias |exact|^2. ``scale_ptr``: the frame's power of two as a float64 scalar (a
     float32 argument could not hold the scales of float64 rows)."""
     scale = tl.load(scale_ptr)
@@ -1735,7 +1737,7 @@ def _prepare_kernel(x_ptr, c_ptr, part_ptr, spread_ptr, scale_ptr, exact_ptr, op
 
 def _prepare_pass(mode: int, grid, x, center, part, spread, scale, exact, operand, norm, op_norm,
                   residual, bias, metric: str, precision: str) -> None:
-    from ._gpu_torch import U32, l2_form
+    from ._gpu_prepare import U32, l2_form
 
     n, d = x.shape
     _prepare_kernel[grid](x, center, part, spread, scale, exact, operand, norm, op_norm, residual,
@@ -1757,11 +1759,11 @@ def _prepare_buffers(x: torch.Tensor, precision: str):
 
 
 def triton_working_frame(targets: torch.Tensor, metric: str, precision: str = "bf16", buffers=None):
-    """``_gpu_torch.working_frame`` by :func:`_prepare_kernel`'s first two passes (not cosine:
+    """``_gpu_prepare.working_frame`` by :func:`_prepare_kernel`'s first two passes (not cosine:
     its unit rows stay with the torch form). The same frame up to the order of the float64
     sums; one host sync. ``precision`` and ``buffers`` (:func:`_prepare_buffers`): those of the
     fill pass that follows, whose signature every pass shares."""
-    from ._gpu_torch import Frame, pow2_below
+    from ._gpu_prepare import Frame, pow2_below
 
     n, d = targets.shape
     assert metric != "cosine" and n and d
@@ -1785,7 +1787,7 @@ def triton_working_frame(targets: torch.Tensor, metric: str, precision: str = "b
 
 def _fill_side(source: torch.Tensor, metric: str, precision: str, frame, bufs) -> PreparedSide:
     """The fill pass of :func:`_prepare_kernel` over ``source`` (float32 or float64,
-    contiguous) in ``frame`` (its centre set): the side ``_gpu_torch.prepare_side`` makes of
+    contiguous) in ``frame`` (its centre set): the side ``_gpu_prepare.prepare_side`` makes of
     rows shifted by the centre and scaled (targets, and the queries of the l2 form)."""
     exact, operand, norm, op_norm, residual, bias, factor = bufs
     factor.fill_(frame.scale)
@@ -1802,7 +1804,7 @@ def _float_source(rows: torch.Tensor) -> torch.Tensor:
 
 
 def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -> PreparedSide:
-    """``_gpu_torch.prepare_targets_side`` in three streaming passes (:func:`_prepare_kernel`):
+    """``_gpu_prepare.prepare_targets_side`` in three streaming passes (:func:`_prepare_kernel`):
     the same working rows and operands in the same frame (bit for bit, given the frame), the
     same norms up to the order of their float64 sums (each rounded up to float32 the same
     way). Rows finite, at least one row and one column, metric not cosine."""
@@ -1813,7 +1815,7 @@ def triton_prepare_targets(targets: torch.Tensor, metric: str, precision: str) -
 
 
 def triton_prepare_queries(queries: torch.Tensor, targets: PreparedSide) -> PreparedSide:
-    """``_gpu_torch.prepare_queries`` by the fill pass alone, for the l2 form (l2,
+    """``_gpu_prepare.prepare_queries`` by the fill pass alone, for the l2 form (l2,
     sqeuclidean: queries shift and scale as the targets do) in a frame with a centre (a block
     of :func:`triton_prepare_targets`): the torch form's working rows and operands bit for
     bit, its norms up to the order of their float64 sums; one pass over the rows where the

@@ -1,6 +1,6 @@
 """The ``gpu`` backend: exact top-k on a CUDA device, fused Triton kernel or torch fallback.
 
-Two implementations share one pipeline (``_gpu_torch``): a low-precision candidate pass,
+Two implementations share one pipeline (``_gpu_search``): a low-precision candidate pass,
 then an exact float32 re-rank whose candidate list is proven complete by an error bound:
 
 * ``triton`` (preferred): the fused kernel of ``_gpu_triton`` keeps each distance tile on
@@ -53,7 +53,7 @@ PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 # + max |t - c|)^2 for the l2 family (cosine: of the unit rows), |q| max |t - c| for inner
 # product, c the targets' mean. Every result is the exact top k, ties to the lower index, of
 # float32 roundings of values computed in float64 from the input rows in the working frame
-# (``_gpu_torch`` notes); each is within 2^-24 (and a float64 sum's d 2^-53) of the true value,
+# (``_gpu_rerank`` notes); each is within 2^-24 (and a float64 sum's d 2^-53) of the true value,
 # which is at most that size, so a returned key exceeds the true k-th by at most about
 # 2 x 2^-24 of it. 2^-22 leaves a factor of two. (float64 inputs are searched from their own
 # float64 rows: the same tolerance.)
@@ -116,8 +116,8 @@ def triton_refusal(device) -> str | None:
 class PreparedTargets:
     """A target block ready for search: operands, norms and bound terms on one device."""
 
-    side: object          # _gpu_torch.PreparedSide
-    stats: object         # _gpu_torch.TargetStats
+    side: object          # _gpu_prepare.PreparedSide
+    stats: object         # _gpu_bound.TargetStats
     rankable: object      # bool tensor (nt,): rows that can rank
     rows: object          # int64 tensor of rankable row numbers, or None when all are
 
@@ -140,12 +140,13 @@ def rankable_mask(x, metric: str):
 
 def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTargets:
     """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls: the block's
-    working frame (its mean and a power-of-two scale, ``_gpu_torch.working_frame``), operands,
+    working frame (its mean and a power-of-two scale, ``_gpu_prepare.working_frame``), operands,
     norms and bound terms. float64 rows stay float64 for the re-rank. ``precision="auto"`` is
     resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which).
     On CUDA (but for cosine) the preparation kernels compute it
     (``_gpu_triton.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
-    from ._gpu_torch import TargetStats, prepare_targets_side
+    from ._gpu_bound import TargetStats
+    from ._gpu_prepare import prepare_targets_side
 
     m = resolve_metric(metric).name
     precision = resolve_precision(precision, targets.device)
@@ -170,16 +171,16 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 
 def prepare_queries(queries, targets):
     """Query rows (finite, a float tensor) in the frame, metric and precision of a prepared
-    target side (``_gpu_torch.PreparedSide``): on CUDA for the l2 form in a centred frame by
+    target side (``_gpu_prepare.PreparedSide``): on CUDA for the l2 form in a centred frame by
     the preparation kernel's fill pass (``_gpu_triton.triton_prepare_queries``), else the torch
-    form (``_gpu_torch.prepare_queries``)."""
-    from . import _gpu_torch as gt
+    form (``_gpu_prepare.prepare_queries``)."""
+    from . import _gpu_prepare as gp
 
-    if (gt.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
+    if (gp.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
             and queries.device.type == "cuda" and queries.numel() and triton_refusal(queries.device) is None):
         from ._gpu_triton import triton_prepare_queries
         return triton_prepare_queries(queries, targets)
-    return gt.prepare_queries(queries, targets)
+    return gp.prepare_queries(queries, targets)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class Implementation:
     max_candidates: int | None
 
     def refuse(self, k: int, precision: str, device) -> str | None:
-        from ._gpu_torch import candidate_width
+        from ._gpu_bound import candidate_width
 
         if self.name == "triton":
             reason = triton_refusal(device)
@@ -243,7 +244,7 @@ def choose(k: int, precision: str, device) -> tuple[Implementation, list[str]]:
     raise ValueError("no GPU implementation accepts this search:\n  " + "\n  ".join(reasons))
 
 
-# EXACT searches that rank candidates by the per-target lower key (``_gpu_torch`` module
+# EXACT searches that rank candidates by the per-target lower key (``_gpu_bound`` module
 # notes, "Per-target bounds"), as {precision: smallest k}: a margin about 1.4x tighter for
 # one bias row per fused program, so that the first list can be the plain width and far
 # fewer rows widen. Not tf32: its plain bound already proves nearly every row, and the
@@ -279,16 +280,16 @@ def sampled_width(k: int, precision: str, d: int) -> int | None:
     None without one): its rows' list widened once."""
     if not sampled_first_pass(k, precision, d):
         return None
-    from . import _gpu_torch as gt
+    from . import _gpu_bound as gb
     from ._gpu_triton import MAX_CANDIDATES
 
-    return min(gt.widened(gt.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
+    return min(gb.widened(gb.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
 
 
 def first_list_width(k: int, precision: str, d: int) -> int:
     """The first candidate list's width of a fused search: the sampled first pass's
-    (:func:`sampled_width`) or :func:`_gpu_torch.candidate_width`."""
-    from ._gpu_torch import candidate_width
+    (:func:`sampled_width`) or :func:`_gpu_bound.candidate_width`."""
+    from ._gpu_bound import candidate_width
 
     return sampled_width(k, precision, d) or candidate_width(k, precision, uses_lower_keys(k, precision, d))
 
@@ -346,18 +347,18 @@ def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> in
 
 def lower_table_bytes(nt: int) -> int:
     """Device memory of one lower-key search's bias table for ``nt`` targets, temporaries
-    included (``_gpu_torch.lower_table_bytes``): what a device memory budget adds to a
+    included (``_gpu_bound.lower_table_bytes``): what a device memory budget adds to a
     block's where :func:`uses_lower_keys`."""
-    from ._gpu_torch import lower_table_bytes as table_bytes
+    from ._gpu_bound import lower_table_bytes as table_bytes
 
     return table_bytes(nt)
 
 
 def best_order(values, idx, k: int, descending: bool):
     """Columns of each row's ``min(k, columns)`` best entries by (value, index), best first,
-    on the tensors' device: every backend's tie rule (``_gpu_torch.best_order``), for a caller
+    on the tensors' device: every backend's tie rule (``_gpu_rerank.best_order``), for a caller
     that folds per-block results on the device."""
-    from ._gpu_torch import best_order as order
+    from ._gpu_rerank import best_order as order
 
     return order(values, idx, k, descending)
 
@@ -394,10 +395,11 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
     :func:`nearest_kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
-    targets within it rank, a row may have fewer than k (``_gpu_torch.exact_topk``: the cap
+    targets within it rank, a row may have fewer than k (``_gpu_search.exact_topk``: the cap
     is the searches' limit from their first candidate pass).
     """
-    from . import _gpu_torch as gt
+    from . import _gpu_rerank as gr
+    from . import _gpu_search as gs
 
     metric, precision = targets.metric, targets.precision
     m = resolve_metric(metric)
@@ -417,8 +419,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         return values, indices
     side = prepare_queries(q_run, targets.side)
     far = None
-    if gt.may_be_far(metric, frame, peak, side.dim):
-        far = gt.far_rows(side)
+    if gs.may_be_far(metric, frame, peak, side.dim):
+        far = gs.far_rows(side)
     lower = uses_lower_keys(k, precision, side.dim)
     implementation, reasons = choose(k, precision, device)
     chosen = implementation.name
@@ -477,20 +479,20 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
                 # No configuration of the fused kernel fits the device for this list: the
                 # torch path computes the same keys (lower keys too) and a list without a seed.
                 logger.info("torch candidates for %d rows: %s", q.rows, exc)
-                return gt.torch_candidates(q, t, n_cand, lower=lower)
+                return gs.torch_candidates(q, t, n_cand, lower=lower)
         # Widening rounds seed the fused kernel's lists with each row's limit: keys above it
         # cannot rank, so the kernel never inserts them.
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, True
-        few_rows = gt.TORCH_ROUND_ROWS
+        few_rows = gs.TORCH_ROUND_ROWS
     else:
-        candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
+        candidates, max_cand, values_fn, seeded = gs.torch_candidates, None, None, False
         if device.type == "cuda" and triton_refusal(device) is None:
             # fp32's cuBLAS candidates (and lists beyond the fused kernel's), re-ranked by
             # the fused kernel: it reads candidates' rows in place, where the torch form
             # gathers them into float64 (rows, candidates, d) tensors.
             from ._gpu_triton import triton_exact_values as values_fn
     near = side if far is None else side.take(~far)
-    v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
+    v, i = gs.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,
                          lower=lower, few_rows=few_rows, cap=cap, first_width=first_width)
     if far is not None:
@@ -500,8 +502,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         i_all = torch.empty((side.rows, k), dtype=torch.int64, device=device)
         v_all[~far], i_all[~far] = v, i
         far_side = side.take(far)
-        v_all[far], i_all[far] = gt.drop_beyond_cap(far_side, targets.side,
-                                                    *gt.far_topk(far_side, targets.side, k), cap)
+        v_all[far], i_all[far] = gr.drop_beyond_cap(far_side, targets.side,
+                                                    *gs.far_topk(far_side, targets.side, k), cap)
         v, i = v_all, i_all
     if targets.rows is not None:
         i = torch.where(i >= 0, targets.rows[i.clamp(min=0)], -1)

@@ -29,7 +29,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_bound as gb
 from nearest_kernels import _gpu_triton as tr
 
 DIMS = [1, 3, 17, 31, 33, 64, 96, 100, 128, 200, 256, 300, 384, 512, 768, 1024, 1536]
@@ -53,10 +53,10 @@ def test_the_widths_cover_every_k_the_fused_kernel_takes():
     # k = 1, 10, 100 and the largest k each precision's first list allows, and each widening.
     for precision in PRECISIONS:
         for k in (1, 10, 100):
-            n = gt.candidate_width(k, precision)
+            n = gb.candidate_width(k, precision)
             while n <= tr.MAX_CANDIDATES:
                 assert n in N_CANDS
-                n = gt.widened(n)
+                n = gb.widened(n)
 
 
 def plans_of_the_grid():

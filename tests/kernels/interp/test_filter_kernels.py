@@ -13,7 +13,8 @@ import math
 import numpy as np
 import torch
 
-from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_prepare as gp
+from nearest_kernels import _gpu_search as gs
 from nearest_kernels import _gpu_triton as tr
 from tests.kernels.test_gpu import check_result, make_data, poison_kernel_buffers
 
@@ -67,14 +68,14 @@ def test_the_selection_states_a_floor_for_every_row():
 
 
 def _keys64(qs, ts):
-    return ts.bias.double()[None, :] - gt.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)
+    return ts.bias.double()[None, :] - gp.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)
 
 
 def test_the_kernel_appends_exactly_the_keys_at_most_the_threshold(monkeypatch):
     poison_kernel_buffers(monkeypatch)
     q, t = make_data("gaussian", 37, 203, 40, 7)            # 3 query tiles, 7 target tiles, 3 d-chunks
-    qs = gt.prepare_side(torch.from_numpy(q), "l2", "bf16")
-    ts = gt.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
+    qs = gp.prepare_side(torch.from_numpy(q), "l2", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
     ref = _keys64(qs, ts)
     ordered = torch.sort(ref, dim=1).values
     thr = ((ordered[:, 11] + ordered[:, 12]) / 2).float()   # midway: 12 hits a row, none at the threshold
@@ -98,8 +99,8 @@ def test_the_kernel_appends_exactly_the_keys_at_most_the_threshold(monkeypatch):
 def test_lower_keys_are_the_register_lists_lower_keys(monkeypatch):
     poison_kernel_buffers(monkeypatch)
     q, t = make_data("clustered", 21, 150, 48, 8)
-    qs = gt.prepare_side(torch.from_numpy(q), "sqeuclidean", "bf16")
-    ts = gt.prepare_side(torch.from_numpy(t), "sqeuclidean", "bf16", frame=qs.frame)
+    qs = gp.prepare_side(torch.from_numpy(q), "sqeuclidean", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "sqeuclidean", "bf16", frame=qs.frame)
     inf = torch.full((qs.rows,), math.inf)
     got = tr.filter_candidates(qs, ts, 16, inf, lower=True, levels=4, tiles=TINY, cap=256)
     lists = tr.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
@@ -114,8 +115,8 @@ def test_exact_topk_through_the_filter_with_an_overflowing_row(monkeypatch):
     q, t = make_data("gaussian", 24, 180, 24, 9)
     t[40:120] = t[3]          # 81 copies of one row: query 0 at it has 81 hits at one key
     q[0] = t[3]
-    qs = gt.prepare_side(torch.from_numpy(q), "l2", "bf16")
-    ts = gt.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
+    qs = gp.prepare_side(torch.from_numpy(q), "l2", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
     rounds = []
 
     def generator(q_side, t_side, n_cand, seed=None, lower=False):
@@ -127,11 +128,11 @@ def test_exact_topk_through_the_filter_with_an_overflowing_row(monkeypatch):
                                                slots=4))
             return rounds[-1]
         rounds.append(None)
-        return gt.torch_candidates(q_side, t_side, n_cand, lower=lower)
+        return gs.torch_candidates(q_side, t_side, n_cand, lower=lower)
 
     for k in (1, 5):
         rounds.clear()
-        v, i = gt.exact_topk(qs, ts, k, generator, seeded=True)
+        v, i = gs.exact_topk(qs, ts, k, generator, seeded=True)
         check_result(q, t, k, "l2", v.numpy(), i.numpy())
         assert float(rounds[0][2][0]) == -math.inf and len(rounds) >= 2   # the overflow widened
         assert i[0].tolist() == ([3] + list(range(40, 120)))[:k]           # ties to the lower index

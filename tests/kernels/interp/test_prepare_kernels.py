@@ -1,5 +1,5 @@
 """The target-preparation kernels (``_gpu_triton.triton_prepare_targets``) against the torch
-form (``_gpu_torch.prepare_targets_side``) under the Triton interpreter: the same frame (its
+form (``_gpu_prepare.prepare_targets_side``) under the Triton interpreter: the same frame (its
 centre up to the order of the float64 sums, the same power of two), the same working rows and
 operands bit for bit in the torch form's frame, and norms, residuals and biases never below
 their float64 values and within a float32 rounding of the torch form's. Rows with an offset
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_kernels import _gpu_torch as gt
+from nearest_kernels import _gpu_prepare as gp
 from nearest_kernels import _gpu_triton as tr
 
 CASES = [("l2", "bf16", torch.float32, 37, 130), ("sqeuclidean", "tf32", torch.float64, 70, 3),
@@ -41,7 +41,7 @@ def test_the_kernels_prepare_the_torch_forms_side(metric, precision, dtype, n, d
     # PREP_ROWS rows per column-sum program: several partial sums (the block's own: one).
     monkeypatch.setattr(tr, "PREP_SUM_ROWS", sum_rows)
     x = _rows(n, d, dtype, n + d)
-    ref = gt.prepare_targets_side(x, metric, precision)
+    ref = gp.prepare_targets_side(x, metric, precision)
     got = tr.triton_prepare_targets(x, metric, precision)
     assert got.frame.scale == ref.frame.scale
     assert got.frame.row_scaled == ref.frame.row_scaled
@@ -79,7 +79,7 @@ def test_the_fill_pass_prepares_the_torch_forms_queries(metric, precision, dtype
     # Queries off the block (another offset): the targets' frame, not their own.
     ts = tr.triton_prepare_targets(_rows(n, d, torch.float32, 1), metric, precision)
     q = _rows(11, d, dtype, 2) + 3
-    ref = gt.prepare_queries(q, ts)
+    ref = gp.prepare_queries(q, ts)
     got = tr.triton_prepare_queries(q, ts)
     assert got.frame is ts.frame and got.offset is None and torch.equal(got.source, q)
     assert torch.equal(got.factor, ref.factor)
