@@ -93,10 +93,10 @@ def fused_pass(Q, prepared, k):
     """(keys, indices) of the fused kernel's candidate pass alone at k's plain list width, the
     first k of each row: the plain low-precision search, no re-rank and no proof. The library
     always re-ranks; this is the peer that says what exactness costs on top of the pass."""
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_candidates as tcands
 
     qs = gp.prepare_queries(Q, prepared.side)
-    keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gb.MIN_CANDIDATES, gb.next_pow2(k)))
+    keys, idx, _ = tcands.triton_candidates(qs, prepared.side, max(gb.MIN_CANDIDATES, gb.next_pow2(k)))
     return keys[:, :k], idx[:, :k]
 
 

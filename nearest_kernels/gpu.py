@@ -3,8 +3,8 @@
 Two implementations share one pipeline (``_gpu_search``): a low-precision candidate pass,
 then an exact float32 re-rank whose candidate list is proven complete by an error bound:
 
-* ``triton`` (preferred): the fused kernel of ``_gpu_triton`` keeps each distance tile on
-  chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
+* ``triton`` (preferred): the fused kernel (``_triton_candidate_kernels``) keeps each distance
+  tile on chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
   capability 8.0 or newer, tf32 or bf16 operands (fp32 products run on cuBLAS, which the
   fused kernel's CUDA-core form did not match), and a candidate list of at most
   ``MAX_CANDIDATES`` (1024) entries: k up to 907 in tf32, 1024 in bf16.
@@ -144,7 +144,7 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
     norms and bound terms. float64 rows stay float64 for the re-rank. ``precision="auto"`` is
     resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which).
     On CUDA (but for cosine) the preparation kernels compute it
-    (``_gpu_triton.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
+    (``_triton_prepare.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
     from ._gpu_bound import TargetStats
     from ._gpu_prepare import prepare_targets_side
 
@@ -162,7 +162,7 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
     if (m != "cosine" and block.device.type == "cuda" and block.numel()
             and triton_refusal(block.device) is None):
         # The same side in three streaming passes (cosine's unit rows stay with the torch form).
-        from ._gpu_triton import triton_prepare_targets
+        from ._triton_prepare import triton_prepare_targets
         side = triton_prepare_targets(block, m, precision)
     else:
         side = prepare_targets_side(block, m, precision)
@@ -172,13 +172,13 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 def prepare_queries(queries, targets):
     """Query rows (finite, a float tensor) in the frame, metric and precision of a prepared
     target side (``_gpu_prepare.PreparedSide``): on CUDA for the l2 form in a centred frame by
-    the preparation kernel's fill pass (``_gpu_triton.triton_prepare_queries``), else the torch
+    the preparation kernel's fill pass (``_triton_prepare.triton_prepare_queries``), else the torch
     form (``_gpu_prepare.prepare_queries``)."""
     from . import _gpu_prepare as gp
 
     if (gp.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
             and queries.device.type == "cuda" and queries.numel() and triton_refusal(queries.device) is None):
-        from ._gpu_triton import triton_prepare_queries
+        from ._triton_prepare import triton_prepare_queries
         return triton_prepare_queries(queries, targets)
     return gp.prepare_queries(queries, targets)
 
@@ -218,7 +218,7 @@ class Implementation:
 
 def _max_fused_candidates() -> int:
     try:
-        from ._gpu_triton import MAX_CANDIDATES
+        from ._triton_plan import MAX_CANDIDATES
     except ImportError:   # no triton: triton_refusal names it
         return 0
     return MAX_CANDIDATES
@@ -266,7 +266,7 @@ def uses_lower_keys(k: int, precision: str, d: int) -> bool:
 
 def sampled_first_pass(k: int, precision: str, d: int) -> bool:
     """Whether a fused search of ``k`` in ``precision`` at dimension ``d`` starts from a list
-    ``widened`` once and seeded by a sample pass (``_gpu_triton.sample_seed``): lower-key
+    ``widened`` once and seeded by a sample pass (``_triton_candidates.sample_seed``): lower-key
     searches of k >= LOWER_KEYS_ANY_D_FROM_K above LOWER_KEYS_SMALL_K_MAX_D, where the plain
     first list left most rows unproven (their margin grows with d) and the widening round
     that proved them rescanned the block: the wider list proves them in one pass, and its
@@ -281,7 +281,7 @@ def sampled_width(k: int, precision: str, d: int) -> int | None:
     if not sampled_first_pass(k, precision, d):
         return None
     from . import _gpu_bound as gb
-    from ._gpu_triton import MAX_CANDIDATES
+    from ._triton_plan import MAX_CANDIDATES
 
     return min(gb.widened(gb.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
 
@@ -302,7 +302,7 @@ FILTER_MIN_D = 256
 
 def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | None:
     """Why a fused search of ``k`` over ``nt`` targets at ``d`` on ``device`` does not take the
-    threshold filter as its first pass (``_gpu_triton.filter_candidates``), or None when it
+    threshold filter as its first pass (``_triton_filter.filter_candidates``), or None when it
     does: sample thresholds, one pass of 128 x 256 tiles appending each row's hits to a buffer,
     then the list (faster than the register lists at these shapes: benchmarks/gpu_notes.md).
     The sampled first pass or the plain register lists run where it refuses."""
@@ -321,7 +321,7 @@ def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | Non
         return f"compute capability {major}.{minor}: the appends are sm_90 inline PTX"
     if choose(k, precision, device)[0].name != "triton":
         return "the torch path makes the candidates"
-    from ._gpu_triton import filter_sample_rows
+    from ._triton_filter import filter_sample_rows
 
     if not filter_sample_rows(nt, first_list_width(k, precision, d)):
         return f"nt={nt}: too few targets for the filter's sample"
@@ -330,12 +330,13 @@ def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | Non
 
 def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> int:
     """Target rows of the sample that searches of ``k`` keep with a prepared block of ``nt``
-    rows on ``device`` (``_gpu_triton.sample_seed`` or, where :func:`filter_refusal` accepts,
+    rows on ``device`` (``_triton_candidates.sample_seed`` or, where :func:`filter_refusal` accepts,
     ``filter_threshold``: its own prepared rows, as many bytes a row as the block's), 0 where
     they take none: what a device memory budget adds to the block's. An upper bound: where
     the first pass has no launch configuration (a block too small for its segments) the
     torch path runs it, unsampled; without ``device``, the larger of the two samples."""
-    from ._gpu_triton import filter_sample_rows, sample_rows
+    from ._triton_candidates import sample_rows
+    from ._triton_filter import filter_sample_rows
 
     width = first_list_width(k, precision, d)
     seeded = sample_rows(nt, width) if sampled_first_pass(k, precision, d) else 0
@@ -366,14 +367,15 @@ def best_order(values, idx, k: int, descending: bool):
 def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision: str, device,
                        dtypes: tuple = ("float32", "float32")) -> bool:
     """Start compiling, on threads, the Triton kernels that a search of ``nq`` x ``nt`` rows
-    (of the torch dtypes named ``dtypes``) launches first (``_gpu_triton.compile_ahead``: its
+    (of the torch dtypes named ``dtypes``) launches first (``_triton_warmup.compile_ahead``: its
     first candidate pass where the fused kernel makes the candidates, and the re-rank), before
     the caller prepares the blocks: the preparation (its own kernel's compilation included)
     runs meanwhile, and the search's first launch waits for them. True when it started;
     False off CUDA or without Triton, or when it was started for this shape before."""
     if torch is None or getattr(device, "type", None) != "cuda" or triton_refusal(device) is not None:
         return False
-    from ._gpu_triton import MAX_CANDIDATES, compile_ahead
+    from ._triton_plan import MAX_CANDIDATES
+    from ._triton_warmup import compile_ahead
 
     precision = resolve_precision(precision, device)
     lower = uses_lower_keys(k, precision, d)
@@ -428,17 +430,10 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
                  side.dim, k, metric, precision, chosen, "".join(f" ({r})" for r in reasons))
     few_rows, first_width = 0, None
     if chosen == "triton":
-        from ._gpu_triton import (
-            MAX_CANDIDATES,
-            LaunchRefused,
-            device_limits,
-            filter_candidates,
-            filter_threshold,
-            sample_seed,
-            search_tiles,
-            triton_candidates,
-            triton_exact_values,
-        )
+        from ._triton_candidates import sample_seed, triton_candidates
+        from ._triton_filter import filter_candidates, filter_threshold
+        from ._triton_plan import MAX_CANDIDATES, LaunchRefused, device_limits, search_tiles
+        from ._triton_rerank import triton_exact_values
 
         first_tiles = []
         no_filter = filter_refusal(targets.side.rows, side.dim, k, precision, device)
@@ -490,7 +485,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             # fp32's cuBLAS candidates (and lists beyond the fused kernel's), re-ranked by
             # the fused kernel: it reads candidates' rows in place, where the torch form
             # gathers them into float64 (rows, candidates, d) tensors.
-            from ._gpu_triton import triton_exact_values as values_fn
+            from ._triton_rerank import triton_exact_values as values_fn
     near = side if far is None else side.take(~far)
     v, i = gs.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,

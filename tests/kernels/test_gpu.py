@@ -469,7 +469,7 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
 def test_skip_share_predicts_the_tiles_without_survivors():
     """The model behind the row-minimum test's switch against a simulated scan: random keys,
     each row's threshold the list_len-th best so far, a tile skipped when no row reaches it."""
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_plan as tplan
 
     rng = np.random.default_rng(5)
     for block_m, list_len, n_tiles in [(8, 4, 400), (4, 2, 300), (16, 8, 150)]:
@@ -484,54 +484,54 @@ def test_skip_share_predicts_the_tiles_without_survivors():
                     skipped += 1
                 best = np.sort(np.concatenate([best, tile], axis=1), axis=1)[:, :list_len]
             shares.append(skipped / n_tiles)
-        predicted = tr.skip_share(n_tiles, block_m, list_len)
+        predicted = tplan.skip_share(n_tiles, block_m, list_len)
         assert abs(np.mean(shares) - predicted) < 0.05, (block_m, list_len, np.mean(shares), predicted)
-    assert tr.skip_share(0, 128, 16) == 0.0
-    assert tr.skip_share(7813, 128, 16) > tr.skip_share(7813, 128, 32) > tr.skip_share(488, 128, 16)
+    assert tplan.skip_share(0, 128, 16) == 0.0
+    assert tplan.skip_share(7813, 128, 16) > tplan.skip_share(7813, 128, 32) > tplan.skip_share(488, 128, 16)
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_merging_segments_keeps_the_floor_of_every_held_back_target():
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_candidate_kernels as tkernels
 
     def pack(key, index):
         bits = torch.tensor([key], dtype=torch.float32).view(torch.int32).to(torch.int64)
         mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         return int((mono << 32) | index)
 
-    E = tr.EMPTY
+    E = tkernels.EMPTY
     # Three segments of 3 slots, unsorted. Segment 0 full (held back keys >= 5), segment 1
     # full (>= 2.5), segment 2 not full (holds its whole segment).
     row = [pack(5.0, 1), pack(-1.0, 0), pack(3.0, 2),
            pack(2.5, 10), pack(0.5, 11), pack(2.0, 12),
            pack(1.0, 20), E, E]
     lists = torch.tensor([row, row], dtype=torch.int64)
-    merged, floor = tr.merge_segments(lists, 3, 8)
-    keys, idx = tr.unpack(merged)
+    merged, floor = tkernels.merge_segments(lists, 3, 8)
+    keys, idx = tkernels.unpack(merged)
     assert idx[0].tolist() == [0, 11, 20, 12, 10, 2, 1, -1]
     assert floor.tolist() == [2.5, 2.5]
     # Cut to 5: the first dropped key is 3.0, segment 1 still bounds its own at 2.5.
-    merged, floor = tr.merge_segments(lists, 3, 5)
-    assert tr.unpack(merged)[1][0].tolist() == [0, 11, 20, 12, 10]
+    merged, floor = tkernels.merge_segments(lists, 3, 5)
+    assert tkernels.unpack(merged)[1][0].tolist() == [0, 11, 20, 12, 10]
     assert floor.tolist() == [2.5, 2.5]
     # Cut to 2: the first dropped key (1.0) is the floor.
-    merged, floor = tr.merge_segments(lists, 3, 2)
-    assert tr.unpack(merged)[1][0].tolist() == [0, 11]
+    merged, floor = tkernels.merge_segments(lists, 3, 2)
+    assert tkernels.unpack(merged)[1][0].tolist() == [0, 11]
     assert floor.tolist() == [1.0, 1.0]
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch):
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_plan as tplan
 
     def form(t, block_d=64):
-        out = tr.target_descriptor(t, 32, block_d)
-        return "descriptor" if isinstance(out, tr.TensorDescriptor) else ("operand" if out is t else "?")
+        out = tplan.target_descriptor(t, 32, block_d)
+        return "descriptor" if isinstance(out, tplan.TensorDescriptor) else ("operand" if out is t else "?")
 
     # CPU tensors (the interpreter) take the descriptor form where the operand allows, as Hopper.
     t32, t16 = torch.zeros(203, 40), torch.zeros(203, 40, dtype=torch.bfloat16)
     assert form(t32) == form(t16) == "descriptor"
-    desc = tr.target_descriptor(t16, 32, 64)
+    desc = tplan.target_descriptor(t16, 32, 64)
     assert list(desc.shape) == [203, 40] and list(desc.block_shape) == [32, 64]
     # Rows whose stride is not a multiple of 16 bytes (d=33 float32, d=36 bf16), a column
     # slice (last stride not 1), a misaligned start, a block wider than a TMA box: pointers.
@@ -541,9 +541,9 @@ def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch)
     # CUDA devices: Hopper (9.0) and later only; below it Triton would rewrite the descriptor
     # into pointer loads, a form the kernel was never measured in.
     majors = {0: 8, 1: 9}
-    monkeypatch.setattr(tr, "_cuda_major", lambda index: majors[index])
-    assert not tr.has_tma(torch.device("cuda", 0)) and tr.has_tma(torch.device("cuda", 1))
-    assert tr.has_tma(torch.device("cpu")) and not tr.has_tma(torch.device("meta"))
+    monkeypatch.setattr(tplan, "_cuda_major", lambda index: majors[index])
+    assert not tplan.has_tma(torch.device("cuda", 0)) and tplan.has_tma(torch.device("cuda", 1))
+    assert tplan.has_tma(torch.device("cpu")) and not tplan.has_tma(torch.device("meta"))
 
 
 background.register(
@@ -571,16 +571,19 @@ def test_kernels_under_the_triton_interpreter(background_result):
 def poison_kernel_buffers(monkeypatch):
     """Make every output and scratch buffer of the fused candidate kernels start as garbage
     (they allocate them uninitialised): a slot a kernel reads back without writing it, or a
-    stale one, then shows in the results."""
-    from nearest_kernels import _gpu_triton as tr
+    stale one, then shows in the results. Both launchers allocate through ``kernel_buffer``,
+    each by its own name for it: the register lists' and the threshold filter's."""
+    from nearest_kernels import _triton_candidates as tcands
+    from nearest_kernels import _triton_filter as tfilter
 
-    allocate = tr._kernel_buffer
+    allocate = tcands.kernel_buffer
 
     def poisoned(shape, dtype, device):
         buf = allocate(shape, dtype, device)
         return buf.fill_(0x5A5A5A5A5A5A5A5A if dtype == torch.int64 else -7)
 
-    monkeypatch.setattr(tr, "_kernel_buffer", poisoned)
+    for launcher in (tcands, tfilter):
+        monkeypatch.setattr(launcher, "kernel_buffer", poisoned)
 
 
 @pytest.fixture
@@ -735,12 +738,12 @@ def test_the_first_pass_compiles_ahead_on_its_thread_and_once():
     for case, line in zip(cases, out):
         # The candidate kernel (the fp32 case's come from cuBLAS) and the re-rank: at most one
         # compilation each, on the thread that started before the preparation.
-        for kernel in ("_rowlist_kernel", "_rerank_kernel", "_filter_kernel"):
+        for kernel in ("rowlist_kernel", "rerank_kernel", "filter_kernel"):
             threads = [thread for name, thread in json.loads(line) if name == kernel]
             assert threads in ([], ["nj-compile-ahead"]), (case, kernel, line)
     if torch.cuda.get_device_capability()[0] == 9:   # the filter kernel compiled, ahead, once
-        assert [name for name, _ in json.loads(out[-1])].count("_filter_kernel") == 1, out[-1]
+        assert [name for name, _ in json.loads(out[-1])].count("filter_kernel") == 1, out[-1]
     first = [name for name, _ in json.loads(out[0])]
-    assert first.count("_rowlist_kernel") == 1 and first.count("_rerank_kernel") == 1, out[0]
+    assert first.count("rowlist_kernel") == 1 and first.count("rerank_kernel") == 1, out[0]
     assert json.loads(out[2]), "the fp32 case compiled nothing (no other case re-ranks at d=200)"
     # (a process compiles a given re-rank and candidate kernel once: later cases may find theirs)

@@ -276,28 +276,28 @@ PREP_CASES = ["offset10000-spread1-d128-float32", "offset1000-spread0.1-d3-float
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
 def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
     """``gpu.prepare_targets`` on CUDA runs the preparation kernels
-    (``_gpu_triton.triton_prepare_targets``): on adversarial blocks, the torch form's frame
+    (``_triton_prepare.triton_prepare_targets``): on adversarial blocks, the torch form's frame
     (centre to float64 rounding, the same power of two), and in that frame the same working
     rows and operands bit for bit and norms, residuals and biases within one float32 step,
     never below their float64 values (the interpreter suite checks the same on the CPU)."""
     from nearest_kernels import _gpu_prepare as gp
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_prepare as tprep
 
     for case in _by_name(PREP_CASES):
         if metric not in case.metrics:
             continue
         t = torch.from_numpy(case.targets).cuda()
         ref = gp.prepare_targets_side(t, metric, precision)
-        got = tr.triton_prepare_targets(t, metric, precision)
+        got = tprep.triton_prepare_targets(t, metric, precision)
         where = f"{case.name} {metric} {precision}"
         assert got.frame.scale == ref.frame.scale, where
         torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-12, atol=0, msg=where)
-        real = tr.triton_working_frame
-        tr.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
+        real = tprep.triton_working_frame
+        tprep.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
         try:
-            same = tr.triton_prepare_targets(t, metric, precision)
+            same = tprep.triton_prepare_targets(t, metric, precision)
         finally:
-            tr.triton_working_frame = real
+            tprep.triton_working_frame = real
         assert torch.equal(same.exact, ref.exact), where
         assert same.operand.dtype == ref.operand.dtype
         assert torch.equal(same.operand.float(), ref.operand.float()), where
@@ -362,7 +362,7 @@ def _filter_case(d: int) -> adv.Case:
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
 @pytest.mark.parametrize("d", FILTER_DIMS)
 def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d, metric, monkeypatch):
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_filter as tfilter
     from nearest_kernels import gpu
 
     device = torch.device("cuda")
@@ -370,14 +370,14 @@ def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d
         pytest.skip("the threshold filter runs on compute capability 9.x")
     _device_oracle(monkeypatch)
     floors = []
-    real = tr.filter_candidates
+    real = tfilter.filter_candidates
 
     def recorded(*args, **kwargs):
         out = real(*args, **kwargs)
         floors.append(out[2])
         return out
 
-    monkeypatch.setattr(tr, "filter_candidates", recorded)
+    monkeypatch.setattr(tfilter, "filter_candidates", recorded)
     case = _filter_case(d)
     for k in KS:
         assert gpu.filter_refusal(FILTER_NT, d, k, "bf16", device) is None
