@@ -75,6 +75,7 @@ def _unpack_key(packed):
     return bits.to(tl.float32, bitcast=True)
 
 
+# ----------------------------------------------------------------------- register-list kernel
 @triton.jit
 def _query_tile(q_ptr, nq, d, stride_q, m0, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                 DOT_UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
@@ -354,6 +355,7 @@ def rowlist_kernel(
     tl.store(out, best, mask=(rows < nq)[:, None])
 
 
+# ----------------------------------------------------------------- the packed lists on the host
 def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed candidates -> (keys float32, indices int64 with -1 for empty)."""
     mono = (packed >> 32).to(torch.int32)
