@@ -37,7 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nearest_kernels import _gpu_torch as gt  # noqa: E402
+from nearest_kernels import _gpu_bound as gb  # noqa: E402
+from nearest_kernels import _gpu_prepare as gp  # noqa: E402
 from nearest_kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
 ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
@@ -92,10 +93,10 @@ def fused_pass(Q, prepared, k):
     """(keys, indices) of the fused kernel's candidate pass alone at k's plain list width, the
     first k of each row: the plain low-precision search, no re-rank and no proof. The library
     always re-ranks; this is the peer that says what exactness costs on top of the pass."""
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_candidates as tcands
 
-    qs = gt.prepare_queries(Q, prepared.side)
-    keys, idx, _ = tr.triton_candidates(qs, prepared.side, max(gt.MIN_CANDIDATES, gt.next_pow2(k)))
+    qs = gp.prepare_queries(Q, prepared.side)
+    keys, idx, _ = tcands.triton_candidates(qs, prepared.side, max(gb.MIN_CANDIDATES, gb.next_pow2(k)))
     return keys[:, :k], idx[:, :k]
 
 

@@ -1,10 +1,10 @@
 """The ``gpu`` backend: exact top-k on a CUDA device, fused Triton kernel or torch fallback.
 
-Two implementations share one pipeline (``_gpu_torch``): a low-precision candidate pass,
+Two implementations share one pipeline (``_gpu_search``): a low-precision candidate pass,
 then an exact float32 re-rank whose candidate list is proven complete by an error bound:
 
-* ``triton`` (preferred): the fused kernel of ``_gpu_triton`` keeps each distance tile on
-  chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
+* ``triton`` (preferred): the fused kernel (``_triton_candidate_kernels``) keeps each distance
+  tile on chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
   capability 8.0 or newer, tf32 or bf16 operands (fp32 products run on cuBLAS, which the
   fused kernel's CUDA-core form did not match), and a candidate list of at most
   ``MAX_CANDIDATES`` (1024) entries: k up to 907 in tf32, 1024 in bf16.
@@ -53,7 +53,7 @@ PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 # + max |t - c|)^2 for the l2 family (cosine: of the unit rows), |q| max |t - c| for inner
 # product, c the targets' mean. Every result is the exact top k, ties to the lower index, of
 # float32 roundings of values computed in float64 from the input rows in the working frame
-# (``_gpu_torch`` notes); each is within 2^-24 (and a float64 sum's d 2^-53) of the true value,
+# (``_gpu_rerank`` notes); each is within 2^-24 (and a float64 sum's d 2^-53) of the true value,
 # which is at most that size, so a returned key exceeds the true k-th by at most about
 # 2 x 2^-24 of it. 2^-22 leaves a factor of two. (float64 inputs are searched from their own
 # float64 rows: the same tolerance.)
@@ -116,8 +116,8 @@ def triton_refusal(device) -> str | None:
 class PreparedTargets:
     """A target block ready for search: operands, norms and bound terms on one device."""
 
-    side: object          # _gpu_torch.PreparedSide
-    stats: object         # _gpu_torch.TargetStats
+    side: object          # _gpu_prepare.PreparedSide
+    stats: object         # _gpu_bound.TargetStats
     rankable: object      # bool tensor (nt,): rows that can rank
     rows: object          # int64 tensor of rankable row numbers, or None when all are
 
@@ -140,12 +140,13 @@ def rankable_mask(x, metric: str):
 
 def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTargets:
     """Prepare a (nt, d) float tensor once for many :func:`search_prepared` calls: the block's
-    working frame (its mean and a power-of-two scale, ``_gpu_torch.working_frame``), operands,
+    working frame (its mean and a power-of-two scale, ``_gpu_prepare.working_frame``), operands,
     norms and bound terms. float64 rows stay float64 for the re-rank. ``precision="auto"`` is
     resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which).
     On CUDA (but for cosine) the preparation kernels compute it
-    (``_gpu_triton.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
-    from ._gpu_torch import TargetStats, prepare_targets_side
+    (``_triton_prepare.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
+    from ._gpu_bound import TargetStats
+    from ._gpu_prepare import prepare_targets_side
 
     m = resolve_metric(metric).name
     precision = resolve_precision(precision, targets.device)
@@ -161,7 +162,7 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
     if (m != "cosine" and block.device.type == "cuda" and block.numel()
             and triton_refusal(block.device) is None):
         # The same side in three streaming passes (cosine's unit rows stay with the torch form).
-        from ._gpu_triton import triton_prepare_targets
+        from ._triton_prepare import triton_prepare_targets
         side = triton_prepare_targets(block, m, precision)
     else:
         side = prepare_targets_side(block, m, precision)
@@ -170,16 +171,16 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 
 def prepare_queries(queries, targets):
     """Query rows (finite, a float tensor) in the frame, metric and precision of a prepared
-    target side (``_gpu_torch.PreparedSide``): on CUDA for the l2 form in a centred frame by
-    the preparation kernel's fill pass (``_gpu_triton.triton_prepare_queries``), else the torch
-    form (``_gpu_torch.prepare_queries``)."""
-    from . import _gpu_torch as gt
+    target side (``_gpu_prepare.PreparedSide``): on CUDA for the l2 form in a centred frame by
+    the preparation kernel's fill pass (``_triton_prepare.triton_prepare_queries``), else the torch
+    form (``_gpu_prepare.prepare_queries``)."""
+    from . import _gpu_prepare as gp
 
-    if (gt.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
+    if (gp.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
             and queries.device.type == "cuda" and queries.numel() and triton_refusal(queries.device) is None):
-        from ._gpu_triton import triton_prepare_queries
+        from ._triton_prepare import triton_prepare_queries
         return triton_prepare_queries(queries, targets)
-    return gt.prepare_queries(queries, targets)
+    return gp.prepare_queries(queries, targets)
 
 
 @dataclass(frozen=True)
@@ -194,7 +195,7 @@ class Implementation:
     max_candidates: int | None
 
     def refuse(self, k: int, precision: str, device) -> str | None:
-        from ._gpu_torch import candidate_width
+        from ._gpu_bound import candidate_width
 
         if self.name == "triton":
             reason = triton_refusal(device)
@@ -217,7 +218,7 @@ class Implementation:
 
 def _max_fused_candidates() -> int:
     try:
-        from ._gpu_triton import MAX_CANDIDATES
+        from ._triton_plan import MAX_CANDIDATES
     except ImportError:   # no triton: triton_refusal names it
         return 0
     return MAX_CANDIDATES
@@ -243,7 +244,7 @@ def choose(k: int, precision: str, device) -> tuple[Implementation, list[str]]:
     raise ValueError("no GPU implementation accepts this search:\n  " + "\n  ".join(reasons))
 
 
-# EXACT searches that rank candidates by the per-target lower key (``_gpu_torch`` module
+# EXACT searches that rank candidates by the per-target lower key (``_gpu_bound`` module
 # notes, "Per-target bounds"), as {precision: smallest k}: a margin about 1.4x tighter for
 # one bias row per fused program, so that the first list can be the plain width and far
 # fewer rows widen. Not tf32: its plain bound already proves nearly every row, and the
@@ -265,7 +266,7 @@ def uses_lower_keys(k: int, precision: str, d: int) -> bool:
 
 def sampled_first_pass(k: int, precision: str, d: int) -> bool:
     """Whether a fused search of ``k`` in ``precision`` at dimension ``d`` starts from a list
-    ``widened`` once and seeded by a sample pass (``_gpu_triton.sample_seed``): lower-key
+    ``widened`` once and seeded by a sample pass (``_triton_candidates.sample_seed``): lower-key
     searches of k >= LOWER_KEYS_ANY_D_FROM_K above LOWER_KEYS_SMALL_K_MAX_D, where the plain
     first list left most rows unproven (their margin grows with d) and the widening round
     that proved them rescanned the block: the wider list proves them in one pass, and its
@@ -279,16 +280,16 @@ def sampled_width(k: int, precision: str, d: int) -> int | None:
     None without one): its rows' list widened once."""
     if not sampled_first_pass(k, precision, d):
         return None
-    from . import _gpu_torch as gt
-    from ._gpu_triton import MAX_CANDIDATES
+    from . import _gpu_bound as gb
+    from ._triton_plan import MAX_CANDIDATES
 
-    return min(gt.widened(gt.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
+    return min(gb.widened(gb.candidate_width(k, precision, uses_lower_keys(k, precision, d))), MAX_CANDIDATES)
 
 
 def first_list_width(k: int, precision: str, d: int) -> int:
     """The first candidate list's width of a fused search: the sampled first pass's
-    (:func:`sampled_width`) or :func:`_gpu_torch.candidate_width`."""
-    from ._gpu_torch import candidate_width
+    (:func:`sampled_width`) or :func:`_gpu_bound.candidate_width`."""
+    from ._gpu_bound import candidate_width
 
     return sampled_width(k, precision, d) or candidate_width(k, precision, uses_lower_keys(k, precision, d))
 
@@ -301,7 +302,7 @@ FILTER_MIN_D = 256
 
 def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | None:
     """Why a fused search of ``k`` over ``nt`` targets at ``d`` on ``device`` does not take the
-    threshold filter as its first pass (``_gpu_triton.filter_candidates``), or None when it
+    threshold filter as its first pass (``_triton_filter.filter_candidates``), or None when it
     does: sample thresholds, one pass of 128 x 256 tiles appending each row's hits to a buffer,
     then the list (faster than the register lists at these shapes: benchmarks/gpu_notes.md).
     The sampled first pass or the plain register lists run where it refuses."""
@@ -320,7 +321,7 @@ def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | Non
         return f"compute capability {major}.{minor}: the appends are sm_90 inline PTX"
     if choose(k, precision, device)[0].name != "triton":
         return "the torch path makes the candidates"
-    from ._gpu_triton import filter_sample_rows
+    from ._triton_filter import filter_sample_rows
 
     if not filter_sample_rows(nt, first_list_width(k, precision, d)):
         return f"nt={nt}: too few targets for the filter's sample"
@@ -329,12 +330,13 @@ def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | Non
 
 def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> int:
     """Target rows of the sample that searches of ``k`` keep with a prepared block of ``nt``
-    rows on ``device`` (``_gpu_triton.sample_seed`` or, where :func:`filter_refusal` accepts,
+    rows on ``device`` (``_triton_candidates.sample_seed`` or, where :func:`filter_refusal` accepts,
     ``filter_threshold``: its own prepared rows, as many bytes a row as the block's), 0 where
     they take none: what a device memory budget adds to the block's. An upper bound: where
     the first pass has no launch configuration (a block too small for its segments) the
     torch path runs it, unsampled; without ``device``, the larger of the two samples."""
-    from ._gpu_triton import filter_sample_rows, sample_rows
+    from ._triton_candidates import sample_rows
+    from ._triton_filter import filter_sample_rows
 
     width = first_list_width(k, precision, d)
     seeded = sample_rows(nt, width) if sampled_first_pass(k, precision, d) else 0
@@ -346,18 +348,18 @@ def kept_sample_rows(nt: int, d: int, k: int, precision: str, device=None) -> in
 
 def lower_table_bytes(nt: int) -> int:
     """Device memory of one lower-key search's bias table for ``nt`` targets, temporaries
-    included (``_gpu_torch.lower_table_bytes``): what a device memory budget adds to a
+    included (``_gpu_bound.lower_table_bytes``): what a device memory budget adds to a
     block's where :func:`uses_lower_keys`."""
-    from ._gpu_torch import lower_table_bytes as table_bytes
+    from ._gpu_bound import lower_table_bytes as table_bytes
 
     return table_bytes(nt)
 
 
 def best_order(values, idx, k: int, descending: bool):
     """Columns of each row's ``min(k, columns)`` best entries by (value, index), best first,
-    on the tensors' device: every backend's tie rule (``_gpu_torch.best_order``), for a caller
+    on the tensors' device: every backend's tie rule (``_gpu_rerank.best_order``), for a caller
     that folds per-block results on the device."""
-    from ._gpu_torch import best_order as order
+    from ._gpu_rerank import best_order as order
 
     return order(values, idx, k, descending)
 
@@ -365,14 +367,15 @@ def best_order(values, idx, k: int, descending: bool):
 def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision: str, device,
                        dtypes: tuple = ("float32", "float32")) -> bool:
     """Start compiling, on threads, the Triton kernels that a search of ``nq`` x ``nt`` rows
-    (of the torch dtypes named ``dtypes``) launches first (``_gpu_triton.compile_ahead``: its
+    (of the torch dtypes named ``dtypes``) launches first (``_triton_warmup.compile_ahead``: its
     first candidate pass where the fused kernel makes the candidates, and the re-rank), before
     the caller prepares the blocks: the preparation (its own kernel's compilation included)
     runs meanwhile, and the search's first launch waits for them. True when it started;
     False off CUDA or without Triton, or when it was started for this shape before."""
     if torch is None or getattr(device, "type", None) != "cuda" or triton_refusal(device) is not None:
         return False
-    from ._gpu_triton import MAX_CANDIDATES, compile_ahead
+    from ._triton_plan import MAX_CANDIDATES
+    from ._triton_warmup import compile_ahead
 
     precision = resolve_precision(precision, device)
     lower = uses_lower_keys(k, precision, d)
@@ -394,10 +397,11 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
 
     Returns (values float32 (nq, k), indices int64 (nq, k)) on that device, the contract of
     :func:`nearest_kernels.knn`. ``cap`` (the metric's units, inclusive, or None): only
-    targets within it rank, a row may have fewer than k (``_gpu_torch.exact_topk``: the cap
+    targets within it rank, a row may have fewer than k (``_gpu_search.exact_topk``: the cap
     is the searches' limit from their first candidate pass).
     """
-    from . import _gpu_torch as gt
+    from . import _gpu_rerank as gr
+    from . import _gpu_search as gs
 
     metric, precision = targets.metric, targets.precision
     m = resolve_metric(metric)
@@ -417,8 +421,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         return values, indices
     side = prepare_queries(q_run, targets.side)
     far = None
-    if gt.may_be_far(metric, frame, peak, side.dim):
-        far = gt.far_rows(side)
+    if gs.may_be_far(metric, frame, peak, side.dim):
+        far = gs.far_rows(side)
     lower = uses_lower_keys(k, precision, side.dim)
     implementation, reasons = choose(k, precision, device)
     chosen = implementation.name
@@ -426,17 +430,10 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
                  side.dim, k, metric, precision, chosen, "".join(f" ({r})" for r in reasons))
     few_rows, first_width = 0, None
     if chosen == "triton":
-        from ._gpu_triton import (
-            MAX_CANDIDATES,
-            LaunchRefused,
-            device_limits,
-            filter_candidates,
-            filter_threshold,
-            sample_seed,
-            search_tiles,
-            triton_candidates,
-            triton_exact_values,
-        )
+        from ._triton_candidates import sample_seed, triton_candidates
+        from ._triton_filter import filter_candidates, filter_threshold
+        from ._triton_plan import MAX_CANDIDATES, LaunchRefused, device_limits, search_tiles
+        from ._triton_rerank import triton_exact_values
 
         first_tiles = []
         no_filter = filter_refusal(targets.side.rows, side.dim, k, precision, device)
@@ -477,20 +474,20 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
                 # No configuration of the fused kernel fits the device for this list: the
                 # torch path computes the same keys (lower keys too) and a list without a seed.
                 logger.info("torch candidates for %d rows: %s", q.rows, exc)
-                return gt.torch_candidates(q, t, n_cand, lower=lower)
+                return gs.torch_candidates(q, t, n_cand, lower=lower)
         # Widening rounds seed the fused kernel's lists with each row's limit: keys above it
         # cannot rank, so the kernel never inserts them.
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, True
-        few_rows = gt.TORCH_ROUND_ROWS
+        few_rows = gs.TORCH_ROUND_ROWS
     else:
-        candidates, max_cand, values_fn, seeded = gt.torch_candidates, None, None, False
+        candidates, max_cand, values_fn, seeded = gs.torch_candidates, None, None, False
         if device.type == "cuda" and triton_refusal(device) is None:
             # fp32's cuBLAS candidates (and lists beyond the fused kernel's), re-ranked by
             # the fused kernel: it reads candidates' rows in place, where the torch form
             # gathers them into float64 (rows, candidates, d) tensors.
-            from ._gpu_triton import triton_exact_values as values_fn
+            from ._triton_rerank import triton_exact_values as values_fn
     near = side if far is None else side.take(~far)
-    v, i = gt.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
+    v, i = gs.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,
                          lower=lower, few_rows=few_rows, cap=cap, first_width=first_width)
     if far is not None:
@@ -500,8 +497,8 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         i_all = torch.empty((side.rows, k), dtype=torch.int64, device=device)
         v_all[~far], i_all[~far] = v, i
         far_side = side.take(far)
-        v_all[far], i_all[far] = gt.drop_beyond_cap(far_side, targets.side,
-                                                    *gt.far_topk(far_side, targets.side, k), cap)
+        v_all[far], i_all[far] = gr.drop_beyond_cap(far_side, targets.side,
+                                                    *gs.far_topk(far_side, targets.side, k), cap)
         v, i = v_all, i_all
     if targets.rows is not None:
         i = torch.where(i >= 0, targets.rows[i.clamp(min=0)], -1)

@@ -208,20 +208,21 @@ def test_the_gpu_cap_seeds_the_first_round_and_proves_short_rows(metric, cap, pr
     seeded generator gets each row's cap limit on its first call, and rows with fewer than k
     targets within the cap are proven by it in that round. Uncapped, the same rows widen
     (:func:`_shells`), so the round count can fail."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_search as gs
 
     queries, targets = _shells()
-    qs, ts = gt.prepare_pair(torch.from_numpy(queries), torch.from_numpy(targets), metric, precision)
+    qs, ts = gp.prepare_pair(torch.from_numpy(queries), torch.from_numpy(targets), metric, precision)
     calls = []
 
     def seeded(q, t, n_cand, seed=None, lower=False):
         calls.append(seed)
-        return gt.torch_candidates(q, t, n_cand, lower=lower)
+        return gs.torch_candidates(q, t, n_cand, lower=lower)
 
-    gt.exact_topk(qs, ts, 10, seeded, seeded=True)
+    gs.exact_topk(qs, ts, 10, seeded, seeded=True)
     assert len(calls) > 1 and calls[0] is None, "uncapped, the rows widen"
     calls.clear()
-    v, i = gt.exact_topk(qs, ts, 10, seeded, seeded=True, cap=cap)
+    v, i = gs.exact_topk(qs, ts, 10, seeded, seeded=True, cap=cap)
     assert_capped_topk(queries, targets, 10, metric, cap, v.numpy(), i.numpy(), backend_rtol("gpu"),
                        case=f"exact_topk {precision}")
     assert ((i >= 0).sum(dim=1) == 3).all()
@@ -231,17 +232,18 @@ def test_the_gpu_cap_seeds_the_first_round_and_proves_short_rows(metric, cap, pr
 @needs_torch
 @pytest.mark.parametrize("metric", ["l2", "sqeuclidean"])
 def test_the_gpu_cap_applies_to_rows_searched_apart_in_float64(metric):
-    """Query rows far beyond the block's working frame (``_gpu_torch.far_topk``) take the cap
+    """Query rows far beyond the block's working frame (``_gpu_search.far_topk``) take the cap
     too: the near row keeps its targets within the cap, the far row none, then all."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_search as gs
     from nearest_kernels.gpu import knn_torch
 
     rng = np.random.default_rng(9)
     targets = rng.standard_normal((40, 3)).astype(np.float32)
     queries = np.array([[0.0, 0.0, 0.0], [1e25, 0.0, 0.0]], np.float32)
-    side = gt.prepare_queries(torch.from_numpy(queries),
-                              gt.prepare_targets_side(torch.from_numpy(targets), metric, "bf16"))
-    assert gt.far_rows(side).tolist() == [False, True]
+    side = gp.prepare_queries(torch.from_numpy(queries),
+                              gp.prepare_targets_side(torch.from_numpy(targets), metric, "bf16"))
+    assert gs.far_rows(side).tolist() == [False, True]
     values = key_values(oracle_keys(queries[:1], targets, metric), metric)
     for cap, counts in ((midpoint_cap(values, 0.2, False), (9, 0)), (1e26 if metric == "l2" else 1e52, (40, 40))):
         v, i = knn_torch(torch.from_numpy(queries), torch.from_numpy(targets), 45, metric, "bf16",

@@ -133,10 +133,10 @@ def test_the_check_catches_a_plain_bf16_search():
 
 # ----------------------------------------------------------------------------- floors
 def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_prepare as gp
 
-    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
-            gt.prepare_side(torch.from_numpy(t), metric, precision))
+    return (gp.prepare_side(torch.from_numpy(q), metric, precision),
+            gp.prepare_side(torch.from_numpy(t), metric, precision))
 
 
 @needs_torch
@@ -144,12 +144,12 @@ def _prepared(q, t, metric="sqeuclidean", precision="fp32"):
 def test_torch_candidates_in_target_chunks_equal_one_pass(lower):
     """The torch generator converts and scans the targets chunk by chunk (its float32 copy
     of a bf16 operand is bounded by chunk_elements): the lists do not depend on the chunks."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_search as gs
 
     q, t = make_data("gaussian", 5, 1000, 16, 11)
     qs, ts = _prepared(q, t, "l2", "bf16")
-    whole = gt.torch_candidates(qs, ts, 32, lower=lower)
-    chunked = gt.torch_candidates(qs, ts, 32, lower=lower, chunk_elements=16 * 40)   # 25 chunks
+    whole = gs.torch_candidates(qs, ts, 32, lower=lower)
+    chunked = gs.torch_candidates(qs, ts, 32, lower=lower, chunk_elements=16 * 40)   # 25 chunks
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     assert bool((whole[1] >= 0).all())
 
@@ -158,7 +158,8 @@ def test_torch_candidates_in_target_chunks_equal_one_pass(lower):
 def test_a_floor_above_the_margin_proves_a_list_whose_last_key_does_not():
     """8 targets tie at squared distance 1 from the query, the rest are at 9. The 8-long list
     ends on a tie (last key = theta: the plain rule widens); a floor of 9 proves it."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_search as gs
 
     rng = np.random.default_rng(1)
     near = np.concatenate([np.eye(4), -np.eye(4)])
@@ -171,11 +172,11 @@ def test_a_floor_above_the_margin_proves_a_list_whose_last_key_does_not():
 
     def with_floor(qq, tt, n_cand):
         calls.append(n_cand)
-        keys, idx = gt.torch_candidates(qq, tt, n_cand + 1)
+        keys, idx = gs.torch_candidates(qq, tt, n_cand + 1)
         return keys[:, :n_cand], idx[:, :n_cand], keys[:, n_cand]   # next key: a valid floor
 
-    v, i = gt.exact_topk(qs, ts, 3, with_floor)
-    assert calls == [gt.candidate_width(3, "fp32")], calls            # proven, not widened
+    v, i = gs.exact_topk(qs, ts, 3, with_floor)
+    assert calls == [gb.candidate_width(3, "fp32")], calls            # proven, not widened
     assert i.tolist() == [[10, 11, 12]] * 2
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
 
@@ -185,7 +186,8 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
     """The first list leaves out each row's best target and ends in empty slots, which by
     the plain rule means "every target is here"; its floor (the left-out key) says otherwise:
     the rows must widen and find the target."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_search as gs
 
     q, t = make_data("gaussian", 5, 200, 8, 2)
     qs, ts = _prepared(q, t)
@@ -193,81 +195,84 @@ def test_a_floor_below_the_margin_widens_a_list_that_looks_complete():
 
     def holey(qq, tt, n_cand):
         calls.append(n_cand)
-        keys, idx = gt.torch_candidates(qq, tt, n_cand)
+        keys, idx = gs.torch_candidates(qq, tt, n_cand)
         if len(calls) > 1:
             return keys, idx
         rows = keys.shape[0]
         keys = torch.cat([keys[:, 1:], torch.full((rows, 1), float("inf"))], 1)
         idx = torch.cat([idx[:, 1:], torch.full((rows, 1), -1)], 1)
-        return keys, idx, gt.torch_candidates(qq, tt, 1)[0][:, 0]
+        return keys, idx, gs.torch_candidates(qq, tt, 1)[0][:, 0]
 
-    v, i = gt.exact_topk(qs, ts, 3, holey)
-    n0 = gt.candidate_width(3, "fp32")
-    assert calls == [n0, gt.widened(n0)], calls
+    v, i = gs.exact_topk(qs, ts, 3, holey)
+    n0 = gb.candidate_width(3, "fp32")
+    assert calls == [n0, gb.widened(n0)], calls
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
     # few_rows: a widening round over at most that many rows runs the torch generator (the
     # fused kernel's fixed costs dominate a round over a handful of rows): the same result.
-    for few, expected in ((4, [n0, gt.widened(n0)]), (5, [n0])):
+    for few, expected in ((4, [n0, gb.widened(n0)]), (5, [n0])):
         calls.clear()
-        v, i = gt.exact_topk(qs, ts, 3, holey, few_rows=few)
+        v, i = gs.exact_topk(qs, ts, 3, holey, few_rows=few)
         assert calls == expected, (few, calls)
         check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
 
 
 @needs_torch
 def test_the_rerank_skips_candidates_beyond_the_value_limit():
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_rerank as gr
+    from nearest_kernels import _gpu_search as gs
 
     keys = torch.tensor([[0.0, 1.0, 2.0, 3.0, 3.5, 9.0, 10.0, 11.0],
                          [0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5]])
     idx = torch.arange(16).view(2, 8)
     # Row 0: keys <= 3 (inclusive): 4 columns read. Row 1: keys <= 1.2: 3 columns.
-    kept = gt.skip_beyond(keys, idx, torch.tensor([3.0, 1.2]))
+    kept = gb.skip_beyond(keys, idx, torch.tensor([3.0, 1.2]))
     assert kept.tolist() == [[0, 1, 2, 3, -1, -1, -1, -1], [8, 9, 10, -1, -1, -1, -1, -1]]
     # Through the re-rank: the values function never sees a column beyond the limit, and
     # the k best are those of every column (a limit from the head's k-th value).
     q = torch.tensor([[0.0, 0.0]])
     t = torch.tensor([[float(j), 0.0] for j in range(8)])
-    qs, ts = gt.prepare_side(q, "l2", "fp32"), gt.prepare_side(t, "l2", "fp32")
+    qs, ts = gp.prepare_side(q, "l2", "fp32"), gp.prepare_side(t, "l2", "fp32")
     seen = []
 
     def spy(queries, targets, sel):
         seen.append(sel.clone())
-        return gt.exact_values(queries, targets, sel)
+        return gr.exact_values(queries, targets, sel)
     tkeys = (t * t).sum(1)[None, :]                  # exact keys of this query: |t|^2
-    v, i = gt.rerank(qs, ts, tkeys, torch.arange(8)[None, :], torch.tensor([0.5]), 3, spy)
+    v, i = gr.rerank(qs, ts, tkeys, torch.arange(8)[None, :], torch.tensor([0.5]), 3, spy)
     assert i.tolist() == [[0, 1, 2]] and v.tolist() == [[0.0, 1.0, 4.0]]
     # head: columns 0-2 (V0 = 4), the rest up to key 4 + 0.5: none of columns 3..7 (9+).
     assert seen[0].tolist() == [[0, 1, 2]] and seen[1].tolist() == [[-1, -1, -1, -1, -1]], seen
     # The fused re-rank reads a row up to its last candidate left (live_width).
-    assert gt.live_width(torch.tensor([[4, -1, 2, -1], [-1, -1, -1, -1], [1, 2, 3, 4]])).tolist() == [3, 0, 4]
+    assert gr.live_width(torch.tensor([[4, -1, 2, -1], [-1, -1, -1, -1], [1, 2, 3, 4]])).tolist() == [3, 0, 4]
     # value_limit: key(V) + E, never rounded down. l2: key = V - |q|^2; similarities: -V.
     q = np.array([[3.0, 4.0], [1.0, 0.0]], np.float32)            # |q|^2 = 25, 1
-    qs = gt.prepare_side(torch.from_numpy(q), "l2", "fp32")
-    lim = gt.value_limit(torch.tensor([30.0, 2.0]), torch.tensor([0.5, 0.25]), qs).double()
+    qs = gp.prepare_side(torch.from_numpy(q), "l2", "fp32")
+    lim = gb.value_limit(torch.tensor([30.0, 2.0]), torch.tensor([0.5, 0.25]), qs).double()
     assert (lim >= torch.tensor([5.5, 1.25], dtype=torch.float64)).all(), lim
     assert torch.allclose(lim, torch.tensor([5.5, 1.25], dtype=torch.float64), atol=1e-4), lim
-    qs = gt.prepare_side(torch.from_numpy(q), "inner_product", "fp32")
-    lim = gt.value_limit(torch.tensor([30.0, 2.0]), torch.tensor([0.5, 0.25]), qs).double()
+    qs = gp.prepare_side(torch.from_numpy(q), "inner_product", "fp32")
+    lim = gb.value_limit(torch.tensor([30.0, 2.0]), torch.tensor([0.5, 0.25]), qs).double()
     assert (lim >= torch.tensor([-29.5, -1.75], dtype=torch.float64)).all(), lim
-    assert bool(torch.isinf(gt.value_limit(torch.tensor([math.inf, math.inf]), torch.tensor([0.5, 0.25]),
-                                           gt.prepare_side(torch.from_numpy(q), "l2", "fp32"))).all())
+    assert bool(torch.isinf(gb.value_limit(torch.tensor([math.inf, math.inf]), torch.tensor([0.5, 0.25]),
+                                           gp.prepare_side(torch.from_numpy(q), "l2", "fp32"))).all())
     # Through exact_topk: Gaussian data, fp32 (a tiny bound): the re-rank reads fewer columns.
     q, t = make_data("gaussian", 7, 300, 16, 3)
     qs, ts = _prepared(q, t)
     widths = []
-    real = gt.exact_values
+    real = gr.exact_values
 
     def spy(queries, targets, idx, **kw):
         widths.append((idx.shape[1], int((idx >= 0).sum())))   # (columns, pairs read)
         return real(queries, targets, idx, **kw)
 
-    gt.exact_values = spy
+    gr.exact_values = spy
     try:
-        v, i = gt.exact_topk(qs, ts, 3, gt.torch_candidates)
+        v, i = gs.exact_topk(qs, ts, 3, gs.torch_candidates)
     finally:
-        gt.exact_values = real
-    n0 = gt.candidate_width(3, "fp32")
+        gr.exact_values = real
+    n0 = gb.candidate_width(3, "fp32")
     assert widths[0] == (3, 7 * 3) and widths[1][0] == n0 - 3, widths
     assert sum(read for _, read in widths) < 7 * n0, widths
     check_result(q, t, 3, "sqeuclidean", v.numpy(), i.numpy())
@@ -280,7 +285,9 @@ def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
     (E the error bound). The key-only test needs a gap of 2E and would widen; the re-ranked
     3rd value lies within the actual error of the 3rd key, far inside E, and proves the
     list. The setup itself is asserted, so the test cannot pass vacuously."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_search as gs
 
     rng = np.random.default_rng(4)
     d, k = 16, 3
@@ -302,23 +309,23 @@ def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
             t = 20 * (cos[:, None] * qn + np.sqrt(1 - cos ** 2)[:, None] * perp)
         return rng.permutation(t).astype(np.float32)
 
-    qs = gt.prepare_side(torch.from_numpy(q), metric, "bf16")
-    ts = gt.prepare_side(torch.from_numpy(build(1.0)), metric, "bf16")
-    e = float(gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)[0])
+    qs = gp.prepare_side(torch.from_numpy(q), metric, "bf16")
+    ts = gp.prepare_side(torch.from_numpy(build(1.0)), metric, "bf16")
+    e = float(gb.key_error_bound(qs, gb.TargetStats.of(ts), metric)[0])
     t = build(e)
-    ts = gt.prepare_side(torch.from_numpy(t), metric, "bf16")
-    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)
-    n_cand = gt.candidate_width(k, "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), metric, "bf16")
+    bound = gb.key_error_bound(qs, gb.TargetStats.of(ts), metric)
+    n_cand = gb.candidate_width(k, "bf16")
     assert n_cand == 8
-    keys, idx = gt.torch_candidates(qs, ts, n_cand)
-    assert not bool(gt.margin_holds(keys, bound, k)[0]), "setup: the keys alone must not prove the list"
+    keys, idx = gs.torch_candidates(qs, ts, n_cand)
+    assert not bool(gb.margin_holds(keys, bound, k)[0]), "setup: the keys alone must not prove the list"
     calls = []
 
     def counted(qq, tt, n):
         calls.append(n)
-        return gt.torch_candidates(qq, tt, n)
+        return gs.torch_candidates(qq, tt, n)
 
-    v, i = gt.exact_topk(qs, ts, k, counted)
+    v, i = gs.exact_topk(qs, ts, k, counted)
     assert calls == [n_cand], calls                 # proven by the values: no widening
     check_result(q, t, k, metric, v.numpy(), i.numpy())
 
@@ -341,18 +348,20 @@ def test_lower_keys_bound_every_exact_key_from_below(metric, precision):
     """L - E' <= the exact key for every pair (the per-target bound is valid), while the plain
     key - E' is above it for some pair (E' alone does not cover the residual terms, so the
     test fails if the lower key's weights were dropped)."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_search as gs
 
     q, t = _spread_norms("gaussian", 40, 500, 48, 9)
     qs, ts = _prepared(q, t, metric, precision)
-    stats = gt.TargetStats.of(ts)
-    rest = gt.lower_key_bound(qs, stats, metric).double()[:, None]
-    assert bool((rest < gt.key_error_bound(qs, stats, metric).double()[:, None]).all())
-    lower, l_idx = gt.torch_candidates(qs, ts, ts.rows, lower=True)
-    plain, p_idx = gt.torch_candidates(qs, ts, ts.rows)
+    stats = gb.TargetStats.of(ts)
+    rest = gb.lower_key_bound(qs, stats, metric).double()[:, None]
+    assert bool((rest < gb.key_error_bound(qs, stats, metric).double()[:, None]).all())
+    lower, l_idx = gs.torch_candidates(qs, ts, ts.rows, lower=True)
+    plain, p_idx = gs.torch_candidates(qs, ts, ts.rows)
     t64 = ts.exact.double()
-    bias = (t64 ** 2).sum(1) if gt.l2_form(metric) else torch.zeros(ts.rows, dtype=torch.float64)
-    exact = bias[None, :] - gt.key_alpha(metric) * (qs.exact.double() @ t64.T)
+    bias = (t64 ** 2).sum(1) if gp.l2_form(metric) else torch.zeros(ts.rows, dtype=torch.float64)
+    exact = bias[None, :] - gp.key_alpha(metric) * (qs.exact.double() @ t64.T)
     assert bool((lower.double() - rest <= exact.gather(1, l_idx)).all())
     assert bool((plain.double() - rest > exact.gather(1, p_idx)).any())
 
@@ -365,35 +374,36 @@ def test_the_bias_table_never_lifts_a_lower_key(metric, precision):
     lower keys, for rows of spread norms in any order and a zero row; the table has the
     levels asked for, and each row's shift is at most ``lower_shift`` (which the bound's
     roundings use)."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_search as gs
 
     q, t = _spread_norms("gaussian", 45, 300, 24, 3)
     if metric != "cosine":
         q[7] = 0.0
     qs, ts = _prepared(q, t, metric, precision)
-    q_w, t_w = gt.lower_key_weights(qs, ts)
+    q_w, t_w = gb.lower_key_weights(qs, ts)
     per_row = ts.bias.double() - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
-    shift = gt.lower_shift(qs, gt.TargetStats.of(ts), metric)
+    shift = gb.lower_shift(qs, gb.TargetStats.of(ts), metric)
     for levels in (None, 3, 8):
-        table, level = gt.lower_bias_table(qs, ts, 8, levels)
-        assert table.shape == (levels or gt.LOWER_LEVELS, 300) and level.shape == (6,)
+        table, level = gb.lower_bias_table(qs, ts, 8, levels)
+        assert table.shape == (levels or gb.LOWER_LEVELS, 300) and level.shape == (6,)
         assert bool((level >= 0).all()) and bool((level < table.shape[0]).all())
         bias = table.double()[level.long().repeat_interleave(8)[:45]]
         assert bool((bias <= per_row).all()), levels
         # (the table's float32 rounding, down, adds at most an ulp of the bias)
         assert bool((ts.bias.double() - bias <= shift * (1 + 1e-6) + 2.0 ** -22 * ts.bias.double().abs()).all())
     # Rows a widening round takes keep the table (no new one built) and get valid levels of it.
-    table, _ = gt.lower_bias_table(qs, ts, 8, 8)
+    table, _ = gb.lower_bias_table(qs, ts, 8, 8)
     retry = torch.tensor([1, 7, 8, 20, 33, 44])
-    child = gt._widened_rows(qs, retry, lower=True)
-    child_table, child_level = gt.lower_bias_table(child, ts, 4, 8)
+    child = gs._widened_rows(qs, retry, lower=True)
+    child_table, child_level = gb.lower_bias_table(child, ts, 4, 8)
     assert child_table is table and child_level.shape == (2,)
     bias = table.double()[child_level.long().repeat_interleave(4)[:6]]
     assert bool((bias <= per_row[retry]).all())
     # ... and their bound carries over: at least the one computed for them alone.
-    stats = gt.TargetStats.of(ts)
-    own = gt.lower_key_bound(qs.take(retry), stats, metric)
-    assert bool((gt.lower_key_bound(qs, stats, metric)[retry] >= own).all())
+    stats = gb.TargetStats.of(ts)
+    own = gb.lower_key_bound(qs.take(retry), stats, metric)
+    assert bool((gb.lower_key_bound(qs, stats, metric)[retry] >= own).all())
 
 
 @needs_torch
@@ -405,16 +415,16 @@ def test_search_ranks_by_lower_keys_where_the_rule_says(precision, d, k, expecte
     """EXACT searches pass ``lower`` to exact_topk by precision, k and dimension
     (gpu.LOWER_KEYS, LOWER_KEYS_SMALL_K_MAX_D: at d=768 bf16 k=10 the lower-key start cost
     1.54x the plain search against 1.07), and the answer is exact either way."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_search as gs
     from nearest_kernels import gpu as kgpu
 
     seen = []
-    exact_topk = gt.exact_topk
+    exact_topk = gs.exact_topk
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("lower"))
         return exact_topk(*args, **kwargs)
-    monkeypatch.setattr(gt, "exact_topk", spy)
+    monkeypatch.setattr(gs, "exact_topk", spy)
     q, t = make_data("gaussian", 9, 150, d, d + k)
     v, i = kgpu.knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, "sqeuclidean", precision)
     assert seen == [expected]
@@ -428,7 +438,8 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
     4,000 targets have 30x the norm and point the other way: they never rank, but they set
     the block maxima of the bound's target terms. Ranked by the lower key, whose target
     terms are each row's own, fewer rows widen; both results are exact."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_search as gs
 
     rng = np.random.default_rng(5)
     d, k = 32, 10
@@ -438,7 +449,7 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
     t[::200] = -30 * (lean + 0.1 * rng.standard_normal((20, d)))
     t = t.astype(np.float32)
     qs, ts = _prepared(q, t, metric, "bf16")
-    monkeypatch.setitem(gt._EXTRA, "bf16", lambda k: 0)
+    monkeypatch.setitem(gb._EXTRA, "bf16", lambda k: 0)
     widened = {}
     for lower in (False, True):
         calls = []
@@ -446,9 +457,9 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
         def counted(qq, tt, n, **kw):
             assert kw.get("lower", False) == lower
             calls.append(qq.rows)
-            return gt.torch_candidates(qq, tt, n, **kw)
+            return gs.torch_candidates(qq, tt, n, **kw)
 
-        v, i = gt.exact_topk(qs, ts, k, counted, lower=lower)
+        v, i = gs.exact_topk(qs, ts, k, counted, lower=lower)
         check_result(q, t, k, metric, v.numpy(), i.numpy())
         widened[lower] = sum(calls[1:])
     assert widened[True] * 10 < widened[False], widened   # measured: 0 against 198-200
@@ -458,7 +469,7 @@ def test_lower_keys_prove_rows_the_block_maximum_cannot(metric, monkeypatch):
 def test_skip_share_predicts_the_tiles_without_survivors():
     """The model behind the row-minimum test's switch against a simulated scan: random keys,
     each row's threshold the list_len-th best so far, a tile skipped when no row reaches it."""
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_plan as tplan
 
     rng = np.random.default_rng(5)
     for block_m, list_len, n_tiles in [(8, 4, 400), (4, 2, 300), (16, 8, 150)]:
@@ -473,54 +484,54 @@ def test_skip_share_predicts_the_tiles_without_survivors():
                     skipped += 1
                 best = np.sort(np.concatenate([best, tile], axis=1), axis=1)[:, :list_len]
             shares.append(skipped / n_tiles)
-        predicted = tr.skip_share(n_tiles, block_m, list_len)
+        predicted = tplan.skip_share(n_tiles, block_m, list_len)
         assert abs(np.mean(shares) - predicted) < 0.05, (block_m, list_len, np.mean(shares), predicted)
-    assert tr.skip_share(0, 128, 16) == 0.0
-    assert tr.skip_share(7813, 128, 16) > tr.skip_share(7813, 128, 32) > tr.skip_share(488, 128, 16)
+    assert tplan.skip_share(0, 128, 16) == 0.0
+    assert tplan.skip_share(7813, 128, 16) > tplan.skip_share(7813, 128, 32) > tplan.skip_share(488, 128, 16)
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_merging_segments_keeps_the_floor_of_every_held_back_target():
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_candidate_kernels as tkernels
 
     def pack(key, index):
         bits = torch.tensor([key], dtype=torch.float32).view(torch.int32).to(torch.int64)
         mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         return int((mono << 32) | index)
 
-    E = tr.EMPTY
+    E = tkernels.EMPTY
     # Three segments of 3 slots, unsorted. Segment 0 full (held back keys >= 5), segment 1
     # full (>= 2.5), segment 2 not full (holds its whole segment).
     row = [pack(5.0, 1), pack(-1.0, 0), pack(3.0, 2),
            pack(2.5, 10), pack(0.5, 11), pack(2.0, 12),
            pack(1.0, 20), E, E]
     lists = torch.tensor([row, row], dtype=torch.int64)
-    merged, floor = tr.merge_segments(lists, 3, 8)
-    keys, idx = tr.unpack(merged)
+    merged, floor = tkernels.merge_segments(lists, 3, 8)
+    keys, idx = tkernels.unpack(merged)
     assert idx[0].tolist() == [0, 11, 20, 12, 10, 2, 1, -1]
     assert floor.tolist() == [2.5, 2.5]
     # Cut to 5: the first dropped key is 3.0, segment 1 still bounds its own at 2.5.
-    merged, floor = tr.merge_segments(lists, 3, 5)
-    assert tr.unpack(merged)[1][0].tolist() == [0, 11, 20, 12, 10]
+    merged, floor = tkernels.merge_segments(lists, 3, 5)
+    assert tkernels.unpack(merged)[1][0].tolist() == [0, 11, 20, 12, 10]
     assert floor.tolist() == [2.5, 2.5]
     # Cut to 2: the first dropped key (1.0) is the floor.
-    merged, floor = tr.merge_segments(lists, 3, 2)
-    assert tr.unpack(merged)[1][0].tolist() == [0, 11]
+    merged, floor = tkernels.merge_segments(lists, 3, 2)
+    assert tkernels.unpack(merged)[1][0].tolist() == [0, 11]
     assert floor.tolist() == [1.0, 1.0]
 
 
 @pytest.mark.skipif(not HAS_TRITON or torch is None, reason="triton (and torch) are not installed")
 def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch):
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_plan as tplan
 
     def form(t, block_d=64):
-        out = tr.target_descriptor(t, 32, block_d)
-        return "descriptor" if isinstance(out, tr.TensorDescriptor) else ("operand" if out is t else "?")
+        out = tplan.target_descriptor(t, 32, block_d)
+        return "descriptor" if isinstance(out, tplan.TensorDescriptor) else ("operand" if out is t else "?")
 
     # CPU tensors (the interpreter) take the descriptor form where the operand allows, as Hopper.
     t32, t16 = torch.zeros(203, 40), torch.zeros(203, 40, dtype=torch.bfloat16)
     assert form(t32) == form(t16) == "descriptor"
-    desc = tr.target_descriptor(t16, 32, 64)
+    desc = tplan.target_descriptor(t16, 32, 64)
     assert list(desc.shape) == [203, 40] and list(desc.block_shape) == [32, 64]
     # Rows whose stride is not a multiple of 16 bytes (d=33 float32, d=36 bf16), a column
     # slice (last stride not 1), a misaligned start, a block wider than a TMA box: pointers.
@@ -530,9 +541,9 @@ def test_target_tiles_by_descriptor_only_where_tma_can_address_them(monkeypatch)
     # CUDA devices: Hopper (9.0) and later only; below it Triton would rewrite the descriptor
     # into pointer loads, a form the kernel was never measured in.
     majors = {0: 8, 1: 9}
-    monkeypatch.setattr(tr, "_cuda_major", lambda index: majors[index])
-    assert not tr.has_tma(torch.device("cuda", 0)) and tr.has_tma(torch.device("cuda", 1))
-    assert tr.has_tma(torch.device("cpu")) and not tr.has_tma(torch.device("meta"))
+    monkeypatch.setattr(tplan, "_cuda_major", lambda index: majors[index])
+    assert not tplan.has_tma(torch.device("cuda", 0)) and tplan.has_tma(torch.device("cuda", 1))
+    assert tplan.has_tma(torch.device("cpu")) and not tplan.has_tma(torch.device("meta"))
 
 
 background.register(
@@ -560,16 +571,19 @@ def test_kernels_under_the_triton_interpreter(background_result):
 def poison_kernel_buffers(monkeypatch):
     """Make every output and scratch buffer of the fused candidate kernels start as garbage
     (they allocate them uninitialised): a slot a kernel reads back without writing it, or a
-    stale one, then shows in the results."""
-    from nearest_kernels import _gpu_triton as tr
+    stale one, then shows in the results. Both launchers allocate through ``kernel_buffer``,
+    each by its own name for it: the register lists' and the threshold filter's."""
+    from nearest_kernels import _triton_candidates as tcands
+    from nearest_kernels import _triton_filter as tfilter
 
-    allocate = tr._kernel_buffer
+    allocate = tcands.kernel_buffer
 
     def poisoned(shape, dtype, device):
         buf = allocate(shape, dtype, device)
         return buf.fill_(0x5A5A5A5A5A5A5A5A if dtype == torch.int64 else -7)
 
-    monkeypatch.setattr(tr, "_kernel_buffer", poisoned)
+    for launcher in (tcands, tfilter):
+        monkeypatch.setattr(launcher, "kernel_buffer", poisoned)
 
 
 @pytest.fixture
@@ -724,12 +738,12 @@ def test_the_first_pass_compiles_ahead_on_its_thread_and_once():
     for case, line in zip(cases, out):
         # The candidate kernel (the fp32 case's come from cuBLAS) and the re-rank: at most one
         # compilation each, on the thread that started before the preparation.
-        for kernel in ("_rowlist_kernel", "_rerank_kernel", "_filter_kernel"):
+        for kernel in ("rowlist_kernel", "rerank_kernel", "filter_kernel"):
             threads = [thread for name, thread in json.loads(line) if name == kernel]
             assert threads in ([], ["nj-compile-ahead"]), (case, kernel, line)
     if torch.cuda.get_device_capability()[0] == 9:   # the filter kernel compiled, ahead, once
-        assert [name for name, _ in json.loads(out[-1])].count("_filter_kernel") == 1, out[-1]
+        assert [name for name, _ in json.loads(out[-1])].count("filter_kernel") == 1, out[-1]
     first = [name for name, _ in json.loads(out[0])]
-    assert first.count("_rowlist_kernel") == 1 and first.count("_rerank_kernel") == 1, out[0]
+    assert first.count("rowlist_kernel") == 1 and first.count("rerank_kernel") == 1, out[0]
     assert json.loads(out[2]), "the fp32 case compiled nothing (no other case re-ranks at d=200)"
     # (a process compiles a given re-rank and candidate kernel once: later cases may find theirs)

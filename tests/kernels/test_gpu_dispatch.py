@@ -64,7 +64,7 @@ def test_long_bf16_lists_above_d_128_start_from_a_sampled_wider_list(k, precisio
 
 def test_the_kept_sample_is_counted_only_where_searches_take_one():
     # the sample sample_seed keeps with the block: every (width / SAMPLE_LIST)-th row
-    from nearest_kernels._gpu_triton import SAMPLE_LIST
+    from nearest_kernels._triton_candidates import SAMPLE_LIST
 
     width = gpu.sampled_width(100, "bf16", 384)
     step = width // SAMPLE_LIST
@@ -80,7 +80,7 @@ def test_the_threshold_filter_refuses_off_cuda_tf32_and_small_d_and_says_why():
     assert "CUDA" in gpu.filter_refusal(1_000_000, 384, 10, "bf16", cpu)
     # Without a device the budget counts the larger sample: the filter's (every 32nd target
     # for k=10's list of 32) where only it takes one.
-    from nearest_kernels._gpu_triton import filter_sample_rows
+    from nearest_kernels._triton_filter import filter_sample_rows
 
     assert gpu.kept_sample_rows(1_000_000, 384, 10, "bf16") == filter_sample_rows(1_000_000, 32) == 31_250
     assert gpu.kept_sample_rows(1_000_000, 128, 10, "bf16") == 0      # below FILTER_MIN_D

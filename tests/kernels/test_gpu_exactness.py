@@ -84,11 +84,11 @@ def test_the_working_frame_centres_and_scales_by_a_power_of_two(metric):
     """Working rows are the targets minus their mean (of the unit rows for cosine), scaled by a
     power of two that puts the largest shifted norm in [1/2, 1); queries share the frame,
     inner product queries are scaled each by their own power of two and not shifted."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_prepare as gp
 
     case = adv.offset_case(16, 1e4, 1.0, nq=20, nt=300, seed=5)
     q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
-    qs, ts = gt.prepare_pair(q, t, metric, "bf16")
+    qs, ts = gp.prepare_pair(q, t, metric, "bf16")
     frame = ts.frame
     mantissa, _ = np.frexp(frame.scale)
     assert mantissa == 0.5, frame.scale                       # a power of two
@@ -119,19 +119,22 @@ def test_the_bound_follows_the_spread_not_the_offset(metric):
     """The issue's data (10 + 0.1 x noise, d=64): in bf16 the first list proves nearly every
     row at k=10, as on centred data. Without the frame (the identity, as before) the same
     bound covers keys of norm-sized error and proves none."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_rerank as gr
+    from nearest_kernels import _gpu_search as gs
 
     case = adv.offset_case(64, 10.0, 0.1, nq=200, nt=4000, seed=7, duplicates=False)
     q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
-    n_cand = gt.candidate_width(10, "bf16")
+    n_cand = gb.candidate_width(10, "bf16")
     proven = {}
-    for name, (qs, ts) in {"frame": gt.prepare_pair(q, t, metric, "bf16"),
-                           "identity": (gt.prepare_side(q, metric, "bf16", queries=True),
-                                        gt.prepare_side(t, metric, "bf16"))}.items():
-        keys, idx = gt.torch_candidates(qs, ts, n_cand)
-        bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), metric)
-        v, _ = gt.rerank(qs, ts, keys, idx, bound, 10)
-        ok = gt.margin_holds(keys, bound, 10) | (keys[:, -1] > gt.value_limit(v[:, 9], bound, qs))
+    for name, (qs, ts) in {"frame": gp.prepare_pair(q, t, metric, "bf16"),
+                           "identity": (gp.prepare_side(q, metric, "bf16", queries=True),
+                                        gp.prepare_side(t, metric, "bf16"))}.items():
+        keys, idx = gs.torch_candidates(qs, ts, n_cand)
+        bound = gb.key_error_bound(qs, gb.TargetStats.of(ts), metric)
+        v, _ = gr.rerank(qs, ts, keys, idx, bound, 10)
+        ok = gb.margin_holds(keys, bound, 10) | (keys[:, -1] > gb.value_limit(v[:, 9], bound, qs))
         proven[name] = float(ok.double().mean())
     assert proven["frame"] >= 0.9 and proven["identity"] <= 0.1, proven
 
@@ -142,22 +145,24 @@ def test_rows_whose_bound_admits_too_much_switch_to_fp32(monkeypatch):
     whose next list would exceed FALLBACK_SHARE of the block search again with float32
     operands (the torch generator sees fp32 sides) instead of widening in bf16, and the answer
     is the true top k."""
-    from nearest_kernels import _gpu_torch as gt
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _gpu_search as gs
 
     case = adv.integer_case(3, high=1, nq=30, nt=4000, seed=4)   # 8 points, ~500 copies each
     q, t = torch.from_numpy(case.queries), torch.from_numpy(case.targets)
     seen = []
-    real = gt.torch_candidates
+    real = gs.torch_candidates
 
     def spy(queries, targets, n_cand, **kw):
         seen.append((queries.precision, targets.precision, n_cand, queries.rows))
         return real(queries, targets, n_cand, **kw)
 
-    monkeypatch.setattr(gt, "torch_candidates", spy)
+    monkeypatch.setattr(gs, "torch_candidates", spy)
     for metric in ("sqeuclidean", "inner_product"):
         seen.clear()
-        qs, ts = gt.prepare_pair(q, t, metric, "bf16")
-        v, i = gt.exact_topk(qs, ts, 10, spy)
+        qs, ts = gp.prepare_pair(q, t, metric, "bf16")
+        v, i = gs.exact_topk(qs, ts, 10, spy)
         adv.assert_true_topk(case.queries, case.targets, 10, metric, v.numpy(), i.numpy(), _rtol(),
                              case=case.name)
         precisions = [p for p, _, _, _ in seen]
@@ -166,8 +171,8 @@ def test_rows_whose_bound_admits_too_much_switch_to_fp32(monkeypatch):
         assert all(p == "fp32" and tp == "fp32" for p, tp, _, _ in seen[switch:]), seen
         # bf16 lists never grew past the share, whatever the rows needed
         widest = max(n for p, _, n, _ in seen if p == "bf16")
-        assert not gt.falls_back("bf16", widest, 4000, None)
-        assert gt.falls_back("bf16", gt.widened(widest), 4000, None)
+        assert not gs.falls_back("bf16", widest, 4000, None)
+        assert gs.falls_back("bf16", gb.widened(widest), 4000, None)
 
 
 @needs_torch
@@ -271,28 +276,28 @@ PREP_CASES = ["offset10000-spread1-d128-float32", "offset1000-spread0.1-d3-float
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
 def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
     """``gpu.prepare_targets`` on CUDA runs the preparation kernels
-    (``_gpu_triton.triton_prepare_targets``): on adversarial blocks, the torch form's frame
+    (``_triton_prepare.triton_prepare_targets``): on adversarial blocks, the torch form's frame
     (centre to float64 rounding, the same power of two), and in that frame the same working
     rows and operands bit for bit and norms, residuals and biases within one float32 step,
     never below their float64 values (the interpreter suite checks the same on the CPU)."""
-    from nearest_kernels import _gpu_torch as gt
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _gpu_prepare as gp
+    from nearest_kernels import _triton_prepare as tprep
 
     for case in _by_name(PREP_CASES):
         if metric not in case.metrics:
             continue
         t = torch.from_numpy(case.targets).cuda()
-        ref = gt.prepare_targets_side(t, metric, precision)
-        got = tr.triton_prepare_targets(t, metric, precision)
+        ref = gp.prepare_targets_side(t, metric, precision)
+        got = tprep.triton_prepare_targets(t, metric, precision)
         where = f"{case.name} {metric} {precision}"
         assert got.frame.scale == ref.frame.scale, where
         torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-12, atol=0, msg=where)
-        real = tr.triton_working_frame
-        tr.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
+        real = tprep.triton_working_frame
+        tprep.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
         try:
-            same = tr.triton_prepare_targets(t, metric, precision)
+            same = tprep.triton_prepare_targets(t, metric, precision)
         finally:
-            tr.triton_working_frame = real
+            tprep.triton_working_frame = real
         assert torch.equal(same.exact, ref.exact), where
         assert same.operand.dtype == ref.operand.dtype
         assert torch.equal(same.operand.float(), ref.operand.float()), where
@@ -357,7 +362,7 @@ def _filter_case(d: int) -> adv.Case:
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
 @pytest.mark.parametrize("d", FILTER_DIMS)
 def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d, metric, monkeypatch):
-    from nearest_kernels import _gpu_triton as tr
+    from nearest_kernels import _triton_filter as tfilter
     from nearest_kernels import gpu
 
     device = torch.device("cuda")
@@ -365,14 +370,14 @@ def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d
         pytest.skip("the threshold filter runs on compute capability 9.x")
     _device_oracle(monkeypatch)
     floors = []
-    real = tr.filter_candidates
+    real = tfilter.filter_candidates
 
     def recorded(*args, **kwargs):
         out = real(*args, **kwargs)
         floors.append(out[2])
         return out
 
-    monkeypatch.setattr(tr, "filter_candidates", recorded)
+    monkeypatch.setattr(tfilter, "filter_candidates", recorded)
     case = _filter_case(d)
     for k in KS:
         assert gpu.filter_refusal(FILTER_NT, d, k, "bf16", device) is None

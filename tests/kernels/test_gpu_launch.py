@@ -1,8 +1,8 @@
 """Every launch configuration the fused kernel's chooser can return fits the device.
 
-:func:`nearest_kernels._gpu_triton.plan_candidates` filters its configurations by its own
+:func:`nearest_kernels._triton_plan.plan_candidates` filters its configurations by its own
 shared-memory estimate; on a device the compiled kernel's metadata has the last word
-(``_loads``). Here, with no GPU, the configurations are lowered for sm_80 and sm_90 by
+(``_triton_compile.load_refusal``). Here, with no GPU, the configurations are lowered for sm_80 and sm_90 by
 Triton's own stages down to LLVM IR, where the shared-memory allocation is final
 (``tests/kernels/_compile_target.py``), and their shared memory is checked against both limits (and against the estimate, which must not be below it, or the chooser
 would offer configurations only the device check catches).
@@ -29,14 +29,17 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed")
 triton = pytest.importorskip("triton", reason="triton is not installed")
 
-from nearest_kernels import _gpu_torch as gt
-from nearest_kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_bound as gb
+from nearest_kernels import _triton_candidate_kernels as tkernels
+from nearest_kernels import _triton_candidates as tcands
+from nearest_kernels import _triton_filter as tfilter
+from nearest_kernels import _triton_plan as tplan
 
 DIMS = [1, 3, 17, 31, 33, 64, 96, 100, 128, 200, 256, 300, 384, 512, 768, 1024, 1536]
 N_CANDS = [1 << e for e in range(3, 11)]          # 8 .. MAX_CANDIDATES
 SHAPES = [(65_536, 1_000_000), (65_536, 63_681), (2_048, 60_000), (1, 20_000), (7, 300)]
 PRECISIONS = ["bf16", "tf32", "fp32"]
-TARGETS = {"sm_80": (tr.SM80, 80), "sm_90": (tr.SM90, 90)}
+TARGETS = {"sm_80": (tplan.SM80, 80), "sm_90": (tplan.SM90, 90)}
 
 
 def _compiles():
@@ -53,10 +56,10 @@ def test_the_widths_cover_every_k_the_fused_kernel_takes():
     # k = 1, 10, 100 and the largest k each precision's first list allows, and each widening.
     for precision in PRECISIONS:
         for k in (1, 10, 100):
-            n = gt.candidate_width(k, precision)
-            while n <= tr.MAX_CANDIDATES:
+            n = gb.candidate_width(k, precision)
+            while n <= tplan.MAX_CANDIDATES:
                 assert n in N_CANDS
-                n = gt.widened(n)
+                n = gb.widened(n)
 
 
 def plans_of_the_grid():
@@ -67,11 +70,11 @@ def plans_of_the_grid():
             for d in DIMS:
                 for n_cand in N_CANDS:
                     for m, nt in SHAPES:
-                        plans = tr.plan_candidates(m, nt, d, n_cand, precision, limits)
+                        plans = tplan.plan_candidates(m, nt, d, n_cand, precision, limits)
                         if not plans:   # the torch path: too few targets for segments
-                            assert n_cand > tr.ROWLIST_MAX, (name, d, n_cand, precision, m, nt)
-                            assert tr.segment_count(m, nt, n_cand, tr.tile_config(n_cand, d, precision),
-                                                    limits.sms) == 0, (name, d, n_cand, precision, m, nt)
+                            assert n_cand > tplan.ROWLIST_MAX, (name, d, n_cand, precision, m, nt)
+                            assert tplan.segment_count(m, nt, n_cand, tplan.tile_config(n_cand, d, precision),
+                                                       limits.sms) == 0, (name, d, n_cand, precision, m, nt)
                             continue
                         for plan in plans:
                             assert plan.shared_estimate <= limits.shared_bytes
@@ -87,8 +90,8 @@ def test_every_shape_has_a_configuration_within_both_limits():
     found = plans_of_the_grid()
     assert {key[0] for key in found} == set(TARGETS)
     # The shape that crashed on the H200 (issue 20): bf16 at d=256 asked for 262,200 bytes.
-    plan = tr.plan_candidates(2_048, 60_000, 256, 16, "bf16", tr.SM90)[0]
-    assert plan.shared_estimate <= tr.SM90.shared_bytes
+    plan = tplan.plan_candidates(2_048, 60_000, 256, 16, "bf16", tplan.SM90)[0]
+    assert plan.shared_estimate <= tplan.SM90.shared_bytes
     # No TMA below sm_90 (Triton would rewrite descriptors into a form never measured).
     assert not any(key[6] for key in found if key[0] == "sm_80")
 
@@ -107,7 +110,7 @@ def _arguments(plan, d, precision, n_cand):
     aligned = (d * t.element_size()) % 16 == 0
     t_arg = TensorDescriptor.from_tensor(t, [plan.config.block_n, plan.block_d]) if plan.t_desc and aligned else t
     out = torch.zeros((rows, plan.n_splits * plan.list_len), dtype=torch.int64)
-    return tr._rowlist_kernel, tr.rowlist_arguments(
+    return tkernels.rowlist_kernel, tcands.rowlist_arguments(
         plan, q, t_arg, t, bias, out, bias, level, rows, nt, d, 2.0, 0, skip_test=True,
         lower=False, precision=precision, upcast=False)
 
@@ -123,7 +126,7 @@ def _check_compiled(entry, name):
     assert shared <= limits.shared_bytes, f"{where}: {shared} bytes of shared memory"
     if name == "sm_90":
         # On sm_80 (mma v2, cp.async) some forms compile to up to ~2x the estimate (within the
-        # limit everywhere here); the device check (_gpu_triton._loads) covers them there.
+        # limit everywhere here); the device check (_triton_compile.load_refusal) covers them there.
         assert shared <= plan.shared_estimate, f"{where}: {shared} bytes, estimated {plan.shared_estimate}"
 
 
@@ -153,16 +156,16 @@ def test_the_most_demanding_configurations_compile_within_the_limits(entry, name
 def _filter_launch(lower: bool):
     """(args, kwargs) of the filter pass's launch at k = 100, d = 384 (two splits)."""
     rows, nt, d, splits = 256, 4096, 384, 2
-    slots = tr.filter_slots(tr.filter_cap(512), splits)
+    slots = tfilter.filter_slots(tfilter.filter_cap(512), splits)
     q = torch.zeros((rows, d), dtype=torch.bfloat16)
     t = torch.zeros((nt, d), dtype=torch.bfloat16)
     bias = torch.zeros(nt)
     level = torch.zeros(8, dtype=torch.int32)
     thr = torch.zeros(rows)
-    count = torch.zeros((rows, splits * tr.FILTER_LANES), dtype=torch.int32)
-    buf = torch.zeros((rows, splits * tr.FILTER_LANES * slots), dtype=torch.int64)
-    _, args, kwargs = tr.filter_arguments(q, t, bias, level, thr, count, buf, rows, nt, d, 2.0, 0, slots,
-                                          splits, lower=lower, upcast=False)
+    count = torch.zeros((rows, splits * tkernels.FILTER_LANES), dtype=torch.int32)
+    buf = torch.zeros((rows, splits * tkernels.FILTER_LANES * slots), dtype=torch.int64)
+    _, args, kwargs = tfilter.filter_arguments(q, t, bias, level, thr, count, buf, rows, nt, d, 2.0, 0, slots,
+                                               splits, lower=lower, upcast=False)
     return args, kwargs
 
 
@@ -177,16 +180,16 @@ def test_the_filter_appends_run_in_a_layout_that_gives_each_row_to_one_quad():
 
     from tests.kernels._compile_target import ttgir
 
-    text = ttgir(tr._filter_kernel, *_filter_launch(False), 90)
+    text = ttgir(tkernels.filter_kernel, *_filter_launch(False), 90)
     mma = re.search(r"#mma = #ttg.nvidia_mma<\{versionMajor = 3, versionMinor = 0, warpsPerCTA = \[(\d+), (\d+)\], "
                     r"instrShape = \[(\d+),", text)
-    assert mma and mma.groups() == (str(tr.FILTER_TILES.num_warps), "1", "16"), mma and mma.group(0)
+    assert mma and mma.groups() == (str(tfilter.FILTER_TILES.num_warps), "1", "16"), mma and mma.group(0)
     ops = [line for line in text.splitlines() if "tt.elementwise_inline_asm" in line]
     tiles = [line for line in ops if "%fk_c0, %fk_c1;" not in line]   # all but the counters' declaration
     assert len(ops) == 3 and len(tiles) == 2, len(ops)
     for line in tiles:
         assert line.rstrip().split("->")[-1].strip().startswith(
-            f"tensor<{tr.FILTER_TILES.block_m}x{tr.FILTER_TILES.block_n}xi32, #mma>"), line[-200:]
+            f"tensor<{tfilter.FILTER_TILES.block_m}x{tfilter.FILTER_TILES.block_n}xi32, #mma>"), line[-200:]
 
 
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
@@ -199,7 +202,7 @@ def test_the_threshold_filter_compiles_within_the_sm90_limit(lower):
 
     limits, arch = TARGETS["sm_90"]
     args, kwargs = _filter_launch(lower)
-    shared = shared_bytes(tr._filter_kernel, args, kwargs, arch)
-    tiles = tr.FILTER_TILES
+    shared = shared_bytes(tkernels.filter_kernel, args, kwargs, arch)
+    tiles = tfilter.FILTER_TILES
     stages = (tiles.block_m + tiles.block_n) * tiles.block_d * 2 * tiles.num_stages
     assert stages <= shared <= limits.shared_bytes, (shared, stages, limits.shared_bytes)

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_kernels import _gpu_torch as gt
-from nearest_kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_prepare as gp
+from nearest_kernels import _gpu_rerank as gr
+from nearest_kernels import _gpu_search as gs
+from nearest_kernels import _triton_rerank as trerank
 from nearest_kernels.gpu import RTOL, knn_torch
 from tests import adversarial as adv
 from tests.kernels.interp.test_fused_kernels import Small
@@ -42,14 +44,14 @@ def test_fused_kernels_return_the_true_top_k_on_adversarial_cases(n):
     precision = ("bf16", "tf32")[n % 2]
     assert case.metrics, case.name
     for metric in case.metrics:
-        qs, ts = gt.prepare_pair(q, t, metric, precision)
+        qs, ts = gp.prepare_pair(q, t, metric, precision)
         # The re-rank kernel equals the torch form (float64 sums, rounded once).
         idx = torch.from_numpy(np.random.default_rng(n).integers(-1, len(case.targets), (len(case.queries), 9)))
-        want, got = gt.exact_values(qs, ts, idx), tr.triton_exact_values(qs, ts, idx)
+        want, got = gr.exact_values(qs, ts, idx), trerank.triton_exact_values(qs, ts, idx)
         assert torch.equal(torch.isnan(got), idx < 0), (case.name, metric)
         assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want), rtol=2.0 ** -22, atol=0), \
             (case.name, metric)
-        v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values,
+        v, i = gs.exact_topk(qs, ts, 5, small, max_candidates=256, values=trerank.triton_exact_values,
                              seeded=True, lower=metric != "inner_product")
         adv.assert_true_topk(case.queries, case.targets, 5, metric, v.numpy(), i.numpy(), RTOL,
                              case=f"{case.name} {metric} {precision}")

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_kernels import _gpu_torch as gt
-from nearest_kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_prepare as gp
+from nearest_kernels import _gpu_search as gs
+from nearest_kernels import _triton_rerank as trerank
 from nearest_kernels.gpu import knn_torch
 from tests import adversarial as adv
 from tests.kernels.interp.test_fused_kernels import Small
@@ -45,8 +46,8 @@ def test_capped_search_through_the_fused_kernels(metric):
     values = key_values(oracle_keys(case.queries, case.targets, metric), metric)
     cap = _cap(values, 0.02, metric)      # about 3 targets of 150 per row: some none, some < k
     rtol = backend_rtol("gpu")
-    qs, ts = gt.prepare_pair(q, t, metric, "bf16")
-    v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values,
+    qs, ts = gp.prepare_pair(q, t, metric, "bf16")
+    v, i = gs.exact_topk(qs, ts, 5, small, max_candidates=256, values=trerank.triton_exact_values,
                          seeded=True, lower=metric != "inner_product", cap=cap)
     assert_capped_topk(case.queries, case.targets, 5, metric, cap, v.numpy(), i.numpy(), rtol,
                        case=f"{case.name} tiny tiles")

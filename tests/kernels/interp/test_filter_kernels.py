@@ -1,4 +1,4 @@
-"""The threshold-filter first pass (``_gpu_triton.filter_candidates``) under the Triton
+"""The threshold-filter first pass (``_triton_filter.filter_candidates``) under the Triton
 interpreter with tiny tiles (16 x 32 x 16): the host selection's floor, cut and overflow on
 hand-made buffers; the kernel's appends (its interpreter form: ``tl.atomic_add`` and
 ``tl.store``; the inline PTX runs on the device, tests/kernels/test_gpu_exactness.py) against
@@ -13,11 +13,14 @@ import math
 import numpy as np
 import torch
 
-from nearest_kernels import _gpu_torch as gt
-from nearest_kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_prepare as gp
+from nearest_kernels import _gpu_search as gs
+from nearest_kernels import _triton_candidates as tcands
+from nearest_kernels import _triton_filter as tfilter
+from nearest_kernels import _triton_plan as tplan
 from tests.kernels.test_gpu import check_result, make_data, poison_kernel_buffers
 
-TINY = tr.FilterTiles(block_m=16, block_n=32, block_d=16, num_warps=4, num_stages=1)
+TINY = tfilter.FilterTiles(block_m=16, block_n=32, block_d=16, num_warps=4, num_stages=1)
 
 
 def _packed(keys, idx):
@@ -27,18 +30,18 @@ def _packed(keys, idx):
 
 
 def test_the_sample_and_the_buffer_follow_their_rules():
-    assert tr.filter_sample(32) == (32, 5) and tr.filter_sample(64) == (32, 5)
-    assert tr.filter_sample(512) == (32, 20)
+    assert tfilter.filter_sample(32) == (32, 5) and tfilter.filter_sample(64) == (32, 5)
+    assert tfilter.filter_sample(512) == (32, 20)
     # 1.25 step j + 6 step sqrt(j) + 64, up to a power of two
-    assert tr.filter_cap(32) == 1024 and tr.filter_cap(512) == 2048
+    assert tfilter.filter_cap(32) == 1024 and tfilter.filter_cap(512) == 2048
     for n in (8, 32, 128, 512, 1024):
-        step, j = tr.filter_sample(n)
-        assert tr.filter_cap(n) >= 1.25 * step * j + 6 * step * math.sqrt(j)
-    assert tr.filter_sample_rows(32 * tr.FILTER_MIN_SAMPLE, 32) == tr.FILTER_MIN_SAMPLE
+        step, j = tfilter.filter_sample(n)
+        assert tfilter.filter_cap(n) >= 1.25 * step * j + 6 * step * math.sqrt(j)
+    assert tfilter.filter_sample_rows(32 * tfilter.FILTER_MIN_SAMPLE, 32) == tfilter.FILTER_MIN_SAMPLE
     # a row's slots in equal slices, one per (split, lane of the quad); never fewer than the least
-    assert tr.filter_slots(2048, 2) == 256 and tr.filter_slots(1024, 2) == 128
-    assert tr.filter_slots(2048, 264) == tr.FILTER_MIN_SLOTS
-    assert tr.filter_sample_rows(32 * tr.FILTER_MIN_SAMPLE - 32, 32) == 0
+    assert tfilter.filter_slots(2048, 2) == 256 and tfilter.filter_slots(1024, 2) == 128
+    assert tfilter.filter_slots(2048, 264) == tfilter.FILTER_MIN_SLOTS
+    assert tfilter.filter_sample_rows(32 * tfilter.FILTER_MIN_SAMPLE - 32, 32) == 0
 
 
 def _sliced(buf, row, slices, keys, idx):
@@ -56,7 +59,7 @@ def test_the_selection_states_a_floor_for_every_row():
     buf[2] = _packed([-1.0] * slices * slots, list(range(slices * slots)))          # slice 0 overflowed
     count = torch.tensor([[2, 1], [3, 3], [5, 2], [0, 0]], dtype=torch.int32)
     thr = torch.tensor([3.5, 6.0, 0.0, -2.0])
-    keys, idx, floor = tr.filter_select(count, buf, thr, n_cand)
+    keys, idx, floor = tfilter.filter_select(count, buf, thr, n_cand)
     assert idx[0].tolist() == [5, 6, 7, -1] and keys[0, :3].tolist() == [1.0, 2.0, 3.0]
     assert floor[0] == torch.nextafter(torch.tensor(3.5), torch.tensor(math.inf))   # keys left out exceed 3.5
     # ties by the lower index; the floor is the first key cut off (5.0), below the threshold's
@@ -67,20 +70,20 @@ def test_the_selection_states_a_floor_for_every_row():
 
 
 def _keys64(qs, ts):
-    return ts.bias.double()[None, :] - gt.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)
+    return ts.bias.double()[None, :] - gp.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)
 
 
 def test_the_kernel_appends_exactly_the_keys_at_most_the_threshold(monkeypatch):
     poison_kernel_buffers(monkeypatch)
     q, t = make_data("gaussian", 37, 203, 40, 7)            # 3 query tiles, 7 target tiles, 3 d-chunks
-    qs = gt.prepare_side(torch.from_numpy(q), "l2", "bf16")
-    ts = gt.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
+    qs = gp.prepare_side(torch.from_numpy(q), "l2", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
     ref = _keys64(qs, ts)
     ordered = torch.sort(ref, dim=1).values
     thr = ((ordered[:, 11] + ordered[:, 12]) / 2).float()   # midway: 12 hits a row, none at the threshold
     thr[0] = -1e30                                           # no hit
     thr[1] = math.inf                                        # every target: overflows 32 slots
-    keys, idx, floor = tr.filter_candidates(qs, ts, 8, thr, tiles=TINY, cap=32, splits=3)
+    keys, idx, floor = tfilter.filter_candidates(qs, ts, 8, thr, tiles=TINY, cap=32, splits=3)
     tol = 1e-5 * float(ref.abs().max())
     assert float(floor[1]) == -math.inf and bool((idx[1] >= 0).all())
     assert bool((idx[0] == -1).all()) and floor[0] > -1e30
@@ -89,7 +92,7 @@ def test_the_kernel_appends_exactly_the_keys_at_most_the_threshold(monkeypatch):
         assert torch.allclose(keys[r].double(), ref[r, idx[r]], atol=tol), r
         assert abs(float(floor[r]) - float(ordered[r, 8])) <= tol, r   # the first key cut off
     # Fewer hits than the list: every one of them, the floor just above the threshold.
-    keys, idx, floor = tr.filter_candidates(qs, ts, 16, thr, tiles=TINY, cap=32, splits=2)
+    keys, idx, floor = tfilter.filter_candidates(qs, ts, 16, thr, tiles=TINY, cap=32, splits=2)
     for r in range(2, qs.rows):
         assert sorted(idx[r][idx[r] >= 0].tolist()) == sorted(ref[r].argsort()[:12].tolist())
         assert float(floor[r]) > float(thr[r]) and float(floor[r]) <= float(ordered[r, 12]) + tol
@@ -98,12 +101,12 @@ def test_the_kernel_appends_exactly_the_keys_at_most_the_threshold(monkeypatch):
 def test_lower_keys_are_the_register_lists_lower_keys(monkeypatch):
     poison_kernel_buffers(monkeypatch)
     q, t = make_data("clustered", 21, 150, 48, 8)
-    qs = gt.prepare_side(torch.from_numpy(q), "sqeuclidean", "bf16")
-    ts = gt.prepare_side(torch.from_numpy(t), "sqeuclidean", "bf16", frame=qs.frame)
+    qs = gp.prepare_side(torch.from_numpy(q), "sqeuclidean", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "sqeuclidean", "bf16", frame=qs.frame)
     inf = torch.full((qs.rows,), math.inf)
-    got = tr.filter_candidates(qs, ts, 16, inf, lower=True, levels=4, tiles=TINY, cap=256)
-    lists = tr.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
-    want = tr.triton_candidates(qs, ts, 16, config=lists, splits=1, lower=True, levels=4)
+    got = tfilter.filter_candidates(qs, ts, 16, inf, lower=True, levels=4, tiles=TINY, cap=256)
+    lists = tplan.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
+    want = tcands.triton_candidates(qs, ts, 16, config=lists, splits=1, lower=True, levels=4)
     tol = 1e-5 * float(want[0].abs().max())
     assert torch.allclose(got[0], want[0], atol=tol)
     assert (got[1] == want[1]).float().mean() > 0.95        # (near-ties in clustered data may swap)
@@ -114,8 +117,8 @@ def test_exact_topk_through_the_filter_with_an_overflowing_row(monkeypatch):
     q, t = make_data("gaussian", 24, 180, 24, 9)
     t[40:120] = t[3]          # 81 copies of one row: query 0 at it has 81 hits at one key
     q[0] = t[3]
-    qs = gt.prepare_side(torch.from_numpy(q), "l2", "bf16")
-    ts = gt.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
+    qs = gp.prepare_side(torch.from_numpy(q), "l2", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
     rounds = []
 
     def generator(q_side, t_side, n_cand, seed=None, lower=False):
@@ -123,15 +126,15 @@ def test_exact_topk_through_the_filter_with_an_overflowing_row(monkeypatch):
             ordered = torch.sort(_keys64(q_side, t_side), dim=1).values
             thr = ((ordered[:, 20] + ordered[:, 21]) / 2).float()   # midway: 21 hits a row
             thr[0] = ((ordered[0, 80] + ordered[0, 81]) / 2).float()  # the 81 copies: 8 a slice
-            rounds.append(tr.filter_candidates(q_side, t_side, n_cand, thr, lower=lower, tiles=TINY, cap=64,
-                                               slots=4))
+            rounds.append(tfilter.filter_candidates(q_side, t_side, n_cand, thr, lower=lower, tiles=TINY, cap=64,
+                                                    slots=4))
             return rounds[-1]
         rounds.append(None)
-        return gt.torch_candidates(q_side, t_side, n_cand, lower=lower)
+        return gs.torch_candidates(q_side, t_side, n_cand, lower=lower)
 
     for k in (1, 5):
         rounds.clear()
-        v, i = gt.exact_topk(qs, ts, k, generator, seeded=True)
+        v, i = gs.exact_topk(qs, ts, k, generator, seeded=True)
         check_result(q, t, k, "l2", v.numpy(), i.numpy())
         assert float(rounds[0][2][0]) == -math.inf and len(rounds) >= 2   # the overflow widened
         assert i[0].tolist() == ([3] + list(range(40, 120)))[:k]           # ties to the lower index

@@ -19,12 +19,17 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_kernels import _gpu_torch as gt
-from nearest_kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_bound as gb
+from nearest_kernels import _gpu_prepare as gp
+from nearest_kernels import _gpu_rerank as gr
+from nearest_kernels import _gpu_search as gs
+from nearest_kernels import _triton_candidates as tcands
+from nearest_kernels import _triton_plan as tplan
+from nearest_kernels import _triton_rerank as trerank
 from tests.kernels.test_gpu import check_result, make_data, poison_kernel_buffers
 
 KERNELS = ["rowlist", "segmented"]
-SEGMENTED = tr.TileConfig(16, 32, 4, kernel="segmented", seg_cand=8, extra_passes=2)
+SEGMENTED = tplan.TileConfig(16, 32, 4, kernel="segmented", seg_cand=8, extra_passes=2)
 CASES = [("l2", "fp32", "gaussian", 5), ("sqeuclidean", "bf16", "clustered", 5),
          ("inner_product", "tf32", "clustered", 3), ("cosine", "bf16", "gaussian", 40)]
 # The interpreter runs every program instance in Python, so each kernel gets two cases, not
@@ -43,7 +48,7 @@ NQ, NT, D = 21, 101, 33
 def poisoned_tiny_segments(monkeypatch):
     poison_kernel_buffers(monkeypatch)
     # Tiny tiles make segments of 2+ tiles (101 targets: up to 2 segments; 603: up to 9).
-    monkeypatch.setattr(tr, "SEGMENT_MIN_TILES", 2)
+    monkeypatch.setattr(tplan, "SEGMENT_MIN_TILES", 2)
 
 
 class Small:
@@ -59,14 +64,14 @@ class Small:
             self.seeds.append(seed)
         try:
             if self.kernel == "segmented":   # 8-long lists per segment; one list where too few
-                return tr.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed, lower=lower)
+                return tcands.triton_candidates(q, t, n_cand, config=SEGMENTED, seed=seed, lower=lower)
             if n_cand <= 32:
-                cfg = tr.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
-                return tr.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
-        except tr.LaunchRefused:
+                cfg = tplan.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
+                return tcands.triton_candidates(q, t, n_cand, config=cfg, splits=2, seed=seed, lower=lower)
+        except tplan.LaunchRefused:
             pass
         # As gpu.search_prepared: a list the kernel cannot keep runs the torch path.
-        return gt.torch_candidates(q, t, n_cand, lower=lower)
+        return gs.torch_candidates(q, t, n_cand, lower=lower)
 
 
 def check_seeded(qs, ts, n_cand, gen, kernel):
@@ -75,7 +80,7 @@ def check_seeded(qs, ts, n_cand, gen, kernel):
     # Each row's list must hold the n_cand best targets with key <= seed (all of them when
     # fewer) and nothing else; every target left out must have key >= floor (to rounding),
     # and a row with room left must have a floor above its seed.
-    ref = (ts.bias[None, :] - gt.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)).float()
+    ref = (ts.bias[None, :] - gp.key_alpha(qs.metric) * (qs.operand.double() @ ts.operand.double().T)).float()
     tol = 1e-5 * float(ref.abs().max())
     ordered = torch.sort(ref, dim=1).values
     m = ref.shape[0]
@@ -100,8 +105,8 @@ def check_seeded(qs, ts, n_cand, gen, kernel):
 
 
 def prepared(q, t, metric, precision):
-    return (gt.prepare_side(torch.from_numpy(q), metric, precision),
-            gt.prepare_side(torch.from_numpy(t), metric, precision))
+    return (gp.prepare_side(torch.from_numpy(q), metric, precision),
+            gp.prepare_side(torch.from_numpy(t), metric, precision))
 
 
 def test_the_pairs_cover_every_kernel_case_and_mode():
@@ -121,7 +126,7 @@ def test_candidates_lower_keys_and_exact_topk(kernel, n):
     qs, ts = prepared(q, t, metric, precision)
     # The kernel's candidate keys equal the torch path's exactly computed keys.
     keys, idx, _ = small(qs, ts, 16)
-    ref = ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T)
+    ref = ts.bias[None, :] - gp.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T)
     order = torch.sort(ref.float(), dim=1, stable=True)
     if kind == "gaussian":  # no near ties: the same order as float64 keys
         assert torch.equal(idx[:, :8], order.indices[:, :8]), (metric, precision)
@@ -129,10 +134,10 @@ def test_candidates_lower_keys_and_exact_topk(kernel, n):
     # bias table; the keys are that table's, to float32 rounding, and never above the
     # per-row lower keys of the torch path (the table's levels only lower them).
     keys, idx, _ = small(qs, ts, 16, lower=True)
-    table, level = gt.lower_bias_table(qs, ts, 16, gt.lower_levels(16))
+    table, level = gb.lower_bias_table(qs, ts, 16, gb.lower_levels(16))
     prod = qs.operand.double() @ ts.operand.double().T
-    lower = table.double()[level.long().repeat_interleave(16)[:NQ]] - gt.key_alpha(metric) * prod
-    q_w, t_w = gt.lower_key_weights(qs, ts)
+    lower = table.double()[level.long().repeat_interleave(16)[:NQ]] - gp.key_alpha(metric) * prod
+    q_w, t_w = gb.lower_key_weights(qs, ts)
     per_row = ref - q_w[0].double()[:, None] * t_w[0].double() - q_w[1].double()[:, None] * t_w[1].double()
     tol = 1e-5 * float(ref.abs().max())
     assert bool((lower <= per_row + tol).all()), metric
@@ -140,7 +145,7 @@ def test_candidates_lower_keys_and_exact_topk(kernel, n):
     if kind == "gaussian":
         assert torch.equal(idx[:, :8], torch.sort(lower.float(), dim=1, stable=True).indices[:, :8]), metric
     # Half the cases rank by the lower key (EXACT bf16's default).
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values,
+    v, i = gs.exact_topk(qs, ts, k, small, max_candidates=256, values=trerank.triton_exact_values,
                          seeded=True, lower=n % 2 == 1)
     check_result(q, t, k, metric, v.numpy(), i.numpy())
 
@@ -157,7 +162,7 @@ def test_seeded_lists(kernel):
     q, t = make_data("clustered", NQ, NT, D, 22)
     qs, ts = prepared(q, t, "sqeuclidean", "bf16")
     before = len(small.seeds)
-    v, i = gt.exact_topk(qs, ts, 5, small, max_candidates=256, values=tr.triton_exact_values, seeded=True)
+    v, i = gs.exact_topk(qs, ts, 5, small, max_candidates=256, values=trerank.triton_exact_values, seeded=True)
     check_result(q, t, 5, "sqeuclidean", v.numpy(), i.numpy())
     assert len(small.seeds) > before, "no widening round: the seeded path went untested"
 
@@ -182,14 +187,14 @@ def test_descriptor_form_equals_pointer_form(kernel):
     for n, (metric, precision) in enumerate((("l2", "fp32"), ("sqeuclidean", "bf16"), ("inner_product", "tf32"))):
         q, t = make_data("gaussian", NQ, NT, 40, 30 + n)
         qs, ts = prepared(q, t, metric, precision)
-        ordered = torch.sort(ts.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T),
+        ordered = torch.sort(ts.bias[None, :] - gp.key_alpha(metric) * (qs.operand.double() @ ts.operand.double().T),
                              dim=1).values
         seed = torch.full((NQ,), float("inf"))
         seed[::3] = ((ordered[:, 5] + ordered[:, 6]) / 2).float()[::3]   # midway: no key at the seed
         for kw in [{}] + [{"lower": True}] * (precision == "bf16") + [{"seed": seed}] * (precision == "fp32"):
             got = {}
             for form, side in (("descriptor", ts), ("pointer", _unaligned_rows(ts))):
-                assert isinstance(tr.target_descriptor(side.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
+                assert isinstance(tplan.target_descriptor(side.operand, 32, 64), tplan.TensorDescriptor) == (form == "descriptor")
                 got[form] = small(qs, side, 16, **kw)
             (k1, i1, f1), (k2, i2, f2) = got["descriptor"], got["pointer"]
             assert torch.equal(i1, i2), (metric, list(kw))
@@ -210,8 +215,8 @@ def test_rowlist_rerank_kernel_equals_the_torch_form():
         idx[3] = -1
         idx[5:30:4, 6:] = -1
         idx[20:, 15:] = -1
-        want = gt.exact_values(qs, ts, idx)
-        got = tr.triton_exact_values(qs, ts, idx[:, 2:])
+        want = gr.exact_values(qs, ts, idx)
+        got = trerank.triton_exact_values(qs, ts, idx[:, 2:])
         assert torch.equal(torch.isnan(got), idx[:, 2:] < 0), metric
         assert torch.allclose(torch.nan_to_num(got), torch.nan_to_num(want[:, 2:]), rtol=1e-5, atol=1e-5), metric
 
@@ -228,8 +233,8 @@ def test_rowlist_long_scan_and_exact_ties():
         ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
         want = torch.sort(ref, dim=1, stable=True).indices[:, :8]
         for skip_test in (True, False):
-            cfg = tr.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2, skip_test=skip_test)
-            _keys, idx, _ = tr.triton_candidates(qs, ts, 8, config=cfg, splits=1)
+            cfg = tplan.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2, skip_test=skip_test)
+            _keys, idx, _ = tcands.triton_candidates(qs, ts, 8, config=cfg, splits=1)
             assert torch.equal(idx, want), (name, skip_test)
 
 
@@ -245,8 +250,8 @@ def test_one_tile_with_more_survivors_than_the_list_takes_its_exact_best():
     ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
     order = torch.sort(ref, dim=1, stable=True).indices
     for n_cand in (8, 16, 32):
-        cfg = tr.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
-        _keys, idx, _ = tr.triton_candidates(qs, ts, n_cand, config=cfg, splits=1)
+        cfg = tplan.TileConfig(16, 32, 4, kernel="rowlist", extra_passes=2)
+        _keys, idx, _ = tcands.triton_candidates(qs, ts, n_cand, config=cfg, splits=1)
         assert torch.equal(idx, order[:, :n_cand]), n_cand
 
 
@@ -282,12 +287,12 @@ def test_segment_floors_keep_crowded_rows_unproven():
     t[at] = q[run] + np.sqrt(4 + 0.5 * rng.permutation(len(at)))[:, None] * u
     qs, ts = prepared(q, t, "sqeuclidean", "bf16")
     k = 10
-    n_cand = gt.candidate_width(k, "bf16")
-    assert tr.segment_count(16, 603, n_cand, SEGMENTED, 4) == 8
+    n_cand = gb.candidate_width(k, "bf16")
+    assert tplan.segment_count(16, 603, n_cand, SEGMENTED, 4) == 8
     keys, idx, floor = small(qs, ts, n_cand)
-    bound = gt.key_error_bound(qs, gt.TargetStats.of(ts), "sqeuclidean")
-    plain = gt.margin_holds(keys, bound, k)
-    proven = gt.margin_holds(keys, bound, k, floor)
+    bound = gb.key_error_bound(qs, gb.TargetStats.of(ts), "sqeuclidean")
+    plain = gb.margin_holds(keys, bound, k)
+    proven = gb.margin_holds(keys, bound, k, floor)
     ref = ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T)
     top = torch.sort(ref, dim=1, stable=True).indices[:, :k]
     for j in crowded:
@@ -296,22 +301,22 @@ def test_segment_floors_keep_crowded_rows_unproven():
     assert not proven[spread].any(), proven
     assert proven[run:].all(), proven         # elsewhere the floor proves the rows
     # Widening: 128 candidates need more segments than 603 targets allow -> the torch path.
-    assert tr.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
-    v, i = gt.exact_topk(qs, ts, k, small, max_candidates=256, values=tr.triton_exact_values)
+    assert tplan.segment_count(16, 603, 4 * n_cand, SEGMENTED, 4) == 0
+    v, i = gs.exact_topk(qs, ts, k, small, max_candidates=256, values=trerank.triton_exact_values)
     check_result(q, t, k, "sqeuclidean", v.numpy(), i.numpy())
 
 
 def test_two_segments_make_the_list_exact():
     # Two segments at least (config.segments), as the bf16 n_cand 32 default: the union of
     # two 8-long lists is the 16-candidate list; exact through the re-ranked margin.
-    two = tr.TileConfig(16, 32, 4, kernel="segmented", seg_cand=8, segments=2, extra_passes=2)
-    assert tr.segment_count(3, 603, 16, two, 4) == 2
+    two = tplan.TileConfig(16, 32, 4, kernel="segmented", seg_cand=8, segments=2, extra_passes=2)
+    assert tplan.segment_count(3, 603, 16, two, 4) == 2
     q, t = make_data("gaussian", 3, 603, 33, 12)
     qs, ts = prepared(q, t, "l2", "bf16")
-    _, _, floor = tr.triton_candidates(qs, ts, 16, config=two)
+    _, _, floor = tcands.triton_candidates(qs, ts, 16, config=two)
     assert torch.isfinite(floor).all()
-    v, i = gt.exact_topk(qs, ts, 5, lambda a, b, n: tr.triton_candidates(a, b, n, config=two if n == 16 else None),
-                         max_candidates=256, values=tr.triton_exact_values)
+    v, i = gs.exact_topk(qs, ts, 5, lambda a, b, n: tcands.triton_candidates(a, b, n, config=two if n == 16 else None),
+                         max_candidates=256, values=trerank.triton_exact_values)
     check_result(q, t, 5, "l2", v.numpy(), i.numpy())
 
 
@@ -326,7 +331,7 @@ def test_d_in_chunks_equals_one_dot(form, monkeypatch):
     qs, ts = prepared(q, t, "sqeuclidean", "bf16")
     if form == "pointer":
         ts = _unaligned_rows(ts)
-    assert isinstance(tr.target_descriptor(ts.operand, 32, 64), tr.TensorDescriptor) == (form == "descriptor")
+    assert isinstance(tplan.target_descriptor(ts.operand, 32, 64), tplan.TensorDescriptor) == (form == "descriptor")
     small = Small("segmented")
     seed = torch.full((NQ,), float("inf"))
     ordered = torch.sort(ts.bias[None, :] - 2 * (qs.operand.double() @ ts.operand.double().T), dim=1).values
@@ -334,9 +339,9 @@ def test_d_in_chunks_equals_one_dot(form, monkeypatch):
     for kw in ({}, {"lower": True}, {"seed": seed}):
         one = small(qs, ts, 16, **kw)
         with monkeypatch.context() as patch:
-            patch.setattr(tr, "SINGLE_DOT_BYTES", 0)
-            plan = tr.plan_candidates(NQ, NT, 136, 16, "bf16", tr.device_limits(torch.device("cpu")),
-                                      config=SEGMENTED)[0]
+            patch.setattr(tplan, "SINGLE_DOT_BYTES", 0)
+            plan = tplan.plan_candidates(NQ, NT, 136, 16, "bf16", tplan.device_limits(torch.device("cpu")),
+                                         config=SEGMENTED)[0]
             assert not plan.single_dot   # (the pointer form: target_descriptor declines its rows)
             chunked = small(qs, ts, 16, **kw)
         assert torch.equal(one[1], chunked[1]), list(kw)
@@ -353,30 +358,30 @@ def test_sample_seed_is_a_sampled_key_and_the_seeded_search_is_exact():
     q, t = make_data("gaussian", NQ, 1101, 33, 42)
     for metric, lower in (("l2", True), ("inner_product", False)):
         qs, ts = prepared(q, t, metric, "bf16")
-        cfg = tr.TileConfig(16, 32, 4, kernel="segmented", seg_cand=8, extra_passes=2)
+        cfg = tplan.TileConfig(16, 32, 4, kernel="segmented", seg_cand=8, extra_passes=2)
         # 128 candidates: 1,101 targets make 17 segments of 8 (SEGMENT_MIN_TILES 2 here), so
         # the first pass runs the kernel; the sample is every 4th target.
-        seed = tr.sample_seed(qs, ts, 128, cfg)
+        seed = tcands.sample_seed(qs, ts, 128, cfg)
         sample = ts.take(torch.arange(0, ts.rows, 4))
-        keys = (sample.bias[None, :] - gt.key_alpha(metric) * (qs.operand.double() @ sample.operand.double().T)).float()
+        keys = (sample.bias[None, :] - gp.key_alpha(metric) * (qs.operand.double() @ sample.operand.double().T)).float()
         ordered = torch.sort(keys, dim=1).values
         tol = 1e-5 * float(ordered.abs().max())
-        assert bool((seed >= ordered[:, tr.SAMPLE_LIST - 1] - tol).all())
+        assert bool((seed >= ordered[:, tcands.SAMPLE_LIST - 1] - tol).all())
         assert bool(((keys - seed[:, None]).abs() <= tol).any(dim=1).all())
-        assert tr.sample_seed(qs, ts.take(torch.arange(300)), 128, cfg) is None   # too few targets
+        assert tcands.sample_seed(qs, ts.take(torch.arange(300)), 128, cfg) is None   # too few targets
 
         first = []
 
         def seeded_first(q_, t_, n_cand, seed=None, lower=False):
             if not first:
                 first.append(n_cand)
-                seed = tr.sample_seed(q_, t_, n_cand, cfg, lower=lower)
+                seed = tcands.sample_seed(q_, t_, n_cand, cfg, lower=lower)
             try:
-                return tr.triton_candidates(q_, t_, n_cand, config=cfg, seed=seed, lower=lower)
-            except tr.LaunchRefused:   # a widened list too long for the segments: as the library
-                return gt.torch_candidates(q_, t_, n_cand, lower=lower)
+                return tcands.triton_candidates(q_, t_, n_cand, config=cfg, seed=seed, lower=lower)
+            except tplan.LaunchRefused:   # a widened list too long for the segments: as the library
+                return gs.torch_candidates(q_, t_, n_cand, lower=lower)
 
-        v, i = gt.exact_topk(qs, ts, 70, seeded_first, max_candidates=256, values=tr.triton_exact_values,
+        v, i = gs.exact_topk(qs, ts, 70, seeded_first, max_candidates=256, values=trerank.triton_exact_values,
                              seeded=True, lower=lower, first_width=128)
         assert first == [128]
         check_result(q, t, 70, metric, v.numpy(), i.numpy())

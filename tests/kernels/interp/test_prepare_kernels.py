@@ -1,5 +1,5 @@
-"""The target-preparation kernels (``_gpu_triton.triton_prepare_targets``) against the torch
-form (``_gpu_torch.prepare_targets_side``) under the Triton interpreter: the same frame (its
+"""The target-preparation kernels (``_triton_prepare.triton_prepare_targets``) against the torch
+form (``_gpu_prepare.prepare_targets_side``) under the Triton interpreter: the same frame (its
 centre up to the order of the float64 sums, the same power of two), the same working rows and
 operands bit for bit in the torch form's frame, and norms, residuals and biases never below
 their float64 values and within a float32 rounding of the torch form's. Rows with an offset
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from nearest_kernels import _gpu_torch as gt
-from nearest_kernels import _gpu_triton as tr
+from nearest_kernels import _gpu_prepare as gp
+from nearest_kernels import _triton_prepare as tprep
 
 CASES = [("l2", "bf16", torch.float32, 37, 130), ("sqeuclidean", "tf32", torch.float64, 70, 3),
          ("inner_product", "fp32", torch.float32, 5, 129), ("l2", "bf16", torch.float64, 33, 256)]
@@ -36,13 +36,13 @@ def _check_norm(got, ref, truth):
 
 
 @pytest.mark.parametrize("metric,precision,dtype,n,d", CASES)
-@pytest.mark.parametrize("sum_rows", [tr.PREP_SUM_ROWS, tr.PREP_ROWS])
+@pytest.mark.parametrize("sum_rows", [tprep.PREP_SUM_ROWS, tprep.PREP_ROWS])
 def test_the_kernels_prepare_the_torch_forms_side(metric, precision, dtype, n, d, sum_rows, monkeypatch):
     # PREP_ROWS rows per column-sum program: several partial sums (the block's own: one).
-    monkeypatch.setattr(tr, "PREP_SUM_ROWS", sum_rows)
+    monkeypatch.setattr(tprep, "PREP_SUM_ROWS", sum_rows)
     x = _rows(n, d, dtype, n + d)
-    ref = gt.prepare_targets_side(x, metric, precision)
-    got = tr.triton_prepare_targets(x, metric, precision)
+    ref = gp.prepare_targets_side(x, metric, precision)
+    got = tprep.triton_prepare_targets(x, metric, precision)
     assert got.frame.scale == ref.frame.scale
     assert got.frame.row_scaled == ref.frame.row_scaled
     torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-13, atol=0)
@@ -52,12 +52,12 @@ def test_the_kernels_prepare_the_torch_forms_side(metric, precision, dtype, n, d
     assert got.offset is None and got.metric == metric and got.precision == precision
 
     # In the torch form's frame the working rows and operands are the same bits.
-    tr_frame = tr.triton_working_frame
+    tr_frame = tprep.triton_working_frame
     try:
-        tr.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
-        same = tr.triton_prepare_targets(x, metric, precision)
+        tprep.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
+        same = tprep.triton_prepare_targets(x, metric, precision)
     finally:
-        tr.triton_working_frame = tr_frame
+        tprep.triton_working_frame = tr_frame
     assert torch.equal(same.exact, ref.exact)
     assert same.operand.dtype == ref.operand.dtype
     assert torch.equal(same.operand.float(), ref.operand.float())
@@ -77,10 +77,10 @@ def test_the_kernels_prepare_the_torch_forms_side(metric, precision, dtype, n, d
                          [case for case in CASES if case[0] != "inner_product"])
 def test_the_fill_pass_prepares_the_torch_forms_queries(metric, precision, dtype, n, d):
     # Queries off the block (another offset): the targets' frame, not their own.
-    ts = tr.triton_prepare_targets(_rows(n, d, torch.float32, 1), metric, precision)
+    ts = tprep.triton_prepare_targets(_rows(n, d, torch.float32, 1), metric, precision)
     q = _rows(11, d, dtype, 2) + 3
-    ref = gt.prepare_queries(q, ts)
-    got = tr.triton_prepare_queries(q, ts)
+    ref = gp.prepare_queries(q, ts)
+    got = tprep.triton_prepare_queries(q, ts)
     assert got.frame is ts.frame and got.offset is None and torch.equal(got.source, q)
     assert torch.equal(got.factor, ref.factor)
     assert torch.equal(got.exact, ref.exact)

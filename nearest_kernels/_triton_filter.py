@@ -1,0 +1,246 @@
+"""The threshold-filter first pass on the host: thresholds, buffers, launches, selection.
+
+Where ``gpu.filter_refusal`` accepts (bf16, d >= 256, compute capability 9.x) the first pass
+is instead a threshold filter (:func:`filter_candidates`: per-row thresholds from a sample,
+one pass appending every key below them to a per-row buffer, no list in registers).
+Its kernel is ``_triton_candidate_kernels.filter_kernel``; the thresholds come from a sample
+pass of the register-list kernel (:func:`filter_threshold`), and :func:`filter_select` turns
+a pass's buffers into the lists, indices and floor of ``triton_candidates``' contract.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ._gpu_bound import lower_bias_table, lower_levels
+from ._gpu_prepare import PreparedSide, key_alpha
+from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, filter_kernel, unpack
+from ._triton_candidates import kernel_buffer, triton_candidates
+from ._triton_compile import AHEAD, load_refusal
+from ._triton_plan import (
+    BLOCK_N,
+    SEG_CAND,
+    SEGMENT_MIN_TILES,
+    LaunchRefused,
+    TileConfig,
+    device_limits,
+    plan_candidates,
+)
+
+
+@dataclass(frozen=True)
+class FilterTiles:
+    """The filter pass's launch shape: 128 x 256 tiles (two 64 x 256 wgmma warpgroups: the
+    m64n256 product reads its operands from shared memory half as often per product as
+    128 x 128 tiles, and with no list beside it the accumulator fits), d in 64-wide chunks,
+    three chunk pairs in flight ((128 + 256) x 64 x 2 bytes each in bf16)."""
+
+    block_m: int = 128
+    block_n: int = 256
+    block_d: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+FILTER_TILES = FilterTiles()
+
+
+def filter_sample(n_cand: int) -> tuple[int, int]:
+    """(step, j) of the filter's thresholds for a first list of ``n_cand``: each row's j-th
+    key over every step-th target, so that about ``step x j`` targets of the block pass it.
+    Every 32nd target: at j = 5 for lists up to 64 (k up to about 32: about 160 hits a row,
+    five times a list of 32, so the list's floor is mostly its own 32nd key; a row with
+    fewer hits keeps the threshold as its floor, still far above its k-th key), at j = 20
+    beyond (k = 100's list of 512: about 640 hits). The sample pass costs 1 / step of the
+    block's product (every 16th target cost the short lists' search more in that pass than
+    the wider spread of their hits costs the filter) and the selection reads more the more
+    hits: the fastest pairs measured, with the appends of the time (an atomic per hit;
+    benchmarks/gpu_notes.md)."""
+    return (32, 5) if n_cand <= 64 else (32, 20)
+
+
+def filter_cap(n_cand: int) -> int:
+    """Buffer slots per row for :func:`filter_sample`'s thresholds: a row's hits are about
+    ``step x j`` and its spread follows the sample's j-th order statistic (about
+    ``step sqrt(j)`` hits a standard deviation): 1.25 step j + 6 step sqrt(j) + 64, up to a
+    power of two (1024 for lists up to 64, 2048 beyond). A row past it overflows: its floor
+    is -inf and the widening rounds search it (exact, slower)."""
+    step, j = filter_sample(n_cand)
+    return 1 << math.ceil(math.log2(1.25 * step * j + 6 * step * math.sqrt(j) + 64))
+
+
+# Least positions of a buffer slice (many splits: few query rows, a small buffer).
+FILTER_MIN_SLOTS = 8
+
+
+def filter_slots(cap: int, splits: int) -> int:
+    """Positions per slice of a row's filter buffer (``splits x FILTER_LANES`` slices,
+    ``filter_kernel``): an equal share of ``cap``, at least ``FILTER_MIN_SLOTS``. A slice's
+    hits are about its share of the row's, whose spread ``cap`` already covers; a row with
+    a slice past it overflows (its floor is -inf and the widening rounds search it)."""
+    return max(FILTER_MIN_SLOTS, cap // (splits * FILTER_LANES))
+
+
+# The filter's sample must fill the segmented lists of its pass (n_cand up to 32 over at least
+# 2 x SEGMENT_MIN_TILES tiles of every segment), else its pass would compile another kernel.
+FILTER_MIN_SAMPLE = 4 * SEGMENT_MIN_TILES * BLOCK_N
+
+
+def filter_sample_rows(nt: int, n_cand: int) -> int:
+    """Rows of the sample the filter's thresholds take over ``nt`` targets (every step-th),
+    0 where the sample would be too small for its pass."""
+    step, _ = filter_sample(n_cand)
+    rows = -(-nt // step)
+    return rows if rows >= FILTER_MIN_SAMPLE else 0
+
+
+def filter_splits(m: int, nt: int, tiles: FilterTiles, sms: int) -> int:
+    """Target splits of the filter pass: two (the measured shape at 65,536 queries), more
+    where the queries alone give fewer programs than two waves."""
+    q_tiles = max(1, math.ceil(m / tiles.block_m))
+    return max(1, min(max(2, math.ceil(2 * sms / q_tiles)), math.ceil(nt / tiles.block_n)))
+
+
+def filter_arguments(q_chunk, t_op, bias, level, thr, count, buf, rows: int, nt: int, d: int, alpha: float,
+                     stride_level: int, slots: int, splits: int, *, lower: bool, upcast: bool,
+                     tiles: FilterTiles = FILTER_TILES):
+    """(grid, args, kwargs) of one ``filter_kernel`` launch over ``rows`` query rows, ``slots``
+    positions per buffer slice (``buf`` rows of ``splits x FILTER_LANES x slots``)."""
+    if not upcast and tiles.block_m != 16 * tiles.num_warps:
+        # the PTX appends keep one counter per row of a thread: one 16-row band per warp
+        raise ValueError(f"filter tiles: BLOCK_M {tiles.block_m} must be 16 x num_warps ({tiles.num_warps})")
+    q_desc = TensorDescriptor.from_tensor(q_chunk, [tiles.block_m, tiles.block_d])
+    t_desc = TensorDescriptor.from_tensor(t_op, [tiles.block_n, tiles.block_d])
+    grid = (math.ceil(rows / tiles.block_m), splits)
+    row_slots = splits * FILTER_LANES * slots
+    args = (q_desc, t_desc, bias, level, thr, count, buf, rows, nt, d, alpha, stride_level, row_slots, slots)
+    kwargs = dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+                  APPEND_PTX=not upcast, LEVELS=lower, DOT_UPCAST=upcast,
+                  num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return grid, args, kwargs
+
+
+def filter_threshold(queries: PreparedSide, targets: PreparedSide, n_cand: int, config: TileConfig,
+                     *, lower: bool = False, buffer_bytes: int = 1 << 30) -> torch.Tensor | None:
+    """Each row's threshold for a filter pass of ``n_cand`` (:func:`filter_sample`): its j-th
+    key over every step-th target, by the search's compiled candidate kernel ``config`` (as
+    :func:`sample_seed`: the sample's own prepared rows, kept in the block's cache; lower keys
+    at the first pass's levels). None where the sample is too small or its pass would not
+    run the segmented kernel. Any threshold is exact (the floor follows it); this one is
+    only what makes the filter's hits few and still more than the list."""
+    step, j = filter_sample(n_cand)
+    if not filter_sample_rows(targets.rows, n_cand):
+        return None
+    width = max(SEG_CAND, triton.next_power_of_2(j))
+    plans = plan_candidates(queries.rows, filter_sample_rows(targets.rows, n_cand), queries.dim, width,
+                            queries.precision, device_limits(queries.exact.device), config=config)
+    if not plans or not plans[0].segmented:
+        return None
+    sample = targets.cache.get(("sample", step))
+    if sample is None:
+        sample = targets.take(torch.arange(0, targets.rows, step, device=targets.exact.device))
+        targets.cache[("sample", step)] = sample
+    rank1 = {"rank1": queries.cache["rank1"]} if "rank1" in queries.cache else {}
+    rows_view = dataclasses.replace(queries, cache=rank1)
+    keys = triton_candidates(rows_view, sample, width, config=config, lower=lower,
+                             levels=lower_levels(n_cand), buffer_bytes=buffer_bytes)[0]
+    return keys[:, j - 1].contiguous()
+
+
+def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tensor, n_cand: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(keys, indices, floor) of a filter pass's rows from their counters and buffers.
+
+    ``count`` (rows, slices): the hits of each slice of a row's buffer, whose position ``p``
+    of slice ``i`` is ``buf[row, p * slices + i]`` (``filter_kernel``). A row whose hits fit
+    its list: all of them, floor just above its threshold (every key not appended exceeds
+    it). More hits than ``n_cand``: the n_cand best (packed order: key, then the lower
+    index), floor the lesser of that and the first key cut off. A slice with more hits than
+    its positions (overflow): the n_cand best of those stored, floor -inf (not proven:
+    ``_gpu_search.exact_topk`` widens it). One host sync (the largest count: only the
+    positions below it are read)."""
+    rows, slices = count.shape
+    slots = buf.shape[1] // slices
+    deep = min(slots, max(1, int(count.max())))
+    width = deep * slices
+    live = torch.arange(deep, device=buf.device)[None, :, None] < count[:, None, :]
+    part = torch.where(live, buf.view(rows, slots, slices)[:, :deep], EMPTY).view(rows, width)
+    if width > n_cand:
+        top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
+        lists, cut = top[:, :n_cand], unpack(top[:, n_cand])[0]
+    else:
+        lists = torch.sort(part, dim=1).values
+        if width < n_cand:
+            lists = torch.cat([lists, torch.full((rows, n_cand - width), EMPTY, dtype=lists.dtype,
+                                                 device=lists.device)], dim=1)
+        cut = torch.full((rows,), math.inf, dtype=torch.float32, device=buf.device)
+    keys, idx = unpack(lists)
+    above = torch.nextafter(threshold, torch.full_like(threshold, math.inf))
+    floor = torch.where((count > slots).any(dim=1), -math.inf, torch.minimum(above, cut))
+    return keys, idx, floor
+
+
+def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int, threshold: torch.Tensor,
+                      *, lower: bool = False, levels: int | None = None, buffer_bytes: int = 1 << 30,
+                      tiles: FilterTiles = FILTER_TILES, cap: int | None = None, splits: int | None = None,
+                      slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first candidate pass by threshold filter: :func:`triton_candidates`'s contract.
+
+    Returns keys float32 (m, n_cand) ascending (+inf empty), indices int64 (-1 empty) and
+    ``floor`` (m,): every target not in a row's list has approximate key >= floor
+    (:func:`filter_select`; -inf for a row that overflowed its buffer, which the proof
+    never accepts). The keys are the candidate kernels' keys of the same operands
+    (``lower``: lower keys from :func:`_gpu_bound.lower_bias_table` at ``levels``, default
+    ``lower_levels(n_cand)``). ``threshold`` float32 (m,), usually :func:`filter_threshold`;
+    any value is exact. ``cap``: buffer slots per row (default :func:`filter_cap`), in slices of
+    ``slots`` positions (default :func:`filter_slots`); rows run in chunks whose int64 buffer
+    fits ``buffer_bytes``; each chunk is one pass over the block. ``tiles``, ``splits`` and
+    ``slots`` are for tests with tiny blocks. CUDA needs compute
+    capability 9.x (TMA, the inline PTX); the interpreter runs the atomic form.
+    :class:`LaunchRefused` when the compiled kernel does not load.
+    """
+    m, nt, d = queries.rows, targets.rows, queries.dim
+    device = queries.exact.device
+    if nt > MAX_TARGETS:
+        raise ValueError(f"targets: at most {MAX_TARGETS} rows per block, got {nt}")
+    cap = cap or filter_cap(n_cand)
+    keys_out = torch.full((m, n_cand), math.inf, dtype=torch.float32, device=device)
+    idx_out = torch.full((m, n_cand), -1, dtype=torch.int64, device=device)
+    floor_out = torch.full((m,), math.inf, dtype=torch.float32, device=device)
+    if m == 0 or nt == 0:
+        return keys_out, idx_out, floor_out
+    upcast = device.type != "cuda"
+    alpha = key_alpha(queries.metric)
+    if lower:
+        table, level_all = lower_bias_table(queries, targets, tiles.block_m, levels or lower_levels(n_cand))
+    threshold = torch.nan_to_num(threshold.to(torch.float32), nan=-math.inf).contiguous()
+    rows_per_launch = max(tiles.block_m, buffer_bytes // (8 * cap) // tiles.block_m * tiles.block_m)
+    n_splits = splits or filter_splits(min(m, rows_per_launch), nt, tiles, device_limits(device).sms)
+    slots = slots or filter_slots(cap, n_splits)
+    slices = n_splits * FILTER_LANES
+    rows_per_launch = max(tiles.block_m, buffer_bytes // (8 * slices * slots) // tiles.block_m * tiles.block_m)
+    for r0 in range(0, m, rows_per_launch):
+        r1 = min(m, r0 + rows_per_launch)
+        rows = r1 - r0
+        if lower:   # rows_per_launch is a multiple of block_m: programs stay aligned
+            bias, level, stride_level = table, level_all[r0 // tiles.block_m:], table.stride(0)
+        else:
+            bias, level, stride_level = targets.bias, targets.bias, 0   # level unread without LEVELS
+        count = torch.zeros((rows, slices), dtype=torch.int32, device=device)
+        buf = kernel_buffer((rows, slices * slots), torch.int64, device)
+        grid, args, kwargs = filter_arguments(
+            queries.operand[r0:r1], targets.operand, bias, level, threshold[r0:r1], count, buf, rows, nt, d,
+            alpha, stride_level, slots, n_splits, lower=lower, upcast=upcast, tiles=tiles)
+        if r0 == 0:
+            AHEAD.wait()
+            refusal = load_refusal(filter_kernel, grid, args, kwargs, device)
+            if refusal is not None:
+                raise LaunchRefused(f"filter kernel: {refusal}")
+        filter_kernel[grid](*args, **kwargs)
+        keys_out[r0:r1], idx_out[r0:r1], floor_out[r0:r1] = filter_select(count, buf, threshold[r0:r1], n_cand)
+    return keys_out, idx_out, floor_out

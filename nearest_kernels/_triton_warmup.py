@@ -1,0 +1,93 @@
+"""The compilation of a search's first kernels on threads, while its blocks are prepared.
+
+:func:`compile_ahead` (``gpu.compile_first_pass``) predicts from a search's shape the kernels
+it launches first, with the configurations and arguments its launches will have: the
+candidate kernel (``_triton_plan``, ``_triton_candidates``), the threshold filter
+(``_triton_filter``) and the re-rank (``_triton_rerank``); it compiles them on threads
+(``_triton_compile.AHEAD``), which those launches wait for. The top of the Triton modules:
+it imports the launchers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._gpu_prepare import key_alpha, l2_form
+from ._triton_candidate_kernels import filter_kernel
+from ._triton_candidates import candidate_launch
+from ._triton_compile import AHEAD, load_refusal
+from ._triton_filter import FILTER_TILES, filter_arguments, filter_cap, filter_slots, filter_splits
+from ._triton_plan import device_limits, plan_candidates, search_tiles, target_descriptor
+from ._triton_rerank import rerank_arguments, rerank_kernel
+
+
+def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, metric: str, lower: bool,
+                  device: torch.device, sources: tuple = (torch.float32, torch.float32),
+                  filtered: bool = False) -> bool:
+    """Compile, on threads, the kernels a search of ``m`` x ``nt`` rows at ``d`` launches
+    first: the candidate kernel for ``n_cand`` candidates (None: the torch path makes them;
+    its sample pass and widening rounds run the same kernel), the configuration
+    :func:`triton_candidates` would pick, with the same tiles (:func:`search_tiles`), plans
+    and arguments; and the re-rank (:func:`triton_exact_values`) of query and target rows
+    of the dtypes ``sources``; ``filtered``: the first pass is the threshold filter
+    (:func:`filter_candidates`): its kernel too (the candidate kernel then runs its sample
+    pass and the widening rounds). On one-row tensors of the operands' dtypes: sizes are not
+    specialised, dtypes, alignment and the dimension are. Once per shape and process; True
+    when it started. CUDA only."""
+    if device.type != "cuda" or min(m, nt, d) < 1:
+        return False
+    key = (str(device), m, nt, d, n_cand, precision, metric, lower, filtered)
+
+    def rerank():
+        torch.cuda.set_device(device)
+        one = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
+            ("q", (1, d), sources[0]), ("t", (1, d), sources[1]), ("qf", (1,), torch.float64),
+            ("tf", (1,), torch.float64), ("center", (d,), torch.float64), ("idx", (1, 1), torch.int64),
+            ("width", (1,), torch.int32), ("out", (1, 1), torch.float32))}
+        grid, args, kwargs = rerank_arguments(one["q"], one["t"], one["qf"], one["tf"], one["center"],
+                                              one["idx"], one["width"], one["out"], metric)
+        load_refusal(rerank_kernel, grid, args, kwargs, device)
+
+    started = AHEAD.start((str(device), d, l2_form(metric), sources), rerank)
+    if n_cand is None or n_cand < 1:
+        return started
+
+    def work():
+        torch.cuda.set_device(device)   # the thread's current device: the launch's cache
+        limits = device_limits(device)
+        config = search_tiles(m, nt, d, n_cand, precision, limits)
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        q_op = torch.empty((1, d), dtype=dtype, device=device)
+        t_op = torch.empty((1, d), dtype=dtype, device=device)
+        bias = torch.empty(16, dtype=torch.float32, device=device)
+        level = torch.zeros(1, dtype=torch.int32, device=device)
+        seed = torch.full((1,), math.inf, dtype=torch.float32, device=device)
+        for plan in plan_candidates(m, nt, d, n_cand, precision, limits, config=config):
+            t_arg = target_descriptor(t_op, plan.config.block_n, plan.block_d) if plan.t_desc else t_op
+            kernel, grid, args, kwargs, _ = candidate_launch(
+                plan, q_op, t_arg, t_op, bias, level if lower else bias, seed, m, nt, d,
+                key_alpha(metric), 16 if lower else 0, lower=lower, precision=precision,
+                upcast=False, out_rows=1)
+            if load_refusal(kernel, grid, args, kwargs, device) is None:
+                return
+
+    def filter_work():
+        torch.cuda.set_device(device)
+        limits = device_limits(device)
+        q_op = torch.empty((1, d), dtype=torch.bfloat16, device=device)
+        t_op = torch.empty((1, d), dtype=torch.bfloat16, device=device)
+        bias = torch.empty(16, dtype=torch.float32, device=device)
+        level = torch.zeros(1, dtype=torch.int32, device=device)
+        thr = torch.empty(1, dtype=torch.float32, device=device)
+        count = torch.empty(1, dtype=torch.int32, device=device)
+        buf = torch.empty(1, dtype=torch.int64, device=device)
+        splits = filter_splits(m, nt, FILTER_TILES, limits.sms)
+        grid, args, kwargs = filter_arguments(
+            q_op, t_op, bias, level if lower else bias, thr, count, buf, m, nt, d, key_alpha(metric),
+            16 if lower else 0, filter_slots(filter_cap(n_cand), splits), splits, lower=lower, upcast=False)
+        load_refusal(filter_kernel, grid, args, kwargs, device)
+
+    if filtered:
+        started = AHEAD.start(key + ("filter",), filter_work) or started
+    return AHEAD.start(key, work) or started
