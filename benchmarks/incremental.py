@@ -1,11 +1,11 @@
 """Incremental refresh against a full recompute (issue 43), local[2].
 
 Day 0: ``--nq`` queries x ``--nt`` targets (d, k from the options; clustered float32 vectors in
-Parquet, ids on both sides) joined in full by ``incremental_nearest_join`` (which writes the
-state) and by ``nearest_by_join`` (the full recompute a nightly job runs today). Then for each
+Parquet, ids on both sides) joined in full by ``incremental_nearest_join``, which writes the
+state. Then for each
 share in ``--shares``: that share of each side changed (a third deleted, a third updated, a
 third inserted), joined by a refresh from day 0's state and by a full recompute of the changed
-inputs, both writing ids and values to Parquet (no vectors, as the jobs write); the refresh's rows are checked against the full
+inputs (the exact join a nightly job runs today), both writing ids and values to Parquet (no vectors, as the jobs write); the refresh's rows are checked against the full
 recompute's (same values per query; targets equal outside ties at the k-th value).
 
 Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000 --d 64 --k 10] [--shares 0.01 0.001]
@@ -116,9 +116,6 @@ def main(argv=None) -> int:
     state = f"{tmp}/state"
     seconds, changes = incremental(q0, t0, state, f"{tmp}/inc0")
     rec.add(table, what="full run, writing the state", share=0.0, seconds=round(seconds, 1), nq=args.nq,
-            nt=args.nt, d=args.d, k=args.k, master="local[2]")
-    full0 = full(q0, t0, f"{tmp}/full0")
-    rec.add(table, what="full recompute (ids and values written)", share=0.0, seconds=round(full0, 1), nq=args.nq,
             nt=args.nt, d=args.d, k=args.k, master="local[2]")
     rec.print_tables()
     for i, share in enumerate(args.shares, start=1):
