@@ -73,8 +73,12 @@ class Day:
     def frames(self, spark):
         def vectors(m):
             return [None if np.isnan(row).any() else row for row in m]
-        return (_frame(spark, self.q_ids, vectors(self.q), "qid", "v"),
-                _frame(spark, self.t_ids, vectors(self.t), "tid", "w"))
+        # cached: a DataFrame of Python rows is otherwise deserialised in Python by every job
+        frames = (_frame(spark, self.q_ids, vectors(self.q), "qid", "v").cache(),
+                  _frame(spark, self.t_ids, vectors(self.t), "tid", "w").cache())
+        for frame in frames:
+            frame.count()
+        return frames
 
 
 @pytest.mark.parametrize("metric, margin", [("l2", 2), ("cosine", 0)])
@@ -85,7 +89,7 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin):
     day.q[7] = np.nan     # a query without one
     state = tmp_path / "state"
     descending = metric == "cosine"
-    for n in range(4):
+    for n in range(3):
         q, t = day.frames(spark)
         run = incremental_nearest_join(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
                                        state=str(state), margin=margin, distance_col="d")
@@ -108,6 +112,7 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin):
             assert c.queries_searched_whole == c.queries_inserted + c.queries_changed + c.queries_short
             assert c.queries_searched_whole < len(day.q_ids)
         run.commit()
+        q.unpersist(), t.unpersist()
         day.change(rng, 0.01)
 
 
