@@ -78,7 +78,7 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     from .ranking import column, quote
 
@@ -144,7 +144,7 @@ class IvfSearch:
 def _vector_columns(planned):
     """Each side's vector column alone and its layout for routing (``udfs.lists``): what the
     planner's count of the lists reads (the payload columns need not cross to Python)."""
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     from .ranking import column, quote
 

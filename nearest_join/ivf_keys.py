@@ -86,7 +86,7 @@ def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
 
     from udfs import columns as C
     from udfs.lists import KEY_LIST_SCHEMA, count_key_lists
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     from .ranking import quote
 
@@ -121,7 +121,7 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
 
     from udfs import columns as C
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
     from udfs.vectors import decode_vectors
 
     from .ranking import quote
@@ -224,7 +224,7 @@ def keyed_vector_columns(planned, frames, names):
     (of :func:`keyed_inputs`' ``frames`` and ``names``), what the blocked plan's count of the
     (key, list) groups reads."""
     from udfs import columns as C
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     from .ranking import quote
 

@@ -28,7 +28,7 @@ def warm() -> None:
 
     from udfs.context import JoinContext, SearchSettings
     from udfs.local import local_join
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     # the rare paths compile in a process of their own meanwhile: the machine's second core
     rare = subprocess.Popen([sys.executable, "-c", "from tests import warm_kernels; warm_kernels._rare_paths()"],

@@ -30,11 +30,10 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .context import JoinContext, SearchSettings, task_cpus
+from .context import JoinContext, SearchSettings, SideLayout, task_cpus
 from .emit import emit_rows
 from .groups import GroupSegments, group_ids, grouped_search
 from .packing import (
-    SideLayout,
     binary_array,
     binary_values,
     blob_to_table,

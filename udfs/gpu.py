@@ -21,7 +21,7 @@ CPU executor needs no configuration. Otherwise the searcher
   that fits one batch stays on the device while the next call passes the same memory;
 * sizes its batches and candidate buffers from the device memory free when it opened.
 
-The pieces it is built from live apart: the task's GPU and scope (``udfs.gpu_task``), the
+The pieces it is built from live apart: the task's GPU and scope (``udfs.context``), the
 kept and resident target blocks (``udfs.target_cache``), host staging and prefetch
 (``udfs.staging``) and the device-side fold (``udfs.device_fold``).
 """
@@ -33,8 +33,7 @@ import logging
 import numpy as np
 
 from .device_fold import DeviceFold
-from .gpu_task import address_to_ordinal, task_gpu_address, task_scope
-from .context import SearchSettings
+from .context import SearchSettings, address_to_ordinal, task_gpu_address, task_scope
 from .staging import HostStaging, same_memory
 from .target_cache import TargetStore, fingerprint, kept_targets, prepared_bytes
 

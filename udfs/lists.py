@@ -31,7 +31,8 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .packing import SideLayout, pack_blocks
+from .context import SideLayout
+from .packing import pack_blocks
 from .vectors import decode_vectors
 
 # The sample search's output: (sampled query, value, list of the neighbour, order key).
@@ -145,8 +146,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     from nearest_kernels import knn, merge_topk
     from nearest_kernels.kmeans import route
 
-    from .packing import task_partition
-    from .context import task_cpus
+    from .context import task_cpus, task_partition
 
     threads = task_cpus()
     nq, d = queries.shape

@@ -11,28 +11,15 @@ plans (``udfs.blocks``) and the top-k wire format (``udfs.topk``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from . import columns as C
+from .context import SideLayout, task_partition
 from .vectors import decode_vectors, value_offsets
 
 PACKED_SCHEMA = pa.schema([(C.BLOCK_ID, pa.int64()), (C.BLOB, pa.binary())])
-
-
-@dataclass(frozen=True)
-class SideLayout:
-    """Where one side's vectors are and what they must look like (plain picklable values)."""
-
-    label: str              # the user's column name, for errors
-    vector_index: int       # position of the vector column among the side's columns
-    dimension: int | None   # expected vector length; None = take the first vector's
-    block_rows: int         # rows per packed block
-    expected_from: str = "the other side"
-    group_index: int | None = None   # on= keys: position of the int group id column (the last)
-
 
 
 def write_stream(sink, table: pa.Table) -> None:
@@ -69,20 +56,6 @@ def binary_array(buffers: list[pa.Buffer]) -> pa.Array:
     data = buffers[0] if len(buffers) == 1 else pa.py_buffer(b"".join(memoryview(b) for b in buffers))
     return pa.Array.from_buffers(pa.binary(), len(buffers),
                                  [None, pa.py_buffer(offsets.astype(np.int32)), data])
-
-
-def task_partition() -> int:
-    """This task's partition id inside Spark (0 outside it): the high bits of the ids this
-    task gives its blocks (and ``udfs.lists.sample_topk`` its rows)."""
-    try:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        if ctx is not None:
-            return int(ctx.partitionId())
-    except ImportError:
-        pass
-    return 0
 
 
 def check_dimensions(batch: pa.RecordBatch, layout: SideLayout) -> None:

@@ -8,14 +8,13 @@ target block copy it once.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import numpy as np
 
 from nearest_kernels import knn
 
-from .context import SearchSettings, task_cpus
+from .context import SearchSettings, cuda_may_exist, task_cpus
 
 logger = logging.getLogger(__name__)
 
@@ -56,22 +55,6 @@ def wait_for_warm_ups() -> None:
         return
     for thread in threads:
         thread.join()
-
-
-def cuda_may_exist() -> bool:
-    """A cheap look for an NVIDIA device before paying for ``import torch`` (seconds).
-
-    True when Spark assigned the task a GPU resource or the driver's device nodes exist.
-    """
-    try:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        if ctx is not None and "gpu" in (ctx.resources() or {}):
-            return True
-    except ImportError:
-        pass
-    return os.path.exists("/dev/nvidiactl") or os.path.exists("/proc/driver/nvidia/version")
 
 
 def open_block_searcher(settings: SearchSettings) -> BlockSearcher:

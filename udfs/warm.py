@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .context import JoinContext, SearchSettings
+from .context import JoinContext, SearchSettings, SideLayout, cuda_may_exist
 from .local import local_join
-from .packing import SideLayout
-from .searcher import cuda_may_exist, warm_up_threads
+from .searcher import warm_up_threads
 
 logger = logging.getLogger(__name__)
 

@@ -406,7 +406,7 @@ def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, cappe
     from nearest_join.ivf_index import IVFIndex
     from nearest_kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     if scan_rows is not None:
         monkeypatch.setattr(udfs.lists, "SCAN_ROWS", scan_rows)

@@ -340,7 +340,7 @@ def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped, scan_rows
     from nearest_join.ivf_index import IVFIndex
     from nearest_kernels import knn
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     if scan_rows is not None:
         monkeypatch.setattr(udfs.lists, "SCAN_ROWS", scan_rows)

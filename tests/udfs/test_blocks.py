@@ -5,9 +5,9 @@ import pytest
 
 from nearest_kernels import knn
 from udfs import columns as C
-from udfs.context import JoinContext, SearchSettings
+from udfs.context import JoinContext, SearchSettings, SideLayout
 from udfs.local import local_join
-from udfs.packing import SideLayout, blob_to_table, pack_blocks
+from udfs.packing import blob_to_table, pack_blocks
 from udfs.topk import TopkState
 
 

@@ -16,7 +16,7 @@ from udfs.context import SearchSettings
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
 from udfs import gpu as G  # noqa: E402
-from udfs import gpu_task, target_cache  # noqa: E402
+from udfs import context, target_cache  # noqa: E402
 
 
 def test_memory_budget_is_the_fraction_of_the_tasks_share():
@@ -30,19 +30,19 @@ def test_memory_budget_is_the_fraction_of_the_tasks_share():
 
 
 def test_address_is_the_cuda_ordinal():
-    assert gpu_task.address_to_ordinal("1") == 1
+    assert context.address_to_ordinal("1") == 1
     with pytest.raises(ValueError, match="GPU address"):
-        gpu_task.address_to_ordinal("GPU-3f2a")
+        context.address_to_ordinal("GPU-3f2a")
 
 
 def test_task_address_and_scope_outside_spark_come_from_the_local_task():
-    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
-    with gpu_task.local_task(gpu="1", scope="stage 2"):
-        assert gpu_task.task_gpu_address() == "1" and gpu_task.task_scope() == "stage 2"
-        with gpu_task.local_task(scope="stage 3"):
-            assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() == "stage 3"
-        assert gpu_task.task_scope() == "stage 2"
-    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
+    assert context.task_gpu_address() is None and context.task_scope() is None
+    with context.local_task(gpu="1", scope="stage 2"):
+        assert context.task_gpu_address() == "1" and context.task_scope() == "stage 2"
+        with context.local_task(scope="stage 3"):
+            assert context.task_gpu_address() is None and context.task_scope() == "stage 3"
+        assert context.task_scope() == "stage 2"
+    assert context.task_gpu_address() is None and context.task_scope() is None
 
 
 def test_no_searcher_without_cuda_or_for_cpu_backends(monkeypatch):
@@ -214,7 +214,7 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     ref = knn(q, t, 4, "l2", backend="reference")[1]
 
     def task(scope, targets=t, keep=True, settings=settings):
-        with gpu_task.local_task(scope=scope):
+        with context.local_task(scope=scope):
             searcher = G.GpuBlockSearcher(settings, torch.device("cpu"))
         fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
         return searcher, fold.to_numpy()[3]
@@ -247,7 +247,7 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     q = rng.standard_normal((10, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
     block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
-    with gpu_task.local_task(scope="stage 1"):
+    with context.local_task(scope="stage 1"):
         searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                       memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
@@ -301,7 +301,7 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     import pyarrow as pa
 
     def scopes(batches):
-        from udfs.gpu_task import local_task, task_scope
+        from udfs.context import local_task, task_scope
 
         with local_task(scope="ignored inside Spark"):
             for _ in batches:

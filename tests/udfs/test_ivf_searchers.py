@@ -27,8 +27,8 @@ from udfs import blocks as B
 from udfs.groups import SEGMENT_WORK
 from udfs.lists import pack_listed
 from udfs.local import pair_batches
-from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block
-from udfs.context import SearchSettings
+from udfs.context import SearchSettings, SideLayout
+from udfs.packing import PACKED_SCHEMA, empty_target_block
 from udfs.searcher import BlockSearcher
 
 try:

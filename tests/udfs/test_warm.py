@@ -26,7 +26,7 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
         from numba.core import event
         from udfs.context import JoinContext, SearchSettings
         from udfs.local import local_join
-        from udfs.packing import SideLayout
+        from udfs.context import SideLayout
         from udfs.warm import WarmUp, start_warm_up
 
         compiled = []
