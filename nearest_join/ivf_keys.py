@@ -122,7 +122,7 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
     from udfs import columns as C
     from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.context import SideLayout
-    from udfs.vectors import decode_vectors
+    from udfs.decode import decode_vectors
 
     from .ranking import quote
 

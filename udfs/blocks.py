@@ -30,19 +30,14 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .context import JoinContext, SearchSettings, SideLayout, task_cpus
+from .context import JoinContext, SearchSettings, task_cpus
+from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
 from .emit import emit_rows
-from .groups import GroupSegments, group_ids, grouped_search
-from .packing import (
-    binary_array,
-    binary_values,
-    blob_to_table,
-    table_to_blob,
-)
+from .groups import GroupSegments, grouped_search
+from .packing import binary_array, table_to_blob
 from .rows import ColumnViews, pooled_empty, take_rows
 from .searcher import open_block_searcher
 from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
-from .vectors import decode_vectors
 
 PARTIAL_SCHEMA = pa.schema([
     (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),
@@ -76,21 +71,8 @@ class _PairSearch:
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
-    @staticmethod
-    def _decode(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        """(rows, vectors, group ids or None): a keyed side's group id column is dropped
-        from the rows (the output has the user's columns only)."""
-        table = blob_to_table(blob)
-        groups = None
-        if side.group_index is not None:
-            groups = group_ids(table.column(side.group_index))
-            table = table.remove_column(side.group_index)
-        vectors = decode_vectors(table.column(side.vector_index), side.dimension, label=side.label,
-                                 expected_from=side.expected_from)
-        return table, vectors, groups
-
     def query_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        return self._decode(blob, self.ctx.query)
+        return decode_block(blob, self.ctx.query)
 
     def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         """A broadcast target block, decoded once per task: every query block meets it.
@@ -113,7 +95,7 @@ class _PairSearch:
         return self._union[1]
 
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        return self._decode(blob, self.ctx.target)
+        return decode_block(blob, self.ctx.target)
 
     def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
         """(values, rows) of one block pair: :func:`block_search` with the task's searcher."""
@@ -453,8 +435,6 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
         segments = GroupSegments.of(group_ids(targets.column(C.GROUP)))
         groups = group_ids(queries.column(C.GROUP))
         if first.size < q_ids.size:      # some query row in several groups: its probes, CSR
-            from .probes import Probes
-
             groups = Probes(np.append(first, q_ids.size).astype(np.int64), groups)
             q_vectors = q_vectors[first]
         searcher = _cell_searcher(ctx.settings)

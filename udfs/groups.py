@@ -28,9 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
 
-NO_GROUP = -1
 # A group whose query rows x target rows x d is at most this goes to the batched segment
 # search; above it, to its own kernel call. The segment loop runs without BLAS, so its cost
 # grows with the work, while a kernel call pays a fixed set-up first. On a CPU executor the
@@ -38,18 +36,6 @@ NO_GROUP = -1
 # --segment-work times both per group); the line is drawn low for the GPU searcher, whose
 # call is cheap against the arithmetic it takes off the CPU (not measured on a GPU yet).
 SEGMENT_WORK = 1 << 20
-
-
-def group_ids(column: pa.ChunkedArray | pa.Array):
-    """int64 group ids of an Arrow column; NULL (no group) reads ``NO_GROUP``. A ``list<int>``
-    column (the IVF plan's probed lists: several groups per row) reads as
-    :class:`udfs.probes.Probes`, which :func:`grouped_search` takes in place of the ids."""
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
-        from .probes import Probes
-
-        return Probes.of_arrow(array)
-    return array.fill_null(NO_GROUP).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
 @dataclass(frozen=True)

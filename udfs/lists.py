@@ -32,8 +32,8 @@ import pyarrow as pa
 
 from . import columns as C
 from .context import SideLayout
+from .decode import decode_vectors, group_ids
 from .packing import pack_blocks
-from .vectors import decode_vectors
 
 # The sample search's output: (sampled query, value, list of the neighbour, order key).
 # ``order`` (partition << 40 | row in the partition) breaks ties between partitions alike
@@ -102,10 +102,8 @@ def pack_listed(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centro
 def _scan_chunks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
                  dimension: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
     """A partition's (vectors, group ids) in row order, in chunks of at least
-    :data:`SCAN_ROWS` rows (the last one may be smaller); the ids (``udfs.groups.group_ids``
+    :data:`SCAN_ROWS` rows (the last one may be smaller); the ids (``udfs.decode.group_ids``
     of the ``layout.group_index`` column) None without one."""
-    from .groups import group_ids
-
     pending, groups, rows = [], [], 0
 
     def chunk():
@@ -210,7 +208,6 @@ def count_key_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, ce
     cannot rank, counts nowhere."""
     from nearest_kernels.kmeans import route  # numba: on executors only
 
-    from .groups import group_ids
     from .context import task_cpus
 
     threads = task_cpus()
@@ -302,7 +299,6 @@ def replace_key_groups(batches: Iterable[pa.RecordBatch], *, layout: SideLayout,
     a query row's probed ids (:func:`key_probes`)."""
     from nearest_kernels.kmeans import route  # numba: on executors only
 
-    from .groups import group_ids
     from .context import task_cpus
 
     threads = task_cpus()

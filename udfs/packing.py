@@ -5,8 +5,9 @@ most ``block_rows`` rows; each block becomes one row ``(block_id, blob)`` where 
 Arrow IPC stream holding the block's rows with *all* their columns. Payload columns
 therefore travel with the vectors: the output never re-reads the source, so a
 non-deterministic source (a union, a repartition) cannot change row identities between the
-search and the output. Also here: the Arrow codec of blobs and binary columns, shared by the
-plans (``udfs.blocks``) and the top-k wire format (``udfs.topk``).
+search and the output. Also here: the writing half of the Arrow codec of blobs and binary columns
+(its reading half is ``udfs.decode``), shared by the plans (``udfs.blocks``) and the top-k
+wire format (``udfs.topk``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pyarrow as pa
 
 from . import columns as C
 from .context import SideLayout, task_partition
-from .vectors import decode_vectors, value_offsets
+from .decode import decode_vectors
 
 PACKED_SCHEMA = pa.schema([(C.BLOCK_ID, pa.int64()), (C.BLOB, pa.binary())])
 
@@ -31,20 +32,6 @@ def table_to_blob(table: pa.Table) -> pa.Buffer:
     sink = pa.BufferOutputStream()
     write_stream(sink, table)
     return sink.getvalue()
-
-
-def blob_to_table(blob) -> pa.Table:
-    return pa.ipc.open_stream(blob).read_all()
-
-
-def binary_values(array: pa.Array) -> list[pa.Buffer]:
-    """Zero-copy buffers of every value of a binary column."""
-    array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    offsets = value_offsets(array)     # large_binary under useLargeVarTypes
-    data = array.buffers()[2]
-    if data is None:
-        return [pa.py_buffer(b"")] * len(array)
-    return [data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])) for i in range(len(array))]
 
 
 def binary_array(buffers: list[pa.Buffer]) -> pa.Array:
@@ -105,7 +92,6 @@ def pack_blocks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
             pending_rows = rest.num_rows
     if pending_rows:
         yield emit(pa.Table.from_batches(pending))
-
 
 
 def empty_target_block() -> pa.RecordBatch:

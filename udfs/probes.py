@@ -2,7 +2,7 @@
 
 In the IVF plan (``nearest_join.ivf``) the group of a target row is its list (nearest
 centroid) and a query row carries the ``nprobe`` lists it probes, as an Arrow ``list<int>``
-column: :class:`Probes` is that column as CSR (row ``i`` probes
+column: :class:`udfs.decode.Probes` is that column as CSR (row ``i`` probes
 ``groups[starts[i]:starts[i + 1]]``). :func:`probed_search` is
 :func:`udfs.groups.grouped_search` for such rows (``grouped_search`` hands them over): the
 same target block sorted by group once per task (:class:`udfs.groups.GroupSegments`), the
@@ -27,34 +27,12 @@ input.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
-__all__ = ["Probes", "probed_search"]
+from .decode import Probes
 
-
-@dataclass(frozen=True)
-class Probes:
-    """Each row's groups, CSR: row ``i`` is in ``groups[starts[i]:starts[i + 1]]`` (distinct)."""
-
-    starts: np.ndarray   # int64 (rows + 1,)
-    groups: np.ndarray   # int64
-
-    @property
-    def rows(self) -> int:
-        return self.starts.shape[0] - 1
-
-    @classmethod
-    def of_arrow(cls, array: pa.Array) -> Probes:
-        """A ``list<int>`` column; a NULL list (or a NULL item) probes nothing."""
-        lengths = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False)
-        starts = np.zeros(len(array) + 1, np.int64)
-        np.cumsum(lengths, out=starts[1:])
-        groups = pc.list_flatten(array).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
-        return cls(starts, groups)
+__all__ = ["probed_search"]
 
 
 def probed_search(search: Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]],

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from .vectors import as_array, value_offsets
+from .decode import as_array, value_offsets
 
 # Gathers above this many bytes are split over the task's threads.
 PARALLEL_BYTES = 8 << 20

@@ -21,7 +21,8 @@ import pyarrow as pa
 from nearest_kernels import merge_topk
 
 from . import columns as C
-from .packing import blob_to_table, table_to_blob, write_stream
+from .decode import blob_to_table
+from .packing import table_to_blob, write_stream
 from .rows import ColumnViews, gather_rows, gather_threads
 
 # A partial blob: an 8-byte little-endian length, the slot table's IPC stream, then the

@@ -18,7 +18,8 @@ from nearest_join import explain_nearest_join, nearest_by_join
 from nearest_kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
-from udfs.groups import SEGMENT_WORK, GroupSegments, group_ids, grouped_search
+from udfs.decode import group_ids
+from udfs.groups import SEGMENT_WORK, GroupSegments, grouped_search
 
 
 def _knn_search(k: int, metric: str):
@@ -108,7 +109,7 @@ def test_grouped_search_takes_probes_and_caps(metric):
 
 
 def test_probes_of_arrow():
-    from udfs.probes import Probes
+    from udfs.decode import Probes
 
     p = Probes.of_arrow(_probe_column([[3, 1], None, [], [2]]))
     assert p.rows == 4
@@ -375,7 +376,8 @@ def test_recall_estimate_against_measured_recall_without_spark():
     from nearest_join.ivf_index import IVFIndex
     from nearest_join.recall import recall_curve
     from nearest_kernels import knn
-    from udfs.probes import Probes, probed_search
+    from udfs.decode import Probes
+    from udfs.probes import probed_search
 
     targets = _clustered(4000, 8, 30, seed=2, spread=0.8)
     queries = _clustered(300, 8, 30, seed=3, spread=0.8)

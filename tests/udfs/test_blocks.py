@@ -7,7 +7,8 @@ from nearest_kernels import knn
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings, SideLayout
 from udfs.local import local_join
-from udfs.packing import blob_to_table, pack_blocks
+from udfs.decode import blob_to_table
+from udfs.packing import pack_blocks
 from udfs.topk import TopkState
 
 
@@ -149,28 +150,27 @@ def test_broadcast_decodes_each_target_block_once_ahead_and_a_failed_decode_fail
     """Target blocks are decoded on the worker as their first pair arrives (while the main
     thread decodes the query block), once per task; a decode that fails there still fails
     the task, from the fold that needs the block."""
-    from udfs import blocks as B
-    from udfs.vectors import VectorDimensionError
+    from udfs import decode as D
 
     rng = np.random.default_rng(6)
     _, _, qt, tt = _tables(rng, 35, 100, 3)
     decoded = []
-    real = B.decode_vectors
+    real = D.decode_vectors
 
     def counted(column, dimension, **kw):
         decoded.append(len(column))
         return real(column, dimension, **kw)
-    monkeypatch.setattr(B, "decode_vectors", counted)
+    monkeypatch.setattr(D, "decode_vectors", counted)
     out = local_join(qt, tt, _ctx(3, "l2", 3, 7, 50, schema=tt.schema), plan="broadcast")
     assert out.num_rows == 35 * 3
     assert decoded.count(50) == 2 and decoded.count(7) == 5, decoded
     # (Packing checks the dimensions first: a decode that fails here is a damaged block.)
     def failing(column, dimension, **kw):
         if len(column) == 50:
-            raise VectorDimensionError("damaged target block")
+            raise D.VectorDimensionError("damaged target block")
         return real(column, dimension, **kw)
-    monkeypatch.setattr(B, "decode_vectors", failing)
-    with pytest.raises(VectorDimensionError, match="damaged target block"):
+    monkeypatch.setattr(D, "decode_vectors", failing)
+    with pytest.raises(D.VectorDimensionError, match="damaged target block"):
         local_join(qt, tt, _ctx(3, "l2", 3, 7, 50, schema=tt.schema), plan="broadcast")
 
 

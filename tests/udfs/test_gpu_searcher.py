@@ -11,7 +11,7 @@ import pytest
 
 from nearest_kernels import knn
 from tests.oracle import assert_knn_result, backend_rtol
-from udfs.context import SearchSettings
+from udfs.context import JoinContext, SearchSettings, SideLayout
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
@@ -283,8 +283,8 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
     settings = SearchSettings(k, metric, "gpu")
     monkeypatch.setattr(B, "open_block_searcher",
                         lambda s: G.GpuBlockSearcher(s, torch.device(device)))
-    ctx = B.JoinContext(settings, B.SideLayout("qv", 1, d, 10), B.SideLayout("tv", 1, d, 20),
-                        "inner", True, tt.schema)
+    ctx = JoinContext(settings, SideLayout("qv", 1, d, 10), SideLayout("tv", 1, d, 20),
+                      "inner", True, tt.schema)
     out = local_join(qt, tt, ctx, plan="broadcast", partitions=2)
     values, indices = knn(Q, T, k, metric, backend="reference")
     got = {}
@@ -346,8 +346,8 @@ def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device)
         return opened[-1]
 
     monkeypatch.setattr(B, "open_block_searcher", open_gpu)
-    ctx = B.JoinContext(SearchSettings(k, metric, "gpu", "bf16"), B.SideLayout("qv", 1, d, 8),
-                        B.SideLayout("tv", 1, d, 50), "inner", True, tt.schema, cap=cap)
+    ctx = JoinContext(SearchSettings(k, metric, "gpu", "bf16"), SideLayout("qv", 1, d, 8),
+                      SideLayout("tv", 1, d, 50), "inner", True, tt.schema, cap=cap)
     out = local_join(qt, tt, ctx, plan=plan, partitions=2)
     assert opened
     _, indices = knn(Q, T, k, metric, backend="reference", cap=cap)
