@@ -9,7 +9,7 @@ plan:
    of the keyed plan's group id (``udfs.lists``), as the rows are packed into blocks (one
    pass: the rows cross from the JVM to Python once);
 2. every query row is routed to its ``nprobe`` nearest lists, a ``list<int>`` group column:
-   a query in several groups (``udfs.probes``), likewise as it is packed;
+   a query in several groups (``udfs.search.probed_search``), likewise as it is packed;
 3. the broadcast keyed search then searches each query row against the target rows of its
    lists only (small lists batched into one segment search, large ones one kernel call for
    all the queries that probe them) and the parts merge per query with the shared merge;
@@ -164,7 +164,7 @@ def ivf_carrier(plan) -> str | None:
     IVF lists are keyed-plan groups, and a query row is in ``nprobe`` of them. Both keyed
     plans take that:
 
-    * the broadcast keyed search (``udfs.probes``): one task holds every list, so a query's
+    * the broadcast keyed search (``udfs.search``): one task holds every list, so a query's
       lists are searched and merged in one place, and a huge list is one more kernel call,
       bounded by the broadcast;
     * the keyed blocked plan (``nearest_join.keyed``), for a target too large to broadcast:

@@ -33,10 +33,9 @@ from . import columns as C
 from .context import JoinContext, SearchSettings, task_cpus
 from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
 from .emit import emit_rows
-from .groups import GroupSegments, grouped_search
 from .packing import binary_array, table_to_blob
 from .rows import ColumnViews, pooled_empty, take_rows
-from .searcher import open_block_searcher
+from .search import GroupSegments, grouped_search, open_block_searcher
 from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
 
 PARTIAL_SCHEMA = pa.schema([
@@ -399,8 +398,8 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
     ``C.T_BLOCK_ID`` (this cell's target part) and ``C.CELL``; ``targets``: the side's columns,
     ``C.GROUP``, ``C.T_ROW`` and ``C.CELL``. A query row in several of the cell's groups (an
     IVF query whose probed lists share the cell's bin) arrives once per group and is searched
-    against all of them at once (``udfs.probes``). Each query row is searched against its
-    groups' rows only (:func:`udfs.groups.grouped_search`: small groups in one segment
+    against all of them at once (``udfs.search``). Each query row is searched against its
+    groups' rows only (:func:`udfs.search.grouped_search`: small groups in one segment
     search, large ones by the task's searcher); a target's key is its row id ``C.T_ROW``, so
     ties go to the target met first in input order, in whichever cell and part it lies.
 

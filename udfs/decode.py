@@ -223,7 +223,7 @@ class Probes:
 
     The IVF plan's query rows (``nearest_join.ivf``): a row carries the ``nprobe`` lists it
     probes as an Arrow ``list<int>`` column, and is searched against all of them at once
-    (``udfs.probes.probed_search``).
+    (``udfs.search.probed_search``).
     """
 
     starts: np.ndarray   # int64 (rows + 1,)
@@ -246,7 +246,7 @@ class Probes:
 def group_ids(column: pa.ChunkedArray | pa.Array):
     """int64 group ids of an Arrow column; NULL (no group) reads ``NO_GROUP``. A ``list<int>``
     column (the IVF plan's probed lists: several groups per row) reads as :class:`Probes`,
-    which :func:`udfs.groups.grouped_search` takes in place of the ids."""
+    which :func:`udfs.search.grouped_search` takes in place of the ids."""
     array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
     if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
         return Probes.of_arrow(array)

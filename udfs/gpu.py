@@ -1,6 +1,6 @@
 """GPU block searcher for executors: the task's GPU, a resident target block, pipelined copies.
 
-:func:`gpu_searcher_or_none` is what :func:`udfs.searcher.open_block_searcher` calls for
+:func:`gpu_searcher_or_none` is what :func:`udfs.search.open_block_searcher` calls for
 ``backend="auto"`` / ``"gpu"``. It returns None when torch or a CUDA device is missing, so a
 CPU executor needs no configuration. Otherwise the searcher
 

@@ -2,7 +2,7 @@
 the recall estimate's sample search.
 
 Each side gets its routing appended as the group column (``C.GROUP``) that the keyed search
-reads (``udfs.groups``): a target row its list (nearest centroid, int; NULL when its vector
+reads (``udfs.search``): a target row its list (nearest centroid, int; NULL when its vector
 cannot rank), a query row the ``nprobe`` lists it probes, nearest first (``list<int>``;
 empty when its vector cannot rank). Both come from
 :func:`nearest_kernels.kmeans.route`, the one exact assignment the driver trained and
@@ -139,7 +139,7 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
 
     ``query_groups`` (``on=`` keys: each sampled query's key group, -1 none): each query is
     ranked against the rows of its own group only, the batches' ``layout.group_index``
-    column holding the target rows' groups (:func:`udfs.groups.grouped_search`).
+    column holding the target rows' groups (:func:`udfs.search.grouped_search`).
     """
     from nearest_kernels import knn, merge_topk
     from nearest_kernels.kmeans import route
@@ -184,10 +184,10 @@ def _grouped_knn(queries: np.ndarray, query_groups: np.ndarray, vectors: np.ndar
                  threads: int) -> tuple[np.ndarray, np.ndarray]:
     """knn's (values, chunk rows) of ``queries`` against ``vectors`` (of group ids
     ``target_groups``), each query ranked against the rows of its own group only
-    (:func:`udfs.groups.grouped_search`)."""
+    (:func:`udfs.search.grouped_search`)."""
     from nearest_kernels import knn
 
-    from .groups import GroupSegments, grouped_search
+    from .search import GroupSegments, grouped_search
 
     segments = GroupSegments.of(target_groups)
     return grouped_search(lambda q, t: knn(q, t, k, metric, backend="cpu", threads=threads, cap=cap),

@@ -29,7 +29,7 @@ import pyarrow as pa
 
 from .context import JoinContext, SearchSettings, SideLayout, cuda_may_exist
 from .local import local_join
-from .searcher import warm_up_threads
+from .search import warm_up_threads
 
 logger = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """mode="approx" (issue 23): the IVF plan.
 
-Most checks run without Spark: the probed search of the executors (udfs.probes, through
-udfs.groups.grouped_search) against the float64 oracle restricted to each query's probed
-lists, on the adversarial inputs; the index artefact (nearest_join.ivf); the recall estimate
-and the choice of nprobe. A few small Spark joins check the plan end to end.
+Most checks run without Spark: the probed search of the executors (udfs.search.probed_search,
+through udfs.search.grouped_search) against the float64 oracle restricted to each query's
+probed lists, on the adversarial inputs; the index artefact (nearest_join.ivf); the recall
+estimate and the choice of nprobe. A few small Spark joins check the plan end to end.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from nearest_kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs.decode import group_ids
-from udfs.groups import SEGMENT_WORK, GroupSegments, grouped_search
+from udfs.search import SEGMENT_WORK, GroupSegments, grouped_search
 
 
 def _knn_search(k: int, metric: str):
@@ -58,7 +58,7 @@ PROBE_CASES = [c for c in cases(dims=(1, 3, 16, 128)) if c.targets.shape[0] >= 4
 @pytest.mark.parametrize("segment_work", [0, 3000, 1 << 40], ids=["all-large", "mixed", "all-small"])
 @pytest.mark.parametrize("case", PROBE_CASES, ids=repr)
 def test_probed_search_is_exact_within_the_probed_lists(case, segment_work):
-    from udfs.probes import probed_search
+    from udfs.search import probed_search
 
     rng = np.random.default_rng(7)
     n_groups, k = 9, 5
@@ -377,7 +377,7 @@ def test_recall_estimate_against_measured_recall_without_spark():
     from nearest_join.recall import recall_curve
     from nearest_kernels import knn
     from udfs.decode import Probes
-    from udfs.probes import probed_search
+    from udfs.search import probed_search
 
     targets = _clustered(4000, 8, 30, seed=2, spread=0.8)
     queries = _clustered(300, 8, 30, seed=3, spread=0.8)

@@ -2,10 +2,10 @@
 
 Both sides are routed and packed as the approx plan packs them (``udfs.lists.pack_listed``,
 the functions ``nearest_join.ivf.IvfSearch.packers`` hands the plan), the pairs run through the broadcast plan's loop
-(``udfs.blocks.search_broadcast``: ``udfs.groups.grouped_search`` hands the probed lists to
-``udfs.probes.probed_search``), and the joined rows are checked against the float64 oracle
+(``udfs.blocks.search_broadcast``: ``udfs.search.grouped_search`` hands the probed lists to
+``udfs.search.probed_search``), and the joined rows are checked against the float64 oracle
 restricted to each query's probed lists. One list is dense enough that its work is above
-``udfs.groups.SEGMENT_WORK``: it goes to the task's searcher, which is the CPU kernel, the
+``udfs.search.SEGMENT_WORK``: it goes to the task's searcher, which is the CPU kernel, the
 GPU searcher's torch path on a CPU device, or (``pytest -m gpu``, on a CUDA machine) the GPU
 searcher on the GPU; the other lists go to the batched segment search. With
 ``nprobe == nlist`` the rows are the exact result. Sized to run in seconds; imports no
@@ -24,12 +24,12 @@ from nearest_kernels import rankable_rows, resolve_metric, segments
 from nearest_kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
-from udfs.groups import SEGMENT_WORK
+from udfs.search import SEGMENT_WORK
 from udfs.lists import pack_listed
 from udfs.local import pair_batches
 from udfs.context import SearchSettings, SideLayout
 from udfs.packing import PACKED_SCHEMA, empty_target_block
-from udfs.searcher import BlockSearcher
+from udfs.search import BlockSearcher
 
 try:
     import torch
