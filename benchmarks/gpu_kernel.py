@@ -433,7 +433,7 @@ def main(argv=None) -> None:
             del prepared, q
             torch.cuda.empty_cache()
             # The GPU searcher alone (numpy in/out, host-device copies included, no Arrow).
-            from udfs.gpu import GpuBlockSearcher
+            from udfs.gpu_search import GpuBlockSearcher
             from udfs.context import SearchSettings
 
             searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), dev)

@@ -3,7 +3,7 @@
 Spark cannot run on the GPU machines (no Java), so each executor is one process per GPU
 running the same executor function Spark calls for the blocked plan,
 :func:`udfs.blocks.search_pairs`, fed the Arrow pair batches of its share of the
-(query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu`` does
+(query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu_search`` does
 under Spark, from the task's GPU address: here the address of :func:`udfs.context.local_task`, which
 :func:`udfs.context.task_gpu_address` reads when there is no TaskContext. The partial top-k of
 all processes then go through the same merge (:func:`udfs.blocks.merge_partials`) and the

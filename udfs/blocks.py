@@ -167,7 +167,7 @@ class _QueryBlock:
         self.id, self.table, self.vectors = block_id, table, vectors
         self.groups = groups                   # on= keys: each row's group id (-1: none)
         self.state: TopkState | None = None    # host fold (CPU searchers)
-        self.device_state = None               # device fold (udfs.device_fold.DeviceFold)
+        self.device_state = None               # device fold (udfs.gpu_search.DeviceFold)
         self.tables: list[pa.Table] = []       # payload tables, by source ordinal
         self.seen: set[int] = set()
         self.folds: list[Future] = []          # the worker's folds for this block, in order

@@ -44,7 +44,7 @@ class SearchSettings:
     gpu_share: float = 1.0      # GPU only: the task's share of its GPU (spark.task.resource.gpu.amount)
     # GPU only: (query rows, target rows, dimension, query dtype, target dtype) of the plan's
     # full block pair, or None: a GPU searcher compiles that configuration once per worker
-    # process before its first block (udfs.gpu.GpuBlockSearcher.warm_up).
+    # process before its first block (udfs.gpu_search.GpuBlockSearcher.warm_up).
     warm_shape: tuple | None = None
 
 

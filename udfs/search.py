@@ -2,9 +2,9 @@
 
 **The task's searcher.** A Spark task opens one searcher (:func:`open_block_searcher`: the
 backend and device chosen once, the thread share, the JIT warm-up) and streams its blocks
-through it: :class:`BlockSearcher` on the CPU, or the GPU searcher (``udfs.gpu``), which keeps
-the current target block resident on the device, keyed by ``target_key``, so that many query
-blocks against the same target block copy it once.
+through it: :class:`BlockSearcher` on the CPU, or the GPU searcher (``udfs.gpu_search``),
+which keeps the current target block resident on the device, keyed by ``target_key``, so that
+many query blocks against the same target block copy it once.
 
 **The keyed search** (:func:`grouped_search`): each query row meets only the target rows of
 its group. A group is a dense int id per row (``-1``: none): the driver numbers the distinct
@@ -122,7 +122,7 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
         skip["gpu"] = "no GPU assigned to this task and no NVIDIA driver on this host"
     name, reasons = choose_task_backend(settings.backend, skip=skip)
     if name == "gpu":
-        from .gpu import gpu_searcher_or_none
+        from .gpu_search import gpu_searcher_or_none
 
         searcher = gpu_searcher_or_none(settings)
         if searcher is not None:

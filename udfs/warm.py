@@ -13,7 +13,7 @@ on a few rows of the join's own element types, metric, k, cap and keys, on a dae
 
 A search that reaches a kernel still compiling waits for that compilation (numba compiles
 under one lock per process) instead of compiling it again. GPU tasks compile their own
-kernels (``udfs.gpu``): the warm-up covers the CPU backend only.
+kernels (``udfs.gpu_search``): the warm-up covers the CPU backend only.
 """
 from __future__ import annotations
 

@@ -72,7 +72,7 @@ def _table(ids: str, name: str, vectors: np.ndarray, null_row: int | None = None
 def _searcher(kind: str, settings: SearchSettings):
     if kind == "cpu":
         return BlockSearcher(settings)
-    from udfs.gpu import GpuBlockSearcher
+    from udfs.gpu_search import GpuBlockSearcher
 
     return GpuBlockSearcher(settings, torch.device("cpu" if kind == "torch-cpu" else "cuda"))
 

@@ -55,7 +55,7 @@ def test_an_explicit_cpu_backend_never_opens_a_gpu_searcher(monkeypatch):
 
 
 def test_auto_opens_the_gpu_searcher_the_dispatcher_chooses(monkeypatch):
-    import udfs.gpu as G
+    import udfs.gpu_search as G
     from nearest_kernels import dispatch
 
     monkeypatch.setattr(S, "cuda_may_exist", lambda: True)
@@ -76,7 +76,7 @@ def test_auto_without_a_gpu_probe_skips_the_gpu_backend_with_a_reason(monkeypatc
 
 
 def test_an_explicit_gpu_backend_without_a_device_is_an_error(monkeypatch):
-    import udfs.gpu as G
+    import udfs.gpu_search as G
 
     monkeypatch.setattr(G, "gpu_searcher_or_none", lambda settings: None)
     with pytest.raises(RuntimeError, match="backend 'gpu' requested"):
@@ -105,7 +105,7 @@ def test_a_cpu_task_searches_its_blocks_without_importing_torch(monkeypatch):
 
 
 def test_auto_whose_gpu_searcher_cannot_open_runs_the_next_backend(monkeypatch):
-    import udfs.gpu as G
+    import udfs.gpu_search as G
     from nearest_kernels import dispatch
 
     monkeypatch.setattr(S, "cuda_may_exist", lambda: True)

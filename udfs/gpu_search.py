@@ -5,8 +5,8 @@
 CPU executor needs no configuration. Otherwise the searcher
 
 * uses the GPU Spark assigned to the task (``TaskContext.resources()["gpu"].addresses[0]``);
-  outside Spark, the address :func:`local_task` names (tests and benchmarks that simulate
-  executors, ``udfs.local.local_join``), else device 0;
+  outside Spark, the address :func:`udfs.context.local_task` names (tests and benchmarks
+  that simulate executors, ``udfs.local.local_join``), else device 0;
 * keeps target blocks resident on the device, keyed by ``target_key`` (least recently used
   out first, within half the memory budget), so the many query blocks of a task that meet
   the same target blocks copy each once;
@@ -21,9 +21,9 @@ CPU executor needs no configuration. Otherwise the searcher
   that fits one batch stays on the device while the next call passes the same memory;
 * sizes its batches and candidate buffers from the device memory free when it opened.
 
-The pieces it is built from live apart: the task's GPU and scope (``udfs.context``), the
-kept and resident target blocks (``udfs.target_cache``), host staging and prefetch
-(``udfs.staging``) and the device-side fold (``udfs.device_fold``).
+The task's GPU and scope come from ``udfs.context``; the host staging, the prefetched query
+blocks and the resident and kept target blocks are ``udfs.gpu_memory``'s. A query block's
+running top-k stays on the device (:class:`DeviceFold`), read back once per query block.
 """
 from __future__ import annotations
 
@@ -32,10 +32,8 @@ import logging
 
 import numpy as np
 
-from .device_fold import DeviceFold
 from .context import SearchSettings, address_to_ordinal, task_gpu_address, task_scope
-from .staging import HostStaging, same_memory
-from .target_cache import TargetStore, fingerprint, kept_targets, prepared_bytes
+from .gpu_memory import HostStaging, TargetStore, fingerprint, kept_targets, prepared_bytes, same_memory
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +54,38 @@ def memory_budget(available: int, total: int, share: float = 1.0) -> int:
     of no more than its task's ``share`` of the device (``spark.task.resource.gpu.amount``
     0.5: two tasks' workers open on one GPU at once, each would otherwise see it all free)."""
     return int(min(available, total * min(1.0, share)) * MEMORY_FRACTION)
+
+
+class DeviceFold:
+    """A query block's running top-k on the device, plus its host copy in flight.
+
+    ``values`` float32, ``keys`` int64 global keys (-1 empty), ``source`` int32 payload
+    table ordinals (-1 empty), ``rows`` int64 rows in those tables; all (nq, k).
+    """
+
+    def __init__(self, values, keys, source, rows, host, ready):
+        self.values, self.keys, self.source, self.rows = values, keys, source, rows
+        self._host, self._ready = host, ready
+
+    @classmethod
+    def start(cls, values, keys, source, rows, cuda: bool) -> "DeviceFold":
+        import torch
+
+        tensors = (values, keys, source, rows)
+        if not cuda:
+            return cls(*tensors, tuple(t.clone() for t in tensors), None)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(*tensors, host, ready)
+
+    def to_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(values, keys, source, rows) as numpy, once the copy started by the fold is done."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return tuple(h.numpy() for h in self._host)
 
 
 def gpu_searcher_or_none(settings: SearchSettings):
@@ -175,7 +205,7 @@ class GpuBlockSearcher:
 
     def prefetch(self, query_vectors: np.ndarray) -> None:
         """Start copying a one-batch query block to the device before its search is called
-        (:meth:`udfs.staging.HostStaging.prefetch`).
+        (:meth:`udfs.gpu_memory.HostStaging.prefetch`).
 
         The one method another thread may call while a search runs: the broadcast plan's
         main thread stages the query block it has just decoded while the worker thread

@@ -1,5 +1,6 @@
-"""udfs.gpu and the modules it is built from: device choice from the task's GPU address, the
-CPU fallback, the searcher loop, staging, resident and kept target blocks.
+"""udfs.gpu_search and what it is built from (udfs.gpu_memory, the task's GPU in udfs.context):
+device choice from the task's GPU address, the CPU fallback, the searcher loop, staging,
+resident and kept target blocks.
 
 The searcher runs here on a CPU torch device (no streams, no pinning) with the torch path:
 batching, the resident target block and the row filtering are the same code as on a GPU.
@@ -15,8 +16,8 @@ from udfs.context import JoinContext, SearchSettings, SideLayout
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from udfs import gpu as G  # noqa: E402
-from udfs import context, target_cache  # noqa: E402
+from udfs import context, gpu_memory  # noqa: E402
+from udfs import gpu_search as G  # noqa: E402
 
 
 def test_memory_budget_is_the_fraction_of_the_tasks_share():
@@ -168,7 +169,7 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
+    block_bytes = gpu_memory.prepared_bytes(50, 4, "fp32", 4)
     # Room for two blocks in TARGET_SHARE of the budget.
     searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                   memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
@@ -184,9 +185,9 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
 @pytest.fixture
 def no_kept_blocks():
     """Tests that open searchers under a task scope start and end with nothing kept."""
-    target_cache._KEPT.clear()
+    gpu_memory._KEPT.clear()
     yield
-    target_cache._KEPT.clear()
+    gpu_memory._KEPT.clear()
 
 
 def _counting_prepare(monkeypatch):
@@ -234,19 +235,19 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     assert len(prepared) == 3
     _, rows = task("stage 4")                      # another stage: its own copy
     np.testing.assert_array_equal(rows, ref)
-    assert len(prepared) == 4 and list(target_cache._KEPT) == ["cpu"] and target_cache._KEPT["cpu"][0] == "stage 4"
+    assert len(prepared) == 4 and list(gpu_memory._KEPT) == ["cpu"] and gpu_memory._KEPT["cpu"][0] == "stage 4"
     off = dataclasses.replace(settings, keep_targets=False)
     task("stage 4", settings=off)                  # keep_targets off frees them
-    assert len(prepared) == 5 and not target_cache._KEPT
+    assert len(prepared) == 5 and not gpu_memory._KEPT
     task(None)                                               # no scope: nothing kept
-    assert not target_cache._KEPT
+    assert not gpu_memory._KEPT
 
 
 def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks, monkeypatch):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((10, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
+    block_bytes = gpu_memory.prepared_bytes(50, 4, "fp32", 4)
     with context.local_task(scope="stage 1"):
         searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                       memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
@@ -255,7 +256,7 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     assert searcher._target_bytes == 2 * block_bytes
     fold = searcher.search_fold(q, blocks[2], 2, 2, 0, None, keep=True)   # evicts kept 0 first
     np.testing.assert_array_equal(fold.to_numpy()[3], knn(q, blocks[2], 2, "l2", backend="reference")[1])
-    assert list(target_cache._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
+    assert list(gpu_memory._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
 
 
 @pytest.mark.parametrize("device", [
