@@ -34,7 +34,7 @@ from .context import JoinContext, SearchSettings, task_cpus
 from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
 from .emit import emit_rows
 from .packing import binary_array, table_to_blob
-from .rows import ColumnViews, pooled_empty, take_rows
+from .payload import ColumnViews, pooled_empty, take_rows
 from .search import GroupSegments, grouped_search, open_block_searcher
 from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
 

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .rows import ColumnViews, gather_rows, gather_threads
+from .payload import ColumnViews, gather_rows, gather_threads
 
 if TYPE_CHECKING:
     from .context import JoinContext

@@ -1,7 +1,7 @@
 """What a GPU searcher holds: host buffers on the way to its device, and target blocks on it.
 
 **Host staging** (:class:`HostStaging`): reusable host buffers (pinned on CUDA; the copy into
-them split over the task's threads by ``udfs.rows.copy_into``), uploads through them, on a
+them split over the task's threads by ``udfs.payload.copy_into``), uploads through them, on a
 side stream when asked, and the query blocks another thread staged ahead of their search
 (:meth:`HostStaging.prefetch`). Works on a CPU ``torch.device`` too (no streams, no pinning).
 
@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .rows import copy_into
+from .payload import copy_into
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from nearest_kernels import merge_topk
 from . import columns as C
 from .decode import blob_to_table
 from .packing import table_to_blob, write_stream
-from .rows import ColumnViews, gather_rows, gather_threads
+from .payload import ColumnViews, gather_rows, gather_threads
 
 # A partial blob: an 8-byte little-endian length, the slot table's IPC stream, then the
 # payload table's IPC stream (the distinct target rows the slots refer to).

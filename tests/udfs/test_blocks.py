@@ -129,7 +129,7 @@ def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatc
 def test_broadcast_checks_each_target_blocks_vectors_once_per_task(monkeypatch):
     """Query blocks of a broadcast task share the target tables' vector views: the check
     that reads every offset runs once per target block, not once per (query, target) block."""
-    from udfs import rows as R
+    from udfs import payload as R
 
     rng = np.random.default_rng(9)
     Q, T, qt, tt = _tables(rng, 35, 100, 3)
