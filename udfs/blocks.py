@@ -3,7 +3,7 @@
 * **Pairs.** The driver cross-joins packed query blocks with packed target blocks
   (``udfs.packing``). Each pair row holds ``(q_block_id, q_blob, t_block_id, t_blob)``.
 * broadcast: :func:`search_broadcast` folds every target block into the state
-  (``udfs.topk.TopkState``) of a query block in one pass (the pairs of one query block arrive
+  (``udfs.merge.TopkState``) of a query block in one pass (the pairs of one query block arrive
   together, as a broadcast nested loop join streams them; the block's rows come with its
   first pair only, that of the empty target block) and emits the joined rows (``udfs.emit``).
 * blocked: :func:`search_pairs` emits one partial state per pair (its own task), and
@@ -14,7 +14,7 @@
   broadcast): :func:`search_cell` searches one cell (a cogroup of one query part and one
   target part) and emits a partial per stage-2 block among its query rows, named by their
   row ids; :func:`merge_cells` merges each query row's partials from all its cells
-  (``udfs.topk.RowsTopk``) and emits the rows.
+  (``udfs.merge.RowsTopk``) and emits the rows.
 
 A task's searches run one step ahead on a worker thread (:class:`_PairSearch`). None of this
 imports pyspark at module level: ``udfs.local.local_join`` runs the same functions on plain
@@ -36,7 +36,7 @@ from .emit import emit_rows
 from .packing import binary_array, table_to_blob
 from .payload import ColumnViews, pooled_empty, take_rows
 from .search import GroupSegments, grouped_search, open_block_searcher
-from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
+from .merge import MAX_SOURCES, RowsTopk, TopkState, fold_state
 
 PARTIAL_SCHEMA = pa.schema([
     (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),
@@ -157,7 +157,7 @@ class _KeyedUnion:
         local = np.where(valid, rows - self.offsets[block], -1)
         keys = np.where(valid, (self.block_ids[block] << C.ROW_BITS) | local, -1)
         source = np.where(valid, block, -1).astype(np.int32)
-        return TopkState(values, keys, list(self.tables), source, local.astype(np.int64))._pruned()
+        return TopkState(values, keys, list(self.tables), source, local.astype(np.int64)).pruned()
 
 
 class _QueryBlock:
@@ -220,8 +220,8 @@ class _QueryBlock:
         else:
             values, keys, source, rows = self.device_state.to_numpy()
             state = TopkState(values, keys, self.tables, source, rows)
-        if state is not None and views is not None and state._views is None:
-            state._views = views
+        if state is not None and views is not None and state.views_cache is None:
+            state.views_cache = views
         return state
 
 
@@ -472,7 +472,7 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
 
 def merge_cells(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
     """Keyed blocked plan, stage 2 (grouped by stage-2 block): merge each query row's
-    partials, from every cell it was searched in, into its top k (:class:`udfs.topk.RowsTopk`)
+    partials, from every cell it was searched in, into its top k (:class:`udfs.merge.RowsTopk`)
     and emit the block's rows, whose payload came in pieces from the cells that carried it.
 
     Streams the group batch by batch: memory is the block's state (its payload held at most

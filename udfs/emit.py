@@ -18,7 +18,7 @@ from .payload import ColumnViews, gather_rows, gather_threads
 
 if TYPE_CHECKING:
     from .context import JoinContext
-    from .topk import TopkState
+    from .merge import TopkState
 
 # Output batches are cut to about this many rows.
 OUTPUT_BATCH_ROWS = 1 << 16

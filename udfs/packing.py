@@ -7,7 +7,7 @@ therefore travel with the vectors: the output never re-reads the source, so a
 non-deterministic source (a union, a repartition) cannot change row identities between the
 search and the output. Also here: the writing half of the Arrow codec of blobs and binary columns
 (its reading half is ``udfs.decode``), shared by the plans (``udfs.blocks``) and the top-k
-wire format (``udfs.topk``).
+wire format (``udfs.merge``).
 """
 from __future__ import annotations
 

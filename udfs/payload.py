@@ -1,7 +1,7 @@
 """Payload rows: gathers over Arrow tables, the payload half of every plan.
 
 A top-k state refers to its payload rows as ``(source table, row)`` pairs and gathers them
-once, when its rows are emitted or shipped (see ``udfs.topk.TopkState``). This module does
+once, when its rows are emitted or shipped (see ``udfs.merge.TopkState``). This module does
 those gathers, below both the merge that ships them and the encoding that emits them:
 
 * vector columns (``list`` / ``large_list`` / ``fixed_size_list`` of float or double, no
