@@ -5,7 +5,7 @@
 * broadcast: :func:`search_broadcast` folds every target block into the state
   (``udfs.merge.TopkState``) of a query block in one pass (the pairs of one query block arrive
   together, as a broadcast nested loop join streams them; the block's rows come with its
-  first pair only, that of the empty target block) and emits the joined rows (``udfs.emit``).
+  first pair only, that of the empty target block) and emits the joined rows (``udfs.encode``).
 * blocked: :func:`search_pairs` emits one partial state per pair (its own task), and
   :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
   A query block's own rows travel once, with its partial of the empty target block (every
@@ -32,7 +32,7 @@ import pyarrow as pa
 from . import columns as C
 from .context import JoinContext, SearchSettings, task_cpus
 from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
-from .emit import emit_rows
+from .encode import emit_rows
 from .packing import binary_array, table_to_blob
 from .payload import ColumnViews, pooled_empty, take_rows
 from .search import GroupSegments, grouped_search, open_block_searcher

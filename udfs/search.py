@@ -13,7 +13,7 @@ target block is sorted by group once per task (:class:`GroupSegments`), so each 
 are one contiguous segment; a query block is searched against those segments and gives the
 same ``(values, rows)`` as one search of the whole block would, rows being the block's own
 rows. The result therefore folds into the top-k state and emits exactly as an unkeyed search
-does (``udfs.merge``, ``udfs.emit``), and the tie rule holds: the sort is stable, so within a
+does (``udfs.merge``, ``udfs.encode``), and the tie rule holds: the sort is stable, so within a
 segment block order is kept.
 
 Groups are searched two ways, by their work (queries x targets x d of the pair):

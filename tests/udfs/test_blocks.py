@@ -80,29 +80,29 @@ def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatc
     the one-thread emission; a consumer that stops early leaves nothing running."""
     import threading
 
-    from udfs import emit as B
+    from udfs import encode as E
 
     rng = np.random.default_rng(5)
     Q, T, qt, tt = _tables(rng, 40, 9, 3)
     qt = qt.set_column(1, "qv", pa.array([None] + list(Q[1:]), type=pa.list_(pa.float32())))
     ctx = _ctx(4, "l2", 3, 40, 9, join_type, tt.schema)
-    monkeypatch.setattr(B, "OUTPUT_BATCH_ROWS", 7)
-    monkeypatch.setattr(B, "gather_threads", lambda: 1)
+    monkeypatch.setattr(E, "OUTPUT_BATCH_ROWS", 7)
+    monkeypatch.setattr(E, "gather_threads", lambda: 1)
     serial = local_join(qt, tt, ctx, plan="broadcast")
-    monkeypatch.setattr(B, "gather_threads", lambda: 3)
+    monkeypatch.setattr(E, "gather_threads", lambda: 3)
     built = []
-    real_gather = B.gather_rows
+    real_gather = E.gather_rows
 
     def record_thread(*args, **kwargs):
         built.append(threading.current_thread().name)
         return real_gather(*args, **kwargs)
-    monkeypatch.setattr(B, "gather_rows", record_thread)
+    monkeypatch.setattr(E, "gather_rows", record_thread)
     ahead = local_join(qt, tt, ctx, plan="broadcast")
     assert ahead.equals(serial) and ahead.num_rows == serial.num_rows >= 4 * 39
     assert any(name.startswith("nj-emit") for name in built), built
     # Stop after two batches: the generator closes without waiting for the queued ones.
     state = TopkState.from_search(np.zeros((40, 4), np.float32), np.tile(np.arange(4), (40, 1)), 0, tt)
-    gen = B.emit_rows(qt, state, ctx)
+    gen = E.emit_rows(qt, state, ctx)
     first = [next(gen), next(gen)]
     gen.close()
     assert [b.num_rows for b in first] == [7, 7]
