@@ -433,8 +433,8 @@ def main(argv=None) -> None:
             del prepared, q
             torch.cuda.empty_cache()
             # The GPU searcher alone (numpy in/out, host-device copies included, no Arrow).
-            from udfs.gpu_search import GpuBlockSearcher
             from udfs.context import SearchSettings
+            from udfs.gpu_search import GpuBlockSearcher
 
             searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), dev)
             bounds = np.linspace(0, nt_a, 5).astype(int)

@@ -33,10 +33,10 @@ from . import columns as C
 from .context import JoinContext, SearchSettings, task_cpus
 from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
 from .encode import emit_rows
+from .merge import MAX_SOURCES, RowsTopk, TopkState, fold_state
 from .packing import binary_array, table_to_blob
 from .payload import ColumnViews, pooled_empty, take_rows
 from .search import GroupSegments, grouped_search, open_block_searcher
-from .merge import MAX_SOURCES, RowsTopk, TopkState, fold_state
 
 PARTIAL_SCHEMA = pa.schema([
     (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),

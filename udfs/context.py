@@ -101,7 +101,7 @@ def task_cpus() -> int:
 
 def task_partition() -> int:
     """This task's partition id inside Spark (0 outside it): the high bits of the ids this
-    task gives its blocks (and ``udfs.lists.sample_topk`` its rows)."""
+    task gives its blocks (and ``udfs.ivf.sample_topk`` its rows)."""
     ctx = _task_context()
     if ctx is not None:
         return int(ctx.partitionId())

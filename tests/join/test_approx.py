@@ -400,18 +400,18 @@ def test_recall_estimate_against_measured_recall_without_spark():
 @pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
 @pytest.mark.parametrize("scan_rows", [1, None], ids=["search-per-batch", "one-search"])
 def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, capped, scan_rows, monkeypatch):
-    """udfs.lists.sample_topk (the estimate's one scan of the target) over several batches,
+    """udfs.ivf.sample_topk (the estimate's one scan of the target) over several batches,
     a NULL vector and an all-NULL batch among them, searched batch by batch (each merged
     into the running top k) or gathered into one search: per sampled query, the lists of
     its exact top k (the float64 reference, under the cap), each slot once."""
-    import udfs.lists
+    import udfs.ivf
     from nearest_join.ivf_index import IVFIndex
     from nearest_kernels import knn
-    from udfs.lists import SAMPLE_SCHEMA, sample_topk
     from udfs.context import SideLayout
+    from udfs.ivf import SAMPLE_SCHEMA, sample_topk
 
     if scan_rows is not None:
-        monkeypatch.setattr(udfs.lists, "SCAN_ROWS", scan_rows)
+        monkeypatch.setattr(udfs.ivf, "SCAN_ROWS", scan_rows)
 
     targets = _clustered(900, 5, 12, seed=8)
     queries = _clustered(40, 5, 12, seed=9)

@@ -253,7 +253,7 @@ def test_a_keyed_broadcast_task_searches_the_union_of_its_target_blocks(monkeypa
     import functools
 
     from udfs import blocks as B
-    from udfs.lists import pack_listed
+    from udfs.ivf import pack_listed
     from udfs.local import pair_batches
     from udfs.packing import PACKED_SCHEMA, empty_target_block
 

@@ -1,6 +1,6 @@
 """The IVF plan's search on each block searcher, at the Arrow-batch level (no pyspark).
 
-Both sides are routed and packed as the approx plan packs them (``udfs.lists.pack_listed``,
+Both sides are routed and packed as the approx plan packs them (``udfs.ivf.pack_listed``,
 the functions ``nearest_join.ivf.IvfSearch.packers`` hands the plan), the pairs run through the broadcast plan's loop
 (``udfs.blocks.search_broadcast``: ``udfs.search.grouped_search`` hands the probed lists to
 ``udfs.search.probed_search``), and the joined rows are checked against the float64 oracle
@@ -24,12 +24,11 @@ from nearest_kernels import rankable_rows, resolve_metric, segments
 from nearest_kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
-from udfs.search import SEGMENT_WORK
-from udfs.lists import pack_listed
-from udfs.local import pair_batches
 from udfs.context import SearchSettings, SideLayout
+from udfs.ivf import pack_listed
+from udfs.local import pair_batches
 from udfs.packing import PACKED_SCHEMA, empty_target_block
-from udfs.search import BlockSearcher
+from udfs.search import SEGMENT_WORK, BlockSearcher
 
 try:
     import torch

@@ -24,9 +24,8 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
     script = textwrap.dedent("""
         import json, sys, numpy as np, pyarrow as pa
         from numba.core import event
-        from udfs.context import JoinContext, SearchSettings
+        from udfs.context import JoinContext, SearchSettings, SideLayout
         from udfs.local import local_join
-        from udfs.context import SideLayout
         from udfs.warm import WarmUp, start_warm_up
 
         compiled = []

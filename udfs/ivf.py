@@ -1,5 +1,7 @@
-"""The IVF plan's executor passes (``mapInArrow``): list columns, packed listed blocks, and
-the recall estimate's sample search.
+"""The IVF plan's executor passes (``mapInArrow``), each of which routes rows to their lists:
+list columns, packed listed blocks, the keyed plan's (key, list) pairs, and the recall
+estimate's sample search. The driver's half of the plan is ``nearest_join.ivf`` (and
+``nearest_join.ivf_keys`` with ``on=`` keys).
 
 Each side gets its routing appended as the group column (``C.GROUP``) that the keyed search
 reads (``udfs.search``): a target row its list (nearest centroid, int; NULL when its vector
@@ -31,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .context import SideLayout
+from .context import SideLayout, task_cpus, task_partition
 from .decode import decode_vectors, group_ids
 from .packing import pack_blocks
 
@@ -78,8 +80,6 @@ def append_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centr
     """Every batch with its rows' lists appended as ``C.GROUP`` (``nprobe`` None: a target
     row's one list; else a query row's ``nprobe`` probed lists)."""
     from nearest_kernels.kmeans import route  # numba: on executors only
-
-    from .context import task_cpus
 
     threads = task_cpus()
     for batch in batches:
@@ -144,8 +144,6 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
     from nearest_kernels import knn, merge_topk
     from nearest_kernels.kmeans import route
 
-    from .context import task_cpus, task_partition
-
     threads = task_cpus()
     nq, d = queries.shape
     values = rows = held = None
@@ -207,8 +205,6 @@ def count_key_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, ce
     ``KEY_LIST_SCHEMA`` row per pair, emitted at the end. A row of no group, or whose vector
     cannot rank, counts nowhere."""
     from nearest_kernels.kmeans import route  # numba: on executors only
-
-    from .context import task_cpus
 
     threads = task_cpus()
     nlist = centroids.shape[0]
@@ -298,8 +294,6 @@ def replace_key_groups(batches: Iterable[pa.RecordBatch], *, layout: SideLayout,
     by the IVF group ids: a target row's one id (``nprobe`` None, :func:`target_key_ids`),
     a query row's probed ids (:func:`key_probes`)."""
     from nearest_kernels.kmeans import route  # numba: on executors only
-
-    from .context import task_cpus
 
     threads = task_cpus()
     at = layout.group_index
