@@ -1,4 +1,4 @@
-"""The plan loops Spark runs on executors: search block pairs, fold, merge, emit.
+"""The plan loops Spark runs on executors: block pairs through decode -> search -> merge -> encode.
 
 * **Pairs.** The driver cross-joins packed query blocks with packed target blocks
   (``udfs.packing``). Each pair row holds ``(q_block_id, q_blob, t_block_id, t_blob)``.

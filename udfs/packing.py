@@ -5,9 +5,9 @@ most ``block_rows`` rows; each block becomes one row ``(block_id, blob)`` where 
 Arrow IPC stream holding the block's rows with *all* their columns. Payload columns
 therefore travel with the vectors: the output never re-reads the source, so a
 non-deterministic source (a union, a repartition) cannot change row identities between the
-search and the output. Also here: the writing half of the Arrow codec of blobs and binary columns
-(its reading half is ``udfs.decode``), shared by the plans (``udfs.blocks``) and the top-k
-wire format (``udfs.merge``).
+search and the output. Also here: the writing half of the Arrow codec of blobs and binary
+columns (its reading half is ``udfs.decode``), shared by the plans (``udfs.blocks``) and the
+top-k wire format (``udfs.merge``).
 """
 from __future__ import annotations
 
