@@ -204,19 +204,14 @@ class GpuBlockSearcher:
         return True
 
     def prefetch(self, query_vectors: np.ndarray) -> None:
-        """Start copying a one-batch query block to the device before its search is called
-        (:meth:`udfs.gpu_memory.HostStaging.prefetch`).
+        """Start copying a one-batch query block to the device before its search is called.
 
         The one method another thread may call while a search runs: the broadcast plan's
         main thread stages the query block it has just decoded while the worker thread
         searches the previous one, and that block's search then finds it on the device
-        (same host memory) instead of copying it first. The copy runs on the copy stream
-        from its own pinned slot. ``PREFETCH_SLOTS`` blocks may wait staged (the main thread
-        can decode the next block before the worker has taken the previous one: at a task's
-        start the first search waits for the target block); a further one replaces the
-        oldest, whose copy is waited for first. One caller at a time (the main thread); the
-        lock is not held during the copy, so the worker's search never waits for it (when
-        it was, a task's first search waited for the copy).
+        (same host memory) instead of copying it first. How the copy runs, how many blocks
+        may wait staged and why the worker never waits for it:
+        :meth:`udfs.gpu_memory.HostStaging.prefetch`.
         """
         query_vectors = np.asarray(query_vectors)
         if query_vectors.ndim != 2 or query_vectors.shape[0] == 0:

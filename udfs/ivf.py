@@ -49,11 +49,6 @@ _ROW_BITS = 40
 SCAN_ROWS = 1 << 16
 
 
-def list_type(nprobe: int | None) -> pa.DataType:
-    """The group column's Arrow type: int32 for targets (``nprobe`` None), list<int32> for queries."""
-    return pa.int32() if nprobe is None else pa.list_(pa.int32())
-
-
 def list_column(lists: np.ndarray, probes: bool) -> pa.Array:
     """Arrow column of :func:`route`'s output: the first list (NULL when -1) or, with
     ``probes``, each row's valid lists (all -1 when it cannot rank: an empty list)."""
