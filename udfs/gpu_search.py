@@ -160,9 +160,10 @@ class GpuBlockSearcher:
 
         The fused kernel's specialisations follow the shapes, not only d, k and the precision:
         the kernel form (a register list, its segments or the torch path) and the survivor
-        test follow the number of targets and of query rows (``_gpu_triton.plan_candidates``,
-        ``segment_count``, ``skip_share``), and Triton specialises integer arguments (rows,
-        targets, dimension) by their divisibility by 16; the re-rank kernel the rows' dtypes.
+        test follow the number of targets and of query rows (``_triton_plan.plan_candidates``,
+        ``segment_count``, ``skip_share`` in ``nearest_kernels``), and Triton specialises
+        integer arguments (rows, targets, dimension) by their divisibility by 16; the re-rank
+        kernel the rows' dtypes.
         So the warm-up searches the first query batch's rows against a full target block, in
         the plans' dtypes: the first real pair then finds its first pass compiled (a shorter
         last block, and widening rounds over few rows, may still compile their own forms).
