@@ -108,10 +108,9 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     its query blob (the broadcast plan: a query block's first pair only)."""
     import pyarrow as pa
 
-    from udfs.blocks import JoinContext
+    from udfs.context import JoinContext, SearchSettings, SideLayout
     from udfs.local import pair_batches
-    from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
-    from udfs.searcher import SearchSettings
+    from udfs.packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 
     d = Qn.shape[1]
 
@@ -166,7 +165,7 @@ def _concurrent_worker(rank, spec, barrier, results) -> None:
     """One simulated Python worker of ``--arrow-concurrent`` (a spawned process): the same
     data and packed pairs as the others, two untimed tasks (compiles, the kept target block),
     then ``spec["tasks"]`` timed tasks back to back from a common start."""
-    from udfs.gpu_task import local_task
+    from udfs.context import local_task
 
     with local_task(scope="concurrent tasks"):       # one stage: the target block is kept
         _concurrent_tasks(rank, spec, barrier, results)
@@ -434,8 +433,8 @@ def main(argv=None) -> None:
             del prepared, q
             torch.cuda.empty_cache()
             # The GPU searcher alone (numpy in/out, host-device copies included, no Arrow).
-            from udfs.gpu import GpuBlockSearcher
-            from udfs.searcher import SearchSettings
+            from udfs.context import SearchSettings
+            from udfs.gpu_search import GpuBlockSearcher
 
             searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), dev)
             bounds = np.linspace(0, nt_a, 5).astype(int)
@@ -449,9 +448,9 @@ def main(argv=None) -> None:
             # (plan, query blocks, target blocks): the blocked plan's pairs of one query block;
             # the broadcast plan streaming query blocks past target blocks that stay resident.
             # Three tasks per shape: the first of its stage in this process (it keeps the
-            # broadcast blocks: udfs.gpu_task.task_scope), the next of the same stage (finds them
+            # broadcast blocks: udfs.context.task_scope), the next of the same stage (finds them
             # on the device), and one of a stage that keeps nothing (uploads them again).
-            from udfs.gpu_task import local_task
+            from udfs.context import local_task
 
             for plan, q_blocks, t_blocks in ARROW_SHAPES:
                 q_rows, t_rows = -(-nq_a // q_blocks), -(-nt_a // t_blocks)

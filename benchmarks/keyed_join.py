@@ -2,7 +2,7 @@
 against the equi-join + window formulation and against the un-keyed join.
 
 1. executor level (no Spark): a query block against a broadcast target block of 100,000
-   groups of ~10 targets, d=64, k=10: ``udfs.groups.grouped_search`` as it ships (small
+   groups of ~10 targets, d=64, k=10: ``udfs.search.grouped_search`` as it ships (small
    groups in one ``knn_segments`` call) against the per-group loop it replaced (one ``knn``
    call per group present in the query block), on the same sorted block; both results are
    checked equal;
@@ -16,7 +16,7 @@ against the equi-join + window formulation and against the un-keyed join.
    in minutes, when the full size does not); ``--no-full-window`` leaves the window out at
    the full size.
 
-3. ``--segment-work``: where ``udfs.groups.SEGMENT_WORK`` falls: per group, the batched
+3. ``--segment-work``: where ``udfs.search.SEGMENT_WORK`` falls: per group, the batched
    segment search against one ``knn`` call per group, for groups of one shape at a time.
 
 Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-spark] [--skip-executor]
@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark
 from nearest_kernels import knn
-from udfs.groups import GroupSegments, grouped_search
+from udfs.search import GroupSegments, grouped_search
 
 D, K, METRIC = 64, 10, "l2"
 
@@ -99,7 +99,7 @@ def executor_case(rec: Recorder, n_keys: int, n_queries: int, threads: int, repe
 
 
 def segment_work_case(rec: Recorder, threads: int, max_groups: int = 64) -> None:
-    """Where ``udfs.groups.SEGMENT_WORK`` should fall: per group, the batched segment search
+    """Where ``udfs.search.SEGMENT_WORK`` should fall: per group, the batched segment search
     (``knn_segments``, all groups in one call) against one ``knn`` call per group, over
     groups of one shape (queries x targets) at d=64, k=10. The segment search costs in
     proportion to the work; a knn call pays its set-up first and runs sgemm after."""

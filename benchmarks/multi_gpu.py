@@ -3,9 +3,9 @@
 Spark cannot run on the GPU machines (no Java), so each executor is one process per GPU
 running the same executor function Spark calls for the blocked plan,
 :func:`udfs.blocks.search_pairs`, fed the Arrow pair batches of its share of the
-(query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu`` does
-under Spark, from the task's GPU address: here the address of :func:`udfs.gpu_task.local_task`, which
-:func:`udfs.gpu_task.task_gpu_address` reads when there is no TaskContext. The partial top-k of
+(query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu_search`` does
+under Spark, from the task's GPU address: here the address of :func:`udfs.context.local_task`, which
+:func:`udfs.context.task_gpu_address` reads when there is no TaskContext. The partial top-k of
 all processes then go through the same merge (:func:`udfs.blocks.merge_partials`) and the
 merged rows are compared with the one-GPU run.
 
@@ -32,8 +32,7 @@ sys.path.insert(0, str(REPO))
 
 
 def _context(k, d, precision, q_rows, t_rows, schema, backend="gpu"):
-    from udfs.context import JoinContext, SearchSettings
-    from udfs.packing import SideLayout
+    from udfs.context import JoinContext, SearchSettings, SideLayout
 
     return JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_rows),
                        SideLayout("tv", 1, d, t_rows), "inner", True, schema)
@@ -65,7 +64,7 @@ def _pair_batches(q_packed, t_packed, t_indices):
 
 def _used_device(torch):
     """The ordinal the searcher chose from the task address, and proof it holds the data."""
-    from udfs.gpu_task import address_to_ordinal, task_gpu_address
+    from udfs.context import address_to_ordinal, task_gpu_address
 
     if not torch.cuda.is_available():
         return "cpu"
@@ -76,7 +75,7 @@ def _used_device(torch):
 
 def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     """One simulated executor: its GPU from the task address, its share of the pairs."""
-    from udfs.gpu_task import local_task
+    from udfs.context import local_task
 
     with local_task(gpu=gpu_address):
         _executor(rank, n_procs, work_dir, params, barrier, results)

@@ -402,7 +402,7 @@ TABLES: dict[tuple[str, str], Table] = {
         "Keyed search (`on=`): many small groups, executor level",
         [col("engine", "engine"), col("seconds", "seconds", ".3f"),
          peer_ratio("speed-up", "seconds", {"engine": "knn per group (b6555db)"}, invert=True)],
-        about="`udfs.groups.grouped_search` on one broadcast block against one kernel call per key group "
+        about="`udfs.search.grouped_search` on one broadcast block against one kernel call per key group "
               "(the first keyed version); the same rows."),
     ("keyed_join", "spark"): Table(
         "Keyed join (`on=`) against Spark's equi-join + window and the un-keyed join, local[2]",

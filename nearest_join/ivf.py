@@ -6,10 +6,10 @@ sample of the target, trained by :func:`nearest_kernels.kmeans.kmeans` (determin
 plan:
 
 1. every target row is assigned to its nearest centroid: its *list*, which takes the place
-   of the keyed plan's group id (``udfs.lists``), as the rows are packed into blocks (one
+   of the keyed plan's group id (``udfs.ivf``), as the rows are packed into blocks (one
    pass: the rows cross from the JVM to Python once);
 2. every query row is routed to its ``nprobe`` nearest lists, a ``list<int>`` group column:
-   a query in several groups (``udfs.probes``), likewise as it is packed;
+   a query in several groups (``udfs.search.probed_search``), likewise as it is packed;
 3. the broadcast keyed search then searches each query row against the target rows of its
    lists only (small lists batched into one segment search, large ones one kernel call for
    all the queries that probe them) and the parts merge per query with the shared merge;
@@ -22,7 +22,7 @@ result.
 
 **Choosing nprobe.** The planner draws a sample of the queries
 (:data:`nearest_join.recall.RECALL_QUERIES`), finds their exact top k in one scan of the target
-(``udfs.lists.sample_topk``: each partition's k best per sampled query and their lists, merged
+(``udfs.ivf.sample_topk``: each partition's k best per sampled query and their lists, merged
 on the driver; one Spark job, no join plan), and measures for every ``nprobe`` the share of
 each sampled query's true neighbours whose list it would probe (the IVF search inside the
 probed lists is exact, so that is its recall@k: :mod:`nearest_join.recall`). The smallest
@@ -72,13 +72,13 @@ IVF_MAX_PROBED_SHARE = 0.25
 
 def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
     """The recall curve of ``index`` on a sample of ``planned``'s queries: their exact top k
-    against the whole target in one scan of it (``udfs.lists.sample_topk``: one Spark job,
+    against the whole target in one scan of it (``udfs.ivf.sample_topk``: one Spark job,
     each partition's k best per sampled query with their lists), the partitions' best
     merged here, then :func:`recall_curve`."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
-    from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
+    from udfs.ivf import SAMPLE_SCHEMA, sample_topk
 
     from .ranking import column, quote
 
@@ -110,11 +110,11 @@ class IvfSearch:
     metric: str   # the join's: how a zero vector routes (IVFIndex.route)
 
     def packers(self):
-        """The packing functions of both sides (``udfs.lists.pack_listed``; ``layout`` left
+        """The packing functions of both sides (``udfs.ivf.pack_listed``; ``layout`` left
         to the caller): each row's lists appended as the last column (``C.GROUP``) and the
         rows packed in the same pass, a target row with its list, a query row with its
         ``nprobe`` probed lists."""
-        from udfs.lists import pack_listed
+        from udfs.ivf import pack_listed
 
         def side(nprobe: int | None):
             return functools.partial(pack_listed, centroids=np.asarray(self.index.centroids),
@@ -124,12 +124,12 @@ class IvfSearch:
 
     def listed(self, query, target, q_layout, t_layout):
         """Both sides (``nearest_join.inputs.positional_inputs``' frames, or the vector columns
-        alone) with their lists appended as ``C.GROUP`` (``udfs.lists.append_lists``): the keyed blocked plan's
+        alone) with their lists appended as ``C.GROUP`` (``udfs.ivf.append_lists``): the keyed blocked plan's
         grouped inputs, a query row's group a ``list<int>`` of its ``nprobe`` lists."""
         from pyspark.sql.types import ArrayType, IntegerType, StructField, StructType
 
         from udfs import columns as C
-        from udfs.lists import append_lists
+        from udfs.ivf import append_lists
 
         def side(df, layout, nprobe, group_type):
             schema = StructType(list(df.schema.fields) + [StructField(C.GROUP, group_type, True)])
@@ -142,9 +142,9 @@ class IvfSearch:
 
 
 def _vector_columns(planned):
-    """Each side's vector column alone and its layout for routing (``udfs.lists``): what the
+    """Each side's vector column alone and its layout for routing (``udfs.ivf``): what the
     planner's count of the lists reads (the payload columns need not cross to Python)."""
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     from .ranking import column, quote
 
@@ -164,7 +164,7 @@ def ivf_carrier(plan) -> str | None:
     IVF lists are keyed-plan groups, and a query row is in ``nprobe`` of them. Both keyed
     plans take that:
 
-    * the broadcast keyed search (``udfs.probes``): one task holds every list, so a query's
+    * the broadcast keyed search (``udfs.search``): one task holds every list, so a query's
       lists are searched and merged in one place, and a huge list is one more kernel call,
       bounded by the broadcast;
     * the keyed blocked plan (``nearest_join.keyed``), for a target too large to broadcast:

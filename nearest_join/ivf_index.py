@@ -315,7 +315,7 @@ def sample_vectors(df, column_name: str, rows: int, total_rows: int, seed: int) 
     sample (deterministic for the same input partitioning), decoded on the driver."""
     from pyspark.sql import functions as F
 
-    from udfs.vectors import decode_vectors
+    from udfs.decode import decode_vectors
 
     from .ranking import column, quote
 

@@ -3,7 +3,7 @@
 **With on= keys** (a filtered IVF, as Faiss's filtered search or Milvus's partition keys):
 one index over the whole target (``build_ivf_index`` and ``index=`` serve every key), and
 the keyed search's groups become (key, list) pairs. A query probes its ``nprobe`` nearest
-lists *among those its key's targets occupy* (``udfs.lists.key_probes``), so a key whose
+lists *among those its key's targets occupy* (``udfs.ivf.key_probes``), so a key whose
 targets all lie in lists far from the query still yields its nearest rows. A key of at most
 :data:`KEY_WHOLE_LISTS` lists' worth of target rows is searched whole, one group, exact (IVF
 cannot win on so few rows); when every key is that small, when its largest group is below
@@ -25,7 +25,7 @@ blocked plan, both inputs must then read the same rows at planning and at the ru
 row of a (key, list) pair the count did not see has no group).
 
 The recall estimate with keys (:func:`estimate_keyed_recall`) samples queries that have a
-key group, ranks each against its own key's targets only (the scan of ``udfs.lists.sample_topk``
+key group, ranks each against its own key's targets only (the scan of ``udfs.ivf.sample_topk``
 with the groups), and ranks its neighbours' lists among those its key occupies, as the
 search probes them; a query of a key searched whole finds its neighbours at the first probe.
 The same Wilson interval, and ``nprobe == nlist`` (or the most lists one key occupies) is
@@ -54,7 +54,7 @@ class KeyLists:
     ``codes`` (sorted int64 ``key group * nlist + list``) are the pairs the targets of the
     keys of more than ``whole_rows`` target rows occupy, ``rows`` their target rows; pair
     ``i`` is group ``i`` of the keyed search, a key searched whole is group
-    ``len(codes) + key group`` (``udfs.lists.key_probes``, ``udfs.lists.target_key_ids``).
+    ``len(codes) + key group`` (``udfs.ivf.key_probes``, ``udfs.ivf.target_key_ids``).
     """
 
     codes: np.ndarray
@@ -77,7 +77,7 @@ class KeyLists:
 def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
     """The :class:`KeyLists` of ``t_input`` (the keyed target, ``nearest_join.inputs.positional_inputs``:
     its vector column ``vector_name``, its key group ``C.GROUP`` last): one Spark job, a scan
-    of the target that routes every row to its list (``udfs.lists.count_key_lists``, a
+    of the target that routes every row to its list (``udfs.ivf.count_key_lists``, a
     partition's pairs counted there) and sends the driver one row per (key, list) pair of the
     keys of more than :data:`KEY_WHOLE_LISTS` lists' worth of rows only."""
     from pyspark.sql import Window
@@ -85,8 +85,8 @@ def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs import columns as C
-    from udfs.lists import KEY_LIST_SCHEMA, count_key_lists
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
+    from udfs.ivf import KEY_LIST_SCHEMA, count_key_lists
 
     from .ranking import quote
 
@@ -111,18 +111,18 @@ def key_lists(t_input, vector_name: str, planned, index: IVFIndex) -> KeyLists:
 def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vector_names,
                           seed: int) -> RecallCurve:
     """:func:`nearest_join.ivf.estimate_recall` with ``on=`` keys: each sampled query (of a query row with a
-    key group) ranked against its own key's targets only (``udfs.lists.sample_topk`` with
+    key group) ranked against its own key's targets only (``udfs.ivf.sample_topk`` with
     the groups), and its neighbours' lists ranked among those its key occupies, as
-    ``udfs.lists.key_probes`` probes them; a query of a key searched whole finds all its
+    ``udfs.ivf.key_probes`` probes them; a query of a key searched whole finds all its
     neighbours at the first probe. The curve spans nprobe 1 to :attr:`KeyLists.widest`,
     where every key's every list is probed: the exact result."""
     from pyspark.sql import functions as F
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs import columns as C
-    from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
-    from udfs.vectors import decode_vectors
+    from udfs.context import SideLayout
+    from udfs.decode import decode_vectors
+    from udfs.ivf import SAMPLE_SCHEMA, sample_topk
 
     from .ranking import quote
 
@@ -149,9 +149,9 @@ def key_ranks(queries: np.ndarray, groups: np.ndarray, neighbour_lists: list[np.
               index: IVFIndex, metric: str) -> list[np.ndarray]:
     """For each query (of key group ``groups[i]``), the probe at which each of its neighbours'
     lists ``neighbour_lists[i]`` is searched: its rank among the lists its key occupies,
-    nearest first, as ``udfs.lists.key_probes`` orders them (0 for every neighbour of a key
+    nearest first, as ``udfs.ivf.key_probes`` orders them (0 for every neighbour of a key
     searched whole; ``lists.widest`` or more for a list its key's probes lack)."""
-    from udfs.lists import key_probes
+    from udfs.ivf import key_probes
 
     width = max(lists.widest, 1)
     ranks = []
@@ -183,10 +183,10 @@ class KeyedIvfSearch:
     metric: str   # the join's: how a zero vector routes (IVFIndex.route)
 
     def packers(self):
-        """The packing functions of both sides (``udfs.lists.pack_key_listed``; ``layout``
+        """The packing functions of both sides (``udfs.ivf.pack_key_listed``; ``layout``
         left to the caller): each row's key group column (the last) replaced by its group
         ids as the rows are packed, a target row's one, a query row's probed ones."""
-        from udfs.lists import pack_key_listed
+        from udfs.ivf import pack_key_listed
 
         def side(nprobe: int | None):
             return functools.partial(pack_key_listed, centroids=np.asarray(self.index.centroids),
@@ -196,12 +196,12 @@ class KeyedIvfSearch:
 
     def listed(self, query, target, q_layout, t_layout):
         """Both keyed sides (their key group column at the layouts' ``group_index``) with that
-        column replaced by their IVF group ids (``udfs.lists.replace_key_groups``): the keyed
+        column replaced by their IVF group ids (``udfs.ivf.replace_key_groups``): the keyed
         blocked plan's grouped inputs, a query row's groups a ``list<bigint>`` of its probed ids."""
         from pyspark.sql.types import ArrayType, LongType, StructField, StructType
 
         from udfs import columns as C
-        from udfs.lists import replace_key_groups
+        from udfs.ivf import replace_key_groups
 
         def side(df, layout, nprobe, group_type):
             fields = list(df.schema.fields)
@@ -224,7 +224,7 @@ def keyed_vector_columns(planned, frames, names):
     (of :func:`keyed_inputs`' ``frames`` and ``names``), what the blocked plan's count of the
     (key, list) groups reads."""
     from udfs import columns as C
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
 
     from .ranking import quote
 

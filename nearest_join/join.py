@@ -19,7 +19,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, ByteType, FloatType, LongType, StructField, StructType
 
-from udfs import blocks, packing
+from udfs import blocks, context, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
@@ -394,9 +394,9 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     q_name, t_name = ranking.query_column, ranking.target_column
     settings = _search_settings(spark, ranking, planned.options, plan,
                                 (vector_itemsize(query, q_name, "query"), vector_itemsize(target, t_name, "target")))
-    q_layout = packing.SideLayout(q_name, column_index(query, q_name), plan.dimension,
+    q_layout = context.SideLayout(q_name, column_index(query, q_name), plan.dimension,
                                  plan.query_block_rows, expected_from=f"target column {quote(t_name)}")
-    t_layout = packing.SideLayout(t_name, column_index(target, t_name), plan.dimension,
+    t_layout = context.SideLayout(t_name, column_index(target, t_name), plan.dimension,
                                  plan.target_block_rows, expected_from=f"query column {quote(q_name)}")
     q_fields, t_fields = query.schema.fields, target.schema.fields
     q_kept = range(len(q_fields)) if query_columns is None else query_columns

@@ -19,7 +19,7 @@ group is. The plan:
    (one per query part). The two sides are cogrouped by cell, so one call of
    ``udfs.blocks.search_cell`` holds one query part and one target part - bounded by the
    block sizes, never by a group's size - and returns that cell's partial top-k per stage-2
-   block among its rows (``udfs.topk``).
+   block among its rows (``udfs.merge``).
 3. The partials are grouped by stage-2 block and merged per query row by the shared merge
    (``udfs.blocks.merge_cells``): a query's partials from all its groups' cells meet there.
 

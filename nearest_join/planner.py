@@ -510,7 +510,7 @@ def query_blocks_per_task(spark) -> int:
 
 def keep_gpu_targets(spark) -> bool:
     """Whether GPU executors keep broadcast target blocks for the stage's next task
-    (``spark.nearestJoin.gpu.keepTargets``, default true; see ``udfs.gpu``)."""
+    (``spark.nearestJoin.gpu.keepTargets``, default true; see ``udfs.gpu_search``)."""
     key = CONF_PREFIX + "gpu.keepTargets"
     raw = str(_conf(spark, key, "true")).strip().lower()
     if raw not in ("true", "false"):

@@ -92,7 +92,7 @@ def recall_of_ranks(ranks: list[np.ndarray], width: int) -> RecallCurve:
 
 def neighbour_lists(table, queries: int, k: int, metric: str) -> list[np.ndarray]:
     """The lists of each sampled query's k best neighbours over all partitions of a
-    ``udfs.lists.SAMPLE_SCHEMA`` table, ties to the lower (partition, row)."""
+    ``udfs.ivf.SAMPLE_SCHEMA`` table, ties to the lower (partition, row)."""
     from nearest_kernels import resolve_metric
 
     query = table.column("query").to_numpy().astype(np.int64)

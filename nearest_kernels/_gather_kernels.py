@@ -35,7 +35,7 @@ def take_rows_at(lo, hi, matrix, rows, positions, out):
             out[p, j] = matrix[r, j]
 
 
-# Payload bookkeeping of a shipped state (``udfs.blocks.TopkState.to_blob``).
+# Payload bookkeeping of a shipped state (``udfs.merge.TopkState.to_blob``).
 @njit(nogil=True, cache=True)
 def distinct_rows(source, rows, base, payload_row):
     """The distinct (source, row) pairs the slots refer to, in (source, row) order:

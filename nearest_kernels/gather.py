@@ -1,4 +1,4 @@
-"""Row gathers for the executors (``udfs.rows``, ``udfs.topk``): compiled copies of selected
+"""Row gathers for the executors (``udfs.payload``, ``udfs.merge``): compiled copies of selected
 rows of a matrix, with the GIL released, split over threads; and the distinct rows a shipped
 top-k state refers to. Pure numeric code: no pyspark.
 """

@@ -24,7 +24,7 @@ bf16 / tf32 switch to float32 operands.
 :func:`knn_torch` takes torch tensors (CUDA or CPU) and keeps the results on their device;
 ``knn(..., backend="gpu")`` takes numpy arrays and goes through :data:`BACKEND`.
 :func:`prepare_targets` / :func:`search_prepared` let a caller keep a target block resident
-on the device across many query batches (``udfs.gpu``).
+on the device across many query batches (``udfs.gpu_search``).
 """
 from __future__ import annotations
 

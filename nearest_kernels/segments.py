@@ -25,7 +25,7 @@ Why this design, rather than the alternatives:
   merge is needed either.
 
 It does the arithmetic without BLAS, so a large segment (many queries times many targets)
-belongs to :func:`knn`; ``udfs.groups`` sends each group to one or the other by its work.
+belongs to :func:`knn`; ``udfs.search`` sends each group to one or the other by its work.
 Ties go to the lower target index, as in every backend: with segments in block order (a
 stable sort by group) that is the block's order.
 """

@@ -26,9 +26,8 @@ def warm() -> None:
     import numpy as np
     import pyarrow as pa
 
-    from udfs.context import JoinContext, SearchSettings
+    from udfs.context import JoinContext, SearchSettings, SideLayout
     from udfs.local import local_join
-    from udfs.packing import SideLayout
 
     # the rare paths compile in a process of their own meanwhile: the machine's second core
     rare = subprocess.Popen([sys.executable, "-c", "from tests import warm_kernels; warm_kernels._rare_paths()"],

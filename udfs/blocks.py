@@ -1,11 +1,11 @@
-"""The plan loops Spark runs on executors: search block pairs, fold, merge, emit.
+"""The plan loops Spark runs on executors: block pairs through decode -> search -> merge -> encode.
 
 * **Pairs.** The driver cross-joins packed query blocks with packed target blocks
   (``udfs.packing``). Each pair row holds ``(q_block_id, q_blob, t_block_id, t_blob)``.
 * broadcast: :func:`search_broadcast` folds every target block into the state
-  (``udfs.topk.TopkState``) of a query block in one pass (the pairs of one query block arrive
+  (``udfs.merge.TopkState``) of a query block in one pass (the pairs of one query block arrive
   together, as a broadcast nested loop join streams them; the block's rows come with its
-  first pair only, that of the empty target block) and emits the joined rows (``udfs.emit``).
+  first pair only, that of the empty target block) and emits the joined rows (``udfs.encode``).
 * blocked: :func:`search_pairs` emits one partial state per pair (its own task), and
   :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
   A query block's own rows travel once, with its partial of the empty target block (every
@@ -14,7 +14,7 @@
   broadcast): :func:`search_cell` searches one cell (a cogroup of one query part and one
   target part) and emits a partial per stage-2 block among its query rows, named by their
   row ids; :func:`merge_cells` merges each query row's partials from all its cells
-  (``udfs.topk.RowsTopk``) and emits the rows.
+  (``udfs.merge.RowsTopk``) and emits the rows.
 
 A task's searches run one step ahead on a worker thread (:class:`_PairSearch`). None of this
 imports pyspark at module level: ``udfs.local.local_join`` runs the same functions on plain
@@ -31,19 +31,12 @@ import pyarrow as pa
 
 from . import columns as C
 from .context import JoinContext, SearchSettings, task_cpus
-from .emit import emit_rows
-from .groups import GroupSegments, group_ids, grouped_search
-from .packing import (
-    SideLayout,
-    binary_array,
-    binary_values,
-    blob_to_table,
-    table_to_blob,
-)
-from .rows import ColumnViews, pooled_empty, take_rows
-from .searcher import open_block_searcher
-from .topk import MAX_SOURCES, RowsTopk, TopkState, fold_state
-from .vectors import decode_vectors
+from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
+from .encode import emit_rows
+from .merge import MAX_SOURCES, RowsTopk, TopkState, fold_state
+from .packing import binary_array, table_to_blob
+from .payload import ColumnViews, pooled_empty, take_rows
+from .search import GroupSegments, grouped_search, open_block_searcher
 
 PARTIAL_SCHEMA = pa.schema([
     (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),
@@ -77,21 +70,8 @@ class _PairSearch:
     def close(self) -> None:
         self._worker.shutdown(wait=True)
 
-    @staticmethod
-    def _decode(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        """(rows, vectors, group ids or None): a keyed side's group id column is dropped
-        from the rows (the output has the user's columns only)."""
-        table = blob_to_table(blob)
-        groups = None
-        if side.group_index is not None:
-            groups = group_ids(table.column(side.group_index))
-            table = table.remove_column(side.group_index)
-        vectors = decode_vectors(table.column(side.vector_index), side.dimension, label=side.label,
-                                 expected_from=side.expected_from)
-        return table, vectors, groups
-
     def query_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        return self._decode(blob, self.ctx.query)
+        return decode_block(blob, self.ctx.query)
 
     def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         """A broadcast target block, decoded once per task: every query block meets it.
@@ -114,7 +94,7 @@ class _PairSearch:
         return self._union[1]
 
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        return self._decode(blob, self.ctx.target)
+        return decode_block(blob, self.ctx.target)
 
     def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
         """(values, rows) of one block pair: :func:`block_search` with the task's searcher."""
@@ -177,7 +157,7 @@ class _KeyedUnion:
         local = np.where(valid, rows - self.offsets[block], -1)
         keys = np.where(valid, (self.block_ids[block] << C.ROW_BITS) | local, -1)
         source = np.where(valid, block, -1).astype(np.int32)
-        return TopkState(values, keys, list(self.tables), source, local.astype(np.int64))._pruned()
+        return TopkState(values, keys, list(self.tables), source, local.astype(np.int64)).pruned()
 
 
 class _QueryBlock:
@@ -187,7 +167,7 @@ class _QueryBlock:
         self.id, self.table, self.vectors = block_id, table, vectors
         self.groups = groups                   # on= keys: each row's group id (-1: none)
         self.state: TopkState | None = None    # host fold (CPU searchers)
-        self.device_state = None               # device fold (udfs.device_fold.DeviceFold)
+        self.device_state = None               # device fold (udfs.gpu_search.DeviceFold)
         self.tables: list[pa.Table] = []       # payload tables, by source ordinal
         self.seen: set[int] = set()
         self.folds: list[Future] = []          # the worker's folds for this block, in order
@@ -240,8 +220,8 @@ class _QueryBlock:
         else:
             values, keys, source, rows = self.device_state.to_numpy()
             state = TopkState(values, keys, self.tables, source, rows)
-        if state is not None and views is not None and state._views is None:
-            state._views = views
+        if state is not None and views is not None and state.views_cache is None:
+            state.views_cache = views
         return state
 
 
@@ -418,8 +398,8 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
     ``C.T_BLOCK_ID`` (this cell's target part) and ``C.CELL``; ``targets``: the side's columns,
     ``C.GROUP``, ``C.T_ROW`` and ``C.CELL``. A query row in several of the cell's groups (an
     IVF query whose probed lists share the cell's bin) arrives once per group and is searched
-    against all of them at once (``udfs.probes``). Each query row is searched against its
-    groups' rows only (:func:`udfs.groups.grouped_search`: small groups in one segment
+    against all of them at once (``udfs.search``). Each query row is searched against its
+    groups' rows only (:func:`udfs.search.grouped_search`: small groups in one segment
     search, large ones by the task's searcher); a target's key is its row id ``C.T_ROW``, so
     ties go to the target met first in input order, in whichever cell and part it lies.
 
@@ -454,8 +434,6 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
         segments = GroupSegments.of(group_ids(targets.column(C.GROUP)))
         groups = group_ids(queries.column(C.GROUP))
         if first.size < q_ids.size:      # some query row in several groups: its probes, CSR
-            from .probes import Probes
-
             groups = Probes(np.append(first, q_ids.size).astype(np.int64), groups)
             q_vectors = q_vectors[first]
         searcher = _cell_searcher(ctx.settings)
@@ -494,7 +472,7 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
 
 def merge_cells(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
     """Keyed blocked plan, stage 2 (grouped by stage-2 block): merge each query row's
-    partials, from every cell it was searched in, into its top k (:class:`udfs.topk.RowsTopk`)
+    partials, from every cell it was searched in, into its top k (:class:`udfs.merge.RowsTopk`)
     and emit the block's rows, whose payload came in pieces from the cells that carried it.
 
     Streams the group batch by batch: memory is the block's state (its payload held at most

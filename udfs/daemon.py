@@ -85,8 +85,7 @@ def _preload() -> None:
 
     import nearest_kernels.cpu  # noqa: F401
     import udfs.blocks  # noqa: F401
-    import udfs.lists  # noqa: F401
-    import udfs.probes  # noqa: F401
+    import udfs.ivf  # noqa: F401
     import udfs.warm  # noqa: F401
 
 

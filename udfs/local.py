@@ -12,9 +12,8 @@ import pyarrow as pa
 
 from . import columns as C
 from .blocks import merge_partials, search_broadcast, search_pairs
-from .context import JoinContext
-from .gpu_task import local_task
-from .packing import PACKED_SCHEMA, SideLayout, empty_target_block, pack_blocks
+from .context import JoinContext, SideLayout, local_task
+from .packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 
 
 def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True) -> Iterator[pa.RecordBatch]:
@@ -39,7 +38,7 @@ def local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str = 
 
     ``partitions`` splits each side into that many packing tasks. ``gpu`` / ``task_scope``:
     what a task context would tell the GPU searcher (its GPU address, the stage whose
-    broadcast blocks it may keep; :func:`udfs.gpu_task.local_task`). Returns the joined rows with
+    broadcast blocks it may keep; :func:`udfs.context.local_task`). Returns the joined rows with
     the positional output names.
     """
     with local_task(gpu, task_scope):

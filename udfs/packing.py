@@ -5,34 +5,22 @@ most ``block_rows`` rows; each block becomes one row ``(block_id, blob)`` where 
 Arrow IPC stream holding the block's rows with *all* their columns. Payload columns
 therefore travel with the vectors: the output never re-reads the source, so a
 non-deterministic source (a union, a repartition) cannot change row identities between the
-search and the output. Also here: the Arrow codec of blobs and binary columns, shared by the
-plans (``udfs.blocks``) and the top-k wire format (``udfs.topk``).
+search and the output. Also here: the writing half of the Arrow codec of blobs and binary
+columns (its reading half is ``udfs.decode``), shared by the plans (``udfs.blocks``) and the
+top-k wire format (``udfs.merge``).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .vectors import decode_vectors, value_offsets
+from .context import SideLayout, task_partition
+from .decode import decode_vectors
 
 PACKED_SCHEMA = pa.schema([(C.BLOCK_ID, pa.int64()), (C.BLOB, pa.binary())])
-
-
-@dataclass(frozen=True)
-class SideLayout:
-    """Where one side's vectors are and what they must look like (plain picklable values)."""
-
-    label: str              # the user's column name, for errors
-    vector_index: int       # position of the vector column among the side's columns
-    dimension: int | None   # expected vector length; None = take the first vector's
-    block_rows: int         # rows per packed block
-    expected_from: str = "the other side"
-    group_index: int | None = None   # on= keys: position of the int group id column (the last)
-
 
 
 def write_stream(sink, table: pa.Table) -> None:
@@ -46,20 +34,6 @@ def table_to_blob(table: pa.Table) -> pa.Buffer:
     return sink.getvalue()
 
 
-def blob_to_table(blob) -> pa.Table:
-    return pa.ipc.open_stream(blob).read_all()
-
-
-def binary_values(array: pa.Array) -> list[pa.Buffer]:
-    """Zero-copy buffers of every value of a binary column."""
-    array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
-    offsets = value_offsets(array)     # large_binary under useLargeVarTypes
-    data = array.buffers()[2]
-    if data is None:
-        return [pa.py_buffer(b"")] * len(array)
-    return [data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])) for i in range(len(array))]
-
-
 def binary_array(buffers: list[pa.Buffer]) -> pa.Array:
     """A binary column over existing buffers: one concatenation, no Python bytes copies."""
     sizes = np.array([b.size for b in buffers], dtype=np.int64)
@@ -69,20 +43,6 @@ def binary_array(buffers: list[pa.Buffer]) -> pa.Array:
     data = buffers[0] if len(buffers) == 1 else pa.py_buffer(b"".join(memoryview(b) for b in buffers))
     return pa.Array.from_buffers(pa.binary(), len(buffers),
                                  [None, pa.py_buffer(offsets.astype(np.int32)), data])
-
-
-def task_partition() -> int:
-    """This task's partition id inside Spark (0 outside it): the high bits of the ids this
-    task gives its blocks (and ``udfs.lists.sample_topk`` its rows)."""
-    try:
-        from pyspark import TaskContext
-
-        ctx = TaskContext.get()
-        if ctx is not None:
-            return int(ctx.partitionId())
-    except ImportError:
-        pass
-    return 0
 
 
 def check_dimensions(batch: pa.RecordBatch, layout: SideLayout) -> None:
@@ -132,7 +92,6 @@ def pack_blocks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
             pending_rows = rest.num_rows
     if pending_rows:
         yield emit(pa.Table.from_batches(pending))
-
 
 
 def empty_target_block() -> pa.RecordBatch:

@@ -13,7 +13,7 @@ on a few rows of the join's own element types, metric, k, cap and keys, on a dae
 
 A search that reaches a kernel still compiling waits for that compilation (numba compiles
 under one lock per process) instead of compiling it again. GPU tasks compile their own
-kernels (``udfs.gpu``): the warm-up covers the CPU backend only.
+kernels (``udfs.gpu_search``): the warm-up covers the CPU backend only.
 """
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from .context import JoinContext, SearchSettings
+from .context import JoinContext, SearchSettings, SideLayout, cuda_may_exist
 from .local import local_join
-from .packing import SideLayout
-from .searcher import cuda_may_exist, warm_up_threads
+from .search import warm_up_threads
 
 logger = logging.getLogger(__name__)
 

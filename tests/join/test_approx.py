@@ -1,9 +1,9 @@
 """mode="approx" (issue 23): the IVF plan.
 
-Most checks run without Spark: the probed search of the executors (udfs.probes, through
-udfs.groups.grouped_search) against the float64 oracle restricted to each query's probed
-lists, on the adversarial inputs; the index artefact (nearest_join.ivf); the recall estimate
-and the choice of nprobe. A few small Spark joins check the plan end to end.
+Most checks run without Spark: the probed search of the executors (udfs.search.probed_search,
+through udfs.search.grouped_search) against the float64 oracle restricted to each query's
+probed lists, on the adversarial inputs; the index artefact (nearest_join.ivf); the recall
+estimate and the choice of nprobe. A few small Spark joins check the plan end to end.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from nearest_join import explain_nearest_join, nearest_by_join
 from nearest_kernels import rankable_rows, resolve_metric
 from tests.adversarial import ALL_METRICS, cases
 from tests.oracle import assert_true_topk, operator_rtol
-from udfs.groups import SEGMENT_WORK, GroupSegments, group_ids, grouped_search
+from udfs.decode import group_ids
+from udfs.search import SEGMENT_WORK, GroupSegments, grouped_search
 
 
 def _knn_search(k: int, metric: str):
@@ -57,7 +58,7 @@ PROBE_CASES = [c for c in cases(dims=(1, 3, 16, 128)) if c.targets.shape[0] >= 4
 @pytest.mark.parametrize("segment_work", [0, 3000, 1 << 40], ids=["all-large", "mixed", "all-small"])
 @pytest.mark.parametrize("case", PROBE_CASES, ids=repr)
 def test_probed_search_is_exact_within_the_probed_lists(case, segment_work):
-    from udfs.probes import probed_search
+    from udfs.search import probed_search
 
     rng = np.random.default_rng(7)
     n_groups, k = 9, 5
@@ -108,7 +109,7 @@ def test_grouped_search_takes_probes_and_caps(metric):
 
 
 def test_probes_of_arrow():
-    from udfs.probes import Probes
+    from udfs.decode import Probes
 
     p = Probes.of_arrow(_probe_column([[3, 1], None, [], [2]]))
     assert p.rows == 4
@@ -375,7 +376,8 @@ def test_recall_estimate_against_measured_recall_without_spark():
     from nearest_join.ivf_index import IVFIndex
     from nearest_join.recall import recall_curve
     from nearest_kernels import knn
-    from udfs.probes import Probes, probed_search
+    from udfs.decode import Probes
+    from udfs.search import probed_search
 
     targets = _clustered(4000, 8, 30, seed=2, spread=0.8)
     queries = _clustered(300, 8, 30, seed=3, spread=0.8)
@@ -398,18 +400,18 @@ def test_recall_estimate_against_measured_recall_without_spark():
 @pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
 @pytest.mark.parametrize("scan_rows", [1, None], ids=["search-per-batch", "one-search"])
 def test_the_estimates_target_scan_finds_the_true_neighbours_lists(metric, capped, scan_rows, monkeypatch):
-    """udfs.lists.sample_topk (the estimate's one scan of the target) over several batches,
+    """udfs.ivf.sample_topk (the estimate's one scan of the target) over several batches,
     a NULL vector and an all-NULL batch among them, searched batch by batch (each merged
     into the running top k) or gathered into one search: per sampled query, the lists of
     its exact top k (the float64 reference, under the cap), each slot once."""
-    import udfs.lists
+    import udfs.ivf
     from nearest_join.ivf_index import IVFIndex
     from nearest_kernels import knn
-    from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
+    from udfs.ivf import SAMPLE_SCHEMA, sample_topk
 
     if scan_rows is not None:
-        monkeypatch.setattr(udfs.lists, "SCAN_ROWS", scan_rows)
+        monkeypatch.setattr(udfs.ivf, "SCAN_ROWS", scan_rows)
 
     targets = _clustered(900, 5, 12, seed=8)
     queries = _clustered(40, 5, 12, seed=9)

@@ -2,7 +2,7 @@
 
 One index over the whole target; a query probes its nprobe nearest lists among those its
 key's targets occupy; small keys are searched whole. The executors' routing
-(udfs.lists.key_probes, target_key_ids) is checked without Spark; the joins share one pair
+(udfs.ivf.key_probes, target_key_ids) is checked without Spark; the joins share one pair
 of frames, and every approx result is compared with the exact keyed join of the same frames.
 
 The keys: two large clustered keys ("big1", "big2"), a key "far" whose targets sit in one
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from nearest_join import nearest_by_join
-from udfs.lists import key_probes, target_key_ids
+from udfs.ivf import key_probes, target_key_ids
 
 NLIST, D, K = 40, 6, 5
 T_SIZES = {"big1": 1200, "big2": 1000, "far": 700, "small": 60, "tonly": 40, None: 30}
@@ -330,20 +330,20 @@ def test_key_ranks_against_each_keys_sorted_lists():
 @pytest.mark.parametrize("capped", [False, True], ids=["no-cap", "cap"])
 @pytest.mark.parametrize("scan_rows", [None, 100], ids=["one-search", "searches-of-100-rows"])
 def test_the_keyed_estimate_scan_ranks_within_each_key(metric, capped, scan_rows, monkeypatch):
-    """udfs.lists.sample_topk with the sampled queries' key groups, over several batches (a
+    """udfs.ivf.sample_topk with the sampled queries' key groups, over several batches (a
     NULL vector, a NULL group, an all-NULL batch among them), searched at once or in chunks
     of rows across the batches: per query, the lists and values of its exact top k among its
     own key's rows (the float64 reference, under the cap)."""
     import pyarrow as pa
 
-    import udfs.lists
+    import udfs.ivf
     from nearest_join.ivf_index import IVFIndex
     from nearest_kernels import knn
-    from udfs.lists import SAMPLE_SCHEMA, sample_topk
-    from udfs.packing import SideLayout
+    from udfs.context import SideLayout
+    from udfs.ivf import SAMPLE_SCHEMA, sample_topk
 
     if scan_rows is not None:
-        monkeypatch.setattr(udfs.lists, "SCAN_ROWS", scan_rows)
+        monkeypatch.setattr(udfs.ivf, "SCAN_ROWS", scan_rows)
 
     rng = np.random.default_rng(9)
     targets = rng.standard_normal((700, 5)).astype(np.float32)

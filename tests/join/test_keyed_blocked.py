@@ -35,7 +35,7 @@ from tests.oracle import (
 from udfs import columns as C
 from udfs.blocks import merge_cells, search_cell
 from udfs.context import JoinContext, SearchSettings
-from udfs.packing import SideLayout
+from udfs.context import SideLayout
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
 SIMILARITY = ("cosine", "inner_product")

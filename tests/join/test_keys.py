@@ -25,7 +25,7 @@ from tests.oracle import (
     join_arrays,
     operator_rtol,
 )
-from udfs.groups import GroupSegments, grouped_search
+from udfs.search import GroupSegments, grouped_search
 
 SIMILARITY = ("cosine", "inner_product")
 SPARK_FUNCTION = {"l2": F.vector_l2_distance, "cosine": F.vector_cosine_similarity,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_FILES = ["tests/kernels/test_gpu_exactness.py", "tests/kernels/test_gpu.py",
-                 "tests/udfs/test_gpu_searcher.py", "tests/kernels/test_gpu_shapes.py"]
+                 "tests/udfs/test_gpu_search.py", "tests/kernels/test_gpu_shapes.py"]
 
 
 def collect(files, only) -> list[str]:

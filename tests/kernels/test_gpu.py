@@ -664,7 +664,7 @@ def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
 @pytest.mark.gpu
 @needs_cuda
 def test_the_sample_kept_with_a_block_has_the_rows_its_budget_counts():
-    # udfs.gpu budgets a block with kept_sample_rows: the sample a sampled first pass keeps
+    # udfs.gpu_search budgets a block with kept_sample_rows: the sample a sampled first pass keeps
     from nearest_kernels import gpu
 
     # (a block large enough for the first pass's segments: a smaller one runs it on the torch

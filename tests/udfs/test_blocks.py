@@ -5,10 +5,10 @@ import pytest
 
 from nearest_kernels import knn
 from udfs import columns as C
-from udfs.context import JoinContext, SearchSettings
+from udfs.context import JoinContext, SearchSettings, SideLayout
 from udfs.local import local_join
-from udfs.packing import SideLayout, blob_to_table, pack_blocks
-from udfs.topk import TopkState
+from udfs.merge import TopkState
+from udfs.packing import pack_blocks
 
 
 def _tables(rng, nq, nt, d):
@@ -53,23 +53,6 @@ def test_left_outer_keeps_unmatched_query_rows_once():
     assert len(rows) == 1 + 4 * 3  # the other 4 queries see all 3 targets
 
 
-def test_states_without_any_candidate_combine_keep_a_payload_table_and_ship():
-    # Query rows with no candidate in two target blocks: the combined state refers to no
-    # payload row, yet its NULL payload columns still need the target's column types.
-    t1 = pa.table({"x": ["a", "b"], "n": [1, 2]})
-    t2 = pa.table({"x": ["c"], "n": [3]})
-    empty = np.full((2, 2), -1)
-    parts = [TopkState.from_search(np.full((2, 2), np.inf, np.float32), empty, b, t)
-             for b, t in enumerate((t1, t2))]
-    merged = TopkState.combine(parts, "l2")
-    assert merged.keys.tolist() == [[-1, -1], [-1, -1]] and len(merged.sources) == 1
-    assert merged.payload.schema == t1.schema
-    assert merged.payload.to_pylist() == [{"x": None, "n": None}] * 4
-    shipped = TopkState.from_blob(merged.to_blob(), 2)
-    assert shipped.keys.tolist() == merged.keys.tolist()
-    assert shipped.payload.column(0).type == pa.string() and shipped.payload.num_rows == 4
-
-
 @pytest.mark.parametrize("plan", ["broadcast", "blocked"])
 @pytest.mark.parametrize("join_type", ["inner", "leftouter"])
 def test_query_blocks_without_any_candidate_against_several_target_blocks(plan, join_type):
@@ -97,29 +80,29 @@ def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatc
     the one-thread emission; a consumer that stops early leaves nothing running."""
     import threading
 
-    from udfs import emit as B
+    from udfs import encode as E
 
     rng = np.random.default_rng(5)
     Q, T, qt, tt = _tables(rng, 40, 9, 3)
     qt = qt.set_column(1, "qv", pa.array([None] + list(Q[1:]), type=pa.list_(pa.float32())))
     ctx = _ctx(4, "l2", 3, 40, 9, join_type, tt.schema)
-    monkeypatch.setattr(B, "OUTPUT_BATCH_ROWS", 7)
-    monkeypatch.setattr(B, "gather_threads", lambda: 1)
+    monkeypatch.setattr(E, "OUTPUT_BATCH_ROWS", 7)
+    monkeypatch.setattr(E, "gather_threads", lambda: 1)
     serial = local_join(qt, tt, ctx, plan="broadcast")
-    monkeypatch.setattr(B, "gather_threads", lambda: 3)
+    monkeypatch.setattr(E, "gather_threads", lambda: 3)
     built = []
-    real_gather = B.gather_rows
+    real_gather = E.gather_rows
 
     def record_thread(*args, **kwargs):
         built.append(threading.current_thread().name)
         return real_gather(*args, **kwargs)
-    monkeypatch.setattr(B, "gather_rows", record_thread)
+    monkeypatch.setattr(E, "gather_rows", record_thread)
     ahead = local_join(qt, tt, ctx, plan="broadcast")
     assert ahead.equals(serial) and ahead.num_rows == serial.num_rows >= 4 * 39
     assert any(name.startswith("nj-emit") for name in built), built
     # Stop after two batches: the generator closes without waiting for the queued ones.
     state = TopkState.from_search(np.zeros((40, 4), np.float32), np.tile(np.arange(4), (40, 1)), 0, tt)
-    gen = B.emit_rows(qt, state, ctx)
+    gen = E.emit_rows(qt, state, ctx)
     first = [next(gen), next(gen)]
     gen.close()
     assert [b.num_rows for b in first] == [7, 7]
@@ -128,7 +111,7 @@ def test_emission_built_ahead_on_helper_threads_equals_the_serial_one(monkeypatc
 def test_broadcast_checks_each_target_blocks_vectors_once_per_task(monkeypatch):
     """Query blocks of a broadcast task share the target tables' vector views: the check
     that reads every offset runs once per target block, not once per (query, target) block."""
-    from udfs import rows as R
+    from udfs import payload as R
 
     rng = np.random.default_rng(9)
     Q, T, qt, tt = _tables(rng, 35, 100, 3)
@@ -149,85 +132,28 @@ def test_broadcast_decodes_each_target_block_once_ahead_and_a_failed_decode_fail
     """Target blocks are decoded on the worker as their first pair arrives (while the main
     thread decodes the query block), once per task; a decode that fails there still fails
     the task, from the fold that needs the block."""
-    from udfs import blocks as B
-    from udfs.vectors import VectorDimensionError
+    from udfs import decode as D
 
     rng = np.random.default_rng(6)
     _, _, qt, tt = _tables(rng, 35, 100, 3)
     decoded = []
-    real = B.decode_vectors
+    real = D.decode_vectors
 
     def counted(column, dimension, **kw):
         decoded.append(len(column))
         return real(column, dimension, **kw)
-    monkeypatch.setattr(B, "decode_vectors", counted)
+    monkeypatch.setattr(D, "decode_vectors", counted)
     out = local_join(qt, tt, _ctx(3, "l2", 3, 7, 50, schema=tt.schema), plan="broadcast")
     assert out.num_rows == 35 * 3
     assert decoded.count(50) == 2 and decoded.count(7) == 5, decoded
     # (Packing checks the dimensions first: a decode that fails here is a damaged block.)
     def failing(column, dimension, **kw):
         if len(column) == 50:
-            raise VectorDimensionError("damaged target block")
+            raise D.VectorDimensionError("damaged target block")
         return real(column, dimension, **kw)
-    monkeypatch.setattr(B, "decode_vectors", failing)
-    with pytest.raises(VectorDimensionError, match="damaged target block"):
+    monkeypatch.setattr(D, "decode_vectors", failing)
+    with pytest.raises(D.VectorDimensionError, match="damaged target block"):
         local_join(qt, tt, _ctx(3, "l2", 3, 7, 50, schema=tt.schema), plan="broadcast")
-
-
-def test_pack_blocks_sizes_ids_and_round_trip():
-    rng = np.random.default_rng(2)
-    _, _, _, tt = _tables(rng, 1, 25, 3)
-    packed = list(pack_blocks(tt.to_batches(max_chunksize=7), SideLayout("tv", 2, 3, 10), partition=3))
-    ids = [b.column(0)[0].as_py() for b in packed]
-    assert ids == [(3 << C.SEQUENCE_BITS) | s for s in range(3)]
-    tables = [blob_to_table(b.column(1)[0].as_py()) for b in packed]
-    assert [t.num_rows for t in tables] == [10, 10, 5]
-    assert pa.concat_tables(tables).equals(tt)
-
-
-def test_state_blob_round_trip_and_absorb():
-    t1 = pa.table({"x": ["a", "b"]})
-    t2 = pa.table({"x": ["c", "d"]})
-    s1 = TopkState.from_search(np.array([[1.0, 5.0]], np.float32), np.array([[0, 1]]), 0, t1)
-    s2 = TopkState.from_search(np.array([[2.0, np.inf]], np.float32), np.array([[1, -1]]), 1, t2)
-    s2 = TopkState.from_blob(s2.to_blob(), 2)
-    merged = s1.absorb(s2, "l2")
-    assert merged.values.tolist() == [[1.0, 2.0]]
-    assert merged.keys.tolist() == [[0, (1 << C.ROW_BITS) | 1]]
-    assert merged.payload.column(0).to_pylist() == ["a", "d"]
-
-
-def test_state_ships_each_payload_row_once_and_folds_many_blocks():
-    from udfs.topk import MAX_SOURCES
-
-    rng = np.random.default_rng(9)
-    nq, k, d = 7, 4, 3
-    tables = [pa.table({"tid": np.arange(10) + 100 * b,
-                        "tv": pa.array(list(rng.standard_normal((10, d)).astype(np.float32)),
-                                       type=pa.list_(pa.float32()))}) for b in range(MAX_SOURCES + 3)]
-    state, expected = None, []
-    for b, table in enumerate(tables):
-        rows = rng.integers(-1, 3, (nq, k))          # few distinct rows: shared by query rows
-        values = np.where(rows >= 0, rng.random((nq, k)), np.inf).astype(np.float32)
-        values.sort(axis=1)
-        part = TopkState.from_search(values, rows, b, table)
-        shipped = TopkState.from_blob(part.to_blob(), k)
-        assert shipped.sources[0].num_rows == len(np.unique(rows[rows >= 0]))
-        assert shipped.payload.equals(part.payload.rename_columns(shipped.payload.column_names))
-        state = shipped if state is None else state.absorb(shipped, "l2")
-        assert len(state.sources) <= MAX_SOURCES
-        expected += [(float(values[i, j]), i, int(table.column(0)[rows[i, j]].as_py()))
-                     for i in range(nq) for j in range(k) if rows[i, j] >= 0]
-    payload_ids = state.payload.column(0).to_pylist()
-    for i in range(nq):
-        mine = sorted((v, tid) for v, q, tid in expected if q == i)[:k]
-        got = [(float(state.values[i, j]), payload_ids[i * k + j]) for j in range(k) if state.keys[i, j] >= 0]
-        assert [v for v, _ in got] == pytest.approx([v for v, _ in mine])
-        # every slot's payload belongs to the key it ranks
-        for j in range(k):
-            if state.keys[i, j] >= 0:
-                block, row = state.keys[i, j] >> C.ROW_BITS, state.keys[i, j] & ((1 << C.ROW_BITS) - 1)
-                assert payload_ids[i * k + j] == 100 * block + row
 
 
 def test_a_failing_search_fails_the_task_instead_of_hanging(monkeypatch):
@@ -249,31 +175,6 @@ def test_a_failing_search_fails_the_task_instead_of_hanging(monkeypatch):
         Failing.calls = 0
         with pytest.raises(RuntimeError, match="device lost"):
             local_join(qt, tt, _ctx(2, "l2", 3, 3, 10, schema=tt.schema), plan=plan)
-
-
-@pytest.mark.parametrize("metric", ["l2", "inner_product"])
-def test_combining_many_states_at_once_equals_folding_them_one_by_one(metric):
-    rng = np.random.default_rng(31)
-    nq, k = 9, 5
-    states = []
-    for b in range(6):
-        table = pa.table({"tid": np.arange(20) + 100 * b, "tag": [f"b{b}r{i}" for i in range(20)]})
-        rows = rng.integers(-1, 20, (nq, k))
-        values = np.where(rows >= 0, rng.integers(0, 6, (nq, k)) / 5, np.nan).astype(np.float32)  # ties
-        worst = -np.inf if metric == "inner_product" else np.inf
-        values = np.where(rows >= 0, values, worst)
-        order = np.argsort(-values if metric == "inner_product" else values, axis=1, kind="stable")
-        part = TopkState.from_search(np.take_along_axis(values, order, 1), np.take_along_axis(rows, order, 1),
-                                     b, table)
-        states.append(TopkState.from_blob(part.to_blob(), k) if b % 2 else part)
-    at_once = TopkState.combine(states, metric)
-    one_by_one = states[0]
-    for s in states[1:]:
-        one_by_one = one_by_one.absorb(s, metric)
-    np.testing.assert_array_equal(at_once.keys, one_by_one.keys)
-    np.testing.assert_array_equal(at_once.values, one_by_one.values)
-    assert at_once.payload.to_pylist() == one_by_one.payload.rename_columns(
-        at_once.payload.column_names).to_pylist()
 
 
 def test_broadcast_refuses_pairs_that_do_not_arrive_grouped():
@@ -352,7 +253,7 @@ def test_a_keyed_broadcast_task_searches_the_union_of_its_target_blocks(monkeypa
     import functools
 
     from udfs import blocks as B
-    from udfs.lists import pack_listed
+    from udfs.ivf import pack_listed
     from udfs.local import pair_batches
     from udfs.packing import PACKED_SCHEMA, empty_target_block
 

@@ -1,11 +1,11 @@
 """The IVF plan's search on each block searcher, at the Arrow-batch level (no pyspark).
 
-Both sides are routed and packed as the approx plan packs them (``udfs.lists.pack_listed``,
+Both sides are routed and packed as the approx plan packs them (``udfs.ivf.pack_listed``,
 the functions ``nearest_join.ivf.IvfSearch.packers`` hands the plan), the pairs run through the broadcast plan's loop
-(``udfs.blocks.search_broadcast``: ``udfs.groups.grouped_search`` hands the probed lists to
-``udfs.probes.probed_search``), and the joined rows are checked against the float64 oracle
+(``udfs.blocks.search_broadcast``: ``udfs.search.grouped_search`` hands the probed lists to
+``udfs.search.probed_search``), and the joined rows are checked against the float64 oracle
 restricted to each query's probed lists. One list is dense enough that its work is above
-``udfs.groups.SEGMENT_WORK``: it goes to the task's searcher, which is the CPU kernel, the
+``udfs.search.SEGMENT_WORK``: it goes to the task's searcher, which is the CPU kernel, the
 GPU searcher's torch path on a CPU device, or (``pytest -m gpu``, on a CUDA machine) the GPU
 searcher on the GPU; the other lists go to the batched segment search. With
 ``nprobe == nlist`` the rows are the exact result. Sized to run in seconds; imports no
@@ -24,12 +24,11 @@ from nearest_kernels import rankable_rows, resolve_metric, segments
 from nearest_kernels.kmeans import route
 from tests.oracle import assert_true_topk, operator_rtol
 from udfs import blocks as B
-from udfs.groups import SEGMENT_WORK
-from udfs.lists import pack_listed
+from udfs.context import SearchSettings, SideLayout
+from udfs.ivf import pack_listed
 from udfs.local import pair_batches
-from udfs.packing import PACKED_SCHEMA, SideLayout, empty_target_block
-from udfs.context import SearchSettings
-from udfs.searcher import BlockSearcher
+from udfs.packing import PACKED_SCHEMA, empty_target_block
+from udfs.search import SEGMENT_WORK, BlockSearcher
 
 try:
     import torch
@@ -72,7 +71,7 @@ def _table(ids: str, name: str, vectors: np.ndarray, null_row: int | None = None
 def _searcher(kind: str, settings: SearchSettings):
     if kind == "cpu":
         return BlockSearcher(settings)
-    from udfs.gpu import GpuBlockSearcher
+    from udfs.gpu_search import GpuBlockSearcher
 
     return GpuBlockSearcher(settings, torch.device("cpu" if kind == "torch-cpu" else "cuda"))
 

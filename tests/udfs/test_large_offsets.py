@@ -10,9 +10,9 @@ import pytest
 
 from nearest_join import nearest_by_join
 from tests.oracle import assert_join_true_topk, group_rows
-from udfs.packing import binary_values as _binary_values
-from udfs.rows import take_rows, vector_matrix
-from udfs.vectors import decode_vectors, value_offsets
+from udfs.decode import binary_values as _binary_values
+from udfs.decode import decode_vectors, value_offsets
+from udfs.payload import take_rows, vector_matrix
 
 VARIABLE_TYPES = [pa.binary(), pa.large_binary(), pa.string(), pa.large_string(),
                   pa.list_(pa.float32()), pa.large_list(pa.float32())]

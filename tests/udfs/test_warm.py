@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from udfs import searcher, warm
+from udfs import search, warm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,9 +24,8 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
     script = textwrap.dedent("""
         import json, sys, numpy as np, pyarrow as pa
         from numba.core import event
-        from udfs.context import JoinContext, SearchSettings
+        from udfs.context import JoinContext, SearchSettings, SideLayout
         from udfs.local import local_join
-        from udfs.packing import SideLayout
         from udfs.warm import WarmUp, start_warm_up
 
         compiled = []
@@ -73,8 +72,8 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
 def test_once_per_process_and_configuration(monkeypatch):
     started = []
     monkeypatch.setattr(warm, "_warm", lambda w, plans: started.append((w, plans)))
-    monkeypatch.setattr(searcher, "warm_up_threads", {})
-    monkeypatch.setattr(warm, "warm_up_threads", searcher.warm_up_threads)
+    monkeypatch.setattr(search, "warm_up_threads", {})
+    monkeypatch.setattr(warm, "warm_up_threads", search.warm_up_threads)
     monkeypatch.setattr(warm, "cuda_may_exist", lambda: False)
     l2 = warm.WarmUp("l2", "auto", ("float32", "float32"))
     first = warm.start_warm_up(l2, ("broadcast", "blocked"))
@@ -100,12 +99,12 @@ def test_a_search_waits_for_the_warm_ups_of_its_process(monkeypatch):
         order.append("warmed")
 
     monkeypatch.setattr(warm, "_warm", slow)
-    monkeypatch.setattr(searcher, "warm_up_threads", {})
-    monkeypatch.setattr(warm, "warm_up_threads", searcher.warm_up_threads)
+    monkeypatch.setattr(search, "warm_up_threads", {})
+    monkeypatch.setattr(warm, "warm_up_threads", search.warm_up_threads)
     monkeypatch.setattr(warm, "cuda_may_exist", lambda: False)
     warm.start_warm_up(warm.WarmUp("sqeuclidean", "cpu", ("float64", "float64")), ("broadcast",))
     threading.Timer(0.2, release.set).start()
-    searcher.open_block_searcher(searcher.SearchSettings(3, "sqeuclidean", "cpu"))
+    search.open_block_searcher(search.SearchSettings(3, "sqeuclidean", "cpu"))
     order.append("searched")
     assert order == ["warmed", "searched"]
 

@@ -1,17 +1,28 @@
-"""Host-to-device copies of a GPU searcher: pinned staging buffers, uploads, prefetched blocks.
+"""What a GPU searcher holds: host buffers on the way to its device, and target blocks on it.
 
-:class:`HostStaging` keeps reusable host buffers (pinned on CUDA; the copy into them split over
-the task's threads by ``udfs.rows.copy_into``), uploads arrays through them, on a side stream
-when asked, and holds the query blocks another thread staged ahead of their search
+**Host staging** (:class:`HostStaging`): reusable host buffers (pinned on CUDA; the copy into
+them split over the task's threads by ``udfs.payload.copy_into``), uploads through them, on a
+side stream when asked, and the query blocks another thread staged ahead of their search
 (:meth:`HostStaging.prefetch`). Works on a CPU ``torch.device`` too (no streams, no pinning).
+
+**Prepared target blocks** (:class:`TargetStore`): held by key, least recently used first,
+with their device bytes (:func:`prepared_bytes`); a searcher keeps one for its own task.
+Broadcast blocks, the same for every task of a stage, are kept per device for the next task
+of that stage that this Python worker runs (:func:`kept_targets`; Spark reuses workers): the
+first searcher opened for any other stage frees them, and a cheap fingerprint
+(:func:`fingerprint`) guards every reuse.
 """
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict
 
 import numpy as np
 
-from .rows import copy_into
+from .payload import copy_into
+
+logger = logging.getLogger(__name__)
 
 # Query blocks prefetch() may hold staged on the device, each in its own pinned host slot.
 PREFETCH_SLOTS = 2
@@ -70,7 +81,7 @@ class HostStaging:
 
     def prefetch(self, query_vectors: np.ndarray) -> None:
         """Start copying a one-batch query block to the device before its search is called
-        (:meth:`udfs.gpu.GpuBlockSearcher.prefetch` says when).
+        (:meth:`udfs.gpu_search.GpuBlockSearcher.prefetch` says when).
 
         The copy runs on the copy stream from its own pinned slot. ``PREFETCH_SLOTS`` blocks
         may wait staged (the main thread can decode the next block before the worker has
@@ -112,3 +123,100 @@ class HostStaging:
             if entry[2] is not None:
                 entry[2].synchronize()   # done (long ago, as a rule): the slot is free again
             return entry[1], entry[2]
+
+
+# -- prepared target blocks ---------------------------------------------------------------------
+
+def prepared_bytes(nt: int, d: int, precision: str, source_bytes: int) -> int:
+    """Device bytes of a prepared target block of ``nt`` x ``d``: its rows as uploaded
+    (``source_bytes`` an element, the re-rank's input), the float32 working rows and the
+    product's operand (bf16: 2 bytes; tf32: 4; fp32 reads the working rows), so about 10
+    bytes an element in bf16 and 12 in tf32 for float32 input."""
+    operand = {"bf16": 2, "tf32": 4, "fp32": 0}[precision]
+    return nt * d * (source_bytes + 4 + operand)
+
+
+def fingerprint(vectors: np.ndarray) -> tuple:
+    """Shape, dtype and three rows of a target block: a reused block must match them."""
+    n = vectors.shape[0]
+    rows = vectors[[0, n // 2, n - 1]] if n else vectors[:0]
+    return vectors.shape, vectors.dtype.str, np.ascontiguousarray(rows).tobytes()
+
+
+class TargetStore:
+    """Prepared target blocks by key, least recently used first, with their device bytes."""
+
+    def __init__(self):
+        self._entries: OrderedDict = OrderedDict()   # key -> (PreparedTargets, bytes, fingerprint)
+        self.bytes = 0
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def prepared(self, key):
+        """The block stored under ``key`` (tests)."""
+        return self._entries[key][0]
+
+    def get(self, key, fingerprint):
+        """The block for ``key`` if it is stored and matches ``fingerprint``, else None."""
+        hit = self._entries.get(key)
+        if hit is None:
+            return None
+        if hit[2] != fingerprint:
+            logger.warning("target block %r changed under the same key: uploaded again", key)
+            self._drop(key)
+            return None
+        self._entries.move_to_end(key)
+        return hit[0]
+
+    def put(self, key, prepared, size: int, fingerprint) -> None:
+        self._entries[key] = (prepared, size, fingerprint)
+        self.bytes += size
+
+    def pop_oldest(self) -> None:
+        self._drop(next(iter(self._entries)))
+
+    def _drop(self, key) -> None:
+        _, size, _ = self._entries.pop(key)
+        self.bytes -= size
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+
+# Per device: (task scope, target blocks kept for the next task of that scope).
+_KEPT: dict[str, tuple[str, TargetStore]] = {}
+
+
+def kept_targets(device, scope: str | None) -> TargetStore | None:
+    """The store of blocks kept on ``device`` for ``scope``; a new scope frees the old one's.
+
+    None for no scope: then whatever is kept for another scope is freed as well (a worker
+    serves one stage at a time, and the memory is the new task's).
+    """
+    name = str(device)
+    held = _KEPT.get(name)
+    if held is not None and held[0] == scope:
+        return held[1]
+    if held is not None:
+        held[1].clear()
+        del _KEPT[name]
+        logger.info("freed the target blocks kept on %s for %s", name, held[0])
+        if scope is None:
+            _release_cached_memory(device)
+    if scope is None:
+        return None
+    store = TargetStore()
+    _KEPT[name] = (scope, store)
+    return store
+
+
+def _release_cached_memory(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,5 +1,8 @@
-"""Joined output rows of one query block: query columns, target columns, [distance], [first].
+"""Arrow out: the joined output rows of one query block, as the record batches Spark receives.
 
+A row is the query row's columns, its target's columns (NULL for LEFT OUTER's unmatched
+rows), [the distance], [a mark on each query row's best match]; the payload rows are gathered
+from the query block and from the top-k state's payload tables (``udfs.payload``).
 Batches are built ahead on helper threads, so building the next batch overlaps whatever the
 consumer does with the current one (Spark: writing it to the JVM).
 """
@@ -14,11 +17,11 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .rows import ColumnViews, gather_rows, gather_threads
+from .payload import ColumnViews, gather_rows, gather_threads
 
 if TYPE_CHECKING:
     from .context import JoinContext
-    from .topk import TopkState
+    from .merge import TopkState
 
 # Output batches are cut to about this many rows.
 OUTPUT_BATCH_ROWS = 1 << 16

@@ -1,8 +1,8 @@
-"""Row gathers over Arrow tables: the payload half of every plan.
+"""Payload rows: gathers over Arrow tables, the payload half of every plan.
 
 A top-k state refers to its payload rows as ``(source table, row)`` pairs and gathers them
-once, when its rows are emitted or shipped (see ``udfs.topk.TopkState``). This module does
-those gathers:
+once, when its rows are emitted or shipped (see ``udfs.merge.TopkState``). This module does
+those gathers, below both the merge that ships them and the encoding that emits them:
 
 * vector columns (``list`` / ``large_list`` / ``fixed_size_list`` of float or double, no
   NULLs, one length) are gathered as numpy matrices, in threads when large: Arrow's generic
@@ -12,7 +12,9 @@ those gathers:
 
 Fresh large allocations are the other cost: on some machines first-touch page faults make a
 new 300 MB array cost ten times its copy. Output matrices are therefore taken from Arrow's
-memory pool, which keeps freed memory for the next block.
+memory pool, which keeps freed memory for the next block. The same threaded copies into pool
+memory serve the GPU searcher's host staging (:func:`copy_into`) and the keyed broadcast
+task's sorted union of target blocks (:func:`pooled_empty`).
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pyarrow as pa
 
-from .vectors import as_array, value_offsets
+from .decode import as_array, value_offsets
 
 # Gathers above this many bytes are split over the task's threads.
 PARALLEL_BYTES = 8 << 20

@@ -1,9 +1,9 @@
-"""udfs.rows: row gathers from one or several payload tables, against Arrow's own take."""
+"""udfs.payload: row gathers from one or several payload tables, against Arrow's own take."""
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from udfs.rows import copy_into, gather_rows, take_matrices, take_matrix, take_rows, vector_matrix
+from udfs.payload import copy_into, gather_rows, take_matrices, take_matrix, take_rows, vector_matrix
 
 
 def _payload(rng, n, d, offset):

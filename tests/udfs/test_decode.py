@@ -3,7 +3,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from udfs.vectors import VectorDimensionError, decode_vectors
+from udfs.decode import VectorDimensionError, decode_vectors
 
 ML_VECTOR = pa.struct([("type", pa.int8()), ("size", pa.int32()),
                        ("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float64()))])

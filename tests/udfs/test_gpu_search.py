@@ -1,5 +1,6 @@
-"""udfs.gpu and the modules it is built from: device choice from the task's GPU address, the
-CPU fallback, the searcher loop, staging, resident and kept target blocks.
+"""udfs.gpu_search and what it is built from (udfs.gpu_memory, the task's GPU in udfs.context):
+device choice from the task's GPU address, the CPU fallback, the searcher loop, staging,
+resident and kept target blocks.
 
 The searcher runs here on a CPU torch device (no streams, no pinning) with the torch path:
 batching, the resident target block and the row filtering are the same code as on a GPU.
@@ -11,12 +12,12 @@ import pytest
 
 from nearest_kernels import knn
 from tests.oracle import assert_knn_result, backend_rtol
-from udfs.context import SearchSettings
+from udfs.context import JoinContext, SearchSettings, SideLayout
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
 
-from udfs import gpu as G  # noqa: E402
-from udfs import gpu_task, target_cache  # noqa: E402
+from udfs import context, gpu_memory  # noqa: E402
+from udfs import gpu_search as G  # noqa: E402
 
 
 def test_memory_budget_is_the_fraction_of_the_tasks_share():
@@ -30,19 +31,19 @@ def test_memory_budget_is_the_fraction_of_the_tasks_share():
 
 
 def test_address_is_the_cuda_ordinal():
-    assert gpu_task.address_to_ordinal("1") == 1
+    assert context.address_to_ordinal("1") == 1
     with pytest.raises(ValueError, match="GPU address"):
-        gpu_task.address_to_ordinal("GPU-3f2a")
+        context.address_to_ordinal("GPU-3f2a")
 
 
 def test_task_address_and_scope_outside_spark_come_from_the_local_task():
-    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
-    with gpu_task.local_task(gpu="1", scope="stage 2"):
-        assert gpu_task.task_gpu_address() == "1" and gpu_task.task_scope() == "stage 2"
-        with gpu_task.local_task(scope="stage 3"):
-            assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() == "stage 3"
-        assert gpu_task.task_scope() == "stage 2"
-    assert gpu_task.task_gpu_address() is None and gpu_task.task_scope() is None
+    assert context.task_gpu_address() is None and context.task_scope() is None
+    with context.local_task(gpu="1", scope="stage 2"):
+        assert context.task_gpu_address() == "1" and context.task_scope() == "stage 2"
+        with context.local_task(scope="stage 3"):
+            assert context.task_gpu_address() is None and context.task_scope() == "stage 3"
+        assert context.task_scope() == "stage 2"
+    assert context.task_gpu_address() is None and context.task_scope() is None
 
 
 def test_no_searcher_without_cuda_or_for_cpu_backends(monkeypatch):
@@ -168,7 +169,7 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
     rng = np.random.default_rng(12)
     q = rng.standard_normal((30, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
+    block_bytes = gpu_memory.prepared_bytes(50, 4, "fp32", 4)
     # Room for two blocks in TARGET_SHARE of the budget.
     searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                   memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
@@ -184,9 +185,9 @@ def test_target_blocks_stay_resident_within_the_budget_least_recent_out_first():
 @pytest.fixture
 def no_kept_blocks():
     """Tests that open searchers under a task scope start and end with nothing kept."""
-    target_cache._KEPT.clear()
+    gpu_memory._KEPT.clear()
     yield
-    target_cache._KEPT.clear()
+    gpu_memory._KEPT.clear()
 
 
 def _counting_prepare(monkeypatch):
@@ -214,7 +215,7 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     ref = knn(q, t, 4, "l2", backend="reference")[1]
 
     def task(scope, targets=t, keep=True, settings=settings):
-        with gpu_task.local_task(scope=scope):
+        with context.local_task(scope=scope):
             searcher = G.GpuBlockSearcher(settings, torch.device("cpu"))
         fold = searcher.search_fold(q, targets, 7, 7, 0, None, keep=keep)
         return searcher, fold.to_numpy()[3]
@@ -234,20 +235,20 @@ def test_broadcast_blocks_are_kept_for_the_next_task_of_the_same_scope(monkeypat
     assert len(prepared) == 3
     _, rows = task("stage 4")                      # another stage: its own copy
     np.testing.assert_array_equal(rows, ref)
-    assert len(prepared) == 4 and list(target_cache._KEPT) == ["cpu"] and target_cache._KEPT["cpu"][0] == "stage 4"
+    assert len(prepared) == 4 and list(gpu_memory._KEPT) == ["cpu"] and gpu_memory._KEPT["cpu"][0] == "stage 4"
     off = dataclasses.replace(settings, keep_targets=False)
     task("stage 4", settings=off)                  # keep_targets off frees them
-    assert len(prepared) == 5 and not target_cache._KEPT
+    assert len(prepared) == 5 and not gpu_memory._KEPT
     task(None)                                               # no scope: nothing kept
-    assert not target_cache._KEPT
+    assert not gpu_memory._KEPT
 
 
 def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks, monkeypatch):
     rng = np.random.default_rng(32)
     q = rng.standard_normal((10, 4)).astype(np.float32)
     blocks = [rng.standard_normal((50, 4)).astype(np.float32) for _ in range(3)]
-    block_bytes = target_cache.prepared_bytes(50, 4, "fp32", 4)
-    with gpu_task.local_task(scope="stage 1"):
+    block_bytes = gpu_memory.prepared_bytes(50, 4, "fp32", 4)
+    with context.local_task(scope="stage 1"):
         searcher = G.GpuBlockSearcher(SearchSettings(2, "l2", "gpu"), torch.device("cpu"),
                                       memory_bytes=int(2.5 * block_bytes / G.TARGET_SHARE))
     searcher.search_fold(q, blocks[0], 0, 0, 0, None, keep=True)
@@ -255,7 +256,7 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
     assert searcher._target_bytes == 2 * block_bytes
     fold = searcher.search_fold(q, blocks[2], 2, 2, 0, None, keep=True)   # evicts kept 0 first
     np.testing.assert_array_equal(fold.to_numpy()[3], knn(q, blocks[2], 2, "l2", backend="reference")[1])
-    assert list(target_cache._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
+    assert list(gpu_memory._KEPT["cpu"][1]) == [(2, "l2", "fp32")] and list(searcher._resident) == [1]
 
 
 @pytest.mark.parametrize("device", [
@@ -283,8 +284,8 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
     settings = SearchSettings(k, metric, "gpu")
     monkeypatch.setattr(B, "open_block_searcher",
                         lambda s: G.GpuBlockSearcher(s, torch.device(device)))
-    ctx = B.JoinContext(settings, B.SideLayout("qv", 1, d, 10), B.SideLayout("tv", 1, d, 20),
-                        "inner", True, tt.schema)
+    ctx = JoinContext(settings, SideLayout("qv", 1, d, 10), SideLayout("tv", 1, d, 20),
+                      "inner", True, tt.schema)
     out = local_join(qt, tt, ctx, plan="broadcast", partitions=2)
     values, indices = knn(Q, T, k, metric, backend="reference")
     got = {}
@@ -301,7 +302,7 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     import pyarrow as pa
 
     def scopes(batches):
-        from udfs.gpu_task import local_task, task_scope
+        from udfs.context import local_task, task_scope
 
         with local_task(scope="ignored inside Spark"):
             for _ in batches:
@@ -346,8 +347,8 @@ def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device)
         return opened[-1]
 
     monkeypatch.setattr(B, "open_block_searcher", open_gpu)
-    ctx = B.JoinContext(SearchSettings(k, metric, "gpu", "bf16"), B.SideLayout("qv", 1, d, 8),
-                        B.SideLayout("tv", 1, d, 50), "inner", True, tt.schema, cap=cap)
+    ctx = JoinContext(SearchSettings(k, metric, "gpu", "bf16"), SideLayout("qv", 1, d, 8),
+                      SideLayout("tv", 1, d, 50), "inner", True, tt.schema, cap=cap)
     out = local_join(qt, tt, ctx, plan=plan, partitions=2)
     assert opened
     _, indices = knn(Q, T, k, metric, backend="reference", cap=cap)

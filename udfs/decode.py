@@ -1,16 +1,27 @@
-"""Arrow vector columns -> dense numpy matrices, as Spark's vector functions see them.
+"""Arrow in: the blobs and columns a task receives, decoded into tables and numpy arrays.
 
-Accepted Arrow layouts (what Spark sends for the supported column types):
-``list<float>`` / ``list<double>`` (``array<float>`` / ``array<double>``, also large and
-fixed-size lists) and the struct behind pyspark.ml's ``VectorUDT``
-(``type`` 1 = dense ``values``; 0 = sparse ``size``/``indices``/``values``).
-A NULL vector or a NULL element becomes NaN, which the kernels treat as "never matches".
+The first step of every plan's search: a packed block's blob becomes its rows
+(:func:`blob_to_table`), its vector column a dense matrix (:func:`decode_vectors`) and, for
+a keyed side, its group column int64 group ids or the IVF probes of each row
+(:func:`group_ids`); :func:`decode_block` does all three. Binary columns of blobs (the pairs,
+the partials) are read as zero-copy buffers (:func:`binary_values`).
+
+Vector columns are read as Spark's vector functions see them. Accepted Arrow layouts (what
+Spark sends for the supported column types): ``list<float>`` / ``list<double>``
+(``array<float>`` / ``array<double>``, also large and fixed-size lists) and the struct behind
+pyspark.ml's ``VectorUDT`` (``type`` 1 = dense ``values``; 0 = sparse
+``size``/``indices``/``values``). A NULL vector or a NULL element becomes NaN, which the
+kernels treat as "never matches".
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from .context import SideLayout
 
 
 class VectorDimensionError(ValueError):
@@ -44,6 +55,21 @@ def value_offsets(array: pa.Array) -> np.ndarray:
     if n == 0 and (buffer is None or buffer.size == 0):
         return np.zeros(1, dtype)      # IPC may ship an empty column without its one offset
     return np.frombuffer(buffer, dtype=dtype)[array.offset: array.offset + n + 1]
+
+
+def blob_to_table(blob) -> pa.Table:
+    """The table of an Arrow IPC stream blob (a packed block, a partial's part)."""
+    return pa.ipc.open_stream(blob).read_all()
+
+
+def binary_values(array: pa.Array) -> list[pa.Buffer]:
+    """Zero-copy buffers of every value of a binary column."""
+    array = array.combine_chunks() if isinstance(array, pa.ChunkedArray) else array
+    offsets = value_offsets(array)     # large_binary under useLargeVarTypes
+    data = array.buffers()[2]
+    if data is None:
+        return [pa.py_buffer(b"")] * len(array)
+    return [data.slice(int(offsets[i]), int(offsets[i + 1] - offsets[i])) for i in range(len(array))]
 
 
 def vector_dtype(arrow_type: pa.DataType) -> np.dtype:
@@ -184,3 +210,59 @@ def _decode_ml_vectors(arr: pa.StructArray, dimension, label, expected_from) -> 
             out[row] = 0.0
             out[row, flat_idx[idx_off[row]: idx_off[row + 1]]] = flat_values[offsets[row]: offsets[row + 1]]
     return out
+
+
+# -- group columns -------------------------------------------------------------------------------
+
+NO_GROUP = -1
+
+
+@dataclass(frozen=True)
+class Probes:
+    """Each row's groups, CSR: row ``i`` is in ``groups[starts[i]:starts[i + 1]]`` (distinct).
+
+    The IVF plan's query rows (``nearest_join.ivf``): a row carries the ``nprobe`` lists it
+    probes as an Arrow ``list<int>`` column, and is searched against all of them at once
+    (``udfs.search.probed_search``).
+    """
+
+    starts: np.ndarray   # int64 (rows + 1,)
+    groups: np.ndarray   # int64
+
+    @property
+    def rows(self) -> int:
+        return self.starts.shape[0] - 1
+
+    @classmethod
+    def of_arrow(cls, array: pa.Array) -> Probes:
+        """A ``list<int>`` column; a NULL list (or a NULL item) probes nothing."""
+        lengths = pc.list_value_length(array).fill_null(0).to_numpy(zero_copy_only=False)
+        starts = np.zeros(len(array) + 1, np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        groups = pc.list_flatten(array).fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+        return cls(starts, groups)
+
+
+def group_ids(column: pa.ChunkedArray | pa.Array):
+    """int64 group ids of an Arrow column; NULL (no group) reads ``NO_GROUP``. A ``list<int>``
+    column (the IVF plan's probed lists: several groups per row) reads as :class:`Probes`,
+    which :func:`udfs.search.grouped_search` takes in place of the ids."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        return Probes.of_arrow(array)
+    return array.fill_null(NO_GROUP).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+
+# -- packed blocks -------------------------------------------------------------------------------
+
+def decode_block(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray, np.ndarray | Probes | None]:
+    """(rows, vectors, group ids or None) of a packed block of ``side``: a keyed side's group
+    id column is dropped from the rows (the output has the user's columns only)."""
+    table = blob_to_table(blob)
+    groups = None
+    if side.group_index is not None:
+        groups = group_ids(table.column(side.group_index))
+        table = table.remove_column(side.group_index)
+    vectors = decode_vectors(table.column(side.vector_index), side.dimension, label=side.label,
+                             expected_from=side.expected_from)
+    return table, vectors, groups

@@ -1,12 +1,12 @@
 """GPU block searcher for executors: the task's GPU, a resident target block, pipelined copies.
 
-:func:`gpu_searcher_or_none` is what :func:`udfs.searcher.open_block_searcher` calls for
+:func:`gpu_searcher_or_none` is what :func:`udfs.search.open_block_searcher` calls for
 ``backend="auto"`` / ``"gpu"``. It returns None when torch or a CUDA device is missing, so a
 CPU executor needs no configuration. Otherwise the searcher
 
 * uses the GPU Spark assigned to the task (``TaskContext.resources()["gpu"].addresses[0]``);
-  outside Spark, the address :func:`local_task` names (tests and benchmarks that simulate
-  executors, ``udfs.local.local_join``), else device 0;
+  outside Spark, the address :func:`udfs.context.local_task` names (tests and benchmarks
+  that simulate executors, ``udfs.local.local_join``), else device 0;
 * keeps target blocks resident on the device, keyed by ``target_key`` (least recently used
   out first, within half the memory budget), so the many query blocks of a task that meet
   the same target blocks copy each once;
@@ -21,9 +21,9 @@ CPU executor needs no configuration. Otherwise the searcher
   that fits one batch stays on the device while the next call passes the same memory;
 * sizes its batches and candidate buffers from the device memory free when it opened.
 
-The pieces it is built from live apart: the task's GPU and scope (``udfs.gpu_task``), the
-kept and resident target blocks (``udfs.target_cache``), host staging and prefetch
-(``udfs.staging``) and the device-side fold (``udfs.device_fold``).
+The task's GPU and scope come from ``udfs.context``; the host staging, the prefetched query
+blocks and the resident and kept target blocks are ``udfs.gpu_memory``'s. A query block's
+running top-k stays on the device (:class:`DeviceFold`), read back once per query block.
 """
 from __future__ import annotations
 
@@ -32,11 +32,8 @@ import logging
 
 import numpy as np
 
-from .device_fold import DeviceFold
-from .gpu_task import address_to_ordinal, task_gpu_address, task_scope
-from .context import SearchSettings
-from .staging import HostStaging, same_memory
-from .target_cache import TargetStore, fingerprint, kept_targets, prepared_bytes
+from .context import SearchSettings, address_to_ordinal, task_gpu_address, task_scope
+from .gpu_memory import HostStaging, TargetStore, fingerprint, kept_targets, prepared_bytes, same_memory
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +54,38 @@ def memory_budget(available: int, total: int, share: float = 1.0) -> int:
     of no more than its task's ``share`` of the device (``spark.task.resource.gpu.amount``
     0.5: two tasks' workers open on one GPU at once, each would otherwise see it all free)."""
     return int(min(available, total * min(1.0, share)) * MEMORY_FRACTION)
+
+
+class DeviceFold:
+    """A query block's running top-k on the device, plus its host copy in flight.
+
+    ``values`` float32, ``keys`` int64 global keys (-1 empty), ``source`` int32 payload
+    table ordinals (-1 empty), ``rows`` int64 rows in those tables; all (nq, k).
+    """
+
+    def __init__(self, values, keys, source, rows, host, ready):
+        self.values, self.keys, self.source, self.rows = values, keys, source, rows
+        self._host, self._ready = host, ready
+
+    @classmethod
+    def start(cls, values, keys, source, rows, cuda: bool) -> "DeviceFold":
+        import torch
+
+        tensors = (values, keys, source, rows)
+        if not cuda:
+            return cls(*tensors, tuple(t.clone() for t in tensors), None)
+        host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors)
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(*tensors, host, ready)
+
+    def to_numpy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(values, keys, source, rows) as numpy, once the copy started by the fold is done."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return tuple(h.numpy() for h in self._host)
 
 
 def gpu_searcher_or_none(settings: SearchSettings):
@@ -131,9 +160,10 @@ class GpuBlockSearcher:
 
         The fused kernel's specialisations follow the shapes, not only d, k and the precision:
         the kernel form (a register list, its segments or the torch path) and the survivor
-        test follow the number of targets and of query rows (``_gpu_triton.plan_candidates``,
-        ``segment_count``, ``skip_share``), and Triton specialises integer arguments (rows,
-        targets, dimension) by their divisibility by 16; the re-rank kernel the rows' dtypes.
+        test follow the number of targets and of query rows (``_triton_plan.plan_candidates``,
+        ``segment_count``, ``skip_share`` in ``nearest_kernels``), and Triton specialises
+        integer arguments (rows, targets, dimension) by their divisibility by 16; the re-rank
+        kernel the rows' dtypes.
         So the warm-up searches the first query batch's rows against a full target block, in
         the plans' dtypes: the first real pair then finds its first pass compiled (a shorter
         last block, and widening rounds over few rows, may still compile their own forms).
@@ -175,19 +205,14 @@ class GpuBlockSearcher:
         return True
 
     def prefetch(self, query_vectors: np.ndarray) -> None:
-        """Start copying a one-batch query block to the device before its search is called
-        (:meth:`udfs.staging.HostStaging.prefetch`).
+        """Start copying a one-batch query block to the device before its search is called.
 
         The one method another thread may call while a search runs: the broadcast plan's
         main thread stages the query block it has just decoded while the worker thread
         searches the previous one, and that block's search then finds it on the device
-        (same host memory) instead of copying it first. The copy runs on the copy stream
-        from its own pinned slot. ``PREFETCH_SLOTS`` blocks may wait staged (the main thread
-        can decode the next block before the worker has taken the previous one: at a task's
-        start the first search waits for the target block); a further one replaces the
-        oldest, whose copy is waited for first. One caller at a time (the main thread); the
-        lock is not held during the copy, so the worker's search never waits for it (when
-        it was, a task's first search waited for the copy).
+        (same host memory) instead of copying it first. How the copy runs, how many blocks
+        may wait staged and why the worker never waits for it:
+        :meth:`udfs.gpu_memory.HostStaging.prefetch`.
         """
         query_vectors = np.asarray(query_vectors)
         if query_vectors.ndim != 2 or query_vectors.shape[0] == 0:

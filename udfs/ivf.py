@@ -1,8 +1,10 @@
-"""The IVF plan's executor passes (``mapInArrow``): list columns, packed listed blocks, and
-the recall estimate's sample search.
+"""The IVF plan's executor passes (``mapInArrow``), each of which routes rows to their lists:
+list columns, packed listed blocks, the keyed plan's (key, list) pairs, and the recall
+estimate's sample search. The driver's half of the plan is ``nearest_join.ivf`` (and
+``nearest_join.ivf_keys`` with ``on=`` keys).
 
 Each side gets its routing appended as the group column (``C.GROUP``) that the keyed search
-reads (``udfs.groups``): a target row its list (nearest centroid, int; NULL when its vector
+reads (``udfs.search``): a target row its list (nearest centroid, int; NULL when its vector
 cannot rank), a query row the ``nprobe`` lists it probes, nearest first (``list<int>``;
 empty when its vector cannot rank). Both come from
 :func:`nearest_kernels.kmeans.route`, the one exact assignment the driver trained and
@@ -31,8 +33,9 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .packing import SideLayout, pack_blocks
-from .vectors import decode_vectors
+from .context import SideLayout, task_cpus, task_partition
+from .decode import decode_vectors, group_ids
+from .packing import pack_blocks
 
 # The sample search's output: (sampled query, value, list of the neighbour, order key).
 # ``order`` (partition << 40 | row in the partition) breaks ties between partitions alike
@@ -44,11 +47,6 @@ _ROW_BITS = 40
 # larger searches, since each search and each merge into the running top k has a fixed cost
 # (the operands' set-up, a pass over the (queries, 2 k) state and its neighbours' vectors).
 SCAN_ROWS = 1 << 16
-
-
-def list_type(nprobe: int | None) -> pa.DataType:
-    """The group column's Arrow type: int32 for targets (``nprobe`` None), list<int32> for queries."""
-    return pa.int32() if nprobe is None else pa.list_(pa.int32())
 
 
 def list_column(lists: np.ndarray, probes: bool) -> pa.Array:
@@ -78,8 +76,6 @@ def append_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centr
     row's one list; else a query row's ``nprobe`` probed lists)."""
     from nearest_kernels.kmeans import route  # numba: on executors only
 
-    from .context import task_cpus
-
     threads = task_cpus()
     for batch in batches:
         vectors = _vectors(batch, layout, centroids.shape[1])
@@ -101,10 +97,8 @@ def pack_listed(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, centro
 def _scan_chunks(batches: Iterable[pa.RecordBatch], layout: SideLayout,
                  dimension: int) -> Iterator[tuple[np.ndarray, np.ndarray | None]]:
     """A partition's (vectors, group ids) in row order, in chunks of at least
-    :data:`SCAN_ROWS` rows (the last one may be smaller); the ids (``udfs.groups.group_ids``
+    :data:`SCAN_ROWS` rows (the last one may be smaller); the ids (``udfs.decode.group_ids``
     of the ``layout.group_index`` column) None without one."""
-    from .groups import group_ids
-
     pending, groups, rows = [], [], 0
 
     def chunk():
@@ -140,13 +134,10 @@ def sample_topk(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, querie
 
     ``query_groups`` (``on=`` keys: each sampled query's key group, -1 none): each query is
     ranked against the rows of its own group only, the batches' ``layout.group_index``
-    column holding the target rows' groups (:func:`udfs.groups.grouped_search`).
+    column holding the target rows' groups (:func:`udfs.search.grouped_search`).
     """
     from nearest_kernels import knn, merge_topk
     from nearest_kernels.kmeans import route
-
-    from .packing import task_partition
-    from .context import task_cpus
 
     threads = task_cpus()
     nq, d = queries.shape
@@ -186,10 +177,10 @@ def _grouped_knn(queries: np.ndarray, query_groups: np.ndarray, vectors: np.ndar
                  threads: int) -> tuple[np.ndarray, np.ndarray]:
     """knn's (values, chunk rows) of ``queries`` against ``vectors`` (of group ids
     ``target_groups``), each query ranked against the rows of its own group only
-    (:func:`udfs.groups.grouped_search`)."""
+    (:func:`udfs.search.grouped_search`)."""
     from nearest_kernels import knn
 
-    from .groups import GroupSegments, grouped_search
+    from .search import GroupSegments, grouped_search
 
     segments = GroupSegments.of(target_groups)
     return grouped_search(lambda q, t: knn(q, t, k, metric, backend="cpu", threads=threads, cap=cap),
@@ -209,9 +200,6 @@ def count_key_lists(batches: Iterable[pa.RecordBatch], *, layout: SideLayout, ce
     ``KEY_LIST_SCHEMA`` row per pair, emitted at the end. A row of no group, or whose vector
     cannot rank, counts nowhere."""
     from nearest_kernels.kmeans import route  # numba: on executors only
-
-    from .groups import group_ids
-    from .context import task_cpus
 
     threads = task_cpus()
     nlist = centroids.shape[0]
@@ -301,9 +289,6 @@ def replace_key_groups(batches: Iterable[pa.RecordBatch], *, layout: SideLayout,
     by the IVF group ids: a target row's one id (``nprobe`` None, :func:`target_key_ids`),
     a query row's probed ids (:func:`key_probes`)."""
     from nearest_kernels.kmeans import route  # numba: on executors only
-
-    from .groups import group_ids
-    from .context import task_cpus
 
     threads = task_cpus()
     at = layout.group_index

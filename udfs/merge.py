@@ -1,10 +1,12 @@
-"""Top-k state of one query block, and its wire format (the blocked plan's partials).
+"""The merge: a query block's running top-k, folded target block by target block, merged from
+partials, and shipped between stages.
 
-``TopkState`` holds, for one query block, the running best ``k`` values, global target keys
-(``block_id << ROW_BITS | row``: the tie rule's order) and references to the payload rows of
-those targets. States of several target blocks merge through the shared
-:func:`nearest_kernels.merge_topk`; ``to_blob`` / ``from_blob`` ship a state between the
-blocked plan's stages.
+:class:`TopkState` holds, for one query block, the running best ``k`` values, global target
+keys (``block_id << ROW_BITS | row``: the tie rule's order) and references to the payload rows
+of those targets (gathered once, by ``udfs.payload``, when the state is emitted or shipped).
+States of several target blocks merge through the shared :func:`nearest_kernels.merge_topk`
+(:meth:`TopkState.combine`, :func:`fold_state`); ``to_blob`` / ``from_blob`` ship a state
+between the blocked plan's stages.
 
 :class:`RowsTopk` is the keyed blocked plan's stage 2 (``nearest_join.keyed``): there a partial
 holds *some* rows of a stage-2 block, named by their query row ids (``TopkState.query_ids``;
@@ -21,8 +23,9 @@ import pyarrow as pa
 from nearest_kernels import merge_topk
 
 from . import columns as C
-from .packing import blob_to_table, table_to_blob, write_stream
-from .rows import ColumnViews, gather_rows, gather_threads
+from .decode import blob_to_table
+from .packing import table_to_blob, write_stream
+from .payload import ColumnViews, gather_rows, gather_threads
 
 # A partial blob: an 8-byte little-endian length, the slot table's IPC stream, then the
 # payload table's IPC stream (the distinct target rows the slots refer to).
@@ -49,7 +52,9 @@ class TopkState:
     # int64 (nq,): the query row id (``C.Q_ROW``) of each row, for a partial of the keyed
     # blocked plan (shipped with it); None: the rows are the query block's, in order.
     query_ids: np.ndarray | None = None
-    _views: ColumnViews | None = field(default=None, repr=False, compare=False)
+    # The payload tables' vector views (udfs.payload.ColumnViews), made on first use or shared
+    # by the query blocks of a task whose payload tables are the same (the broadcast plan).
+    views_cache: ColumnViews | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_search(cls, values: np.ndarray, local_rows: np.ndarray, block_id: int,
@@ -60,9 +65,9 @@ class TopkState:
 
     def views(self) -> ColumnViews:
         """The payload tables' cached vector views (made on first use)."""
-        if self._views is None:
-            self._views = ColumnViews()
-        return self._views
+        if self.views_cache is None:
+            self.views_cache = ColumnViews()
+        return self.views_cache
 
     def gather(self, slots: np.ndarray | None = None, columns=None) -> list[pa.Array]:
         """Payload columns (the positions ``columns``, default all) of the flat slots ``slots``
@@ -97,9 +102,9 @@ class TopkState:
         source = np.where(picked < 0, -1, np.take_along_axis(stacked_source, safe, axis=1)).astype(np.int32)
         rows = np.take_along_axis(stacked_rows, safe, axis=1)
         sources = [table for s in states for table in s.sources]
-        return TopkState(values, keys, sources, source, rows)._pruned()
+        return TopkState(values, keys, sources, source, rows).pruned()
 
-    def _pruned(self) -> "TopkState":
+    def pruned(self) -> "TopkState":
         """Drop sources no slot refers to; gather into one table past MAX_SOURCES."""
         used = np.flatnonzero(np.bincount(self.source.reshape(-1) + 1, minlength=len(self.sources) + 1)[1:])
         if len(used) > MAX_SOURCES:
@@ -287,4 +292,4 @@ class RowsTopk:
 
         state = TopkState(pick(self.values, self._worst), pick(self.keys, -1), self.sources,
                           pick(self.source, -1), pick(self.rows, 0))
-        return state._pruned()
+        return state.pruned()
