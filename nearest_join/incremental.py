@@ -177,17 +177,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     [(1, 10, 4.0), (2, 11, 1.0)]
     >>> run.commit()
 
-    The next day target 11 is gone and 12 is new: only the new target is searched (each list
-    held every target, so none ran short and no query is searched whole).
-
-    >>> t2 = spark.createDataFrame([(10, [4.0, 0.0]), (12, [0.0, 0.5])], "tid int, w array<float>")
-    >>> run = incremental_nearest_join(q, t2, "l2", 1, vectors=("v", "w"), query_id="qid",
-    ...                                target_id="tid", state=str(tmp / "state"), distance_col="d")
-    >>> sorted((r.qid, r.tid, r.d) for r in run.result.collect())
-    [(1, 12, 0.5), (2, 10, 3.0)]
-    >>> run.changes.targets_inserted, run.changes.targets_deleted, run.changes.queries_searched_whole
-    (1, 1, 0)
-    >>> run.commit()
+    The next run refreshes from this state: docs/incremental.md shows a second night.
     """
     options = JoinOptions(num_results=num_results, vectors=vectors, join_type=join_type,
                           distance_col=distance_col, backend=backend, precision=precision)
@@ -220,8 +210,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     }
     q_now = _fingerprinted(query, query_id, parsed.query_column, _QID, _QV)
     t_now = _fingerprinted(target, target_id, parsed.target_column, _TID, _TV)
-    _check_unique(q_now, _QID, "query_id", query_id)
-    _check_unique(t_now, _TID, "target_id", target_id)
+    _check_unique(q_now, query_id, t_now, target_id)
     dimension = _dimension(q_now, _QV, t_now, _TV)
     meta["dimension"] = dimension
     previous, reason = _previous_state(spark, state_dir, meta)
@@ -236,10 +225,10 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         # Today's target fingerprints first: the refresh compares the written ones with the
         # state's, rather than hashing every vector a second time.
         t_now.select(_TID, _H1, _H2).write.parquet(str(staging / "targets"))
+        t_prints = spark.read.parquet(str(staging / "targets"))
         if previous is None:
-            changes = _full_run(spark, q_now, t_now, search, staging, reason)
+            changes = _full_run(spark, q_now, t_now, t_prints, search, staging, reason)
         else:
-            t_prints = spark.read.parquet(str(staging / "targets"))
             changes = _refresh(spark, q_now, t_now, t_prints, previous, search, staging, k)
         (staging / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
     except BaseException:
@@ -266,12 +255,17 @@ def _fingerprinted(df: DataFrame, id_name: str, vector_name: str, id_as: str, ve
                      F.xxhash64(vector).alias(_H1), F.xxhash64(F.lit("nearest_join"), vector).alias(_H2))
 
 
-def _check_unique(side: DataFrame, id_as: str, argument: str, name: str) -> None:
-    bad = (side.groupBy(id_as).count().where((F.col("count") > 1) | F.col(id_as).isNull())
+def _check_unique(q_now: DataFrame, query_id: str, t_now: DataFrame, target_id: str) -> None:
+    """Both sides' ids unique and non-NULL, in one query (ids compared as strings: the two
+    sides' types may differ)."""
+    ids = (q_now.select(F.lit(0).alias("side"), F.col(_QID).cast("string").alias("id"))
+           .unionByName(t_now.select(F.lit(1).alias("side"), F.col(_TID).cast("string").alias("id"))))
+    bad = (ids.groupBy("side", "id").count().where((F.col("count") > 1) | F.col("id").isNull())
            .limit(1).collect())
     if bad:
-        value, count = bad[0][0], bad[0][1]
-        found = "a NULL id" if value is None else f"id {value!r} on {count} rows"
+        side, value, count = bad[0]
+        argument, name = ("query_id", query_id) if side == 0 else ("target_id", target_id)
+        found = "a NULL id" if value is None else f"id {value} on {count} rows"
         raise ArgumentError(argument, f"column {quote(name)}: expected a unique, non-NULL id on every row, "
                                       f"found {found}")
 
@@ -353,22 +347,28 @@ def _lists(candidates: DataFrame, width: int) -> DataFrame:
                           .otherwise(F.lit(math.inf)).alias(_BOUND))
 
 
-def _full_run(spark, q_now: DataFrame, t_now: DataFrame, search: _Searcher, staging: Path, reason: str) -> Changes:
+def _full_run(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, search: _Searcher,
+              staging: Path, reason: str) -> Changes:
     lists = _lists(search.candidates(q_now, t_now), search.width)
-    _write_lists(q_now, lists, staging / "queries" / "part=searched")
-    queries, targets = q_now.count(), t_now.count()
+    queries = _write_lists(q_now, lists, staging / "queries" / "part=searched")
+    targets = t_prints.count()   # the written fingerprints: no second pass over the vectors
     return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
                    queries_searched_whole=queries, query_rows=queries, target_rows=targets)
 
 
-def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> None:
+def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> int:
     """Every query row of ``q_rows`` with its list (none found: an empty list holding every
-    target there is, bound +inf), under today's fingerprint; complete, as a whole search's."""
+    target there is, bound +inf), under today's fingerprint; complete, as a whole search's.
+    Returns the rows written."""
+    from pyspark.sql import Observation
+
+    written = Observation("nearest_join_lists")
     empty = F.array().cast(lists.schema[_LIST].dataType)
-    (q_rows.select(_QID, _H1, _H2).join(lists, _QID, "left")
+    (q_rows.select(_QID, _H1, _H2).observe(written, F.count(F.lit(1)).alias("rows")).join(lists, _QID, "left")
      .select(_QID, _H1, _H2, F.coalesce(_LIST, empty).alias(_LIST),
              F.coalesce(_BOUND, F.lit(math.inf)).alias(_BOUND), F.lit(True).alias(_COMPLETE))
      .write.parquet(str(path)))
+    return int(written.get["rows"])
 
 
 def _refresh(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, previous: dict, search: _Searcher,
@@ -380,9 +380,9 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, pre
     width = search.width
     t_all = _diff(t_prints, previous["targets"], _TID).cache()
     q_diff = _diff(q_now, previous["queries"], _QID).cache()
-    counts = {(side, row["status"]): row["count"]
-              for side, diff in (("q", q_diff), ("t", t_all))
-              for row in diff.groupBy("status").count().collect()}
+    both = (q_diff.select(F.lit("q").alias("side"), "status")
+            .unionByName(t_all.select(F.lit("t").alias("side"), "status")))
+    counts = {(row["side"], row["status"]): row["count"] for row in both.groupBy("side", "status").count().collect()}
     t_diff = t_all.where(F.col("status") != "kept")
     try:
         removed = F.broadcast(t_diff.where(F.col("status") != "inserted").select(_TID))

@@ -81,16 +81,24 @@ class Day:
         return frames
 
 
-@pytest.mark.parametrize("metric, margin", [("l2", 2), ("cosine", 0)])
-def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin):
+@pytest.mark.parametrize("metric, margin, days", [("l2", 2, 3), ("cosine", 0, 2)])
+def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days):
+    """Also: the l2 case's first refresh is discarded once, uncommitted (a run that failed
+    before its commit): the state stays as it was, and the next run refreshes from it."""
     rng = np.random.default_rng(7)
     day, k = Day(rng, 60, 300), 3
     day.t[5] = np.nan     # a target without a vector
     day.q[7] = np.nan     # a query without one
     state = tmp_path / "state"
     descending = metric == "cosine"
-    for n in range(3):
+    for n in range(days):
         q, t = day.frames(spark)
+        if n == 1 and metric == "l2":
+            before = sorted(str(p.relative_to(state)) for p in state.rglob("*"))
+            incremental_nearest_join(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                     state=str(state), margin=margin).discard()
+            assert sorted(str(p.relative_to(state)) for p in state.rglob("*")) == before
+            assert [p.name for p in tmp_path.iterdir()] == ["state"]
         run = incremental_nearest_join(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
                                        state=str(state), margin=margin, distance_col="d")
         got = run.result.collect()
@@ -123,28 +131,6 @@ def test_left_outer_keeps_queries_without_a_match(spark, tmp_path):
                                    state=str(tmp_path / "s"), join_type="left", distance_col="d")
     rows = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
     assert rows == [(1, 10, 2.0), (2, None, None)]
-
-
-def test_an_uncommitted_run_leaves_the_state_as_it_was(spark, tmp_path):
-    rng = np.random.default_rng(3)
-    day = Day(rng, 20, 80)
-    state = tmp_path / "state"
-    q, t = day.frames(spark)
-    first = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                     state=str(state))
-    first.commit()
-    before = sorted(p.name for p in state.rglob("*"))
-    day.change(rng, 0.05)
-    q, t = day.frames(spark)
-    lost = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                    state=str(state))
-    lost.discard()
-    assert sorted(p.name for p in state.rglob("*")) == before
-    again = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                     state=str(state), distance_col="d")
-    assert again.changes.refreshed
-    full = nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), distance_col="d").collect()
-    _same_up_to_ties(_by_query(again.result.collect(), "qid", "tid", "d"), _by_query(full, "qid", "tid", "d"), 2, False)
 
 
 def test_a_state_of_another_join_means_a_full_run(spark, tmp_path, caplog):
@@ -194,4 +180,4 @@ def test_docstring_example_runs(spark, tmp_path):
     import nearest_join.incremental as module
 
     result = doctest.testmod(module, extraglobs={"spark": spark, "tmp": tmp_path}, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 7 and result.failed == 0
+    assert result.attempted >= 4 and result.failed == 0
