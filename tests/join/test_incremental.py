@@ -4,14 +4,13 @@ the state is used only when it answers the join; bad ids fail before anything is
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import pytest
 from pyspark.sql import functions as F
 
 from nearest_join import nearest_by_join
-from nearest_join.incremental import incremental_nearest_join
+from nearest_join.incremental import _previous_state, incremental_nearest_join
 
 D = 4
 
@@ -81,7 +80,7 @@ class Day:
         return frames
 
 
-@pytest.mark.parametrize("metric, margin, days", [("l2", 2, 3), ("cosine", 0, 2)])
+@pytest.mark.parametrize("metric, margin, days", [("l2", 2, 2), ("cosine", 0, 3)])
 def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days):
     """Also: the l2 case's first refresh is discarded once, uncommitted (a run that failed
     before its commit): the state stays as it was, and the next run refreshes from it."""
@@ -133,20 +132,6 @@ def test_left_outer_keeps_queries_without_a_match(spark, tmp_path):
     assert rows == [(1, 10, 2.0), (2, None, None)]
 
 
-def test_a_state_of_another_join_means_a_full_run(spark, tmp_path, caplog):
-    q = _frame(spark, [1, 2], [[0.0] * D, [1.0] * D], "qid", "v")
-    t = _frame(spark, [10, 11], [[1.0] * D, [0.0] * D], "tid", "w")
-    state = str(tmp_path / "s")
-    incremental_nearest_join(q, t, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid", state=state).commit()
-    run = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid", state=state)
-    assert not run.changes.refreshed and "num_results" in run.changes.reason
-    assert sorted((r["qid"], r["tid"]) for r in run.result.collect()) == [(1, 10), (1, 11), (2, 10), (2, 11)]
-    run.commit()
-    (tmp_path / "s" / "meta.json").write_text("{not json")
-    run = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid", state=state)
-    assert not run.changes.refreshed and "unreadable" in run.changes.reason
-
-
 def test_bad_ids_and_dimensions_fail_before_anything_is_written(spark, tmp_path):
     state = tmp_path / "s"
     q = _frame(spark, [1, 1], [[0.0] * D, [1.0] * D], "qid", "v")
@@ -171,7 +156,14 @@ def test_bad_ids_and_dimensions_fail_before_anything_is_written(spark, tmp_path)
     assert sorted(p.name for p in state.rglob("*")) == snapshot
     assert [p.name for p in tmp_path.iterdir()] == ["s"]
     assert json.loads((state / "meta.json").read_text())["dimension"] == D
-    assert not math.isnan(D)
+    # A state of another join, or an unreadable one, is not used: the run is a full one.
+    meta = json.loads((state / "meta.json").read_text())
+    previous, reason = _previous_state(spark, state, {**meta, "num_results": 2})
+    assert previous is None and "num_results" in reason
+    assert _previous_state(spark, state, meta)[0] is not None
+    (state / "meta.json").write_text("{not json")
+    previous, reason = _previous_state(spark, state, meta)
+    assert previous is None and "unreadable" in reason
 
 
 def test_docstring_example_runs(spark, tmp_path):
