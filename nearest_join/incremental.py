@@ -350,25 +350,23 @@ def _lists(candidates: DataFrame, width: int) -> DataFrame:
 def _full_run(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, search: _Searcher,
               staging: Path, reason: str) -> Changes:
     lists = _lists(search.candidates(q_now, t_now), search.width)
-    queries = _write_lists(q_now, lists, staging / "queries" / "part=searched")
-    targets = t_prints.count()   # the written fingerprints: no second pass over the vectors
+    path = staging / "queries" / "part=searched"
+    _write_lists(q_now, lists, path)
+    # Counted from the files written (their footers), not by a second pass over the inputs.
+    # (An Observation on the write is no use here: Spark drops it from a plan it finds empty.)
+    queries, targets = spark.read.parquet(str(path)).count(), t_prints.count()
     return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
                    queries_searched_whole=queries, query_rows=queries, target_rows=targets)
 
 
-def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> int:
+def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> None:
     """Every query row of ``q_rows`` with its list (none found: an empty list holding every
-    target there is, bound +inf), under today's fingerprint; complete, as a whole search's.
-    Returns the rows written."""
-    from pyspark.sql import Observation
-
-    written = Observation("nearest_join_lists")
+    target there is, bound +inf), under today's fingerprint; complete, as a whole search's."""
     empty = F.array().cast(lists.schema[_LIST].dataType)
-    (q_rows.select(_QID, _H1, _H2).observe(written, F.count(F.lit(1)).alias("rows")).join(lists, _QID, "left")
+    (q_rows.select(_QID, _H1, _H2).join(lists, _QID, "left")
      .select(_QID, _H1, _H2, F.coalesce(_LIST, empty).alias(_LIST),
              F.coalesce(_BOUND, F.lit(math.inf)).alias(_BOUND), F.lit(True).alias(_COMPLETE))
      .write.parquet(str(path)))
-    return int(written.get["rows"])
 
 
 def _refresh(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, previous: dict, search: _Searcher,

@@ -3,6 +3,7 @@ inside the output; the next night's run refreshes it, and its output equals the 
 oracle's join of that night's inputs; a spec the refresh cannot serve exits 2."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -85,17 +86,20 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
 
 def _killed_mid_refresh(job: Job, out) -> None:
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    # Its own process group: the kill takes the job's Spark JVM with it, as a scheduler's kill
+    # of the job does (an orphaned JVM would go on writing for a moment).
     process = subprocess.Popen([sys.executable, "-m", "jobs", "run", str(job.spec)], cwd=ROOT, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
         while not list(out.parent.glob(".out.nj-staging-*-state/queries")):
             assert process.poll() is None, "the run ended before its refresh was caught"
             assert time.monotonic() < deadline, "the refresh did not start"
             time.sleep(0.05)
-        os.kill(process.pid, signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)
     finally:
-        process.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
         process.wait()
     assert process.returncode == -signal.SIGKILL
     assert list(out.parent.glob(".out.nj-staging-*-state"))   # what the next run tidies
