@@ -60,7 +60,7 @@ WORKERS = 2
 # a JVM and its warm-up: on 2 cores, fewer and longer lanes cost less CPU than more and shorter.
 LANES = {
     "join-oracles": ("tests/join/test_exactness.py", "tests/join/test_caps.py", "tests/join/test_keys.py",
-                     "tests/join/test_keyed_blocked.py"),
+                     "tests/join/test_keyed_blocked.py", "tests/join/test_incremental.py"),
     "approx-and-jobs": ("tests/join/test_approx.py", "tests/join/test_approx_keys.py",
                         "tests/join/test_approx_blocked.py", "tests/jobs"),
 }
