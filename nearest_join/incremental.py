@@ -36,6 +36,7 @@ commit leaves the previous state as it was, and the next run starts from it agai
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -46,17 +47,27 @@ from pathlib import Path
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import ArrayType
+from pyspark.sql.types import (
+    ArrayType,
+    BooleanType,
+    DoubleType,
+    FloatType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from .errors import ArgumentError, ArgumentTypeError
 from .join import plan_join
 from .options import JoinOptions
+from .planner import SideFacts, join_dimension
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_ranking, quote
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 META_FILE = "meta.json"
 _STAGING = ".nj-state-staging-"
 
@@ -210,32 +221,45 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     }
     q_now = _fingerprinted(query, query_id, parsed.query_column, _QID, _QV)
     t_now = _fingerprinted(target, target_id, parsed.target_column, _TID, _TV)
-    _check_unique(q_now, query_id, t_now, target_id)
-    dimension = _dimension(q_now, _QV, t_now, _TV)
-    meta["dimension"] = dimension
-    previous, reason = _previous_state(spark, state_dir, meta)
-
     search = _Searcher(options, parsed.metric, width, similarity)
-    if new_state is None:
-        staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
-        state_dir.parent.mkdir(parents=True, exist_ok=True)
-    else:
-        staging = Path(new_state)
+    schemas = _state_schemas(q_now, t_now, search)
+    previous, reason = _previous_state(spark, state_dir, meta, schemas)
+    # One aggregation of both sides' ids, today's and the state's: each id's status, and the
+    # checks (unique non-NULL ids, one dimension) that must pass before anything is written.
+    ids = _ids(q_now, t_now, previous).cache()
     try:
-        # Today's target fingerprints first: the refresh compares the written ones with the
-        # state's, rather than hashing every vector a second time.
-        t_now.select(_TID, _H1, _H2).write.parquet(str(staging / "targets"))
-        t_prints = spark.read.parquet(str(staging / "targets"))
-        if previous is None:
-            changes = _full_run(spark, q_now, t_now, t_prints, search, staging, reason)
+        counted = _Counts(ids.groupBy("side", "status").agg(
+            F.count(F.lit(1)).alias("rows"), F.max("p").alias("p"), F.min("shortest").alias("shortest"),
+            F.max("longest").alias("longest"), F.first(F.struct(_QID, _TID, "n")).alias("example")).collect())
+        counted.check(parsed, query_id, target_id)
+        dimension = counted.dimension(parsed)
+        if previous is not None and None not in (previous["dimension"], dimension) \
+                and previous["dimension"] != dimension:
+            raise ArgumentError("vectors", f"the vectors have dimension {dimension}, the state at {state_dir} "
+                                           f"was built on dimension {previous['dimension']}")
+        meta["dimension"] = dimension if dimension is not None else (previous or {}).get("dimension")
+        if new_state is None:
+            staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
+            state_dir.parent.mkdir(parents=True, exist_ok=True)
         else:
-            changes = _refresh(spark, q_now, t_now, t_prints, previous, search, staging, k)
-        (staging / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+            staging = Path(new_state)
+        try:
+            # Today's target fingerprints, from the aggregation (no second hash of the vectors).
+            (ids.where((F.col("side") == 1) & (F.col("status") != "deleted"))
+             .select(_TID, F.col(_H1), F.col(_H2)).write.parquet(str(staging / "targets")))
+            if previous is None:
+                changes = _full_run(q_now, t_now, counted, search, staging, reason)
+            else:
+                changes = _refresh(spark, q_now, t_now, ids, counted, previous, search, staging, schemas, k)
+            (staging / META_FILE).write_text(json.dumps({**meta, "schemas": {
+                name: json.loads(schema.json()) for name, schema in schemas.items()}}, indent=1, sort_keys=True))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    finally:
+        ids.unpersist()
     logger.info("incremental join: %s", changes)
-    lists = _complete_lists(spark, staging)
+    lists = _complete_lists(spark, staging, schemas)
     result = _result(query, target, query_id, target_id, lists, k, options, similarity)
     return IncrementalJoin(result, changes, staging, None if new_state is not None else state_dir)
 
@@ -255,44 +279,104 @@ def _fingerprinted(df: DataFrame, id_name: str, vector_name: str, id_as: str, ve
                      F.xxhash64(vector).alias(_H1), F.xxhash64(F.lit("nearest_join"), vector).alias(_H2))
 
 
-def _check_unique(q_now: DataFrame, query_id: str, t_now: DataFrame, target_id: str) -> None:
-    """Both sides' ids unique and non-NULL, in one query (ids compared as strings: the two
-    sides' types may differ)."""
-    ids = (q_now.select(F.lit(0).alias("side"), F.col(_QID).cast("string").alias("id"))
-           .unionByName(t_now.select(F.lit(1).alias("side"), F.col(_TID).cast("string").alias("id"))))
-    bad = (ids.groupBy("side", "id").count().where((F.col("count") > 1) | F.col("id").isNull())
-           .limit(1).collect())
-    if bad:
-        side, value, count = bad[0]
-        argument, name = ("query_id", query_id) if side == 0 else ("target_id", target_id)
-        found = "a NULL id" if value is None else f"id {value} on {count} rows"
-        raise ArgumentError(argument, f"column {quote(name)}: expected a unique, non-NULL id on every row, "
-                                      f"found {found}")
+def _state_schemas(q_now: DataFrame, t_now: DataFrame, search: "_Searcher") -> dict:
+    """The state's Parquet schemas, known before anything is read: the state is read with
+    them (Spark would otherwise run a job per read to infer them from the files)."""
+    q_id, t_id = q_now.schema[_QID].dataType, t_now.schema[_TID].dataType
+    candidate = StructType([StructField("key", search.key_type), StructField("target", t_id)])
+    return {
+        "queries": StructType([StructField(_QID, q_id), StructField(_H1, LongType()), StructField(_H2, LongType()),
+                               StructField(_LIST, ArrayType(candidate, False)), StructField(_BOUND, DoubleType()),
+                               StructField(_COMPLETE, BooleanType()), StructField("part", StringType())]),
+        "targets": StructType([StructField(_TID, t_id), StructField(_H1, LongType()), StructField(_H2, LongType())]),
+    }
 
 
-def _dimension(q_now: DataFrame, q_vector: str, t_now: DataFrame, t_vector: str) -> int | None:
-    """The length of a first non-NULL vector of either side (the searches check every row)."""
-    for side, name in ((t_now, t_vector), (q_now, q_vector)):
-        row = side.where(F.col(name).isNotNull()).select(F.size(name)).limit(1).collect()
-        if row:
-            return int(row[0][0])
-    return None
+def _ids(q_now: DataFrame, t_now: DataFrame, previous: dict | None) -> DataFrame:
+    """One row per (side, id) of today's inputs and the state: side (0 query, 1 target), the id
+    (in the side's column), today's fingerprint, the rows that carry the id today (``n``), the
+    lengths of their vectors, their input partition (``p``: the planner's partition count) and
+    ``status``: inserted, deleted, changed (its fingerprint), kept, or, for a today's id that
+    is NULL or on several rows, ``null`` / ``duplicate``."""
+    q_type, t_type = q_now.schema[_QID].dataType, t_now.schema[_TID].dataType
+    none = F.lit(None)
+
+    def rows(df: DataFrame, side: int, now: bool) -> DataFrame:
+        vector = _QV if side == 0 else _TV
+        return df.select(
+            F.lit(side).alias("side"),
+            (F.col(_QID) if side == 0 else none.cast(q_type)).alias(_QID),
+            (F.col(_TID) if side == 1 else none.cast(t_type)).alias(_TID),
+            *[(F.col(h) if now else none.cast("long")).alias(h) for h in (_H1, _H2)],
+            *[(none.cast("long") if now else F.col(h)).alias(o) for h, o in ((_H1, _OLD_H1), (_H2, _OLD_H2))],
+            F.lit(1 if now else 0).alias("n"),
+            (F.when(F.col(vector).isNotNull(), F.size(vector)) if now else none.cast("int")).alias("length"),
+            (F.spark_partition_id() if now else none.cast("int")).alias("p"))
+
+    union = rows(q_now, 0, True).unionByName(rows(t_now, 1, True))
+    if previous is not None:
+        union = (union.unionByName(rows(previous["queries"], 0, False))
+                 .unionByName(rows(previous["targets"], 1, False)))
+    grouped = union.groupBy("side", _QID, _TID).agg(
+        F.sum("n").alias("n"), *[F.max(c).alias(c) for c in (_H1, _H2, _OLD_H1, _OLD_H2, "p")],
+        F.min("length").alias("shortest"), F.max("length").alias("longest"))
+    id_is_null = F.when(F.col("side") == 0, F.col(_QID).isNull()).otherwise(F.col(_TID).isNull())
+    status = (F.when(id_is_null, "null").when(F.col("n") > 1, "duplicate").when(F.col("n") == 0, "deleted")
+              .when(F.col(_OLD_H1).isNull(), "inserted")
+              .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
+              .otherwise("kept"))
+    return grouped.select("side", _QID, _TID, _H1, _H2, "n", "p", "shortest", "longest", status.alias("status"))
 
 
-def _previous_state(spark, state_dir: Path, meta: dict) -> tuple[dict | None, str]:
+class _Counts:
+    """The ids' statuses counted per side (the one collect of :func:`_ids`)."""
+
+    def __init__(self, rows):
+        self.rows = {(row["side"], row["status"]): row for row in rows}
+
+    def __call__(self, side: int, *statuses: str) -> int:
+        return sum(self.rows[(side, s)]["rows"] for s in statuses if (side, s) in self.rows)
+
+    def today(self, side: int) -> int:
+        return self(side, "inserted", "changed", "kept")
+
+    def check(self, parsed, query_id: str, target_id: str) -> None:
+        for side, argument, name in ((0, "query_id", query_id), (1, "target_id", target_id)):
+            for status in ("null", "duplicate"):
+                if (side, status) in self.rows:
+                    example = self.rows[(side, status)]["example"]
+                    found = ("a NULL id" if status == "null"
+                             else f"id {example[_QID] if side == 0 else example[_TID]} on {example['n']} rows")
+                    raise ArgumentError(argument, f"column {quote(name)}: expected a unique, non-NULL id on "
+                                                  f"every row, found {found}")
+
+    def facts(self, side: int, rows: int) -> SideFacts:
+        """The planner's facts of a part of today's side of ``rows`` rows (its partitions and
+        vector lengths: the whole side's)."""
+        today = [self.rows[(side, s)] for s in ("inserted", "changed", "kept") if (side, s) in self.rows]
+        shortest = [r["shortest"] for r in today if r["shortest"] is not None]
+        longest = [r["longest"] for r in today if r["longest"] is not None]
+        return SideFacts(rows=rows, partitions=max((r["p"] + 1 for r in today if r["p"] is not None), default=0),
+                         shortest=min(shortest, default=None), longest=max(longest, default=None))
+
+    def dimension(self, parsed) -> int | None:
+        """Today's one vector length (raises the join's error when the sides' lengths differ)."""
+        return join_dimension(parsed, self.facts(0, self.today(0)), self.facts(1, self.today(1)))
+
+
+def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[dict | None, str]:
     """The committed state's DataFrames and meta when it answers this join; else None and why.
 
     A state of another join (metric, k, margin, columns) or an unreadable one is not used: a
-    full run replaces it. An id type or a dimension that changed is an error: the inputs are
-    not what the state's runs joined."""
+    full run replaces it. An id type that changed is an error: the inputs are not what the
+    state's runs joined (so is a dimension that changed: checked once today's is known)."""
     path = state_dir / META_FILE
     if not path.exists():
         return None, f"no state at {state_dir}"
     try:
         old = json.loads(path.read_text())
-        queries = _complete_lists(spark, state_dir)
-        targets = spark.read.parquet(str(state_dir / "targets"))
-        queries.schema, targets.schema   # noqa: B018 (unreadable Parquet fails here)
+        if not isinstance(old, dict):
+            raise ValueError("meta.json holds no object")
     except Exception as exc:   # noqa: BLE001 (a corrupt state: say so and run in full)
         logger.warning("state %s is unreadable (%s): a full run replaces it", state_dir, exc)
         return None, f"the state at {state_dir} is unreadable: {type(exc).__name__}"
@@ -303,158 +387,180 @@ def _previous_state(spark, state_dir: Path, meta: dict) -> tuple[dict | None, st
         if old.get(f"{side}_id") == meta[f"{side}_id"] and old.get(key) != meta[key]:
             raise ArgumentError(f"{side}_id", f"column {quote(meta[f'{side}_id'])}: its type is {meta[key]}, "
                                               f"the state at {state_dir} holds ids of type {old.get(key)}")
-    if old.get("dimension") is not None and meta["dimension"] is not None and old["dimension"] != meta["dimension"]:
-        raise ArgumentError("vectors", f"the vectors have dimension {meta['dimension']}, the state at "
-                                       f"{state_dir} was built on dimension {old['dimension']}")
-    differing = sorted(key for key in meta if key != "dimension" and old.get(key) != meta[key])
+    differing = sorted(key for key in meta if old.get(key) != meta[key])
+    if not differing and old.get("schemas") != {name: json.loads(s.json()) for name, s in schemas.items()}:
+        differing = ["schemas"]
     if differing:
         logger.warning("state %s answers another join (%s differ): a full run replaces it",
                        state_dir, ", ".join(differing))
         return None, f"the state at {state_dir} answers another join ({', '.join(differing)} differ)"
-    return {"queries": queries, "targets": targets}, ""
+    unreadable = _unreadable_file(state_dir)
+    if unreadable:
+        logger.warning("state %s is unreadable (%s): a full run replaces it", state_dir, unreadable)
+        return None, f"the state at {state_dir} is unreadable: {unreadable}"
+    return {"queries": _complete_lists(spark, state_dir, schemas),
+            "targets": spark.read.schema(schemas["targets"]).parquet(str(state_dir / "targets")),
+            "dimension": old.get("dimension")}, ""
 
 
-def _complete_lists(spark, state_dir: Path) -> DataFrame:
+def _unreadable_file(state_dir: Path) -> str:
+    """Why the state's Parquet cannot be read ('' when it can): each file's footer, read here
+    (a corrupt file would otherwise fail the run's first Spark job instead of giving a full run)."""
+    import pyarrow.parquet as pq
+
+    for part in ("queries", "targets"):
+        if not (state_dir / part).is_dir():
+            return f"{part}/ is missing"
+        for path in (state_dir / part).rglob("*.parquet"):
+            try:
+                pq.read_metadata(path)
+            except Exception as exc:   # noqa: BLE001 (any unreadable footer: a full run)
+                return f"{path.relative_to(state_dir)}: {type(exc).__name__}"
+    return ""
+
+
+def _complete_lists(spark, state_dir: Path, schemas: dict) -> DataFrame:
     """The state's query rows: one per query, its complete list."""
-    return spark.read.parquet(str(state_dir / "queries")).where(F.col(_COMPLETE)).drop("part")
+    return (spark.read.schema(schemas["queries"]).parquet(str(state_dir / "queries"))
+            .where(F.col(_COMPLETE)).drop("part"))
 
 
 # ---------------------------------------------------------------------------- searches
 class _Searcher:
     """The exact search of ``width`` candidates per query (the kernels of nearest_by_join),
-    as (query id, candidate struct(key, target id)) rows."""
+    as (query id, its fingerprint, candidate struct(key, target id)) rows: LEFT OUTER, so that
+    a query without a candidate has a row too (its candidate's target NULL)."""
 
     def __init__(self, options: JoinOptions, metric: str, width: int, similarity: bool):
-        self.options = JoinOptions(num_results=width, vectors=(_QV, _TV), distance_col=_KEY,
+        self.options = JoinOptions(num_results=width, vectors=(_QV, _TV), distance_col=_KEY, join_type="left",
                                    backend=options.backend, precision=options.precision)
         self.metric, self.width, self.similarity = metric, width, similarity
+        self.key_type = FloatType()   # the value column of the vector functions
 
-    def candidates(self, queries: DataFrame, targets: DataFrame, query_extra: str | None = None) -> DataFrame:
-        """(query id, x: struct(key, target)), and ``query_extra``, a column of the queries
-        each of its rows carries."""
-        extra = () if query_extra is None else (query_extra,)
-        planned = plan_join(queries.select(_QID, _QV, *extra), targets.select(_TID, _TV), self.metric, self.options)
-        rows = planned.dataframe(query_columns=(0, 2) if extra else (0,), target_columns=(0,))
-        key = -F.col(_KEY) if self.similarity else F.col(_KEY)
-        return rows.select(_QID, *extra, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))
+    def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts]) -> DataFrame:
+        planned = plan_join(queries.select(_QID, _QV, _H1, _H2), targets.select(_TID, _TV), self.metric,
+                            self.options, facts=facts)
+        rows = planned.dataframe(query_columns=(0, 2, 3), target_columns=(0,))
+        key = (-F.col(_KEY) if self.similarity else F.col(_KEY)).cast(self.key_type)
+        return rows.select(_QID, _H1, _H2, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))
 
 
 def _lists(candidates: DataFrame, width: int) -> DataFrame:
-    """(query id, its best ``width`` candidates in order, their bound) from a whole search."""
-    grouped = candidates.groupBy(_QID).agg(F.array_sort(F.collect_list("x")).alias(_LIST))
-    return grouped.select(_QID, F.slice(_LIST, 1, width).alias(_LIST),
-                          F.when(F.size(_LIST) >= width, F.element_at(_LIST, width)["key"])
-                          .otherwise(F.lit(math.inf)).alias(_BOUND))
+    """Each query's row of the state from a whole search: its best ``width`` candidates in
+    order and their bound (+inf when it holds every target there is), complete."""
+    found = F.when(F.col("x.target").isNotNull(), F.col("x"))
+    grouped = candidates.groupBy(_QID).agg(F.first(_H1).alias(_H1), F.first(_H2).alias(_H2),
+                                           F.array_sort(F.collect_list(found)).alias(_LIST))
+    return grouped.select(_QID, _H1, _H2, F.slice(_LIST, 1, width).alias(_LIST),
+                          F.when(F.size(_LIST) >= width, F.element_at(_LIST, width)["key"].cast("double"))
+                          .otherwise(F.lit(math.inf)).alias(_BOUND), F.lit(True).alias(_COMPLETE))
 
 
-def _full_run(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, search: _Searcher,
-              staging: Path, reason: str) -> Changes:
-    lists = _lists(search.candidates(q_now, t_now), search.width)
-    path = staging / "queries" / "part=searched"
-    _write_lists(q_now, lists, path)
-    # Counted from the files written (their footers), not by a second pass over the inputs.
-    # (An Observation on the write is no use here: Spark drops it from a plan it finds empty.)
-    queries, targets = spark.read.parquet(str(path)).count(), t_prints.count()
+def _full_run(q_now: DataFrame, t_now: DataFrame, counted: _Counts, search: _Searcher, staging: Path,
+              reason: str) -> Changes:
+    queries, targets = counted.today(0), counted.today(1)
+    facts = (counted.facts(0, queries), counted.facts(1, targets))
+    _lists(search.candidates(q_now, t_now, facts), search.width).write.parquet(
+        str(staging / "queries" / "part=searched"))
     return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
                    queries_searched_whole=queries, query_rows=queries, target_rows=targets)
 
 
-def _write_lists(q_rows: DataFrame, lists: DataFrame, path: Path) -> None:
-    """Every query row of ``q_rows`` with its list (none found: an empty list holding every
-    target there is, bound +inf), under today's fingerprint; complete, as a whole search's."""
-    empty = F.array().cast(lists.schema[_LIST].dataType)
-    (q_rows.select(_QID, _H1, _H2).join(lists, _QID, "left")
-     .select(_QID, _H1, _H2, F.coalesce(_LIST, empty).alias(_LIST),
-             F.coalesce(_BOUND, F.lit(math.inf)).alias(_BOUND), F.lit(True).alias(_COMPLETE))
-     .write.parquet(str(path)))
-
-
-def _refresh(spark, q_now: DataFrame, t_now: DataFrame, t_prints: DataFrame, previous: dict, search: _Searcher,
-             staging: Path, k: int) -> Changes:
+def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted: _Counts, previous: dict,
+             search: _Searcher, staging: Path, schemas: dict, k: int) -> Changes:
     """Today's lists from the state's: see the module notes. Only the kept queries whose list
     meets a change are merged: those holding a removed target, and those that an added target
-    enters at or within their bound (the search of the added targets carries each query's
-    bound and keeps nothing beyond it). The others' state rows are kept as they are."""
+    enters at or within their bound. The others' state rows are kept as they are (no shuffle:
+    the changed ids are few, and broadcast)."""
     width = search.width
-    t_all = _diff(t_prints, previous["targets"], _TID).cache()
-    q_diff = _diff(q_now, previous["queries"], _QID).cache()
-    both = (q_diff.select(F.lit("q").alias("side"), "status")
-            .unionByName(t_all.select(F.lit("t").alias("side"), "status")))
-    counts = {(row["side"], row["status"]): row["count"] for row in both.groupBy("side", "status").count().collect()}
-    t_diff = t_all.where(F.col("status") != "kept")
+
+    def ids_of(side: int, *statuses: str) -> DataFrame:
+        return F.broadcast(ids.where((F.col("side") == side) & F.col("status").isin(*statuses))
+                           .select(_QID if side == 0 else _TID))
+
+    searched_whole = ids_of(0, "inserted", "changed")
+    # The state's lists of the queries kept (those deleted or changed leave).
+    kept = previous["queries"].join(ids_of(0, "deleted", "changed"), _QID, "left_anti")
+    n_removed, n_added = counted(1, "deleted", "changed"), counted(1, "inserted", "changed")
+    n_kept = counted(0, "kept")
+    touched, entering = [], None
+    if n_removed:
+        touched.append(kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
+                       .join(ids_of(1, "deleted", "changed"), _TID, "left_semi").select(_QID))
+    if n_added and n_kept:
+        added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
+        kept_rows = q_now.join(searched_whole, _QID, "left_anti")
+        found = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)))
+        entering = (found.where(F.col("x.target").isNotNull()).select(_QID, "x")
+                    .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
+                    .select(_QID, "x").cache())
+        touched.append(entering.select(_QID))
+    affected = short = None
     try:
-        removed = F.broadcast(t_diff.where(F.col("status") != "inserted").select(_TID))
-        kept = previous["queries"].join(q_diff.where(F.col("status") == "kept").select(_QID), _QID, "left_semi")
-        touched = (kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
-                   .join(removed, _TID, "left_semi").select(_QID))
-        entering = None
-        if counts.get(("t", "inserted"), 0) + counts.get(("t", "changed"), 0):
-            added = t_now.join(t_diff.where(F.col("status") != "deleted").select(_TID), _TID, "left_semi")
-            kept_vectors = q_now.join(kept.select(_QID, _BOUND), _QID)
-            entering = (search.candidates(kept_vectors, added, query_extra=_BOUND)
-                        .where(F.col("x.key") <= F.col(_BOUND)).select(_QID, "x")
-                        .cache())
-            touched = touched.unionByName(entering.select(_QID))
-        affected = touched.distinct().cache()
-        n_affected = affected.count()
-        # The untouched kept rows, as the state holds them (their fingerprints are today's).
-        kept.join(F.broadcast(affected), _QID, "left_anti").write.parquet(str(staging / "queries" / "part=kept"))
-        old = kept.join(F.broadcast(affected), _QID, "left_semi")
-        parts = (old.select(_QID, F.explode(_LIST).alias("x"))
-                 .join(removed, F.col("x.target") == F.col(_TID), "left_anti")
-                 .select(_QID, "x", F.lit(0).alias(_SOURCE)))
-        if entering is not None:
-            parts = parts.unionByName(entering.withColumn(_SOURCE, F.lit(1)))
-        merged = parts.groupBy(_QID).agg(
-            F.array_sort(F.collect_list("x")).alias("all"),
-            F.count(F.when(F.col(_SOURCE) == 1, 1)).alias("added"),
-            F.max(F.when(F.col(_SOURCE) == 1, F.col("x.key"))).alias("worst_added"))
-        # An added target beyond its query's bound was dropped by the search: then fewer than
-        # the width entered, and the bound of the added targets is beyond the list's own.
-        bound = F.least(
-            F.col(_BOUND),
-            F.when(F.col("added") >= width, F.col("worst_added")).otherwise(F.lit(math.inf)),
-            F.when(F.size("all") > width, F.element_at("all", width + 1)["key"]).otherwise(F.lit(math.inf)))
-        all_list = F.coalesce("all", F.array().cast(kept.schema[_LIST].dataType))
-        refreshed = (old.select(_QID, _H1, _H2, _BOUND).join(merged, _QID, "left")
-                     .withColumn("all", all_list).withColumn("added", F.coalesce("added", F.lit(0)))
-                     .withColumn("b", bound)
-                     .select(_QID, _H1, _H2,
-                             F.filter(F.slice("all", 1, width), lambda x: x["key"] <= F.col("b")).alias(_LIST),
-                             F.col("b").alias(_BOUND)))
-        complete = (F.size(_LIST) >= k) | (F.col(_BOUND) == math.inf)
-        merged_path = staging / "queries" / "part=merged"
-        refreshed.withColumn(_COMPLETE, complete).write.parquet(str(merged_path))
-        # A short list stays in the merged part, marked incomplete: its query's whole search
-        # is the searched part's, and only complete lists are read (_complete_lists).
-        short = spark.read.parquet(str(merged_path)).where(~F.col(_COMPLETE)).select(_QID)
-        whole = q_diff.where(F.col("status").isin("inserted", "changed")).select(_QID).unionByName(short)
-        whole_rows = q_now.join(whole, _QID, "left_semi")
-        _write_lists(whole_rows, _lists(search.candidates(whole_rows, t_now), width),
-                     staging / "queries" / "part=searched")
-        n_short = short.count()
+        if touched:
+            affected = functools.reduce(DataFrame.unionByName, touched).distinct().cache()
+            n_affected = affected.count()
+        else:
+            n_affected = 0
+        untouched = kept if not n_affected else kept.join(F.broadcast(affected), _QID, "left_anti")
+        untouched.write.parquet(str(staging / "queries" / "part=kept"))
+        n_short = 0
+        if n_affected:
+            merged_path = staging / "queries" / "part=merged"
+            _merged(kept.join(F.broadcast(affected), _QID, "left_semi"), entering,
+                    ids_of(1, "deleted", "changed"), width, k).write.parquet(str(merged_path))
+            # A short list stays in the merged part, marked incomplete: its query's whole search
+            # is the searched part's, and only complete lists are read (_complete_lists).
+            short = (spark.read.schema(schemas["queries"]).parquet(str(merged_path))
+                     .where(~F.col(_COMPLETE)).select(_QID).cache())
+            n_short = short.count()
+            if n_short:
+                searched_whole = F.broadcast(searched_whole.unionByName(short))
+        n_whole = counted(0, "inserted", "changed") + n_short
+        if n_whole:
+            whole_rows = q_now.join(searched_whole, _QID, "left_semi")
+            facts = (counted.facts(0, n_whole), counted.facts(1, counted.today(1)))
+            _lists(search.candidates(whole_rows, t_now, facts), width).write.parquet(
+                str(staging / "queries" / "part=searched"))
     finally:
-        for frame in (t_all, q_diff) + (() if entering is None else (entering,)):
-            frame.unpersist()
-        if "affected" in locals():
-            affected.unpersist()
-    return Changes(refreshed=True, reason="", queries_inserted=counts.get(("q", "inserted"), 0),
-                   queries_deleted=counts.get(("q", "deleted"), 0), queries_changed=counts.get(("q", "changed"), 0),
-                   queries_kept=counts.get(("q", "kept"), 0), targets_inserted=counts.get(("t", "inserted"), 0),
-                   targets_deleted=counts.get(("t", "deleted"), 0), targets_changed=counts.get(("t", "changed"), 0),
-                   queries_searched_whole=counts.get(("q", "inserted"), 0) + counts.get(("q", "changed"), 0) + n_short,
-                   queries_short=n_short, queries_merged=n_affected,
-                   query_rows=sum(counts.get(("q", s), 0) for s in ("inserted", "changed", "kept")),
-                   target_rows=sum(counts.get(("t", s), 0) for s in ("inserted", "changed", "kept")))
+        for frame in (entering, affected, short):
+            if frame is not None:
+                frame.unpersist()
+    return Changes(refreshed=True, reason="", queries_inserted=counted(0, "inserted"),
+                   queries_deleted=counted(0, "deleted"), queries_changed=counted(0, "changed"),
+                   queries_kept=n_kept, targets_inserted=counted(1, "inserted"),
+                   targets_deleted=counted(1, "deleted"), targets_changed=counted(1, "changed"),
+                   queries_searched_whole=n_whole, queries_short=n_short, queries_merged=n_affected,
+                   query_rows=counted.today(0), target_rows=counted.today(1))
 
 
-def _diff(now: DataFrame, old: DataFrame, id_as: str) -> DataFrame:
-    """(id, status) of every id of either: inserted, deleted, changed (its fingerprint) or kept."""
-    old = old.select(id_as, F.col(_H1).alias(_OLD_H1), F.col(_H2).alias(_OLD_H2), F.lit(True).alias("old"))
-    return (now.select(id_as, _H1, _H2, F.lit(True).alias("now")).join(old, id_as, "full_outer")
-            .select(id_as, F.when(F.col("old").isNull(), "inserted").when(F.col("now").isNull(), "deleted")
-                    .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
-                    .otherwise("kept").alias("status")))
+def _merged(old: DataFrame, entering: DataFrame | None, removed: DataFrame, width: int, k: int) -> DataFrame:
+    """The affected kept queries' lists: the old list less the removed targets, merged with the
+    targets that entered it; their bound, and whether the list is complete."""
+    parts = (old.select(_QID, F.explode(_LIST).alias("x"))
+             .join(removed, F.col("x.target") == F.col(_TID), "left_anti")
+             .select(_QID, "x", F.lit(0).alias(_SOURCE)))
+    if entering is not None:
+        parts = parts.unionByName(entering.withColumn(_SOURCE, F.lit(1)))
+    merged = parts.groupBy(_QID).agg(
+        F.array_sort(F.collect_list("x")).alias("all"),
+        F.count(F.when(F.col(_SOURCE) == 1, 1)).alias("added"),
+        F.max(F.when(F.col(_SOURCE) == 1, F.col("x.key"))).alias("worst_added"))
+    # An added target beyond its query's bound was dropped by the search: then fewer than
+    # the width entered, and the bound of the added targets is beyond the list's own.
+    bound = F.least(
+        F.col(_BOUND),
+        F.when(F.col("added") >= width, F.col("worst_added").cast("double")).otherwise(F.lit(math.inf)),
+        F.when(F.size("all") > width, F.element_at("all", width + 1)["key"].cast("double"))
+        .otherwise(F.lit(math.inf)))
+    all_list = F.coalesce("all", F.array().cast(old.schema[_LIST].dataType))
+    refreshed = (old.select(_QID, _H1, _H2, _BOUND).join(merged, _QID, "left")
+                 .withColumn("all", all_list).withColumn("added", F.coalesce("added", F.lit(0)))
+                 .withColumn("b", bound)
+                 .select(_QID, _H1, _H2,
+                         F.filter(F.slice("all", 1, width), lambda x: x["key"] <= F.col("b")).alias(_LIST),
+                         F.col("b").alias(_BOUND)))
+    return refreshed.withColumn(_COMPLETE, (F.size(_LIST) >= k) | (F.col(_BOUND) == math.inf))
 
 
 # ---------------------------------------------------------------------------- the result

@@ -31,6 +31,7 @@ from .options import JoinOptions
 from .planner import (
     JoinPlan,
     KeyedLayout,
+    SideFacts,
     choose_plan,
     gpu_task_share,
     join_dimension,
@@ -124,8 +125,12 @@ class PlannedJoin:
                         None if target_columns is None else tuple(int(c) for c in target_columns))
 
 
-def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions) -> PlannedJoin:
+def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions, *,
+              facts: tuple[SideFacts, SideFacts] | None = None) -> PlannedJoin:
     """Resolve the ranking against both sides, read their facts (one Spark job) and plan.
+
+    ``facts``: both sides' facts when the caller has counted them already (the incremental
+    join counts its inputs in an aggregation of its own): no facts job then; without ``on=``.
 
     Raises what :func:`nearest_by_join` documents, before any output exists. The plan is
     logged at INFO.
@@ -153,7 +158,11 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                              parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
-        if keys is None:
+        if facts is not None:
+            if keys is not None:
+                raise ValueError("facts: without on= keys only")
+            (q_facts, t_facts), key_facts = facts, None
+        elif keys is None:
             q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
             key_facts = None
         else:

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from nearest_join import nearest_by_join
 from nearest_join.incremental import _previous_state, incremental_nearest_join
@@ -158,11 +159,19 @@ def test_bad_ids_and_dimensions_fail_before_anything_is_written(spark, tmp_path)
     assert json.loads((state / "meta.json").read_text())["dimension"] == D
     # A state of another join, or an unreadable one, is not used: the run is a full one.
     meta = json.loads((state / "meta.json").read_text())
-    previous, reason = _previous_state(spark, state, {**meta, "num_results": 2})
+    schemas = {name: StructType.fromJson(schema) for name, schema in meta.pop("schemas").items()}
+    meta.pop("dimension")
+    previous, reason = _previous_state(spark, state, {**meta, "num_results": 2}, schemas)
     assert previous is None and "num_results" in reason
-    assert _previous_state(spark, state, meta)[0] is not None
+    assert _previous_state(spark, state, meta, schemas)[0] is not None
+    part = next((state / "targets").glob("*.parquet"))
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])           # a file cut short
+    previous, reason = _previous_state(spark, state, meta, schemas)
+    assert previous is None and "unreadable" in reason and part.name in reason
+    part.write_bytes(data)
     (state / "meta.json").write_text("{not json")
-    previous, reason = _previous_state(spark, state, meta)
+    previous, reason = _previous_state(spark, state, meta, schemas)
     assert previous is None and "unreadable" in reason
 
 
