@@ -443,8 +443,6 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
     from pyspark.sql import Observation
     from pyspark.sql import functions as F
 
-    import nearest_join
-    from nearest_join.join import kernel_warm_up_seconds
     from nearest_join.planner import describe_precision
 
     started_at, start = _now(), time.perf_counter()
@@ -494,43 +492,17 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
                 prepared.query_rows - int(counts["matched"] or 0)
             facts["files"] = files = len(data_files(staged.staging))
         search_s = phases.seconds["search+write"]
-        warm_up = kernel_warm_up_seconds()
         pairs = prepared.query_rows * prepared.target_rows
         plan = prepared.plan.to_dict()
-        summary = {
-            "job": spec.name,
-            "spec_file": spec.source,
-            "nearest_join_version": nearest_join.__version__,
-            "status": "succeeded",
-            "started_at": started_at,
-            "finished_at": _now(),
-            "input_rows": {"query": prepared.query_rows, "target": prepared.target_rows},
-            "output_rows": output_rows,
-            "queries_without_candidates": unmatched,
-            "plan": plan,
-            "backend": plan.get("backend"),
+        summary = _summary(
+            spec, phases, started_at, start, input_rows=(prepared.query_rows, prepared.target_rows),
+            output_rows=output_rows, files=files, queries_without_candidates=unmatched, plan=plan,
+            backend=plan.get("backend"),
             # What the plan asked for; "auto" is resolved by each executor for its device
             # (the driver is not told which one ran: see describe_precision's words).
-            "precision": plan.get("precision"),
-            "precision_runs": describe_precision(plan.get("backend"), plan.get("precision")),
-            "wall_time_s": round(time.perf_counter() - start, 3),
-            "phases_s": dict(phases.seconds),
-            # This process's kernel warm-up (a local master's executors share its
-            # machine): compiling, or loading cached, kernels beside the other phases.
-            "kernel_warm_up_s": round(warm_up[0], 3),
-            "kernel_compile_s": round(warm_up[1], 3),   # the rest: loading numba's cache
-            "pairs": pairs,
-            "pairs_per_s": round(pairs / search_s, 1) if search_s > 0 else None,
-            "output": {
-                "path": spec.output.path,
-                "files": files,
-                "partition_by": list(spec.output.partition_by),
-                "mode": spec.output.mode,
-            },
-            "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},
-            "spark_settings": redact_settings(spec.spark_settings),
-            "spec": spec.redacted_document(),
-        }
+            precision=plan.get("precision"),
+            precision_runs=describe_precision(plan.get("backend"), plan.get("precision")),
+            pairs=pairs, pairs_per_s=round(pairs / search_s, 1) if search_s > 0 else None)
         with phases("commit"):
             staged.publish(summary)
     return summary
@@ -545,10 +517,8 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
     import shutil
     from pathlib import Path
 
-    import nearest_join
     from nearest_join.errors import ArgumentError, ArgumentTypeError
     from nearest_join.incremental import incremental_nearest_join
-    from nearest_join.join import kernel_warm_up_seconds
 
     query, target = read_inputs(spec, spark, phases)
     incremental, options = spec.incremental, spec.join.options
@@ -582,9 +552,22 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
         os.rename(new_state, staged.staging / STATE_DIR)
     finally:
         shutil.rmtree(new_state, ignore_errors=True)
-    warm_up = kernel_warm_up_seconds()
     plan = {"plan": "incremental refresh" if changes.refreshed else "incremental, full run",
             "metric": spec.join.metric, "k": options.num_results, "mode": "exact", "join_type": options.join_type}
+    return _summary(spec, phases, started_at, start, input_rows=(changes.query_rows, changes.target_rows),
+                    output_rows=output_rows, files=files, queries_without_candidates=None, plan=plan,
+                    backend=options.backend, precision=options.precision,
+                    incremental={"state": str(state), **changes.as_dict()}, pairs=None, pairs_per_s=None)
+
+
+def _summary(spec: JobSpec, phases: _Phases, started_at: str, start: float, *, input_rows: tuple[int, int],
+             output_rows: int, files: int, **fields) -> dict[str, Any]:
+    """A run's summary: the fields every run has, with ``fields`` (the run's own: plan,
+    backend, precision, ...) after its counts."""
+    import nearest_join
+    from nearest_join.join import kernel_warm_up_seconds
+
+    warm_up = kernel_warm_up_seconds()
     return {
         "job": spec.name,
         "spec_file": spec.source,
@@ -592,19 +575,15 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
         "status": "succeeded",
         "started_at": started_at,
         "finished_at": _now(),
-        "input_rows": {"query": changes.query_rows, "target": changes.target_rows},
+        "input_rows": {"query": input_rows[0], "target": input_rows[1]},
         "output_rows": output_rows,
-        "queries_without_candidates": None,
-        "plan": plan,
-        "backend": options.backend,
-        "precision": options.precision,
-        "incremental": {"state": str(state), **changes.as_dict()},
+        **fields,
         "wall_time_s": round(time.perf_counter() - start, 3),
         "phases_s": dict(phases.seconds),
+        # This process's kernel warm-up (a local master's executors share its machine):
+        # compiling, or loading cached, kernels beside the other phases.
         "kernel_warm_up_s": round(warm_up[0], 3),
-        "kernel_compile_s": round(warm_up[1], 3),
-        "pairs": None,
-        "pairs_per_s": None,
+        "kernel_compile_s": round(warm_up[1], 3),   # the rest: loading numba's cache
         "output": {"path": spec.output.path, "files": files, "partition_by": list(spec.output.partition_by),
                    "mode": spec.output.mode},
         "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},

@@ -419,6 +419,13 @@ def _unreadable_file(state_dir: Path) -> str:
     return ""
 
 
+def _footer_rows(path: Path) -> int:
+    """The rows of the Parquet files under ``path`` (0 when there is none), from their footers."""
+    import pyarrow.parquet as pq
+
+    return sum(pq.read_metadata(file).num_rows for file in path.rglob("*.parquet")) if path.is_dir() else 0
+
+
 def _complete_lists(spark, state_dir: Path, schemas: dict) -> DataFrame:
     """The state's query rows: one per query, its complete list."""
     return (spark.read.schema(schemas["queries"]).parquet(str(state_dir / "queries"))
@@ -495,35 +502,36 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted:
                     .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
                     .select(_QID, "x").cache())
         touched.append(entering.select(_QID))
-    affected = short = None
+    affected = None
+    queries = staging / "queries"
     try:
         if touched:
             affected = functools.reduce(DataFrame.unionByName, touched).distinct().cache()
-            n_affected = affected.count()
+            untouched = kept.join(F.broadcast(affected), _QID, "left_anti")
         else:
-            n_affected = 0
-        untouched = kept if not n_affected else kept.join(F.broadcast(affected), _QID, "left_anti")
-        untouched.write.parquet(str(staging / "queries" / "part=kept"))
-        n_short = 0
-        if n_affected:
-            merged_path = staging / "queries" / "part=merged"
-            _merged(kept.join(F.broadcast(affected), _QID, "left_semi"), entering,
-                    ids_of(1, "deleted", "changed"), width, k).write.parquet(str(merged_path))
-            # A short list stays in the merged part, marked incomplete: its query's whole search
-            # is the searched part's, and only complete lists are read (_complete_lists).
-            short = (spark.read.schema(schemas["queries"]).parquet(str(merged_path))
-                     .where(~F.col(_COMPLETE)).select(_QID).cache())
-            n_short = short.count()
-            if n_short:
-                searched_whole = F.broadcast(searched_whole.unionByName(short))
+            untouched = kept
+        untouched.write.parquet(str(queries / "part=kept"))
+        if affected is not None:
+            # A list that ran short goes to part=short, marked incomplete: its query's whole
+            # search is the searched part's, and only complete lists are read (_complete_lists).
+            lists = _merged(kept.join(F.broadcast(affected), _QID, "left_semi"), entering, ids_of(1, "deleted", "changed"),
+                            width, k)
+            (lists.withColumn("part", F.when(F.col(_COMPLETE), "merged").otherwise("short"))
+             .write.mode("append").partitionBy("part").parquet(str(queries)))
+        # Counted from the files' footers, here: no Spark job.
+        n_short = _footer_rows(queries / "part=short")
+        n_affected = _footer_rows(queries / "part=merged") + n_short
+        if n_short:
+            short = (spark.read.schema(schemas["queries"]).parquet(str(queries))
+                     .where(F.col("part") == "short").select(_QID))
+            searched_whole = F.broadcast(searched_whole.unionByName(short))
         n_whole = counted(0, "inserted", "changed") + n_short
         if n_whole:
             whole_rows = q_now.join(searched_whole, _QID, "left_semi")
             facts = (counted.facts(0, n_whole), counted.facts(1, counted.today(1)))
-            _lists(search.candidates(whole_rows, t_now, facts), width).write.parquet(
-                str(staging / "queries" / "part=searched"))
+            _lists(search.candidates(whole_rows, t_now, facts), width).write.parquet(str(queries / "part=searched"))
     finally:
-        for frame in (entering, affected, short):
+        for frame in (entering, affected):
             if frame is not None:
                 frame.unpersist()
     return Changes(refreshed=True, reason="", queries_inserted=counted(0, "inserted"),

@@ -119,18 +119,27 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
             # the kept queries were not searched whole, bar those whose list ran short
             assert c.queries_searched_whole == c.queries_inserted + c.queries_changed + c.queries_short
             assert c.queries_searched_whole < len(day.q_ids)
+            assert c.queries_merged >= c.queries_short
         run.commit()
         q.unpersist(), t.unpersist()
         day.change(rng, 0.01)
 
 
-def test_left_outer_keeps_queries_without_a_match(spark, tmp_path):
-    q = _frame(spark, [1, 2], [[0.0] * D, None], "qid", "v")
-    t = _frame(spark, [10], [[1.0] * D], "tid", "w")
-    run = incremental_nearest_join(q, t, "l2", 2, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                   state=str(tmp_path / "s"), join_type="left", distance_col="d")
+def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
+    """Without a margin, deleting a query's nearest target leaves its list short of k: the
+    query is searched against the whole target again (not answered from the short list).
+    LEFT OUTER, through the refresh: a query without a vector keeps its NULL row."""
+    q = _frame(spark, [1, 2, 3], [[0.0] * D, [100.0] * D, None], "qid", "v")
+    t = _frame(spark, range(10, 15), [[float(i)] + [0.0] * (D - 1) for i in range(1, 6)], "tid", "w")
+    kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(tmp_path / "s"), margin=0,
+                  join_type="left", distance_col="d")
+    incremental_nearest_join(q, t, "l2", 2, **kwargs).commit()
+    run = incremental_nearest_join(q, t.where("tid != 10"), "l2", 2, **kwargs)
     rows = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
-    assert rows == [(1, 10, 2.0), (2, None, None)]
+    assert rows[:2] == [(1, 11, 2.0), (1, 12, 3.0)] and [r[:2] for r in rows[2:]] == [(2, 13), (2, 14), (3, None)]
+    assert rows[4][2] is None
+    c = run.changes
+    assert (c.targets_deleted, c.queries_merged, c.queries_short, c.queries_searched_whole) == (1, 1, 1, 1)
 
 
 def test_bad_ids_and_dimensions_fail_before_anything_is_written(spark, tmp_path):
