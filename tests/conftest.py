@@ -36,7 +36,10 @@ def spark():
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
-        .config("spark.default.parallelism", "4")
+        # A DataFrame made from Python rows gets this many partitions: one per core. Each
+        # task of the thousands of tiny jobs costs more than its rows; tests that need empty
+        # or skewed partitions make them.
+        .config("spark.default.parallelism", "2")
         .config("spark.task.maxFailures", "1")
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
