@@ -482,11 +482,15 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             C.T_BLOCK_ID, C.T_BLOB)
         joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
     elif plan.plan == "blocked":
-        # The exchanges materialise the packed blocks once (shuffle files), so the cartesian
-        # product reads the same blocks for every pair; the hint forbids a broadcast.
-        q_side = q_packed.repartition(plan.query_partitions)
-        t_side = t_packed.repartition(plan.target_partitions)
-        pairs = q_side.hint("shuffle_replicate_nl").crossJoin(t_side)
+        if plan.queries_broadcast:
+            # Every target block, in its own partition, meets every (broadcast) query block.
+            pairs = t_packed.crossJoin(F.broadcast(q_packed)).select(C.Q_BLOCK_ID, C.Q_BLOB, C.T_BLOCK_ID, C.T_BLOB)
+        else:
+            # The exchanges materialise the packed blocks once (shuffle files), so the cartesian
+            # product reads the same blocks for every pair; the hint forbids a broadcast.
+            q_side = q_packed.repartition(plan.query_partitions)
+            t_side = t_packed.repartition(plan.target_partitions)
+            pairs = q_side.hint("shuffle_replicate_nl").crossJoin(t_side)
         partials = pairs.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema())
         joined = partials.groupBy(C.Q_BLOCK_ID).applyInArrow(_merge_function(ctx), out_schema)
     else:  # pragma: no cover - the planner only returns the plans above here

@@ -48,6 +48,14 @@ CONF_PREFIX = "spark.nearestJoin."
 # Multiply-adds (query rows x target rows x d) above which balancing the query blocks over
 # the cores is worth a shuffle: about a second of kernel time on two cores.
 SPREAD_WORK = 10**11
+# The blocked plan broadcasts the query blocks instead of pairing both sides through shuffles
+# (and the broadcast plan yields to it) when the query side's vectors are this many times
+# fewer bytes than a target of at least QUERY_BROADCAST_MIN_TARGET_BYTES: the target is then
+# read once, in its own partitions, never collected, shuffled or broadcast; only the query
+# blocks travel to every task (a few queries against a large table: the incremental join's
+# whole searches, candidate lookups).
+QUERY_BROADCAST_RATIO = 16
+QUERY_BROADCAST_MIN_TARGET_BYTES = 64 * MiB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -101,6 +109,9 @@ class JoinPlan:
     ivf: dict | None = None
     # the keyed blocked plan's cut of the groups into cells (KeyedLayout.summary()), or None
     key_cells: dict | None = None
+    # the blocked plan's query blocks broadcast, the target streaming past them in its own
+    # partitions (QUERY_BROADCAST_RATIO), instead of both sides shuffled into pairs
+    queries_broadcast: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,10 +123,12 @@ class JoinPlan:
                 f"  ranking: {self.metric} of query.{self.query_column} vs target.{self.target_column}, "
                 f"k={self.k}, mode={self.mode}, join={self.join_type}, d={self.dimension}",
                 f"  query: {self.query_rows} rows in {self.query_blocks} blocks of <= {self.query_block_rows} rows "
-                f"({self.query_partitions or 'input'} partitions)",
+                + ("(broadcast to every target partition)" if self.queries_broadcast
+                   else f"({self.query_partitions or 'input'} partitions)"),
                 f"  target: {self.target_rows} rows, {self.target_bytes} vector bytes "
                 f"(broadcast limit {self.broadcast_limit_bytes}) in {self.target_blocks} blocks of "
-                f"<= {self.target_block_rows} rows ({self.target_partitions} partitions)",
+                f"<= {self.target_block_rows} rows ("
+                + ("input" if self.queries_broadcast else str(self.target_partitions)) + " partitions)",
                 f"  executors: {self.cores} cores, task memory budget {self.task_memory_bytes} bytes, "
                 f"backend {self.backend}",
                 f"  precision: {describe_precision(self.backend, self.precision)}",
@@ -558,7 +571,17 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     query_row_bytes = row_bytes + k * 16
     memory_q_rows = budget // 4 // query_row_bytes
     spread = False
-    if target_bytes <= limit:
+    query_bytes = query_rows * row_bytes
+    queries_broadcast = (keys is None and options.mode == "exact" and query_bytes <= limit
+                         and target_bytes >= QUERY_BROADCAST_MIN_TARGET_BYTES
+                         and query_bytes * QUERY_BROADCAST_RATIO <= target_bytes)
+    if queries_broadcast:
+        plan = "blocked"
+        reason = (f"query vectors {query_bytes} B, at most 1/{QUERY_BROADCAST_RATIO} of the target's "
+                  f"{target_bytes} B: the query blocks are broadcast, the target streams past them")
+        q_rows = query_block_rows or _clamp_rows(memory_q_rows)
+        t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
+    elif target_bytes <= limit:
         plan, reason = "broadcast", f"target vectors {target_bytes} B <= broadcast limit {limit} B"
         # One query block per task, as few tasks as the cores and the memory budget allow:
         # every query block receives the whole broadcast target through Arrow, so fewer,
@@ -586,6 +609,8 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         # 0 means "keep the input partitioning"
         q_parts = max(1, math.ceil(query_rows / (q_rows * per_task))) if spread and query_rows else 0
         t_parts = None
+    elif queries_broadcast:
+        q_parts, t_parts = 0, None
     else:
         q_parts, t_parts = max(1, q_blocks), max(1, t_blocks + 1)
     cap = options.cap(ranking.metric)
@@ -604,6 +629,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         keys=None if keys is None else [[k.query_column, k.target_column, k.common] for k in keys],
         key_groups=None if key_facts is None else key_facts.groups,
         largest_group=None if key_facts is None else key_facts.largest,
+        queries_broadcast=queries_broadcast,
     )
 
 

@@ -1,7 +1,8 @@
 """Run by tests/cluster/test_cluster.py in its own process: a local-cluster master (two real
 executor JVMs) cannot share a process with the suite's local[2] session.
 
-Checks both plans against the float64 reference across two executors, then kills one
+Checks both plans (the blocked one both ways: both sides shuffled into pairs, and its query
+blocks broadcast) against the float64 reference across two executors, then kills one
 executor JVM while a blocked join runs and checks that the retried join still returns the
 exact answer. Prints one line per check: name, OK or FAILED with a reason.
 """
@@ -97,10 +98,24 @@ def main() -> int:
         killer.join(5)
         assert killed, "the executor was not killed while the join ran"
 
+    def queries_broadcast():
+        # The thresholds lowered so that these sizes take it (nearest_join.planner).
+        from nearest_join import planner
+
+        saved = planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO
+        planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO = 0, 0
+        try:
+            blocks = dict(query_block_rows=60, target_block_rows=500)
+            assert explain_nearest_join(q, t, "l2", K, vectors=("qv", "tv"), **blocks).queries_broadcast
+            join(**blocks)
+        finally:
+            planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO = saved
+
     ok = all([
         check("two-executors", two_executors),
         check("broadcast-plan", lambda: join()),
         check("blocked-plan", lambda: join(**blocked)),
+        check("blocked-plan-queries-broadcast", queries_broadcast),
         check("executor-killed-mid-join", survives_executor_loss),
     ])
     spark.stop()

@@ -62,6 +62,7 @@ def main() -> int:
                 except Exception as exc:  # report every case, then fail
                     failures += 1
                     print(case, "FAILED", repr(exc)[:500], flush=True)
+    failures += queries_broadcast_case(q, t)
     try:
         nearest_by_join(q, t, F.vector_l2_distance(q.v, t.v), 0)
         print("error-num-results FAILED: no error", flush=True)
@@ -74,6 +75,32 @@ def main() -> int:
     failures += column_cases(spark)
     spark.stop()
     return 1 if failures else 0
+
+
+def queries_broadcast_case(q, t) -> int:
+    """The blocked plan with its query blocks broadcast (thresholds lowered so that these
+    sizes take it), LEFT OUTER (a query without a vector), against Spark's own join."""
+    from nearest_join import planner
+
+    saved = planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO
+    planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO = 0, 0
+    try:
+        ranking = F.vector_l2_distance(q.v, t.v)
+        options = dict(join_type="leftouter", query_block_rows=9, target_block_rows=25)
+        assert explain_nearest_join(q, t, ranking, 3, **options).queries_broadcast
+        ours = nearest_by_join(q, t, ranking, 3, distance_col="d", **options).collect()
+        theirs = q.nearestByJoin(t, ranking, 3, "exact", "distance", joinType="leftouter").withColumn("d", ranking)
+        val = lambda r: None if r["d"] is None else float(r["d"])  # noqa: E731
+        assert_same_neighbours(group_rows(ours, lambda r: r["qid"], lambda r: r["tid"], val),
+                               group_rows(theirs.collect(), lambda r: r["qid"], lambda r: r["tid"], val),
+                               descending=False)
+        print("l2-leftouter-queries-broadcast OK", flush=True)
+        return 0
+    except Exception as exc:  # report, then fail
+        print("l2-leftouter-queries-broadcast FAILED", repr(exc)[:500], flush=True)
+        return 1
+    finally:
+        planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO = saved
 
 
 def approx_case(q, t) -> int:

@@ -23,5 +23,6 @@ def test_parity_through_spark_connect(background_result):
     proc = background_result
     lines = [ln for ln in proc.stdout.splitlines() if ln.split(" ")[-1] == "OK" or " FAILED" in ln]
     assert proc.returncode == 0, proc.tail()
-    # 12 parity cases, the num_results error, the approx case, 9 column cases (connect_parity.column_cases)
-    assert len([ln for ln in lines if ln.endswith(" OK")]) == 23, proc.stdout
+    # 12 parity cases, the query-broadcast case, the num_results error, the approx case, 9 column
+    # cases (connect_parity.column_cases)
+    assert len([ln for ln in lines if ln.endswith(" OK")]) == 24, proc.stdout

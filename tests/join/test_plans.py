@@ -60,6 +60,35 @@ def test_plans_agree_exactly(data):
     assert results["broadcast"] == results["blocked"]
 
 
+@pytest.mark.parametrize("metric", ["l2", "cosine"])
+def test_broadcast_query_blocks_match_reference(spark, data, metric, monkeypatch):
+    """The blocked plan with its query blocks broadcast (a query side much smaller than a large
+    target: here the thresholds are lowered so that these sizes take it): the target streams
+    past them in its own partitions. Several query and target blocks; then LEFT OUTER with a
+    query without a vector and an empty target."""
+    from nearest_join import planner
+
+    monkeypatch.setattr(planner, "QUERY_BROADCAST_MIN_TARGET_BYTES", 0)
+    monkeypatch.setattr(planner, "QUERY_BROADCAST_RATIO", 0)
+    Q, T, q, t = data
+    options = dict(vectors=("qv", "tv"), query_block_rows=70, target_block_rows=450)
+    small = q.where("qid < 140")
+    plan = explain_nearest_join(small, t, metric, K, **options)
+    assert plan.plan == "blocked" and plan.queries_broadcast and "broadcast to every target" in str(plan)
+    rows = nearest_by_join(small, t, metric, K, distance_col="d", **options).collect()
+    assert len(rows) == 140 * K
+    _check(rows, Q[:140], T, K, metric)
+    # LEFT OUTER: a query without a vector, and one against an empty target, keep a NULL row
+    nulls = small.where("qid < 3").withColumn("qv", F.when(F.col("qid") == 0, None).otherwise(F.col("qv")))
+    rows = nearest_by_join(nulls, t, metric, 2, join_type="left", distance_col="d", **options).collect()
+    assert sorted((r["qid"], r["tid"] is None) for r in rows) == [(0, True), (1, False), (1, False),
+                                                                  (2, False), (2, False)]
+    assert explain_nearest_join(nulls, t.where("tid < 0"), metric, 2, **options).queries_broadcast
+    rows = nearest_by_join(nulls, t.where("tid < 0"), metric, 2, join_type="left", distance_col="d",
+                           **options).collect()
+    assert sorted((r["qid"], r["tid"], r["d"]) for r in rows) == [(0, None, None), (1, None, None), (2, None, None)]
+
+
 def test_payload_follows_its_vector_through_a_nondeterministic_source(spark, data):
     """Target rows from a union + repartition (row order differs between evaluations):
     every output row's payload must belong to the vector that was ranked."""

@@ -10,7 +10,7 @@ import nearest_join.join
 from nearest_join.planner import (JoinPlan, choose_plan, cluster_cores, gpu_task_share, keep_gpu_targets,
                                   parse_bytes, task_memory_bytes)
 from nearest_join.options import JoinOptions
-from nearest_join.ranking import Ranking, parse_ranking
+from nearest_join.ranking import JoinKey, Ranking, parse_ranking
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,30 @@ def _options(**kw) -> JoinOptions:
     return JoinOptions(num_results=10, **kw)
 
 
+def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
+    """A query side at most 1/16 of a target of 64 MiB or more: the blocked plan with the
+    query blocks broadcast, the target read in its own partitions, under the broadcast limit
+    or over it; not with keys, not for approx, not for a smaller target or a larger query."""
+    spark = _Spark(spark__master="local[2]", spark__driver__memory="4g")
+
+    def plan(query_rows, target_rows, **kw):
+        return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(**kw),
+                           dimension=128, itemsize=4, query_rows=query_rows, target_rows=target_rows)
+
+    for target_rows in (200_000, 4_000_000):     # 102 MB (under the limit), 2 GB (over it)
+        chosen = plan(1000, target_rows)
+        assert (chosen.plan, chosen.queries_broadcast, chosen.query_partitions, chosen.target_partitions) == \
+               ("blocked", True, 0, None)
+        assert "the query blocks are broadcast" in chosen.reason and "broadcast to every target" in str(chosen)
+    assert not plan(1000, 100_000).queries_broadcast                # a 51 MB target
+    assert not plan(20_000, 200_000).queries_broadcast              # a query 1/10 of the target
+    assert not plan(1000, 200_000, mode="approx").queries_broadcast
+    keyed = choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(), dimension=128,
+                        itemsize=4, query_rows=1000, target_rows=200_000,
+                        keys=[JoinKey("g", "g", "int", "int", "int")])
+    assert not keyed.queries_broadcast
+
+
 def _plan(target_rows, query_input_partitions=None, **kw) -> JoinPlan:
     spark = _Spark(spark__master="local[2]", spark__driver__memory="1g")
     return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(**kw),
@@ -260,8 +284,8 @@ def test_broadcast_limit_respects_driver_and_executor_memory():
     rows = 920_000_000 // (128 * 4)
     one_gig = _Spark(spark__master="local[2]", spark__driver__memory="1g")
     plan = choose_plan(spark=one_gig, ranking=Ranking("l2", "v", "w", "l2"), options=_options(),
-                       dimension=128, itemsize=4, query_rows=1000, target_rows=rows)
-    assert plan.plan == "blocked"
+                       dimension=128, itemsize=4, query_rows=200_000, target_rows=rows)
+    assert plan.plan == "blocked" and not plan.queries_broadcast
     assert "4 copies of it (2, and one per task of 2 at once) in the unified memory of " \
            "spark.driver.memory 1073741824 B" in plan.reason
     assert broadcast_limit(one_gig, None) == unified(1 << 30) // 4
@@ -270,8 +294,8 @@ def test_broadcast_limit_respects_driver_and_executor_memory():
     assert broadcast_limit(small, None) == unified(1 << 30) // 3
     for target_bytes, expected in ((205_000_000, "blocked"), (138_000_000, "broadcast")):
         plan = choose_plan(spark=small, ranking=Ranking("l2", "v", "w", "l2"), options=_options(),
-                           dimension=128, itemsize=4, query_rows=10_000, target_rows=target_bytes // 512)
-        assert plan.plan == expected
+                           dimension=128, itemsize=4, query_rows=100_000, target_rows=target_bytes // 512)
+        assert plan.plan == expected and not plan.queries_broadcast
     # a cluster: the smaller quotient decides (4g executors, one task each: 3 copies); an
     # explicit limit is capped the same way
     cluster = _Spark(spark__master="yarn", spark__driver__memory="16g", spark__executor__memory="4g")
