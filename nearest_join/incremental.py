@@ -61,7 +61,7 @@ from pyspark.sql.types import (
 from .errors import ArgumentError, ArgumentTypeError
 from .join import plan_join
 from .options import JoinOptions
-from .planner import SideFacts, join_dimension
+from .planner import SideFacts, cluster_cores, join_dimension
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_ranking, quote
 
@@ -226,7 +226,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
     # One aggregation of both sides' ids, today's and the state's: each id's status, and the
     # checks (unique non-NULL ids, one dimension) that must pass before anything is written.
-    ids = _ids(q_now, t_now, previous).cache()
+    ids = _cached(_ids(q_now, t_now, previous))
     try:
         counted = _Counts(ids.groupBy("side", "status").agg(
             F.count(F.lit(1)).alias("rows"), F.max("p").alias("p"), F.min("shortest").alias("shortest"),
@@ -419,6 +419,13 @@ def _unreadable_file(state_dir: Path) -> str:
     return ""
 
 
+def _cached(df: DataFrame) -> DataFrame:
+    """``df`` cached in one partition per core. Spark keeps a cached plan's partitions as its
+    last shuffle made them (spark.sql.shuffle.partitions, 200 by default: adaptive execution
+    does not coalesce a cached plan), and every later scan of it would run that many tasks."""
+    return df.coalesce(cluster_cores(df.sparkSession)).cache()
+
+
 def _footer_rows(path: Path) -> int:
     """The rows of the Parquet files under ``path`` (0 when there is none), from their footers."""
     import pyarrow.parquet as pq
@@ -498,15 +505,15 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted:
         added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
         kept_rows = q_now.join(searched_whole, _QID, "left_anti")
         found = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)))
-        entering = (found.where(F.col("x.target").isNotNull()).select(_QID, "x")
-                    .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
-                    .select(_QID, "x").cache())
+        entering = _cached(found.where(F.col("x.target").isNotNull()).select(_QID, "x")
+                           .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
+                           .select(_QID, "x"))
         touched.append(entering.select(_QID))
     affected = None
     queries = staging / "queries"
     try:
         if touched:
-            affected = functools.reduce(DataFrame.unionByName, touched).distinct().cache()
+            affected = _cached(functools.reduce(DataFrame.unionByName, touched).distinct())
             untouched = kept.join(F.broadcast(affected), _QID, "left_anti")
         else:
             untouched = kept
