@@ -231,7 +231,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         counted = _Counts(ids.groupBy("side", "status").agg(
             F.count(F.lit(1)).alias("rows"), F.max("p").alias("p"), F.min("shortest").alias("shortest"),
             F.max("longest").alias("longest"), F.first(F.struct(_QID, _TID, "n")).alias("example")).collect())
-        counted.check(parsed, query_id, target_id)
+        counted.check(query_id, target_id)
         dimension = counted.dimension(parsed)
         if previous is not None and None not in (previous["dimension"], dimension) \
                 and previous["dimension"] != dimension:
@@ -340,7 +340,7 @@ class _Counts:
     def today(self, side: int) -> int:
         return self(side, "inserted", "changed", "kept")
 
-    def check(self, parsed, query_id: str, target_id: str) -> None:
+    def check(self, query_id: str, target_id: str) -> None:
         for side, argument, name in ((0, "query_id", query_id), (1, "target_id", target_id)):
             for status in ("null", "duplicate"):
                 if (side, status) in self.rows:
