@@ -53,8 +53,9 @@ SPREAD_WORK = 10**11
 # fewer bytes than a target of at least QUERY_BROADCAST_MIN_TARGET_BYTES: the target is then
 # read once, in its own partitions, never collected, shuffled or broadcast; only the query
 # blocks travel to every task (a few queries against a large table: the incremental join's
-# whole searches, candidate lookups).
-QUERY_BROADCAST_RATIO = 16
+# whole searches, candidate lookups). With more queries, merging every target partition's
+# partials costs more than broadcasting the target.
+QUERY_BROADCAST_RATIO = 128
 QUERY_BROADCAST_MIN_TARGET_BYTES = 64 * MiB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)

@@ -185,7 +185,7 @@ def _options(**kw) -> JoinOptions:
 
 
 def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
-    """A query side at most 1/16 of a target of 64 MiB or more: the blocked plan with the
+    """A query side at most 1/128 of a target of 64 MiB or more: the blocked plan with the
     query blocks broadcast, the target read in its own partitions, under the broadcast limit
     or over it; not with keys, not for approx, not for a smaller target or a larger query."""
     spark = _Spark(spark__master="local[2]", spark__driver__memory="4g")
@@ -201,6 +201,7 @@ def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
         assert "the query blocks are broadcast" in chosen.reason and "broadcast to every target" in str(chosen)
     assert not plan(1000, 100_000).queries_broadcast                # a 51 MB target
     assert not plan(20_000, 200_000).queries_broadcast              # a query 1/10 of the target
+    assert not plan(2_000, 200_000).queries_broadcast               # 1/100
     assert not plan(1000, 200_000, mode="approx").queries_broadcast
     keyed = choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(), dimension=128,
                         itemsize=4, query_rows=1000, target_rows=200_000,
