@@ -496,11 +496,12 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted:
     # The state's lists of the queries kept (those deleted or changed leave).
     kept = previous["queries"].join(ids_of(0, "deleted", "changed"), _QID, "left_anti")
     n_removed, n_added = counted(1, "deleted", "changed"), counted(1, "inserted", "changed")
+    removed = ids_of(1, "deleted", "changed")
     n_kept = counted(0, "kept")
     touched, entering = [], None
     if n_removed:
         touched.append(kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
-                       .join(ids_of(1, "deleted", "changed"), _TID, "left_semi").select(_QID))
+                       .join(removed, _TID, "left_semi").select(_QID))
     if n_added and n_kept:
         added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
         kept_rows = q_now.join(searched_whole, _QID, "left_anti")
@@ -521,7 +522,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted:
         if affected is not None:
             # A list that ran short goes to part=short, marked incomplete: its query's whole
             # search is the searched part's, and only complete lists are read (_complete_lists).
-            lists = _merged(kept.join(F.broadcast(affected), _QID, "left_semi"), entering, ids_of(1, "deleted", "changed"),
+            lists = _merged(kept.join(F.broadcast(affected), _QID, "left_semi"), entering, removed,
                             width, k)
             (lists.withColumn("part", F.when(F.col(_COMPLETE), "merged").otherwise("short"))
              .write.mode("append").partitionBy("part").parquet(str(queries)))
