@@ -536,7 +536,8 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
                     query_id=spec.query.prefix + incremental.query_id,
                     target_id=spec.target.prefix + incremental.target_id, state=state, new_state=new_state,
                     margin=incremental.margin, vectors=(q_vector, t_vector), join_type=options.join_type,
-                    distance_col=options.distance_col, backend=options.backend, precision=options.precision)
+                    distance_col=options.distance_col, backend=options.backend, precision=options.precision,
+                    max_distance=options.max_distance, min_similarity=options.min_similarity, on=options.on)
             except (ArgumentError, ArgumentTypeError) as exc:
                 raise SpecError(keys.get(exc.argument) or option_key(exc.argument), exc.problem) from None
             changes = run.changes

@@ -13,6 +13,13 @@ their id columns and searches only what the change requires:
   the margin covers), is searched against the whole target;
 * a deleted query leaves.
 
+With ``on=`` keys every list, search and bound is one of the query's key group: a row's key is
+part of its fingerprint (a row whose key changed is a changed row), and the searches are the
+keyed join's. With a cap (``max_distance`` / ``min_similarity``) a target beyond the cap is, for
+every list and bound, as if it did not exist: the searches never return one, a list holds every
+target within the cap up to ``num_results + margin``, and a bound of +inf means that the list
+holds every target within the cap.
+
 Why that is exact. Each list ``L`` carries a *bound* ``b``: every target outside ``L`` ranks
 no better than ``b`` (``b`` is the last entry's value when the list is full, +inf when ``L``
 holds every target). Removing targets keeps that true. The search of the added targets
@@ -63,7 +70,7 @@ from .join import plan_join
 from .options import JoinOptions
 from .planner import SideFacts, cluster_cores, join_dimension
 from .publish import replace_directory, sibling
-from .ranking import DIRECTIONS, column, parse_ranking, quote
+from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
 
 logger = logging.getLogger(__name__)
 
@@ -138,16 +145,18 @@ class IncrementalJoin:
 def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1, *,
                              query_id: str, target_id: str, state, new_state=None, margin: int | None = None,
                              vectors=None, join_type: str = "inner", distance_col: str | None = None,
-                             backend: str = "auto", precision: str = "auto") -> IncrementalJoin:
+                             backend: str = "auto", precision: str = "auto", max_distance: float | None = None,
+                             min_similarity: float | None = None, on=None) -> IncrementalJoin:
     """Today's :func:`~nearest_join.nearest_by_join` result, refreshed from the last run's state.
 
     Parameters
     ----------
     query, target : DataFrame
         Today's complete inputs (snapshots), each with a unique, non-NULL id column.
-    ranking, num_results, vectors, join_type, distance_col, backend, precision
+    ranking, num_results, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity, on
         As :func:`~nearest_join.nearest_by_join` (exact mode; a vector function or a metric
-        name over ``array<float>`` / ``array<double>`` columns).
+        name over ``array<float>`` / ``array<double>`` columns). A state answers one join: a
+        run with another metric, k, margin, cap or keys than the state's is a full run.
     query_id, target_id : str
         The id column of each side. A row's identity across runs: a row whose id is new was
         inserted, one whose id is gone was deleted, one whose vector differs was changed.
@@ -191,11 +200,14 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     The next run refreshes from this state: docs/incremental.md shows a second night.
     """
     options = JoinOptions(num_results=num_results, vectors=vectors, join_type=join_type,
-                          distance_col=distance_col, backend=backend, precision=precision)
+                          distance_col=distance_col, backend=backend, precision=precision,
+                          max_distance=max_distance, min_similarity=min_similarity, on=on)
     parsed = parse_ranking(ranking, query, target, options.vectors)
     if parsed is None:
         raise ArgumentError("ranking", f"an incremental join needs a vector function over one column of "
                                        f"each side (or a metric name and vectors), got {ranking}")
+    cap = options.cap(parsed.metric)
+    keys = None if options.on is None else parse_keys(options.on, query, target)
     k = options.num_results
     if margin is None:
         margin = default_margin(k)
@@ -218,10 +230,14 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         "query_vector": parsed.query_column, "target_vector": parsed.target_column,
         "query_id_type": query.schema[query_id].dataType.simpleString(),
         "target_id_type": target.schema[target_id].dataType.simpleString(),
+        "cap": cap,
+        "keys": None if keys is None else [[k.query_column, k.target_column, k.common] for k in keys],
     }
-    q_now = _fingerprinted(query, query_id, parsed.query_column, _QID, _QV)
-    t_now = _fingerprinted(target, target_id, parsed.target_column, _TID, _TV)
-    search = _Searcher(options, parsed.metric, width, similarity)
+    q_now = _fingerprinted(query, query_id, parsed.query_column, _QID, _QV,
+                           [] if keys is None else [(k.query_column, k.common) for k in keys], "q")
+    t_now = _fingerprinted(target, target_id, parsed.target_column, _TID, _TV,
+                           [] if keys is None else [(k.target_column, k.common) for k in keys], "t")
+    search = _Searcher(options, parsed.metric, width, similarity, 0 if keys is None else len(keys))
     schemas = _state_schemas(q_now, t_now, search)
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
     # One aggregation of both sides' ids, today's and the state's: each id's status, and the
@@ -271,12 +287,24 @@ def _check_id_column(df: DataFrame, name, argument: str) -> None:
                                       f"({', '.join(df.columns)}), got {name!r}")
 
 
-def _fingerprinted(df: DataFrame, id_name: str, vector_name: str, id_as: str, vector_as: str) -> DataFrame:
-    """(id, vector, h1, h2): two 64-bit hashes of the vector, so that a changed vector goes
-    unnoticed only when both collide. A NULL vector has a fingerprint of its own."""
+def _key_name(side: str, i: int) -> str:
+    return f"__nj_{side}k{i}"
+
+
+def _fingerprinted(df: DataFrame, id_name: str, vector_name: str, id_as: str, vector_as: str,
+                   keys: list[tuple[str, str]], side: str) -> DataFrame:
+    """(id, vector, h1, h2, keys...): two 64-bit hashes of the vector and the ``on=`` keys (each
+    cast to the type the join compares it in), so that a changed row goes unnoticed only when
+    both collide. A NULL vector has a fingerprint of its own; so has a NULL key (Spark's hash
+    skips a NULL value: which keys are NULL is hashed too)."""
     vector = column(df, vector_name)
+    key_columns = [column(df, name).cast(common).alias(_key_name(side, i)) for i, (name, common) in enumerate(keys)]
+    hashed = [vector, *key_columns]
+    if keys:
+        hashed.append(F.array(*[c.isNull() for c in key_columns]))
     return df.select(column(df, id_name).alias(id_as), vector.alias(vector_as),
-                     F.xxhash64(vector).alias(_H1), F.xxhash64(F.lit("nearest_join"), vector).alias(_H2))
+                     F.xxhash64(*hashed).alias(_H1), F.xxhash64(F.lit("nearest_join"), *hashed).alias(_H2),
+                     *key_columns)
 
 
 def _state_schemas(q_now: DataFrame, t_now: DataFrame, search: "_Searcher") -> dict:
@@ -445,15 +473,20 @@ class _Searcher:
     as (query id, its fingerprint, candidate struct(key, target id)) rows: LEFT OUTER, so that
     a query without a candidate has a row too (its candidate's target NULL)."""
 
-    def __init__(self, options: JoinOptions, metric: str, width: int, similarity: bool):
+    def __init__(self, options: JoinOptions, metric: str, width: int, similarity: bool, n_keys: int):
+        self.q_keys = [_key_name("q", i) for i in range(n_keys)]
+        self.t_keys = [_key_name("t", i) for i in range(n_keys)]
         self.options = JoinOptions(num_results=width, vectors=(_QV, _TV), distance_col=_KEY, join_type="left",
-                                   backend=options.backend, precision=options.precision)
+                                   backend=options.backend, precision=options.precision,
+                                   max_distance=options.max_distance, min_similarity=options.min_similarity,
+                                   on=list(zip(self.q_keys, self.t_keys)) or None)
         self.metric, self.width, self.similarity = metric, width, similarity
         self.key_type = FloatType()   # the value column of the vector functions
 
     def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts]) -> DataFrame:
-        planned = plan_join(queries.select(_QID, _QV, _H1, _H2), targets.select(_TID, _TV), self.metric,
-                            self.options, facts=facts)
+        """``facts``: both sides' (the keyed planner counts the key groups in a job of its own)."""
+        planned = plan_join(queries.select(_QID, _QV, _H1, _H2, *self.q_keys), targets.select(_TID, _TV, *self.t_keys),
+                            self.metric, self.options, facts=None if self.q_keys else facts)
         rows = planned.dataframe(query_columns=(0, 2, 3), target_columns=(0,))
         key = (-F.col(_KEY) if self.similarity else F.col(_KEY)).cast(self.key_type)
         return rows.select(_QID, _H1, _H2, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))

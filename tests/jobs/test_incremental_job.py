@@ -105,7 +105,7 @@ def _killed_mid_refresh(job: Job, out) -> None:
     assert list(out.parent.glob(".out.nj-staging-*-state"))   # what the next run tidies
 
 
-def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys):
+def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys, monkeypatch):
     out = job.base / "out"
     _incremental(job, out)
     document = job.document()
@@ -115,11 +115,30 @@ def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys):
     assert main(["run", str(job.spec)]) == 2
     assert "output.mode" in capsys.readouterr().err
     document["output"]["mode"] = "overwrite"
-    document["join"]["max_distance"] = 1.0
+    document["join"]["mode"] = "approx"
     job.write_spec(document)
     assert main(["run", str(job.spec)]) == 2
-    assert "join.max_distance" in capsys.readouterr().err
-    del document["join"]["max_distance"]
+    assert "join.mode: approx" in capsys.readouterr().err
+    del document["join"]["mode"]
+    # keys and caps reach the refresh (nearest_join/incremental's tests check its results)
+    import nearest_join.incremental
+    from nearest_join.errors import ArgumentError
+
+    seen = {}
+
+    def refresh(*args, **kwargs):
+        seen.update(kwargs)
+        raise ArgumentError("margin", "stopped by the test")
+
+    monkeypatch.setattr(nearest_join.incremental, "incremental_nearest_join", refresh)
+    document["join"]["max_distance"] = 1.0
+    document["join"]["on"] = "id"
+    job.write_spec(document)
+    assert main(["run", str(job.spec)]) == 2
+    assert "incremental.margin: stopped by the test" in capsys.readouterr().err
+    assert seen["max_distance"] == 1.0 and seen["min_similarity"] is None and seen["on"] == (("id", "id"),)
+    monkeypatch.undo()
+    del document["join"]["max_distance"], document["join"]["on"]
     document["incremental"]["query_id"] = "nope"
     job.write_spec(document)
     assert main(["run", str(job.spec)]) == 2

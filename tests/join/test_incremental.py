@@ -16,10 +16,12 @@ from nearest_join.incremental import _previous_state, incremental_nearest_join
 D = 4
 
 
-def _frame(spark, ids, vectors, id_name, vector_name, payload=None):
+def _frame(spark, ids, vectors, id_name, vector_name, payload=None, groups=None):
     rows = [(int(i), None if v is None else [float(x) for x in v], f"p{int(i)}" if payload is None else payload[j])
+            + (() if groups is None else (None if groups[j] < 0 else int(groups[j]),))
             for j, (i, v) in enumerate(zip(ids, vectors))]
-    return spark.createDataFrame(rows, f"{id_name} long, {vector_name} array<float>, {id_name}_note string")
+    schema = f"{id_name} long, {vector_name} array<float>, {id_name}_note string"
+    return spark.createDataFrame(rows, schema + ("" if groups is None else ", g int"))
 
 
 def _by_query(rows, qid, tid, value):
@@ -43,11 +45,21 @@ def _same_up_to_ties(got, want, k, descending):
 class Day:
     """One day's inputs, as numpy arrays the test edits (NaN rows: NULL vectors)."""
 
-    def __init__(self, rng, nq, nt):
+    def __init__(self, rng, nq, nt, groups=0):
         self.q_ids, self.t_ids = np.arange(nq), np.arange(1000, 1000 + nt)
         # integer data: many exact ties
         self.q, self.t = rng.integers(-3, 4, (nq, D)).astype(float), rng.integers(-3, 4, (nt, D)).astype(float)
+        # on= keys (with groups): -1 is a NULL key
+        self.groups = groups
+        self.q_g, self.t_g = (rng.integers(-1, groups, nq), rng.integers(-1, groups, nt)) if groups else (None, None)
         self.next_id = 5000
+
+    def _regroup(self, rng, keys, rows, n):
+        """``n`` rows of ``keys`` (an update may change a row's key, not its vector), then the
+        keys of ``rows`` new rows."""
+        keys = keys.copy()
+        keys[rng.choice(len(keys), n, replace=False)] = rng.integers(-1, self.groups, n)
+        return np.concatenate([keys, rng.integers(-1, self.groups, rows)])
 
     def change(self, rng, share):
         nt, nq = len(self.t_ids), len(self.q_ids)
@@ -55,6 +67,8 @@ class Day:
         keep = np.ones(nt, bool)
         keep[rng.choice(nt, n, replace=False)] = False                 # deletes
         self.t_ids, self.t = self.t_ids[keep], self.t[keep]
+        if self.groups:
+            self.t_g = self._regroup(rng, self.t_g[keep], n, n)
         upd = rng.choice(len(self.t_ids), n, replace=False)              # updates
         self.t[upd] = rng.integers(-3, 4, (n, D))
         new = rng.integers(-3, 4, (n, D)).astype(float)                  # inserts
@@ -65,6 +79,8 @@ class Day:
         keep = np.ones(nq, bool)
         keep[rng.choice(nq, m, replace=False)] = False
         self.q_ids, self.q = self.q_ids[keep], self.q[keep]
+        if self.groups:
+            self.q_g = self._regroup(rng, self.q_g[keep], m, m)
         self.q[rng.choice(len(self.q_ids), m, replace=False)] = rng.integers(-3, 4, (m, D))
         self.q_ids = np.concatenate([self.q_ids, self.next_id + np.arange(m)])
         self.q = np.concatenate([self.q, rng.integers(-3, 4, (m, D)).astype(float)])
@@ -74,8 +90,8 @@ class Day:
         def vectors(m):
             return [None if np.isnan(row).any() else row for row in m]
         # cached: a DataFrame of Python rows is otherwise deserialised in Python by every job
-        frames = (_frame(spark, self.q_ids, vectors(self.q), "qid", "v").cache(),
-                  _frame(spark, self.t_ids, vectors(self.t), "tid", "w").cache())
+        frames = (_frame(spark, self.q_ids, vectors(self.q), "qid", "v", groups=self.q_g).cache(),
+                  _frame(spark, self.t_ids, vectors(self.t), "tid", "w", groups=self.t_g).cache())
         for frame in frames:
             frame.count()
         return frames
@@ -123,6 +139,40 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
         run.commit()
         q.unpersist(), t.unpersist()
         day.change(rng, 0.01)
+
+
+def test_keys_and_a_cap_each_day_equals_a_full_recompute(spark, tmp_path):
+    """on= keys (NULL keys among them, rows that change their key and not their vector) and a
+    cap: each day equals nearest_by_join with the same keys and cap; a state of another cap or
+    other keys is not used."""
+    rng = np.random.default_rng(11)
+    day, k = Day(rng, 60, 300, groups=3), 3
+    state = tmp_path / "state"
+    joined = dict(vectors=("v", "w"), max_distance=3.0, on="g", distance_col="d")
+    for n in range(2):
+        q, t = day.frames(spark)
+        run = incremental_nearest_join(q, t, "l2", k, query_id="qid", target_id="tid", state=str(state), margin=1,
+                                       **joined)
+        got = run.result.collect()
+        full = nearest_by_join(q, t, "l2", k, **joined).collect()
+        assert all(r["d"] <= 3.0 for r in full) and len({r["qid"] for r in full}) < len(day.q_ids)
+        assert all(r["g"] is not None for r in got) and len({r["g"] for r in got}) == 3
+        _same_up_to_ties(_by_query(got, "qid", "tid", "d"), _by_query(full, "qid", "tid", "d"), k, False)
+        assert run.changes.refreshed == (n > 0)
+        if n:
+            c = run.changes
+            assert c.queries_searched_whole == c.queries_inserted + c.queries_changed + c.queries_short
+            assert c.queries_searched_whole < len(day.q_ids) and c.queries_changed >= 1
+        run.commit()
+        q.unpersist(), t.unpersist()
+        day.change(rng, 0.02)
+    meta = json.loads((state / "meta.json").read_text())
+    schemas = {name: StructType.fromJson(schema) for name, schema in meta.pop("schemas").items()}
+    meta.pop("dimension")
+    assert _previous_state(spark, state, meta, schemas)[0] is not None
+    for name, other in (("cap", 2.0), ("keys", None)):
+        previous, reason = _previous_state(spark, state, {**meta, name: other}, schemas)
+        assert previous is None and name in reason
 
 
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
