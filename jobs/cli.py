@@ -116,6 +116,8 @@ def _explain(args, submitted: bool) -> int:
 
     spec = load_spec(args.spec, args.set)
     check_paths(spec)
+    if spec.incremental is not None:
+        return _explain_refresh(spec, args, submitted)
     with _session(spec, submitted) as spark:
         prepared = explain_job(spec, spark)
     described = prepared.plan.to_dict()
@@ -127,6 +129,26 @@ def _explain(args, submitted: bool) -> int:
     print(f"  target  {prepared.target_rows:,} rows <- {', '.join(spec.target.paths)}")
     print(f"  output  {spec.output.path} (mode {spec.output.mode})")
     print(str(prepared.plan))
+    return EXIT_OK
+
+
+def _explain_refresh(spec, args, submitted: bool) -> int:
+    """``explain`` of an ``incremental`` spec: what the next run would refresh (or why it would
+    be a full run), from the inputs and the state in the output."""
+    import dataclasses
+
+    from .runner import explain_refresh
+
+    with _session(spec, submitted) as spark:
+        plan = explain_refresh(spec, spark)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(plan), indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"nearest-join: job {spec.name!r} ({spec.source}) would run:")
+    print(f"  query   <- {', '.join(spec.query.paths)}")
+    print(f"  target  <- {', '.join(spec.target.paths)}")
+    print(f"  output  {spec.output.path} (mode {spec.output.mode})")
+    print(str(plan))
     return EXIT_OK
 
 

@@ -373,6 +373,15 @@ def read_inputs(spec: JobSpec, spark, phases: _Phases) -> tuple[Any, Any]:
     return query, target
 
 
+def _prefixed_keys(spec: JobSpec):
+    """``join.on`` as the join sees it: the spec names the inputs' columns, the join their
+    prefixed names."""
+    on = spec.join.options.on
+    if on is None:
+        return None
+    return tuple((spec.query.prefix + q_name, spec.target.prefix + t_name) for q_name, t_name in on)
+
+
 def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
     """Validate paths, read both inputs, check columns, and plan (the inputs' one facts job,
     which the explanation, the summary and the run share). Writes nothing."""
@@ -387,10 +396,7 @@ def prepare(spec: JobSpec, spark, phases: _Phases | None = None) -> Prepared:
     query, target = read_inputs(spec, spark, phases)
     query_vector = spec.query.prefix + spec.query.vector
     target_vector = spec.target.prefix + spec.target.vector
-    on = spec.join.options.on
-    if on is not None:   # spec names are the inputs' names; the join sees them prefixed
-        on = tuple((spec.query.prefix + q_name, spec.target.prefix + t_name) for q_name, t_name in on)
-    options = dataclasses.replace(spec.join.options, vectors=(query_vector, target_vector), on=on)
+    options = dataclasses.replace(spec.join.options, vectors=(query_vector, target_vector), on=_prefixed_keys(spec))
     with phases("plan") as facts, _input_errors(spec):
         try:
             if spec.join.index is not None:   # join.index: a saved IVF index, or train and save one
@@ -517,29 +523,18 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
     import shutil
     from pathlib import Path
 
-    from nearest_join.errors import ArgumentError, ArgumentTypeError
     from nearest_join.incremental import incremental_nearest_join
 
     query, target = read_inputs(spec, spark, phases)
-    incremental, options = spec.incremental, spec.join.options
+    options = spec.join.options
     q_vector, t_vector = spec.query.prefix + spec.query.vector, spec.target.prefix + spec.target.vector
     state = Path(spec.output.path) / STATE_DIR
     # Beside the staging directory, under its name: a killed run's is removed with it.
     new_state = staged.staging.parent / f"{staged.staging.name}-state"
-    keys = {"query_id": "incremental.query_id", "target_id": "incremental.target_id",
-            "margin": "incremental.margin"}
     try:
-        with phases("search") as facts, _input_errors(spec):
-            try:
-                run = incremental_nearest_join(
-                    query, target, spec.join.metric, options.num_results,
-                    query_id=spec.query.prefix + incremental.query_id,
-                    target_id=spec.target.prefix + incremental.target_id, state=state, new_state=new_state,
-                    margin=incremental.margin, vectors=(q_vector, t_vector), join_type=options.join_type,
-                    distance_col=options.distance_col, backend=options.backend, precision=options.precision,
-                    max_distance=options.max_distance, min_similarity=options.min_similarity, on=options.on)
-            except (ArgumentError, ArgumentTypeError) as exc:
-                raise SpecError(keys.get(exc.argument) or option_key(exc.argument), exc.problem) from None
+        with phases("search") as facts, _input_errors(spec), _incremental_errors():
+            run = incremental_nearest_join(query, target, spec.join.metric, options.num_results, state=state,
+                                           new_state=new_state, **_incremental_arguments(spec))
             changes = run.changes
             facts["refresh"] = changes.refreshed
             facts["queries searched whole"] = changes.queries_searched_whole
@@ -613,6 +608,44 @@ def _lock_output(spec: JobSpec, stack: contextlib.ExitStack) -> StagedOutput:
 def explain_job(spec: JobSpec, spark) -> Prepared:
     """Everything a run does before searching: the plan, without running the join."""
     return prepare(spec, spark)
+
+
+def _incremental_arguments(spec: JobSpec) -> dict[str, Any]:
+    """The incremental join's keyword arguments of an ``incremental`` spec, but its state."""
+    options, incremental = spec.join.options, spec.incremental
+    return dict(query_id=spec.query.prefix + incremental.query_id,
+                target_id=spec.target.prefix + incremental.target_id, margin=incremental.margin,
+                vectors=(spec.query.prefix + spec.query.vector, spec.target.prefix + spec.target.vector),
+                join_type=options.join_type, distance_col=options.distance_col, backend=options.backend,
+                precision=options.precision, max_distance=options.max_distance,
+                min_similarity=options.min_similarity, on=_prefixed_keys(spec))
+
+
+@contextlib.contextmanager
+def _incremental_errors():
+    """The incremental join's argument errors as the spec keys that gave the arguments."""
+    from nearest_join.errors import ArgumentError, ArgumentTypeError
+
+    keys = {"query_id": "incremental.query_id", "target_id": "incremental.target_id",
+            "margin": "incremental.margin"}
+    try:
+        yield
+    except (ArgumentError, ArgumentTypeError) as exc:
+        raise SpecError(keys.get(exc.argument) or option_key(exc.argument), exc.problem) from None
+
+
+def explain_refresh(spec: JobSpec, spark):
+    """What a run of an ``incremental`` spec would do (``nearest_join.incremental.RefreshPlan``):
+    a refresh or a full run, the rows changed on each side, the searches' pairs. Reads the
+    inputs and the state; writes nothing."""
+    from pathlib import Path
+
+    from nearest_join.incremental import explain_incremental
+
+    query, target = read_inputs(spec, spark, _Phases())
+    with _input_errors(spec), _incremental_errors():
+        return explain_incremental(query, target, spec.join.metric, spec.join.options.num_results,
+                                   state=Path(spec.output.path) / STATE_DIR, **_incremental_arguments(spec))
 
 
 def _warm_up_text(seconds: float, compiling: float) -> str:

@@ -13,6 +13,7 @@ _LAZY = {
     "nearest_by_join": "nearest_join.join",
     "explain_nearest_join": "nearest_join.join",
     "incremental_nearest_join": "nearest_join.incremental",
+    "explain_incremental": "nearest_join.incremental",
     "JoinPlan": "nearest_join.planner",
     "build_ivf_index": "nearest_join.ivf_index",
     "IVFIndex": "nearest_join.ivf_index",

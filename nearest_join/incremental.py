@@ -199,6 +199,140 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
 
     The next run refreshes from this state: docs/incremental.md shows a second night.
     """
+    run = _prepare(query, target, ranking, num_results, query_id=query_id, target_id=target_id, state=state,
+                   margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
+                   backend=backend, precision=precision, max_distance=max_distance,
+                   min_similarity=min_similarity, on=on)
+    spark, state_dir, ids, counted, search, schemas = (query.sparkSession, run.state_dir, run.ids, run.counted,
+                                                      run.search, run.schemas)
+    try:
+        if new_state is None:
+            staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
+            state_dir.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            staging = Path(new_state)
+        try:
+            # Today's target fingerprints, from the aggregation (no second hash of the vectors).
+            (ids.where((F.col("side") == 1) & (F.col("status") != "deleted"))
+             .select(_TID, F.col(_H1), F.col(_H2)).write.parquet(str(staging / "targets")))
+            if run.previous is None:
+                changes = _full_run(run.q_now, run.t_now, counted, search, staging, run.reason)
+            else:
+                changes = _refresh(spark, run.q_now, run.t_now, ids, counted, run.previous, search, staging,
+                                   schemas, run.k)
+            (staging / META_FILE).write_text(json.dumps({**run.meta, "schemas": {
+                name: json.loads(schema.json()) for name, schema in schemas.items()}}, indent=1, sort_keys=True))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    finally:
+        ids.unpersist()
+    logger.info("incremental join: %s", changes)
+    lists = _complete_lists(spark, staging, schemas)
+    result = _result(query, target, query_id, target_id, lists, run.k, run.options, run.search.similarity)
+    return IncrementalJoin(result, changes, staging, None if new_state is not None else state_dir)
+
+
+@dataclass(frozen=True)
+class RefreshPlan:
+    """What :func:`incremental_nearest_join` would do with these inputs and this state
+    (:func:`explain_incremental`): a refresh or a full run (``reason``), the rows inserted,
+    deleted, changed and kept on each side, and the searches' size.
+
+    ``queries_searched_whole`` counts the new and changed queries; a kept query whose list
+    runs short is searched whole too, which only the run finds out. ``pairs`` is what the
+    searches compare (the kept queries against the added targets, the queries searched whole
+    against every target; with ``on=`` keys an upper bound, the keys prune), against
+    ``full_pairs``, what a full recompute compares."""
+
+    refresh: bool
+    reason: str
+    query_rows: int
+    target_rows: int
+    queries: dict
+    targets: dict
+    queries_searched_whole: int
+    pairs: int
+    full_pairs: int
+
+    def __str__(self) -> str:
+        def side(counts: dict) -> str:
+            return ", ".join(f"{n:,} {status}" for status, n in counts.items())
+
+        what = "refresh" if self.refresh else f"full run ({self.reason})"
+        share = f"{self.pairs / self.full_pairs:.2%} of a full run's" if self.full_pairs else "a full run's"
+        kept = (f", {self.queries['kept']:,} kept against {self.targets['inserted'] + self.targets['changed']:,} "
+                f"added targets" if self.refresh else "")
+        return "\n".join([
+            f"incremental {what}",
+            f"  queries  {self.query_rows:,} rows today: {side(self.queries)}",
+            f"  targets  {self.target_rows:,} rows today: {side(self.targets)}",
+            f"  search   {self.queries_searched_whole:,} queries against every target{kept}: "
+            f"{self.pairs:,} pairs ({share} {self.full_pairs:,})"])
+
+
+def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_results: int = 1, *, query_id: str,
+                        target_id: str, state, margin: int | None = None, vectors=None, join_type: str = "inner",
+                        distance_col: str | None = None, backend: str = "auto", precision: str = "auto",
+                        max_distance: float | None = None, min_similarity: float | None = None,
+                        on=None) -> RefreshPlan:
+    """What :func:`incremental_nearest_join` would do with these arguments (its own), without
+    searching or writing: one Spark job (the aggregation of both sides' ids that the run
+    starts with). Raises what the run raises before it writes.
+
+    Examples
+    --------
+    >>> q = spark.createDataFrame([(1, [0.0, 0.0]), (2, [4.0, 3.0])], "qid int, v array<float>")
+    >>> t = spark.createDataFrame([(10, [4.0, 0.0]), (11, [4.0, 4.0])], "tid int, w array<float>")
+    >>> print(explain_incremental(q, t, "l2", 1, vectors=("v", "w"), query_id="qid", target_id="tid",
+    ...                           state=str(tmp / "none")))   # doctest: +ELLIPSIS
+    incremental full run (no state at .../none)
+      queries  2 rows today: 2 inserted, 0 deleted, 0 changed, 0 kept
+      targets  2 rows today: 2 inserted, 0 deleted, 0 changed, 0 kept
+      search   2 queries against every target: 4 pairs (100.00% of a full run's 4)
+    """
+    run = _prepare(query, target, ranking, num_results, query_id=query_id, target_id=target_id, state=state,
+                   margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
+                   backend=backend, precision=precision, max_distance=max_distance,
+                   min_similarity=min_similarity, on=on)
+    run.ids.unpersist()
+    counted = run.counted
+    statuses = ("inserted", "deleted", "changed", "kept")
+    queries, targets = counted.today(0), counted.today(1)
+    if run.previous is None:
+        whole, pairs = queries, queries * targets
+    else:
+        whole = counted(0, "inserted", "changed")
+        pairs = whole * targets + counted(0, "kept") * counted(1, "inserted", "changed")
+    return RefreshPlan(refresh=run.previous is not None, reason=run.reason, query_rows=queries, target_rows=targets,
+                       queries={s: counted(0, s) for s in statuses}, targets={s: counted(1, s) for s in statuses},
+                       queries_searched_whole=whole, pairs=pairs, full_pairs=queries * targets)
+
+@dataclass
+class _Prepared:
+    """What a run and its explanation share: the checked arguments, today's fingerprinted
+    inputs, the state (None: a full run, ``reason`` says why), and the ids' statuses (``ids``,
+    cached: the caller unpersists it) counted (``counted``)."""
+
+    options: JoinOptions
+    k: int
+    state_dir: Path
+    meta: dict
+    q_now: DataFrame
+    t_now: DataFrame
+    search: "_Searcher"
+    schemas: dict
+    previous: dict | None
+    reason: str
+    ids: DataFrame
+    counted: "_Counts"
+
+
+def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, query_id: str, target_id: str,
+             state, margin, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity,
+             on) -> _Prepared:
+    """The checks and the one aggregation of both sides' ids (:func:`incremental_nearest_join`'s
+    arguments, its errors); nothing written."""
     options = JoinOptions(num_results=num_results, vectors=vectors, join_type=join_type,
                           distance_col=distance_col, backend=backend, precision=precision,
                           max_distance=max_distance, min_similarity=min_similarity, on=on)
@@ -254,30 +388,10 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
             raise ArgumentError("vectors", f"the vectors have dimension {dimension}, the state at {state_dir} "
                                            f"was built on dimension {previous['dimension']}")
         meta["dimension"] = dimension if dimension is not None else (previous or {}).get("dimension")
-        if new_state is None:
-            staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
-            state_dir.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            staging = Path(new_state)
-        try:
-            # Today's target fingerprints, from the aggregation (no second hash of the vectors).
-            (ids.where((F.col("side") == 1) & (F.col("status") != "deleted"))
-             .select(_TID, F.col(_H1), F.col(_H2)).write.parquet(str(staging / "targets")))
-            if previous is None:
-                changes = _full_run(q_now, t_now, counted, search, staging, reason)
-            else:
-                changes = _refresh(spark, q_now, t_now, ids, counted, previous, search, staging, schemas, k)
-            (staging / META_FILE).write_text(json.dumps({**meta, "schemas": {
-                name: json.loads(schema.json()) for name, schema in schemas.items()}}, indent=1, sort_keys=True))
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    finally:
+    except BaseException:
         ids.unpersist()
-    logger.info("incremental join: %s", changes)
-    lists = _complete_lists(spark, staging, schemas)
-    result = _result(query, target, query_id, target_id, lists, k, options, similarity)
-    return IncrementalJoin(result, changes, staging, None if new_state is not None else state_dir)
+        raise
+    return _Prepared(options, k, state_dir, meta, q_now, t_now, search, schemas, previous, reason, ids, counted)
 
 
 # ---------------------------------------------------------------------------- inputs and state

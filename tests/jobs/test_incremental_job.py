@@ -4,6 +4,7 @@ oracle's join of that night's inputs; a spec the refresh cannot serve exits 2.""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -70,6 +71,12 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
     before = _files(out)
     _killed_mid_refresh(job, out)
     assert _files(out) == before and len(pq.read_table(out)) == first["output_rows"]
+    capsys.readouterr()
+    assert main(["explain", str(job.spec)]) == 0, capsys.readouterr().err
+    explained = capsys.readouterr().out
+    assert main(["explain", "--json", str(job.spec)]) == 0, capsys.readouterr().err
+    plan = json.loads(capsys.readouterr().out)
+    assert _files(out) == before
     assert main(["run", str(job.spec)]) == 0, capsys.readouterr().err
     assert not list(out.parent.glob(".out.nj-staging-*"))
     printed = capsys.readouterr().out
@@ -77,6 +84,10 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
     assert second["refreshed"] is True and "incremental  refreshed" in printed
     assert (second["targets_inserted"], second["targets_deleted"]) == (n, n)
     assert second["queries_changed"] == 3
+    # explain said what the run then did
+    assert "incremental refresh" in explained and f"{len(job.target_ids):,} rows today: {n:,} inserted" in explained
+    assert plan["refresh"] is True and plan["queries"]["changed"] == 3 and plan["targets"]["deleted"] == n
+    assert plan["queries_searched_whole"] == second["queries_searched_whole"] - second["queries_short"]
     assert second["queries_searched_whole"] < len(job.query_ids)
     _check(job, out, 5)
     # the vectors are not written (output.include_vectors), the payload is today's
@@ -136,7 +147,7 @@ def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys, monkeypatch):
     job.write_spec(document)
     assert main(["run", str(job.spec)]) == 2
     assert "incremental.margin: stopped by the test" in capsys.readouterr().err
-    assert seen["max_distance"] == 1.0 and seen["min_similarity"] is None and seen["on"] == (("id", "id"),)
+    assert seen["max_distance"] == 1.0 and seen["min_similarity"] is None and seen["on"] == (("id", "t_id"),)   # the join sees the prefixed names
     monkeypatch.undo()
     del document["join"]["max_distance"], document["join"]["on"]
     document["incremental"]["query_id"] = "nope"

@@ -11,7 +11,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from nearest_join import nearest_by_join
-from nearest_join.incremental import _previous_state, incremental_nearest_join
+from nearest_join.incremental import _previous_state, explain_incremental, incremental_nearest_join
 
 D = 4
 
@@ -115,9 +115,23 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
                                      state=str(state), margin=margin).discard()
             assert sorted(str(p.relative_to(state)) for p in state.rglob("*")) == before
             assert [p.name for p in tmp_path.iterdir()] == ["state"]
+        if n == 1:
+            plan = explain_incremental(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
+                                       state=str(state), margin=margin, distance_col="d")
         run = incremental_nearest_join(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
                                        state=str(state), margin=margin, distance_col="d")
         got = run.result.collect()
+        if n == 1:   # the explanation said what the run did
+            c = run.changes
+            assert plan.refresh and plan.reason == ""
+            assert plan.queries == {"inserted": c.queries_inserted, "deleted": c.queries_deleted,
+                                    "changed": c.queries_changed, "kept": c.queries_kept}
+            assert plan.targets["inserted"] == c.targets_inserted and plan.targets["changed"] == c.targets_changed
+            assert plan.queries_searched_whole == c.queries_searched_whole - c.queries_short
+            assert (plan.query_rows, plan.target_rows) == (len(day.q_ids), len(day.t_ids))
+            added = c.targets_inserted + c.targets_changed
+            assert plan.pairs == plan.queries_searched_whole * plan.target_rows + c.queries_kept * added
+            assert f"{plan.pairs:,} pairs" in str(plan) and plan.full_pairs == len(day.q_ids) * len(day.t_ids)
         assert run.result.columns == ["qid", "v", "qid_note", "tid", "w", "tid_note", "d"]
         full = nearest_by_join(q, t, metric, k, vectors=("v", "w"), distance_col="d").collect()
         key = (lambda r: -r) if descending else (lambda r: r)
