@@ -458,9 +458,16 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         # in seconds, not after the search. prepare() re-checks the output under the lock.
         staged = _lock_output(spec, stack)
         if spec.incremental is not None:
-            summary = _run_incremental(spec, spark, staged, phases, started_at, start)
-            with phases("commit"):
-                staged.publish(summary)
+            summary, run = _run_incremental(spec, spark, staged, phases, started_at, start)
+            try:
+                with phases("commit"):
+                    staged.publish(summary)
+                    if spec.incremental.state is not None:
+                        # After the output: a run killed between the two leaves the last
+                        # state, from which the next run refreshes today's inputs as exactly.
+                        run.commit()
+            finally:
+                run.discard()   # nothing once committed
             return summary
         prepared = prepare(spec, spark, phases)
         counted = Observation("nearest_join_rows")
@@ -515,22 +522,28 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
 
 
 def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases, started_at: str,
-                     start: float) -> dict[str, Any]:
+                     start: float) -> tuple[dict[str, Any], Any]:
     """``incremental``: refresh the output from the state inside the last published output
     (:mod:`nearest_join.incremental`; a full run when there is none or it answers another
     join), then write the result, and the new state inside the staging directory, which
-    ``staged`` publishes in one step. Returns the run summary."""
+    ``staged`` publishes in one step. With ``incremental.state``, the state is read from there
+    and staged beside it: the caller commits it (the returned run) after publishing the
+    output. Returns the run summary and the run."""
     import shutil
     from pathlib import Path
 
-    from nearest_join.incremental import incremental_nearest_join
+    from nearest_join.incremental import incremental_nearest_join, remove_staged_states
 
     query, target = read_inputs(spec, spark, phases)
     options = spec.join.options
     q_vector, t_vector = spec.query.prefix + spec.query.vector, spec.target.prefix + spec.target.vector
-    state = Path(spec.output.path) / STATE_DIR
+    state = Path(spec.incremental.state_path(spec.output))
+    own_state = spec.incremental.state is not None
     # Beside the staging directory, under its name: a killed run's is removed with it.
-    new_state = staged.staging.parent / f"{staged.staging.name}-state"
+    new_state = None if own_state else staged.staging.parent / f"{staged.staging.name}-state"
+    if own_state:   # what killed runs staged beside it (under the output's lock: no other run)
+        remove_staged_states(state)
+    run = None
     try:
         with phases("search") as facts, _input_errors(spec), _incremental_errors():
             run = incremental_nearest_join(query, target, spec.join.metric, options.num_results, state=state,
@@ -545,15 +558,21 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
             # From the files' footers: an Observation is dropped from a plan Spark finds empty.
             output_rows = spark.read.parquet(str(staged.staging)).count() if files else 0
             facts["output rows"] = output_rows
-        os.rename(new_state, staged.staging / STATE_DIR)
+        if not own_state:
+            os.rename(new_state, staged.staging / STATE_DIR)
+    except BaseException:
+        if run is not None:
+            run.discard()
+        raise
     finally:
-        shutil.rmtree(new_state, ignore_errors=True)
+        if not own_state:
+            shutil.rmtree(new_state, ignore_errors=True)
     plan = {"plan": "incremental refresh" if changes.refreshed else "incremental, full run",
             "metric": spec.join.metric, "k": options.num_results, "mode": "exact", "join_type": options.join_type}
     return _summary(spec, phases, started_at, start, input_rows=(changes.query_rows, changes.target_rows),
                     output_rows=output_rows, files=files, queries_without_candidates=None, plan=plan,
                     backend=options.backend, precision=options.precision,
-                    incremental={"state": str(state), **changes.as_dict()}, pairs=None, pairs_per_s=None)
+                    incremental={"state": str(state), **changes.as_dict()}, pairs=None, pairs_per_s=None), run
 
 
 def _summary(spec: JobSpec, phases: _Phases, started_at: str, start: float, *, input_rows: tuple[int, int],
@@ -638,14 +657,12 @@ def explain_refresh(spec: JobSpec, spark):
     """What a run of an ``incremental`` spec would do (``nearest_join.incremental.RefreshPlan``):
     a refresh or a full run, the rows changed on each side, the searches' pairs. Reads the
     inputs and the state; writes nothing."""
-    from pathlib import Path
-
     from nearest_join.incremental import explain_incremental
 
     query, target = read_inputs(spec, spark, _Phases())
     with _input_errors(spec), _incremental_errors():
         return explain_incremental(query, target, spec.join.metric, spec.join.options.num_results,
-                                   state=Path(spec.output.path) / STATE_DIR, **_incremental_arguments(spec))
+                                   state=spec.incremental.state_path(spec.output), **_incremental_arguments(spec))
 
 
 def _warm_up_text(seconds: float, compiling: float) -> str:

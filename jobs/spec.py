@@ -102,9 +102,10 @@ _INCREMENTAL_KEYS: dict[str, Any] = {
     "query_id": _REQUIRED,   # unique id column of each input (input names, before prefix)
     "target_id": _REQUIRED,
     "margin": None,          # candidates kept per query beyond k (nearest_join.incremental.default_margin)
+    "state": None,           # a local directory of the state's own (default: inside the output)
 }
-# The state lives inside the output directory (hidden from Spark's readers by its leading
-# underscore), so that the output and its state are published in one step.
+# By default the state lives inside the output directory (hidden from Spark's readers by its
+# leading underscore), so that the output and its state are published in one step.
 STATE_DIR = "_nearest_join_state"
 _TOP_KEYS = ("name", "query", "target", "join", "output", "incremental", "spark_profile", "spark")
 
@@ -172,6 +173,10 @@ class IncrementalSpec:
     query_id: str                     # input column names (before prefix)
     target_id: str
     margin: int | None
+    state: str | None = None          # None: OUTPUT/_nearest_join_state
+
+    def state_path(self, output: OutputSpec) -> str:
+        return local_path(self.state) if self.state is not None else os.path.join(output.path, STATE_DIR)
 
 
 @dataclass(frozen=True)
@@ -605,8 +610,11 @@ def _incremental(document: dict, join: JoinSpec, output: OutputSpec) -> Incremen
     if output.mode != "overwrite":
         raise SpecError("output.mode", f"an incremental job replaces its output each run: expected "
                                        f"overwrite, got {output.mode!r}")
+    state = _text(values["state"], "incremental.state", optional=True)
+    if state is not None and not is_local(state):
+        raise SpecError("incremental.state", f"expected a local (or shared POSIX) directory, got {state!r}")
     return IncrementalSpec(query_id=_text(values["query_id"], "incremental.query_id"),
-                           target_id=_text(values["target_id"], "incremental.target_id"),
+                           target_id=_text(values["target_id"], "incremental.target_id"), state=state,
                            margin=_integer(values["margin"], "incremental.margin", low=0, optional=True))
 
 
@@ -742,8 +750,24 @@ def check_paths(spec: JobSpec) -> None:
                     f"{str(clash or pattern)!r}; write the output somewhere that is neither an "
                     "input nor inside or around one",
                 )
+    if spec.incremental is not None and spec.incremental.state is not None:
+        _check_state_path(spec, outputs)
     check_output_target(spec.output)
     check_output_writable(spec.output)
+
+
+def _check_state_path(spec: JobSpec, outputs: tuple[Path, Path]) -> None:
+    """A state of its own lies outside the output (a new output would delete it) and the
+    inputs (a run would read what it writes)."""
+    state = Path(local_path(spec.incremental.state))
+    places = [("output.path", o) for o in outputs] + [
+        (f"{side.side}.path", Path(local_path(m))) for side in (spec.query, spec.target) for pattern in side.paths
+        if is_local(pattern) for m in (glob.glob(pattern) if _has_magic(pattern) else [pattern])]
+    for key, place in places:
+        if _related(state, place) or _related(_real(state), _real(place)):
+            raise SpecError("incremental.state", f"{str(state)!r} overlaps {key} {str(place)!r}; keep the "
+                                                 "state outside the output and the inputs (or leave "
+                                                 "incremental.state out: the state then lives inside the output)")
 
 
 def _writable(directory: Path) -> bool:

@@ -142,6 +142,18 @@ class IncrementalJoin:
             shutil.rmtree(self._staging, ignore_errors=True)
 
 
+def remove_staged_states(state) -> int:
+    """Delete the states staged beside ``state`` by runs that were never committed or
+    discarded (a killed process's); returns how many. Only while no run of this state is in
+    progress: its staging directory would go too (the batch jobs call it under the output's
+    lock)."""
+    state = Path(state)
+    stale = list(state.parent.glob(f".{state.name}{_STAGING}*")) if state.parent.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(stale)
+
+
 def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1, *,
                              query_id: str, target_id: str, state, new_state=None, margin: int | None = None,
                              vectors=None, join_type: str = "inner", distance_col: str | None = None,

@@ -116,6 +116,33 @@ def _killed_mid_refresh(job: Job, out) -> None:
     assert list(out.parent.glob(".out.nj-staging-*-state"))   # what the next run tidies
 
 
+def test_a_state_of_its_own(job, capsys):
+    """incremental.state: the state lives there, not in the output; it is published after the
+    output; what a killed run staged beside it is removed by the next run; explain reads it."""
+    out, state = job.base / "out", job.base / "states" / "nightly"
+    _incremental(job, out)
+    document = job.document()
+    document["output"] = {"path": str(out), "mode": "overwrite"}
+    document["incremental"] = {"query_id": "id", "target_id": "id", "margin": 3, "state": str(state)}
+    job.write_spec(document)
+    stale = state.parent / f".{state.name}.nj-state-staging-0123456789ab"
+    (stale / "queries").mkdir(parents=True)
+    assert main(["run", str(job.spec)]) == 0, capsys.readouterr().err
+    assert (state / "meta.json").exists() and not (out / STATE_DIR).exists() and not stale.exists()
+    assert [p.name for p in state.parent.iterdir()] == ["nightly"]
+    assert _summary(out)["incremental"]["state"] == str(state)
+    _check(job, out, 5)
+    capsys.readouterr()
+    assert main(["explain", str(job.spec)]) == 0, capsys.readouterr().err
+    explained = capsys.readouterr().out
+    assert "incremental refresh" in explained and "0 inserted, 0 deleted, 0 changed" in explained
+    for inside in (out / "state", job.base / "in" / "query" / "state"):
+        document["incremental"]["state"] = str(inside)
+        job.write_spec(document)
+        assert main(["run", str(job.spec)]) == 2
+        assert "incremental.state" in capsys.readouterr().err
+
+
 def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys, monkeypatch):
     out = job.base / "out"
     _incremental(job, out)
