@@ -65,10 +65,10 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from .errors import ArgumentError, ArgumentTypeError
+from .errors import ArgumentError
 from .join import plan_join
 from .options import JoinOptions
-from .planner import SideFacts, cluster_cores, join_dimension
+from .planner import SideFacts, cluster_cores, join_dimension, vector_length
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
 
@@ -167,7 +167,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         Today's complete inputs (snapshots), each with a unique, non-NULL id column.
     ranking, num_results, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity, on
         As :func:`~nearest_join.nearest_by_join` (exact mode; a vector function or a metric
-        name over ``array<float>`` / ``array<double>`` columns). A state answers one join: a
+        name over ``array<float>``, ``array<double>`` or ML ``VectorUDT`` columns). A state answers one join: a
         run with another metric, k, margin, cap or keys than the state's is a full run.
     query_id, target_id : str
         The id column of each side. A row's identity across runs: a row whose id is new was
@@ -362,11 +362,6 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     width = k + margin
     _check_id_column(query, query_id, "query_id")
     _check_id_column(target, target_id, "target_id")
-    for df, name, side in ((query, parsed.query_column, "query"), (target, parsed.target_column, "target")):
-        if not isinstance(df.schema[name].dataType, ArrayType):
-            raise ArgumentTypeError("vectors", f"{side} column {quote(name)}: an incremental join takes "
-                                               f"array<float> or array<double> vectors, got "
-                                               f"{df.schema[name].dataType.simpleString()}")
     similarity = DIRECTIONS[parsed.metric] == "similarity"
     spark = query.sparkSession
     state_dir = Path(state)
@@ -464,7 +459,7 @@ def _ids(q_now: DataFrame, t_now: DataFrame, previous: dict | None) -> DataFrame
             *[(F.col(h) if now else none.cast("long")).alias(h) for h in (_H1, _H2)],
             *[(none.cast("long") if now else F.col(h)).alias(o) for h, o in ((_H1, _OLD_H1), (_H2, _OLD_H2))],
             F.lit(1 if now else 0).alias("n"),
-            (F.when(F.col(vector).isNotNull(), F.size(vector)) if now else none.cast("int")).alias("length"),
+            (vector_length(df, vector) if now else none.cast("int")).alias("length"),
             (F.spark_partition_id() if now else none.cast("int")).alias("p"))
 
     union = rows(q_now, 0, True).unionByName(rows(t_now, 1, True))

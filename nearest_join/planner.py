@@ -292,7 +292,8 @@ class SideFacts:
     longest: int | None
 
 
-def _vector_length(df, name: str):
+def vector_length(df, name: str):
+    """The length of column ``name``'s vectors (array or ML VectorUDT), NULL for a NULL vector."""
     col = column(df, name)
     if type(df.schema[name].dataType).__name__ == "VectorUDT":
         from pyspark.ml.functions import vector_to_array
@@ -324,7 +325,7 @@ def side_facts(query, query_column: str, target, target_column: str,
     shuffle (two aggregations joined would be two, and a third stage for the join)."""
     def projected(df, name: str, side: int):
         # Spark forbids the non-deterministic partition id inside an aggregate: project first.
-        return df.select(F.lit(side).alias("side"), _vector_length(df, name).alias("n"),
+        return df.select(F.lit(side).alias("side"), vector_length(df, name).alias("n"),
                          F.spark_partition_id().alias("p"))
 
     both = (projected(query, query_column, 0).unionByName(projected(target, target_column, 1))

@@ -206,6 +206,35 @@ def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
     assert (c.targets_deleted, c.queries_merged, c.queries_short, c.queries_searched_whole) == (1, 1, 1, 1)
 
 
+def test_ml_vectors_refresh(spark, tmp_path):
+    """pyspark.ml vectors (dense and sparse) on both sides: a full run, then a refresh after a
+    target's vector changed and one was inserted, each equal to nearest_by_join."""
+    from pyspark.ml.linalg import Vectors, VectorUDT
+    from pyspark.sql.types import LongType, StructField
+
+    def schema(id_name, name):
+        return StructType([StructField(id_name, LongType()), StructField(name, VectorUDT())])
+
+    q = spark.createDataFrame([(1, Vectors.dense([0.0, 0.0, 1.0])), (2, Vectors.sparse(3, [0], [5.0])), (3, None)],
+                              schema("qid", "v")).cache()   # cached: see Day.frames
+    rows = [(10, Vectors.dense([1.0, 0.0, 1.0])), (11, Vectors.sparse(3, [0, 2], [4.0, 1.0])),
+            (12, Vectors.dense([9.0, 9.0, 9.0]))]
+    kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(tmp_path / "s"), margin=1,
+                  distance_col="d")
+    for day, targets in enumerate((rows, [rows[0], (11, Vectors.dense([0.0, 0.0, 2.0])), rows[2],
+                                          (13, Vectors.sparse(3, [0], [5.5]))])):
+        t = spark.createDataFrame(targets, schema("tid", "w")).cache()
+        run = incremental_nearest_join(q, t, "l2", 2, **kwargs)
+        got = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
+        full = sorted((r["qid"], r["tid"], r["d"]) for r in
+                      nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), distance_col="d").collect())
+        assert got == full and len(got) == 4
+        assert run.changes.refreshed == (day == 1)
+        if day:
+            assert (run.changes.targets_changed, run.changes.targets_inserted) == (1, 1)
+        run.commit()
+
+
 def test_bad_ids_and_dimensions_fail_before_anything_is_written(spark, tmp_path):
     state = tmp_path / "s"
     q = _frame(spark, [1, 1], [[0.0] * D, [1.0] * D], "qid", "v")
