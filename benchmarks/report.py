@@ -262,14 +262,6 @@ def plot_spark(records: list[dict], path: Path) -> None:
               {"pairs/s": [r.get("pairs_per_s") for r in records]}, "pairs / s", "spark_join", log=True)
 
 
-def plot_gpu_compare(records: list[dict], path: Path) -> None:
-    names = {"GEMM": "gemm_ms", "addmm+topk": "addmm_topk_ms", "fused": "fused_ms", "exact": "exact_ms"}
-    plot_bars(path, [f"d={r['d']} {r['precision']}\nk={r['k']}" for r in records],
-              {label: [r.get(n) for r in records] for label, n in names.items()},
-              "ms (65,536 x 10^6 search)" if records[0].get("nq") is None else "ms",
-              "gpu_kernel: fused top-k against the GEMM alone and addmm + topk", log=True)
-
-
 def plot_gpu_concurrent(records: list[dict], path: Path) -> None:
     rows = CONCURRENT(records)
     cats = [f"{r['query_blocks']}x{r['target_blocks']}, {r['threads_per_task']} thr" for r in rows]
@@ -477,25 +469,6 @@ TABLES: dict[tuple[str, str], Table] = {
         "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
         "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the "
         "torch path beyond it)"),
-    ("gpu_kernel", "compare"): Table(
-        "GPU kernel: fused top-k against the GEMM alone and addmm + topk",
-        [col("d", "d"), col("precision", "precision"), col("k", "k"), col("GEMM ms", "gemm_ms", ".1f"),
-         col("addmm+topk ms", "addmm_topk_ms", ".1f"), col("fused ms", "fused_ms", ".1f"),
-         col("exact ms", "exact_ms", ".1f"), col("fused TFLOP/s", "fused_tflops", ".0f"),
-         col("fused vs addmm+topk", "speedup_vs_addmm_topk", "x"), col("fused / GEMM", "fused_over_gemm", ".2f"),
-         col("exact / fused", "exact_over_fused", ".2f"), col("plain recall", "plain_recall", ".3f")],
-        about="Gaussian data, l2, medians of CUDA-event timings. GEMM: chunked `addmm` writing the distance "
-              "matrix; fused: the plain low-precision search; exact: what the backend returns. TFLOP/s "
-              "count 2 nq nt d.",
-        plot=plot_gpu_compare),
-    ("gpu_kernel", "compare_base"): Table(
-        "GPU exact search against an earlier commit's kernels",
-        [col("data", "data"), col("metric", "metric"), col("d", "d"), col("precision", "precision"),
-         col("k", "k"), col("base ms", "base_ms", ".1f"), col("new ms", "new_ms", ".1f"),
-         col("new / base", "new_over_base", ".3f"), col("rows with the same indices", "rows_same_indices", ".5g"),
-         col("call", "call")],
-        about="`--compare-base`: both kernels packages in one process, timed interleaved on the same "
-              "data (medians); `base` is the commit named in the command's base folder."),
     ("gpu_kernel", "arrow"): Table(
         "GPU Arrow path: the executor loop against the kernel alone",
         [col("plan", "plan"), BLOCKS, col("k", "k"), col("threads per task", "threads_per_task"),
