@@ -117,18 +117,6 @@ KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_jo
                  ("un-keyed", "nearest_by_join (no key)"), ("window", "equi-join + row_number window"))
 
 
-def _keyed_ratio(engine: str) -> Callable[[dict, list[dict]], str]:
-    """The keyed join's speed-up over ``engine`` in a pivoted keyed_join row."""
-    def cell(row, run):
-        ours, theirs = row["by"].get(KEYED_ENGINES[0][1], {}), row["by"].get(engine, {})
-        if not ours.get("seconds") or not theirs.get("seconds"):
-            return "-"
-        return fmt(theirs["seconds"] / ours["seconds"], "x")
-    return cell
-
-
-
-
 @dataclass(frozen=True)
 class Table:
     title: str
@@ -415,8 +403,7 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("case", "case"), col("queries", "queries"), col("targets", "targets"),
          col("same-key pairs", "same_key_pairs"),
          *[pcol(f"{label} s", engine, "seconds", ".2f") for label, engine in KEYED_ENGINES],
-         *[Col(f"ours vs {label}", _keyed_ratio(engine), ("seconds",))
-           for label, engine in KEYED_ENGINES[2:]]],
+         *[pratio(f"ours vs {label}", "seconds", engine, KEYED_ENGINES[0][1]) for label, engine in KEYED_ENGINES[2:]]],
         about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": "
               "`nearest_by_join(on=key)` as it ships, its planning jobs included; \"blocked\": "
               "the same with `broadcast_limit_bytes=0` (the keyed blocked plan). The window's and the "
