@@ -27,13 +27,12 @@ set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, wi
 when library code (``nearest_join/``, ``udfs/``) differs from it.
 
 The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
-:func:`run_spawned`, :func:`import_base_kernels`, :func:`process_tree`.
+:func:`run_spawned`, :func:`process_tree`.
 """
 from __future__ import annotations
 
 import datetime
 import fcntl
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -282,18 +281,6 @@ def run_spawned(target, rank_args: list[tuple], timeout: float) -> list:
         if proc.exitcode:
             raise RuntimeError(f"benchmark process exited with {proc.exitcode}")
     return got
-
-
-def import_base_kernels(folder: Path):
-    """A copy of another commit's kernels package (``nearest_kernels``) in ``folder``, imported as the
-    top-level package ``base_kernels`` (its modules import each other relatively): the peer
-    of the ``--compare-base`` runs."""
-    spec = importlib.util.spec_from_file_location("base_kernels", Path(folder) / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def process_tree(root: int) -> dict[int, list[str]]:
