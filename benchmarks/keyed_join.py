@@ -32,7 +32,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark
+from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark, noop, vector_table
 from nearest_kernels import knn
 from udfs.search import GroupSegments, grouped_search
 
@@ -101,25 +101,17 @@ def zipf_keys(n_keys: int, n: int, rng) -> np.ndarray:
 
 def spark_frames(spark, q_keys, t_keys, seed: int):
     """Query (qid, key, qv) and target (tid, key, tv) frames, cached, from Arrow (string keys)."""
-    import pyarrow as pa
-
     rng = np.random.default_rng(seed)
-    vec = pa.list_(pa.float32())
 
     def frame(ids: str, vectors: str, keys):
         v = rng.standard_normal((keys.size, D)).astype(np.float32)
-        table = pa.table({ids: pa.array(np.arange(keys.size, dtype=np.int32)),
-                          "key": pa.array([f"k{k:06d}" for k in keys]),
-                          vectors: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), D).cast(vec)})
+        table = vector_table(np.arange(keys.size, dtype=np.int32), v, ids, vectors)
+        table = table.add_column(1, "key", [[f"k{k:06d}" for k in keys]])
         df = spark.createDataFrame(table).repartition(4).cache()
         df.count()
         return df
 
     return frame("qid", "qv", q_keys), frame("tid", "tv", t_keys)
-
-
-def noop(df) -> None:
-    df.write.format("noop").mode("overwrite").save()
 
 
 def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool, unkeyed: bool,
