@@ -86,14 +86,11 @@ def col(header: str, name: str, spec: str = "") -> Col:
     return Col(header, lambda row, run: fmt(row.get(name), spec), (name,))
 
 
-def peer_ratio(header: str, name: str, peer: dict, match: tuple[str, ...] = (),
-               invert: bool = False) -> Col:
+def peer_ratio(header: str, name: str, peer: dict, invert: bool = False) -> Col:
     """``row[name] / peer[name]`` (``invert``: the peer's over the row's), the peer being the
-    record of the same run whose fields equal ``peer`` and whose ``match`` fields equal the
-    row's. The peer's own row reads 1.00x."""
+    record of the same run whose fields equal ``peer``. The peer's own row reads 1.00x."""
     def cell(row, run):
-        found = [r for r in run if all(r.get(k) == v for k, v in peer.items())
-                 and all(r.get(m) == row.get(m) for m in match)]
+        found = [r for r in run if all(r.get(k) == v for k, v in peer.items())]
         if not found or row.get(name) in (None, 0) or found[0].get(name) in (None, 0):
             return "-"
         mine, theirs = row[name], found[0][name]
@@ -537,7 +534,7 @@ def machine_text(m: dict) -> str:
     return "; ".join(parts)
 
 
-LABEL_FIELDS = ("table", "engine", "call", "gpus", "threads_per_task", "precision", "d")
+LABEL_FIELDS = ("table", "engine", "gpus", "threads_per_task", "precision", "d")
 
 
 def distinct(records: list[dict], name: str) -> list[tuple[object, str]]:
