@@ -55,11 +55,6 @@ ROWS_PER_CLUSTER = 1000
 RECALLS = (0.9, 0.95, 0.99)
 
 
-def metric_of(kind: str) -> str:
-    """The real embeddings are compared as sentence embeddings are: by cosine similarity."""
-    return "cosine" if kind == "minilm" else METRIC
-
-
 def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(targets, queries). ``minilm``: a self-join of ``nt`` real sentence embeddings
     (benchmarks/embeddings.py; d=384, unit rows, their duplicates kept)."""
@@ -205,7 +200,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
     q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
     t.count(), q.count()
-    metric = metric_of(kind)
+    metric = "cosine" if kind == "minilm" else METRIC    # real embeddings: as sentence embeddings are
     table = f"recall_minilm{nt}" if kind == "minilm" else f"recall_nt{nt}"
     common = {"data": kind, "nt": nt, "nq": nq, "d": targets.shape[1], "k": K, "metric": metric, "master": "local[2]"}
 
