@@ -96,8 +96,8 @@ GPU_PYTHON ?= python3
 check-gpu:
 	@command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 || { echo "make $(MAKECMDGOALS): a GPU-only benchmark, it needs a CUDA machine (nvidia-smi finds no GPU here)" >&2; exit 1; }
 
-# The GPU Arrow path (one task, tasks sharing one GPU: ARGS="--arrow-concurrent 2"); the
-# fused kernel against the GEMM alone and addmm + topk without --arrow-only.
+# The GPU Arrow path: one task against the kernel alone, and tasks sharing one GPU
+# (ARGS="--arrow-concurrent 2").
 bench-gpu: check-gpu
 	$(GPU_PYTHON) benchmarks/gpu_kernel.py $(ARGS)
 

@@ -27,13 +27,12 @@ set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, wi
 when library code (``nearest_join/``, ``udfs/``) differs from it.
 
 The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
-:func:`run_spawned`, :func:`import_base_kernels`, :func:`process_tree`.
+:func:`noop`, :func:`vector_table`, :func:`run_spawned`, :func:`process_tree`.
 """
 from __future__ import annotations
 
 import datetime
 import fcntl
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -252,8 +251,11 @@ def best_of(fn, repeat: int) -> float:
 
 def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):
     """The Spark session of a benchmark: ``master``, no UI and no progress bar, 4 shuffle
-    partitions, ``driver_memory``, any other ``conf``; Spark's log at ERROR."""
+    partitions, ``driver_memory``, any other ``conf``; Spark's log at ERROR. Its Python
+    workers run this interpreter unless ``PYSPARK_PYTHON`` says otherwise."""
     from pyspark.sql import SparkSession
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
     builder = (SparkSession.builder.master(master).appName(app)
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
@@ -263,6 +265,25 @@ def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: di
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def noop(df) -> None:
+    """Compute every row of ``df`` into Spark's ``noop`` sink (nothing is kept)."""
+    df.write.format("noop").mode("overwrite").save()
+
+
+def vector_table(ids, vectors, id_name: str, vector_name: str, null_rows=None):
+    """An Arrow table of ``ids`` and the rows of the matrix ``vectors`` as a list column (what
+    Spark reads as ``array<float>`` or ``array<double>``). ``null_rows``: NULL vectors where
+    true, and NaN elements as NULL elements."""
+    import numpy as np
+    import pyarrow as pa
+
+    flat = vectors.reshape(-1)
+    values = pa.array(flat) if null_rows is None else pa.array(flat, mask=np.isnan(flat))
+    offsets = pa.array(np.arange(vectors.shape[0] + 1, dtype=np.int32) * vectors.shape[1], pa.int32())
+    lists = pa.ListArray.from_arrays(offsets, values, mask=None if null_rows is None else pa.array(null_rows))
+    return pa.table({id_name: pa.array(ids), vector_name: lists})
 
 
 def run_spawned(target, rank_args: list[tuple], timeout: float) -> list:
@@ -282,18 +303,6 @@ def run_spawned(target, rank_args: list[tuple], timeout: float) -> list:
         if proc.exitcode:
             raise RuntimeError(f"benchmark process exited with {proc.exitcode}")
     return got
-
-
-def import_base_kernels(folder: Path):
-    """A copy of another commit's kernels package (``nearest_kernels``) in ``folder``, imported as the
-    top-level package ``base_kernels`` (its modules import each other relatively): the peer
-    of the ``--compare-base`` runs."""
-    spec = importlib.util.spec_from_file_location("base_kernels", Path(folder) / "__init__.py",
-                                                  submodule_search_locations=[str(folder)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["base_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def process_tree(root: int) -> dict[int, list[str]]:

@@ -47,18 +47,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-from benchmarks._record import SMOKE_DIR, Recorder, local_spark, process_tree
+from benchmarks._record import SMOKE_DIR, Recorder, local_spark, process_tree, vector_table
 
 D, K, METRIC = 128, 10, "l2"
 ROWS_PER_CLUSTER = 1000
 RECALLS = (0.9, 0.95, 0.99)
-
-
-def metric_of(kind: str) -> str:
-    """The real embeddings are compared as sentence embeddings are: by cosine similarity."""
-    return "cosine" if kind == "minilm" else METRIC
 
 
 def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -82,13 +76,9 @@ def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, n
 
 
 def to_parquet(path: str, ids: str, vectors: str, matrix: np.ndarray) -> None:
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    flat = pa.array(matrix.reshape(-1))
-    offsets = pa.array(np.arange(0, matrix.size + 1, matrix.shape[1], dtype=np.int32))
-    table = pa.table({ids: pa.array(np.arange(matrix.shape[0], dtype=np.int32)),
-                      vectors: pa.ListArray.from_arrays(offsets, flat)})
+    table = vector_table(np.arange(matrix.shape[0], dtype=np.int32), matrix, ids, vectors)
     pq.write_table(table, path, row_group_size=50_000)
 
 
@@ -210,7 +200,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
     q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
     t.count(), q.count()
-    metric = metric_of(kind)
+    metric = "cosine" if kind == "minilm" else METRIC    # real embeddings: as sentence embeddings are
     table = f"recall_minilm{nt}" if kind == "minilm" else f"recall_nt{nt}"
     common = {"data": kind, "nt": nt, "nq": nq, "d": targets.shape[1], "k": K, "metric": metric, "master": "local[2]"}
 

@@ -1,13 +1,9 @@
-"""Benchmark the "cpu" kernel against faiss-cpu, scikit-learn and the float64 reference.
+"""Benchmark the "cpu" kernel against faiss-cpu (and, with ``--compare-base``, an earlier commit's kernel).
 
-Same process, same data, same thread count for every method. Prints one table per run:
-time, pairs/s, effective GFLOP/s (2 nq nt d / time), ratio to faiss, fraction of the machine's
-sgemm rate measured in the same run (a 4096^3 float32 matmul through numpy, best of several),
-and the agreement of our indices with faiss's. The slow peers (scikit-learn brute force and the
-float64 reference) are timed on the first ``--subset`` / ``--reference-subset`` queries only and
-marked so; their pairs/s are comparable, their times are not. Also reports the first-call
-(compile) time of the kernel in a fresh interpreter with an empty numba cache, then again with
-that cache warm.
+Same process, same data, same thread count for every engine. Records per (data, d, metric,
+k) and engine: time, pairs/s, effective GFLOP/s (2 nq nt d / time), ratio to faiss, fraction
+of the machine's sgemm rate measured in the same run (a 4096^3 float32 matmul through numpy,
+best of several), and the agreement of our indices with faiss's (with the base commit's).
 
 Usage::
 
@@ -40,23 +36,10 @@ from threadpoolctl import threadpool_limits
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder, import_base_kernels
+from benchmarks._record import SMOKE_DIR, Recorder
 from nearest_kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
-SKLEARN_METRIC = {"l2": "euclidean", "cosine": "cosine"}
-
-COMPILE_PROBE = """
-import time
-start = time.perf_counter()
-import numpy as np
-from nearest_kernels import knn
-q = np.random.default_rng(0).standard_normal((300, 16)).astype(np.float32)
-for metric in ("l2", "cosine"):
-    knn(q, q, 5, metric, backend="cpu", threads=1)
-print(time.perf_counter() - start)
-"""
-
 
 def _busy_cpu_seconds() -> float:
     """CPU seconds all processes have spent busy since boot (Linux /proc/stat)."""
@@ -92,18 +75,6 @@ def sgemm_rate(threads: int, size: int, repeat: int) -> tuple[float, float]:
     return 2.0 * size**3 / seconds / 1e9, others
 
 
-def compile_times() -> dict:
-    """First call in a fresh interpreter: empty numba cache, then the same cache warm."""
-    with tempfile.TemporaryDirectory(prefix="nj-numba-cache-") as cache:
-        env = dict(os.environ, NUMBA_CACHE_DIR=cache, PYTHONPATH=str(ROOT))
-        out = {}
-        for label in ("cold_cache_s", "warm_cache_s"):
-            result = subprocess.run([sys.executable, "-c", COMPILE_PROBE], env=env, cwd=ROOT,
-                                    capture_output=True, text=True, check=True)
-            out[label] = float(result.stdout.strip().splitlines()[-1])
-    return out
-
-
 def run_faiss(queries, targets, k, metric, threads):
     import faiss
 
@@ -113,14 +84,6 @@ def run_faiss(queries, targets, k, metric, threads):
     return lambda: index.search(queries, k)
 
 
-def run_sklearn(queries, targets, k, metric, threads):
-    from sklearn.neighbors import NearestNeighbors
-
-    model = NearestNeighbors(n_neighbors=k, algorithm="brute", metric=SKLEARN_METRIC[metric],
-                             n_jobs=threads).fit(targets)
-    return lambda: model.kneighbors(queries)
-
-
 BASE = None   # --compare-base: another commit's kernels package, imported as base_kernels
 
 
@@ -128,7 +91,7 @@ def load_base(commit: str):
     """The kernels package of ``commit`` (``nearest_kernels``, ``nearest_join/kernels`` before
     it moved), extracted from git into a temporary directory and imported as the package
     ``base_kernels`` (its dispatcher pointed at its own backends)."""
-    import importlib
+    import importlib.util
 
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
@@ -142,7 +105,11 @@ def load_base(commit: str):
             source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True,
                                     text=True, check=True).stdout
             (folder / Path(path).name).write_text(source)
-    module = import_base_kernels(folder)
+    spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["base_kernels"] = module
+    spec.loader.exec_module(module)       # its modules import each other relatively
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
         entry.module = "base_kernels." + entry.module.rsplit(".", 1)[1]
@@ -154,7 +121,7 @@ def load_base(commit: str):
 def make_rows(kind: str, n: int, d: int, rng) -> np.ndarray:
     """float32 rows: ``gaussian`` N(0, 1); ``embedding`` unit rows around a direction both
     sides share, with power-law variances (sentence embeddings have a large common component:
-    random pairs at cosine ~0.4; the same form as gpu_kernel.py's)."""
+    random pairs at cosine ~0.4)."""
     x = rng.standard_normal((n, d), dtype=np.float32)
     if kind == "embedding":
         mean = np.random.default_rng(1234).standard_normal(d)
@@ -168,16 +135,15 @@ def bench_config(d, metric, k, args, ceiling, rng, data="gaussian") -> list[dict
     """All methods on one (data, d, metric, k). Rows: one dict per method."""
     queries = make_rows(data, args.nq, d, rng)
     targets = make_rows(data, args.nt, d, rng)
-    subset = queries[: args.subset]
     rows = []
 
-    def record(method, n_queries, timing, note="", agreement=None):
+    def record(method, timing, agreement=None):
         seconds, others = timing
-        pairs = n_queries * args.nt / seconds
+        pairs = args.nq * args.nt / seconds
         rows.append({
-            "data": data, "d": d, "metric": metric, "k": k, "method": method, "queries": n_queries,
+            "data": data, "d": d, "metric": metric, "k": k, "method": method, "queries": args.nq,
             "seconds": seconds, "pairs_per_s": pairs, "gflops": 2.0 * pairs * d / 1e9,
-            "of_sgemm": 2.0 * pairs * d / 1e9 / ceiling, "agreement": agreement, "note": note,
+            "of_sgemm": 2.0 * pairs * d / 1e9 / ceiling, "agreement": agreement, "note": "",
             "others": others,
         })
 
@@ -188,7 +154,7 @@ def bench_config(d, metric, k, args, ceiling, rng, data="gaussian") -> list[dict
         result["ours"] = knn(queries, targets, k, metric, backend="cpu", threads=args.threads)
 
     if BASE is None:
-        record("nearest_join cpu", args.nq, timed(ours, args.repeat))
+        record("nearest_join cpu", timed(ours, args.repeat))
     else:
         # Ours and the base kernels alternate call by call, so that a disturbance of the
         # machine falls on both; each keeps its best call.
@@ -198,50 +164,18 @@ def bench_config(d, metric, k, args, ceiling, rng, data="gaussian") -> list[dict
             mine = min(mine, timed(ours, 1))
             base = min(base, timed(lambda: result.__setitem__("base", BASE.knn(
                 queries, targets, k, metric, backend="cpu", threads=args.threads)), 1))
-        record("nearest_join cpu", args.nq, mine)
-        record(f"nearest_join at {BASE.commit}", args.nq, base)
+        record("nearest_join cpu", mine)
+        record(f"nearest_join at {BASE.commit}", base)
         rows[-1]["agreement"] = float((result["ours"][1] == result["base"][1]).mean())
     if metric in FAISS_INDEX:
         search = run_faiss(queries, targets, k, metric, args.threads)
         timing = timed(lambda: result.__setitem__("faiss", search()), args.repeat)
-        record(f"faiss {FAISS_INDEX[metric]}", args.nq, timing)
+        record(f"faiss {FAISS_INDEX[metric]}", timing)
         rows[0]["agreement"] = float((result["ours"][1] == result["faiss"][1]).mean())
-    if metric in SKLEARN_METRIC and not args.skip_slow:
-        with threadpool_limits(limits=args.threads, user_api="blas"):
-            search = run_sklearn(subset, targets, k, metric, args.threads)
-            record("sklearn brute", len(subset), timed(search, 1), note="subset")
-    if not args.skip_slow:
-        with threadpool_limits(limits=args.threads, user_api="blas"):
-            few = queries[: args.reference_subset]
-            timing = timed(lambda: knn(few, targets, k, metric, backend="reference"), 1)
-        record("reference float64", len(few), timing, note="subset")
     faiss_rate = next((r["pairs_per_s"] for r in rows if r["method"].startswith("faiss")), None)
     for row in rows:
         row["vs_faiss"] = row["pairs_per_s"] / faiss_rate if faiss_rate else None
     return rows
-
-
-def print_table(rows, ceiling, ceiling_others):
-    print(f"\nsgemm ceiling (float32 matmul through numpy, same threads): {ceiling:.0f} GFLOP/s "
-          f"(others {ceiling_others:.0%})")
-    header = (f"| {'d':>4} | {'metric':<13} | {'k':>3} | {'method':<20} | {'queries':>7} | "
-              f"{'time s':>7} | {'pairs/s':>8} | {'GFLOP/s':>7} | {'vs faiss':>8} | "
-              f"{'of sgemm':>8} | {'agree':>6} | {'others':>6} |")
-    print(header)
-    print("|" + "|".join("-" * (len(cell)) for cell in header.split("|")[1:-1]) + "|")
-    for r in rows:
-        queries = f"{r['queries']}" + ("*" if r["note"] == "subset" else "")
-        vs = f"{r['vs_faiss']:.2f}x" if r["vs_faiss"] else "-"
-        agree = f"{r['agreement']:.4f}" if r["agreement"] is not None else "-"
-        label = r['metric'] + (' (emb)' if r['data'] == 'embedding' else '')
-        print(f"| {r['d']:>4} | {label:<13} | {r['k']:>3} | {r['method']:<20} | "
-              f"{queries:>7} | {r['seconds']:>7.2f} | {r['pairs_per_s']:>8.2e} | "
-              f"{r['gflops']:>7.1f} | {vs:>8} | {r['of_sgemm']:>8.0%} | {agree:>6} | "
-              f"{r['others']:>6.0%} |")
-    if any(r["note"] == "subset" for r in rows):
-        print("* timed on the first queries only (slow peers); compare pairs/s, not time.")
-    print("agree: fraction of (query, slot) where our index equals faiss's (near ties differ).")
-    print("others: share of the cores other processes used during the timing (0% = quiet).")
 
 
 def main(argv=None):
@@ -254,21 +188,19 @@ def main(argv=None):
                         choices=["l2", "sqeuclidean", "inner_product", "cosine"])
     parser.add_argument("--embedding-dims", type=int, nargs="*", default=[384],
                         help="also cosine on embedding-like unit rows at these d")
-    parser.add_argument("--subset", type=int, default=2_000,
-                        help="queries timed for scikit-learn")
-    parser.add_argument("--reference-subset", type=int, default=200,
-                        help="queries timed for the float64 reference (it sorts whole rows)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeat", type=int, default=2, help="best of this many timings")
-    parser.add_argument("--skip-slow", action="store_true", help="no sklearn / reference")
-    parser.add_argument("--skip-compile", action="store_true", help="no compile-time probe")
+    # The slow peers (scikit-learn, the float64 reference) and the compile probe (fixed_costs.py's
+    # compile table measures a worker's) went after fb7aa93 (gpu_notes.md, Instruments); the
+    # recorded command line still names the flags that skipped them.
+    parser.add_argument("--skip-slow", action="store_true", help="no effect (kept for recorded commands)")
+    parser.add_argument("--skip-compile", action="store_true", help="no effect (kept for recorded commands)")
     parser.add_argument("--quick", action="store_true", help="a small run (seconds)")
     parser.add_argument("--compare-base", metavar="COMMIT",
                         help="also time that commit's cpu kernel, alternating with ours")
     args = parser.parse_args(argv)
     if args.quick:
         args.nq, args.nt, args.repeat = 2_000, 20_000, 1
-        args.subset, args.reference_subset = 200, 50
     global BASE
     if args.compare_base:
         BASE = load_base(args.compare_base)
@@ -279,11 +211,6 @@ def main(argv=None):
         pass
     rec = Recorder("cpu_kernel", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     print(json.dumps({"commit": rec.commit, "command": rec.command, **rec.machine, "threads": args.threads}, indent=1))
-    compile_info = {} if args.skip_compile else compile_times()
-    if compile_info:
-        print(f"first call (import + compile), fresh interpreter: empty numba cache "
-              f"{compile_info['cold_cache_s']:.1f} s, "
-              f"warm cache {compile_info['warm_cache_s']:.1f} s")
     ceiling, ceiling_others = sgemm_rate(args.threads, 1024 if args.quick else 4096, 5)
     rng = np.random.default_rng(12345)
     rows = []
@@ -296,13 +223,13 @@ def main(argv=None):
         for k in args.ks:
             rows += bench_config(d, "cosine", k, args, ceiling, rng, data="embedding")
             print(f"done embedding d={d} cosine k={k}", file=sys.stderr, flush=True)
-    print_table(rows, ceiling, ceiling_others)
     table = f"OPENBLAS_CORETYPE={rec.machine['blas']['OPENBLAS_CORETYPE']}"
     for row in rows:
         rec.add(table, engine=row["method"] if " at " in row["method"] else row["method"].split()[0], **row, nq=args.nq, nt=args.nt, threads=args.threads,
-                repeat=args.repeat, sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3),
-                **compile_info)
-    print(f"recorded {len(rows)} rows in {rec.path}")
+                repeat=args.repeat, sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3))
+    print(f"\nsgemm ceiling (float32 matmul through numpy, same threads): {ceiling:.0f} GFLOP/s "
+          f"(others {ceiling_others:.0%}); recorded {len(rows)} rows in {rec.path}")
+    rec.print_tables()
 
 
 if __name__ == "__main__":

@@ -20,14 +20,12 @@ import sys
 import tempfile
 import time
 
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import SMOKE_DIR, Recorder, local_spark  # noqa: E402
+from benchmarks._record import SMOKE_DIR, Recorder, local_spark, vector_table  # noqa: E402
 
 
 def clustered(rng, n, d, centers):
@@ -35,9 +33,7 @@ def clustered(rng, n, d, centers):
 
 
 def write_side(path, ids, vectors, id_name, vector_name):
-    d = vectors.shape[1]
-    table = pa.table({id_name: pa.array(ids, pa.int64()),
-                      vector_name: pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel()), d).cast(pa.list_(pa.float32()))})
+    table = vector_table(ids.astype(np.int64), vectors, id_name, vector_name)
     pq.write_table(table, path, row_group_size=max(1, min(len(ids), 1 << 17)))
 
 

@@ -13,17 +13,11 @@ against the equi-join + window formulation and against the un-keyed join.
    same rows, and the issue's equi-join + ``row_number`` window; the keyed rows are checked
    equal to the window's and the blocked plan's to the broadcast plan's.
    ``--window-queries N`` adds the Zipf case at N x 10N with the window (a size it finishes
-   in minutes, when the full size does not); ``--no-full-window`` leaves the window out at
-   the full size.
+   in minutes, when the full size does not).
 
-3. ``--segment-work``: where ``udfs.search.SEGMENT_WORK`` falls: per group, the batched
-   segment search against one ``knn`` call per group, for groups of one shape at a time.
+Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-executor] [--window-queries N]
 
-Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-spark] [--skip-executor]
-       [--window-queries N] [--no-full-window] [--segment-work]
-
-Records go to ``benchmarks/results/keyed_join.jsonl`` (tables ``executor``, ``spark`` and
-``segment_work``;
+Records go to ``benchmarks/results/keyed_join.jsonl`` (tables ``executor`` and ``spark``;
 ``--quick`` runs to ``benchmarks/out/results/``); ``make bench-report`` renders them.
 """
 from __future__ import annotations
@@ -38,11 +32,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark
+from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark, noop, vector_table
 from nearest_kernels import knn
 from udfs.search import GroupSegments, grouped_search
 
 D, K, METRIC = 64, 10, "l2"
+THREADS = 2                     # kernel threads of the executor-level case
 
 
 def data(n_keys: int, n_queries: int, seed: int = 0):
@@ -98,43 +93,6 @@ def executor_case(rec: Recorder, n_keys: int, n_queries: int, threads: int, repe
         print(f"{engine:36s} {seconds:8.3f} s  ({t_loop / seconds:6.1f}x the per-group loop)")
 
 
-def segment_work_case(rec: Recorder, threads: int, max_groups: int = 64) -> None:
-    """Where ``udfs.search.SEGMENT_WORK`` should fall: per group, the batched segment search
-    (``knn_segments``, all groups in one call) against one ``knn`` call per group, over
-    groups of one shape (queries x targets) at d=64, k=10. The segment search costs in
-    proportion to the work; a knn call pays its set-up first and runs sgemm after."""
-    from nearest_kernels.segments import knn_segments
-
-    rng = np.random.default_rng(3)
-    for q_rows, t_rows in ((1, 16), (4, 64), (16, 256), (64, 256), (64, 1024), (256, 1024), (256, 4096),
-                           (1024, 4096), (1024, 16384), (4096, 16384)):
-        groups = max(2, min(max_groups, (1 << 30) // (q_rows * t_rows * D)))
-        targets = rng.standard_normal((groups * t_rows, D)).astype(np.float32)
-        queries = rng.standard_normal((groups * q_rows, D)).astype(np.float32)
-        starts = np.arange(groups + 1, dtype=np.int64) * t_rows
-        probes = np.repeat(np.arange(groups, dtype=np.int64), q_rows)
-
-        def segments():
-            return knn_segments(queries, targets, starts, np.arange(probes.size + 1, dtype=np.int64), probes,
-                                K, METRIC, threads=threads)
-
-        def per_group():
-            for g in range(groups):
-                knn(queries[g * q_rows:(g + 1) * q_rows], targets[g * t_rows:(g + 1) * t_rows], K, METRIC,
-                    backend="cpu", threads=threads)
-
-        segments(), per_group()                                  # JIT warm-up
-        repeat = max(1, min(5, int(2e8 // (groups * q_rows * t_rows * D))))
-        t_seg, t_knn = best_of(segments, repeat), best_of(per_group, repeat)
-        work = q_rows * t_rows * D
-        rec.add("segment_work", queries=q_rows, targets=t_rows, d=D, k=K, work=work, groups=groups,
-                segments_us_per_group=round(t_seg / groups * 1e6, 1),
-                knn_us_per_group=round(t_knn / groups * 1e6, 1), knn_over_segments=round(t_knn / t_seg, 2),
-                threads=threads)
-        print(f"  {q_rows:4d} x {t_rows:5d} (work 2^{np.log2(work):4.1f}): segments "
-              f"{t_seg / groups * 1e6:9.1f} us/group, knn {t_knn / groups * 1e6:9.1f} us/group")
-
-
 def zipf_keys(n_keys: int, n: int, rng) -> np.ndarray:
     """Keys of ``n`` rows with Zipf-skewed group sizes: key i (from 0) has a share ~ 1 / (i + 1)."""
     p = 1.0 / np.arange(1, n_keys + 1)
@@ -143,25 +101,17 @@ def zipf_keys(n_keys: int, n: int, rng) -> np.ndarray:
 
 def spark_frames(spark, q_keys, t_keys, seed: int):
     """Query (qid, key, qv) and target (tid, key, tv) frames, cached, from Arrow (string keys)."""
-    import pyarrow as pa
-
     rng = np.random.default_rng(seed)
-    vec = pa.list_(pa.float32())
 
     def frame(ids: str, vectors: str, keys):
         v = rng.standard_normal((keys.size, D)).astype(np.float32)
-        table = pa.table({ids: pa.array(np.arange(keys.size, dtype=np.int32)),
-                          "key": pa.array([f"k{k:06d}" for k in keys]),
-                          vectors: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), D).cast(vec)})
+        table = vector_table(np.arange(keys.size, dtype=np.int32), v, ids, vectors)
+        table = table.add_column(1, "key", [[f"k{k:06d}" for k in keys]])
         df = spark.createDataFrame(table).repartition(4).cache()
         df.count()
         return df
 
     return frame("qid", "qv", q_keys), frame("tid", "tv", t_keys)
-
-
-def noop(df) -> None:
-    df.write.format("noop").mode("overwrite").save()
 
 
 def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool, unkeyed: bool,
@@ -223,33 +173,22 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small run (seconds)")
-    ap.add_argument("--skip-spark", action="store_true", help="executor level only")
     ap.add_argument("--skip-executor", action="store_true", help="Spark cases only")
     ap.add_argument("--window-queries", type=int, default=None,
                     help="also run the Zipf case at this many queries (and 10x the targets), with the "
                          "window formulation: the largest size it finishes in minutes")
-    ap.add_argument("--no-full-window", action="store_true",
-                    help="leave the window formulation out at the full Zipf size")
-    ap.add_argument("--segment-work", action="store_true",
-                    help="only the SEGMENT_WORK sweep (executor level, seconds)")
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     rec = Recorder("keyed_join", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
-    if args.segment_work:
-        segment_work_case(rec, args.threads)
-        return
     if not args.skip_executor:
         if args.quick:
-            executor_case(rec, 2_000, 2_000, args.threads, 2)
+            executor_case(rec, 2_000, 2_000, THREADS, 2)
         else:
-            executor_case(rec, 100_000, 20_000, args.threads, 3)
-    if args.skip_spark:
-        return
+            executor_case(rec, 100_000, 20_000, THREADS, 3)
     spark = local_spark("nearest_join-keyed-bench", "6g")
     n_queries, n_targets = (2_000, 20_000) if args.quick else (20_000, 200_000)
     rng = np.random.default_rng(0)
     spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, n_queries, rng), zipf_keys(100, n_targets, rng),
-               window=not args.no_full_window, unkeyed=True, blocked=True, repeat=2)
+               window=True, unkeyed=True, blocked=True, repeat=2)
     if args.window_queries:
         spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, args.window_queries, rng),
                    zipf_keys(100, 10 * args.window_queries, rng), window=True, unkeyed=False, blocked=False,

@@ -5,8 +5,8 @@ What it does, in one Spark session (``local[2]`` by default, or ``local-cluster[
 
 1. Writes the target (``--target-rows`` float32 vectors of ``--d`` elements, several times
    ``--driver-memory``) and the query side as Parquet, chunk by chunk with pyarrow (never
-   whole in memory), under ``--data-dir`` (a fresh temporary directory by default), which
-   is removed at the end, whatever happens.
+   whole in memory), in a fresh temporary directory, which is removed at the end, whatever
+   happens.
 2. Warms the Python workers with a tiny blocked join (imports, numba's compiled kernels) and
    reads their RSS then: the worker's fixed cost, measured.
 3. For each budget of ``--budgets`` (``spark.nearestJoin.taskMemoryBytes``), runs the blocked
@@ -22,7 +22,7 @@ rows are recorded in ``benchmarks/results/memory.jsonl`` (table ``blocked``) for
 ``make bench-report``.
 
 Usage: python benchmarks/memory.py [--budgets 32m,128m] [--target-rows 2500000] [--query-rows 4000]
-       [--k 10] [--master local[2]] [--driver-memory 1g] [--data-dir DIR] [--keep-data]
+       [--k 10] [--master local[2]] [--driver-memory 1g]
 """
 from __future__ import annotations
 
@@ -37,17 +37,17 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import Recorder, local_spark, process_tree  # noqa: E402
+from benchmarks._record import Recorder, local_spark, noop, process_tree, vector_table  # noqa: E402
 
 MiB = 1 << 20
 CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
 ROWS_PER_FILE = 1 << 18       # several files: several input partitions
+SAMPLE_S = 0.2                # seconds between RSS samples
 
 
 # ----------------------------------------------------------------------------- data
@@ -63,10 +63,9 @@ def write_side(path: str, rows: int, d: int, seed: int, id_name: str, vec_name: 
         with pq.ParquetWriter(name, schema, compression="none") as writer:
             for start in range(file_start, file_start + file_rows, CHUNK_ROWS):
                 n = min(CHUNK_ROWS, file_start + file_rows - start)
-                values = pa.array(rng.standard_normal(n * d, dtype=np.float32))
-                vectors = pa.ListArray.from_arrays(pa.array(np.arange(0, (n + 1) * d, d, dtype=np.int32)), values)
-                writer.write_table(pa.table([pa.array(np.arange(start, start + n, dtype=np.int64)), vectors],
-                                            schema=schema), row_group_size=1 << 15)
+                vectors = rng.standard_normal(n * d, dtype=np.float32).reshape(n, d)
+                writer.write_table(vector_table(np.arange(start, start + n, dtype=np.int64), vectors, id_name,
+                                                vec_name), row_group_size=1 << 15)
         written += os.path.getsize(name)
     return written
 
@@ -112,19 +111,16 @@ def descendants(root: int) -> dict[int, str]:
 
 
 class Sampler:
-    """Samples the RSS of this tree's JVMs and workers every ``interval`` seconds."""
+    """Samples the RSS of this tree's JVMs and workers every ``SAMPLE_S`` seconds."""
 
-    def __init__(self, interval: float, stages=None):
-        self.interval = interval
-        self.stages = stages            # () -> active stage ids, to attribute each sample
-        self.phase_peak: dict[tuple[int, int], int] = {}   # (pid, newest active stage) -> peak
+    def __init__(self):
         self.kinds: dict[int, str] = {}
         self.peak: dict[int, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        self.peak, self.phase_peak = {}, {}
+        self.peak = {}
         for pid in descendants(os.getpid()):     # the kernel's peak, from now on
             try:
                 with open(f"/proc/{pid}/clear_refs", "w") as f:
@@ -137,18 +133,14 @@ class Sampler:
 
     def _sample(self) -> None:
         self.kinds.update(descendants(os.getpid()))
-        stage = max(self.stages() or [-1]) if self.stages else -1
         for pid in list(self.kinds):
             status = _status(pid)
             value = max(status.get("VmRSS", 0), status.get("VmHWM", 0))
             if value:
                 self.peak[pid] = max(self.peak.get(pid, 0), value)
-            if status.get("VmRSS") and stage >= 0:
-                key = (pid, stage)
-                self.phase_peak[key] = max(self.phase_peak.get(key, 0), status["VmRSS"])
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(SAMPLE_S):
             self._sample()
 
     def stop(self) -> dict[int, int]:
@@ -172,24 +164,15 @@ def main(argv=None) -> int:
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--master", default="local[2]", help="local[2] or local-cluster[2,1,1024]")
     ap.add_argument("--driver-memory", default="1g")
-    ap.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
-    ap.add_argument("--data-dir", help="where the Parquet inputs go (default: a new temporary directory)")
-    ap.add_argument("--keep-data", action="store_true", help="do not delete the data directory")
     args = ap.parse_args(argv)
 
-    data = args.data_dir or tempfile.mkdtemp(prefix="nj-memory-")
-    # Remove what this run wrote: the temporary directory, or the inputs it wrote under
-    # --data-dir (inputs already there are reused and kept).
-    ours = [data] if args.data_dir is None else [
-        os.path.join(data, side) for side in ("target", "query") if not os.path.exists(os.path.join(data, side))]
+    data = tempfile.mkdtemp(prefix="nj-memory-")
     # A SIGTERM (a timeout, a kill) still removes the data: turn it into SystemExit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return run(args, data)
     finally:
-        if not args.keep_data:
-            for path in ours:
-                shutil.rmtree(path, ignore_errors=True)
+        shutil.rmtree(data, ignore_errors=True)
 
 
 def run(args, data: str) -> int:
@@ -200,11 +183,8 @@ def run(args, data: str) -> int:
 
     t0 = time.perf_counter()
     t_path, q_path = os.path.join(data, "target"), os.path.join(data, "query")
-    if not os.path.exists(t_path):
-        t_bytes = write_side(t_path, args.target_rows, args.d, 2, "tid", "tv")
-        write_side(q_path, args.query_rows, args.d, 1, "qid", "qv")
-    else:
-        t_bytes = sum(os.path.getsize(os.path.join(t_path, f)) for f in os.listdir(t_path))
+    t_bytes = write_side(t_path, args.target_rows, args.d, 2, "tid", "tv")
+    write_side(q_path, args.query_rows, args.d, 1, "qid", "qv")
     print(f"data: target {args.target_rows} x {args.d} float32 = {t_bytes / MiB:.0f} MiB Parquet "
           f"({t_bytes / parse_bytes(args.driver_memory):.1f}x driver memory {args.driver_memory}), "
           f"query {args.query_rows} rows; written in {time.perf_counter() - t0:.0f} s", flush=True)
@@ -221,9 +201,8 @@ def run(args, data: str) -> int:
         # Warm-up: every worker imports the stack and loads the compiled kernels; its RSS
         # afterwards is the fixed cost of a worker (nothing of the budget is held any more).
         warm_q, warm_t = q.limit(200), t.limit(4000)
-        nearest_by_join(warm_q, warm_t, F.vector_l2_distance(warm_q.qv, warm_t.tv), args.k,
-                        broadcast_limit_bytes=0, query_block_rows=50, target_block_rows=500
-                        ).write.format("noop").mode("overwrite").save()
+        noop(nearest_by_join(warm_q, warm_t, F.vector_l2_distance(warm_q.qv, warm_t.tv), args.k,
+                             broadcast_limit_bytes=0, query_block_rows=50, target_block_rows=500))
         time.sleep(1.0)
         fixed_by_pid = {pid: _status(pid).get("VmRSS", 0) for pid, kind in descendants(os.getpid()).items()
                         if kind == "worker"}
@@ -233,7 +212,7 @@ def run(args, data: str) -> int:
               f"daemon {[f'{v / MiB:.0f}' for v in rss_now('daemon')]} MiB; "
               f"JVMs {[f'{v / MiB:.0f}' for v in rss_now('driver JVM') + rss_now('executor JVM')]} MiB", flush=True)
 
-        sampler = Sampler(args.interval, spark.sparkContext.statusTracker().getActiveStageIds)
+        sampler = Sampler()
         table = []
         for budget_text in args.budgets.split(","):
             budget = parse_bytes(budget_text)
@@ -243,23 +222,13 @@ def run(args, data: str) -> int:
                 raise SystemExit(f"expected the blocked plan, got {plan.plan}: {plan.reason}")
             sampler.start()
             start = time.perf_counter()
-            nearest_by_join(q, t, ranking, args.k).write.format("noop").mode("overwrite").save()
+            noop(nearest_by_join(q, t, ranking, args.k))
             seconds = time.perf_counter() - start
             peaks = sampler.stop()
             workers = sorted((v for pid, v in peaks.items() if sampler.kinds[pid] == "worker"), reverse=True)
             # Above its own fixed cost (a worker started after the warm-up: the largest one).
             above = max((v - fixed_by_pid.get(pid, fixed_cost) for pid, v in peaks.items()
                          if sampler.kinds[pid] == "worker"), default=0)
-            # The join's stages in order: packing (both sides), search (pairs), merge + emit.
-            stages = sorted({stage for _, stage in sampler.phase_peak})
-            names = {stage: "merge" if i == len(stages) - 1 else "search" if i == len(stages) - 2 else "pack"
-                     for i, stage in enumerate(stages)}
-            phases = {}
-            for (pid, stage), value in sampler.phase_peak.items():
-                if sampler.kinds[pid] == "worker":
-                    phases[names[stage]] = max(phases.get(names[stage], 0), value - fixed_by_pid.get(pid, fixed_cost))
-            print(f"  largest sampled worker RSS above its fixed cost, by stage: "
-                  f"{ {name: round(v / MiB) for name, v in sorted(phases.items())} } MiB", flush=True)
             jvms = sorted((v for pid, v in peaks.items() if sampler.kinds[pid].endswith("JVM")), reverse=True)
             table.append((budget_text, plan.query_block_rows, plan.target_block_rows, plan.target_blocks,
                           workers, fixed_cost, jvms, seconds, above / budget))

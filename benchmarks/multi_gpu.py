@@ -10,7 +10,6 @@ all processes then go through the same merge (:func:`udfs.blocks.merge_partials`
 merged rows are compared with the one-GPU run.
 
     python benchmarks/multi_gpu.py --gpus 1,2 --out results/     # issue 6 sizes
-    python benchmarks/multi_gpu.py --gpus 1,2 --share-one-gpu     # 2 processes on one GPU
 
 Shares: whole target blocks, round robin, so every process keeps its target block resident
 while the query blocks stream past it (the plan's pair order). Timed: from a barrier after
@@ -149,7 +148,6 @@ def main(argv=None):
     ap.add_argument("--q-rows", type=int, default=65_536)
     ap.add_argument("--t-rows", type=int, default=500_000)
     ap.add_argument("--gpus", default="1,2")
-    ap.add_argument("--share-one-gpu", action="store_true", help="every process on GPU 0")
     ap.add_argument("--backend", default="gpu", help="'auto' runs the CPU path (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -183,7 +181,7 @@ def main(argv=None):
         del qt, tt
         baseline = None
         for n in [int(g) for g in args.gpus.split(",")]:
-            addresses = ["0"] * n if args.share_one_gpu else [str(r) for r in range(n)]
+            addresses = [str(r) for r in range(n)]
             wall, got = run(n, addresses, work_dir, params)
             merged, merge_s = merge(n, work_dir, params, schema)
             key = merged.sort_by([("__nj_out_0", "ascending"), ("__nj_out_4", "ascending"),

@@ -86,14 +86,11 @@ def col(header: str, name: str, spec: str = "") -> Col:
     return Col(header, lambda row, run: fmt(row.get(name), spec), (name,))
 
 
-def peer_ratio(header: str, name: str, peer: dict, match: tuple[str, ...] = (),
-               invert: bool = False) -> Col:
+def peer_ratio(header: str, name: str, peer: dict, invert: bool = False) -> Col:
     """``row[name] / peer[name]`` (``invert``: the peer's over the row's), the peer being the
-    record of the same run whose fields equal ``peer`` and whose ``match`` fields equal the
-    row's. The peer's own row reads 1.00x."""
+    record of the same run whose fields equal ``peer``. The peer's own row reads 1.00x."""
     def cell(row, run):
-        found = [r for r in run if all(r.get(k) == v for k, v in peer.items())
-                 and all(r.get(m) == row.get(m) for m in match)]
+        found = [r for r in run if all(r.get(k) == v for k, v in peer.items())]
         if not found or row.get(name) in (None, 0) or found[0].get(name) in (None, 0):
             return "-"
         mine, theirs = row[name], found[0][name]
@@ -115,18 +112,6 @@ def sum_col(header: str, names: tuple[str, ...], total: str, spec: str) -> Col:
 
 KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_join(on=key), blocked plan"),
                  ("un-keyed", "nearest_by_join (no key)"), ("window", "equi-join + row_number window"))
-
-
-def _keyed_ratio(engine: str) -> Callable[[dict, list[dict]], str]:
-    """The keyed join's speed-up over ``engine`` in a pivoted keyed_join row."""
-    def cell(row, run):
-        ours, theirs = row["by"].get(KEYED_ENGINES[0][1], {}), row["by"].get(engine, {})
-        if not ours.get("seconds") or not theirs.get("seconds"):
-            return "-"
-        return fmt(theirs["seconds"] / ours["seconds"], "x")
-    return cell
-
-
 
 
 @dataclass(frozen=True)
@@ -260,14 +245,6 @@ def plot_cpu(records: list[dict], path: Path) -> None:
 def plot_spark(records: list[dict], path: Path) -> None:
     plot_bars(path, [f"{r['engine']}\n{r['nq']:,} x {r['nt']:,} d={r['d']}" for r in records],
               {"pairs/s": [r.get("pairs_per_s") for r in records]}, "pairs / s", "spark_join", log=True)
-
-
-def plot_gpu_compare(records: list[dict], path: Path) -> None:
-    names = {"GEMM": "gemm_ms", "addmm+topk": "addmm_topk_ms", "fused": "fused_ms", "exact": "exact_ms"}
-    plot_bars(path, [f"d={r['d']} {r['precision']}\nk={r['k']}" for r in records],
-              {label: [r.get(n) for r in records] for label, n in names.items()},
-              "ms (65,536 x 10^6 search)" if records[0].get("nq") is None else "ms",
-              "gpu_kernel: fused top-k against the GEMM alone and addmm + topk", log=True)
 
 
 def plot_gpu_concurrent(records: list[dict], path: Path) -> None:
@@ -423,8 +400,7 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("case", "case"), col("queries", "queries"), col("targets", "targets"),
          col("same-key pairs", "same_key_pairs"),
          *[pcol(f"{label} s", engine, "seconds", ".2f") for label, engine in KEYED_ENGINES],
-         *[Col(f"ours vs {label}", _keyed_ratio(engine), ("seconds",))
-           for label, engine in KEYED_ENGINES[2:]]],
+         *[pratio(f"ours vs {label}", "seconds", engine, KEYED_ENGINES[0][1]) for label, engine in KEYED_ENGINES[2:]]],
         about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": "
               "`nearest_by_join(on=key)` as it ships, its planning jobs included; \"blocked\": "
               "the same with `broadcast_limit_bytes=0` (the keyed blocked plan). The window's and the "
@@ -477,25 +453,6 @@ TABLES: dict[tuple[str, str], Table] = {
         "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
         "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the "
         "torch path beyond it)"),
-    ("gpu_kernel", "compare"): Table(
-        "GPU kernel: fused top-k against the GEMM alone and addmm + topk",
-        [col("d", "d"), col("precision", "precision"), col("k", "k"), col("GEMM ms", "gemm_ms", ".1f"),
-         col("addmm+topk ms", "addmm_topk_ms", ".1f"), col("fused ms", "fused_ms", ".1f"),
-         col("exact ms", "exact_ms", ".1f"), col("fused TFLOP/s", "fused_tflops", ".0f"),
-         col("fused vs addmm+topk", "speedup_vs_addmm_topk", "x"), col("fused / GEMM", "fused_over_gemm", ".2f"),
-         col("exact / fused", "exact_over_fused", ".2f"), col("plain recall", "plain_recall", ".3f")],
-        about="Gaussian data, l2, medians of CUDA-event timings. GEMM: chunked `addmm` writing the distance "
-              "matrix; fused: the plain low-precision search; exact: what the backend returns. TFLOP/s "
-              "count 2 nq nt d.",
-        plot=plot_gpu_compare),
-    ("gpu_kernel", "compare_base"): Table(
-        "GPU exact search against an earlier commit's kernels",
-        [col("data", "data"), col("metric", "metric"), col("d", "d"), col("precision", "precision"),
-         col("k", "k"), col("base ms", "base_ms", ".1f"), col("new ms", "new_ms", ".1f"),
-         col("new / base", "new_over_base", ".3f"), col("rows with the same indices", "rows_same_indices", ".5g"),
-         col("call", "call")],
-        about="`--compare-base`: both kernels packages in one process, timed interleaved on the same "
-              "data (medians); `base` is the commit named in the command's base folder."),
     ("gpu_kernel", "arrow"): Table(
         "GPU Arrow path: the executor loop against the kernel alone",
         [col("plan", "plan"), BLOCKS, col("k", "k"), col("threads per task", "threads_per_task"),
@@ -577,7 +534,7 @@ def machine_text(m: dict) -> str:
     return "; ".join(parts)
 
 
-LABEL_FIELDS = ("table", "engine", "call", "gpus", "threads_per_task", "precision", "d")
+LABEL_FIELDS = ("table", "engine", "gpus", "threads_per_task", "precision", "d")
 
 
 def distinct(records: list[dict], name: str) -> list[tuple[object, str]]:

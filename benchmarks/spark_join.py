@@ -20,28 +20,19 @@ import os
 import sys
 import tempfile
 
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark  # noqa: E402
+from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark, noop, vector_table  # noqa: E402
 
 
 def make_side(path, n, d, seed, id_name, vec_name):
-    rng = np.random.default_rng(seed)
-    X = rng.standard_normal((n, d)).astype(np.float32)
-    table = pa.table({id_name: np.arange(n, dtype=np.int64),
-                      vec_name: pa.FixedSizeListArray.from_arrays(pa.array(X.ravel()), d).cast(pa.list_(pa.float32()))})
-    pq.write_table(table, path, row_group_size=max(1, n // 4))
+    X = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+    pq.write_table(vector_table(np.arange(n, dtype=np.int64), X, id_name, vec_name), path,
+                   row_group_size=max(1, n // 4))
     return X
-
-
-def run(df):
-    df.write.format("noop").mode("overwrite").save()
 
 
 def main(argv=None) -> int:
@@ -81,13 +72,13 @@ def main(argv=None) -> int:
     Q, T, q, t = load(nq, nt, d)
     ranking = F.vector_l2_distance(q.qv, t.tv)
     ours_df = lambda: nearest_by_join(q, t, ranking, k, "exact", "distance")  # noqa: E731
-    run(ours_df())  # warm-up: JIT cache, Python workers
-    ours_small = best_of(lambda: run(ours_df()), args.repeat)
+    noop(ours_df())  # warm-up: JIT cache, Python workers
+    ours_small = best_of(lambda: noop(ours_df()), args.repeat)
     identical = None
     if not args.skip_spark:
         ours_pairs = sorted((r["qid"], r["tid"]) for r in ours_df().select("qid", "tid").collect())
         spark_df = q.nearestByJoin(t, ranking, k, "exact", "distance")
-        add("Spark nearestByJoin", nq, nt, d, best_of(lambda: run(spark_df), 1))
+        add("Spark nearestByJoin", nq, nt, d, best_of(lambda: noop(spark_df), 1))
         identical = sorted((r["qid"], r["tid"]) for r in spark_df.select("qid", "tid").collect()) == ours_pairs
     add("nearest_by_join", nq, nt, d, ours_small, identical_rows=identical)
     # the kernel alone on the same arrays: what the call costs besides the search (its fixed cost)
@@ -99,8 +90,8 @@ def main(argv=None) -> int:
     for nq, nt, d in scale:
         Q, T, q, t = load(nq, nt, d)
         df = lambda: nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), k)  # noqa: E731
-        run(df())
-        secs = best_of(lambda: run(df()), args.repeat)
+        noop(df())
+        secs = best_of(lambda: noop(df()), args.repeat)
         if d == 128:
             threads = len(os.sched_getaffinity(0))
             knn(Q[:256], T[:4096], k, "l2", backend="cpu", threads=threads)  # warm

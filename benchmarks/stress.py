@@ -6,11 +6,11 @@ tiny input partitions, float and double elements, forced blocked plans with smal
 the adversarial data of ``tests/adversarial.py`` (offsets much larger than the spread, extreme
 magnitudes, nearly parallel vectors, integer ties). The output is checked row by row: which
 queries appear and how often (INNER drops a query without candidates, LEFT OUTER keeps it once
-with NULL target columns), and, for up to ``--check-rows`` queries of each join, that every
-returned target is a true top-k row (``tests.adversarial.assert_true_topk``, with float32
-value rounding as the tie tolerance, as in tests/join/test_exactness.py).
+with NULL target columns), and, for up to ``CHECK_ROWS`` queries of each join, that every
+returned target is a true top-k row (``tests.oracle.assert_true_topk``, with float32 value
+rounding as the tie tolerance, as in tests/join/test_exactness.py).
 
-About half the joins (``--approx-share``) are ``mode="approx"`` instead, forced onto the IVF
+About half the joins (``APPROX_SHARE``) are ``mode="approx"`` instead, forced onto the IVF
 plan (``nlist`` given) over clustered, Gaussian, duplicated and offset data, with ``on=``
 keys (skewed groups, NULL keys), caps, forced blocked plans, a given ``nprobe``, and saved
 indexes (``IVFIndex.save``/``load``) trained on yesterday's target and reused after it
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import shutil
@@ -48,14 +49,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
-from benchmarks._record import Recorder, git_commit, local_spark  # noqa: E402
-from tests import adversarial  # noqa: E402
+from benchmarks._record import Recorder, git_commit, local_spark, vector_table  # noqa: E402
+from tests import oracle  # noqa: E402
 
 METRICS = ("l2", "sqeuclidean", "cosine", "inner_product")
 KINDS = ("gaussian", "offset", "magnitude", "parallel", "integer", "duplicates")
-VALUE_RTOL = 2.0 ** -21      # float32 rounding of a value, as a bound on keys (l2: squared)
+VALUE_RTOL = oracle.OPERATOR_VALUE_RTOL      # float32 rounding of a value, as a bound on keys (l2: squared)
+MASTER = "local[2]"
+CHECK_ROWS = 200             # queries of each exact join checked against the oracle
+APPROX_SHARE = 0.5           # share of the joins that run mode="approx" (the seed decides which)
 
 
 def draw(seed: int) -> dict:
@@ -122,26 +125,18 @@ def _rankable(M: np.ndarray, null: np.ndarray, metric: str) -> np.ndarray:
 def _arrow_side(M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str):
     """An Arrow table (id int, vector array<float|double>): NULL vectors where ``null``,
     NULL elements where ``M`` holds NaN."""
-    import pyarrow as pa
-
-    flat = M.reshape(-1)
-    values = pa.array(flat, mask=np.isnan(flat))
-    offsets = pa.array(np.arange(M.shape[0] + 1, dtype=np.int32) * M.shape[1], pa.int32())
-    vectors = pa.ListArray.from_arrays(offsets, values, mask=pa.array(null))
-    return pa.table({id_name: pa.array(np.arange(M.shape[0], dtype=np.int32)), vector_name: vectors})
+    return vector_table(np.arange(M.shape[0], dtype=np.int32), M, id_name, vector_name, null)
 
 
 def _by_query(out, nq: int, problems: list) -> dict[int, list]:
     """A join's rows as {query id: [(value, target id)]}; a query id not in 0..nq-1 is a problem."""
-    per_query: dict[int, list] = {}
-    for r in out:
-        per_query.setdefault(r["qid"], []).append((r["d"], r["tid"]))
+    per_query = oracle.group_rows(out, lambda r: r["qid"], lambda r: r["tid"], lambda r: r["d"])
     if set(per_query) - set(range(nq)):
         problems.append(f"unknown query ids {sorted(set(per_query) - set(range(nq)))[:5]}")
     return per_query
 
 
-def run_join(spark, case: dict, check_rows: int) -> tuple[int, list[str]]:
+def run_join(spark, case: dict) -> tuple[int, list[str]]:
     """Run one join; (rows checked, problems)."""
     from nearest_join import nearest_by_join
 
@@ -168,33 +163,26 @@ def run_join(spark, case: dict, check_rows: int) -> tuple[int, list[str]]:
     checked = np.flatnonzero(q_ok)
     if expected_count and checked.size and not problems:
         rng = np.random.default_rng(case["seed"])
-        checked = np.sort(rng.choice(checked, min(check_rows, checked.size), replace=False))
-        descending = metric in ("cosine", "inner_product")
-        values = np.full((checked.size, k), -np.inf if descending else np.inf, np.float32)
-        indices = np.full((checked.size, k), -1, np.int64)
-        position = {int(j): p for p, j in enumerate(t_ok)}
-        for slot, i in enumerate(checked):
-            found = sorted(per_query[int(i)], key=lambda p: -p[0] if descending else p[0])
-            values[slot, :len(found)] = [v for v, _ in found]
-            indices[slot, :len(found)] = [position[tid] for _, tid in found]
-        Qc, Tc = Q[checked], T[t_ok]
-        all_keys = adversarial.oracle_keys(Qc, Tc, metric)
-        keys = np.sort(all_keys, axis=1)[:, expected_count - 1]
+        checked = np.sort(rng.choice(checked, min(CHECK_ROWS, checked.size), replace=False))
+        Tc = T[t_ok]
+        keys = np.sort(oracle.oracle_keys(Q[checked], Tc, metric), axis=1)
         # Values that leave float32's normal range (inf, or a subnormal/0 for a nonzero key)
         # tie in the merge of target blocks: such rows are not rank-checked.
-        kth_value = np.abs(adversarial.key_values(keys, metric))
-        best_value = np.abs(adversarial.key_values(np.sort(all_keys, axis=1)[:, 0], metric))
-        fits = (kth_value < 3e38) & ((best_value > 1.2e-38) | (np.sort(all_keys, axis=1)[:, 0] == 0))
-        fits &= (np.abs(adversarial.key_values(all_keys, metric)) < 3e38).all(axis=1) | (metric == "l2")
-        values, indices, checked, keys = values[fits], indices[fits], checked[fits], keys[fits]
-        Qc = Qc[fits]
-        scale = adversarial.key_scale(Qc, Tc, metric)
+        kth_value = np.abs(oracle.key_values(keys[:, expected_count - 1], metric))
+        best_value = np.abs(oracle.key_values(keys[:, 0], metric))
+        fits = (kth_value < 3e38) & ((best_value > 1.2e-38) | (keys[:, 0] == 0))
+        fits &= (np.abs(oracle.key_values(keys, metric)) < 3e38).all(axis=1) | (metric == "l2")
+        checked, keys = checked[fits], keys[fits, expected_count - 1]
+        Qc = Q[checked]
+        scale = oracle.key_scale(Qc, Tc, metric)
         rounding = VALUE_RTOL * (np.maximum(np.abs(keys), 2.0) if metric == "cosine" else np.abs(keys))
         rtol = float(np.max(rounding / np.maximum(scale, 1e-300), initial=0.0)) + 1e-12
         if checked.size:
+            values, indices = oracle.join_arrays({int(i): per_query[int(i)] for i in checked}, k, metric,
+                                                 checked.tolist(), t_ok.tolist())
             try:
-                adversarial.assert_true_topk(Qc, Tc, k, metric, values, indices, rtol,
-                                             case=f"seed {case['seed']}")
+                oracle.assert_true_topk(Qc, Tc, k, metric, values.astype(np.float32), indices, rtol,
+                                        case=f"seed {case['seed']}")
             except AssertionError as exc:
                 problems.append(str(exc)[:2000])
     return int(checked.size), problems
@@ -286,7 +274,7 @@ def _candidates(case: dict, all_keys: np.ndarray) -> np.ndarray:
         q_keys, t_keys = case["keys"]
         ok &= (q_keys[:, None] == t_keys[None, :]) & (q_keys[:, None] >= 0)
     if case["cap"] is not None:
-        values = adversarial.key_values(all_keys, metric)
+        values = oracle.key_values(all_keys, metric)
         ok &= values >= case["cap"] if metric in ("cosine", "inner_product") else values <= case["cap"]
     return ok
 
@@ -299,10 +287,10 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
 
     Q, T, metric, k = case["Q"], case["T"], case["metric"], case["k"]
     clean = lambda M: np.nan_to_num(M.astype(np.float64), nan=0.0)  # noqa: E731 (NULLs are masked below)
-    all_keys = adversarial.oracle_keys(clean(Q), clean(T), metric)
+    all_keys = oracle.oracle_keys(clean(Q), clean(T), metric)
     case["cap"] = None
     if case["cap_quantile"] is not None and Q.shape[0]:
-        values = adversarial.key_values(np.sort(all_keys, axis=1)[:, min(k, T.shape[0]) - 1], metric)
+        values = oracle.key_values(np.sort(all_keys, axis=1)[:, min(k, T.shape[0]) - 1], metric)
         finite = values[np.isfinite(values)]
         if finite.size:
             case["cap"] = float(np.quantile(finite, case["cap_quantile"]))
@@ -330,8 +318,8 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     out = planned.dataframe().collect()
 
     candidates = _candidates(case, all_keys)
-    scale = adversarial.key_scale(clean(Q), clean(T), metric)
-    values = adversarial.key_values(all_keys, metric)
+    scale = oracle.key_scale(clean(Q), clean(T), metric)
+    values = oracle.key_values(all_keys, metric)
     promised_exact = ivf.get("runs") == "exact" or "the exact result" in ivf.get("explanation", "")
     problems, hits, wanted = [], 0, 0
     per_query = _by_query(out, Q.shape[0], problems)
@@ -393,40 +381,27 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=int(time.time()) % 100_000 * 1000)
     parser.add_argument("--replay", type=int, nargs="+", help="run only the joins of these seeds")
-    parser.add_argument("--check-rows", type=int, default=200)
-    parser.add_argument("--master", default="local[2]")
-    parser.add_argument("--out", type=Path)
-    parser.add_argument("--approx-share", type=float, default=0.5,
-                        help="share of the joins that run mode='approx' (the seed decides which)")
+    parser.add_argument("--out", type=Path, help="also append the totals to this file as a JSON line")
     args = parser.parse_args()
 
-    spark = local_spark("nearest_join-stress", "3g", args.master, {"spark.task.maxFailures": "1"})
-    seeds = args.replay
+    spark = local_spark("nearest_join-stress", "3g", MASTER, {"spark.task.maxFailures": "1"})
     start = time.monotonic()
     joins = rows_checked = 0
     mismatches, crashes = [], []
     approx = {"joins": 0, "ivf": 0, "exact_promised": 0, "saved_index": 0, "keyed": 0, "capped": 0,
               "recall_targets": 0, "lowest_recall_margin": None}
     workdir = Path(tempfile.mkdtemp(prefix="nearest_join-stress-"))
-    i = 0
-    while True:
-        if seeds is not None:
-            if i >= len(seeds):
-                break
-            seed = seeds[i]
-        else:
-            if time.monotonic() - start > args.minutes * 60:
-                break
-            seed = args.seed + i
-        i += 1
-        is_approx = np.random.default_rng([seed, 2]).random() < args.approx_share
+    for seed in args.replay or itertools.count(args.seed):
+        if args.replay is None and time.monotonic() - start > args.minutes * 60:
+            break
+        is_approx = np.random.default_rng([seed, 2]).random() < APPROX_SHARE
         case = draw_approx(seed) if is_approx else draw(seed)
         try:
             if is_approx:
                 result = run_approx_join(spark, case, workdir)
                 checked, problems = result["rows"], result["problems"]
             else:
-                checked, problems = run_join(spark, case, args.check_rows)
+                checked, problems = run_join(spark, case)
         except Exception as exc:  # noqa: BLE001 (a crash is a finding: record it, go on)
             crashes.append(seed)
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
@@ -453,17 +428,15 @@ def main() -> int:
             print(f"... {joins} joins, {rows_checked} rows checked, {len(mismatches)} mismatches, "
                   f"{len(crashes)} crashes, {time.monotonic() - start:.0f} s", flush=True)
     elapsed = time.monotonic() - start
-    summary = dict(date=datetime.date.today().isoformat(), commit=git_commit(), master=args.master,
-                   first_seed=args.seed if args.replay is None else args.replay[0],
-                   minutes=round(elapsed / 60, 1), joins=joins, rows_checked=rows_checked,
-                   mismatches=mismatches, crashes=crashes, approx=approx,
+    totals = dict(master=MASTER, first_seed=args.seed if args.replay is None else args.replay[0],
+                  minutes=round(elapsed / 60, 1), joins=joins, rows_checked=rows_checked,
+                  mismatches=mismatches, crashes=crashes)
+    summary = dict(date=datetime.date.today().isoformat(), commit=git_commit(), **totals, approx=approx,
                    openblas_coretype=os.environ.get("OPENBLAS_CORETYPE", "unset"))
     print(json.dumps(summary))
     if args.replay is None:
-        Recorder("stress", gpu=False).add(
-            "totals", master=args.master, first_seed=args.seed, minutes=round(elapsed / 60, 1), joins=joins,
-            rows_checked=rows_checked, mismatches=mismatches, crashes=crashes, check_rows=args.check_rows,
-            approx_share=args.approx_share, **{f"approx_{key}": value for key, value in approx.items()})
+        Recorder("stress", gpu=False).add("totals", **totals, check_rows=CHECK_ROWS, approx_share=APPROX_SHARE,
+                                          **{f"approx_{key}": value for key, value in approx.items()})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
