@@ -7,9 +7,12 @@ share in ``--shares``: that share of each side changed (a third deleted, a third
 third inserted), joined by a refresh from day 0's state and by a full recompute of the changed
 inputs (the exact join a nightly job runs today), both writing ids and values to Parquet (no vectors, as the jobs write); the refresh's rows are checked against the full
 recompute's (same values per query; targets equal outside ties at the k-th value).
+``--keys G``: both sides get an ``on=`` key, a row's cluster modulo G (an update may move a row
+to another cluster, hence key); ``--cap X``: ``max_distance=X`` on both joins.
 
 Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000 --d 64 --k 10] [--shares 0.01 0.001]
-Records table ``refresh_<nq>x<nt>`` in benchmarks/results/incremental.jsonl.
+                                        [--keys G] [--cap X]
+Records table ``refresh_<nq>x<nt>`` (``_keys<G>``, ``_cap<X>``) in benchmarks/results/incremental.jsonl.
 """
 from __future__ import annotations
 
@@ -23,17 +26,24 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from benchmarks._record import SMOKE_DIR, Recorder, local_spark, vector_table  # noqa: E402
 
 
-def clustered(rng, n, d, centers):
-    return (centers[rng.integers(0, len(centers), n)] + 0.3 * rng.standard_normal((n, d))).astype(np.float32)
+def clustered(rng, n, centers):
+    """``n`` rows around random ``centers``, each row's centre index in its last column."""
+    which = rng.integers(0, len(centers), n)
+    rows = (centers[which] + 0.3 * rng.standard_normal((n, centers.shape[1]))).astype(np.float32)
+    return np.concatenate([rows, which[:, None].astype(np.float32)], axis=1)
 
 
-def write_side(path, ids, vectors, id_name, vector_name):
-    table = vector_table(ids.astype(np.int64), vectors, id_name, vector_name)
+def write_side(path, ids, rows, id_name, vector_name, keys):
+    """Vectors (``rows`` less their centre column) and, with ``keys``, the centre modulo it."""
+    table = vector_table(ids.astype(np.int64), np.ascontiguousarray(rows[:, :-1]), id_name, vector_name)
+    if keys:
+        table = table.append_column("g", pa.array(rows[:, -1].astype(np.int64) % keys))
     pq.write_table(table, path, row_group_size=max(1, min(len(ids), 1 << 17)))
 
 
@@ -43,9 +53,9 @@ def changed(rng, ids, vectors, share, next_id, centers):
     keep = np.ones(len(ids), bool)
     keep[rng.choice(len(ids), n, replace=False)] = False
     ids, vectors = ids[keep], vectors[keep].copy()
-    vectors[rng.choice(len(ids), n, replace=False)] = clustered(rng, n, vectors.shape[1], centers)
+    vectors[rng.choice(len(ids), n, replace=False)] = clustered(rng, n, centers)
     ids = np.concatenate([ids, next_id + np.arange(n)])
-    vectors = np.concatenate([vectors, clustered(rng, n, vectors.shape[1], centers)])
+    vectors = np.concatenate([vectors, clustered(rng, n, centers)])
     return ids, vectors
 
 
@@ -56,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--shares", type=float, nargs="+", default=[0.01, 0.001])
+    ap.add_argument("--keys", type=int, default=0, help="on= key groups (0: no keys)")
+    ap.add_argument("--cap", type=float, default=None, help="max_distance on both joins")
     ap.add_argument("--driver-memory", default="12g")
     ap.add_argument("--quick", action="store_true", help="20,000 x 100,000; results not recorded in git")
     args = ap.parse_args(argv)
@@ -71,27 +83,28 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="nj-incremental-")
     spark = local_spark("nearest_join-incremental", args.driver_memory)
     rec = Recorder("incremental", results_dir=SMOKE_DIR if args.quick else None)
-    table = f"refresh_{args.nq}x{args.nt}"
+    table = (f"refresh_{args.nq}x{args.nt}" + (f"_keys{args.keys}" if args.keys else "")
+             + (f"_cap{args.cap:g}" if args.cap is not None else ""))
+    joined = dict(vectors=("v", "w"), distance_col="d", max_distance=args.cap, on="g" if args.keys else None)
     q_ids, t_ids = np.arange(args.nq), np.arange(args.nt)
-    Q, T = clustered(rng, args.nq, args.d, centers), clustered(rng, args.nt, args.d, centers)
+    Q, T = clustered(rng, args.nq, centers), clustered(rng, args.nt, centers)
 
     def frames(day, q_ids, Q, t_ids, T):
-        write_side(f"{tmp}/q{day}.parquet", q_ids, Q, "qid", "v")
-        write_side(f"{tmp}/t{day}.parquet", t_ids, T, "tid", "w")
+        write_side(f"{tmp}/q{day}.parquet", q_ids, Q, "qid", "v", args.keys)
+        write_side(f"{tmp}/t{day}.parquet", t_ids, T, "tid", "w", args.keys)
         return spark.read.parquet(f"{tmp}/q{day}.parquet"), spark.read.parquet(f"{tmp}/t{day}.parquet")
 
     def full(q, t, out):
         # What a nightly job writes today: ids and values, no vectors (the executors emit
         # only the kept columns, as jobs.runner has them do).
         start = time.perf_counter()
-        options = JoinOptions(num_results=args.k, vectors=("v", "w"), distance_col="d")
+        options = JoinOptions(num_results=args.k, **joined)
         plan_join(q, t, "l2", options).dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
         return time.perf_counter() - start
 
     def incremental(q, t, state, out):
         start = time.perf_counter()
-        run = incremental_nearest_join(q, t, "l2", args.k, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                       state=state, distance_col="d")
+        run = incremental_nearest_join(q, t, "l2", args.k, query_id="qid", target_id="tid", state=state, **joined)
         run.result.select("qid", "tid", "d").write.parquet(out)
         run.commit()
         return time.perf_counter() - start, run.changes
@@ -112,7 +125,7 @@ def main(argv=None) -> int:
     state = f"{tmp}/state"
     seconds, changes = incremental(q0, t0, state, f"{tmp}/inc0")
     rec.add(table, what="full run, writing the state", share=0.0, seconds=round(seconds, 1), nq=args.nq,
-            nt=args.nt, d=args.d, k=args.k, master="local[2]")
+            nt=args.nt, d=args.d, k=args.k, master="local[2]", keys=args.keys, cap=args.cap)
     rec.print_tables()
     for i, share in enumerate(args.shares, start=1):
         nq_ids, nQ = changed(rng, q_ids, Q, share, 10 * args.nt, centers)
@@ -129,7 +142,7 @@ def main(argv=None) -> int:
                 queries_searched_whole=changes.queries_searched_whole, queries_short=changes.queries_short,
                 queries_merged=changes.queries_merged,
                 targets_changed=changes.targets_inserted + changes.targets_deleted + changes.targets_changed,
-                nq=args.nq, nt=args.nt, d=args.d, k=args.k, master="local[2]")
+                nq=args.nq, nt=args.nt, d=args.d, k=args.k, master="local[2]", keys=args.keys, cap=args.cap)
         rec.print_tables()
     shutil.rmtree(tmp, ignore_errors=True)
     return 0
