@@ -328,7 +328,9 @@ TABLES: dict[tuple[str, str], Table] = {
               "share of each side (a third deleted, updated, inserted) and is refreshed from day 0's "
               "state, against the exact join of the same inputs that a nightly job runs today (both "
               "write ids and values to Parquet; no vectors). Same rows: the same values per query, the "
-              "same targets outside ties at the k-th value."),
+              "same targets outside ties at the k-th value. Tables `_keys<G>`: both joins with an `on=` key, "
+              "each row's centre modulo G (an update may change a row's key); `_cap<X>`: both with "
+              "`max_distance=X`."),
     ("spark_join", "operator"): Table(
         "Spark operator: `nearest_by_join` against Spark's `nearestByJoin`",
         [col("engine", "engine"), Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")),
