@@ -97,16 +97,22 @@ class Day:
         return frames
 
 
-@pytest.mark.parametrize("metric, margin, days", [("l2", 2, 2), ("cosine", 0, 3)])
-def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days):
+@pytest.mark.parametrize("metric, margin, days, capped", [("l2", 2, 2, False), ("cosine", 0, 3, True)])
+def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days, capped):
     """Also: the l2 case's first refresh is discarded once, uncommitted (a run that failed
-    before its commit): the state stays as it was, and the next run refreshes from it."""
+    before its commit): the state stays as it was, and the next run refreshes from it; its
+    second day is explained before it runs. The cosine case has on= keys (NULL keys among them,
+    rows that change their key and not their vector) and a cap, and refreshes a refreshed
+    state; a state of another cap or other keys is not used."""
     rng = np.random.default_rng(7)
-    day, k = Day(rng, 60, 300), 3
+    day, k = Day(rng, 60, 300, groups=3 if capped else 0), 3
     day.t[5] = np.nan     # a target without a vector
     day.q[7] = np.nan     # a query without one
     state = tmp_path / "state"
     descending = metric == "cosine"
+    joined = dict(vectors=("v", "w"), distance_col="d")
+    if capped:
+        joined.update(min_similarity=0.5, on="g")
     for n in range(days):
         q, t = day.frames(spark)
         if n == 1 and metric == "l2":
@@ -115,13 +121,12 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
                                      state=str(state), margin=margin).discard()
             assert sorted(str(p.relative_to(state)) for p in state.rglob("*")) == before
             assert [p.name for p in tmp_path.iterdir()] == ["state"]
-        if n == 1:
-            plan = explain_incremental(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                       state=str(state), margin=margin, distance_col="d")
-        run = incremental_nearest_join(q, t, metric, k, vectors=("v", "w"), query_id="qid", target_id="tid",
-                                       state=str(state), margin=margin, distance_col="d")
+            plan = explain_incremental(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
+                                       margin=margin, **joined)
+        run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
+                                       margin=margin, **joined)
         got = run.result.collect()
-        if n == 1:   # the explanation said what the run did
+        if n == 1 and metric == "l2":   # the explanation said what the run did
             c = run.changes
             assert plan.refresh and plan.reason == ""
             assert plan.queries == {"inserted": c.queries_inserted, "deleted": c.queries_deleted,
@@ -132,8 +137,12 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
             added = c.targets_inserted + c.targets_changed
             assert plan.pairs == plan.queries_searched_whole * plan.target_rows + c.queries_kept * added
             assert f"{plan.pairs:,} pairs" in str(plan) and plan.full_pairs == len(day.q_ids) * len(day.t_ids)
-        assert run.result.columns == ["qid", "v", "qid_note", "tid", "w", "tid_note", "d"]
-        full = nearest_by_join(q, t, metric, k, vectors=("v", "w"), distance_col="d").collect()
+        key_column = ["g"] if capped else []
+        assert run.result.columns == ["qid", "v", "qid_note", *key_column, "tid", "w", "tid_note", *key_column, "d"]
+        full = nearest_by_join(q, t, metric, k, **joined).collect()
+        if capped:   # the cap and the keys leave some queries without a row
+            assert all(r["d"] >= 0.5 for r in full) and len({r["qid"] for r in full}) < len(day.q_ids)
+            assert all(r[3] is not None and r[3] == r[7] for r in got)
         key = (lambda r: -r) if descending else (lambda r: r)
         _same_up_to_ties(_by_query([{**r.asDict(), "d": key(r["d"])} for r in got], "qid", "tid", "d"),
                          _by_query([{**r.asDict(), "d": key(r["d"])} for r in full], "qid", "tid", "d"),
@@ -144,7 +153,8 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
         assert run.changes.refreshed == (n > 0)
         if n:
             c = run.changes
-            assert (c.targets_inserted, c.targets_deleted) == (3, 3) and c.targets_changed <= 3
+            # a key change is a change too
+            assert (c.targets_inserted, c.targets_deleted) == (3, 3) and c.targets_changed <= (6 if capped else 3)
             assert c.queries_deleted == 1 and c.queries_inserted == 1
             # the kept queries were not searched whole, bar those whose list ran short
             assert c.queries_searched_whole == c.queries_inserted + c.queries_changed + c.queries_short
@@ -153,40 +163,14 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days)
         run.commit()
         q.unpersist(), t.unpersist()
         day.change(rng, 0.01)
-
-
-def test_keys_and_a_cap_each_day_equals_a_full_recompute(spark, tmp_path):
-    """on= keys (NULL keys among them, rows that change their key and not their vector) and a
-    cap: each day equals nearest_by_join with the same keys and cap; a state of another cap or
-    other keys is not used."""
-    rng = np.random.default_rng(11)
-    day, k = Day(rng, 60, 300, groups=3), 3
-    state = tmp_path / "state"
-    joined = dict(vectors=("v", "w"), max_distance=3.0, on="g", distance_col="d")
-    for n in range(2):
-        q, t = day.frames(spark)
-        run = incremental_nearest_join(q, t, "l2", k, query_id="qid", target_id="tid", state=str(state), margin=1,
-                                       **joined)
-        got = run.result.collect()
-        full = nearest_by_join(q, t, "l2", k, **joined).collect()
-        assert all(r["d"] <= 3.0 for r in full) and len({r["qid"] for r in full}) < len(day.q_ids)
-        assert all(r["g"] is not None for r in got) and len({r["g"] for r in got}) == 3
-        _same_up_to_ties(_by_query(got, "qid", "tid", "d"), _by_query(full, "qid", "tid", "d"), k, False)
-        assert run.changes.refreshed == (n > 0)
-        if n:
-            c = run.changes
-            assert c.queries_searched_whole == c.queries_inserted + c.queries_changed + c.queries_short
-            assert c.queries_searched_whole < len(day.q_ids) and c.queries_changed >= 1
-        run.commit()
-        q.unpersist(), t.unpersist()
-        day.change(rng, 0.02)
-    meta = json.loads((state / "meta.json").read_text())
-    schemas = {name: StructType.fromJson(schema) for name, schema in meta.pop("schemas").items()}
-    meta.pop("dimension")
-    assert _previous_state(spark, state, meta, schemas)[0] is not None
-    for name, other in (("cap", 2.0), ("keys", None)):
-        previous, reason = _previous_state(spark, state, {**meta, name: other}, schemas)
-        assert previous is None and name in reason
+    if capped:
+        meta = json.loads((state / "meta.json").read_text())
+        schemas = {name: StructType.fromJson(schema) for name, schema in meta.pop("schemas").items()}
+        meta.pop("dimension")
+        assert _previous_state(spark, state, meta, schemas)[0] is not None
+        for name, other in (("cap", 0.4), ("keys", None)):
+            previous, reason = _previous_state(spark, state, {**meta, name: other}, schemas)
+            assert previous is None and name in reason
 
 
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
