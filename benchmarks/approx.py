@@ -23,6 +23,7 @@ and its Python workers) and the 1-minute load before and after it: the machine m
 shared, and a ratio of CPU seconds holds under load where a ratio of wall times does not.
 
 Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
+       python benchmarks/approx.py --seeds 10 --datasets minilm clustered   (recall honesty)
 
 ``minilm``: a cosine self-join of real sentence embeddings (``benchmarks/embeddings.py``:
 all-MiniLM-L6-v2 over docstrings, d=384, ``--rows`` of them, duplicates kept), recall targets
@@ -277,6 +278,43 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     return rows
 
 
+def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
+                      workdir: str) -> None:
+    """Recall honesty: for each seed (the sample, k-means and the recall estimate's queries)
+    and recall target, the approx plan's estimate, its lower bound and the recall measured
+    against the exact pairs (table ``seeds_<data><nt>``)."""
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    targets, queries = make_data(kind, nt, nq)
+    to_parquet(os.path.join(workdir, f"{kind}-t.parquet"), "tid", "w", targets)
+    to_parquet(os.path.join(workdir, f"{kind}-q.parquet"), "qid", "v", queries)
+    t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
+    q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
+    metric = "cosine" if kind == "minilm" else METRIC
+
+    def pairs(**options):
+        planned = plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value",
+                                                      **options))
+        return pairs_of(planned.dataframe().select("qid", "tid", "value")), planned.plan
+
+    exact, _ = pairs()
+    table = f"seeds_{kind}{nt}"
+    for wanted in recalls:
+        for seed in range(seeds):
+            found, plan = pairs(mode="approx", recall=wanted, seed=seed)
+            measured = recall_of(found, exact, nq, descending=metric == "cosine")
+            ivf = plan.ivf
+            lower = (ivf.get("recall_interval") or [None])[0]
+            print(f"[{kind}] seed {seed}, recall>={wanted}: nprobe {ivf.get('nprobe')}/{ivf.get('nlist')}, "
+                  f"estimate {ivf.get('recall_estimate')} (lower {lower}), measured {measured:.4f}", flush=True)
+            rec.add(table, data=kind, nt=nt, nq=nq, d=targets.shape[1], k=K, metric=metric, master="local[2]",
+                    recall_target=wanted, seed=seed, ran=ivf["runs"], nprobe=ivf.get("nprobe"),
+                    nlist=ivf.get("nlist"), recall_estimate=ivf.get("recall_estimate"), recall_lower=lower,
+                    recall=round(measured, 4), met=bool(measured >= wanted))
+    t.unpersist(), q.unpersist()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -286,6 +324,8 @@ def main() -> None:
                     choices=["clustered", "gaussian", "minilm"])
     ap.add_argument("--rows", type=int, default=64_000,
                     help="minilm: the real embeddings' rows (benchmarks/embeddings.py), joined with themselves")
+    ap.add_argument("--seeds", type=int, default=0,
+                    help="instead of the timings: recall honesty over this many seeds per target")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--repeat", type=int, default=2,
                     help="calls per engine on the clustered data, the fastest reported (the Gaussian "
@@ -297,6 +337,10 @@ def main() -> None:
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
+            if args.seeds:
+                size = (args.rows, args.rows) if kind == "minilm" else (nt, nq)
+                recall_over_seeds(spark, rec, kind, *size, (0.9, 0.95), args.seeds, workdir)
+                continue
             if kind == "minilm":
                 run_dataset(spark, rec, kind, args.rows, args.rows, (0.9, 0.95), workdir, repeat=args.repeat)
                 continue
