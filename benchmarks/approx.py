@@ -280,9 +280,10 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
 
 def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
                       workdir: str) -> None:
-    """Recall honesty: for each seed (the sample, k-means and the recall estimate's queries)
-    and recall target, the approx plan's estimate, its lower bound and the recall measured
-    against the exact pairs (table ``seeds_<data><nt>``)."""
+    """Recall honesty: for each recall target, ``seeds`` approx calls, each with its own seed
+    (the training sample, k-means and the recall estimate's queries), their recall measured
+    against the exact pairs; one row per target in table ``seeds_<data><nt>`` (every call's
+    estimate, lower bound and recall in its ``calls``)."""
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 
@@ -299,19 +300,24 @@ def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls
         return pairs_of(planned.dataframe().select("qid", "tid", "value")), planned.plan
 
     exact, _ = pairs()
-    table = f"seeds_{kind}{nt}"
     for wanted in recalls:
+        calls = []
         for seed in range(seeds):
             found, plan = pairs(mode="approx", recall=wanted, seed=seed)
-            measured = recall_of(found, exact, nq, descending=metric == "cosine")
             ivf = plan.ivf
-            lower = (ivf.get("recall_interval") or [None])[0]
-            print(f"[{kind}] seed {seed}, recall>={wanted}: nprobe {ivf.get('nprobe')}/{ivf.get('nlist')}, "
-                  f"estimate {ivf.get('recall_estimate')} (lower {lower}), measured {measured:.4f}", flush=True)
-            rec.add(table, data=kind, nt=nt, nq=nq, d=targets.shape[1], k=K, metric=metric, master="local[2]",
-                    recall_target=wanted, seed=seed, ran=ivf["runs"], nprobe=ivf.get("nprobe"),
-                    nlist=ivf.get("nlist"), recall_estimate=ivf.get("recall_estimate"), recall_lower=lower,
-                    recall=round(measured, 4), met=bool(measured >= wanted))
+            calls.append({"seed": seed, "ran": ivf["runs"], "nprobe": ivf.get("nprobe"), "nlist": ivf.get("nlist"),
+                          "estimate": ivf.get("recall_estimate"),
+                          "lower": (ivf.get("recall_interval") or [None])[0],
+                          "recall": round(recall_of(found, exact, nq, descending=metric == "cosine"), 4)})
+            print(f"[{kind}] recall>={wanted}: {calls[-1]}", flush=True)
+        measured = sorted(c["recall"] for c in calls)
+        lowers = [c["lower"] for c in calls if c["lower"] is not None]
+        rec.add(f"seeds_{kind}{nt}", data=kind, nt=nt, nq=nq, d=targets.shape[1], k=K, metric=metric,
+                master="local[2]", recall_target=wanted, seeds=seeds,
+                met=sum(r >= wanted for r in measured), ran=sorted({c["ran"] for c in calls}),
+                nprobe=sorted({c["nprobe"] for c in calls if c["nprobe"] is not None}),
+                lowest_bound=round(min(lowers), 4) if lowers else None, recall_min=measured[0],
+                recall_median=measured[len(measured) // 2], recall_max=measured[-1], calls=calls)
     t.unpersist(), q.unpersist()
 
 
