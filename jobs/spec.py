@@ -1,6 +1,6 @@
 """Job specs: one YAML file describes one nearest-neighbour join, validated before anything runs.
 
-A spec names the query and target inputs (Parquet), the vector columns, the ranking (metric, k,
+A spec names the query and target inputs (Parquet, ORC or JSON paths, or catalog tables), the vector columns, the ranking (metric, k,
 mode, join type), the output (path, partitioning, write mode) and the Spark settings. Every
 problem is reported as a :class:`SpecError` naming the key (``join.k``, ``query.path``), so the
 CLI can exit with status 2 before it reads or writes any data.
@@ -17,6 +17,7 @@ so a cron line should ``cd`` to the project first or the spec should use absolut
 from __future__ import annotations
 
 import copy
+import datetime as dt
 import difflib
 import fnmatch
 import glob
@@ -32,6 +33,8 @@ import yaml
 from nearest_join.errors import describe, short
 from nearest_join.options import JoinOptions
 
+from .params import ParameterError, parse_params, substitute
+
 __all__ = [
     "SpecError",
     "InputSpec",
@@ -39,6 +42,8 @@ __all__ = [
     "OutputSpec",
     "JobSpec",
     "WRITE_MODES",
+    "INPUT_FORMATS",
+    "catalog_settings",
     "SUMMARY_FILE",
     "load_spec",
     "load_profile",
@@ -52,7 +57,11 @@ __all__ = [
     "conf_dir",
 ]
 
-WRITE_MODES = ("overwrite", "error-if-exists")
+WRITE_MODES = ("overwrite", "error-if-exists", "overwrite_partitions")
+# What a path input can be read as (spark.read.format); a table is read as the catalog says.
+INPUT_FORMATS = ("parquet", "orc", "json")
+# ``output.schema_change``: what a run does when its result's columns differ from its table's.
+SCHEMA_CHANGES = ("error", "add_columns")
 # Written by jobs.output beside the Parquet files; its presence marks a directory as ours.
 SUMMARY_FILE = "_nearest_join_summary.json"
 
@@ -61,7 +70,9 @@ _REQUIRED = object()
 # The accepted keys and their defaults. Unknown keys are errors (a typo such as ``join.kk``
 # must not silently fall back to a default).
 _SIDE_KEYS: dict[str, Any] = {
-    "path": _REQUIRED,     # Parquet file, directory or glob, or a list of them
+    "path": None,          # file, directory or glob, or a list of them; or:
+    "table": None,         # a catalog table, db.name (exactly one of path and table)
+    "format": None,        # path inputs: parquet (default) | orc | json
     "vector": _REQUIRED,   # the vector column
     "where": None,         # Spark SQL filter applied before the join
     "columns": None,       # columns to keep (the vector column is always kept); None = all
@@ -91,9 +102,12 @@ _JOIN_KEYS: dict[str, Any] = {
 }
 _INDEX_KEYS: dict[str, Any] = {"path": _REQUIRED, "rebuild": False}
 _OUTPUT_KEYS: dict[str, Any] = {
-    "path": _REQUIRED,
-    "mode": "error-if-exists",
+    "path": None,              # a directory; or:
+    "table": None,             # a catalog table, db.name (exactly one of path and table)
+    "mode": None,              # path: error-if-exists; table: overwrite_partitions
     "partition_by": [],
+    "partition_values": None,  # {column: value}: a constant column added to every output row
+    "schema_change": "error",  # table: error | add_columns
     "num_files": None,
     "include_vectors": False,
 }
@@ -128,11 +142,18 @@ class InputSpec:
     """One side of the join: where to read it and which columns to use."""
 
     side: str                         # "query" or "target", the spec key
-    paths: tuple[str, ...]            # absolute for local paths; URIs unchanged
+    paths: tuple[str, ...]            # absolute for local paths; URIs unchanged; () for a table
     vector: str
     where: str | None
     columns: tuple[str, ...] | None
     prefix: str
+    table: str | None = None          # db.name, read from the catalog instead of paths
+    format: str = "parquet"           # of the paths: parquet | orc | json
+
+    @property
+    def source(self) -> str:
+        """What this side reads, for messages: ``table db.name`` or its paths."""
+        return f"table {self.table}" if self.table else ", ".join(self.paths)
 
 
 @dataclass(frozen=True)
@@ -159,11 +180,19 @@ class IndexSpec:
 
 @dataclass(frozen=True)
 class OutputSpec:
-    path: str                         # absolute local path
-    mode: str                         # "overwrite" | "error-if-exists"
+    path: str | None                  # absolute local path; None for a table
+    mode: str                         # "overwrite" | "error-if-exists" | "overwrite_partitions" (tables)
     partition_by: tuple[str, ...]
     num_files: int | None
     include_vectors: bool
+    table: str | None = None          # db.name
+    partition_values: tuple[tuple[str, str], ...] = ()   # (column, value): constant columns
+    schema_change: str = "error"      # tables: "error" | "add_columns"
+
+    @property
+    def target(self) -> str:
+        """Where the output goes, for messages: its path, or ``table db.name``."""
+        return f"table {self.table}" if self.table else str(self.path)
 
 
 @dataclass(frozen=True)
@@ -189,8 +218,14 @@ class JobSpec:
     output: OutputSpec
     spark_profile: str
     spark_settings: dict[str, str]    # profile + spec + overrides; may hold secrets
-    document: dict[str, Any]          # the spec after overrides (may hold secrets)
+    document: dict[str, Any]          # the spec after overrides and parameters (may hold secrets)
     incremental: IncrementalSpec | None = None
+    parameters: dict[str, str] | None = None   # the run parameters the spec used (--param)
+
+    @property
+    def uses_tables(self) -> bool:
+        """Whether an input or the output is a catalog table (the session then needs one)."""
+        return any(x is not None for x in (self.query.table, self.target.table, self.output.table))
 
     def redacted_document(self) -> dict[str, Any]:
         """The spec as written, with secret-looking Spark settings masked."""
@@ -501,7 +536,37 @@ def local_path(path: str) -> str:
     return os.path.abspath(os.path.expanduser(raw))
 
 
+# A catalog table's name: db.name, or name (the session's current database).
+_TABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
+
+
+def _table_name(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not _TABLE_NAME.fullmatch(value):
+        raise SpecError(key, f"expected a table name db.name (letters, digits and _), got {short(value)}")
+    return value
+
+
+def _path_or_table(values: dict[str, Any], section: str) -> None:
+    if values["path"] is None and values["table"] is None:
+        raise SpecError(f"{section}.path", f"missing (required): give {section}.path or {section}.table")
+    if values["path"] is not None and values["table"] is not None:
+        raise SpecError(f"{section}.table", f"give {section}.path or {section}.table, not both")
+
+
 def _input(values: dict[str, Any], side: str) -> InputSpec:
+    _path_or_table(values, side)
+    common = dict(side=side, vector=_text(values["vector"], f"{side}.vector"),
+                  where=_text(values["where"], f"{side}.where", optional=True),
+                  columns=None if values["columns"] is None else _names(values["columns"], f"{side}.columns"),
+                  prefix=_prefix(values["prefix"], f"{side}.prefix"))
+    if values["table"] is not None:
+        if values["format"] is not None:
+            raise SpecError(f"{side}.format", "applies to path inputs; a table is read in the format "
+                                              "its catalog entry names")
+        return InputSpec(paths=(), table=_table_name(values["table"], f"{side}.table"), **common)
+    fmt = values["format"] if values["format"] is not None else "parquet"
+    if fmt not in INPUT_FORMATS:
+        raise SpecError(f"{side}.format", f"expected one of {list(INPUT_FORMATS)}, got {short(fmt)}")
     paths = values["path"]
     if isinstance(paths, str):
         paths = [paths]
@@ -509,15 +574,7 @@ def _input(values: dict[str, Any], side: str) -> InputSpec:
         isinstance(p, str) and p.strip() for p in paths
     ):
         raise SpecError(f"{side}.path", f"expected a path or a list of paths, got {describe(paths)}")
-    columns = values["columns"]
-    return InputSpec(
-        side=side,
-        paths=tuple(local_path(p) if is_local(p) else p for p in paths),
-        vector=_text(values["vector"], f"{side}.vector"),
-        where=_text(values["where"], f"{side}.where", optional=True),
-        columns=None if columns is None else _names(columns, f"{side}.columns"),
-        prefix=_prefix(values["prefix"], f"{side}.prefix"),
-    )
+    return InputSpec(paths=tuple(local_path(p) if is_local(p) else p for p in paths), format=fmt, **common)
 
 
 def _prefix(value: Any, key: str) -> str:
@@ -577,7 +634,53 @@ def _index(value: Any, mode: str) -> IndexSpec | None:
     return IndexSpec(path=local_path(path), rebuild=rebuild)
 
 
+def _partition_values(value: Any) -> tuple[tuple[str, str], ...]:
+    """``output.partition_values``: {column: value}, each value a string, a number or a date."""
+    if value is None:
+        return ()
+    pairs = []
+    for name, setting in _mapping(value, "output.partition_values").items():
+        key = f"output.partition_values.{name}"
+        if not isinstance(name, str) or not name:
+            raise SpecError(key, "expected a column name")
+        if isinstance(setting, (dt.date, int)) and not isinstance(setting, bool):
+            setting = setting.isoformat() if isinstance(setting, dt.date) else str(setting)
+        if not isinstance(setting, str) or not setting:
+            raise SpecError(key, f"expected a string, a number or a date, got {describe(setting)}")
+        pairs.append((name, setting))
+    return tuple(pairs)
+
+
 def _output(values: dict[str, Any]) -> OutputSpec:
+    _path_or_table(values, "output")
+    partition_by = _names(values["partition_by"] or [], "output.partition_by")
+    common = dict(partition_by=partition_by,
+                  num_files=_integer(values["num_files"], "output.num_files", low=1, optional=True),
+                  include_vectors=values["include_vectors"],
+                  partition_values=_partition_values(values["partition_values"]))
+    if not isinstance(common["include_vectors"], bool):
+        raise SpecError("output.include_vectors", f"expected true or false, got {describe(common['include_vectors'])}")
+    mode, schema_change = values["mode"], values["schema_change"]
+    if mode is not None and mode not in WRITE_MODES:
+        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {short(mode)}")
+    if schema_change not in SCHEMA_CHANGES:
+        raise SpecError("output.schema_change", f"expected one of {list(SCHEMA_CHANGES)}, got {short(schema_change)}")
+    if values["table"] is not None:
+        table = _table_name(values["table"], "output.table")
+        if mode not in (None, "overwrite_partitions"):
+            raise SpecError("output.mode", f"a table output is written with overwrite_partitions (each run "
+                                           f"replaces the partitions it writes), got {mode!r}")
+        if not partition_by:
+            raise SpecError("output.partition_by", "a table output is partitioned: name its partition columns, "
+                                                   "e.g. [run_date] with output.partition_values: "
+                                                   "{run_date: ${run_date}}")
+        return OutputSpec(path=None, table=table, mode="overwrite_partitions", schema_change=schema_change,
+                          **common)
+    if mode == "overwrite_partitions":
+        raise SpecError("output.mode", "overwrite_partitions replaces partitions of a catalog table: it needs "
+                                       "output.table (a path output is replaced whole: overwrite)")
+    if values["schema_change"] != "error":
+        raise SpecError("output.schema_change", "applies to table outputs (output.table)")
     path = _text(values["path"], "output.path")
     if not is_local(path):
         raise SpecError(
@@ -585,19 +688,7 @@ def _output(values: dict[str, Any]) -> OutputSpec:
             f"{path!r} is not a local filesystem path; the atomic writer renames directories, "
             "which object stores cannot do atomically (see docs/jobs.md, Atomicity)",
         )
-    mode = values["mode"]
-    if mode not in WRITE_MODES:
-        raise SpecError("output.mode", f"expected one of {list(WRITE_MODES)}, got {short(mode)}")
-    include_vectors = values["include_vectors"]
-    if not isinstance(include_vectors, bool):
-        raise SpecError("output.include_vectors", f"expected true or false, got {describe(include_vectors)}")
-    return OutputSpec(
-        path=local_path(path),
-        mode=mode,
-        partition_by=_names(values["partition_by"] or [], "output.partition_by"),
-        num_files=_integer(values["num_files"], "output.num_files", low=1, optional=True),
-        include_vectors=include_vectors,
-    )
+    return OutputSpec(path=local_path(path), mode=mode or "error-if-exists", **common)
 
 
 def _incremental(document: dict, join: JoinSpec, output: OutputSpec) -> IncrementalSpec | None:
@@ -607,6 +698,9 @@ def _incremental(document: dict, join: JoinSpec, output: OutputSpec) -> Incremen
     options = join.options
     if options.mode != "exact":
         raise SpecError("incremental", "refreshes exact joins so far; this spec has join.mode: approx")
+    if output.table is not None:
+        raise SpecError("output.table", "an incremental job refreshes an output directory (output.path); "
+                                        "it does not write tables yet")
     if output.mode != "overwrite":
         raise SpecError("output.mode", f"an incremental job replaces its output each run: expected "
                                        f"overwrite, got {output.mode!r}")
@@ -651,7 +745,37 @@ def load_profile(name: Any) -> tuple[str, dict[str, str]]:
     return name, _spark_settings(document, f"spark_profile {name}")
 
 
-def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
+# The embedded catalog a spec that uses a table gets when its Spark settings name none: Spark's
+# own Hive catalog, its metastore in an embedded Derby database and its tables' files in a
+# warehouse directory, both under data/ of the working directory (as relative paths are).
+WAREHOUSE_DIR = "data/warehouse"
+METASTORE_DIR = "data/metastore_db"
+
+
+def catalog_settings(settings: dict[str, str]) -> dict[str, str]:
+    """``settings`` with the embedded catalog's, unless they configure a catalog themselves.
+
+    A profile or spec that sets ``spark.sql.catalogImplementation`` owns the catalog's
+    configuration (a cluster's metastore: ``spark.hadoop.hive.metastore.uris``, or the
+    ``hive-site.xml`` that ``spark-submit`` puts on the classpath) and gets nothing added.
+    Otherwise: a Hive catalog, an embedded Derby metastore in ``data/metastore_db`` and the
+    warehouse in ``data/warehouse``, both under the working directory, created on first use.
+    """
+    if "spark.sql.catalogImplementation" in settings:
+        return dict(settings)
+    metastore, warehouse = os.path.abspath(METASTORE_DIR), os.path.abspath(WAREHOUSE_DIR)
+    # Derby writes its log to ./derby.log unless told otherwise.
+    java = " ".join(filter(None, [settings.get("spark.driver.extraJavaOptions"),
+                                  f"-Dderby.stream.error.file={os.path.join(os.path.dirname(metastore), 'derby.log')}"]))
+    return {**settings,
+            "spark.sql.catalogImplementation": "hive",
+            "spark.sql.warehouse.dir": settings.get("spark.sql.warehouse.dir", warehouse),
+            "spark.hadoop.javax.jdo.option.ConnectionURL": settings.get(
+                "spark.hadoop.javax.jdo.option.ConnectionURL", f"jdbc:derby:;databaseName={metastore};create=true"),
+            "spark.driver.extraJavaOptions": java}
+
+
+def parse_spec(document: Any, source: str = "<spec>", parameters: dict[str, str] | None = None) -> JobSpec:
     """Validate a parsed YAML document and return the :class:`JobSpec` it describes.
 
     Raises
@@ -666,20 +790,29 @@ def parse_spec(document: Any, source: str = "<spec>") -> JobSpec:
     target = _input(_section(document, "target", _SIDE_KEYS), "target")
     join = _join(_section(document, "join", _JOIN_KEYS))
     output = _output(_section(document, "output", _OUTPUT_KEYS))
+    for side in (query, target):
+        if output.table is not None and side.table is not None and side.table.lower() == output.table.lower():
+            raise SpecError("output.table", f"{output.table!r} is also the {side.side} input; write the "
+                                            "output to another table")
     incremental = _incremental(document, join, output)
     profile, settings = load_profile(document.get("spark_profile") or "local")
     settings.update(_spark_settings(document.get("spark"), "spark"))
+    if any(x is not None for x in (query.table, target.table, output.table)):
+        settings = catalog_settings(settings)
     name = document.get("name") or Path(source).stem
     if not isinstance(name, str):
         raise SpecError("name", f"expected a string, got {describe(name)}")
     return JobSpec(
         name=name, source=source, query=query, target=target, join=join, output=output,
         spark_profile=profile, spark_settings=settings, document=document, incremental=incremental,
+        parameters=dict(parameters or {}),
     )
 
 
-def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> JobSpec:
-    """Read the spec file at ``path``, apply ``--set`` overrides, validate.
+def load_spec(path: str | os.PathLike, overrides: list[str] | None = None,
+              params: list[str] | None = None) -> JobSpec:
+    """Read the spec file at ``path``, apply ``--set`` overrides, fill in the ``--param``
+    run parameters (``${run_date}``: :mod:`jobs.params`), validate.
 
     Examples
     --------
@@ -693,7 +826,12 @@ def load_spec(path: str | os.PathLike, overrides: list[str] | None = None) -> Jo
         raise SpecError(source, "the file is empty")
     if not isinstance(document, dict):
         raise SpecError(source, f"a job spec is a YAML mapping, got {describe(document)}")
-    return parse_spec(apply_overrides(document, list(overrides or [])), source)
+    document = apply_overrides(document, list(overrides or []))
+    try:
+        document, used = substitute(document, parse_params(params))
+    except ParameterError as exc:
+        raise SpecError(exc.key, exc.message) from None
+    return parse_spec(document, source, used)
 
 
 # -- filesystem checks (before Spark starts) ---------------------------------------------------
@@ -723,10 +861,11 @@ def check_paths(spec: JobSpec) -> None:
     directory can be created and written. Non-local inputs (``s3a://``, ``hdfs://``) are
     checked by Spark.
     """
-    output = Path(spec.output.path)
+    # A table output's location is the catalog's: jobs.tables checks it once Spark runs.
+    output = Path(spec.output.path) if spec.output.path is not None else None
     # Where the output really is: through a symlink (`qlink/out` with qlink -> in/q) an
     # output can sit inside an input whose path looks unrelated, and the reverse.
-    outputs = (output, _real(output))
+    outputs = (output, _real(output)) if output is not None else ()
     for side in (spec.query, spec.target):
         for pattern in side.paths:
             if not is_local(pattern):
@@ -737,6 +876,8 @@ def check_paths(spec: JobSpec) -> None:
             if not matches:
                 what = "no file or directory matches" if _has_magic(pattern) else "does not exist:"
                 raise SpecError(f"{side.side}.path", f"{what} {pattern!r}")
+            if output is None:
+                continue
             clash = next((m for m in matches
                           if _related(output, m) or _related(outputs[1], _real(m))), None)
             patterns = {pattern, os.path.realpath(pattern)} if _has_magic(pattern) else set()
@@ -750,6 +891,8 @@ def check_paths(spec: JobSpec) -> None:
                     f"{str(clash or pattern)!r}; write the output somewhere that is neither an "
                     "input nor inside or around one",
                 )
+    if output is None:
+        return
     if spec.incremental is not None and spec.incremental.state is not None:
         _check_state_path(spec, outputs)
     check_output_target(spec.output)

@@ -132,7 +132,7 @@ BAD = [
     ("typo", lambda d: {**d, "join": {"metric": "l2", "kk": 3}}, "join.kk", "did you mean join.k?"),
     ("top-level typo", lambda d: {**d, "outptu": {}}, "outptu", "did you mean output?"),
     ("write mode", lambda d: {**d, "output": {"path": "/tmp/x", "mode": "append"}}, "output.mode",
-     "expected one of ['overwrite', 'error-if-exists'], got 'append'"),
+     "expected one of ['overwrite', 'error-if-exists', 'overwrite_partitions'], got 'append'"),
     ("object store output", lambda d: {**d, "output": {"path": "s3a://bucket/out"}}, "output.path",
      "not a local filesystem path"),
     ("columns not a list", lambda d: {**d, "query": {**d["query"], "columns": {"a": 1}}},
