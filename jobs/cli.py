@@ -59,6 +59,14 @@ def _add_set(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_param(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--param", action="append", default=[], metavar="NAME=VALUE",
+        help="a run parameter, written ${NAME} in the spec's strings, e.g. --param run_date=2026-12-03 "
+             "(run_date defaults to today, UTC)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nearest-join",
@@ -73,12 +81,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a job spec and publish its output atomically")
     run.add_argument("spec", help="the job spec (YAML)")
     _add_set(run)
+    _add_param(run)
     run.set_defaults(handler=_run)
 
     explain = commands.add_parser("explain", help="print the plan a job would take, run nothing")
     explain.add_argument("spec", help="the job spec (YAML)")
     explain.add_argument("--json", action="store_true", help="print the plan as JSON")
     _add_set(explain)
+    _add_param(explain)
     explain.set_defaults(handler=_explain)
 
     demo = commands.add_parser("demo", help="generate the demo data if absent and run conf/demo.yaml")
@@ -101,8 +111,8 @@ def _session(spec, submitted: bool):
 def _run(args, submitted: bool) -> int:
     from .runner import format_summary, run_job, start_kernel_warm_up
 
-    spec = load_spec(args.spec, args.set)
-    args.output_path = spec.output.path
+    spec = load_spec(args.spec, args.set, args.param)
+    args.output_path = spec.output.target
     check_paths(spec)  # before Spark starts: a missing input fails in a second, not a minute
     start_kernel_warm_up(spec, submitted)
     with _session(spec, submitted) as spark:
@@ -114,20 +124,31 @@ def _run(args, submitted: bool) -> int:
 def _explain(args, submitted: bool) -> int:
     from .runner import explain_job
 
-    spec = load_spec(args.spec, args.set)
+    spec = load_spec(args.spec, args.set, args.param)
     check_paths(spec)
     if spec.incremental is not None:
         return _explain_refresh(spec, args, submitted)
     with _session(spec, submitted) as spark:
-        prepared = explain_job(spec, spark)
+        prepared, table = explain_job(spec, spark)
     described = prepared.plan.to_dict()
+    output = table.describe() if table is not None else [spec.output.path]
     if args.json:
+        described["job"] = {"parameters": spec.parameters,
+                            "inputs": {s.side: s.source for s in (spec.query, spec.target)},
+                            "output": output, "partition_values": dict(spec.output.partition_values)}
         print(json.dumps(described, indent=2, sort_keys=True, default=str))
         return EXIT_OK
     print(f"nearest-join: job {spec.name!r} ({spec.source}) would run:")
-    print(f"  query   {prepared.query_rows:,} rows <- {', '.join(spec.query.paths)}")
-    print(f"  target  {prepared.target_rows:,} rows <- {', '.join(spec.target.paths)}")
-    print(f"  output  {spec.output.path} (mode {spec.output.mode})")
+    if spec.parameters:
+        print("  params  " + ", ".join(f"{k}={v}" for k, v in sorted(spec.parameters.items())))
+    for side, rows in ((spec.query, prepared.query_rows), (spec.target, prepared.target_rows)):
+        where = f" where {side.where}" if side.where else ""
+        print(f"  {side.side:<7} {rows:,} rows <- {side.source}{where}")
+    values = ", ".join(f"{k}={v}" for k, v in spec.output.partition_values)
+    print(f"  output  {output[0]} (mode {spec.output.mode}"
+          + (f"; this run's partition values: {values}" if values else "") + ")")
+    for line in output[1:]:
+        print(f"  {line}")
     print(str(prepared.plan))
     return EXIT_OK
 

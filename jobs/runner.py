@@ -28,7 +28,8 @@ from typing import Any, Iterator
 
 from .inputs import check_parquet_input
 from .output import StagedOutput, data_files
-from .spec import STATE_DIR, JobSpec, SpecError, check_paths, is_local, local_path, option_key, redact_settings
+from .tables import OutputTable, TableWrite, ordered_result, read_table, require_catalog, resolve_output
+from .spec import STATE_DIR, SUMMARY_FILE, JobSpec, SpecError, check_paths, is_local, local_path, option_key, redact_settings
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,8 @@ def _vector_dtype(side) -> str | None:
 
     from .inputs import parquet_files
 
+    if side.table is not None or side.format != "parquet":
+        return None   # known once Spark reads it
     path = side.paths[0]
     if not is_local(path):
         return None
@@ -256,22 +259,28 @@ def _input_errors(spec: JobSpec) -> Iterator[None]:
 
 
 def _read_side(spark, side, schema=None) -> Any:
-    """Read one input (with ``schema``, its footers' when they settle it: no Spark job to read
-    one), filter, select and prefix its columns; errors name the spec key."""
+    """Read one input (a table by name, or its paths in their format: Parquet with ``schema``,
+    its footers' when they settle it: no Spark job to read one), filter, select and prefix its
+    columns; errors name the spec key."""
     from pyspark.errors import AnalysisException
     from pyspark.sql import functions as F
 
     from nearest_join.ranking import quote
 
-    try:
-        reader = spark.read if schema is None else spark.read.schema(schema)
-        df = reader.parquet(*side.paths)
-    except AnalysisException as exc:
-        raise SpecError(f"{side.side}.path", f"cannot read Parquet: {_first_line(exc)}") from None
+    if side.table is not None:
+        df = read_table(spark, side)
+    else:
+        try:
+            reader = spark.read if schema is None else spark.read.schema(schema)
+            df = (reader.parquet(*side.paths) if side.format == "parquet"
+                  else reader.format(side.format).load(list(side.paths)))
+        except AnalysisException as exc:
+            raise SpecError(f"{side.side}.path",
+                            f"cannot read {side.format.upper()}: {_first_line(exc)}") from None
     if side.vector not in df.columns:
         raise SpecError(
             f"{side.side}.vector",
-            f"column {side.vector!r} not found in {', '.join(side.paths)}; columns: {df.columns}",
+            f"column {side.vector!r} not found in {side.source}; columns: {df.columns}",
         )
     _check_vector_type(df, side)
     if side.where:
@@ -284,7 +293,7 @@ def _read_side(spark, side, schema=None) -> Any:
         if missing:
             raise SpecError(
                 f"{side.side}.columns",
-                f"column(s) {missing} not found in {', '.join(side.paths)}; columns: {df.columns}",
+                f"column(s) {missing} not found in {side.source}; columns: {df.columns}",
             )
         keep = list(side.columns) + ([side.vector] if side.vector not in side.columns else [])
         df = df.select(*[F.col(quote(c)) for c in keep])
@@ -310,7 +319,7 @@ def _check_output_columns(spec: JobSpec, query, target) -> None:
     extra = [(distance_col, "join.distance_col")] if distance_col else []
     names = [(c, "query.columns") for c in query.columns] + [
         (c, "target.columns") for c in target.columns
-    ] + extra
+    ] + extra + [(c, "output.partition_values") for c, _ in spec.output.partition_values]
     for name, key in names:
         if name in seen:
             raise SpecError(
@@ -336,7 +345,7 @@ def _check_key_columns(spec: JobSpec, query, target) -> None:
             if side.prefix + name in df.columns:
                 continue
             kept = [c[len(side.prefix):] for c in df.columns]
-            where = f"{side.side}.columns" if side.columns is not None else f"{', '.join(side.paths)}"
+            where = f"{side.side}.columns" if side.columns is not None else side.source
             raise SpecError("join.on", f"column {name!r} not found in the {side.side} input ({where}); "
                                        f"its columns: {kept}")
 
@@ -358,12 +367,14 @@ def _library_error(exc: BaseException) -> SpecError | None:
 def read_inputs(spec: JobSpec, spark, phases: _Phases) -> tuple[Any, Any]:
     """Validate paths, read both inputs and check their columns (the ``read`` phase)."""
     check_paths(spec)
+    if spec.uses_tables:
+        require_catalog(spark)
     with phases("read"), _input_errors(spec):
         # Every file's footer, before Spark takes a schema from one file of either side.
-        query_schema = check_parquet_input(spec.query)
+        query_schema = check_parquet_input(spec.query) if spec.query.format == "parquet" else None
         # a self-join reads one input twice
-        target_schema = (check_parquet_input(spec.target) if spec.target.paths != spec.query.paths
-                         else query_schema)
+        target_schema = (None if spec.target.format != "parquet" else check_parquet_input(spec.target)
+                         if spec.target.paths != spec.query.paths else query_schema)
         query = _read_side(spark, spec.query, query_schema)
         target = _read_side(spark, spec.target, target_schema)
         if FIRST_MATCH in query.columns or FIRST_MATCH in target.columns:
@@ -444,18 +455,15 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
         is written), or a ragged vector or unreadable input file found while searching
         (nothing is published).
     jobs.output.OutputBusyError
-        Another run is writing the same output path (found before any input is read).
+        Another run is writing the same output path or table (found before any input is read).
     """
-    from pyspark.sql import Observation
-    from pyspark.sql import functions as F
-
-    from nearest_join.planner import describe_precision
-
     started_at, start = _now(), time.perf_counter()
     phases = _Phases()
     with contextlib.ExitStack() as stack:
         # The lock before the inputs: a run whose output is busy or cannot be written fails
         # in seconds, not after the search. prepare() re-checks the output under the lock.
+        if spec.output.table is not None:
+            return _run_into_table(spec, spark, stack, phases, started_at, start)
         staged = _lock_output(spec, stack)
         if spec.incremental is not None:
             summary, run = _run_incremental(spec, spark, staged, phases, started_at, start)
@@ -469,56 +477,106 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
             finally:
                 run.discard()   # nothing once committed
             return summary
-        prepared = prepare(spec, spark, phases)
-        counted = Observation("nearest_join_rows")
-        planned = prepared.planned
-        # Without output.include_vectors the executors emit no vector (not dropped after).
-        keep = spec.output.include_vectors
-        joined = planned.dataframe(
-            first_match_column=FIRST_MATCH,
-            query_columns=[i for i, name in enumerate(planned.query.columns)
-                           if keep or name != prepared.query_vector],
-            target_columns=[i for i, name in enumerate(planned.target.columns)
-                            if keep or name != prepared.target_vector],
-        ).observe(counted, F.count(F.lit(1)).alias("rows"), F.sum(FIRST_MATCH).alias("matched"))
-        result = joined.drop(FIRST_MATCH)
-        with phases("search+write") as facts:
-            try:
-                write_parquet(result, str(staged.staging), spec.output.partition_by,
-                              spec.output.num_files)
-            except Exception as exc:  # a ragged row surfaces as a failed Spark job
-                # An executor's error reaches the driver as the text of a failed job.
-                if "VECTOR_DIMENSION_MISMATCH" in str(exc):
-                    raise SpecError(
-                        option_key("vectors"),
-                        "a row's vector has another dimension than the rest "
-                        "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
-                        "query.where: size(vec) = 64",
-                    ) from exc
-                unreadable = _unreadable_input(exc, spec)
-                if unreadable is not None:
-                    raise unreadable from None
-                raise
-            counts = counted.get
-            facts["output rows"] = output_rows = int(counts["rows"])
-            facts["queries without candidates"] = unmatched = \
-                prepared.query_rows - int(counts["matched"] or 0)
-            facts["files"] = files = len(data_files(staged.staging))
-        search_s = phases.seconds["search+write"]
-        pairs = prepared.query_rows * prepared.target_rows
-        plan = prepared.plan.to_dict()
-        summary = _summary(
-            spec, phases, started_at, start, input_rows=(prepared.query_rows, prepared.target_rows),
-            output_rows=output_rows, files=files, queries_without_candidates=unmatched, plan=plan,
-            backend=plan.get("backend"),
-            # What the plan asked for; "auto" is resolved by each executor for its device
-            # (the driver is not told which one ran: see describe_precision's words).
-            precision=plan.get("precision"),
-            precision_runs=describe_precision(plan.get("backend"), plan.get("precision")),
-            pairs=pairs, pairs_per_s=round(pairs / search_s, 1) if search_s > 0 else None)
+        summary = _search_and_write(spec, spark, staged.staging, phases, started_at, start)
         with phases("commit"):
             staged.publish(summary)
     return summary
+
+
+def _run_into_table(spec: JobSpec, spark, stack: contextlib.ExitStack, phases: _Phases, started_at: str,
+                    start: float) -> dict[str, Any]:
+    """A run whose output is a catalog table (:mod:`jobs.tables`): the table checked and
+    locked before the inputs are read, the result checked against its columns before the
+    write, then the write into the staging directory and the switch of its partitions."""
+    table = resolve_output(spark, spec)
+    writer = TableWrite(spark, table, spec)
+    try:
+        stack.enter_context(writer)
+    except OSError as exc:
+        if exc.errno not in _UNWRITABLE:
+            raise
+        raise SpecError("output.table", f"cannot write beside {str(table.root)!r} ({spec.output.table}'s "
+                                        f"location): {exc.strerror}") from None
+    checked: dict[str, Any] = {}
+
+    def check(result):
+        result, checked["new_columns"] = ordered_result(result, table, spec)
+        checked["schema"] = result.schema
+        return result
+
+    summary = _search_and_write(spec, spark, writer.staging, phases, started_at, start, check=check)
+    summary["output"].update(location=str(writer.run_dir), table_created=not table.exists)
+    with phases("commit"):
+        writer.commit(summary, checked["new_columns"], checked["schema"])
+    return summary
+
+
+def _with_partition_values(result, spec: JobSpec):
+    """``output.partition_values``: a constant string column each, on every output row."""
+    from pyspark.sql import functions as F
+
+    for name, value in spec.output.partition_values:
+        result = result.withColumn(name, F.lit(value))
+    return result
+
+
+def _search_and_write(spec: JobSpec, spark, staging, phases: _Phases, started_at: str, start: float,
+                      check=None) -> dict[str, Any]:
+    """Read, plan, then search and write the result into ``staging`` in one Spark job; returns
+    the run's summary. ``check`` may check and reorder the result before it is written."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    from nearest_join.planner import describe_precision
+
+    prepared = prepare(spec, spark, phases)
+    counted = Observation("nearest_join_rows")
+    planned = prepared.planned
+    # Without output.include_vectors the executors emit no vector (not dropped after).
+    keep = spec.output.include_vectors
+    joined = planned.dataframe(
+        first_match_column=FIRST_MATCH,
+        query_columns=[i for i, name in enumerate(planned.query.columns)
+                       if keep or name != prepared.query_vector],
+        target_columns=[i for i, name in enumerate(planned.target.columns)
+                        if keep or name != prepared.target_vector],
+    ).observe(counted, F.count(F.lit(1)).alias("rows"), F.sum(FIRST_MATCH).alias("matched"))
+    result = _with_partition_values(joined.drop(FIRST_MATCH), spec)
+    if check is not None:
+        result = check(result)
+    with phases("search+write") as facts:
+        try:
+            write_parquet(result, str(staging), spec.output.partition_by, spec.output.num_files)
+        except Exception as exc:  # a ragged row surfaces as a failed Spark job
+            # An executor's error reaches the driver as the text of a failed job.
+            if "VECTOR_DIMENSION_MISMATCH" in str(exc):
+                raise SpecError(
+                    option_key("vectors"),
+                    "a row's vector has another dimension than the rest "
+                    "(VECTOR_DIMENSION_MISMATCH); fix the input or filter it, e.g. "
+                    "query.where: size(vec) = 64",
+                ) from exc
+            unreadable = _unreadable_input(exc, spec)
+            if unreadable is not None:
+                raise unreadable from None
+            raise
+        counts = counted.get
+        facts["output rows"] = output_rows = int(counts["rows"])
+        facts["queries without candidates"] = unmatched = \
+            prepared.query_rows - int(counts["matched"] or 0)
+        facts["files"] = files = len(data_files(staging))
+    search_s = phases.seconds["search+write"]
+    pairs = prepared.query_rows * prepared.target_rows
+    plan = prepared.plan.to_dict()
+    return _summary(
+        spec, phases, started_at, start, input_rows=(prepared.query_rows, prepared.target_rows),
+        output_rows=output_rows, files=files, queries_without_candidates=unmatched, plan=plan,
+        backend=plan.get("backend"),
+        # What the plan asked for; "auto" is resolved by each executor for its device
+        # (the driver is not told which one ran: see describe_precision's words).
+        precision=plan.get("precision"),
+        precision_runs=describe_precision(plan.get("backend"), plan.get("precision")),
+        pairs=pairs, pairs_per_s=round(pairs / search_s, 1) if search_s > 0 else None)
 
 
 def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases, started_at: str,
@@ -551,7 +609,8 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
             changes = run.changes
             facts["refresh"] = changes.refreshed
             facts["queries searched whole"] = changes.queries_searched_whole
-        result = run.result if spec.output.include_vectors else run.result.drop(q_vector, t_vector)
+        result = _with_partition_values(
+            run.result if spec.output.include_vectors else run.result.drop(q_vector, t_vector), spec)
         with phases("write") as facts:
             write_parquet(result, str(staged.staging), spec.output.partition_by, spec.output.num_files)
             files = len(data_files(staged.staging))
@@ -599,9 +658,11 @@ def _summary(spec: JobSpec, phases: _Phases, started_at: str, start: float, *, i
         # compiling, or loading cached, kernels beside the other phases.
         "kernel_warm_up_s": round(warm_up[0], 3),
         "kernel_compile_s": round(warm_up[1], 3),   # the rest: loading numba's cache
-        "output": {"path": spec.output.path, "files": files, "partition_by": list(spec.output.partition_by),
-                   "mode": spec.output.mode},
-        "inputs": {"query": list(spec.query.paths), "target": list(spec.target.paths)},
+        "output": {**({"table": spec.output.table} if spec.output.table else {"path": spec.output.path}),
+                   "files": files, "partition_by": list(spec.output.partition_by), "mode": spec.output.mode},
+        "inputs": {side.side: [f"table {side.table}"] if side.table else list(side.paths)
+                   for side in (spec.query, spec.target)},
+        "parameters": dict(spec.parameters or {}),
         "spark_settings": redact_settings(spec.spark_settings),
         "spec": spec.redacted_document(),
     }
@@ -624,9 +685,11 @@ def _lock_output(spec: JobSpec, stack: contextlib.ExitStack) -> StagedOutput:
     return staged
 
 
-def explain_job(spec: JobSpec, spark) -> Prepared:
-    """Everything a run does before searching: the plan, without running the join."""
-    return prepare(spec, spark)
+def explain_job(spec: JobSpec, spark) -> tuple[Prepared, OutputTable | None]:
+    """Everything a run does before searching: the plan, and the output table as the catalog
+    has it (None for a path output), without running the join."""
+    table = resolve_output(spark, spec) if spec.output.table is not None else None
+    return prepare(spec, spark), table
 
 
 def _incremental_arguments(spec: JobSpec) -> dict[str, Any]:
@@ -672,6 +735,14 @@ def _warm_up_text(seconds: float, compiling: float) -> str:
             f"{compiling:.2f} s, loading numba's cache {seconds - compiling:.2f} s")
 
 
+def _output_text(output: dict[str, Any]) -> str:
+    if "table" not in output:
+        return output["path"]
+    changed = ", ".join(("replaced " if p["replaced"] else "added ") + "/".join(f"{k}={v}" for k, v in p["partition"].items())
+                        for p in output.get("partitions", []))
+    return f"table {output['table']}" + (f" ({changed})" if changed else "")
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The one-screen summary the CLI prints at the end of a run."""
     rows = summary["input_rows"]
@@ -688,8 +759,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{plan.get('metric')} | k {plan.get('k')} | mode {plan.get('mode')} | "
         f"join {plan.get('join_type')}",
         f"  output       {summary['output_rows']:,} rows in {summary['output']['files']} files"
-        f"  -> {summary['output']['path']}",
+        f"  -> {_output_text(summary['output'])}",
     ]
+    if summary.get("parameters"):
+        lines.append("  parameters   " + ", ".join(f"{k}={v}" for k, v in sorted(summary["parameters"].items())))
     incremental = summary.get("incremental")
     if incremental is not None:
         what = ("refreshed" if incremental["refreshed"] else f"full run ({incremental['reason']})")
@@ -707,6 +780,6 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += [
         f"  phases       {phases}",
         f"  kernels      {_warm_up_text(summary.get('kernel_warm_up_s', 0.0), summary.get('kernel_compile_s', 0.0))}",
-        f"  summary      {os.path.join(summary['output']['path'], '_nearest_join_summary.json')}",
+        f"  summary      {os.path.join(summary['output'].get('location') or summary['output']['path'], SUMMARY_FILE)}",
     ]
     return "\n".join(lines)
