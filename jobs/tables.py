@@ -39,7 +39,8 @@ from .spec import SUMMARY_FILE, InputSpec, JobSpec, SpecError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RUN_PREFIX", "WRITER_PROPERTY", "OutputTable", "read_table", "resolve_output", "require_catalog"]
+__all__ = ["RUN_PREFIX", "WRITER_PROPERTY", "OutputTable", "TableWrite", "list_partitions", "ordered_result",
+           "read_table", "resolve_output", "require_catalog"]
 
 RUN_PREFIX = "nj-run-"
 # Set on the tables nearest-join creates; a run writes only into such a table.
@@ -133,7 +134,9 @@ def _partition_name(columns, values) -> str:
     return "/".join(f"{c}={v}" for c, v in zip(columns, values))
 
 
-def _list_partitions(spark, name: str, partition_by) -> dict[tuple[str, ...], str]:
+def list_partitions(spark, name: str, partition_by) -> dict[tuple[str, ...], str]:
+    """{partition values in ``partition_by``'s order: location URI} of the table ``name``, in
+    one call to the catalog (``SHOW PARTITIONS`` has no locations)."""
     jvm = spark._jvm
     catalog = spark._jsparkSession.sessionState().catalog()
     convert = jvm.scala.jdk.javaapi.CollectionConverters
@@ -170,7 +173,7 @@ def resolve_output(spark, spec: JobSpec) -> OutputTable:
                                                    f"spec says {list(output.partition_by)}")
         location = metadata.location().toString()
         columns = [(f.name, f.dataType.simpleString()) for f in spark.table(name).schema.fields]
-        partitions = _list_partitions(spark, name, partitioned)
+        partitions = list_partitions(spark, name, partitioned)
         exists = True
     else:
         if database is not None and spark.catalog.databaseExists(database):
@@ -264,7 +267,7 @@ class TableWrite:
         if not self.table.root.is_dir():
             return
         if self.table.exists:
-            self.table.partitions = _list_partitions(self.spark, self.table.name, self.table.partition_by)
+            self.table.partitions = list_partitions(self.spark, self.table.name, self.table.partition_by)
         used = {os.path.normpath(p) for p in map(_local, self.table.partitions.values()) if p}
         for run_dir in sorted(self.table.root.glob(f"{RUN_PREFIX}*")):
             if not run_dir.is_dir():
