@@ -50,7 +50,7 @@ with spark_session(settings, app_name="nearest-join tables test", show_progress=
     spark.sparkContext.setLogLevel("ERROR")
     for kind, arg in steps:
         if kind == "sql":
-            results.append(spark.sql(arg).count() and None)
+            results.append([list(row) for row in spark.sql(arg).collect()])
         elif kind == "rows":
             results.append(sorted(([r.id, r.t_id, r.run_date] for r in spark.table(arg).collect()), key=str)
                            if spark.catalog.tableExists(arg) else None)
@@ -197,13 +197,18 @@ def test_two_nights_into_a_partitioned_table(tmp_path):
     # completes night 2 (and removes what the killed one left); a third run of night 2 (k=2)
     # replaces its partition; a result whose columns changed exits 2.
     run_2 = ["run", str(spec), "--param", f"run_date={NIGHT_2}"]
-    rows_1, explained, rerun, partitions_2, rows_2, replace, changed, partitions, rows = _in_catalog(base, spec, [
+    (rows_1, explained, rerun, partitions_2, rows_2, replace, changed, partitions, rows, added,
+     days, final) = _in_catalog(base, spec, [
         ["rows", "nj.similar"],
         ["main", ["explain", str(spec), "--param", f"run_date={NIGHT_2}"]],
         ["main", run_2], ["partitions", "nj.similar"], ["rows", "nj.similar"],
         ["main", run_2 + ["--set", "join.k=2"]],
         ["main", run_2 + ["--set", "query.columns=[id,day]"]],
-        ["partitions", "nj.similar"], ["rows", "nj.similar"]])
+        ["partitions", "nj.similar"], ["rows", "nj.similar"],
+        # ... unless the spec allows new columns: older partitions read them as null
+        ["main", run_2 + ["--set", "query.columns=[id,day]", "--set", "output.schema_change=add_columns"]],
+        ["sql", "SELECT run_date, count(day) FROM nj.similar GROUP BY run_date ORDER BY run_date"],
+        ["partitions", "nj.similar"]])
     assert rows_1 == nights.expected(NIGHT_1, 3)
     assert explained["code"] == 0, explained["err"][-3000:]
     for line in ("  params  run_date=2026-12-04",
@@ -222,11 +227,13 @@ def test_two_nights_into_a_partitioned_table(tmp_path):
                                      "new ['day string']; set output.schema_change: add_columns") in changed["err"]
     assert rows == sorted(nights.expected(NIGHT_1, 3) + nights.expected(NIGHT_2, 2), key=str)
     assert partitions[NIGHT_1] == f"file:{partition_1}" and partitions[NIGHT_2] != partitions_2[NIGHT_2]
-    # Night 1's files byte for byte; the replaced partition's files are gone, and so is every
+    assert added["code"] == 0, added["err"][-3000:]
+    assert days == [[NIGHT_1, 0], [NIGHT_2, 25 * 3]]
+    # Night 1's files byte for byte; the replaced partitions' files are gone, and so is every
     # directory no partition points at.
-    assert _files(partition_1) == night_1_files
+    assert final[NIGHT_1] == f"file:{partition_1}" and _files(partition_1) == night_1_files
     assert sorted(p.name for p in table_dir.iterdir()) == sorted(
-        Path(location[len("file:"):]).parent.name for location in partitions.values())
+        Path(location[len("file:"):]).parent.name for location in final.values())
     # beside it, only the lock file (no staging directory)
     assert [p.name for p in table_dir.parent.iterdir() if p.name.startswith(".similar")] == [".similar.nj-lock"]
 
