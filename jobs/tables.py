@@ -315,15 +315,14 @@ class TableWrite:
         fsync_path(table.root)
         # The switch: one metastore call per statement. New partitions are added together; each
         # replaced one gets its new location in one call of its own.
-        clause = lambda v: ", ".join(f"{_quote(c)} = {_literal(x)}" for c, x in zip(table.partition_by, v))  # noqa: E731
         added = [c for c in changes if c["replaced"] is None]
         if added:
             spark.sql(f"ALTER TABLE {_sql_name(table.name)} ADD " + " ".join(
-                f"PARTITION ({clause(tuple(c['partition'].values()))}) LOCATION {_literal(c['location'])}"
+                f"PARTITION ({_partition_clause(c['partition'])}) LOCATION {_literal(c['location'])}"
                 for c in added))
         for change in changes:
             if change["replaced"] is not None:
-                spark.sql(f"ALTER TABLE {_sql_name(table.name)} PARTITION ({clause(tuple(change['partition'].values()))}) "
+                spark.sql(f"ALTER TABLE {_sql_name(table.name)} PARTITION ({_partition_clause(change['partition'])}) "
                           f"SET LOCATION {_literal(change['location'])}")
         table.exists = True
         spark.catalog.refreshTable(table.name)
@@ -344,6 +343,11 @@ class TableWrite:
             f"PARTITIONED BY ({', '.join(f'{_quote(f.name)} {f.dataType.simpleString()}' for f in partitions)}) "
             f"STORED AS PARQUET TBLPROPERTIES ({_literal(WRITER_PROPERTY)} = 'nearest-join')")
         logger.info("created table %s", table.name)
+
+
+def _partition_clause(values: dict[str, str]) -> str:
+    """``col = 'value', ...`` of a PARTITION (...) clause (Spark casts the strings to the columns' types)."""
+    return ", ".join(f"{_quote(column)} = {_literal(value)}" for column, value in values.items())
 
 
 def _leaves(run_dir: Path, depth: int) -> list[str]:

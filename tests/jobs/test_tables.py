@@ -197,10 +197,11 @@ def test_two_nights_into_a_partitioned_table(tmp_path):
     # completes night 2 (and removes what the killed one left); a third run of night 2 (k=2)
     # replaces its partition; a result whose columns changed exits 2.
     run_2 = ["run", str(spec), "--param", f"run_date={NIGHT_2}"]
-    (rows_1, explained, rerun, partitions_2, rows_2, replace, changed, partitions, rows, added,
+    (rows_1, explained, as_json, rerun, partitions_2, rows_2, replace, changed, partitions, rows, added,
      days, final) = _in_catalog(base, spec, [
         ["rows", "nj.similar"],
         ["main", ["explain", str(spec), "--param", f"run_date={NIGHT_2}"]],
+        ["main", ["explain", str(spec), "--json", "--param", f"run_date={NIGHT_2}"]],
         ["main", run_2], ["partitions", "nj.similar"], ["rows", "nj.similar"],
         ["main", run_2 + ["--set", "join.k=2"]],
         ["main", run_2 + ["--set", "query.columns=[id,day]"]],
@@ -218,6 +219,10 @@ def test_two_nights_into_a_partitioned_table(tmp_path):
                  "(mode overwrite_partitions; this run's partition values: run_date=2026-12-04)",
                  f"      run_date=2026-12-03 -> file:{partition_1}"):
         assert line in explained["out"].splitlines(), explained["out"]
+    job = json.loads(as_json["out"])["job"]
+    assert job["parameters"] == {"run_date": NIGHT_2} and job["partition_values"] == {"run_date": NIGHT_2}
+    assert job["inputs"] == {"query": "table src.query", "target": "table src.target"}
+    assert job["output"][1] == f"    run_date=2026-12-03 -> file:{partition_1}"
     assert rerun["code"] == 0, rerun["err"][-3000:]
     assert not list(table_dir.parent.glob(".similar.nj-staging-*"))
     assert partitions_2[NIGHT_1] == f"file:{partition_1}"
