@@ -28,6 +28,7 @@ committer and a pointer that readers follow, swapped once the write is complete.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
