@@ -166,8 +166,10 @@ def _explain_refresh(spec, args, submitted: bool) -> int:
         print(json.dumps(dataclasses.asdict(plan), indent=2, sort_keys=True))
         return EXIT_OK
     print(f"nearest-join: job {spec.name!r} ({spec.source}) would run:")
-    print(f"  query   <- {', '.join(spec.query.paths)}")
-    print(f"  target  <- {', '.join(spec.target.paths)}")
+    if spec.parameters:
+        print("  params  " + ", ".join(f"{k}={v}" for k, v in sorted(spec.parameters.items())))
+    print(f"  query   <- {spec.query.source}")
+    print(f"  target  <- {spec.target.source}")
     print(f"  output  {spec.output.path} (mode {spec.output.mode})")
     print(str(plan))
     return EXIT_OK

@@ -118,7 +118,7 @@ BAD = [
     ("bad schema_change", dict(sets=["output.schema_change=drop"]), "output.schema_change",
      "expected one of ['error', 'add_columns'], got 'drop'"),
     ("incremental into a table", dict(change=lambda d: d.update(incremental={"query_id": "id", "target_id": "id"})),
-     "output.table", "an incremental job keeps its state inside its output directory"),
+     "output.table", "an incremental job refreshes an output directory (output.path); it does not write tables yet"),
 ]
 
 
