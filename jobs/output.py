@@ -13,7 +13,13 @@ are flushed to disk, and only then does the staging directory take the final nam
   the next run puts it back (see :func:`_recover`).
 
 So readers of the final path see the old table or the new one, never a mix, and a run that
-fails or is killed leaves the old table as it was. Hidden names (leading dot) keep staging
+fails or is killed leaves the old table as it was.
+
+``output.mode: overwrite_partitions`` (a partitioned output that exists) replaces only the
+partition directories the run wrote (:meth:`StagedOutput.publish_partitions`): each one in one
+step as above, the others untouched; a reader of the whole directory may see some of the run's
+partitions new and others still old while they are swapped one after another, and a run killed
+among the swaps leaves each partition whole (the next run of the same night completes it). Hidden names (leading dot) keep staging
 directories out of Spark's and Hive's directory listings.
 
 One run at a time may write a given output: an exclusive ``flock`` on ``.NAME.nj-lock``
@@ -194,12 +200,62 @@ class StagedOutput:
         self.published = True
         return self.final
 
+    def publish_partitions(self, summary: dict[str, Any], partition_by: tuple[str, ...],
+                           fixed: dict[str, str] | None = None) -> list[str]:
+        """Replace, inside the existing output, only the partition directories the staging
+        directory holds (``col=value/...``, ``len(partition_by)`` deep), each in one step; then
+        the summary and ``_SUCCESS``. Without an output yet, :meth:`publish`. ``fixed``: partition
+        values every row of the run has (``output.partition_values``): a run without rows
+        empties that partition. Returns the partitions written (``col=value/...``)."""
+        self.staging.mkdir(exist_ok=True)  # an empty result may not create it
+        leaves = partition_dirs(self.staging, len(partition_by))
+        if not leaves and fixed and all(c in fixed for c in partition_by):
+            leaf = "/".join(f"{c}={escape_partition_value(fixed[c])}" for c in partition_by)
+            (self.staging / leaf).mkdir(parents=True)
+            leaves = [leaf]
+        summary.setdefault("output", {})["partitions"] = leaves
+        if not os.path.lexists(self.final):
+            self.publish(summary)
+            return leaves
+        for leaf in leaves:
+            fsync_path(self.staging / leaf)
+        for leaf in leaves:
+            target = self.final / leaf
+            target.parent.mkdir(parents=True, exist_ok=True)
+            replace_directory(self.staging / leaf, target)
+        for name, text in ((SUMMARY_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n"), (SUCCESS_FILE, "")):
+            written = self.final / f".{name}.{self.run_id}"
+            written.write_text(text)
+            fsync_path(written)
+            os.replace(written, self.final / name)
+        fsync_path(self.final)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        self.published = True
+        return leaves
+
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if not self.published and os.path.lexists(self.staging):
                 shutil.rmtree(self.staging, ignore_errors=True)
         finally:
             self._release()
+
+
+def partition_dirs(directory: Path, depth: int) -> list[str]:
+    """The ``col=value/...`` directories ``depth`` deep under ``directory`` (as Spark's
+    partitioned write lays them out), relative, sorted."""
+    pattern = "/".join(["*=*"] * depth)
+    return sorted(str(p.relative_to(directory)) for p in Path(directory).glob(pattern)
+                  if p.is_dir() and not any(part.startswith((".", "_")) for part in p.relative_to(directory).parts))
+
+
+# What Spark escapes in a partition directory's name (ExternalCatalogUtils.escapePathName).
+_ESCAPED = set('"#%\'*/:=?\\\x7f{[]^') | {chr(c) for c in range(0x20)}
+
+
+def escape_partition_value(value: str) -> str:
+    """``value`` as Spark names a partition directory after it (``%XX`` escapes)."""
+    return "".join(f"%{ord(c):02X}" if c in _ESCAPED else c for c in value)
 
 
 def data_files(directory: Path) -> list[Path]:

@@ -479,7 +479,10 @@ def run_job(spec: JobSpec, spark) -> dict[str, Any]:
             return summary
         summary = _search_and_write(spec, spark, staged.staging, phases, started_at, start)
         with phases("commit"):
-            staged.publish(summary)
+            if spec.output.mode == "overwrite_partitions":
+                staged.publish_partitions(summary, spec.output.partition_by, dict(spec.output.partition_values))
+            else:
+                staged.publish(summary)
     return summary
 
 
@@ -670,7 +673,7 @@ def _summary(spec: JobSpec, phases: _Phases, started_at: str, start: float, *, i
 
 def _lock_output(spec: JobSpec, stack: contextlib.ExitStack) -> StagedOutput:
     """Take the output's lock for the rest of ``stack``; an unwritable location is a SpecError."""
-    staged = StagedOutput(spec.output.path, replace=spec.output.mode == "overwrite")
+    staged = StagedOutput(spec.output.path, replace=spec.output.mode in ("overwrite", "overwrite_partitions"))
     try:
         stack.enter_context(staged)
     except OSError as exc:

@@ -181,7 +181,7 @@ class IndexSpec:
 @dataclass(frozen=True)
 class OutputSpec:
     path: str | None                  # absolute local path; None for a table
-    mode: str                         # "overwrite" | "error-if-exists" | "overwrite_partitions" (tables)
+    mode: str                         # "overwrite" | "error-if-exists" | "overwrite_partitions"
     partition_by: tuple[str, ...]
     num_files: int | None
     include_vectors: bool
@@ -676,9 +676,10 @@ def _output(values: dict[str, Any]) -> OutputSpec:
                                                    "{run_date: ${run_date}}")
         return OutputSpec(path=None, table=table, mode="overwrite_partitions", schema_change=schema_change,
                           **common)
-    if mode == "overwrite_partitions":
-        raise SpecError("output.mode", "overwrite_partitions replaces partitions of a catalog table: it needs "
-                                       "output.table (a path output is replaced whole: overwrite)")
+    if mode == "overwrite_partitions" and not partition_by:
+        raise SpecError("output.partition_by", "output.mode overwrite_partitions replaces the partitions a run "
+                                               "writes: name the partition columns, e.g. [run_date] with "
+                                               "output.partition_values: {run_date: ${run_date}}")
     if values["schema_change"] != "error":
         raise SpecError("output.schema_change", "applies to table outputs (output.table)")
     path = _text(values["path"], "output.path")

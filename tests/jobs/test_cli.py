@@ -561,3 +561,28 @@ def test_column_names_with_dots_and_backticks(job, capsys):
     found = _read(job.base / "out")
     for qid, pairs in job.reference(5).items():
         assert [t for t, _ in found.get(qid, [])] == [t for t, _ in pairs], qid
+
+
+def test_overwrite_partitions_of_a_path_output(job, capsys):
+    """Two nights into one partitioned directory (``mode: overwrite_partitions``,
+    ``partition_values: {run_date: ${run_date}}``): night 2 adds its partition and leaves night
+    1's byte for byte; a re-run of night 2 with k=2 replaces only its own."""
+    out = job.base / "out"
+    document = job.document()
+    document["output"] = {"path": str(out), "mode": "overwrite_partitions", "partition_by": ["run_date"],
+                          "partition_values": {"run_date": "${run_date}"}}
+    job.write_spec(document)
+    for night in ("2026-12-01", "2026-12-02"):
+        assert main(["run", str(job.spec), "--param", f"run_date={night}"]) == 0, capsys.readouterr().err
+    first = _files(out / "run_date=2026-12-01")
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(("_", "."))) == [
+        "run_date=2026-12-01", "run_date=2026-12-02"]
+    assert _summary(out)["output"]["partitions"] == ["run_date=2026-12-02"]
+    want = {q: pairs for q, pairs in job.reference(5).items() if pairs}
+    assert {q: [t for t, _ in v] for q, v in _read(out / "run_date=2026-12-02").items()} == {
+        q: [t for t, _ in v] for q, v in want.items()}
+    assert main(["run", str(job.spec), "--param", "run_date=2026-12-02", "--set", "join.k=2"]) == 0, \
+        capsys.readouterr().err
+    assert _files(out / "run_date=2026-12-01") == first
+    assert {len(v) for v in _read(out / "run_date=2026-12-02").values()} == {2}
+    assert not [p for p in out.parent.iterdir() if ".nj-staging-" in p.name or ".nj-previous-" in p.name]

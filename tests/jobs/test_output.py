@@ -73,6 +73,37 @@ def test_publish_replaces_the_previous_output_whole(tmp_path, swap):
     assert _siblings(final) == []
 
 
+def test_publish_partitions_replaces_only_the_partitions_written(tmp_path, swap):
+    """overwrite_partitions: night 2 replaces its own partition, adds a new one, keeps the
+    others byte for byte and replaces the summary; a night without rows empties its partition
+    (``fixed``); the first night of an output publishes the whole directory."""
+    final = tmp_path / "out"
+    with StagedOutput(final) as staged:   # night 1: no output yet
+        for day in ("2026-12-01", "2026-12-02"):
+            (staged.staging / f"d={day}").mkdir(parents=True)
+            _write_parts(staged.staging / f"d={day}" / "k=a", f"old-{day}")
+        assert staged.publish_partitions({"run": 1}, ("d", "k")) == ["d=2026-12-01/k=a", "d=2026-12-02/k=a"]
+    first = _snapshot(final / "d=2026-12-01")
+    with StagedOutput(final) as staged:
+        (staged.staging / "d=2026-12-02").mkdir(parents=True)
+        _write_parts(staged.staging / "d=2026-12-02" / "k=b", "new", parts=1)
+        (staged.staging / "d=2026-12-03").mkdir(parents=True)
+        _write_parts(staged.staging / "d=2026-12-03" / "k=a", "new")
+        summary = {"run": 2, "output": {"files": 3}}
+        staged.publish_partitions(summary, ("d", "k"))
+    assert summary["output"]["partitions"] == ["d=2026-12-02/k=b", "d=2026-12-03/k=a"]
+    assert _snapshot(final / "d=2026-12-01") == first
+    # a partition is a (d, k) directory: d=2026-12-02/k=a was not written, so it stays
+    assert sorted(p.name for p in (final / "d=2026-12-02").iterdir()) == ["k=a", "k=b"]
+    assert (final / "d=2026-12-03" / "k=a" / "part-00001.parquet").read_text() == "new-1"
+    assert json.loads((final / SUMMARY_FILE).read_text())["run"] == 2 and (final / "_SUCCESS").exists()
+    with StagedOutput(final) as staged:   # a night without rows, its partition known beforehand
+        staged.publish_partitions({"run": 3}, ("d", "k"), {"d": "2026-12-03", "k": "a"})
+    assert not list((final / "d=2026-12-03" / "k=a").iterdir()) and _snapshot(final / "d=2026-12-01") == first
+    assert sorted(p.name for p in final.iterdir() if p.name.startswith(".")) == []
+    assert _siblings(final) == []
+
+
 def test_failure_before_publish_leaves_the_old_output(tmp_path, swap):
     final = tmp_path / "out"
     _write_parts(final, "old")
