@@ -228,9 +228,11 @@ def _written_partitions(run_dir: Path, partition_by) -> list[tuple[str, ...]]:
             names = Path(directory).relative_to(run_dir).parts
             values = tuple(unquote(part.split("=", 1)[1]) for part in names)
             if _NULL_PARTITION in values:
-                raise ValueError(f"the result has a NULL in a partition column ({_partition_name(partition_by, values)}): "
-                                 "a table partition needs a value; filter the rows (query.where / target.where) "
-                                 "or choose other output.partition_by columns")
+                raise SpecError("output.partition_by",
+                                f"the result has a NULL in a partition column "
+                                f"({_partition_name(partition_by, values)}): a table partition needs a value; "
+                                "filter the rows (query.where / target.where) or choose other "
+                                "output.partition_by columns")
             found.append(values)
             subdirectories[:] = []
     return found
