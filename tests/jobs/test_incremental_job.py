@@ -3,14 +3,11 @@ inside the output; the next night's run refreshes it, and its output equals the 
 oracle's join of that night's inputs; a spec the refresh cannot serve exits 2."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +17,7 @@ import pyarrow.parquet as pq
 from jobs.cli import main
 from jobs.spec import STATE_DIR
 
+from .killing import kill_when
 from .test_cli import Job, _files, _read, _summary, _vectors, _write, job  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -101,18 +99,8 @@ def _killed_mid_refresh(job: Job, out) -> None:
     # of the job does (an orphaned JVM would go on writing for a moment).
     process = subprocess.Popen([sys.executable, "-m", "jobs", "run", str(job.spec)], cwd=ROOT, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while not list(out.parent.glob(".out.nj-staging-*-state/queries")):
-            assert process.poll() is None, "the run ended before its refresh was caught"
-            assert time.monotonic() < deadline, "the refresh did not start"
-            time.sleep(0.05)
-        os.killpg(process.pid, signal.SIGKILL)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert process.returncode == -signal.SIGKILL
+    kill_when(process, lambda: bool(list(out.parent.glob(".out.nj-staging-*-state/queries"))), "its refresh",
+              timeout_s=180)
     assert list(out.parent.glob(".out.nj-staging-*-state"))   # what the next run tidies
 
 

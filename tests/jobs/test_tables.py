@@ -10,26 +10,23 @@ the steps run one after another.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.orc as orc
 import pyarrow.parquet as pq
-import pytest
 import yaml
 
 from jobs.cli import main
 from nearest_kernels import knn
 
-from .test_cli import Job, _files, _read, job  # noqa: F401 (the fixture)
+from .killing import kill_when
+from .test_cli import _files, _read, job  # noqa: F401 (the fixture)
 
 ROOT = Path(__file__).resolve().parents[2]
 NIGHT_1, NIGHT_2 = "2026-12-03", "2026-12-04"
@@ -175,19 +172,9 @@ def test_two_nights_into_a_partitioned_table(tmp_path):
     # Night 2 with changed inputs (new queries, the targets' vectors changed), killed -9 while
     # it writes: night 1 stays as it was, and only the killed run's staging directory is left.
     nights.add(NIGHT_2, 2, np.arange(200, 225), np.arange(5000, 5300))
-    night = _night_process(base, spec, NIGHT_2)
-    try:
-        deadline = time.monotonic() + 300
-        while not list(table_dir.parent.glob(".similar.nj-staging-*/_temporary")):
-            assert night.poll() is None, "night 2 ended before its write was caught: " + _output(base, NIGHT_2)[1][-3000:]
-            assert time.monotonic() < deadline, "night 2's write did not start"
-            time.sleep(0.02)
-        os.killpg(night.pid, signal.SIGKILL)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(night.pid, signal.SIGKILL)
-        night.wait()
-    assert night.returncode == -signal.SIGKILL
+    kill_when(_night_process(base, spec, NIGHT_2),
+              lambda: bool(list(table_dir.parent.glob(".similar.nj-staging-*/_temporary"))),
+              "night 2's write", output=lambda: _output(base, NIGHT_2)[1][-3000:])
     assert _files(partition_1) == night_1_files
     assert len(list(table_dir.parent.glob(".similar.nj-staging-*"))) == 1
 
