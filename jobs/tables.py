@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
-from .output import SUCCESS_FILE, StagedOutput
+from .output import SUCCESS_FILE, StagedOutput, partition_dirs
 from .spec import SUMMARY_FILE, InputSpec, JobSpec, SpecError
 
 logger = logging.getLogger(__name__)
@@ -353,8 +353,7 @@ def _partition_clause(values: dict[str, str]) -> str:
 
 
 def _leaves(run_dir: Path, depth: int) -> list[str]:
-    pattern = "/".join(["*=*"] * depth)
-    return [os.path.normpath(p) for p in run_dir.glob(pattern) if p.is_dir()]
+    return [os.path.normpath(run_dir / leaf) for leaf in partition_dirs(run_dir, depth)]
 
 
 def _json(summary: dict[str, Any]) -> str:
