@@ -51,6 +51,30 @@ _SIGN = np.uint32(0x80000000)
 _SHIFT = np.uint64(32)
 
 
+@intrinsic
+def _bits_of(typingctx, value):
+    """The bits of a float32 as a uint32 (a bitcast: numba has no scalar one)."""
+    if value != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _float_of(typingctx, bits):
+    """The float32 whose bits are the low 32 of the unsigned integer ``bits`` (the inverse of
+    :func:`_bits_of`; numba widens uint32 arithmetic to 64 bits)."""
+    if not isinstance(bits, types.Integer) or bits.signed or bits.bitwidth < 32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        low = args[0] if bits.bitwidth == 32 else builder.trunc(args[0], ir.IntType(32))
+        return builder.bitcast(low, ir.FloatType())
+    return types.float32(bits), codegen
+
+
 @njit(inline="always", cache=True)
 def _order_bits(bits):
     """float32 bits (as uint32) -> uint32 with the order of the floats (finite and inf).
@@ -138,7 +162,7 @@ SEED_WIDTH = 64
 
 
 @njit(cache=True)
-def _seed_row(scores, r, bias, t0, heaps, q, row_scores, row_bits, keys):
+def _seed_row(scores, r, bias, t0, heaps, q, row_scores, keys):
     """Fill query q's heap from row ``r`` of the first score tile of its target range: the
     heap's width smallest keys, heapified. The heap arrives filled with one key, EMPTY_KEY or
     a distance cap's (see :func:`search_tiles`); a candidate not below it, padding (score +inf)
@@ -149,7 +173,7 @@ def _seed_row(scores, r, bias, t0, heaps, q, row_scores, row_bits, keys):
     for j in range(width):
         row_scores[j] = scores[r, j] + bias[j]
     for j in range(width):
-        keys[j] = (np.uint64(_order_bits(row_bits[j])) << _SHIFT) | np.uint64(t0 + j)
+        keys[j] = (np.uint64(_order_bits(_bits_of(row_scores[j]))) << _SHIFT) | np.uint64(t0 + j)
     for j in range(width):
         if not row_scores[j] < np.inf or keys[j] >= limit:
             keys[j] = limit
@@ -164,19 +188,17 @@ def _seed_row(scores, r, bias, t0, heaps, q, row_scores, row_bits, keys):
 
 
 @njit(cache=True)
-def _fold_row(scores, r, bias, t0, heaps, q, scratch, scratch_bits):
+def _fold_row(scores, r, bias, t0, heaps, q):
     """Fold row ``r`` of a score tile (targets t0, t0+1, ...) into query q's heap.
 
     Arrays and row numbers are passed rather than row views: a view costs reference counting,
-    which per row measured 0.3 -> 0.2 ns per candidate for the whole fold at k=10. ``scratch``
-    is a 1-element float32 array and ``scratch_bits`` its uint32 view: numba has no scalar
-    bitcast, so a score's bits are read through the view. (Seeding the first tile with a
-    k-th-smallest selection instead of inserts was tried: np.partition made it 4-10% slower.)
+    which per row measured 0.3 -> 0.2 ns per candidate for the whole fold at k=10. (Seeding
+    the first tile with a k-th-smallest selection instead of inserts was tried: np.partition
+    made it 4-10% slower.)
     """
     width = scores.shape[1]
     k = heaps.shape[1]
-    scratch_bits[0] = _float_bits(np.uint32(heaps[q, 0] >> _SHIFT))
-    threshold = scratch[0]
+    threshold = _float_of(_float_bits(np.uint32(heaps[q, 0] >> _SHIFT)))
     for block in range(width // _BLOCK):
         start = block * _BLOCK
         hits = 0
@@ -187,11 +209,9 @@ def _fold_row(scores, r, bias, t0, heaps, q, scratch, scratch_bits):
         for j in range(start, start + _BLOCK):
             score = scores[r, j] + bias[j]
             if score < threshold:
-                scratch[0] = score
-                order = np.uint64(_order_bits(scratch_bits[0]))
+                order = np.uint64(_order_bits(_bits_of(score)))
                 _sift_down(heaps, q, 0, (order << _SHIFT) | np.uint64(t0 + j), k)
-                scratch_bits[0] = _float_bits(np.uint32(heaps[q, 0] >> _SHIFT))
-                threshold = scratch[0]
+                threshold = _float_of(_float_bits(np.uint32(heaps[q, 0] >> _SHIFT)))
 
 
 @njit(fastmath={"reassoc"}, nogil=True, cache=True)
@@ -260,10 +280,7 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
         query_block = queries[q0:q1]
         scores = np.empty((rows, target_tile), dtype=np.float32)
         split_heaps = heaps[split]
-        scratch = np.empty(1, dtype=np.float32)
-        scratch_bits = scratch.view(np.uint32)
         row_scores = np.empty(target_tile, dtype=np.float32)
-        row_bits = row_scores.view(np.uint32)
         row_keys = np.empty(target_tile, dtype=np.uint64)
         first = split * tiles_per_split
         largest_sq = 0.0
@@ -284,11 +301,10 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
                     largest = max(largest, peak)
             if seed and tt == first and split_heaps.shape[1] >= SEED_WIDTH:
                 for r in range(rows):
-                    _seed_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, row_scores, row_bits,
-                              row_keys)
+                    _seed_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, row_scores, row_keys)
                 continue
             for r in range(rows):
-                _fold_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, scratch, scratch_bits)
+                _fold_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r)
         if stats.shape[0] > 0:
             stats[item, 0] = largest_sq
             stats[item, 1] = largest
@@ -345,31 +361,29 @@ def _inverse_norms(lo, hi, rows, out):
 MEAN_SAMPLE = 4096
 
 
-@njit(nogil=True, cache=True)
 def sample_center(rows, factors):
     """The mean of ``rows[i] * factors[i]`` over at most MEAN_SAMPLE evenly spaced rows, in
     float64 (the shift's reference point), and the mean squared distance of those rows from
     it (the sample's spread). Any point keeps the search exact (the bound uses the shifted rows
-    as they are); one near the block's centre keeps the shifted values small. Both passes
-    accumulate per column (independent sums, which the loop vectorises), then add the columns."""
+    as they are); one near the block's centre keeps the shifted values small. numpy, not
+    numba: at most MEAN_SAMPLE rows, and a compiled loop cost every new process its compile."""
     step = max(1, (rows.shape[0] + MEAN_SAMPLE - 1) // MEAN_SAMPLE)
-    center = np.zeros(rows.shape[1], dtype=np.float64)
-    count = 0
-    for i in range(0, rows.shape[0], step):
-        f = factors[i]
-        for j in range(rows.shape[1]):
-            center[j] += np.float64(rows[i, j]) * f
-        count += 1
-    if count == 0:
-        return center, 0.0
-    center /= count
-    spread = np.zeros(rows.shape[1], dtype=np.float64)
-    for i in range(0, rows.shape[0], step):
-        f = factors[i]
-        for j in range(rows.shape[1]):
-            x = np.float64(rows[i, j]) * f - center[j]
-            spread[j] += x * x
-    return center, spread.sum() / count
+    picked = np.arange(0, rows.shape[0], step)
+    factors = np.asarray(factors, np.float64)
+    if picked.size == 0:
+        return np.zeros(rows.shape[1]), 0.0
+
+    def chunks():   # float64 copies of _CENTER_CHUNK rows at a time (d = 4096: 16 MiB)
+        for start in range(0, picked.size, _CENTER_CHUNK):
+            at = picked[start:start + _CENTER_CHUNK]
+            yield rows[at].astype(np.float64) * factors[at, None]
+
+    center = sum(chunk.sum(axis=0) for chunk in chunks()) / picked.size
+    spread = sum(float(np.einsum("ij,ij->", chunk - center, chunk - center)) for chunk in chunks())
+    return center, spread / picked.size
+
+
+_CENTER_CHUNK = 512
 
 
 def norms_and_peaks(rows, out_sq, out_peak, threads=None):
