@@ -322,23 +322,33 @@ def side_facts(query, query_column: str, target, target_column: str,
     the rows of the largest group, as a third item (:class:`KeyFacts`).
 
     Both sides' facts come from one aggregation over their union, grouped by side: one
-    shuffle (two aggregations joined would be two, and a third stage for the join)."""
-    def projected(df, name: str, side: int):
+    shuffle (two aggregations joined would be two, and a third stage for the join). With keys,
+    the union is first grouped by side and key (the query's rows carry NULL keys: one group
+    per side), and that is grouped by side: two shuffles and one scan of each side."""
+    names = [f"k{i}" for i in range(len(target_keys or ()))]
+
+    def projected(df, name: str, side: int, keys):
         # Spark forbids the non-deterministic partition id inside an aggregate: project first.
         return df.select(F.lit(side).alias("side"), vector_length(df, name).alias("n"),
-                         F.spark_partition_id().alias("p"))
+                         F.spark_partition_id().alias("p"), *[key.alias(n) for key, n in zip(keys, names)])
 
-    both = (projected(query, query_column, 0).unionByName(projected(target, target_column, 1))
-            .groupBy("side")
-            .agg(F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
-                 (F.max("p") + 1).alias("partitions")))
-    if target_keys is not None:
-        names = [f"k{i}" for i in range(len(target_keys))]
-        groups = (target.select(*[c.alias(n) for c, n in zip(target_keys, names)])
-                  .where(" AND ".join(f"{n} IS NOT NULL" for n in names))
-                  .groupBy(*names).count()
-                  .agg(F.count(F.lit(1)).alias("groups"), F.max("count").alias("largest")))
-        both = both.crossJoin(groups)
+    union = projected(query, query_column, 0, [F.lit(None).cast(field.dataType) for field in _key_types(target, target_keys)]
+                      ).unionByName(projected(target, target_column, 1, target_keys or []))
+    if target_keys is None:
+        both = union.groupBy("side").agg(
+            F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
+            (F.max("p") + 1).alias("partitions"))
+    else:
+        keyed = " AND ".join(f"{n} IS NOT NULL" for n in names)
+        both = (union.groupBy("side", *names)
+                .agg(F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
+                     F.max("p").alias("p"))
+                .withColumn("keyed", F.expr(keyed) & (F.col("side") == 1))
+                .groupBy("side")
+                .agg(F.sum("rows").alias("rows"), F.min("shortest").alias("shortest"),
+                     F.max("longest").alias("longest"), (F.max("p") + 1).alias("partitions"),
+                     F.count(F.when(F.col("keyed"), 1)).alias("groups"),
+                     F.max(F.when(F.col("keyed"), F.col("rows"))).alias("largest")))
     rows = {row["side"]: row for row in both.collect()}
     # A side without rows has no group: no row of its own.
     sides = tuple(
@@ -348,10 +358,17 @@ def side_facts(query, query_column: str, target, target_column: str,
         for row in (rows.get(0), rows.get(1)))
     if target_keys is None:
         return sides
-    if not rows:   # both sides empty: the cross join has no row, and the target no key
+    target_row = rows.get(1)
+    if target_row is None:   # no target row: no key
         return sides + (KeyFacts(groups=0, largest=0),)
-    row = next(iter(rows.values()))
-    return sides + (KeyFacts(groups=int(row["groups"]), largest=int(row["largest"] or 0)),)
+    return sides + (KeyFacts(groups=int(target_row["groups"]), largest=int(target_row["largest"] or 0)),)
+
+
+def _key_types(target, target_keys: list | None) -> list:
+    """The Spark types of the target's key Columns (the query's NULL keys take them)."""
+    if not target_keys:
+        return []
+    return list(target.select(*target_keys).schema.fields)
 
 
 def _describe(label: str, facts: SideFacts) -> str:
