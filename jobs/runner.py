@@ -579,7 +579,9 @@ def _search_and_write(spec: JobSpec, spark, staging, phases: _Phases, started_at
         # (the driver is not told which one ran: see describe_precision's words).
         precision=plan.get("precision"),
         precision_runs=describe_precision(plan.get("backend"), plan.get("precision")),
-        pairs=pairs, pairs_per_s=round(pairs / search_s, 1) if search_s > 0 else None)
+        pairs=pairs, pairs_per_s=round(pairs / search_s, 1) if search_s > 0 else None,
+        # Inside search+write: the executors' seconds per phase, summed over tasks and threads.
+        executor_s=planned.executor_seconds())
 
 
 def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases, started_at: str,
@@ -780,8 +782,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"  no candidate {summary['queries_without_candidates']:,} query rows",
             f"  throughput   {summary['pairs']:,} pairs scored, {rate_text} (search+write)",
         ]
+    lines.append(f"  phases       {phases}")
+    if summary.get("executor_s"):
+        lines.append("  executors    " + " | ".join(f"{k} {v:.2f} s" for k, v in summary["executor_s"].items())
+                     + " (summed over tasks and threads)")
     lines += [
-        f"  phases       {phases}",
         f"  kernels      {_warm_up_text(summary.get('kernel_warm_up_s', 0.0), summary.get('kernel_compile_s', 0.0))}",
         f"  summary      {os.path.join(summary['output'].get('location') or summary['output']['path'], SUMMARY_FILE)}",
     ]

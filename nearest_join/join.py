@@ -23,6 +23,7 @@ from udfs import blocks, context, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
+from udfs.timing import PHASES, SecondsParam
 
 from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
@@ -104,6 +105,18 @@ class PlannedJoin:
     ivf: object = None   # mode="approx" running IVF: its nearest_join.ivf.IvfSearch
     # The sides' qualifiers (aliases, table names: ranking.side_qualifiers), kept by the output.
     qualifiers: tuple[str | None, str | None] = (None, None)
+    # The executors' seconds per phase (udfs.timing): a Spark accumulator; None under Spark
+    # Connect, whose client has no SparkContext.
+    timings: object = None
+
+    def executor_seconds(self) -> dict[str, float]:
+        """Seconds the executors spent in each phase (decode, search, merge, encode) of this
+        join's DataFrames, summed over their tasks and threads and over every evaluation so
+        far ({} before the first, and under Spark Connect)."""
+        if self.timings is None:
+            return {}
+        value = self.timings.value
+        return {phase: round(value[phase], 3) for phase in PHASES if phase in value}
 
     def dataframe(self, first_match_column: str | None = None, query_columns=None,
                   target_columns=None) -> DataFrame:
@@ -188,7 +201,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                                      dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
             plan = dataclasses.replace(plan, key_cells=layout.summary())
         planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout,
-                              qualifiers=side_qualifiers(query, target, parsed))
+                              qualifiers=side_qualifiers(query, target, parsed), timings=_timings(spark))
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
@@ -444,7 +457,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     ctx = JoinContext(settings, q_layout, t_layout, plan.join_type,
                       plan.distance_col is not None, target_arrow, cap=plan.cap,
                       mark_first=first_match_column is not None, query_columns=query_columns,
-                      target_columns=target_columns)
+                      target_columns=target_columns, timings=planned.timings)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
@@ -605,6 +618,14 @@ def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[s
     executors (their first packing task starts it)."""
     if _executors_share_this_machine(spark):
         warm_up_kernels(ranking.metric, dtypes, options)
+
+
+def _timings(spark):
+    """A new accumulator of executor seconds per phase (udfs.timing); None under Spark
+    Connect."""
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        return None
+    return spark.sparkContext.accumulator({}, SecondsParam())
 
 
 def _executors_share_this_machine(spark) -> bool:

@@ -37,6 +37,7 @@ from .merge import MAX_SOURCES, RowsTopk, TopkState, fold_state
 from .packing import binary_array, table_to_blob
 from .payload import ColumnViews, pooled_empty, take_rows
 from .search import GroupSegments, grouped_search, open_block_searcher
+from .timing import timed
 
 PARTIAL_SCHEMA = pa.schema([
     (C.Q_BLOCK_ID, pa.int64()), (C.T_BLOCK_ID, pa.int64()),
@@ -71,7 +72,8 @@ class _PairSearch:
         self._worker.shutdown(wait=True)
 
     def query_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        return decode_block(blob, self.ctx.query)
+        with timed(self.ctx.timings, "decode"):
+            return decode_block(blob, self.ctx.query)
 
     def broadcast_target(self, block_id: int, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
         """A broadcast target block, decoded once per task: every query block meets it.
@@ -94,7 +96,8 @@ class _PairSearch:
         return self._union[1]
 
     def target_block(self, blob) -> tuple[pa.Table, np.ndarray, np.ndarray | None]:
-        return decode_block(blob, self.ctx.target)
+        with timed(self.ctx.timings, "decode"):
+            return decode_block(blob, self.ctx.target)
 
     def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
         """(values, rows) of one block pair: :func:`block_search` with the task's searcher."""
@@ -106,7 +109,8 @@ class _PairSearch:
         table, t_vectors, _ = self.target_block(t_blob)
         if q_vectors.shape[0] == 0 or t_vectors.shape[0] == 0:
             return None
-        values, rows = self.search_block(q_vectors, t_vectors, t_block_id)
+        with timed(self.ctx.timings, "search"):
+            values, rows = self.search_block(q_vectors, t_vectors, t_block_id)
         return TopkState.from_search(values, rows, t_block_id, table)
 
     def submit(self, fn, *args) -> Future:
@@ -179,16 +183,20 @@ class _QueryBlock:
         table, t_vectors, _ = pair.broadcast_target(t_block_id, t_blob)
         if t_vectors.shape[0] == 0:
             return
-        searcher = pair.searcher
+        searcher, timings = pair.searcher, pair.ctx.timings
         if hasattr(searcher, "search_fold"):
             self.tables.append(table)
             # Broadcast blocks are the same for every task of the stage: kept for the next.
-            self.device_state = searcher.search_fold(self.vectors, t_vectors, t_block_id, t_block_id,
-                                                     len(self.tables) - 1, self.device_state, keep=True,
-                                                     cap=pair.ctx.cap)
+            with timed(timings, "search"):
+                self.device_state = searcher.search_fold(self.vectors, t_vectors, t_block_id, t_block_id,
+                                                         len(self.tables) - 1, self.device_state, keep=True,
+                                                         cap=pair.ctx.cap)
         else:
-            values, rows = pair.search_block(self.vectors, t_vectors, t_block_id)
-            self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table), metric)
+            with timed(timings, "search"):
+                values, rows = pair.search_block(self.vectors, t_vectors, t_block_id)
+            with timed(timings, "merge"):
+                self.state = fold_state(self.state, TopkState.from_search(values, rows, t_block_id, table),
+                                        metric)
 
     def search_union(self, pair: "_PairSearch") -> None:
         """Worker thread, keyed (``on=`` keys or IVF lists): search the union of every target
@@ -196,15 +204,18 @@ class _QueryBlock:
         blocks = sorted(self.seen - {C.EMPTY_BLOCK_ID})
         if not blocks or self.vectors.shape[0] == 0:
             return
-        union = pair.keyed_union(blocks)
+        with timed(pair.ctx.timings, "decode"):
+            union = pair.keyed_union(blocks)
         # target_key None: a segment is no block a GPU searcher may keep resident.
         # On the CPU an IVF block's probed lists are one wide search (knn_probed); a GPU
         # searcher takes one call per list.
-        values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
-                                      self.groups, union.vectors, union.segments, pair.ctx.k,
-                                      pair.ctx.settings.metric, cap=pair.ctx.cap, threads=task_cpus(),
-                                      wide=getattr(pair.searcher, "backend", None) == "cpu")
-        self.state = union.state(values, rows)
+        with timed(pair.ctx.timings, "search"):
+            values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
+                                          self.groups, union.vectors, union.segments, pair.ctx.k,
+                                          pair.ctx.settings.metric, cap=pair.ctx.cap, threads=task_cpus(),
+                                          wide=getattr(pair.searcher, "backend", None) == "cpu")
+        with timed(pair.ctx.timings, "merge"):
+            self.state = union.state(values, rows)
 
     def result(self, views: ColumnViews | None = None) -> TopkState | None:
         """Main thread, after the last fold finished: the block's state on the host.
@@ -353,12 +364,15 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
                 continue
             seen.add(int(t_ids[r]))
             if partials[r].size:
-                pending.append(TopkState.from_blob(partials[r], ctx.k))
+                with timed(ctx.timings, "decode"):
+                    pending.append(TopkState.from_blob(partials[r], ctx.k))
             if len(pending) >= MAX_SOURCES:
-                state = TopkState.combine(([state] if state is not None else []) + pending, metric)
+                with timed(ctx.timings, "merge"):
+                    state = TopkState.combine(([state] if state is not None else []) + pending, metric)
                 pending = []
     if pending:
-        state = TopkState.combine(([state] if state is not None else []) + pending, metric)
+        with timed(ctx.timings, "merge"):
+            state = TopkState.combine(([state] if state is not None else []) + pending, metric)
     if q_table is None and seen:
         raise RuntimeError(
             f"internal error: query block {key[0] if key else '?'} has partials but not its rows "
@@ -437,10 +451,11 @@ def search_cell(queries: pa.Table, targets: pa.Table, ctx: JoinContext) -> pa.Ta
             groups = Probes(np.append(first, q_ids.size).astype(np.int64), groups)
             q_vectors = q_vectors[first]
         searcher = _cell_searcher(ctx.settings)
-        values, rows = grouped_search(
-            lambda q, t: block_search(ctx, searcher, q, t, None), q_vectors, groups,
-            np.ascontiguousarray(t_vectors[segments.order]), segments,
-            ctx.k, ctx.settings.metric, cap=ctx.cap, threads=task_cpus())
+        with timed(ctx.timings, "search"):
+            values, rows = grouped_search(
+                lambda q, t: block_search(ctx, searcher, q, t, None), q_vectors, groups,
+                np.ascontiguousarray(t_vectors[segments.order]), segments,
+                ctx.k, ctx.settings.metric, cap=ctx.cap, threads=task_cpus())
         t_keys = targets.column(C.T_ROW).to_numpy()
         filled = rows >= 0
         state = TopkState(values, np.where(filled, t_keys[np.maximum(rows, 0)], -1), [t_table],
@@ -492,7 +507,8 @@ def merge_cells(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
             if q_blobs[r].size:
                 pieces.append(blob_to_table(q_blobs[r]))
             if partials[r].size:
-                state.absorb(TopkState.from_blob(partials[r], ctx.k))
+                with timed(ctx.timings, "merge"):
+                    state.absorb(TopkState.from_blob(partials[r], ctx.k))
     if not pieces:
         if state.rows_held:
             raise RuntimeError(f"internal error: stage-2 block {key[0] if key else '?'} has partials "

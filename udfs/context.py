@@ -68,6 +68,8 @@ class JoinContext:
     # emitted crosses to the JVM.
     query_columns: tuple[int, ...] | None = None
     target_columns: tuple[int, ...] | None = None
+    # The join's Spark accumulator of executor seconds per phase (udfs.timing), or None.
+    timings: object = None
 
     @property
     def k(self) -> int:

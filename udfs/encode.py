@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from . import columns as C
 from .payload import ColumnViews, gather_rows, gather_threads
+from .timing import timed
 
 if TYPE_CHECKING:
     from .context import JoinContext
@@ -55,6 +56,10 @@ def emit_rows(query_table: pa.Table, state: TopkState | None, ctx: JoinContext) 
     parts = [flat[start: start + OUTPUT_BATCH_ROWS] for start in range(0, flat.size, OUTPUT_BATCH_ROWS)]
 
     def build(part: np.ndarray) -> pa.RecordBatch:
+        with timed(ctx.timings, "encode"):
+            return _build(part)
+
+    def _build(part: np.ndarray) -> pa.RecordBatch:
         filled = keys.reshape(-1)[part] >= 0
         q_rows = part // k
         arrays = gather_rows([query_table], np.zeros_like(q_rows), q_rows, views=query_views,

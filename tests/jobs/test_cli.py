@@ -161,6 +161,8 @@ def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
     assert summary["pairs"] == QUERY_ROWS * TARGET_ROWS and summary["pairs_per_s"] > 0
     assert set(summary["phases_s"]) == {"read", "plan", "search+write"}
     assert summary["wall_time_s"] >= sum(summary["phases_s"].values()) - 1e-3
+    # the executors' seconds per phase (inside search+write, summed over tasks and threads)
+    assert {"decode", "search", "encode"} <= set(summary["executor_s"]) and summary["executor_s"]["search"] > 0
     assert (out / "_SUCCESS").is_file()
     # Secrets never reach the summary, the log or the screen.
     assert summary["spark_settings"]["spark.hadoop.fs.s3a.secret.key"] == REDACTED
@@ -173,6 +175,7 @@ def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
     assert f"query rows {QUERY_ROWS}" in captured.err
     assert "queries without candidates 1" in captured.err
     assert "nearest-join: job 'test-job' succeeded" in captured.out
+    assert "  executors    decode " in captured.out
     assert f"{summary['output_rows']:,} rows in" in captured.out
 
 

@@ -50,6 +50,26 @@ def test_plan_matches_reference(spark, data, plan, metric):
     _check(rows, Q, T, K, metric)
 
 
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_executor_seconds_per_phase(data, plan):
+    """The executors time each phase of a join's tasks into its accumulator: nothing before
+    the first evaluation, the phases after it (a search and an emit always run), more after
+    a second evaluation."""
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+    from udfs.timing import PHASES
+
+    Q, T, q, t = data
+    planned = plan_join(q, t, "l2", JoinOptions(num_results=K, vectors=("qv", "tv"), **PLANS[plan]))
+    assert planned.plan.plan == plan and planned.executor_seconds() == {}
+    planned.dataframe().write.format("noop").mode("overwrite").save()
+    first = planned.executor_seconds()
+    assert set(first) <= set(PHASES) and {"decode", "search", "encode"} <= set(first)
+    assert first["search"] > 0 and all(seconds >= 0 for seconds in first.values())
+    planned.dataframe().write.format("noop").mode("overwrite").save()
+    assert planned.executor_seconds()["search"] > first["search"]
+
+
 def test_plans_agree_exactly(data):
     Q, T, q, t = data
     results = {}
