@@ -239,14 +239,32 @@ def read_records(path: Path) -> list[dict]:
 # --- helpers the benchmarks share ---------------------------------------------------------
 
 
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes have spent busy since boot (Linux /proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(fn, repeat: int) -> tuple[float, float]:
+    """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``, and the share of the
+    machine's cores that other processes kept busy during that call (0 on a quiet machine)."""
+    best, others = float("inf"), 0.0
+    cores = os.cpu_count() or 1
+    for _ in range(repeat):
+        busy, mine, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+        foreign = (_busy_cpu_seconds() - busy) - (time.process_time() - mine)
+        if seconds < best:
+            best, others = seconds, max(0.0, foreign) / (seconds * cores)
+    return best, others
+
+
 def best_of(fn, repeat: int) -> float:
     """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return timed(fn, repeat)[0]
 
 
 def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):
