@@ -1,24 +1,16 @@
 """Keyed search (``on=``, issue 22): the executor-level segment search, and the join in Spark
 against the equi-join + window formulation and against the un-keyed join.
 
-1. executor level (no Spark): a query block against a broadcast target block of 100,000
-   groups of ~10 targets, d=64, k=10: ``udfs.search.grouped_search`` as it ships (small
-   groups in one ``knn_segments`` call) against the per-group loop it replaced (one ``knn``
-   call per group present in the query block), on the same sorted block; both results are
-   checked equal;
-2. Spark ``local[2]``, the issue's sizes: 20,000 queries x 200,000 targets, d=64, k=10,
-   (a) 100 keys with Zipf-skewed sizes on both sides, (b) 100,000 keys of ~2 targets.
-   Each: ``nearest_by_join(on="key")`` as it ships (the planner's jobs included), the keyed
-   blocked plan forced (``broadcast_limit_bytes=0``), the un-keyed ``nearest_by_join`` of the
-   same rows, and the issue's equi-join + ``row_number`` window; the keyed rows are checked
-   equal to the window's and the blocked plan's to the broadcast plan's.
-   ``--window-queries N`` adds the Zipf case at N x 10N with the window (a size it finishes
-   in minutes, when the full size does not).
+1. executor level (no Spark): a query block against a broadcast block of 100,000 groups of
+   ~10 targets: ``udfs.search.grouped_search`` as it ships against the per-group loop it
+   replaced (one ``knn`` call per group), both results checked equal;
+2. Spark ``local[2]``, 20,000 queries x 200,000 targets, (a) 100 keys with Zipf-skewed sizes,
+   (b) 100,000 keys of ~2 targets: ``nearest_by_join(on="key")`` as it ships, its blocked plan
+   forced, the un-keyed join, and the equi-join + ``row_number`` window, rows checked equal.
+   ``--window-queries N`` adds the Zipf case at N x 10N (a size the window finishes).
 
 Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-executor] [--window-queries N]
-
-Records go to ``benchmarks/results/keyed_join.jsonl`` (tables ``executor`` and ``spark``;
-``--quick`` runs to ``benchmarks/out/results/``); ``make bench-report`` renders them.
+Records: ``benchmarks/results/keyed_join.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """End-to-end Spark benchmark: nearest_by_join against Spark's own nearestByJoin and our kernel.
 
-In one run, on cached DataFrames in local[2]:
-1. the small case for both (2,000 x 20,000, d=64, k=10, exact L2): times, speed-up, identical rows;
-2. throughput at scale (20,000 x 200,000, d=64 and d=128, k=10): pairs/s, and the ratio to
-   Spark's pairs/s on the small case;
-3. the Spark overhead: our operator end to end against our kernel alone on the same arrays
-   (same process, all cores), on the small case (the call's fixed cost) and at 20,000 x 200,000,
-   d=128.
+On cached DataFrames in local[2], exact L2, k=10: the small case (2,000 x 20,000, d=64) for
+both operators, with identical rows; our throughput at 20,000 x 200,000, d=64 and 128; our
+kernel alone on the same arrays, on the small case and at d=128 (what Spark adds).
 
 Usage: python benchmarks/spark_join.py [--quick] [--skip-spark] [--repeat N]
-
-Each row is recorded in ``benchmarks/results/spark_join.jsonl`` (table ``operator``; ``--quick``
-runs go to ``benchmarks/out/results/``) and the table is printed as ``make bench-report`` renders it.
+Records: ``benchmarks/results/spark_join.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
