@@ -1,33 +1,22 @@
 """Benchmark records: one JSON line per measured case, in ``benchmarks/results/<benchmark>.jsonl``.
 
 Every benchmark writes its figures through :class:`Recorder`; ``benchmarks/report.py``
-(``make bench-report``) turns the files into the tables of ``benchmarks/RESULTS.md`` and the
-plots in ``benchmarks/plots/``. The files are committed: they hold the current figures, and
-git holds their history.
-
-A record is a flat JSON object::
+(``make bench-report``) renders them as ``benchmarks/RESULTS.md`` and ``benchmarks/plots/``.
+The files are committed: they hold the current figures, git their history. A record is a flat
+JSON object::
 
     {"benchmark": "spark_join", "table": "operator", "run": "20261201T080400Z-4242",
      "date": "2026-12-01T08:04:00+00:00", "commit": "9a08caa",
      "command": ".venv/bin/python benchmarks/spark_join.py --quick",
      "machine": {"cpu": "...", "cores": 2, "memory_gib": 24, "blas": {...}}, ...its own fields}
 
-``table`` names one table of the benchmark (a benchmark may have several). The first record a
-run writes to a table removes the records of earlier runs of that same table, so each table
-holds one run: the current one. Use::
+``table`` names one table of the benchmark; a run's first record of a table removes the
+records of earlier runs of it, so each table holds one run: the current one. The commit is
+``BENCH_COMMIT`` where set (a device that receives the working tree only), else
+``git rev-parse --short HEAD``, ``+dirty`` when library code differs from it.
 
-    rec = Recorder("spark_join")                 # CPU benchmark: machine names the BLAS kernel
-    rec.add("operator", engine="nearest_by_join", seconds=1.28, pairs_per_s=3.1e7)
-
-    rec = Recorder("gpu_kernel", blas=False)     # GPU benchmark: machine names the GPU
-    rec.add(row.pop("what"), **row)
-
-On a machine without git (a device that receives the working tree only) pass ``commit=`` or
-set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, with ``+dirty``
-when library code (``nearest_join/``, ``udfs/``) differs from it.
-
-The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
-:func:`noop`, :func:`vector_table`, :func:`run_spawned`, :func:`process_tree`.
+The helpers the benchmarks share live here too: timing, the Spark session, Arrow vector
+tables, processes started together, the process tree.
 """
 from __future__ import annotations
 
