@@ -16,7 +16,7 @@ records of earlier runs of it, so each table holds one run: the current one. The
 ``git rev-parse --short HEAD``, ``+dirty`` when library code differs from it.
 
 The helpers the benchmarks share live here too: timing, the Spark session, Arrow vector
-tables, processes started together, the process tree.
+tables and cached Parquet inputs, processes started together, the process tree.
 """
 from __future__ import annotations
 
@@ -272,6 +272,17 @@ def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: di
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def cached_parquet(spark, path: str, table, row_group_size: int):
+    """The Arrow ``table`` written to ``path`` as Parquet, read back by Spark and cached
+    (counted: in memory before anything is timed)."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path, row_group_size=row_group_size)
+    frame = spark.read.parquet(path).cache()
+    frame.count()
+    return frame
 
 
 def noop(df) -> None:

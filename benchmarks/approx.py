@@ -31,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder, local_spark, process_tree, vector_table
+from benchmarks._record import SMOKE_DIR, Recorder, cached_parquet, local_spark, process_tree, vector_table
 
 D, K, METRIC = 128, 10, "l2"
 ROWS_PER_CLUSTER = 1000
@@ -62,17 +62,13 @@ def cached_inputs(spark, kind: str, nt: int, nq: int, workdir: str):
     """(targets, queries, t, q, metric): the arrays, and the DataFrames of their Parquet files
     (``tid``, ``w``; ``qid``, ``v``), cached. Real embeddings join by cosine, as sentence
     embeddings are; the synthetic data by ``METRIC``."""
-    import pyarrow.parquet as pq
+    def cached(matrix, ids: str, vectors: str):
+        table = vector_table(np.arange(matrix.shape[0], dtype=np.int32), matrix, ids, vectors)
+        return cached_parquet(spark, os.path.join(workdir, f"{kind}-{ids[0]}.parquet"), table, 50_000)
 
     targets, queries = make_data(kind, nt, nq)
-    frames = []
-    for name, ids, vectors, matrix in (("t", "tid", "w", targets), ("q", "qid", "v", queries)):
-        path = os.path.join(workdir, f"{kind}-{name}.parquet")
-        table = vector_table(np.arange(matrix.shape[0], dtype=np.int32), matrix, ids, vectors)
-        pq.write_table(table, path, row_group_size=50_000)
-        frames.append(spark.read.parquet(path).cache())
-        frames[-1].count()
-    return targets, queries, *frames, "cosine" if kind == "minilm" else METRIC
+    metric = "cosine" if kind == "minilm" else METRIC
+    return targets, queries, cached(targets, "tid", "w"), cached(queries, "qid", "v"), metric
 
 
 def exact_or_approx(q, t, metric: str, **options):
