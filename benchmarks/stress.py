@@ -242,8 +242,9 @@ def draw_approx(seed: int) -> dict:
     return dict(seed=seed, Q=Q, T=T, q_null=q_null, t_null=t_null, metric=metric, kind=kind,
                 k=int(rng.choice([1, int(rng.integers(2, 11)), int(rng.integers(11, 51))])),
                 join_type=str(rng.choice(["inner", "leftouter"])), keys=keys, cap_quantile=cap_quantile,
-                q_parts=int(rng.choice([1, 2, rng.integers(3, 20)])), t_parts=int(rng.choice([1, 2, rng.integers(3, 20)])),
-                options=options, old_target=old_target, nlist=nlist)
+                q_parts=int(rng.choice([1, 2, rng.integers(3, 20)])),
+                t_parts=int(rng.choice([1, 2, rng.integers(3, 20)])), options=options, old_target=old_target,
+                nlist=nlist)
 
 
 def _candidates(case: dict, all_keys: np.ndarray) -> np.ndarray:
