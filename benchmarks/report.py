@@ -350,7 +350,8 @@ TABLES: dict[tuple[str, str], Table] = {
               "Session start: wall less the job (Spark's JVM and session, the demo data on the first run)."),
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",
-        [col("numba cache", "numba_cache"), *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
+        [col("numba cache", "numba_cache"),
+         *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
         about="The executor path of a broadcast join (float32, `udfs.warm`) in a new process: what one "
               "worker pays for its kernels, compiling them, or loading what another process compiled."),
     ("fixed_costs", "fresh_clone"): Table(
