@@ -1,33 +1,22 @@
 """Benchmark records: one JSON line per measured case, in ``benchmarks/results/<benchmark>.jsonl``.
 
 Every benchmark writes its figures through :class:`Recorder`; ``benchmarks/report.py``
-(``make bench-report``) turns the files into the tables of ``benchmarks/RESULTS.md`` and the
-plots in ``benchmarks/plots/``. The files are committed: they hold the current figures, and
-git holds their history.
-
-A record is a flat JSON object::
+(``make bench-report``) renders them as ``benchmarks/RESULTS.md`` and ``benchmarks/plots/``.
+The files are committed: they hold the current figures, git their history. A record is a flat
+JSON object::
 
     {"benchmark": "spark_join", "table": "operator", "run": "20261201T080400Z-4242",
      "date": "2026-12-01T08:04:00+00:00", "commit": "9a08caa",
      "command": ".venv/bin/python benchmarks/spark_join.py --quick",
      "machine": {"cpu": "...", "cores": 2, "memory_gib": 24, "blas": {...}}, ...its own fields}
 
-``table`` names one table of the benchmark (a benchmark may have several). The first record a
-run writes to a table removes the records of earlier runs of that same table, so each table
-holds one run: the current one. Use::
+``table`` names one table of the benchmark; a run's first record of a table removes the
+records of earlier runs of it, so each table holds one run: the current one. The commit is
+``BENCH_COMMIT`` where set (a device that receives the working tree only), else
+``git rev-parse --short HEAD``, ``+dirty`` when library code differs from it.
 
-    rec = Recorder("spark_join")                 # CPU benchmark: machine names the BLAS kernel
-    rec.add("operator", engine="nearest_by_join", seconds=1.28, pairs_per_s=3.1e7)
-
-    rec = Recorder("gpu_kernel", blas=False)     # GPU benchmark: machine names the GPU
-    rec.add(row.pop("what"), **row)
-
-On a machine without git (a device that receives the working tree only) pass ``commit=`` or
-set ``BENCH_COMMIT``; otherwise the commit is ``git rev-parse --short HEAD``, with ``+dirty``
-when library code (``nearest_join/``, ``udfs/``) differs from it.
-
-The few helpers the benchmarks share live here too: :func:`best_of`, :func:`local_spark`,
-:func:`noop`, :func:`vector_table`, :func:`run_spawned`, :func:`process_tree`.
+The helpers the benchmarks share live here too: timing, the Spark session, Arrow vector
+tables and cached Parquet inputs, processes started together, the process tree.
 """
 from __future__ import annotations
 
@@ -239,14 +228,32 @@ def read_records(path: Path) -> list[dict]:
 # --- helpers the benchmarks share ---------------------------------------------------------
 
 
+def _busy_cpu_seconds() -> float:
+    """CPU seconds all processes have spent busy since boot (Linux /proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(fn, repeat: int) -> tuple[float, float]:
+    """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``, and the share of the
+    machine's cores that other processes kept busy during that call (0 on a quiet machine)."""
+    best, others = float("inf"), 0.0
+    cores = os.cpu_count() or 1
+    for _ in range(repeat):
+        busy, mine, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
+        fn()
+        seconds = time.perf_counter() - start
+        foreign = (_busy_cpu_seconds() - busy) - (time.process_time() - mine)
+        if seconds < best:
+            best, others = seconds, max(0.0, foreign) / (seconds * cores)
+    return best, others
+
+
 def best_of(fn, repeat: int) -> float:
     """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``."""
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return timed(fn, repeat)[0]
 
 
 def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):
@@ -265,6 +272,17 @@ def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: di
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("ERROR")
     return spark
+
+
+def cached_parquet(spark, path: str, table, row_group_size: int):
+    """The Arrow ``table`` written to ``path`` as Parquet, read back by Spark and cached
+    (counted: in memory before anything is timed)."""
+    import pyarrow.parquet as pq
+
+    pq.write_table(table, path, row_group_size=row_group_size)
+    frame = spark.read.parquet(path).cache()
+    frame.count()
+    return frame
 
 
 def noop(df) -> None:

@@ -1,39 +1,21 @@
 """mode="approx" (issue 23): recall@k and end-to-end time of the IVF plan against our exact mode,
 and faiss ``IndexIVFFlat`` in one process at the same recall, in Spark ``local[2]``.
 
-For each data set (clustered: Gaussian clusters of ~1,000 rows; unclustered: one Gaussian)
-the script times, end to end (``nearest_by_join(...)`` through ``toArrow()`` of the
-(query id, target id) pairs, inputs cached):
-
-* our exact mode;
-* ``mode="approx"`` for each recall target (training, the recall estimate and the search
-  included: every call trains its own index), with the nprobe the planner chose and its
-  estimate; recall@k measured against the exact pairs;
-* faiss ``IndexIVFFlat`` (same nlist, trained on as many rows, ``omp_set_num_threads(2)``):
-  the smallest nprobe whose measured recall reaches ours, timed train + add + search on
-  numpy arrays already in memory (no Spark, no Arrow).
-
-On the clustered data each engine's call runs ``--repeat`` times (default 2) and the fastest
-is reported (every call's seconds are in the record's ``runs``): the first call of a plan in
-a session also warms the JVM's compiled code for it, and each engine gets the same treatment;
-the approx plan's short calls also follow one untimed full-size call of it (the first
-full-size calls pay warm-up costs that a slice does not reach).
-Each call also records its CPU seconds (this process and its descendants: the Spark JVM
-and its Python workers) and the 1-minute load before and after it: the machine may be
-shared, and a ratio of CPU seconds holds under load where a ratio of wall times does not.
+Per data set (clustered: Gaussian clusters of ~1,000 rows; gaussian: N(0, 1); minilm: a cosine
+self-join of ``--rows`` real sentence embeddings, ``benchmarks/embeddings.py``), end to end
+through ``toArrow()`` on cached inputs: our exact mode; ``mode="approx"`` per recall target
+(each call trains its own index and estimates its recall), its recall@k measured on the exact
+pairs (ties count: a row as near as the k-th exact one is a hit); faiss at the smallest nprobe
+reaching that recall, on numpy arrays in memory. Each call also records its CPU seconds (this
+process and its descendants) and the 1-minute load around it: on a shared machine a ratio of
+CPU seconds holds where one of wall times does not. ``--seeds N`` instead measures recall
+honesty: N approx calls per target, each with its own seed.
 
 Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
-       python benchmarks/approx.py --seeds 10 --datasets minilm clustered   (recall honesty)
+       python benchmarks/approx.py --seeds 10 --datasets minilm clustered
 
-``minilm``: a cosine self-join of real sentence embeddings (``benchmarks/embeddings.py``:
-all-MiniLM-L6-v2 over docstrings, d=384, ``--rows`` of them, duplicates kept), recall targets
-0.9 and 0.95. Recall counts ties: a returned row as near as the k-th exact one is a hit
-(duplicated rows tie).
-
-Default size nt = 200,000, nq = 20,000; ``--full`` is the issue's nt = 1,000,000,
-nq = 100,000; d = 128, k = 10. Records go to ``benchmarks/results/approx.jsonl`` (table
-``recall_nt<nt>``, one per size; ``--quick`` to ``benchmarks/out/results/``); ``benchmarks/report.py``
-makes the table and the plot of recall against speed-up from them.
+Sizes: nt = 200,000, nq = 20,000 (``--full``: 1,000,000 x 100,000), d = 128, k = 10. Records:
+``benchmarks/results/approx.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
@@ -49,7 +31,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder, local_spark, process_tree, vector_table
+from benchmarks._record import SMOKE_DIR, Recorder, cached_parquet, local_spark, process_tree, vector_table
 
 D, K, METRIC = 128, 10, "l2"
 ROWS_PER_CLUSTER = 1000
@@ -76,11 +58,25 @@ def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, n
     return draw(nt), draw(nq)
 
 
-def to_parquet(path: str, ids: str, vectors: str, matrix: np.ndarray) -> None:
-    import pyarrow.parquet as pq
+def cached_inputs(spark, kind: str, nt: int, nq: int, workdir: str):
+    """(targets, queries, t, q, metric): the arrays, and the DataFrames of their Parquet files
+    (``tid``, ``w``; ``qid``, ``v``), cached. Real embeddings join by cosine, as sentence
+    embeddings are; the synthetic data by ``METRIC``."""
+    def cached(matrix, ids: str, vectors: str):
+        table = vector_table(np.arange(matrix.shape[0], dtype=np.int32), matrix, ids, vectors)
+        return cached_parquet(spark, os.path.join(workdir, f"{kind}-{ids[0]}.parquet"), table, 50_000)
 
-    table = vector_table(np.arange(matrix.shape[0], dtype=np.int32), matrix, ids, vectors)
-    pq.write_table(table, path, row_group_size=50_000)
+    targets, queries = make_data(kind, nt, nq)
+    metric = "cosine" if kind == "minilm" else METRIC
+    return targets, queries, cached(targets, "tid", "w"), cached(queries, "qid", "v"), metric
+
+
+def exact_or_approx(q, t, metric: str, **options):
+    """The planned join of our k nearest (``qid``, ``tid``, ``value``) rows."""
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    return plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value", **options))
 
 
 def _tree_cpu() -> dict:
@@ -118,7 +114,7 @@ class CpuMeter:
 
 
 def pairs_of(df) -> np.ndarray:
-    """(query id, target id, value) rows, sorted by query, then nearest first (float64)."""
+    """(query id, target id, value) rows (float64), sorted by query, then target id."""
     table = df.toArrow()
     rows = np.stack([table.column(i).to_numpy().astype(np.float64) for i in range(3)], axis=1)
     return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
@@ -190,68 +186,52 @@ def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows
 
 
 def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, workdir: str,
-                force: bool = False, repeat: int = 1) -> list[dict]:
+                force: bool = False, repeat: int = 1) -> None:
+    """Table ``recall_nt<nt>`` (``recall_minilm<nt>``): exact, then approx per recall target
+    (``force``: the IVF plan at a size below the one where approx runs it), against faiss."""
     from nearest_join.ivf_index import default_nlist
-    from nearest_join.join import plan_join
-    from nearest_join.options import JoinOptions
 
-    targets, queries = make_data(kind, nt, nq)
-    to_parquet(os.path.join(workdir, f"{kind}-t.parquet"), "tid", "w", targets)
-    to_parquet(os.path.join(workdir, f"{kind}-q.parquet"), "qid", "v", queries)
-    t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
-    q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
-    t.count(), q.count()
-    metric = "cosine" if kind == "minilm" else METRIC    # real embeddings: as sentence embeddings are
+    targets, queries, t, q, metric = cached_inputs(spark, kind, nt, nq, workdir)
     table = f"recall_minilm{nt}" if kind == "minilm" else f"recall_nt{nt}"
     common = {"data": kind, "nt": nt, "nq": nq, "d": targets.shape[1], "k": K, "metric": metric, "master": "local[2]"}
 
     def timed_once(**options):
-        """(pairs, seconds, CPU seconds, plan, the seconds of planning): planning is the facts
-        job and, for an approx plan, the sample, k-means and the recall estimate; the rest is
-        the search (the routing included)."""
+        """(pairs, seconds, CPU seconds, plan, planning seconds): planning is the facts job and,
+        for an approx plan, the sample, k-means and the recall estimate."""
         start = time.perf_counter()
         with CpuMeter() as cpu:
-            planned = plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value",
-                                                          **options))
+            planned = exact_or_approx(q, t, metric, **options)
             planning = time.perf_counter() - start
             pairs = pairs_of(planned.dataframe().select("qid", "tid", "value"))
         return pairs, time.perf_counter() - start, cpu.seconds, planned.plan, planning
 
     def timed(**options):
-        """(pairs, seconds, CPU seconds, plan, planning seconds, every call's seconds): planning
-        (an approx plan's training and recall estimate included) and the search, as
-        nearest_by_join runs them; the fastest of ``repeat`` calls (each approx call trains its
-        own index), its CPU seconds and plan."""
+        """The fastest of ``repeat`` :func:`timed_once` calls, and every call's seconds."""
         calls = [timed_once(**options) for _ in range(repeat)]
         best = min(calls, key=lambda c: c[1])
         return (*best, [round(c[1], 2) for c in calls])
 
     # warm-up (Python workers, numba caches, both plans, the recall estimate) on a slice
     for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}, {"mode": "approx", "nlist": 8}):
-        plan_join(q.limit(500), t.limit(5000), metric,
-                  JoinOptions(num_results=K, vectors=("v", "w"), **options)).dataframe().toArrow()
+        exact_or_approx(q.limit(500), t.limit(5000), metric, **options).dataframe().toArrow()
     load = lambda: round(os.getloadavg()[0], 1)
     before = load()
     exact, exact_s, exact_cpu, _, exact_plan_s, exact_runs = timed()
     print(f"[{kind}] exact: {exact_s:.1f} s, {exact_cpu:.1f} CPU s, {exact.shape[0]} pairs, load "
           f"{before} -> {load()}", flush=True)
-    rows = []
     rec.add(table, engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
-            recall_estimate=None,
-            recall=1.0, seconds=round(exact_s, 2), plan_seconds=round(exact_plan_s, 2), speedup_vs_exact=1.0,
-            cpu_seconds=round(exact_cpu, 1),
-            cpu_vs_exact=1.0, load_1min=[before, load()], faiss_seconds=None, ours_over_faiss=None,
-            runs=exact_runs, **common)
+            recall_estimate=None, recall=1.0, seconds=round(exact_s, 2), plan_seconds=round(exact_plan_s, 2),
+            speedup_vs_exact=1.0, cpu_seconds=round(exact_cpu, 1), cpu_vs_exact=1.0, load_1min=[before, load()],
+            faiss_seconds=None, ours_over_faiss=None, runs=exact_runs, **common)
+    forced = {"nlist": default_nlist(nt, nq)} if force else {}
     if repeat > 1:
         # One untimed call of the approx plan at full size: a slice does not warm what the first
         # full-size calls pay (the JVM's compiled code for the large loops, fresh memory in the
         # JVM and the Python workers); without it the first approx calls ran slower than the
         # later calls of the same plan, and the first recall row paid for all of them.
         # Exact needs none: its calls are long, and its first full call is one of its repeats.
-        timed_once(mode="approx", **({"nlist": default_nlist(nt, nq)} if force else {}))
+        timed_once(mode="approx", **forced)
     for wanted in recalls:
-        # --quick forces the IVF plan (its size is below the one where approx runs IVF)
-        forced = {"nlist": default_nlist(nt, nq)} if force else {}
         before = load()
         found, seconds, cpu, plan, plan_s, runs = timed(mode="approx", recall=wanted, **forced)
         plan = plan.ivf
@@ -273,30 +253,17 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
               f"load {row['load_1min']}; faiss {row.get('faiss_seconds')} s at nprobe "
               f"{row.get('faiss_nprobe')} (recall {row.get('faiss_recall')})", flush=True)
         rec.add(table, engine="nearest_by_join approx", **row, **common)
-        rows.append({**row, **common})
     t.unpersist(), q.unpersist()
-    return rows
 
 
 def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
                       workdir: str) -> None:
-    """Recall honesty: for each recall target, ``seeds`` approx calls, each with its own seed
-    (the training sample, k-means and the recall estimate's queries), their recall measured
-    against the exact pairs; one row per target in table ``seeds_<data><nt>`` (every call's
-    estimate, lower bound and recall in its ``calls``)."""
-    from nearest_join.join import plan_join
-    from nearest_join.options import JoinOptions
-
-    targets, queries = make_data(kind, nt, nq)
-    to_parquet(os.path.join(workdir, f"{kind}-t.parquet"), "tid", "w", targets)
-    to_parquet(os.path.join(workdir, f"{kind}-q.parquet"), "qid", "v", queries)
-    t = spark.read.parquet(os.path.join(workdir, f"{kind}-t.parquet")).cache()
-    q = spark.read.parquet(os.path.join(workdir, f"{kind}-q.parquet")).cache()
-    metric = "cosine" if kind == "minilm" else METRIC
+    """Table ``seeds_<data><nt>``: per recall target, ``seeds`` approx calls, each its own seed
+    (training sample, k-means, the estimate's queries), their recall against the exact pairs."""
+    targets, queries, t, q, metric = cached_inputs(spark, kind, nt, nq, workdir)
 
     def pairs(**options):
-        planned = plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value",
-                                                      **options))
+        planned = exact_or_approx(q, t, metric, **options)
         return pairs_of(planned.dataframe().select("qid", "tid", "value")), planned.plan
 
     exact, _ = pairs()
@@ -343,15 +310,14 @@ def main() -> None:
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
+            size = (args.rows, args.rows) if kind == "minilm" else (nt, nq)
             if args.seeds:
-                size = (args.rows, args.rows) if kind == "minilm" else (nt, nq)
                 recall_over_seeds(spark, rec, kind, *size, (0.9, 0.95), args.seeds, workdir)
-                continue
-            if kind == "minilm":
-                run_dataset(spark, rec, kind, args.rows, args.rows, (0.9, 0.95), workdir, repeat=args.repeat)
-                continue
-            run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
-                        force=args.quick, repeat=args.repeat if kind == "clustered" else 1)
+            elif kind == "minilm":
+                run_dataset(spark, rec, kind, *size, (0.9, 0.95), workdir, repeat=args.repeat)
+            else:
+                    run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
+                            force=args.quick, repeat=args.repeat if kind == "clustered" else 1)
     spark.stop()
 
 

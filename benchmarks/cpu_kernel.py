@@ -1,23 +1,15 @@
 """Benchmark the "cpu" kernel against faiss-cpu (and, with ``--compare-base``, an earlier commit's kernel).
 
-Same process, same data, same thread count for every engine. Records per (data, d, metric,
-k) and engine: time, pairs/s, effective GFLOP/s (2 nq nt d / time), ratio to faiss, fraction
-of the machine's sgemm rate measured in the same run (a 4096^3 float32 matmul through numpy,
-best of several), and the agreement of our indices with faiss's (with the base commit's).
+Same process, data and threads for every engine. Per (data, d, metric, k) and engine: best time,
+pairs/s, GFLOP/s (2 nq nt d / time), the ratio to faiss, the share of this run's sgemm rate (a
+4096^3 float32 matmul through numpy), the agreement of our indices with faiss's (the base
+commit's), and the share of the cores other processes used meanwhile (/proc/stat), so that a
+disturbed number shows. On a shared machine take the exclusive CPU lock
+(``flock -x /tmp/nj-cpu.lock python benchmarks/cpu_kernel.py``).
 
-Usage::
-
-    python benchmarks/cpu_kernel.py                      # nq=20000 nt=200000 d=128, k=10,100
-    python benchmarks/cpu_kernel.py --dims 768 --nq 5000 --metrics l2
-    python benchmarks/cpu_kernel.py --quick                # smoke run
-
-Each row is recorded in ``benchmarks/results/cpu_kernel.jsonl`` (table
-``OPENBLAS_CORETYPE=<value or unset>``: a run replaces the records of its BLAS selection;
-``--quick`` runs go to ``benchmarks/out/results/``); ``make bench-report`` renders them.
-
-Run it alone on the machine: on a shared machine take the exclusive CPU lock
-(``flock -x /tmp/nj-cpu.lock python benchmarks/cpu_kernel.py``). Each timing records the share
-of the cores that other processes used meanwhile (/proc/stat), so a disturbed number shows.
+Usage: python benchmarks/cpu_kernel.py [--quick] [--dims 768 --nq 5000 --metrics l2]
+Records: ``benchmarks/results/cpu_kernel.jsonl``, table ``OPENBLAS_CORETYPE=<value or unset>``
+(``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
@@ -27,7 +19,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -36,31 +27,10 @@ from threadpoolctl import threadpool_limits
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder
+from benchmarks._record import SMOKE_DIR, Recorder, timed
 from nearest_kernels import knn
 
 FAISS_INDEX = {"l2": "IndexFlatL2", "inner_product": "IndexFlatIP"}
-
-def _busy_cpu_seconds() -> float:
-    """CPU seconds all processes have spent busy since boot (Linux /proc/stat)."""
-    fields = open("/proc/stat").readline().split()[1:]
-    user, nice, system, idle, iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def timed(call, repeat: int) -> tuple[float, float]:
-    """Best wall time of ``repeat`` calls, and the share of the machine's cores that other
-    processes kept busy during that best call (0 on a quiet machine)."""
-    best, others = float("inf"), 0.0
-    cores = os.cpu_count() or 1
-    for _ in range(repeat):
-        busy, mine, start = _busy_cpu_seconds(), time.process_time(), time.perf_counter()
-        call()
-        seconds = time.perf_counter() - start
-        foreign = (_busy_cpu_seconds() - busy) - (time.process_time() - mine)
-        if seconds < best:
-            best, others = seconds, max(0.0, foreign) / (seconds * cores)
-    return best, others
 
 
 def sgemm_rate(threads: int, size: int, repeat: int) -> tuple[float, float]:
@@ -137,13 +107,13 @@ def bench_config(d, metric, k, args, ceiling, rng, data="gaussian") -> list[dict
     targets = make_rows(data, args.nt, d, rng)
     rows = []
 
-    def record(method, timing, agreement=None):
+    def record(method, timing):
         seconds, others = timing
         pairs = args.nq * args.nt / seconds
         rows.append({
             "data": data, "d": d, "metric": metric, "k": k, "method": method, "queries": args.nq,
             "seconds": seconds, "pairs_per_s": pairs, "gflops": 2.0 * pairs * d / 1e9,
-            "of_sgemm": 2.0 * pairs * d / 1e9 / ceiling, "agreement": agreement, "note": "",
+            "of_sgemm": 2.0 * pairs * d / 1e9 / ceiling, "agreement": None, "note": "",
             "others": others,
         })
 
@@ -214,19 +184,16 @@ def main(argv=None):
     ceiling, ceiling_others = sgemm_rate(args.threads, 1024 if args.quick else 4096, 5)
     rng = np.random.default_rng(12345)
     rows = []
-    for d in args.dims:
-        for metric in args.metrics:
-            for k in args.ks:
-                rows += bench_config(d, metric, k, args, ceiling, rng)
-                print(f"done d={d} {metric} k={k}", file=sys.stderr, flush=True)
-    for d in args.embedding_dims:
-        for k in args.ks:
-            rows += bench_config(d, "cosine", k, args, ceiling, rng, data="embedding")
-            print(f"done embedding d={d} cosine k={k}", file=sys.stderr, flush=True)
+    configs = [("gaussian", d, metric, k) for d in args.dims for metric in args.metrics for k in args.ks]
+    configs += [("embedding", d, "cosine", k) for d in args.embedding_dims for k in args.ks]
+    for data, d, metric, k in configs:
+        rows += bench_config(d, metric, k, args, ceiling, rng, data)
+        print(f"done {data} d={d} {metric} k={k}", file=sys.stderr, flush=True)
     table = f"OPENBLAS_CORETYPE={rec.machine['blas']['OPENBLAS_CORETYPE']}"
     for row in rows:
-        rec.add(table, engine=row["method"] if " at " in row["method"] else row["method"].split()[0], **row, nq=args.nq, nt=args.nt, threads=args.threads,
-                repeat=args.repeat, sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3))
+        engine = row["method"] if " at " in row["method"] else row["method"].split()[0]
+        rec.add(table, engine=engine, **row, nq=args.nq, nt=args.nt, threads=args.threads, repeat=args.repeat,
+                sgemm_gflops=round(ceiling, 1), sgemm_others=round(ceiling_others, 3))
     print(f"\nsgemm ceiling (float32 matmul through numpy, same threads): {ceiling:.0f} GFLOP/s "
           f"(others {ceiling_others:.0%}); recorded {len(rows)} rows in {rec.path}")
     rec.print_tables()

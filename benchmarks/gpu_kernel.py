@@ -2,23 +2,15 @@
 fed Arrow batches, against one exact kernel call on the same rows; and broadcast tasks sharing
 one GPU.
 
-Run on a CUDA machine from the repository root:
-
     python benchmarks/gpu_kernel.py --arrow-only --out results/     # table ``arrow``
     python benchmarks/gpu_kernel.py --arrow-concurrent 2            # table ``arrow_concurrent``
 
-For nq x nt x d (default 65,536 x 1,000,000 x 128), the first k of ``--ks``, in bf16 and tf32
-(those of ``--precisions``), it times:
-
-* ``exact``: one exact kernel call (CUDA events, median of repeats after a warm-up that
-  includes compilation);
-* the GPU block searcher alone (numpy in and out, host-device copies, no Arrow);
-* ``arrow``: the executor path of each plan (``udfs.blocks.search_pairs`` then
-  ``merge_partials``, or ``search_broadcast``) fed Arrow batches, host-device copies and
-  Arrow work included, for each shape of ``ARROW_SHAPES``.
-
-``--arrow-concurrent N`` instead runs N broadcast tasks at once on the GPU, each in its own
-process (and one alone, for comparison). Prints the rows and writes them as JSON lines.
+For nq x nt x d (default 65,536 x 1,000,000 x 128), the first k of ``--ks``, bf16 and tf32: one
+exact kernel call (CUDA events, median after a compiling warm-up); the GPU block searcher alone
+(numpy in and out); and per shape of ``ARROW_SHAPES`` the plan's executor path fed Arrow
+batches (copies and Arrow work included). ``--arrow-concurrent N`` instead runs N broadcast
+tasks at once, each in its own process (and one alone). Prints the rows as JSON lines and
+writes them to ``--out``.
 """
 from __future__ import annotations
 
@@ -26,7 +18,6 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._record import git_commit, run_spawned, vector_table  # noqa: E402
 from nearest_kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
 ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
@@ -84,13 +76,8 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
     from udfs.packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 
     d = Qn.shape[1]
-
-    def table(x, name):
-        offsets = pa.array(np.arange(len(x) + 1, dtype=np.int32) * d)
-        vec = pa.ListArray.from_arrays(offsets, pa.array(x.reshape(-1)))
-        return pa.table({name + "id": np.arange(len(x), dtype=np.int64), name + "v": vec})
-
-    qt, tt = table(Qn, "q"), table(Tn, "t")
+    qt, tt = (vector_table(np.arange(len(x), dtype=np.int64), x, side + "id", side + "v")
+              for x, side in ((Qn, "q"), (Tn, "t")))
     ctx = JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_block_rows),
                       SideLayout("tv", 1, d, t_block_rows), "inner", True, tt.schema)
     q_packed = pa.Table.from_batches(list(pack_blocks(qt.to_batches(max_chunksize=1 << 16), ctx.query, 0)),
@@ -132,45 +119,43 @@ def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked")
     return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "minor_faults": faults}
 
 
+def seconds(run: dict) -> float:
+    """An :func:`arrow_path` run's time: search and merge."""
+    return run["search_s"] + run["merge_s"]
+
+
 def _concurrent_worker(rank, spec, barrier, results) -> None:
     """One simulated Python worker of ``--arrow-concurrent`` (a spawned process): the same
     data and packed pairs as the others, two untimed tasks (compiles, the kept target block),
     then ``spec["tasks"]`` timed tasks back to back from a common start."""
-    from udfs.context import local_task
-
-    with local_task(scope="concurrent tasks"):       # one stage: the target block is kept
-        _concurrent_tasks(rank, spec, barrier, results)
-
-
-def _concurrent_tasks(rank, spec, barrier, results) -> None:
     from udfs.blocks import search_broadcast
+    from udfs.context import local_task
 
     rng = np.random.default_rng(7)
     Qn = rng.standard_normal((spec["nq"], spec["d"]), dtype=np.float32)
     Tn = rng.standard_normal((spec["nt"], spec["d"]), dtype=np.float32)
-    ctx, pairs = _packed_pairs(Qn, Tn, spec["k"], spec["precision"], spec["t_rows"], spec["q_rows"],
-                               spec["backend"], plan="broadcast")
 
     def task() -> int:
         return sum(b.num_rows for b in search_broadcast(iter(pairs), ctx))
 
-    task()
-    task()
-    barrier.wait()
-    start, times, rows = time.monotonic(), [], 0
-    for _ in range(spec["tasks"]):
-        t0 = time.monotonic()
-        rows += task()
-        times.append(time.monotonic() - t0)
-    results.put((rank, start, time.monotonic(), times, rows))
+    with local_task(scope="concurrent tasks"):       # one stage: the target block is kept
+        ctx, pairs = _packed_pairs(Qn, Tn, spec["k"], spec["precision"], spec["t_rows"], spec["q_rows"],
+                                   spec["backend"], plan="broadcast")
+        task()
+        task()
+        barrier.wait()
+        start, times, rows = time.monotonic(), [], 0
+        for _ in range(spec["tasks"]):
+            t0 = time.monotonic()
+            rows += task()
+            times.append(time.monotonic() - t0)
+        results.put((rank, start, time.monotonic(), times, rows))
 
 
 def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> None:
     """Several broadcast tasks sharing one GPU, as ``spark.task.resource.gpu.amount`` < 1 runs
     them: each in its own process (Spark's Python workers), the GPU time-sliced between them.
     Throughput share = tasks x one kernel call's time / wall time from the common start."""
-    from benchmarks._record import run_spawned
-
     for plan, q_blocks, t_blocks in [s for s in ARROW_SHAPES if s[0] == "broadcast"]:
         spec = {"nq": args.nq, "nt": args.nt, "d": args.d, "k": k, "precision": precision,
                 "q_rows": -(-args.nq // q_blocks), "t_rows": -(-args.nt // t_blocks),
@@ -212,17 +197,12 @@ def main(argv=None) -> None:
         global ARROW_SHAPES
         ARROW_SHAPES = [(p.split(":")[0], *map(int, p.split(":")[1].split("x")))
                         for p in args.arrow_shapes.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
-    precisions = args.precisions.split(",")
-    dev = torch.device("cuda")
     rows = []
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d')} {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"commit {commit or '?'} nq={args.nq} nt={args.nt}",
-          flush=True)
+          f"commit {git_commit()} nq={args.nq} nt={args.nt}", flush=True)
 
     def record(**row):
         rows.append(row)
@@ -234,7 +214,8 @@ def main(argv=None) -> None:
     rng = np.random.default_rng(7)
     Qn = rng.standard_normal((args.nq, args.d), dtype=np.float32)
     Tn = rng.standard_normal((args.nt, args.d), dtype=np.float32)
-    precisions, k = [p for p in ("bf16", "tf32") if p in precisions], ks[0]
+    precisions = [p for p in ("bf16", "tf32") if p in args.precisions.split(",")]
+    k = int(args.ks.split(",")[0])
     if args.arrow_concurrent:
         for precision in precisions:
             arrow_concurrent(args, precision, k, exact_kernel_ms(Qn, Tn, precision, k, args.reps), record)
@@ -248,12 +229,11 @@ def main(argv=None) -> None:
     from udfs.context import SearchSettings, local_task
     from udfs.gpu_search import GpuBlockSearcher
 
-    nq_a, nt_a, d = args.nq, args.nt, args.d
     for precision in precisions:
         t_exact = exact_kernel_ms(Qn, Tn, precision, k, args.reps)
         # The GPU searcher alone (numpy in/out, host-device copies included, no Arrow).
-        searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), dev)
-        bounds = np.linspace(0, nt_a, 5).astype(int)
+        searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), torch.device("cuda"))
+        bounds = np.linspace(0, args.nt, 5).astype(int)
         searcher.search(Qn, Tn[bounds[0]:bounds[1]], target_key=-1)   # warm-up
         t0 = time.perf_counter()
         for b in range(4):
@@ -267,35 +247,31 @@ def main(argv=None) -> None:
         # broadcast blocks: udfs.context.task_scope), the next of the same stage (finds them
         # on the device), and one of a stage that keeps nothing (uploads them again).
         for plan, q_blocks, t_blocks in ARROW_SHAPES:
-            q_rows, t_rows = -(-nq_a // q_blocks), -(-nt_a // t_blocks)
+            q_rows, t_rows = -(-args.nq // q_blocks), -(-args.nt // t_blocks)
             with local_task(scope=f"benchmark {plan} {q_blocks}x{t_blocks} {precision} k={k}"):
                 res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
                 # The next tasks of the stage: the median of --arrow-reps (the host side's
                 # time moves between runs).
                 warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
                              for _ in range(max(1, args.arrow_reps))]
-            warm_runs.sort(key=lambda r: r["search_s"] + r["merge_s"])
+            warm_runs.sort(key=seconds)
             res_warm = warm_runs[len(warm_runs) // 2]
-            res_fresh = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
-            total = res_warm["search_s"] + res_warm["merge_s"]
-            fresh = res_fresh["search_s"] + res_fresh["merge_s"]
-            record(d=d, precision=precision, k=k, what="arrow", plan=plan, query_blocks=q_blocks,
+            fresh = seconds(arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan))
+            record(d=args.d, precision=precision, k=k, what="arrow", plan=plan, query_blocks=q_blocks,
                    target_blocks=t_blocks, kernel_exact_ms=t_exact,
                    searcher_ms=searcher_ms, searcher_share_of_kernel=t_exact / searcher_ms,
                    arrow_search_ms=res_warm["search_s"] * 1e3, arrow_merge_ms=res_warm["merge_s"] * 1e3,
-                   arrow_first_ms=(res["search_s"] + res["merge_s"]) * 1e3,
-                   arrow_share_of_kernel=(t_exact / 1e3) / total,
-                   arrow_runs_ms=[round((r["search_s"] + r["merge_s"]) * 1e3, 1) for r in warm_runs],
+                   arrow_first_ms=seconds(res) * 1e3, arrow_share_of_kernel=(t_exact / 1e3) / seconds(res_warm),
+                   arrow_runs_ms=[round(seconds(r) * 1e3, 1) for r in warm_runs],
                    arrow_unkept_ms=fresh * 1e3, arrow_unkept_share=(t_exact / 1e3) / fresh,
-                   pairs=res_warm["pairs"],
-                   rows=res_warm["rows"], minor_faults=res_warm["minor_faults"])
+                   pairs=res_warm["pairs"], rows=res_warm["rows"], minor_faults=res_warm["minor_faults"])
 
     for r in rows:
-        print(f"arrow {r['plan']} {r['query_blocks']}x{r['target_blocks']} blocks {r['precision']} k={r['k']}: search {r['arrow_search_ms']:.0f} ms + merge "
-              f"{r['arrow_merge_ms']:.0f} ms vs kernel {r['kernel_exact_ms']:.0f} ms -> "
-              f"{100 * r['arrow_share_of_kernel']:.0f}% of kernel throughput (next task of the stage, median of "
-              f"{'/'.join(f'{t:.0f}' for t in r['arrow_runs_ms'])} ms; "
-              f"first {r['arrow_first_ms']:.0f} ms, nothing kept {r['arrow_unkept_ms']:.0f} ms = "
+        print(f"arrow {r['plan']} {r['query_blocks']}x{r['target_blocks']} blocks {r['precision']} k={r['k']}: "
+              f"search {r['arrow_search_ms']:.0f} ms + merge {r['arrow_merge_ms']:.0f} ms vs kernel "
+              f"{r['kernel_exact_ms']:.0f} ms -> {100 * r['arrow_share_of_kernel']:.0f}% of kernel throughput (next "
+              f"task of the stage, median of {'/'.join(f'{t:.0f}' for t in r['arrow_runs_ms'])} ms; first "
+              f"{r['arrow_first_ms']:.0f} ms, nothing kept {r['arrow_unkept_ms']:.0f} ms = "
               f"{100 * r['arrow_unkept_share']:.0f}%); searcher alone "
               f"{r['searcher_ms']:.0f} ms ({100 * r['searcher_share_of_kernel']:.0f}%)")
 

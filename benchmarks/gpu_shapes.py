@@ -2,11 +2,9 @@
 search (precision "auto" and each precision) against plain torch ``addmm`` + ``topk`` and the
 bf16 GEMM alone, with every exact result checked against a float64 oracle on sampled rows.
 
-Run on a CUDA machine: ``python benchmarks/gpu_shapes.py [--budget-s 500]
-[--compile-workers 12] [--dims 384,768,1536] [--precisions auto,tf32,fp32]``.
-Records go to ``benchmarks/results/gpu_kernel.jsonl`` (tables ``compile`` and ``shapes``).
-Data: Gaussian rows with a per-dimension offset (non-centred, like real embeddings); no real
-embeddings can be downloaded on the device.
+Data: Gaussian rows with a per-dimension offset (non-centred, like real embeddings). Run on a
+CUDA machine: ``python benchmarks/gpu_shapes.py [--only compile|shapes] [--dims 384,768,1536]``.
+Records: ``benchmarks/results/gpu_kernel.jsonl`` (tables ``compile`` and ``shapes``).
 """
 from __future__ import annotations
 
@@ -23,8 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from gpu_kernel import cuda_ms  # noqa: E402
 
+from benchmarks._record import Recorder  # noqa: E402
+from benchmarks.gpu_kernel import cuda_ms  # noqa: E402
 from nearest_kernels.gpu import knn_torch, resolve_precision  # noqa: E402
 from tests import oracle  # noqa: E402
 from tests.kernels.test_gpu_shapes import DIMS as DEVICE_TEST_DIMS  # noqa: E402
@@ -33,37 +32,32 @@ from tests.kernels.test_gpu_shapes import DIMS as DEVICE_TEST_DIMS  # noqa: E402
 CHUNK_ROWS = 4096   # query rows per addmm chunk in the torch baselines (4096 x 1e6 floats = 16 GB)
 
 
-def torch_operands(Q, T, precision):
-    if precision == "bf16":
-        return Q.bfloat16(), T.bfloat16()
-    return Q, T
-
-
-def gemm_alone(Q, T, bias, precision):
-    """The GEMM alone: chunked ``addmm`` writing the (chunk, nt) matrix, in ``precision``."""
-    q, t = torch_operands(Q, T, precision)
-    b = bias.to(q.dtype)
-    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
-    for r0 in range(0, q.shape[0], CHUNK_ROWS):
-        torch.addmm(b, q[r0:r0 + CHUNK_ROWS], t.T, alpha=-2.0)
-
-
-def addmm_topk(Q, T, bias, precision, k):
+def addmm_topk(Q, T, bias, precision, k=None):
     """Plain squared-l2 top-k indices: ``bias - 2 q.t`` by chunked ``addmm`` in ``precision``
-    (``bias`` = |t|^2), then ``topk``: the naive search, no re-rank."""
-    q, t = torch_operands(Q, T, precision)
+    (``bias`` = |t|^2), then ``topk``: the naive search, no re-rank. ``k`` None: the GEMM
+    alone (each chunk's (chunk, nt) matrix written, no top-k; returns None)."""
+    q, t = (Q.bfloat16(), T.bfloat16()) if precision == "bf16" else (Q, T)
     b = bias.to(q.dtype)
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     out = []
     for r0 in range(0, q.shape[0], CHUNK_ROWS):
         d = torch.addmm(b, q[r0:r0 + CHUNK_ROWS], t.T, alpha=-2.0)
-        out.append(torch.topk(d, k, dim=1, largest=False).indices)
-    return torch.cat(out)
+        if k is not None:
+            out.append(torch.topk(d, k, dim=1, largest=False).indices)
+    return torch.cat(out) if k is not None else None
 
 
 def events_ms(fn, reps: int) -> float:
     """Median of ``reps`` timed calls (CUDA events), after one warm call."""
     return statistics.median(cuda_ms(fn, reps))
+
+
+def wall(fn) -> tuple[float, object]:
+    """(seconds, result) of one call of ``fn``, until the GPU has finished it (idle before)."""
+    t0 = time.perf_counter()
+    result = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0, result
 
 
 def data(n, d, gen, offset):
@@ -141,14 +135,7 @@ def first_call(precision: str, d: int, k: int, nt: int = 60_000) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(1)
     Q, T = data(2048, d, gen, 1.0), data(nt, d, gen, 1.0)
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    knn_torch(Q, T, k, "l2", precision)
-    torch.cuda.synchronize()
-    first = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    knn_torch(Q, T, k, "l2", precision)
-    torch.cuda.synchronize()
-    warm = time.perf_counter() - t0
+    first, warm = (wall(lambda: knn_torch(Q, T, k, "l2", precision))[0] for _ in range(2))
     return dict(precision=precision, d=d, k=k, nq=2048, nt=nt, first_call_s=round(first, 2),
                 warm_s=round(warm, 4), compile_s=round(first - warm, 2))
 
@@ -222,7 +209,7 @@ def shape_cases(args, rec):
                 row = dict(shape=label, nq=Q.shape[0], nt=T.shape[0], d=d, k=k, auto=auto,
                            triton_cache=cache)
                 bias = (T * T).sum(1)
-                row["gemm_bf16_ms"] = round(events_ms(lambda: gemm_alone(Q, T, bias, "bf16"), args.reps), 1)
+                row["gemm_bf16_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "bf16"), args.reps), 1)
                 row["torch_fp32_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "fp32", k),
                                                                   args.reps), 1)
                 row["torch_bf16_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "bf16", k),
@@ -234,11 +221,9 @@ def shape_cases(args, rec):
                         continue
                     name = precision if precision != "auto" else f"exact_auto_{auto}"
                     torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    v, idx = knn_torch(Q, T, k, "l2", precision)
-                    torch.cuda.synchronize()
+                    seconds, (v, idx) = wall(lambda p=precision: knn_torch(Q, T, k, "l2", p))
                     # Compilation included where this process has not compiled the kernel yet.
-                    row[f"{name}_first_call_s"] = round(time.perf_counter() - t0, 2)
+                    row[f"{name}_first_call_s"] = round(seconds, 2)
                     row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, idx, args.sample, v)
                     row[f"{name}_ms"] = round(events_ms(lambda p=precision: knn_torch(Q, T, k, "l2", p),
                                                         args.reps), 1)
@@ -266,8 +251,6 @@ def main(argv=None):
     ap.add_argument("--precisions", default="auto,tf32,fp32",
                     help="exact searches timed in the shapes table besides auto")
     args = ap.parse_args(argv)
-    from _record import Recorder
-
     rec = Recorder("gpu_kernel", blas=False)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     if args.only in ("compile", "both"):

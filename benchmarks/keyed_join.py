@@ -1,24 +1,16 @@
 """Keyed search (``on=``, issue 22): the executor-level segment search, and the join in Spark
 against the equi-join + window formulation and against the un-keyed join.
 
-1. executor level (no Spark): a query block against a broadcast target block of 100,000
-   groups of ~10 targets, d=64, k=10: ``udfs.search.grouped_search`` as it ships (small
-   groups in one ``knn_segments`` call) against the per-group loop it replaced (one ``knn``
-   call per group present in the query block), on the same sorted block; both results are
-   checked equal;
-2. Spark ``local[2]``, the issue's sizes: 20,000 queries x 200,000 targets, d=64, k=10,
-   (a) 100 keys with Zipf-skewed sizes on both sides, (b) 100,000 keys of ~2 targets.
-   Each: ``nearest_by_join(on="key")`` as it ships (the planner's jobs included), the keyed
-   blocked plan forced (``broadcast_limit_bytes=0``), the un-keyed ``nearest_by_join`` of the
-   same rows, and the issue's equi-join + ``row_number`` window; the keyed rows are checked
-   equal to the window's and the blocked plan's to the broadcast plan's.
-   ``--window-queries N`` adds the Zipf case at N x 10N with the window (a size it finishes
-   in minutes, when the full size does not).
+1. executor level (no Spark): a query block against a broadcast block of 100,000 groups of
+   ~10 targets: ``udfs.search.grouped_search`` as it ships against the per-group loop it
+   replaced (one ``knn`` call per group), both results checked equal;
+2. Spark ``local[2]``, 20,000 queries x 200,000 targets, (a) 100 keys with Zipf-skewed sizes,
+   (b) 100,000 keys of ~2 targets: ``nearest_by_join(on="key")`` as it ships, its blocked plan
+   forced, the un-keyed join, and the equi-join + ``row_number`` window, rows checked equal.
+   ``--window-queries N`` adds the Zipf case at N x 10N (a size the window finishes).
 
 Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-executor] [--window-queries N]
-
-Records go to ``benchmarks/results/keyed_join.jsonl`` (tables ``executor`` and ``spark``;
-``--quick`` runs to ``benchmarks/out/results/``); ``make bench-report`` renders them.
+Records: ``benchmarks/results/keyed_join.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
@@ -38,6 +30,7 @@ from udfs.search import GroupSegments, grouped_search
 
 D, K, METRIC = 64, 10, "l2"
 THREADS = 2                     # kernel threads of the executor-level case
+REPEAT = 2                      # Spark cases: each engine's best of this many calls (the window: one)
 
 
 def data(n_keys: int, n_queries: int, seed: int = 0):
@@ -67,7 +60,7 @@ def per_group_loop(queries, q_groups, sorted_targets, segments: GroupSegments, t
     return values, rows
 
 
-def executor_case(rec: Recorder, n_keys: int, n_queries: int, threads: int, repeat: int) -> None:
+def executor_case(rec: Recorder, n_keys: int, n_queries: int, repeat: int, threads: int = THREADS) -> None:
     queries, q_groups, targets, t_groups = data(n_keys, n_queries)
     segments = GroupSegments.of(t_groups)
     sorted_targets = np.ascontiguousarray(targets[segments.order])
@@ -114,12 +107,11 @@ def spark_frames(spark, q_keys, t_keys, seed: int):
     return frame("qid", "qv", q_keys), frame("tid", "tv", t_keys)
 
 
-def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool, unkeyed: bool,
-               blocked: bool, repeat: int) -> None:
+def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, peers: bool = True) -> None:
     """One data set: nearest_by_join(on=key) as it ships (planning included: each repetition
-    builds the join, which runs its facts job), the keyed blocked plan (forced), the un-keyed
-    join of the same rows, and the equi-join + window; the keyed results checked equal to the
-    window's (same (qid, tid) rows) where both run."""
+    builds the join, which runs its facts job), with ``peers`` the keyed blocked plan (forced)
+    and the un-keyed join of the same rows, and the equi-join + window; the keyed results
+    checked equal to the window's and the blocked plan's (same (qid, tid) rows)."""
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
@@ -128,8 +120,7 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool,
     q, t = spark_frames(spark, q_keys, t_keys, seed=1)
 
     def ours(**options):
-        return nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d", on="key",
-                               **options).select("qid", "tid")
+        return nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d", **options).select("qid", "tid")
 
     def window_join():
         return (q.join(t, "key").withColumn("d", F.vector_l2_distance(F.col("qv"), F.col("tv")))
@@ -144,28 +135,23 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, window: bool,
     plan = explain_nearest_join(q, t, METRIC, K, vectors=("qv", "tv"), on="key")
     print(f"[{case}] {q_keys.size} x {t_keys.size}, {common['keys']} keys, {pairs:,} same-key pairs; "
           f"plan {plan.plan}")
-    expected = sorted(map(tuple, ours().collect()))            # also the warm-up
-    results = {"nearest_by_join(on=key)": best_of(lambda: noop(ours()), repeat)}
-    if blocked:
-        got = sorted(map(tuple, ours(broadcast_limit_bytes=0).collect()))
+    expected = sorted(map(tuple, ours(on="key").collect()))            # also the warm-up
+    results = {"nearest_by_join(on=key)": best_of(lambda: noop(ours(on="key")), REPEAT)}
+    if peers:
+        got = sorted(map(tuple, ours(on="key", broadcast_limit_bytes=0).collect()))
         assert got == expected, "the keyed blocked plan and the broadcast plan differ"
-        results["nearest_by_join(on=key), blocked plan"] = best_of(lambda: noop(ours(broadcast_limit_bytes=0)),
-                                                                   repeat)
-    if unkeyed:
-        plain = nearest_by_join(q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d").select("qid", "tid")
-        noop(plain)                                             # warm-up
-        results["nearest_by_join (no key)"] = best_of(lambda: noop(nearest_by_join(
-            q, t, METRIC, K, vectors=("qv", "tv"), distance_col="d").select("qid", "tid")), 1)
-    if window:
-        start = time.perf_counter()
-        got = sorted(map(tuple, window_join().collect()))
-        results["equi-join + row_number window"] = time.perf_counter() - start
-        assert got == expected, "nearest_by_join(on=) and the window formulation differ"
-    base = results.get("equi-join + row_number window")
+        results["nearest_by_join(on=key), blocked plan"] = best_of(
+            lambda: noop(ours(on="key", broadcast_limit_bytes=0)), REPEAT)
+        noop(ours())                                             # warm-up
+        results["nearest_by_join (no key)"] = best_of(lambda: noop(ours()), 1)
+    start = time.perf_counter()
+    got = sorted(map(tuple, window_join().collect()))
+    results["equi-join + row_number window"] = base = time.perf_counter() - start
+    assert got == expected, "nearest_by_join(on=) and the window formulation differ"
     for engine, seconds in results.items():
-        extra = {} if base is None else {"speedup_vs_window": round(base / seconds, 2)}
-        rec.add("spark", engine=engine, seconds=round(seconds, 3), **extra, **common)
-        print(f"  {engine:42s} {seconds:9.3f} s" + ("" if base is None else f"  ({base / seconds:7.2f}x the window)"))
+        rec.add("spark", engine=engine, seconds=round(seconds, 3), speedup_vs_window=round(base / seconds, 2),
+                **common)
+        print(f"  {engine:42s} {seconds:9.3f} s  ({base / seconds:7.2f}x the window)")
     q.unpersist()
     t.unpersist()
 
@@ -180,24 +166,18 @@ def main() -> None:
     args = ap.parse_args()
     rec = Recorder("keyed_join", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     if not args.skip_executor:
-        if args.quick:
-            executor_case(rec, 2_000, 2_000, THREADS, 2)
-        else:
-            executor_case(rec, 100_000, 20_000, THREADS, 3)
+        executor_case(rec, *((2_000, 2_000, 2) if args.quick else (100_000, 20_000, 3)))
     spark = local_spark("nearest_join-keyed-bench", "6g")
     n_queries, n_targets = (2_000, 20_000) if args.quick else (20_000, 200_000)
     rng = np.random.default_rng(0)
-    spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, n_queries, rng), zipf_keys(100, n_targets, rng),
-               window=True, unkeyed=True, blocked=True, repeat=2)
+    spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, n_queries, rng), zipf_keys(100, n_targets, rng))
     if args.window_queries:
         spark_case(rec, spark, "100 keys, Zipf", zipf_keys(100, args.window_queries, rng),
-                   zipf_keys(100, 10 * args.window_queries, rng), window=True, unkeyed=False, blocked=False,
-                   repeat=2)
+                   zipf_keys(100, 10 * args.window_queries, rng), peers=False)
     n_keys = n_targets // 2                                      # ~2 targets per key
     t_keys = rng.integers(0, n_keys, n_targets)
     q_keys = t_keys[rng.integers(0, n_targets, n_queries)]       # every query's key has targets
-    spark_case(rec, spark, f"{n_keys:,} keys of ~2", q_keys, t_keys, window=True, unkeyed=True, blocked=True,
-               repeat=2)
+    spark_case(rec, spark, f"{n_keys:,} keys of ~2", q_keys, t_keys)
     spark.stop()
 
 

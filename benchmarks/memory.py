@@ -1,28 +1,13 @@
-"""Memory check of the blocked plan: peak RSS of the Python workers and the JVMs against
-``spark.nearestJoin.taskMemoryBytes``, for a target several times the driver's memory.
+"""Memory check of the blocked plan: peak RSS of the Python workers and the JVM against
+``spark.nearestJoin.taskMemoryBytes``, for a target several times the driver's memory, local[2].
 
-What it does, in one Spark session (``local[2]`` by default, or ``local-cluster[2,1,1024]``):
-
-1. Writes the target (``--target-rows`` float32 vectors of ``--d`` elements, several times
-   ``--driver-memory``) and the query side as Parquet, chunk by chunk with pyarrow (never
-   whole in memory), in a fresh temporary directory, which is removed at the end, whatever
-   happens.
-2. Warms the Python workers with a tiny blocked join (imports, numba's compiled kernels) and
-   reads their RSS then: the worker's fixed cost, measured.
-3. For each budget of ``--budgets`` (``spark.nearestJoin.taskMemoryBytes``), runs the blocked
-   join into Spark's ``noop`` sink while a sampler reads the RSS (``/proc/PID/status``) of
-   every Python worker and every JVM of this process's tree a few times a second; before a
-   run it resets each process's peak (``/proc/PID/clear_refs``: 5) and after it reads the
-   kernel's own peak (``VmHWM``), so that a spike between two samples still counts.
-4. Prints one row per budget: block rows chosen, peak RSS per Python worker, the fixed cost,
-   peak per JVM, and ``(peak - fixed) / budget`` (the table as ``make bench-report`` renders it).
-
-Only processes descended from this one are measured (other jobs on the machine are not). The
-rows are recorded in ``benchmarks/results/memory.jsonl`` (table ``blocked``) for
-``make bench-report``.
-
-Usage: python benchmarks/memory.py [--budgets 32m,128m] [--target-rows 2500000] [--query-rows 4000]
-       [--k 10] [--master local[2]] [--driver-memory 1g]
+The target (``--target-rows`` x ``--d`` float32) and the queries are written as Parquet chunk by
+chunk into a temporary directory (removed at the end, whatever happens). A tiny blocked join
+warms the Python workers; their RSS then is a worker's fixed cost. Then per budget of
+``--budgets``, the blocked join runs into Spark's ``noop`` sink while a thread samples the RSS of
+every worker and JVM descended from this process; each process's peak is reset before
+(``/proc/PID/clear_refs``) and its ``VmHWM`` read after, so a spike between samples counts.
+Records: ``benchmarks/results/memory.jsonl`` (table ``blocked``).
 """
 from __future__ import annotations
 
@@ -94,15 +79,15 @@ def _cmdline(pid: int) -> str:
 
 
 def descendants(root: int) -> dict[int, str]:
-    """{pid: kind} of this process tree's JVMs ("driver JVM", "executor JVM") and Python
-    workers ("worker"; pyspark's daemon, which only forks them, is "daemon")."""
+    """{pid: kind} of this process tree's JVM ("JVM") and Python workers ("worker"; pyspark's
+    daemon, which only forks them, is "daemon")."""
     found = {}
     for pid, fields in process_tree(root).items():
         if pid == root:
             continue
         cmd = _cmdline(pid)
         if "java" in cmd.split(" ")[0]:
-            found[pid] = "executor JVM" if "CoarseGrainedExecutorBackend" in cmd else "driver JVM"
+            found[pid] = "JVM"
         elif "pyspark.daemon" in cmd or "pyspark.worker" in cmd:
             # The daemon (a JVM's child) forks the workers: a worker's parent is a daemon.
             forked = "pyspark.daemon" in _cmdline(int(fields[1]))
@@ -156,13 +141,12 @@ def rss_now(kind: str) -> list[int]:
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="32m,128m", help="spark.nearestJoin.taskMemoryBytes values")
     ap.add_argument("--target-rows", type=int, default=2_500_000)
     ap.add_argument("--query-rows", type=int, default=4_000)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--k", type=int, default=10)
-    ap.add_argument("--master", default="local[2]", help="local[2] or local-cluster[2,1,1024]")
     ap.add_argument("--driver-memory", default="1g")
     args = ap.parse_args(argv)
 
@@ -189,10 +173,7 @@ def run(args, data: str) -> int:
           f"({t_bytes / parse_bytes(args.driver_memory):.1f}x driver memory {args.driver_memory}), "
           f"query {args.query_rows} rows; written in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    conf = {"spark.executorEnv.PYTHONPATH": ROOT}
-    if args.master.startswith("local-cluster"):
-        conf["spark.executor.memory"] = args.master.rstrip("]").split(",")[-1] + "m"
-    spark = local_spark("nearest_join-memory", args.driver_memory, args.master, conf)
+    spark = local_spark("nearest_join-memory", args.driver_memory, conf={"spark.executorEnv.PYTHONPATH": ROOT})
     try:
         q = spark.read.parquet(q_path)
         t = spark.read.parquet(t_path)
@@ -210,7 +191,7 @@ def run(args, data: str) -> int:
         fixed_cost = max(fixed) if fixed else 0
         print(f"workers after warm-up (fixed cost): {[f'{v / MiB:.0f}' for v in fixed]} MiB; "
               f"daemon {[f'{v / MiB:.0f}' for v in rss_now('daemon')]} MiB; "
-              f"JVMs {[f'{v / MiB:.0f}' for v in rss_now('driver JVM') + rss_now('executor JVM')]} MiB", flush=True)
+              f"JVM {[f'{v / MiB:.0f}' for v in rss_now('JVM')]} MiB", flush=True)
 
         sampler = Sampler()
         table = []
@@ -229,7 +210,7 @@ def run(args, data: str) -> int:
             # Above its own fixed cost (a worker started after the warm-up: the largest one).
             above = max((v - fixed_by_pid.get(pid, fixed_cost) for pid, v in peaks.items()
                          if sampler.kinds[pid] == "worker"), default=0)
-            jvms = sorted((v for pid, v in peaks.items() if sampler.kinds[pid].endswith("JVM")), reverse=True)
+            jvms = sorted((v for pid, v in peaks.items() if sampler.kinds[pid] == "JVM"), reverse=True)
             table.append((budget_text, plan.query_block_rows, plan.target_block_rows, plan.target_blocks,
                           workers, fixed_cost, jvms, seconds, above / budget))
             print(f"budget {budget_text}: {seconds:.0f} s, workers {[round(v / MiB) for v in workers]} MiB, "
@@ -239,7 +220,7 @@ def run(args, data: str) -> int:
 
     rec = Recorder("memory", gpu=False)
     for budget, q_rows, t_rows, t_blocks, workers, fixed_cost, jvms, seconds, ratio in table:
-        rec.add("blocked", master=args.master, driver_memory=args.driver_memory, d=args.d, k=args.k, metric="l2",
+        rec.add("blocked", master="local[2]", driver_memory=args.driver_memory, d=args.d, k=args.k, metric="l2",
                 query_rows=args.query_rows, target_rows=args.target_rows,
                 target_parquet_mib=round(t_bytes / MiB), budget=budget,
                 query_block_rows=q_rows, target_block_rows=t_rows, target_blocks=t_blocks,

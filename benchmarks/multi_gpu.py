@@ -1,19 +1,15 @@
 """Multi-GPU scaling of the blocked plan (issue 6), with executors simulated faithfully.
 
-Spark cannot run on the GPU machines (no Java), so each executor is one process per GPU
-running the same executor function Spark calls for the blocked plan,
-:func:`udfs.blocks.search_pairs`, fed the Arrow pair batches of its share of the
-(query block, target block) pairs. Each process selects its GPU the way ``udfs.gpu_search`` does
-under Spark, from the task's GPU address: here the address of :func:`udfs.context.local_task`, which
-:func:`udfs.context.task_gpu_address` reads when there is no TaskContext. The partial top-k of
-all processes then go through the same merge (:func:`udfs.blocks.merge_partials`) and the
-merged rows are compared with the one-GPU run.
+Spark cannot run on the GPU machines (no Java), so each executor is one process per GPU running
+the executor function Spark calls for the blocked plan, :func:`udfs.blocks.search_pairs`, on the
+Arrow pair batches of its share of the (query block, target block) pairs: whole target blocks,
+round robin, each kept resident while the query blocks stream past it. Each process selects its
+GPU from the task's address, as ``udfs.gpu_search`` does under Spark (here the address of
+:func:`udfs.context.local_task`). Timed: from a barrier after each process has warmed up to the
+last one done; then all partials go through :func:`udfs.blocks.merge_partials`, and the merged
+rows are compared with the one-GPU run.
 
     python benchmarks/multi_gpu.py --gpus 1,2 --out results/     # issue 6 sizes
-
-Shares: whole target blocks, round robin, so every process keeps its target block resident
-while the query blocks stream past it (the plan's pair order). Timed: from a barrier after
-each process has warmed up (compilation, first target upload) to the last process done.
 """
 from __future__ import annotations
 
@@ -30,11 +26,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _context(k, d, precision, q_rows, t_rows, schema, backend="gpu"):
+def _context(params, backend="gpu"):
     from udfs.context import JoinContext, SearchSettings, SideLayout
 
-    return JoinContext(SearchSettings(k, "l2", backend, precision), SideLayout("qv", 1, d, q_rows),
-                       SideLayout("tv", 1, d, t_rows), "inner", True, schema)
+    return JoinContext(SearchSettings(params["k"], "l2", backend, params["precision"]),
+                       SideLayout("qv", 1, params["d"], params["q_rows"]),
+                       SideLayout("tv", 1, params["d"], params["t_rows"]), "inner", True, params["schema"])
 
 
 def _read(path):
@@ -42,6 +39,13 @@ def _read(path):
 
     with pa.memory_map(str(path)) as source:
         return pa.ipc.open_file(source).read_all()
+
+
+def _write(path, table) -> None:
+    import pyarrow as pa
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
 
 
 def _pair_batches(q_packed, t_packed, t_indices):
@@ -74,57 +78,37 @@ def _used_device(torch):
 
 def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     """One simulated executor: its GPU from the task address, its share of the pairs."""
-    from udfs.context import local_task
-
-    with local_task(gpu=gpu_address):
-        _executor(rank, n_procs, work_dir, params, barrier, results)
-
-
-def _executor(rank, n_procs, work_dir, params, barrier, results):
     import pyarrow as pa
     import torch
 
     from udfs.blocks import search_pairs
+    from udfs.context import local_task
 
-    work = Path(work_dir)
-    q_packed, t_packed = _read(work / "q.arrow"), _read(work / "t.arrow")
-    ctx = _context(params["k"], params["d"], params["precision"], params["q_rows"], params["t_rows"],
-                   _read(work / "t_schema.arrow").schema, params["backend"])
-    mine = [ti for ti in range(t_packed.num_rows) if ti % n_procs == rank]
-    # Warm-up: compile, first upload (an executor has done this before its next task).
-    list(search_pairs(_pair_batches(q_packed, t_packed, mine[:1]), ctx))
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    barrier.wait()
-    t0 = time.perf_counter()
-    partial = list(search_pairs(_pair_batches(q_packed, t_packed, mine), ctx))
-    sync()
-    t1 = time.perf_counter()
-    out = work / f"partial_{n_procs}_{rank}.arrow"
-    table = pa.Table.from_batches(partial)
-    with pa.OSFile(str(out), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table)
-    results.put({"rank": rank, "start": t0, "stop": t1, "pairs": len(partial),
-                 "device": _used_device(torch)})
+    with local_task(gpu=gpu_address):
+        work = Path(work_dir)
+        q_packed, t_packed = _read(work / "q.arrow"), _read(work / "t.arrow")
+        ctx = _context(params, params["backend"])
+        mine = [ti for ti in range(t_packed.num_rows) if ti % n_procs == rank]
+        # Warm-up: compile, first upload (an executor has done this before its next task).
+        list(search_pairs(_pair_batches(q_packed, t_packed, mine[:1]), ctx))
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        barrier.wait()
+        t0 = time.perf_counter()
+        partial = list(search_pairs(_pair_batches(q_packed, t_packed, mine), ctx))
+        sync()
+        t1 = time.perf_counter()
+        _write(work / f"partial_{n_procs}_{rank}.arrow", pa.Table.from_batches(partial))
+        results.put({"rank": rank, "start": t0, "stop": t1, "pairs": len(partial), "device": _used_device(torch)})
 
 
-def run(n_procs, addresses, work_dir, params):
-    from benchmarks._record import run_spawned
-
-    got = run_spawned(worker, [(r, n_procs, addresses[r], work_dir, params) for r in range(n_procs)],
-                      timeout=1800)
-    wall = max(g["stop"] for g in got) - min(g["start"] for g in got)
-    return wall, got
-
-
-def merge(n_procs, work_dir, params, schema):
-    from udfs.blocks import merge_partials
+def merge(n_procs, work_dir, params):
     import pyarrow as pa
 
-    parts = [_read(Path(work_dir) / f"partial_{n_procs}_{r}.arrow") for r in range(n_procs)]
-    table = pa.concat_tables(parts)
-    ctx = _context(params["k"], params["d"], params["precision"], params["q_rows"], params["t_rows"], schema,
-                   params["backend"])
+    from udfs.blocks import merge_partials
+
+    table = pa.concat_tables([_read(Path(work_dir) / f"partial_{n_procs}_{r}.arrow") for r in range(n_procs)])
+    ctx = _context(params, params["backend"])
     groups: dict[int, list] = {}
     for batch in table.to_batches(max_chunksize=1):
         groups.setdefault(batch.column(0)[0].as_py(), []).append(batch)
@@ -137,6 +121,7 @@ def merge(n_procs, work_dir, params, schema):
 def main(argv=None):
     import pyarrow as pa
 
+    from benchmarks._record import run_spawned
     from udfs.packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -151,8 +136,6 @@ def main(argv=None):
     ap.add_argument("--backend", default="gpu", help="'auto' runs the CPU path (smoke test)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    params = {"k": args.k, "d": args.d, "precision": args.precision, "q_rows": args.q_rows, "t_rows": args.t_rows,
-              "backend": args.backend}
     rng = np.random.default_rng(42)
     Q = rng.standard_normal((args.nq, args.d), dtype=np.float32)
     T = rng.standard_normal((args.nt, args.d), dtype=np.float32)
@@ -163,7 +146,9 @@ def main(argv=None):
 
     qt, tt = table(Q, "q"), table(T, "t")
     del Q, T
-    ctx = _context(args.k, args.d, args.precision, args.q_rows, args.t_rows, tt.schema)
+    params = {"k": args.k, "d": args.d, "precision": args.precision, "q_rows": args.q_rows, "t_rows": args.t_rows,
+              "backend": args.backend, "schema": tt.schema}
+    ctx = _context(params)
     rows = []
     with tempfile.TemporaryDirectory() as work_dir:
         work = Path(work_dir)
@@ -171,19 +156,15 @@ def main(argv=None):
             # Targets with the empty block, as the plan unions it (it carries each query
             # block's rows to the merge).
             extra = [empty_target_block()] if name == "t" else []
-            packed = pa.Table.from_batches(list(pack_blocks(src.to_batches(max_chunksize=1 << 16), layout, part))
-                                           + extra, schema=PACKED_SCHEMA)
-            with pa.OSFile(str(work / f"{name}.arrow"), "wb") as sink, pa.ipc.new_file(sink, packed.schema) as w:
-                w.write_table(packed)
-        with pa.OSFile(str(work / "t_schema.arrow"), "wb") as sink, pa.ipc.new_file(sink, tt.schema) as w:
-            w.write_table(tt.slice(0, 0))
-        schema = tt.schema
+            _write(work / f"{name}.arrow", pa.Table.from_batches(
+                list(pack_blocks(src.to_batches(max_chunksize=1 << 16), layout, part)) + extra, schema=PACKED_SCHEMA))
         del qt, tt
         baseline = None
         for n in [int(g) for g in args.gpus.split(",")]:
             addresses = [str(r) for r in range(n)]
-            wall, got = run(n, addresses, work_dir, params)
-            merged, merge_s = merge(n, work_dir, params, schema)
+            got = run_spawned(worker, [(r, n, addresses[r], work_dir, params) for r in range(n)], timeout=1800)
+            wall = max(g["stop"] for g in got) - min(g["start"] for g in got)
+            merged, merge_s = merge(n, work_dir, params)
             key = merged.sort_by([("__nj_out_0", "ascending"), ("__nj_out_4", "ascending"),
                                   ("__nj_out_2", "ascending")])
             same = None
@@ -191,25 +172,18 @@ def main(argv=None):
                 baseline = (key, wall)
             else:
                 same = key.equals(baseline[0])
-            throughput = args.nq * args.nt / wall
-            eff = None if n == 1 else (baseline[1] / wall) / n
             row = {"gpus": n, "addresses": addresses, "wall_s": wall, "merge_s": merge_s,
                    "pairs_per_process": [g["pairs"] for g in got], "devices": [g["device"] for g in got],
-                   "pairs_per_s": sum(g["pairs"] for g in got) / wall, "queries_x_targets_per_s": throughput,
-                   "efficiency": eff, "equals_1gpu": same, "rows": merged.num_rows}
+                   "pairs_per_s": sum(g["pairs"] for g in got) / wall,
+                   "queries_x_targets_per_s": args.nq * args.nt / wall,
+                   "efficiency": None if n == 1 else (baseline[1] / wall) / n, "equals_1gpu": same,
+                   "rows": merged.num_rows}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         with open(Path(args.out) / "multi_gpu.jsonl", "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-    print("\n| GPUs | wall s | merge s | pair searches/s | efficiency | equals 1-GPU |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        eff = "-" if r["efficiency"] is None else f"{100 * r['efficiency']:.0f}%"
-        same = "-" if r["equals_1gpu"] is None else str(r["equals_1gpu"])
-        print(f"| {r['gpus']} | {r['wall_s']:.1f} | {r['merge_s']:.1f} | {r['pairs_per_s']:.2f} | {eff} | {same} |")
+            f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
 if __name__ == "__main__":

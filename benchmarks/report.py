@@ -1,11 +1,9 @@
 """Regenerate ``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from the benchmark records.
 
-The records are the JSON lines that every benchmark writes through ``benchmarks/_record.py``
-into ``benchmarks/results/<benchmark>.jsonl``: one per measured case, each naming its date,
-machine, commit and exact command. This script renders one table per (benchmark, table),
-newest first, each with its provenance, a ratio column against the peer measured in the same
-run, and a plot where one helps. RESULTS.md is generated: edit the records (re-run the
-benchmark), never the file; ``tests/benchmarks/test_report.py`` fails when they disagree.
+One table per (benchmark, table) of ``benchmarks/results/*.jsonl`` (``benchmarks/_record.py``),
+newest first, each with its provenance, ratios against peers of the same run, and a plot where
+one helps. RESULTS.md is generated: re-run the benchmark, never edit the file
+(``tests/benchmarks/test_report.py`` fails when they disagree).
 
 Usage: ``python benchmarks/report.py`` (``make bench-report``); ``--check`` only compares.
 """
@@ -98,13 +96,11 @@ def peer_ratio(header: str, name: str, peer: dict, invert: bool = False) -> Col:
     return Col(header, cell, (name,))
 
 
-def sum_col(header: str, names: tuple[str, ...], total: str, spec: str) -> Col:
-    """The sum of ``names`` where all are present, else the field ``total``."""
-    def cell(row, run):
-        if all(row.get(n) is not None for n in names):
-            return fmt(sum(row[n] for n in names), spec)
-        return fmt(row.get(total), spec)
-    return Col(header, cell, (*names, total))
+def arrow_ms(record: dict) -> str:
+    """gpu_kernel: the Arrow path's search + merge ms (older records: their ``arrow_ms``)."""
+    if record.get("arrow_search_ms") is not None and record.get("arrow_merge_ms") is not None:
+        return fmt(record["arrow_search_ms"] + record["arrow_merge_ms"], ".0f")
+    return fmt(record.get("arrow_ms"), ".0f")
 
 
 # --- table specs -------------------------------------------------------------------------
@@ -151,9 +147,8 @@ def pratio(header: str, name: str, num, den) -> Col:
     return Col(header, cell, (name,))
 
 
-def by_engine(records: list[dict]) -> list[dict]:
-    """cpu_kernel: one display row per (d, metric, k); each record under (its table, its engine)."""
-    return pivot(("table", "engine"), ("data", "d", "metric", "k"))(records)
+# cpu_kernel: one display row per (data, d, metric, k); each record under (its table, its engine).
+by_engine = pivot(("table", "engine"), ("data", "d", "metric", "k"))
 
 
 def engines(records: list[dict]) -> list[str]:
@@ -355,7 +350,8 @@ TABLES: dict[tuple[str, str], Table] = {
               "Session start: wall less the job (Spark's JVM and session, the demo data on the first run)."),
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",
-        [col("numba cache", "numba_cache"), *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
+        [col("numba cache", "numba_cache"),
+         *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
         about="The executor path of a broadcast join (float32, `udfs.warm`) in a new process: what one "
               "worker pays for its kernels, compiling them, or loading what another process compiled."),
     ("fixed_costs", "fresh_clone"): Table(
@@ -472,8 +468,7 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("plan", "plan"), BLOCKS, col("k", "k"), col("threads per task", "threads_per_task"),
          *[c for p in ("bf16", "tf32") for c in (
              pcol(f"{p} kernel ms", p, "kernel_exact_ms", ".0f"),
-             Col(f"{p} Arrow path ms", lambda r, run, p=p: sum_col("", ("arrow_search_ms", "arrow_merge_ms"),
-                                                                     "arrow_ms", ".0f").cell(r["by"].get(p, {}), run)),
+             Col(f"{p} Arrow path ms", lambda r, run, p=p: arrow_ms(r["by"].get(p, {}))),
              pcol(f"{p} share of the kernel", p, "arrow_share_of_kernel", "%"))]],
         about="One task's query rows through `udfs.blocks` (copies, Arrow decoding and row emission "
               "included), the next task of its stage (target blocks kept on the GPU), against one exact "

@@ -1,17 +1,11 @@
 """End-to-end Spark benchmark: nearest_by_join against Spark's own nearestByJoin and our kernel.
 
-In one run, on cached DataFrames in local[2]:
-1. the small case for both (2,000 x 20,000, d=64, k=10, exact L2): times, speed-up, identical rows;
-2. throughput at scale (20,000 x 200,000, d=64 and d=128, k=10): pairs/s, and the ratio to
-   Spark's pairs/s on the small case;
-3. the Spark overhead: our operator end to end against our kernel alone on the same arrays
-   (same process, all cores), on the small case (the call's fixed cost) and at 20,000 x 200,000,
-   d=128.
+On cached DataFrames in local[2], exact L2, k=10: the small case (2,000 x 20,000, d=64) for
+both operators, with identical rows; our throughput at 20,000 x 200,000, d=64 and 128; our
+kernel alone on the same arrays, on the small case and at d=128 (what Spark adds).
 
 Usage: python benchmarks/spark_join.py [--quick] [--skip-spark] [--repeat N]
-
-Each row is recorded in ``benchmarks/results/spark_join.jsonl`` (table ``operator``; ``--quick``
-runs go to ``benchmarks/out/results/``) and the table is printed as ``make bench-report`` renders it.
+Records: ``benchmarks/results/spark_join.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
@@ -23,20 +17,13 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import SMOKE_DIR, Recorder, best_of, local_spark, noop, vector_table  # noqa: E402
-
-
-def make_side(path, n, d, seed, id_name, vec_name):
-    X = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
-    pq.write_table(vector_table(np.arange(n, dtype=np.int64), X, id_name, vec_name), path,
-                   row_group_size=max(1, n // 4))
-    return X
+from benchmarks._record import (SMOKE_DIR, Recorder, best_of, cached_parquet, local_spark, noop,  # noqa: E402
+                                vector_table)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
     ap.add_argument("--skip-spark", action="store_true", help="do not time Spark's own nearestByJoin")
     ap.add_argument("--repeat", type=int, default=3)
@@ -50,7 +37,7 @@ def main(argv=None) -> int:
     spark = local_spark("nearest_join-bench", "8g")
     tmp = tempfile.mkdtemp(prefix="nj-bench-")
     small = (200, 2_000, 64) if args.quick else (2_000, 20_000, 64)
-    scale = [(2_000, 20_000, 64), (2_000, 20_000, 128)] if args.quick else [(20_000, 200_000, 64), (20_000, 200_000, 128)]
+    scale = [(2_000, 20_000, d) for d in (64, 128)] if args.quick else [(20_000, 200_000, d) for d in (64, 128)]
     k = 10
     rec = Recorder("spark_join", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
 
@@ -59,13 +46,14 @@ def main(argv=None) -> int:
                 **extra, k=k, metric="l2", master="local[2]", repeat=args.repeat)
 
     def load(nq, nt, d):
-        qp, tp = f"{tmp}/q_{nq}_{d}.parquet", f"{tmp}/t_{nt}_{d}.parquet"
-        Q = make_side(qp, nq, d, 1, "qid", "qv")
-        T = make_side(tp, nt, d, 2, "tid", "tv")
-        q = spark.read.parquet(qp).cache()
-        t = spark.read.parquet(tp).cache()
-        q.count(), t.count()
-        return Q, T, q, t
+        """Gaussian float32 sides (Q, T) and their cached DataFrames (qid, qv), (tid, tv)."""
+        arrays, frames = [], []
+        for n, seed, side in ((nq, 1, "q"), (nt, 2, "t")):
+            X = np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+            table = vector_table(np.arange(n, dtype=np.int64), X, side + "id", side + "v")
+            arrays.append(X)
+            frames.append(cached_parquet(spark, f"{tmp}/{side}_{n}_{d}.parquet", table, max(1, n // 4)))
+        return (*arrays, *frames)
 
     # 1. the small case, both engines
     nq, nt, d = small

@@ -1,35 +1,18 @@
 """Random joins for a bounded time, each checked against the float64 difference-form oracle.
 
-Every join draws its own inputs from its seed: sizes 0-5,000 per side, d 1-400, k 1-100, all
-metrics, inner and left outer, NULL vectors and NULL elements, zero vectors, duplicates, many
-tiny input partitions, float and double elements, forced blocked plans with small blocks, and
-the adversarial data of ``tests/adversarial.py`` (offsets much larger than the spread, extreme
-magnitudes, nearly parallel vectors, integer ties). The output is checked row by row: which
-queries appear and how often (INNER drops a query without candidates, LEFT OUTER keeps it once
-with NULL target columns), and, for up to ``CHECK_ROWS`` queries of each join, that every
-returned target is a true top-k row (``tests.oracle.assert_true_topk``, with float32 value
-rounding as the tie tolerance, as in tests/join/test_exactness.py).
+Each join draws its inputs from its seed (``--replay SEED`` runs it again): sizes 0-5,000 per
+side, d 1-400, k 1-100, every metric, inner and left outer, NULL vectors and elements, zero
+vectors, duplicates, tiny partitions, float and double, forced blocked plans, and the
+adversarial data of ``tests/adversarial.py``. Which queries appear and how often is checked,
+and up to ``CHECK_ROWS`` queries per join must get a true top k (``tests.oracle``, float32
+rounding as the tie tolerance). ``APPROX_SHARE`` of the joins run ``mode="approx"`` on the IVF
+plan (keys, caps, a given nprobe, saved indexes reused after the target changed): every row
+must be a candidate with its exact value, the true top k where the plan promises it, and the
+join's recall@k (ties count) at least the target the planner chose nprobe for.
 
-About half the joins (``APPROX_SHARE``) are ``mode="approx"`` instead, forced onto the IVF
-plan (``nlist`` given) over clustered, Gaussian, duplicated and offset data, with ``on=``
-keys (skewed groups, NULL keys), caps, forced blocked plans, a given ``nprobe``, and saved
-indexes (``IVFIndex.save``/``load``) trained on yesterday's target and reused after it
-changed (rows replaced, moved and deleted). Every returned row must be a candidate (rankable,
-same key, within the cap), once, with its exact float64 value; where the plan promises the
-exact result (it fell back to the exact plan, or probes every list) the rows must be the true
-top k; otherwise the recall@k of the whole join (a returned row counts when its oracle key is
-within the k-th best of its candidates: ties count) must meet the join's ``recall`` target
-whenever the planner chose ``nprobe`` from it.
-
-It prints one line per join that went wrong (with its seed: ``--replay SEED`` runs that one
-again) and the totals; a timed run (not ``--replay``) records them in
-``benchmarks/results/stress.jsonl`` (table ``totals``) for ``make bench-report``, and ``--out FILE``
-also appends them as a JSON line.
-
-Usage::
-
-    python benchmarks/stress.py --minutes 30 --out benchmarks/out/stress.jsonl
-    python benchmarks/stress.py --replay 1234 1240
+Prints a line per join that went wrong and the totals; a timed run (not ``--replay``) records
+them in ``benchmarks/results/stress.jsonl``, and ``--out FILE`` appends them as a JSON line.
+Usage: ``python benchmarks/stress.py --minutes 30 [--out FILE]``, or ``--replay SEED ...``.
 """
 from __future__ import annotations
 
@@ -122,10 +105,15 @@ def _rankable(M: np.ndarray, null: np.ndarray, metric: str) -> np.ndarray:
     return ok
 
 
-def _arrow_side(M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str):
-    """An Arrow table (id int, vector array<float|double>): NULL vectors where ``null``,
-    NULL elements where ``M`` holds NaN."""
-    return vector_table(np.arange(M.shape[0], dtype=np.int32), M, id_name, vector_name, null)
+def _frame(spark, M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str, parts: int, keys=None):
+    """A DataFrame (id int, vector array<float|double>[, key int]) in ``parts`` partitions: NULL
+    vectors where ``null``, NULL elements where ``M`` holds NaN, NULL keys where ``keys < 0``."""
+    import pyarrow as pa
+
+    table = vector_table(np.arange(M.shape[0], dtype=np.int32), M, id_name, vector_name, null)
+    if keys is not None:
+        table = table.append_column("key", pa.array(keys, mask=keys < 0, type=pa.int32()))
+    return spark.createDataFrame(table).repartition(parts)
 
 
 def _by_query(out, nq: int, problems: list) -> dict[int, list]:
@@ -141,8 +129,8 @@ def run_join(spark, case: dict) -> tuple[int, list[str]]:
     from nearest_join import nearest_by_join
 
     Q, T, metric, k = case["Q"], case["T"], case["metric"], case["k"]
-    q = spark.createDataFrame(_arrow_side(Q, case["q_null"], "qid", "qv")).repartition(case["q_parts"])
-    t = spark.createDataFrame(_arrow_side(T, case["t_null"], "tid", "tv")).repartition(case["t_parts"])
+    q = _frame(spark, Q, case["q_null"], "qid", "qv", case["q_parts"])
+    t = _frame(spark, T, case["t_null"], "tid", "tv", case["t_parts"])
     out = nearest_by_join(q, t, metric, k, vectors=("qv", "tv"), join_type=case["join_type"],
                           distance_col="d", **case["options"]).collect()
     problems = []
@@ -254,16 +242,9 @@ def draw_approx(seed: int) -> dict:
     return dict(seed=seed, Q=Q, T=T, q_null=q_null, t_null=t_null, metric=metric, kind=kind,
                 k=int(rng.choice([1, int(rng.integers(2, 11)), int(rng.integers(11, 51))])),
                 join_type=str(rng.choice(["inner", "leftouter"])), keys=keys, cap_quantile=cap_quantile,
-                q_parts=int(rng.choice([1, 2, rng.integers(3, 20)])), t_parts=int(rng.choice([1, 2, rng.integers(3, 20)])),
-                options=options, old_target=old_target, nlist=nlist)
-
-
-def _with_keys(table, keys):
-    import pyarrow as pa
-
-    if keys is None:
-        return table
-    return table.append_column("key", pa.array(keys, mask=keys < 0, type=pa.int32()))
+                q_parts=int(rng.choice([1, 2, rng.integers(3, 20)])),
+                t_parts=int(rng.choice([1, 2, rng.integers(3, 20)])), options=options, old_target=old_target,
+                nlist=nlist)
 
 
 def _candidates(case: dict, all_keys: np.ndarray) -> np.ndarray:
@@ -298,19 +279,17 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     if case["cap"] is not None:
         options["min_similarity" if metric in ("cosine", "inner_product") else "max_distance"] = case["cap"]
     if case["old_target"] is not None:
-        rankable = case["old_target"][np.isfinite(case["old_target"]).all(axis=1)]
-        if metric == "cosine":
-            rankable = rankable[(rankable != 0).any(axis=1)]
+        old = case["old_target"]
+        rankable = old[_rankable(old, np.zeros(old.shape[0], bool), metric)]
         index = IVFIndex.train(rankable, metric, min(case["nlist"], rankable.shape[0]), seed=options["seed"])
         path = workdir / f"index-{case['seed']}"
         index.save(path)
         options["index"] = IVFIndex.load(path)
         if options.get("nprobe", 0) > options["index"].nlist:
             options["nprobe"] = options["index"].nlist
-    q = spark.createDataFrame(_with_keys(_arrow_side(Q, case["q_null"], "qid", "qv"),
-                                         None if case["keys"] is None else case["keys"][0])).repartition(case["q_parts"])
-    t = spark.createDataFrame(_with_keys(_arrow_side(T, case["t_null"], "tid", "tv"),
-                                         None if case["keys"] is None else case["keys"][1])).repartition(case["t_parts"])
+    q_keys, t_keys = case["keys"] or (None, None)
+    q = _frame(spark, Q, case["q_null"], "qid", "qv", case["q_parts"], q_keys)
+    t = _frame(spark, T, case["t_null"], "tid", "tv", case["t_parts"], t_keys)
     join_options = JoinOptions(num_results=k, vectors=("qv", "tv"), join_type=case["join_type"],
                                distance_col="d", **options)
     planned = plan_join(q, t, metric, join_options)
