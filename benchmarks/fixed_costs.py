@@ -72,7 +72,8 @@ def demo(rec: Recorder, data_dir: Path) -> None:
         rec.add("demo", numba_cache=numba_cache, class_archive=archive, wall_s=round(wall, 2),
                 job_s=summary["wall_time_s"], session_s=round(wall - summary["wall_time_s"], 2),
                 kernel_warm_up_s=summary["kernel_warm_up_s"], kernel_compile_s=summary["kernel_compile_s"],
-                **{f"{name}_s": seconds for name, seconds in phases.items()})
+                **{f"{name}_s": seconds for name, seconds in phases.items()},
+                **{f"executor_{name}_s": seconds for name, seconds in summary["executor_s"].items()})
 
 
 def compile_costs(rec: Recorder) -> None:
