@@ -23,7 +23,7 @@ from udfs import blocks, context, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
-from udfs.timing import PHASES, SecondsParam
+from udfs.timing import PHASES, SecondsParam, timed_map
 
 from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
@@ -471,6 +471,8 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         q_layout = dataclasses.replace(q_layout, block_rows=min(C.MAX_BLOCK_ROWS, q_layout.block_rows + plan.query_partitions))
     q_pack = functools.partial(q_pack, layout=q_layout)
     t_pack = functools.partial(t_pack, layout=t_layout)
+    if planned.timings is not None:
+        q_pack, t_pack = (functools.partial(timed_map, planned.timings, "pack", pack) for pack in (q_pack, t_pack))
     if not _executors_share_this_machine(spark):
         # The first packing task of each executor process starts compiling the search's
         # kernels (udfs.warm); under a local master this process has (_warm_up_here).

@@ -1,5 +1,6 @@
-"""Where an executor's seconds go: each phase of the block loops (decode, search, merge,
-encode) timed as it runs and added to the join's Spark accumulator (``JoinContext.timings``),
+"""Where an executor's seconds go: the packing of each side's rows into blocks (``pack``:
+reading the input batches from the JVM included) and each phase of the block loops (decode,
+search, merge, encode) timed as it runs and added to the join's Spark accumulator (``JoinContext.timings``),
 which the driver reads after the job (``nearest_join.join.PlannedJoin.executor_seconds``; the
 batch jobs' summary shows it).
 
@@ -13,9 +14,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
-PHASES = ("decode", "search", "merge", "encode")
+PHASES = ("pack", "decode", "search", "merge", "encode")
 
 _lock = threading.Lock()
 
@@ -46,3 +47,16 @@ def timed(accumulator, phase: str) -> Iterator[None]:
         seconds = time.perf_counter() - start
         with _lock:   # the task's threads share the worker's one accumulator
             accumulator.add({phase: seconds})
+
+
+def timed_map(accumulator, phase: str, function, batches: Iterable) -> Iterator:
+    """``function(batches)`` (a ``mapInArrow`` function) with the seconds spent producing each
+    of its output batches added to ``accumulator`` under ``phase`` (not those the consumer
+    spends between them)."""
+    output = iter(function(batches))
+    while True:
+        with timed(accumulator, phase):
+            batch = next(output, None)
+        if batch is None:
+            return
+        yield batch

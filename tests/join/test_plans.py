@@ -64,7 +64,7 @@ def test_executor_seconds_per_phase(data, plan):
     assert planned.plan.plan == plan and planned.executor_seconds() == {}
     planned.dataframe().write.format("noop").mode("overwrite").save()
     first = planned.executor_seconds()
-    assert set(first) <= set(PHASES) and {"decode", "search", "encode"} <= set(first)
+    assert set(first) <= set(PHASES) and {"pack", "decode", "search", "encode"} <= set(first)
     assert first["search"] > 0 and all(seconds >= 0 for seconds in first.values())
     planned.dataframe().write.format("noop").mode("overwrite").save()
     assert planned.executor_seconds()["search"] > first["search"]
