@@ -26,10 +26,51 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def _rows_as_local_relation() -> None:
+    """``createDataFrame(rows, schema)`` in the tests' classic sessions: the rows, through Arrow,
+    as a JVM-local relation (``LocalRelation``) rather than a Python RDD (``ExistingRDD``), whose
+    every scan deserialises the rows in a Python worker (a daemon of its own): about 0.2 s per
+    Spark job over tiny inputs, in each of the thousands of joins and oracle calls the tests run.
+    The same rows, types, NULLs and partitions (one per core up to the rows). Anything else (no
+    schema, dict rows, ML vectors, or rows Arrow refuses) takes Spark's own path; so do tests
+    that build their inputs otherwise (Parquet, ``spark.range``)."""
+    import functools
+
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+    from pyspark.sql.session import SparkSession
+    from pyspark.sql.types import StructType, UserDefinedType, _parse_datatype_string
+
+    create = SparkSession.createDataFrame
+
+    def has_udt(struct) -> bool:
+        return any(isinstance(f.dataType, UserDefinedType) or "udt" in f.dataType.simpleString() for f in struct.fields)
+
+    @functools.wraps(create)
+    def local(self, data, schema=None, *args, **kwargs):
+        if isinstance(data, list) and schema is not None and not args and not kwargs \
+                and all(isinstance(row, tuple) for row in data):
+            try:
+                struct = schema if isinstance(schema, StructType) else _parse_datatype_string(schema)
+                if isinstance(struct, StructType) and not has_udt(struct) \
+                        and all(len(row) == len(struct.fields) for row in data):
+                    arrow = to_arrow_schema(struct, timezone=self.conf.get("spark.sql.session.timeZone"))
+                    columns = list(zip(*data)) if data else [()] * len(struct.fields)
+                    table = pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(columns, arrow)],
+                                                 schema=arrow)
+                    return create(self, table)
+            except (TypeError, ValueError, pa.ArrowException):
+                pass
+        return create(self, data, schema, *args, **kwargs)
+
+    SparkSession.createDataFrame = local
+
+
 @pytest.fixture(scope="session")
 def spark():
     from pyspark.sql import SparkSession
 
+    _rows_as_local_relation()
     session = (
         SparkSession.builder.master("local[2]")
         .appName("nearest_join-tests")
