@@ -1,5 +1,6 @@
 """One SparkSession for the whole test run (local[2], UI off, few shuffle partitions; Python
-workers from udfs/daemon.py, as the jobs run them), the subprocess suites that run beside the main run
+workers from udfs/daemon.py, as the jobs run them; rows given with a schema as JVM-local
+relations: :func:`_rows_as_local_relation`), the subprocess suites that run beside the main run
 (tests/background.py), and what the run's processes share: OpenMP threads that sleep when
 idle, and numba's compiled kernels (tests/warm_kernels.py).
 
@@ -32,8 +33,9 @@ def _rows_as_local_relation() -> None:
     every scan deserialises the rows in a Python worker (a daemon of its own): about 0.2 s per
     Spark job over tiny inputs, in each of the thousands of joins and oracle calls the tests run.
     The same rows, types, NULLs and partitions (one per core up to the rows). Anything else (no
-    schema, dict rows, ML vectors, or rows Arrow refuses) takes Spark's own path; so do tests
-    that build their inputs otherwise (Parquet, ``spark.range``)."""
+    schema or a list of names, dict rows, ML vectors, rows Arrow refuses, a schema Spark cannot
+    parse) takes Spark's own path, with Spark's own answer or error; so do tests that build
+    their inputs otherwise (Parquet, ``spark.range``)."""
     import functools
 
     import pyarrow as pa
@@ -48,7 +50,7 @@ def _rows_as_local_relation() -> None:
 
     @functools.wraps(create)
     def local(self, data, schema=None, *args, **kwargs):
-        if isinstance(data, list) and schema is not None and not args and not kwargs \
+        if isinstance(data, list) and isinstance(schema, (str, StructType)) and not args and not kwargs \
                 and all(isinstance(row, tuple) for row in data):
             try:
                 struct = schema if isinstance(schema, StructType) else _parse_datatype_string(schema)
@@ -59,7 +61,7 @@ def _rows_as_local_relation() -> None:
                     table = pa.Table.from_arrays([pa.array(list(c), type=f.type) for c, f in zip(columns, arrow)],
                                                  schema=arrow)
                     return create(self, table)
-            except (TypeError, ValueError, pa.ArrowException):
+            except Exception:   # noqa: BLE001 (Spark's own path below gives Spark's own answer or error)
                 pass
         return create(self, data, schema, *args, **kwargs)
 
