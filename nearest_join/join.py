@@ -22,8 +22,8 @@ from pyspark.sql.types import BinaryType, ByteType, FloatType, LongType, StructF
 from udfs import blocks, context, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
-from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 from udfs.timing import PHASES, SecondsParam, timed_map
+from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 
 from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
@@ -110,7 +110,7 @@ class PlannedJoin:
     timings: object = None
 
     def executor_seconds(self) -> dict[str, float]:
-        """Seconds the executors spent in each phase (decode, search, merge, encode) of this
+        """Seconds the executors spent in each phase (udfs.timing.PHASES) of this
         join's DataFrames, summed over their tasks and threads and over every evaluation so
         far ({} before the first, and under Spark Connect)."""
         if self.timings is None:

@@ -332,8 +332,9 @@ def side_facts(query, query_column: str, target, target_column: str,
         return df.select(F.lit(side).alias("side"), vector_length(df, name).alias("n"),
                          F.spark_partition_id().alias("p"), *[key.alias(n) for key, n in zip(keys, names)])
 
-    union = projected(query, query_column, 0, [F.lit(None).cast(field.dataType) for field in _key_types(target, target_keys)]
-                      ).unionByName(projected(target, target_column, 1, target_keys or []))
+    null_keys = [F.lit(None).cast(field.dataType) for field in _key_types(target, target_keys)]
+    union = projected(query, query_column, 0, null_keys).unionByName(
+        projected(target, target_column, 1, target_keys or []))
     if target_keys is None:
         both = union.groupBy("side").agg(
             F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
