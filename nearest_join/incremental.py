@@ -68,7 +68,7 @@ from pyspark.sql.types import (
 from .errors import ArgumentError
 from .join import plan_join
 from .options import JoinOptions
-from .planner import SideFacts, cluster_cores, join_dimension, vector_length
+from .planner import SideFacts, cluster_cores, in_one_task_when_small, join_dimension, vector_length
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
 
@@ -466,7 +466,7 @@ def _ids(q_now: DataFrame, t_now: DataFrame, previous: dict | None) -> DataFrame
     if previous is not None:
         union = (union.unionByName(rows(previous["queries"], 0, False))
                  .unionByName(rows(previous["targets"], 1, False)))
-    grouped = union.groupBy("side", _QID, _TID).agg(
+    grouped = in_one_task_when_small(union).groupBy("side", _QID, _TID).agg(
         F.sum("n").alias("n"), *[F.max(c).alias(c) for c in (_H1, _H2, _OLD_H1, _OLD_H2, "p")],
         F.min("length").alias("shortest"), F.max("length").alias("longest"))
     id_is_null = F.when(F.col("side") == 0, F.col(_QID).isNull()).otherwise(F.col(_TID).isNull())

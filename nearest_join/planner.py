@@ -57,6 +57,10 @@ SPREAD_WORK = 10**11
 # partials costs more than broadcasting the target.
 QUERY_BROADCAST_RATIO = 128
 QUERY_BROADCAST_MIN_TARGET_BYTES = 64 * MiB
+# A DataFrame whose size Spark's optimizer estimates at most this is aggregated in one task,
+# one Spark job (in_one_task_when_small): reading it in one task costs less than the shuffle
+# (and under adaptive execution the second job) of an aggregation over its partitions.
+ONE_TASK_BYTES = 64 * MiB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -324,7 +328,9 @@ def side_facts(query, query_column: str, target, target_column: str,
     Both sides' facts come from one aggregation over their union, grouped by side: one
     shuffle (two aggregations joined would be two, and a third stage for the join). With keys,
     the union is first grouped by side and key (the query's rows carry NULL keys: one group
-    per side), and that is grouped by side: two shuffles and one scan of each side."""
+    per side), and that is grouped by side: two shuffles and one scan of each side. Inputs
+    that Spark estimates small are read in one task instead, with no shuffle
+    (:func:`in_one_task_when_small`)."""
     names = [f"k{i}" for i in range(len(target_keys or ()))]
 
     def projected(df, name: str, side: int, keys):
@@ -335,6 +341,8 @@ def side_facts(query, query_column: str, target, target_column: str,
     null_keys = [F.lit(None).cast(field.dataType) for field in _key_types(target, target_keys)]
     union = projected(query, query_column, 0, null_keys).unionByName(
         projected(target, target_column, 1, target_keys or []))
+    # The partition ids were taken below, in each side's own partitions.
+    union = in_one_task_when_small(union)
     if target_keys is None:
         both = union.groupBy("side").agg(
             F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
@@ -363,6 +371,27 @@ def side_facts(query, query_column: str, target, target_column: str,
     if target_row is None:   # no target row: no key
         return sides + (KeyFacts(groups=0, largest=0),)
     return sides + (KeyFacts(groups=int(target_row["groups"]), largest=int(target_row["largest"] or 0)),)
+
+
+def estimated_bytes(df) -> int | None:
+    """Spark's estimate of ``df``'s size in bytes (its optimizer's statistics: a cached or
+    local relation's, a file source's files), without a Spark job; None when Spark has none
+    (its default for an unknown source is far beyond any real table) or under Spark Connect,
+    whose client cannot ask."""
+    try:
+        size = int(df._jdf.queryExecution().optimizedPlan().stats().sizeInBytes())
+    except Exception:   # noqa: BLE001 (Spark Connect: no JVM handle; any other failure: no estimate)
+        return None
+    return size if size < 1 << 62 else None
+
+
+def in_one_task_when_small(df):
+    """``df`` in one partition when Spark estimates it at most :data:`ONE_TASK_BYTES`
+    (:func:`estimated_bytes`), else as it is. One partition satisfies every aggregation's
+    distribution: an aggregation over it needs no exchange. For a cheap ``df`` only (a scan, a
+    projection): all of its work runs in that one task."""
+    size = estimated_bytes(df)
+    return df.coalesce(1) if size is not None and size <= ONE_TASK_BYTES else df
 
 
 def _key_types(target, target_keys: list | None) -> list:

@@ -309,3 +309,44 @@ def test_broadcast_limit_respects_driver_and_executor_memory():
                   spark__nearestJoin__broadcastLimitBytes="64g")
     assert broadcast_limit(huge, None) == 8 << 30             # Spark's broadcast table limit
     assert broadcast_limit(huge, 0) == 0
+
+
+@pytest.mark.parametrize("keyed", [False, True])
+def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
+    """Inputs Spark estimates small are aggregated in one task: one Spark job, and the same
+    facts (rows, input partitions, shortest and longest vector, key groups) as the shuffled
+    aggregation over their partitions; an input Spark has no estimate for (Python rows in an
+    RDD) takes the shuffle."""
+    from nearest_join import planner
+
+    # Ranges, not rows: Spark evaluates a projection of rows (a local relation) on the driver,
+    # as one partition.
+    q = spark.range(3, numPartitions=3).select(
+        "id", F.when(F.col("id") == 1, None).otherwise(F.array_repeat(F.lit(1.0).cast("float"), (1 + F.col("id") / 2).cast("int")))
+        .alias("v"), F.when(F.col("id") != 1, F.lit("a")).alias("g"))
+    t = spark.range(20, numPartitions=2).select(
+        "id", F.array_repeat(F.col("id").cast("float"), (2 + F.col("id") % 2).cast("int")).alias("w"),
+        F.when(F.col("id") % 5 != 0, F.when(F.col("id") % 2 == 0, "a").otherwise("b")).alias("g"))
+    keys = [t["g"]] if keyed else None
+    tracker = spark.sparkContext.statusTracker()
+
+    def facts(group):
+        group += f" keyed={keyed}"   # the tracker keeps a group's finished jobs
+        spark.sparkContext.setJobGroup(group, group)
+        try:
+            return planner.side_facts(q, "v", t, "w", target_keys=keys), len(tracker.getJobIdsForGroup(group))
+        finally:
+            spark.sparkContext.setJobGroup("", "")
+
+    assert planner.estimated_bytes(q) is not None and planner.estimated_bytes(t) is not None
+    one_task, jobs = facts("one task")
+    monkeypatch.setattr(planner, "ONE_TASK_BYTES", -1)
+    shuffled, shuffled_jobs = facts("shuffled")
+    assert one_task == shuffled
+    assert one_task[:2] == (planner.SideFacts(rows=3, partitions=3, shortest=1, longest=2),
+                            planner.SideFacts(rows=20, partitions=2, shortest=2, longest=3))
+    if keyed:   # ids 1, 3, 7, 9, ... are "b" (8 rows), 2, 4, 6, 8, ... "a" (8 rows), 0, 5, 10, 15 NULL
+        assert one_task[2] == planner.KeyFacts(groups=2, largest=8)
+    assert jobs == 1 and shuffled_jobs > 1
+    rows = spark.sparkContext.parallelize([(1, [1.0])]).toDF("id int, v array<float>")
+    assert planner.estimated_bytes(rows) is None
