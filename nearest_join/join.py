@@ -13,6 +13,7 @@ import functools
 import inspect
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame
@@ -73,8 +74,24 @@ def _check_inputs(query, target, ranking) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _packed_schema() -> StructType:
-    return StructType([StructField(C.BLOCK_ID, LongType(), False), StructField(C.BLOB, BinaryType(), False)])
+def _packed_schema(block_id: str, blob: str) -> StructType:
+    """The packed blocks of one side, under that side's names (``udfs.packing``'s batches
+    carry generic ones: mapInArrow takes a batch's columns by position)."""
+    return StructType([StructField(block_id, LongType(), False), StructField(blob, BinaryType(), False)])
+
+
+_empty_blocks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _empty_target_block(spark) -> DataFrame:
+    """The empty target block (one row, computed in the JVM: a DataFrame of Python rows would
+    be deserialised by Python tasks, which start a Python worker daemon of their own), built
+    once per session: every DataFrame operation costs an analysis in Spark."""
+    empty = _empty_blocks.get(spark)
+    if empty is None:
+        empty = _empty_blocks[spark] = spark.range(1, numPartitions=1).select(
+            F.lit(C.EMPTY_BLOCK_ID).cast("long").alias(C.T_BLOCK_ID), F.lit(bytearray()).cast("binary").alias(C.T_BLOB))
+    return empty
 
 
 def _partial_schema() -> StructType:
@@ -435,9 +452,9 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     names = [f.name for f in out_fields]
 
     timezone = spark.conf.get("spark.sql.session.timeZone", "UTC")
-    target_arrow = to_arrow_schema(target.toDF(*[C.output_name(len(query.columns) + j)
-                                                 for j in range(len(target.columns))]).schema,
-                                   timezone=timezone)
+    target_arrow = to_arrow_schema(StructType([
+        StructField(C.output_name(len(q_fields) + j), f.dataType, f.nullable, f.metadata)
+        for j, f in enumerate(t_fields)]), timezone=timezone)
     q_input, t_input = positional_inputs(query, target, planned.keys)
     if planned.keys is not None:
         # The group id is each side's last column; the executors drop it from the blocks'
@@ -463,7 +480,6 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
         return _output(joined, names, planned, len(q_kept))
-    packed = _packed_schema()
     if plan.plan == "broadcast" and plan.query_partitions:
         # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
@@ -478,15 +494,10 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         # kernels (udfs.warm); under a local master this process has (_warm_up_here).
         warm = WarmUp.of(ctx, _decoded_dtypes(query, q_name, target, t_name))
         q_pack, t_pack = warming(q_pack, warm, plan.plan), warming(t_pack, warm, plan.plan)
-    q_packed = (q_input.mapInArrow(q_pack, packed)
-                .withColumnsRenamed({C.BLOCK_ID: C.Q_BLOCK_ID, C.BLOB: C.Q_BLOB}))
+    q_packed = q_input.mapInArrow(q_pack, _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
     # The empty target block comes first: the broadcast plan's query blocks travel with it.
-    # A JVM-only row: a DataFrame of Python rows would be deserialised by Python tasks, which
-    # start a Python worker daemon of their own (another than the UDFs').
-    empty = spark.range(1, numPartitions=1).select(F.lit(C.EMPTY_BLOCK_ID).cast("long").alias(C.BLOCK_ID),
-                                                   F.lit(bytearray()).cast("binary").alias(C.BLOB))
-    t_packed = (empty.unionByName(t_input.mapInArrow(t_pack, packed))
-                .withColumnsRenamed({C.BLOCK_ID: C.T_BLOCK_ID, C.BLOB: C.T_BLOB}))
+    t_packed = _empty_target_block(spark).unionByName(
+        t_input.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
     if plan.plan == "broadcast":
         # The broadcast nested-loop join streams each query block against all target blocks,
         # in the broadcast's row order: the empty block first. Only that pair carries the
