@@ -383,7 +383,7 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
     # One aggregation of both sides' ids, today's and the state's: each id's status, and the
     # checks (unique non-NULL ids, one dimension) that must pass before anything is written.
-    ids = _cached(_ids(q_now, t_now, previous))
+    ids = _ids(q_now, t_now, previous).cache()
     try:
         counted = _Counts(ids.groupBy("side", "status").agg(
             F.count(F.lit(1)).alias("rows"), F.max("p").alias("p"), F.min("shortest").alias("shortest"),
@@ -466,7 +466,10 @@ def _ids(q_now: DataFrame, t_now: DataFrame, previous: dict | None) -> DataFrame
     if previous is not None:
         union = (union.unionByName(rows(previous["queries"], 0, False))
                  .unionByName(rows(previous["targets"], 1, False)))
-    grouped = in_one_task_when_small(union).groupBy("side", _QID, _TID).agg(
+    # Small inputs are grouped in one task (no shuffle), and stay one partition, whose scans
+    # need no shuffle either; else one partition per core (see _cached).
+    one_task = in_one_task_when_small(union)
+    grouped = one_task.groupBy("side", _QID, _TID).agg(
         F.sum("n").alias("n"), *[F.max(c).alias(c) for c in (_H1, _H2, _OLD_H1, _OLD_H2, "p")],
         F.min("length").alias("shortest"), F.max("length").alias("longest"))
     id_is_null = F.when(F.col("side") == 0, F.col(_QID).isNull()).otherwise(F.col(_TID).isNull())
@@ -474,7 +477,8 @@ def _ids(q_now: DataFrame, t_now: DataFrame, previous: dict | None) -> DataFrame
               .when(F.col(_OLD_H1).isNull(), "inserted")
               .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
               .otherwise("kept"))
-    return grouped.select("side", _QID, _TID, _H1, _H2, "n", "p", "shortest", "longest", status.alias("status"))
+    ids = grouped.select("side", _QID, _TID, _H1, _H2, "n", "p", "shortest", "longest", status.alias("status"))
+    return ids if one_task is not union else ids.coalesce(cluster_cores(ids.sparkSession))
 
 
 class _Counts:
