@@ -188,6 +188,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                              parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
+        # The workers start while the facts job runs, and this process plans and builds the search.
+        start_python_workers(spark)
         if facts is not None:
             if keys is not None:
                 raise ValueError("facts: without on= keys only")
@@ -199,10 +201,6 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             q_facts, t_facts, key_facts = side_facts(
                 query, parsed.query_column, target, parsed.target_column,
                 target_keys=[column(target, k.target_column).cast(k.common) for k in keys])
-        if _executors_share_this_machine(spark):
-            # After the facts job, not beside it: its tasks would wait for the workers' slots.
-            # The workers then start while this process plans and builds the search.
-            start_python_workers(spark)
         plan = choose_plan(
             spark=spark, ranking=parsed, options=options,
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
@@ -594,10 +592,13 @@ def local_task_slots(master: str) -> int | None:
 
 
 def start_python_workers(spark) -> None:
-    """Under a local master, start the executors' Python workers now, with a job of one empty
-    task per task slot on a thread of this process: Spark starts them (its daemon, then one
-    process per slot) only at a join's first Python stage, seconds on the critical path of a
-    session's first join. The join's stages reuse them. Once per application."""
+    """Under a local master, start the executors' Python workers now, with a job of empty
+    tasks on a thread of this process: Spark starts them (its daemon, then one process per
+    task) only at a join's first Python stage, a second on the critical path of a session's
+    first join. One task per task slot but one, which stays free for the JVM's own jobs (a
+    join's facts) meanwhile; the daemon forks the last worker when a stage asks for it. The
+    join's stages reuse them. Once per application; the job runner calls it as soon as its
+    session has started."""
     import threading
 
     if not _executors_share_this_machine(spark):
@@ -607,11 +608,12 @@ def start_python_workers(spark) -> None:
     if not slots or app in _workers_started:
         return
     _workers_started.add(app)
+    tasks = max(1, slots - 1)
     from udfs.warm import started_worker
 
     def run():
         try:
-            spark.range(slots, numPartitions=slots).mapInArrow(started_worker, "id long").collect()
+            spark.range(tasks, numPartitions=tasks).mapInArrow(started_worker, "id long").collect()
         except Exception:   # noqa: BLE001 (an optimisation: a join's own stages start workers anyway)
             logger.debug("starting the Python workers failed", exc_info=True)
 
@@ -626,7 +628,7 @@ def kernel_warm_up_seconds() -> tuple[float, float]:
 
 def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[str, str]) -> None:
     """Under a local master the executors' Python workers share this machine and numba's
-    cache: :func:`warm_up_kernels` while Spark plans (and :func:`start_python_workers` after
+    cache: :func:`warm_up_kernels` while Spark plans (and :func:`start_python_workers` beside
     the facts job). Spark Connect's client may be elsewhere: it leaves the warm-up to the
     executors (their first packing task starts it)."""
     if _executors_share_this_machine(spark):

@@ -222,8 +222,8 @@ def test_local_task_slots(master, slots):
 
 
 def test_a_local_session_starts_its_python_workers_once(spark, monkeypatch):
-    """Under a local master the first join starts one empty task per slot (its Python workers)
-    on a thread, once per application."""
+    """Under a local master the first join starts one empty task per slot but one (its Python
+    workers; a slot stays free for the facts job) on a thread, once per application."""
     import threading
 
     from nearest_join import join
@@ -231,9 +231,18 @@ def test_a_local_session_starts_its_python_workers_once(spark, monkeypatch):
     started = []
     monkeypatch.setattr(join, "_workers_started", set())
     monkeypatch.setattr(threading, "Thread", lambda target, **kw: started.append(target) or _Now(target))
-    join.start_python_workers(spark)
-    join.start_python_workers(spark)
+    sc = spark.sparkContext
+    sc.setJobGroup("starting the workers", "")
+    try:
+        join.start_python_workers(spark)
+        join.start_python_workers(spark)
+    finally:
+        sc.setJobGroup("", "")
     assert len(started) == 1
+    tracker = sc.statusTracker()
+    (job,) = tracker.getJobIdsForGroup("starting the workers")
+    tasks = sum(tracker.getStageInfo(stage).numTasks for stage in tracker.getJobInfo(job).stageIds)
+    assert tasks == max(1, join.local_task_slots(spark.conf.get("spark.master")) - 1) == 1   # local[2]
 
 
 class _Now:
