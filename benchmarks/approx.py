@@ -186,13 +186,15 @@ def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows
 
 
 def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, workdir: str,
-                force: bool = False, repeat: int = 1) -> None:
+                force: bool = False, repeat: int = 1, blocked: bool = False) -> None:
     """Table ``recall_nt<nt>`` (``recall_minilm<nt>``): exact, then approx per recall target
-    (``force``: the IVF plan at a size below the one where approx runs it), against faiss."""
+    (``force``: the IVF plan at a size below the one where approx runs it), against faiss;
+    ``blocked``: every call with ``broadcast_limit_bytes=0`` (table ``..._blocked``)."""
     from nearest_join.ivf_index import default_nlist
 
     targets, queries, t, q, metric = cached_inputs(spark, kind, nt, nq, workdir)
-    table = f"recall_minilm{nt}" if kind == "minilm" else f"recall_nt{nt}"
+    table = (f"recall_minilm{nt}" if kind == "minilm" else f"recall_nt{nt}") + ("_blocked" if blocked else "")
+    plan_options = {"broadcast_limit_bytes": 0} if blocked else {}
     common = {"data": kind, "nt": nt, "nq": nq, "d": targets.shape[1], "k": K, "metric": metric, "master": "local[2]"}
 
     def timed_once(**options):
@@ -200,7 +202,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         for an approx plan, the sample, k-means and the recall estimate."""
         start = time.perf_counter()
         with CpuMeter() as cpu:
-            planned = exact_or_approx(q, t, metric, **options)
+            planned = exact_or_approx(q, t, metric, **plan_options, **options)
             planning = time.perf_counter() - start
             pairs = pairs_of(planned.dataframe().select("qid", "tid", "value"))
         return pairs, time.perf_counter() - start, cpu.seconds, planned.plan, planning
@@ -213,13 +215,13 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
 
     # warm-up (Python workers, numba caches, both plans, the recall estimate) on a slice
     for options in ({}, {"mode": "approx", "nlist": 8, "nprobe": 2}, {"mode": "approx", "nlist": 8}):
-        exact_or_approx(q.limit(500), t.limit(5000), metric, **options).dataframe().toArrow()
+        exact_or_approx(q.limit(500), t.limit(5000), metric, **plan_options, **options).dataframe().toArrow()
     load = lambda: round(os.getloadavg()[0], 1)
     before = load()
-    exact, exact_s, exact_cpu, _, exact_plan_s, exact_runs = timed()
+    exact, exact_s, exact_cpu, exact_plan, exact_plan_s, exact_runs = timed()
     print(f"[{kind}] exact: {exact_s:.1f} s, {exact_cpu:.1f} CPU s, {exact.shape[0]} pairs, load "
           f"{before} -> {load()}", flush=True)
-    rec.add(table, engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None,
+    rec.add(table, engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None, plan=exact_plan.plan,
             recall_estimate=None, recall=1.0, seconds=round(exact_s, 2), plan_seconds=round(exact_plan_s, 2),
             speedup_vs_exact=1.0, cpu_seconds=round(exact_cpu, 1), cpu_vs_exact=1.0, load_1min=[before, load()],
             faiss_seconds=None, ours_over_faiss=None, runs=exact_runs, **common)
@@ -233,10 +235,11 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         timed_once(mode="approx", **forced)
     for wanted in recalls:
         before = load()
-        found, seconds, cpu, plan, plan_s, runs = timed(mode="approx", recall=wanted, **forced)
-        plan = plan.ivf
+        found, seconds, cpu, planned_plan, plan_s, runs = timed(mode="approx", recall=wanted, **forced)
+        plan = planned_plan.ivf
         measured = recall_of(found, exact, nq, descending=metric == "cosine")
-        row = {"recall_target": wanted, "ran": plan["runs"], "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
+        row = {"recall_target": wanted, "ran": plan["runs"], "plan": planned_plan.plan,
+               "nprobe": plan.get("nprobe"), "nlist": plan.get("nlist"),
                "recall_estimate": plan.get("recall_estimate"), "recall": round(measured, 4),
                "seconds": round(seconds, 2), "plan_seconds": round(plan_s, 2),
                "speedup_vs_exact": round(exact_s / seconds, 2),
@@ -299,6 +302,9 @@ def main() -> None:
                     help="minilm: the real embeddings' rows (benchmarks/embeddings.py), joined with themselves")
     ap.add_argument("--seeds", type=int, default=0,
                     help="instead of the timings: recall honesty over this many seeds per target")
+    ap.add_argument("--blocked", action="store_true",
+                    help="every call with broadcast_limit_bytes=0: the target too large to broadcast "
+                         "(tables recall_nt<nt>_blocked)")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--repeat", type=int, default=2,
                     help="calls per engine on the clustered data, the fastest reported (the Gaussian "
@@ -314,10 +320,10 @@ def main() -> None:
             if args.seeds:
                 recall_over_seeds(spark, rec, kind, *size, (0.9, 0.95), args.seeds, workdir)
             elif kind == "minilm":
-                run_dataset(spark, rec, kind, *size, (0.9, 0.95), workdir, repeat=args.repeat)
+                run_dataset(spark, rec, kind, *size, (0.9, 0.95), workdir, repeat=args.repeat, blocked=args.blocked)
             else:
-                    run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
-                            force=args.quick, repeat=args.repeat if kind == "clustered" else 1)
+                run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
+                            force=args.quick, repeat=args.repeat if kind == "clustered" else 1, blocked=args.blocked)
     spark.stop()
 
 
