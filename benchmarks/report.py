@@ -440,11 +440,12 @@ TABLES: dict[tuple[str, str], Table] = {
     ("approx", "recall_nt1000000_blocked"): Table(
         "Approximate search with a target too large to broadcast (forced), against our exact mode, local[2]",
         APPROX_COLUMNS,
-        about="The clustered data of the table above (1,000,000 targets x 100,000 queries, d=128, k=10, l2), "
+        about="The clustered data of table `recall_nt1000000` (1,000,000 targets x 100,000 queries, d=128, k=10, l2), "
               "every call with `broadcast_limit_bytes=0` (`--blocked`): exact runs the blocked plan, approx "
               "the IVF lists on the keyed blocked plan (lists cut into cells, both sides shuffled to them). "
               "One call per engine; each approx call trains, estimates recall on a sample, counts the "
-              "lists' rows on both sides and searches. faiss: IndexIVFFlat on one process, as above.",
+              "lists' rows on both sides and searches. faiss: IndexIVFFlat on one process, 2 threads, same "
+              "nlist and training rows, at the smallest nprobe reaching our recall.",
         plot=None),
     ("approx", "recall_minilm64000"): Table(
         "Approximate search on real sentence embeddings (MiniLM over docstrings), local[2]",
