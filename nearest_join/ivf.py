@@ -40,7 +40,9 @@ product, and the recall estimate measures what routing by direction costs on the
 the target before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
 :data:`IVF_MIN_WORK_PER_CORE` multiply-adds of exact search per core, ``approx`` runs the exact
 plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``, ``nlist`` or
-``nprobe`` is given. A target too large to broadcast takes the lists on the keyed blocked plan
+``nprobe`` is given. Nor does it when the recall target needs :data:`IVF_MAX_PROBED_SHARE` of
+the lists or more; data on which IVF cannot select at all (isotropic Gaussians) is told before
+the estimate's scan of the target, from the index's own training sample (:func:`screen_recall`). A target too large to broadcast takes the lists on the keyed blocked plan
 (``nearest_join.keyed``): see :func:`ivf_carrier`.
 
 **With on= keys** (a filtered IVF): one index over the whole target, the keyed search's groups
@@ -55,7 +57,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentError
-from .ivf_index import IVFIndex, default_nlist, sample_vectors, train_index
+from .ivf_index import IVFIndex, default_nlist, sample_and_train, sample_vectors
 from .recall import RECALL_QUERIES, RecallCurve, neighbour_lists, recall_curve
 
 # Below these the exact plan runs (IVF's fixed costs are seconds: a sample job, k-means on
@@ -68,13 +70,25 @@ IVF_MIN_WORK_PER_CORE = 2 * 10**11
 # list's last tile is padded; a GPU task makes one call per list), and the routing, the
 # sampling, k-means and the recall estimate come on top, so IVF would be slower than exact.
 IVF_MAX_PROBED_SHARE = 0.25
+# A recall target that needs this share of the lists against the index's own training sample
+# runs the exact plan without the estimate's scan of the target (:func:`screen_recall`). A
+# sample's neighbours lie farther from their queries than the whole target's, in more lists,
+# so the sample needs as many lists or more than the target: far above IVF_MAX_PROBED_SHARE,
+# only data whose lists cannot select (isotropic Gaussians: about half of them) stops here.
+IVF_SCREEN_SHARE = 0.4
 
 
-def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
-    """The recall curve of ``index`` on a sample of ``planned``'s queries: their exact top k
-    against the whole target in one scan of it (``udfs.ivf.sample_topk``: one Spark job,
-    each partition's k best per sampled query with their lists), the partitions' best
-    merged here, then :func:`recall_curve`."""
+def sampled_queries(planned, seed: int) -> np.ndarray:
+    """The recall estimate's sample of ``planned``'s query vectors (one small Spark job)."""
+    parsed = planned.parsed
+    return sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, planned.plan.query_rows, seed)
+
+
+def estimate_recall(planned, index: IVFIndex, seed: int, queries: np.ndarray | None = None) -> RecallCurve:
+    """The recall curve of ``index`` on a sample of ``planned``'s queries (``queries``, else
+    :func:`sampled_queries`): their exact top k against the whole target in one scan of it
+    (``udfs.ivf.sample_topk``: one Spark job, each partition's k best per sampled query with
+    their lists), the partitions' best merged here, then :func:`recall_curve`."""
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs.context import SideLayout
@@ -83,7 +97,8 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
     from .ranking import column, quote
 
     parsed, plan = planned.parsed, planned.plan
-    queries = sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, plan.query_rows, seed)
+    if queries is None:
+        queries = sampled_queries(planned, seed)
     if queries.shape[0] == 0:
         return RecallCurve(np.ones(index.nlist), 0)
     target = planned.target.select(column(planned.target, parsed.target_column))
@@ -94,11 +109,31 @@ def estimate_recall(planned, index: IVFIndex, seed: int) -> RecallCurve:
                                  cap=plan.cap)
     table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     true_lists = neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
-    query_order = np.concatenate([index.route(queries[i:i + 256], index.nlist, parsed.metric)
-                                  for i in range(0, queries.shape[0], 256)])
-    return recall_curve(query_order, true_lists)
+    return recall_curve(_probe_order(index, queries, parsed.metric), true_lists)
 
 
+def screen_recall(index: IVFIndex, queries: np.ndarray, sample: np.ndarray, k: int, metric: str,
+                  cap: float | None) -> RecallCurve:
+    """The recall curve of ``index`` for ``queries`` against its own training ``sample`` in
+    place of the whole target: on the driver, no Spark job. The sample's neighbours are
+    farther, in more lists (:data:`IVF_SCREEN_SHARE`): a screen for data on which IVF cannot
+    win, not the estimate the plan's nprobe comes from."""
+    from nearest_kernels import knn
+
+    if queries.shape[0] == 0 or sample.shape[0] == 0:
+        return RecallCurve(np.ones(index.nlist), 0)
+    wide = np.promote_types(queries.dtype, sample.dtype)
+    _, rows = knn(queries.astype(wide, copy=False), sample.astype(wide, copy=False), min(k, sample.shape[0]),
+                  metric, backend="cpu", cap=cap)
+    sample_lists = index.route(sample, 1, metric)[:, 0]
+    true_lists = [sample_lists[row[row >= 0]] for row in rows]
+    return recall_curve(_probe_order(index, queries, metric), true_lists)
+
+
+def _probe_order(index: IVFIndex, queries: np.ndarray, metric: str) -> np.ndarray:
+    """Each query's lists, nearest first (all of them)."""
+    return np.concatenate([index.route(queries[i:i + 256], index.nlist, metric)
+                           for i in range(0, queries.shape[0], 256)])
 
 
 @dataclass(frozen=True)
@@ -245,7 +280,7 @@ def plan_approx(planned):
                  else options.nlist or default_nlist(plan.target_rows, plan.query_rows))
         if rows <= KEY_WHOLE_LISTS * plan.target_rows // nlist:
             return exact(all_keys_whole(KEY_WHOLE_LISTS * plan.target_rows // nlist, nlist))
-    index = options.index
+    index, sample = options.index, None
     if index is not None:
         # The name is not checked (check_join says why); the plan says which column it was built on.
         built = "given, " + ("built on an unrecorded target column" if index.column is None
@@ -253,9 +288,9 @@ def plan_approx(planned):
         if index.column is not None and index.column != parsed.target_column:
             built += f", not the join's {quote(parsed.target_column)}"
     else:
-        index = train_index(planned.target, parsed.target_column, parsed.metric, nlist=options.nlist,
-                            seed=options.seed, sample=None, target_rows=plan.target_rows,
-                            query_rows=plan.query_rows)
+        index, sample = sample_and_train(planned.target, parsed.target_column, parsed.metric,
+                                         nlist=options.nlist, seed=options.seed, sample=None,
+                                         target_rows=plan.target_rows, query_rows=plan.query_rows)
         built = f"trained on {index.sample_rows} sampled target rows ({index.iterations} Lloyd iterations)"
     if options.nprobe is not None and options.nprobe > index.nlist:
         raise ArgumentError("nprobe", f"expected at most nlist = {index.nlist} (the index's lists), "
@@ -276,8 +311,25 @@ def plan_approx(planned):
         nprobe = options.nprobe
         chosen = "given; recall not estimated"
     else:
-        if lists is None:
+        if lists is None and sample is None:   # a given index: no training sample to screen on
             curve = estimate_recall(planned, index, options.seed)
+        elif lists is None:
+            queries = sampled_queries(planned, options.seed)
+            screen = screen_recall(index, queries, sample, plan.k, parsed.metric, plan.cap)
+            needed = screen.smallest_nprobe(options.recall)
+            # (a screen of few queries with neighbours has a wide interval: no verdict)
+            if screen.queries >= RECALL_QUERIES // 2 and needed >= IVF_SCREEN_SHARE * index.nlist:
+                estimate, lower, upper = screen.at(needed)
+                info.update(nprobe=needed, recall_estimate=estimate, recall_interval=[lower, upper],
+                            recall_queries=screen.queries, recall_against="training sample")
+                return exact(f"recall={options.recall} needs nprobe={needed} of nlist={index.nlist} lists "
+                             f"against the index's own {sample.shape[0]} training rows (estimated "
+                             f"recall@{plan.k} {estimate:.4f}, 95% interval [{lower:.4f}, {upper:.4f}], "
+                             f"{screen.queries} sampled queries), >= {IVF_SCREEN_SHARE:g} of them: the "
+                             "whole target needs about as many, and IVF would be slower than the exact "
+                             "search (its recall estimate against the target was not run; pass nprobe "
+                             "to force IVF)", **info)
+            curve = estimate_recall(planned, index, options.seed, queries=queries)
         else:
             curve = estimate_keyed_recall(planned, index, lists, *inputs, options.seed)
         nprobe = curve.smallest_nprobe(options.recall)
@@ -287,7 +339,7 @@ def plan_approx(planned):
                   f"{curve.queries} sampled queries against exact search"
                   f"{'' if lists is None else ', each within its own key'}")
         info.update(nprobe=nprobe, recall_estimate=estimate, recall_interval=[lower, upper],
-                    recall_queries=curve.queries)
+                    recall_queries=curve.queries, recall_against="target")
         # With keys, of the lists a key's targets occupy: its exact search is its rows only.
         available = (f"nlist={index.nlist} lists" if lists is None
                      else f"the {lists.widest} lists the widest key occupies")

@@ -3,7 +3,8 @@ target (:func:`nearest_kernels.kmeans.kmeans`, deterministic for a seed), saved 
 
 :class:`IVFIndex` is the index, valid however it was made (trained, loaded or built by hand);
 :func:`build_ivf_index` trains one on a target DataFrame (two small Spark jobs: the row count
-and the sample), :func:`train_index` is what the planner calls once it has counted the rows,
+and the sample), :func:`sample_and_train` is what the planner calls once it has counted the rows
+(the index and its training sample, on which it screens recall: :mod:`nearest_join.ivf`),
 and :func:`load_or_build` serves a job's ``join.index``. The plan that probes the lists is
 :mod:`nearest_join.ivf`; the options check (:mod:`nearest_join.options`) needs only the class
 and :data:`MAX_LISTS`, which is why they live here, below both.
@@ -389,6 +390,14 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
                 sample: int | None, target_rows: int, query_rows: int | None = None) -> IVFIndex:
     """:func:`build_ivf_index` once the arguments are checked and the rows counted
     (``query_rows``: the join's, for the default ``nlist``)."""
+    return sample_and_train(target, column_name, metric, nlist=nlist, seed=seed, sample=sample,
+                            target_rows=target_rows, query_rows=query_rows)[0]
+
+
+def sample_and_train(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
+                     sample: int | None, target_rows: int,
+                     query_rows: int | None = None) -> tuple[IVFIndex, np.ndarray]:
+    """:func:`train_index`'s index and the sampled target vectors it was trained on."""
     lists = nlist if nlist is not None else default_nlist(target_rows, query_rows)
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
     vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
@@ -398,7 +407,7 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
         lists = max(1, min(lists, training_rows(vectors, metric).shape[0]))
     index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)
     logger.info("trained %r on %d sampled target rows", index, vectors.shape[0])
-    return index
+    return index, vectors
 
 
 def load_or_build(path: str, *, rebuild: bool, target, column: str, metric: str,

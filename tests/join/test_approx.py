@@ -615,7 +615,7 @@ def test_an_index_of_another_dimension_is_refused_right_after_the_facts_job(fram
 
     _, _, q, t = frames
     # Each where it is called from: the planner trains and samples through ivf's names.
-    for module, name in ((keyed, "layout_of"), (ivf, "train_index"), (ivf, "sample_vectors"),
+    for module, name in ((keyed, "layout_of"), (ivf, "sample_and_train"), (ivf, "sample_vectors"),
                          (ivf_index, "sample_vectors")):
         monkeypatch.setattr(module, name, _no_job)
     index = ivf_index.IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3)
@@ -679,3 +679,64 @@ def test_a_recall_that_needs_many_lists_runs_exact(monkeypatch):
     assert high.plan.ivf["recall_estimate"] == 1.0
     forced = ivf.plan_approx(planned(nprobe=12))
     assert forced.plan.ivf["runs"] == "ivf" and forced.ivf.nprobe == 12
+
+
+def test_the_training_sample_screen_stops_only_what_the_target_estimate_would():
+    """The screen (each sampled query against the index's own training sample) sends a join to
+    the exact plan (IVF_SCREEN_SHARE of the lists or more) only where the estimate against the
+    whole target would too (IVF_MAX_PROBED_SHARE or more): it does on isotropic Gaussians, and
+    lets clustered data through. No Spark."""
+    from nearest_join.ivf import IVF_MAX_PROBED_SHARE, IVF_SCREEN_SHARE, screen_recall
+    from nearest_join.ivf_index import IVFIndex
+    from nearest_join.recall import recall_curve
+    from nearest_kernels import knn
+
+    rng = np.random.default_rng(4)
+    data = {"gaussian": (rng.standard_normal((20_000, 32)).astype(np.float32),
+                         rng.standard_normal((1000, 32)).astype(np.float32)),
+            "clustered": (_clustered(20_000, 32, 40, seed=4), _clustered(1000, 32, 40, seed=5))}
+    for name, (targets, queries) in data.items():
+        sample = targets[rng.choice(targets.shape[0], 2000, replace=False)]
+        index = IVFIndex.train(sample, "l2", 40, seed=0)
+        _, true = knn(queries, targets, 10, "l2", backend="cpu")
+        t_lists = index.route(targets)[:, 0]
+        whole = recall_curve(index.route(queries, index.nlist), [t_lists[row] for row in true])
+        screen = screen_recall(index, queries, sample, 10, "l2", None)
+        assert screen.queries == whole.queries == 1000
+        for recall in (0.9, 0.95):
+            stops = screen.smallest_nprobe(recall) >= IVF_SCREEN_SHARE * index.nlist
+            assert stops == (name == "gaussian"), (name, recall, screen.smallest_nprobe(recall))
+            if stops:
+                assert whole.smallest_nprobe(recall) >= IVF_MAX_PROBED_SHARE * index.nlist
+
+
+def test_gaussian_data_runs_exact_without_the_estimates_scan(spark, monkeypatch):
+    """Isotropic Gaussians: the screen on the training sample sends the join to the exact plan
+    before the recall estimate's scan of the target (which would raise here), and the plan
+    says why; clustered data of the same size passes the screen and is estimated."""
+    from nearest_join import ivf
+
+    rng = np.random.default_rng(8)
+    scanned = []
+    real = ivf.estimate_recall
+
+    def spy(*args, **kwargs):
+        scanned.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ivf, "estimate_recall", spy)
+    for name, (queries, targets) in {
+            "gaussian": (rng.standard_normal((600, 32)), rng.standard_normal((3000, 32))),
+            "clustered": (_clustered(600, 32, 30, seed=8), _clustered(3000, 32, 30, seed=9))}.items():
+        q = spark.createDataFrame([(i, row.tolist()) for i, row in enumerate(queries.astype(np.float32))],
+                                  "qid int, v array<float>")
+        t = spark.createDataFrame([(i, row.tolist()) for i, row in enumerate(targets.astype(np.float32))],
+                                  "tid int, w array<float>")
+        scanned.clear()
+        plan = explain_nearest_join(q, t, "l2", 10, "approx", vectors=("v", "w"), nlist=30, recall=0.95)
+        if name == "gaussian":
+            assert plan.ivf["runs"] == "exact" and not scanned
+            assert plan.ivf["recall_against"] == "training sample" and plan.ivf["nprobe"] >= 12
+            assert "against the index's own 1500 training rows" in plan.ivf["explanation"]
+        else:
+            assert plan.ivf["runs"] == "ivf" and scanned and plan.ivf["recall_against"] == "target"
