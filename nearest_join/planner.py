@@ -385,13 +385,23 @@ def estimated_bytes(df) -> int | None:
     return size if size < 1 << 62 else None
 
 
+# Words of Spark's plan nodes that run Python (UDFs, mapInArrow, applyInPandas, Python data
+# sources): such a DataFrame may be small and yet costly to compute (an embedding model).
+_PYTHON_NODES = ("Python", "Pandas", "Arrow")
+
+
 def in_one_task_when_small(df):
     """``df`` in one partition when Spark estimates it at most :data:`ONE_TASK_BYTES`
-    (:func:`estimated_bytes`), else as it is. One partition satisfies every aggregation's
-    distribution: an aggregation over it needs no exchange. For a cheap ``df`` only (a scan, a
-    projection): all of its work runs in that one task."""
+    (:func:`estimated_bytes`) and its plan runs no Python, else as it is. One partition
+    satisfies every aggregation's distribution: an aggregation over it needs no exchange. All
+    of ``df``'s work after its last shuffle then runs in that one task: a few small scans and
+    projections cost less than the shuffle; a Python UDF over them (an embedding model, say)
+    would not, whatever its output's size."""
     size = estimated_bytes(df)
-    return df.coalesce(1) if size is not None and size <= ONE_TASK_BYTES else df
+    if size is None or size > ONE_TASK_BYTES:
+        return df
+    plan = df._jdf.queryExecution().optimizedPlan().toString()
+    return df if any(word in plan for word in _PYTHON_NODES) else df.coalesce(1)
 
 
 def _key_types(target, target_keys: list | None) -> list:

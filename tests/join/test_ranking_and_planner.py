@@ -339,6 +339,13 @@ def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
             spark.sparkContext.setJobGroup("", "")
 
     assert planner.estimated_bytes(q) is not None and planner.estimated_bytes(t) is not None
+    rows = spark.sparkContext.parallelize([(1, [1.0])]).toDF("id int, v array<float>")
+    assert planner.estimated_bytes(rows) is None
+    # Small but running Python (an embedding model, say): not squeezed into one task.
+    python = t.withColumn("w", F.udf(lambda w: w, "array<float>")("w"))
+    arrow = t.mapInArrow(lambda batches: batches, t.schema)
+    assert planner.in_one_task_when_small(t) is not t
+    assert all(planner.in_one_task_when_small(df) is df for df in (rows, python, arrow))
     one_task, jobs = facts("one task")
     monkeypatch.setattr(planner, "ONE_TASK_BYTES", -1)
     shuffled, shuffled_jobs = facts("shuffled")
@@ -348,5 +355,3 @@ def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
     if keyed:   # ids 1, 3, 7, 9, ... are "b" (8 rows), 2, 4, 6, 8, ... "a" (8 rows), 0, 5, 10, 15 NULL
         assert one_task[2] == planner.KeyFacts(groups=2, largest=8)
     assert jobs == 1 and shuffled_jobs > 1
-    rows = spark.sparkContext.parallelize([(1, [1.0])]).toDF("id int, v array<float>")
-    assert planner.estimated_bytes(rows) is None
