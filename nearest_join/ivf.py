@@ -42,7 +42,8 @@ the target before the search: below :data:`IVF_MIN_TARGET_ROWS` target rows, or
 plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``, ``nlist`` or
 ``nprobe`` is given. Nor does it when the recall target needs :data:`IVF_MAX_PROBED_SHARE` of
 the lists or more; data on which IVF cannot select at all (isotropic Gaussians) is told before
-the estimate's scan of the target, from the index's own training sample (:func:`screen_recall`). A target too large to broadcast takes the lists on the keyed blocked plan
+the estimate's scan of the target, from the index's own training sample (:func:`screen_recall`).
+A target too large to broadcast takes the lists on the keyed blocked plan
 (``nearest_join.keyed``): see :func:`ivf_carrier`.
 
 **With on= keys** (a filtered IVF): one index over the whole target, the keyed search's groups

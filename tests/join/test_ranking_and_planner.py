@@ -321,8 +321,9 @@ def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
 
     # Ranges, not rows: Spark evaluates a projection of rows (a local relation) on the driver,
     # as one partition.
+    lengths = (1 + F.col("id") / 2).cast("int")   # 1 and 2
     q = spark.range(3, numPartitions=3).select(
-        "id", F.when(F.col("id") == 1, None).otherwise(F.array_repeat(F.lit(1.0).cast("float"), (1 + F.col("id") / 2).cast("int")))
+        "id", F.when(F.col("id") == 1, None).otherwise(F.array_repeat(F.lit(1.0).cast("float"), lengths))
         .alias("v"), F.when(F.col("id") != 1, F.lit("a")).alias("g"))
     t = spark.range(20, numPartitions=2).select(
         "id", F.array_repeat(F.col("id").cast("float"), (2 + F.col("id") % 2).cast("int")).alias("w"),
