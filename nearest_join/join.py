@@ -208,6 +208,9 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts)
         if options.index is not None:   # its dimension, known from the facts job, before any other job
             options.index.check_join(parsed.metric, plan.dimension)
+        if plan.plan == "blocked":
+            _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
+                                                                 parsed.target_column), ("blocked",))
         layout = None
         if keys is not None and plan.plan == "blocked":
             # The cells need the groups' sizes: a second small job (one row per group).
@@ -558,16 +561,20 @@ def _decoded_dtypes(query: DataFrame, q_name: str, target: DataFrame, t_name: st
                  for df, name, side in ((query, q_name, "query"), (target, t_name, "target")))
 
 
-def warm_up_kernels(metric: str, dtypes: tuple[str, str], options: JoinOptions) -> None:
+def warm_up_kernels(metric: str, dtypes: tuple[str, str], options: JoinOptions,
+                    plans: tuple[str, ...] = ("broadcast",)) -> None:
     """Compile the CPU kernels a join of ``metric`` over vectors decoded as ``dtypes``
-    ("float32"/"float64", query then target) with ``options`` runs, on a thread of this
-    process, into numba's cache (``udfs.warm``): for executors that share this machine (a
-    ``local`` master), whose first search then loads them. The job runner starts it before
-    Spark's session; a join under a local master does at planning (once per process)."""
+    ("float32"/"float64", query then target) with ``options`` runs in ``plans``, on a thread
+    of this process, into numba's cache (``udfs.warm``): for executors that share this machine
+    (a ``local`` master), whose first search then loads them. The job runner starts it before
+    Spark's session; a join under a local master does at planning (once per process). Before
+    the plan is known, the broadcast plan's (a local master's usual plan); the blocked plan's
+    own kernels once a join plans it, so that a join that never runs it does not compile them
+    beside its session start and its facts job."""
     keyed = options.on is not None
     warm = WarmUp(metric, options.backend, tuple(dtypes), keyed=keyed,
                   capped=options.max_distance is not None or options.min_similarity is not None)
-    start_warm_up(warm, ("broadcast", "blocked"))
+    start_warm_up(warm, plans)
     if options.mode == "approx" and not keyed:   # the IVF plan searches lists as groups
         start_warm_up(dataclasses.replace(warm, keyed=True), ("broadcast",))
 
@@ -626,13 +633,14 @@ def kernel_warm_up_seconds() -> tuple[float, float]:
     return warm_up_seconds()
 
 
-def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[str, str]) -> None:
+def _warm_up_here(spark, ranking: Ranking, options: JoinOptions, dtypes: tuple[str, str],
+                  plans: tuple[str, ...] = ("broadcast",)) -> None:
     """Under a local master the executors' Python workers share this machine and numba's
     cache: :func:`warm_up_kernels` while Spark plans (and :func:`start_python_workers` beside
     the facts job). Spark Connect's client may be elsewhere: it leaves the warm-up to the
     executors (their first packing task starts it)."""
     if _executors_share_this_machine(spark):
-        warm_up_kernels(ranking.metric, dtypes, options)
+        warm_up_kernels(ranking.metric, dtypes, options, plans)
 
 
 def _timings(spark):

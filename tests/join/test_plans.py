@@ -263,3 +263,19 @@ def test_the_search_runs_no_python_but_the_join_s_own(spark, capsys):
         nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), **options).explain()
         physical = capsys.readouterr().out
         assert "MapInArrow" in physical and "ExistingRDD" not in physical, physical
+
+
+def test_a_local_join_warms_the_blocked_plans_kernels_only_when_it_plans_it(spark, monkeypatch):
+    """Under a local master the driver warms the broadcast plan's kernels from the start, and
+    the blocked plan's once a join plans it: a join that never runs the blocked plan does not
+    compile its kernels beside its facts job."""
+    from nearest_join import join
+
+    warmed = []
+    monkeypatch.setattr(join, "start_warm_up", lambda warm, plans: warmed.append(plans))
+    q = spark.createDataFrame([(1, [0.0, 1.0])], "id int, v array<float>")
+    t = spark.createDataFrame([(2, [1.0, 1.0]), (3, [2.0, 0.0])], "id int, v array<float>")
+    for limit, expected in ((None, [("broadcast",)]), (0, [("broadcast",), ("blocked",)])):
+        warmed.clear()
+        plan = join.explain_nearest_join(q, t, "l2", 1, vectors="v", broadcast_limit_bytes=limit)
+        assert plan.plan == ("broadcast" if limit is None else "blocked") and warmed == expected
