@@ -392,16 +392,19 @@ _PYTHON_NODES = ("Python", "Pandas", "Arrow")
 
 def in_one_task_when_small(df):
     """``df`` in one partition when Spark estimates it at most :data:`ONE_TASK_BYTES`
-    (:func:`estimated_bytes`) and its plan runs no Python, else as it is. One partition
+    (as :func:`estimated_bytes` reads it) and its plan runs no Python, else as it is. One partition
     satisfies every aggregation's distribution: an aggregation over it needs no exchange. All
     of ``df``'s work after its last shuffle then runs in that one task: a few small scans and
     projections cost less than the shuffle; a Python UDF over them (an embedding model, say)
     would not, whatever its output's size."""
-    size = estimated_bytes(df)
-    if size is None or size > ONE_TASK_BYTES:
+    try:
+        plan = df._jdf.queryExecution().optimizedPlan()
+        size, text = int(plan.stats().sizeInBytes()), plan.toString()
+    except Exception:   # noqa: BLE001 (Spark Connect: no JVM handle; any other failure: as it is)
         return df
-    plan = df._jdf.queryExecution().optimizedPlan().toString()
-    return df if any(word in plan for word in _PYTHON_NODES) else df.coalesce(1)
+    if size > ONE_TASK_BYTES or any(word in text for word in _PYTHON_NODES):
+        return df
+    return df.coalesce(1)
 
 
 def _key_types(target, target_keys: list | None) -> list:
