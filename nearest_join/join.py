@@ -24,6 +24,7 @@ from udfs import blocks, context, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
 from udfs.timing import PHASES, SecondsParam, timed_map
+from nearest_kernels import seeds_heaps
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 
 from . import keyed
@@ -573,7 +574,8 @@ def warm_up_kernels(metric: str, dtypes: tuple[str, str], options: JoinOptions,
     beside its session start and its facts job."""
     keyed = options.on is not None
     warm = WarmUp(metric, options.backend, tuple(dtypes), keyed=keyed,
-                  capped=options.max_distance is not None or options.min_similarity is not None)
+                  capped=options.max_distance is not None or options.min_similarity is not None,
+                  wide=seeds_heaps(options.num_results))
     start_warm_up(warm, plans)
     if options.mode == "approx" and not keyed:   # the IVF plan searches lists as groups
         start_warm_up(dataclasses.replace(warm, keyed=True), ("broadcast",))

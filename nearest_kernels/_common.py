@@ -20,6 +20,8 @@ __all__ = [
     "check_cap",
     "within_cap",
     "drop_beyond_cap",
+    "heap_width",
+    "seeds_heaps",
 ]
 
 
@@ -137,3 +139,25 @@ def drop_beyond_cap(values: np.ndarray, indices: np.ndarray, cap: float | None,
     values = np.where(beyond, np.asarray(metric.worst, values.dtype), values)
     indices = np.where(beyond, -1, indices)
     return values, indices
+
+
+# The CPU kernel's heaps (``cpu``, ``_cpu_kernels``), here for the driver's warm-up
+# (``udfs.warm``), which must not import numba. Slots kept beyond k for the exact stage (see
+# cpu.CpuBackend.run): fewer would leave more rows unproven (each searched again); more cost
+# every row heap inserts.
+RERANK_EXTRA = 4
+# Heaps at least this wide start from a selection over the first target tile instead of one
+# insert per candidate: a wide heap takes most of its inserts there (all of the first k, and
+# k ln(tile / k) more), each a sift of log2(k) levels; a narrow one takes few.
+SEED_WIDTH = 64
+
+
+def heap_width(k: int, nt: int) -> int:
+    """Candidates kept per query row: k and a margin for the exact stage, at most every target."""
+    return min(k + RERANK_EXTRA + k // 32, nt)
+
+
+def seeds_heaps(k: int) -> bool:
+    """Whether a search for k keeps heaps wide enough to seed (given targets enough): a
+    kernel of its own that narrower joins never compile."""
+    return k + RERANK_EXTRA + k // 32 >= SEED_WIDTH

@@ -40,6 +40,7 @@ from numba import njit, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from ._common import SEED_WIDTH
 from ._numba import run_split
 
 # Candidates tested per vectorised threshold check. A compile-time constant trip count lets LLVM
@@ -49,6 +50,8 @@ _BLOCK = 64
 
 _SIGN = np.uint32(0x80000000)
 _SHIFT = np.uint64(32)
+# The index that sorts after every target's: an empty slot's while candidates are ordered.
+_NO_INDEX = np.int64(np.iinfo(np.int64).max)
 
 
 @intrinsic
@@ -155,10 +158,6 @@ def _select_smallest(keys, n, count):
             break
 
 
-# Heaps at least this wide start from a selection over the first target tile instead of one
-# insert per candidate: a wide heap takes most of its inserts there (all of the first k, and
-# k ln(tile / k) more), each a sift of log2(k) levels; a narrow one takes few.
-SEED_WIDTH = 64
 
 
 @njit(cache=True)
@@ -255,8 +254,12 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     assumes every slot holds the same starting key).
     """
     n_qtiles = (queries.shape[0] + query_tile - 1) // query_tile
+    # None, not an empty array or False: numba prunes a branch on an argument that is None
+    # before it types the branch, so a join that neither seeds nor takes stats (most: k < 64,
+    # any metric but inner product) never compiles _seed_row or the stats pass.
     run_split(_search_items, n_qtiles * heaps.shape[0], queries, targets, bias, tail_targets, tail_bias,
-              heaps, query_tile, stats, np.int64(offset), bool(seed), threads=threads)
+              heaps, query_tile, stats if stats.shape[0] > 0 else None, np.int64(offset),
+              True if seed and heaps.shape[2] >= SEED_WIDTH else None, threads=threads)
 
 
 @njit(nogil=True, cache=True)
@@ -280,8 +283,6 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
         query_block = queries[q0:q1]
         scores = np.empty((rows, target_tile), dtype=np.float32)
         split_heaps = heaps[split]
-        row_scores = np.empty(target_tile, dtype=np.float32)
-        row_keys = np.empty(target_tile, dtype=np.uint64)
         first = split * tiles_per_split
         largest_sq = 0.0
         largest = 0.0
@@ -294,18 +295,20 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
                 target_block = tail_targets
                 tile_bias = tail_bias
             np.dot(query_block, target_block.T, scores)
-            if stats.shape[0] > 0 and (tt - first) % n_qtiles == qt:
+            if stats is not None and (tt - first) % n_qtiles == qt:
                 for j in range(t0, min(nt, t0 + target_tile)):
                     sq, peak = _square_sum_and_peak(targets[j])
                     largest_sq = max(largest_sq, sq)
                     largest = max(largest, peak)
-            if seed and tt == first and split_heaps.shape[1] >= SEED_WIDTH:
+            if seed is not None and tt == first:
+                row_scores = np.empty(target_tile, dtype=np.float32)
+                row_keys = np.empty(target_tile, dtype=np.uint64)
                 for r in range(rows):
                     _seed_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, row_scores, row_keys)
                 continue
             for r in range(rows):
                 _fold_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r)
-        if stats.shape[0] > 0:
+        if stats is not None:
             stats[item, 0] = largest_sq
             stats[item, 1] = largest
 
@@ -386,41 +389,29 @@ def sample_center(rows, factors):
 _CENTER_CHUNK = 512
 
 
-def norms_and_peaks(rows, out_sq, out_peak, threads=None):
-    """``out_sq[i]`` = |rows[i]|^2 in float64 in a fixed order (equal rows, equal norms) and
-    ``out_peak[i]`` = max_j |rows[i, j]|: the operand's norms when a float32 block is used as
-    it is (one read, no copy)."""
-    run_split(_norms_and_peaks, rows.shape[0], rows, out_sq, out_peak, threads=threads)
-
-
-@njit(nogil=True, cache=True)
-def _norms_and_peaks(lo, hi, rows, out_sq, out_peak):
-    for i in range(lo, hi):
-        total = 0.0
-        peak = 0.0
-        for j in range(rows.shape[1]):
-            v = np.float64(rows[i, j])
-            total += v * v
-            peak = max(peak, abs(v))
-        out_sq[i] = total
-        out_peak[i] = peak
-
-
-def row_peaks(rows, factors, center, threads=None):
-    """max_j |rows[i, j] * factors[i] - center[j]| of each row, in float64."""
+def row_peaks(rows, factors, center, out_sq=None, threads=None):
+    """max_j |rows[i, j] * factors[i] - center[j]| of each row, in float64; and in ``out_sq``
+    (when given) the sum of those values' squares in float64, in one fixed order (equal rows,
+    equal sums): with unit factors and a zero center, the norms of a float32 block used as it
+    is, from the same single read."""
     out = np.empty(rows.shape[0], dtype=np.float64)
-    run_split(_row_peaks, rows.shape[0], rows, factors, center, out, threads=threads)
+    out_sq = np.empty(rows.shape[0], dtype=np.float64) if out_sq is None else out_sq
+    run_split(_row_peaks, rows.shape[0], rows, factors, center, out, out_sq, threads=threads)
     return out
 
 
 @njit(nogil=True, cache=True)
-def _row_peaks(lo, hi, rows, factors, center, out):
+def _row_peaks(lo, hi, rows, factors, center, out, out_sq):
     for i in range(lo, hi):
         peak = 0.0
+        total = 0.0
         f = factors[i]
         for j in range(rows.shape[1]):
-            peak = max(peak, abs(np.float64(rows[i, j]) * f - center[j]))
+            v = np.float64(rows[i, j]) * f - center[j]
+            total += v * v
+            peak = max(peak, abs(v))
         out[i] = peak
+        out_sq[i] = total
 
 
 @njit(fastmath={"reassoc"}, nogil=True, cache=True)
@@ -483,13 +474,19 @@ def product_sum(q, gq, t, gt):
 
 
 @njit(inline="always", cache=True)
-def _pair_key(queries, i, fq, targets, j, ft, difference, factor_after):
+def _pair_key(queries, i, fq, targets, j, ft, factor_after, key_sum):
+    """The sum ``key_sum`` (difference_sum or product_sum) of the pair, its factors applied."""
     gq, gt = (1.0, 1.0) if factor_after else (fq, ft)
-    if difference:
-        total = difference_sum(queries[i], gq, targets[j], gt)
-        return total * (fq * ft) if factor_after else total
-    total = product_sum(queries[i], gq, targets[j], gt)
-    return -(total * (fq * ft)) if factor_after else -total
+    total = key_sum(queries[i], gq, targets[j], gt)
+    return total * (fq * ft) if factor_after else total
+
+
+def _key_forms(difference: bool) -> tuple[bool | None, bool | None]:
+    """The kernels' two switches of the key form, (difference, product): one True, the other
+    None. numba prunes a branch on an argument that is None before it types the branch (a
+    False would be typed, and its branch compiled), so a process compiles only the form its
+    joins take: the difference form for every metric but inner product."""
+    return (True, None) if difference else (None, True)
 
 
 @njit(nogil=True, cache=True)
@@ -497,7 +494,8 @@ def pairs_by_target(candidates, needed, n_targets):
     """The flat positions ``i * width + c`` of the needed, valid candidates, ordered by target
     (a counting sort: one pass to count, one to place; stable, so by position within a target)."""
     width = candidates.shape[1]
-    counts = np.zeros(n_targets + 1, np.int64)
+    counts = np.empty(n_targets + 1, np.int64)
+    counts[:] = 0   # (np.zeros would be one more compiled function in every new process)
     for i in range(candidates.shape[0]):
         for c in range(width):
             j = candidates[i, c]
@@ -549,11 +547,12 @@ def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, differe
     (reading one random target row per pair made this stage memory-bound). The rows of the
     pair ``PREFETCH_AHEAD`` further on are prefetched while a pair's key is summed."""
     run_split(_pair_keys, pairs.shape[0], queries, q_factors, targets, t_factors, candidates, pairs,
-              difference, factor_after, out, threads=threads)
+              *_key_forms(difference), factor_after, out, threads=threads)
 
 
 @njit(nogil=True, cache=True)
-def _pair_keys(lo, hi, queries, q_factors, targets, t_factors, candidates, pairs, difference, factor_after, out):
+def _pair_keys(lo, hi, queries, q_factors, targets, t_factors, candidates, pairs, difference, product, factor_after,
+               out):
     width = candidates.shape[1]
     for p in range(lo, hi):
         if p + PREFETCH_AHEAD < hi:
@@ -563,8 +562,10 @@ def _pair_keys(lo, hi, queries, q_factors, targets, t_factors, candidates, pairs
         i = pairs[p] // width
         c = pairs[p] - i * width
         j = candidates[i, c]
-        out[i, c] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
-                              factor_after)
+        if difference is not None:
+            out[i, c] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], factor_after, difference_sum)
+        if product is not None:
+            out[i, c] = -_pair_key(queries, i, q_factors[i], targets, j, t_factors[j], factor_after, product_sum)
 
 
 def best_by_key(keys, candidates, best_key, best_index):
@@ -578,11 +579,11 @@ def best_by_key(keys, candidates, best_key, best_index):
     run_split(_insertion_best, keys.shape[0], keys, candidates, best_key, best_index, unsorted)
     rows = np.flatnonzero(unsorted)
     if rows.size:
-        index = np.where(candidates[rows] >= 0, candidates[rows], np.iinfo(np.int64).max)
+        index = np.where(candidates[rows] >= 0, candidates[rows], _NO_INDEX)
         order = np.lexsort((index, keys[rows]), axis=1)[:, :best_key.shape[1]]
         best_key[rows] = np.take_along_axis(keys[rows], order, 1)
         chosen = np.take_along_axis(index, order, 1)
-        best_index[rows] = np.where(chosen != np.iinfo(np.int64).max, chosen, -1)
+        best_index[rows] = np.where(chosen != _NO_INDEX, chosen, -1)
 
 
 @njit(nogil=True, cache=True)
@@ -592,13 +593,13 @@ def _insertion_best(lo, hi, keys, candidates, best_key, best_index, unsorted):
     width = keys.shape[1]
     out_width = best_key.shape[1]
     limit = 8 * width
-    big = np.iinfo(np.int64).max
+    big = _NO_INDEX
+    row_keys = np.empty(width, keys.dtype)
+    row_index = np.empty(width, np.int64)
     for i in range(lo, hi):
-        row_keys = keys[i].copy()
-        row_index = candidates[i].copy()
         for a in range(width):
-            if row_index[a] < 0:
-                row_index[a] = big
+            row_keys[a] = keys[i, a]
+            row_index[a] = candidates[i, a] if candidates[i, a] >= 0 else big
         moves = 0
         for a in range(1, width):
             key, index = row_keys[a], row_index[a]
@@ -623,17 +624,20 @@ def _insertion_best(lo, hi, keys, candidates, best_key, best_index, unsorted):
 def all_keys(queries, rows, q_factors, targets, t_factors, difference, factor_after, out, threads=None):
     """``out[r, j]``: the exact key of (queries[rows[r]], targets[j]) for every target: the
     float64 search of the rows the sgemm's bound cannot decide."""
-    run_split(_all_keys, rows.shape[0], queries, rows, q_factors, targets, t_factors, difference,
+    run_split(_all_keys, rows.shape[0], queries, rows, q_factors, targets, t_factors, *_key_forms(difference),
               factor_after, out, threads=threads)
 
 
 @njit(nogil=True, cache=True)
-def _all_keys(lo, hi, queries, rows, q_factors, targets, t_factors, difference, factor_after, out):
+def _all_keys(lo, hi, queries, rows, q_factors, targets, t_factors, difference, product, factor_after, out):
     for r in range(lo, hi):
         i = rows[r]
         for j in range(targets.shape[0]):
-            out[r, j] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], difference,
-                                  factor_after)
+            if difference is not None:
+                out[r, j] = _pair_key(queries, i, q_factors[i], targets, j, t_factors[j], factor_after,
+                                      difference_sum)
+            if product is not None:
+                out[r, j] = -_pair_key(queries, i, q_factors[i], targets, j, t_factors[j], factor_after, product_sum)
 
 
 # Merge of partial top-k lists (``merge.merge_topk``): each part's row is already best first.
@@ -650,7 +654,7 @@ def merge_parts(values, indices, bounds, offsets, descending, out_val, out_idx, 
     """
     n_parts = bounds.shape[0] - 1
     width = order.shape[1]
-    big = np.iinfo(np.int64).max
+    big = _NO_INDEX
     heads = np.empty(n_parts, np.int64)
     for i in range(values.shape[0]):
         bad = False

@@ -12,21 +12,11 @@ from numba import njit  # noqa: E402
 
 
 @njit(nogil=True, cache=True)
-def take_rows(lo, hi, matrix, rows, out):
-    """``out[i] = matrix[rows[i]]`` for ``i`` in ``lo..hi`` (in-range ``rows``), with the GIL
-    released (``gather`` splits the rows over threads). A plain copy loop: about twice
-    ``np.take``'s rate for 128-float rows, whose per-row item copies do not vectorise."""
-    width = matrix.shape[1]
-    for i in range(lo, hi):
-        r = rows[i]
-        for j in range(width):
-            out[i, j] = matrix[r, j]
-
-
-@njit(nogil=True, cache=True)
 def take_rows_at(lo, hi, matrix, rows, positions, out):
     """``out[positions[i]] = matrix[rows[i]]`` for ``i`` in ``lo..hi``: one source's rows into
-    their slots of an output that several sources fill (no gathered temporary, GIL released)."""
+    their slots of an output that several sources fill (no gathered temporary, GIL released);
+    ``gather.take_rows`` with positions 0, 1, ... A plain copy loop: about twice ``np.take``'s
+    rate for 128-float rows, whose per-row item copies do not vectorise."""
     width = matrix.shape[1]
     for i in range(lo, hi):
         r = rows[i]

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ._common import Metric, check_cap, drop_beyond_cap
+from ._common import Metric, check_cap, drop_beyond_cap, heap_width
 from ._numba import task_threads  # (chooses numba's cache directory before numba loads)
 
 from threadpoolctl import ThreadpoolController  # noqa: E402
@@ -84,9 +84,6 @@ TILE_MULTIPLE = 64
 # position within the sgemm's micro-kernel rows, and so its rounding, does not depend on the
 # number of threads: the candidates, and the work of the exact stage, are then the same.
 QUERY_TILE_MULTIPLE = 48
-# Heap slots kept beyond k for the exact stage (see CpuBackend.run): k + RERANK_EXTRA + k // 32.
-# Fewer would leave more rows unproven (each searched again); more cost every row heap inserts.
-RERANK_EXTRA = 4
 # Unit roundoff of float32 and float64, and float32's subnormal rounding (absolute).
 _U32 = 2.0 ** -24
 _U64 = 2.0 ** -53
@@ -116,11 +113,6 @@ def _frozen(array: np.ndarray) -> np.ndarray:
     view = array.view()
     view.flags.writeable = False
     return view
-
-
-def heap_width(k: int, nt: int) -> int:
-    """Candidates kept per query row: k and a margin for the exact stage, at most every target."""
-    return min(k + RERANK_EXTRA + k // 32, nt)
 
 
 def _power_of_two_scale(peak: np.ndarray) -> np.ndarray:
@@ -234,8 +226,7 @@ class _Operands:
         if self.deferred:
             pass
         elif as_is:
-            t_peaks = np.empty(nt)
-            _cpu_kernels.norms_and_peaks(self.targets, b_sq, t_peaks)
+            t_peaks = _cpu_kernels.row_peaks(self.targets, np.ones(nt), np.zeros(d), out_sq=b_sq)
             t_peak = float(t_peaks.max(initial=0.0))
             as_is = AS_IS_PEAKS[0] <= t_peak < AS_IS_PEAKS[1]
         else:
@@ -566,14 +557,16 @@ def _search(ops: _Operands, kept: int, query_tile: int, target_tile: int, n_spli
     """The fused search of ``scaled`` (default: all of ``ops.scaled``; else some of its rows)
     against ``ops``' targets: (n_split, rows, kept) heaps of each split's best keys per row,
     starting from each row's key in ``start`` (a limit: nothing at or above it enters) or
-    empty, and the targets' stats it took for deferred operands' ``finish`` (else empty)."""
+    empty, and the targets' stats it took for inner product (else empty; deferred operands' ``finish``)."""
     scaled = ops.scaled if scaled is None else scaled
     nq = scaled.shape[0]
     tail, tail_bias = _tail_tile(ops.targets32, ops.bias, target_tile)
     heaps = np.full((n_split, nq, kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
     if start is not None:
         heaps[:] = start[None, :, None]
-    items = -(-nq // query_tile) * n_split if ops.deferred else 0
+    # Stats for every inner product search, deferred or not (one more read of each target, in
+    # cache): one compiled search for the metric instead of two, whichever way it is prepared.
+    items = -(-nq // query_tile) * n_split if not ops.difference else 0
     stats = np.zeros((items, 2))
     _cpu_kernels.search_tiles(scaled, ops.targets32, ops.bias, tail, tail_bias, heaps, query_tile, stats)
     return heaps, stats

@@ -26,7 +26,10 @@ def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: in
     if lo < 0 or hi >= matrix.shape[0]:
         raise IndexError(f"take_rows: row {lo if lo < 0 else hi} outside 0..{matrix.shape[0] - 1}")
     rows = np.asarray(rows, dtype=np.int64)
-    run_split(_gather_kernels.take_rows, rows.shape[0], matrix, rows, out, threads=threads)
+    # take_rows_at into positions 0, 1, ...: one compiled copy for both gathers (a kernel of
+    # its own cost each new worker its compilation, for the same loop).
+    positions = np.arange(rows.shape[0], dtype=np.int64)
+    run_split(_gather_kernels.take_rows_at, rows.shape[0], matrix, rows, positions, out, threads=threads)
 
 
 def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray,

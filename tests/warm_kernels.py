@@ -82,6 +82,6 @@ def _rare_paths() -> None:
     for read_only in (False, True):
         targets = rng.standard_normal((11, d)).astype(np.float32)
         targets.setflags(write=not read_only)
-        _cpu_kernels.norms_and_peaks(targets, np.zeros(11), np.empty(11))
+        _cpu_kernels.row_peaks(targets, np.ones(11), np.zeros(d), out_sq=np.zeros(11))
         _cpu_kernels.all_keys(queries, rows, np.ones(9), targets, factors, True, False,
                               np.empty((5, 11)))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from nearest_kernels import seeds_heaps
+
 from .context import JoinContext, SearchSettings, SideLayout, cuda_may_exist
 from .local import local_join
 from .search import warm_up_threads
@@ -46,10 +48,12 @@ class WarmUp:
     dtypes: tuple[str, str]      # query and target elements as decoded: "float32" / "float64"
     keyed: bool = False          # on= keys or IVF lists: the grouped (segment) searches
     capped: bool = False
+    wide: bool = False           # k large enough that the search seeds its heaps (seeds_heaps)
 
     @classmethod
     def of(cls, ctx: JoinContext, dtypes: tuple[str, str]) -> WarmUp:
-        return cls(ctx.settings.metric, ctx.settings.backend, dtypes, ctx.keyed, ctx.cap is not None)
+        return cls(ctx.settings.metric, ctx.settings.backend, dtypes, ctx.keyed, ctx.cap is not None,
+                   seeds_heaps(ctx.settings.k))
 
 
 def start_warm_up(warm: WarmUp, plans: tuple[str, ...]) -> threading.Thread | None:
@@ -148,7 +152,12 @@ def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, J
     and the kernel multiplies them as they are; far from 0 it shifts them first (the two
     ways ``nearest_kernels.cpu`` prepares its operands)."""
     rng = np.random.default_rng(0)
-    d, rows = 3, 12
+    d, k, rows, target_block = 3, 3, 12, 7
+    if warm.wide:   # each target partition makes a block that holds a whole heap (its search seeds
+        # it) and one that does not; blocks of even rows, so that they stay symmetric
+        k = next(k for k in range(1, 1 << 20) if seeds_heaps(k))
+        target_block = k + k % 2 + 8
+        rows = 2 * (target_block + 16)
 
     def side(name: str, dtype: str, vectors: np.ndarray) -> pa.Table:
         element = pa.from_numpy_dtype(np.dtype(dtype))
@@ -163,8 +172,8 @@ def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, J
     queries[0] = targets[3]
     query, target = side("qv", warm.dtypes[0], queries), side("tv", warm.dtypes[1], targets)
     group = 2 if warm.keyed else None
-    ctx = JoinContext(SearchSettings(3, warm.metric, "cpu"), SideLayout("qv", 1, d, 5, group_index=group),
-                      SideLayout("tv", 1, d, 7, group_index=group), "leftouter", True, target.schema,
+    ctx = JoinContext(SearchSettings(k, warm.metric, "cpu"), SideLayout("qv", 1, d, 5, group_index=group),
+                      SideLayout("tv", 1, d, target_block, group_index=group), "leftouter", True, target.schema,
                       cap=_admitting_cap(warm.metric) if warm.capped else None)
     return query, target, ctx
 

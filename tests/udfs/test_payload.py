@@ -152,8 +152,9 @@ def test_large_gathers_split_their_rows_over_the_threads(monkeypatch):
     from nearest_kernels import gather
 
     ranges = []
-    real = gather._gather_kernels.take_rows
-    monkeypatch.setattr(gather._gather_kernels, "take_rows", lambda lo, hi, *a: (ranges.append((lo, hi)), real(lo, hi, *a)))
+    real = gather._gather_kernels.take_rows_at
+    monkeypatch.setattr(gather._gather_kernels, "take_rows_at",
+                        lambda lo, hi, *a: (ranges.append((lo, hi)), real(lo, hi, *a)))
     rng = np.random.default_rng(7)
     m = rng.standard_normal((5000, 600)).astype(np.float32)    # 12 MB: above PARALLEL_BYTES
     rows = rng.integers(0, 5000, 6000)
@@ -162,9 +163,8 @@ def test_large_gathers_split_their_rows_over_the_threads(monkeypatch):
     np.testing.assert_array_equal(out, m[rows])
     assert sorted(ranges) == [(0, 1500), (1500, 3000), (3000, 4500), (4500, 6000)]
     at_ranges = []
-    real_at = gather._gather_kernels.take_rows_at
     monkeypatch.setattr(gather._gather_kernels, "take_rows_at",
-                        lambda lo, hi, *a: (at_ranges.append((lo, hi)), real_at(lo, hi, *a)))
+                        lambda lo, hi, *a: (at_ranges.append((lo, hi)), real(lo, hi, *a)))
     mats = [m, m[::-1].copy(), m[:100].copy()]
     source = rng.integers(-1, 3, 6000)
     rows2 = np.where(source == 2, rows % 100, rows)

@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_warm_up_covers_the_search_it_warms(tmp_path):
     """In a process with an empty numba cache: after the warm-up of a join, a real search of
-    that join (other sizes, k and values) compiles nothing more. Two joins in one process (one
-    numba start-up): l2 over float32 broadcast, and inner product over float64 blocked, capped."""
+    that join (other sizes and values) compiles nothing more. Three joins in one process (one
+    numba start-up): l2 over float32 broadcast, at a k whose heaps are narrow and at one whose
+    heaps the search seeds (a kernel of its own), and inner product over float64 blocked, capped."""
     script = textwrap.dedent("""
         import json, sys, numpy as np, pyarrow as pa
         from numba.core import event
@@ -34,15 +35,18 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
             def on_end(self, ev): pass
         event.register("numba:compile", Seen())
         results = []
-        for metric, dtype, plan, cap in (("l2", "float32", "broadcast", None),
-                                         ("inner_product", "float64", "blocked", -50.0)):
-            start_warm_up(WarmUp(metric, "auto", (dtype, dtype), capped=cap is not None), (plan,)).join()
-            compiled.clear()   # what the search compiles, after its warm-up
+        for metric, dtype, plan, cap, k in (("l2", "float32", "broadcast", None, 7),
+                                            ("l2", "float32", "broadcast", None, 70),
+                                            ("inner_product", "float64", "blocked", -50.0, 70)):
             rng = np.random.default_rng(1)
             q = pa.table({"id": np.arange(300), "v": pa.array(list(rng.standard_normal((300, 17)).astype(dtype)))})
             t = pa.table({"id": np.arange(900), "w": pa.array(list(rng.standard_normal((900, 17)).astype(dtype)))})
-            ctx = JoinContext(SearchSettings(70, metric, "auto"), SideLayout("v", 1, 17, 128),
+            ctx = JoinContext(SearchSettings(k, metric, "auto"), SideLayout("v", 1, 17, 128),
                               SideLayout("w", 1, 17, 400), "leftouter", True, t.schema, cap=cap)
+            thread = start_warm_up(WarmUp.of(ctx, (dtype, dtype)), (plan,))
+            if thread is not None:   # None: this configuration was warmed by an earlier join
+                thread.join()
+            compiled.clear()   # what the search compiles, after its warm-up
             out = local_join(q, t, ctx, plan=plan, partitions=2)
             results.append({"join": metric, "rows": out.num_rows, "compiled": list(compiled)})
         from udfs.warm import warm_up_seconds
