@@ -20,6 +20,7 @@ tables and cached Parquet inputs, processes started together, the process tree.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import json
@@ -30,6 +31,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -346,3 +348,22 @@ def process_tree(root: int) -> dict[int, list[str]]:
             found[pid] = stats[pid]
         stack.extend(children.get(pid, ()))
     return found
+
+
+@contextlib.contextmanager
+def sampling(sample, every: float = 0.2):
+    """Call ``sample()`` every ``every`` seconds on a thread while the block runs, and once after
+    it (what a process used or held between two samples still counts)."""
+    stop = threading.Event()
+
+    def loop():
+        while not stop.wait(every):
+            sample()
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        sample()

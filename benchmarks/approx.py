@@ -20,10 +20,12 @@ Sizes: nt = 200,000, nq = 20,000 (``--full``: 1,000,000 x 100,000), d = 128, k =
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +33,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._record import SMOKE_DIR, Recorder, cached_parquet, local_spark, process_tree, vector_table
+from benchmarks._record import (SMOKE_DIR, Recorder, cached_parquet, local_spark, process_tree, sampling,
+                                vector_table)
 
 D, K, METRIC = 128, 10, "l2"
 ROWS_PER_CLUSTER = 1000
@@ -79,38 +82,20 @@ def exact_or_approx(q, t, metric: str, **options):
     return plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value", **options))
 
 
-def _tree_cpu() -> dict:
-    """{(pid, start time): CPU seconds} of this process and its descendants (the Spark JVM,
-    its Python daemon and workers)."""
+@contextlib.contextmanager
+def cpu_meter():
+    """CPU seconds (user + system) of this process and its descendants (the Spark JVM, its Python
+    daemon and workers) while the block runs, sampled every 0.2 s per process (a Python worker
+    Spark ends mid-call keeps what it had used at its last sample). A ratio of these holds while
+    other work loads the machine, when a ratio of wall times does not."""
     tick = os.sysconf("SC_CLK_TCK")
-    return {(pid, fields[19]): (int(fields[11]) + int(fields[12])) / tick
-            for pid, fields in process_tree(os.getpid()).items()}
 
-
-class CpuMeter:
-    """CPU seconds (user + system) of this process and its descendants while it runs,
-    sampled every 0.2 s per process (a Python worker Spark ends mid-call keeps what it had
-    used at its last sample). A ratio of these holds while other work loads the machine,
-    when a ratio of wall times does not."""
-
-    def __enter__(self):
-        import threading
-
-        self._first, self._last = _tree_cpu(), {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.2):
-            self._last.update(_tree_cpu())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self._last.update(_tree_cpu())
-        self.seconds = sum(v - self._first.get(key, 0.0) for key, v in self._last.items())
+    def tree() -> dict:   # {(pid, start time): CPU seconds}
+        return {(pid, f[19]): (int(f[11]) + int(f[12])) / tick for pid, f in process_tree(os.getpid()).items()}
+    first, last, meter = tree(), {}, types.SimpleNamespace()
+    with sampling(lambda: last.update(tree())):
+        yield meter
+    meter.seconds = sum(v - first.get(key, 0.0) for key, v in last.items())
 
 
 def pairs_of(df) -> np.ndarray:
@@ -201,7 +186,7 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         """(pairs, seconds, CPU seconds, plan, planning seconds): planning is the facts job and,
         for an approx plan, the sample, k-means and the recall estimate."""
         start = time.perf_counter()
-        with CpuMeter() as cpu:
+        with cpu_meter() as cpu:
             planned = exact_or_approx(q, t, metric, **plan_options, **options)
             planning = time.perf_counter() - start
             pairs = pairs_of(planned.dataframe().select("qid", "tid", "value"))

@@ -17,7 +17,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +26,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
-from benchmarks._record import Recorder, local_spark, noop, process_tree, vector_table  # noqa: E402
+from benchmarks._record import Recorder, local_spark, noop, process_tree, sampling, vector_table  # noqa: E402
 
 MiB = 1 << 20
 CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
@@ -95,46 +94,6 @@ def descendants(root: int) -> dict[int, str]:
     return found
 
 
-class Sampler:
-    """Samples the RSS of this tree's JVMs and workers every ``SAMPLE_S`` seconds."""
-
-    def __init__(self):
-        self.kinds: dict[int, str] = {}
-        self.peak: dict[int, int] = {}
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.peak = {}
-        for pid in descendants(os.getpid()):     # the kernel's peak, from now on
-            try:
-                with open(f"/proc/{pid}/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                pass
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        self.kinds.update(descendants(os.getpid()))
-        for pid in list(self.kinds):
-            status = _status(pid)
-            value = max(status.get("VmRSS", 0), status.get("VmHWM", 0))
-            if value:
-                self.peak[pid] = max(self.peak.get(pid, 0), value)
-
-    def _run(self) -> None:
-        while not self._stop.wait(SAMPLE_S):
-            self._sample()
-
-    def stop(self) -> dict[int, int]:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
-        return dict(self.peak)
-
-
 def rss_now(kind: str) -> list[int]:
     return sorted(_status(pid).get("VmRSS", 0) for pid, k in descendants(os.getpid()).items() if k == kind)
 
@@ -193,7 +152,7 @@ def run(args, data: str) -> int:
               f"daemon {[f'{v / MiB:.0f}' for v in rss_now('daemon')]} MiB; "
               f"JVM {[f'{v / MiB:.0f}' for v in rss_now('JVM')]} MiB", flush=True)
 
-        sampler = Sampler()
+        kinds: dict[int, str] = {}
         table = []
         for budget_text in args.budgets.split(","):
             budget = parse_bytes(budget_text)
@@ -201,16 +160,30 @@ def run(args, data: str) -> int:
             plan = explain_nearest_join(q, t, ranking, args.k)
             if plan.plan != "blocked":
                 raise SystemExit(f"expected the blocked plan, got {plan.plan}: {plan.reason}")
-            sampler.start()
-            start = time.perf_counter()
-            noop(nearest_by_join(q, t, ranking, args.k))
-            seconds = time.perf_counter() - start
-            peaks = sampler.stop()
-            workers = sorted((v for pid, v in peaks.items() if sampler.kinds[pid] == "worker"), reverse=True)
+            peaks: dict[int, int] = {}
+
+            def sample():
+                kinds.update(descendants(os.getpid()))
+                for pid in list(kinds):
+                    status = _status(pid)
+                    value = max(status.get("VmRSS", 0), status.get("VmHWM", 0))
+                    if value:
+                        peaks[pid] = max(peaks.get(pid, 0), value)
+            for pid in descendants(os.getpid()):     # the kernel's peak, from now on
+                try:
+                    with open(f"/proc/{pid}/clear_refs", "w") as f:
+                        f.write("5")
+                except OSError:
+                    pass
+            with sampling(sample, SAMPLE_S):
+                start = time.perf_counter()
+                noop(nearest_by_join(q, t, ranking, args.k))
+                seconds = time.perf_counter() - start
+            workers = sorted((v for pid, v in peaks.items() if kinds[pid] == "worker"), reverse=True)
             # Above its own fixed cost (a worker started after the warm-up: the largest one).
             above = max((v - fixed_by_pid.get(pid, fixed_cost) for pid, v in peaks.items()
-                         if sampler.kinds[pid] == "worker"), default=0)
-            jvms = sorted((v for pid, v in peaks.items() if sampler.kinds[pid] == "JVM"), reverse=True)
+                         if kinds[pid] == "worker"), default=0)
+            jvms = sorted((v for pid, v in peaks.items() if kinds[pid] == "JVM"), reverse=True)
             table.append((budget_text, plan.query_block_rows, plan.target_block_rows, plan.target_blocks,
                           workers, fixed_cost, jvms, seconds, above / budget))
             print(f"budget {budget_text}: {seconds:.0f} s, workers {[round(v / MiB) for v in workers]} MiB, "
