@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 SMOKE_DIR = ROOT / "benchmarks" / "out" / "results"    # --quick runs: not in git, replace nothing
 RESERVED = ("benchmark", "table", "run", "date", "commit", "command", "machine")
-LIBRARY_DIRS = ("nearest_join", "udfs")
+LIBRARY_DIRS = ("nearest_join", "udfs", "nearest_kernels", "jobs")
 
 
 def now() -> str:

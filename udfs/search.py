@@ -142,8 +142,8 @@ def open_block_searcher(settings: SearchSettings) -> BlockSearcher:
 # A group whose query rows x target rows x d is at most this goes to the batched segment
 # search; above it, to its own kernel call. The segment loop runs without BLAS, so its cost
 # grows with the work, while a kernel call pays a fixed set-up first. On a CPU executor the
-# segment loop stays the faster well above this line (benchmarks/keyed_join.py --segment-work
-# at fb7aa93 timed both per group); the line is drawn low for the GPU searcher, whose
+# segment loop stays the faster well above this line (benchmarks/keyed_join.py's --segment-work
+# option timed both per group at fb7aa93; git keeps it); the line is drawn low for the GPU searcher, whose
 # call is cheap against the arithmetic it takes off the CPU (not measured on a GPU yet).
 SEGMENT_WORK = 1 << 20
 
