@@ -354,9 +354,12 @@ TABLES: dict[tuple[str, str], Table] = {
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",
         [col("numba cache", "numba_cache"),
-         *[col(f"{m} s", m, ".2f") for m in ("l2", "sqeuclidean", "cosine", "inner_product")]],
+         *[c for m in ("l2", "sqeuclidean", "cosine", "inner_product")
+           for c in (col(f"{m} s", m, ".2f"), col("of which compiling s", f"{m}_compiling", ".2f"))]],
         about="The executor path of a broadcast join (float32, `udfs.warm`) in a new process: what one "
-              "worker pays for its kernels, compiling them, or loading what another process compiled."),
+              "worker pays for its kernels, compiling them, or loading what another process compiled; "
+              "compiling: the time inside numba's compilations (its compile events), the rest imports "
+              "(numba, pandas, pyspark) and the warm-up's own tiny join."),
     ("fixed_costs", "fresh_clone"): Table(
         "Fixed costs: a new user's two commands on a fresh clone",
         [col("step", "step"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
