@@ -8,16 +8,16 @@ what a new executor pays before its first search:
   same pyspark version installed, its package (compiled once, at install or first import) is
   put first instead. Another version leaves the path as Spark set it.
 * **Imports before the first fork.** The daemon imports what every worker's first task
-  imports (numpy, pyarrow, pandas, numba, the executor functions), once: the forked workers
-  share them instead of importing them each.
+  imports (numpy, pyarrow, pandas, numba, scipy's BLAS, the executor functions) and sets up
+  numba's CPU target, once: the forked workers share them instead of each paying them.
 * **No full garbage collection after every task.** ``pyspark.daemon`` runs ``gc.collect()``
   after each task of a reused worker; once numpy, pyarrow, numba and the kernels are loaded,
   that walk costs more than a small task. A reused worker freezes what survives its first
   tasks out of the cyclic collector (``gc.freeze``); frozen objects are still freed by
   reference counting, only cycles among them are never collected.
 
-numba compiles nothing here: kernels compile (or load from numba's cache) on their first call
-in a worker, or earlier on a worker's warm-up thread (:mod:`udfs.warm`).
+numba compiles and loads no kernel here: kernels compile (or load from numba's cache) on their
+first call in a worker, or earlier on a worker's warm-up thread (:mod:`udfs.warm`).
 """
 from __future__ import annotations
 
@@ -87,6 +87,18 @@ def _preload() -> None:
     import udfs.blocks  # noqa: F401
     import udfs.ivf  # noqa: F401
     import udfs.warm  # noqa: F401
+
+    try:
+        import scipy.linalg.cython_blas  # noqa: F401  (numba's np.dot binds to it)
+    except ImportError:   # the CPU backend refuses the task and says why
+        return
+    # numba sets up its CPU target (the typing and lowering registries, its runtime's own
+    # functions) in the first process that compiles or loads a kernel: once here, not in each
+    # worker's first search.
+    from numba.core.registry import cpu_target
+
+    cpu_target.typing_context.refresh()
+    cpu_target.target_context.refresh()
 
 
 def main() -> None:

@@ -2,8 +2,13 @@
 before Spark's pyspark.zip (whose modules every process would compile again), and only then."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
+import textwrap
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -36,3 +41,30 @@ def test_nothing_moves_once_pyspark_is_imported(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "path", list(path))
     monkeypatch.setitem(sys.modules, "pyspark", object())
     assert daemon.prefer_installed_pyspark() is False and sys.path == path
+
+
+def test_a_worker_s_first_search_finds_its_imports_and_numba_set_up(tmp_path):
+    """After the daemon's preload (what a forked worker inherits), a first search that loads
+    its kernels from numba's cache imports no module and sets up no numba registry: all of it
+    happened once, before the fork."""
+    script = textwrap.dedent("""
+        import json, sys, numpy as np
+        from udfs import daemon
+        daemon._preload()
+        from numba.core.registry import cpu_target
+        from nearest_kernels import knn
+        before = set(sys.modules)
+        registries = len(cpu_target.typing_context._registries)
+        rng = np.random.default_rng(0)
+        knn(rng.standard_normal((50, 8)).astype(np.float32), rng.standard_normal((300, 8)).astype(np.float32),
+            5, "l2", backend="cpu")
+        print(json.dumps({"imported": sorted(set(sys.modules) - before),
+                          "registries": len(cpu_target.typing_context._registries) - registries}))
+    """)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+            for _ in range(2)]   # the first fills numba's cache, the second loads from it
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(runs[1].stdout.strip().splitlines()[-1])
+    assert found == {"imported": [], "registries": 0}, found
