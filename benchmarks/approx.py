@@ -1,21 +1,9 @@
-"""mode="approx" (issue 23): recall@k and end-to-end time of the IVF plan against our exact mode,
-and faiss ``IndexIVFFlat`` in one process at the same recall, in Spark ``local[2]``.
-
-Per data set (clustered: Gaussian clusters of ~1,000 rows; gaussian: N(0, 1); minilm: a cosine
-self-join of ``--rows`` real sentence embeddings, ``benchmarks/embeddings.py``), end to end
-through ``toArrow()`` on cached inputs: our exact mode; ``mode="approx"`` per recall target
-(each call trains its own index and estimates its recall), its recall@k measured on the exact
-pairs (ties count: a row as near as the k-th exact one is a hit); faiss at the smallest nprobe
-reaching that recall, on numpy arrays in memory. Each call also records its CPU seconds (this
-process and its descendants) and the 1-minute load around it: on a shared machine a ratio of
-CPU seconds holds where one of wall times does not. ``--seeds N`` instead measures recall
-honesty: N approx calls per target, each with its own seed.
+"""mode="approx" (issue 23): recall@k and end-to-end time of the IVF plan against our exact mode, and
+faiss ``IndexIVFFlat`` in one process at the same recall, in Spark ``local[2]``, on clustered, Gaussian
+or real (``benchmarks/embeddings.py``) data; ``--seeds N``: recall honesty over N seeds per target.
 
 Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
        python benchmarks/approx.py --seeds 10 --datasets minilm clustered
-
-Sizes: nt = 200,000, nq = 20,000 (``--full``: 1,000,000 x 100,000), d = 128, k = 10. Records:
-``benchmarks/results/approx.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
@@ -133,12 +121,9 @@ def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows
     d = targets.shape[1]
     sample = targets[rng.choice(targets.shape[0], min(sample_rows, targets.shape[0]), replace=False)]
     start = time.perf_counter()
-    if metric == "cosine":
-        quantizer = faiss.IndexFlatIP(d)
-        index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
-    else:
-        quantizer = faiss.IndexFlatL2(d)
-        index = faiss.IndexIVFFlat(quantizer, d, nlist)
+    cosine = metric == "cosine"
+    quantizer = (faiss.IndexFlatIP if cosine else faiss.IndexFlatL2)(d)
+    index = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT if cosine else faiss.METRIC_L2)
     index.train(sample)
     index.add(targets)
     build = time.perf_counter() - start
@@ -151,9 +136,9 @@ def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows
         seconds = time.perf_counter() - start
         keep = found >= 0
         rows = np.stack([np.repeat(np.arange(nq), K)[keep.ravel()], found[keep].astype(np.float64),
-                         (values if metric == "cosine" else np.sqrt(np.maximum(values, 0)))[keep].astype(np.float64)],
+                         (values if cosine else np.sqrt(np.maximum(values, 0)))[keep].astype(np.float64)],
                         axis=1)
-        return recall_of(rows, exact, nq, descending=metric == "cosine"), seconds
+        return recall_of(rows, exact, nq, descending=cosine), seconds
 
     # Doubling, then bisection: the smallest nprobe reaching ``wanted``.
     low, high, seen = 0, 1, {}
@@ -204,8 +189,6 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     load = lambda: round(os.getloadavg()[0], 1)
     before = load()
     exact, exact_s, exact_cpu, exact_plan, exact_plan_s, exact_runs = timed()
-    print(f"[{kind}] exact: {exact_s:.1f} s, {exact_cpu:.1f} CPU s, {exact.shape[0]} pairs, load "
-          f"{before} -> {load()}", flush=True)
     rec.add(table, engine="nearest_by_join exact", recall_target=None, ran="exact", nprobe=None, plan=exact_plan.plan,
             recall_estimate=None, recall=1.0, seconds=round(exact_s, 2), plan_seconds=round(exact_plan_s, 2),
             speedup_vs_exact=1.0, cpu_seconds=round(exact_cpu, 1), cpu_vs_exact=1.0, load_1min=[before, load()],
@@ -235,11 +218,6 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
                                                            50 * plan["nlist"], measured, metric)
             row.update(faiss_seconds=round(f_seconds, 2), faiss_nprobe=f_probe,
                        faiss_recall=round(f_recall, 4), ours_over_faiss=round(seconds / f_seconds, 2))
-        print(f"[{kind}] approx recall>={wanted}: nprobe {row['nprobe']}/{row['nlist']}, estimate "
-              f"{row['recall_estimate']}, measured {measured:.4f}, {seconds:.1f} s "
-              f"({row['speedup_vs_exact']}x exact), {cpu:.1f} CPU s ({row['cpu_vs_exact']}x exact), "
-              f"load {row['load_1min']}; faiss {row.get('faiss_seconds')} s at nprobe "
-              f"{row.get('faiss_nprobe')} (recall {row.get('faiss_recall')})", flush=True)
         rec.add(table, engine="nearest_by_join approx", **row, **common)
     t.unpersist(), q.unpersist()
 
@@ -264,7 +242,6 @@ def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls
                           "estimate": ivf.get("recall_estimate"),
                           "lower": (ivf.get("recall_interval") or [None])[0],
                           "recall": round(recall_of(found, exact, nq, descending=metric == "cosine"), 4)})
-            print(f"[{kind}] recall>={wanted}: {calls[-1]}", flush=True)
         measured = sorted(c["recall"] for c in calls)
         lowers = [c["lower"] for c in calls if c["lower"] is not None]
         rec.add(f"seeds_{kind}{nt}", data=kind, nt=nt, nq=nq, d=targets.shape[1], k=K, metric=metric,
@@ -310,6 +287,7 @@ def main() -> None:
                 run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
                             force=args.quick, repeat=args.repeat if kind == "clustered" else 1, blocked=args.blocked)
     spark.stop()
+    rec.print_tables()
 
 
 if __name__ == "__main__":

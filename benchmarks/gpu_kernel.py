@@ -1,22 +1,14 @@
-"""GPU Arrow path benchmark (issue 4): the executor functions of the broadcast and blocked plans
-fed Arrow batches, against one exact kernel call on the same rows; and broadcast tasks sharing
-one GPU.
+"""GPU Arrow path (issue 4): per shape of ``ARROW_SHAPES`` the plan's executor functions fed Arrow
+batches, against one exact kernel call on the same rows (bf16, tf32); ``--arrow-concurrent N``: N
+broadcast tasks sharing one GPU. Prints the rows as JSON lines, writes them to ``--out``.
 
     python benchmarks/gpu_kernel.py --arrow-only --out results/     # table ``arrow``
     python benchmarks/gpu_kernel.py --arrow-concurrent 2            # table ``arrow_concurrent``
-
-For nq x nt x d (default 65,536 x 1,000,000 x 128), the first k of ``--ks``, bf16 and tf32: one
-exact kernel call (CUDA events, median after a compiling warm-up); the GPU block searcher alone
-(numpy in and out); and per shape of ``ARROW_SHAPES`` the plan's executor path fed Arrow
-batches (copies and Arrow work included). ``--arrow-concurrent N`` instead runs N broadcast
-tasks at once, each in its own process (and one alone). Prints the rows as JSON lines and
-writes them to ``--out``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import time
@@ -92,36 +84,22 @@ def _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, backend: str
 def arrow_path(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan="blocked"):
     """Time one plan's executor functions on Arrow batches as Spark feeds them (packing untimed).
 
-    The pairs come from :func:`_packed_pairs`; the blocked plan runs ``search_pairs`` then
-    ``merge_partials`` per query block, the broadcast plan ``search_broadcast``; rows are
-    emitted with their payload (ids and both vectors), host-device copies included.
-    """
+    The blocked plan runs ``search_pairs`` then ``merge_partials`` per query block, the broadcast
+    plan ``search_broadcast``; rows are emitted with their payload, host-device copies included."""
     from udfs.blocks import merge_partials, search_broadcast, search_pairs
 
     ctx, pairs = _packed_pairs(Qn, Tn, k, precision, t_block_rows, q_block_rows, plan=plan)
     torch.cuda.synchronize()
-    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     if plan == "blocked":
         partial = list(search_pairs(iter(pairs), ctx))
-        t1 = time.perf_counter()
         groups: dict[int, list] = {}
         for b in partial:
             groups.setdefault(b.column(0)[0].as_py(), []).append(b)
         rows = sum(out.num_rows for key, bs in groups.items() for out in merge_partials((key,), bs, ctx))
     else:
-        t1 = t0
         rows = sum(out.num_rows for out in search_broadcast(iter(pairs), ctx))
-    t2 = time.perf_counter()
-    # First-touch page faults (fresh output or staging memory) were the cost of some stages
-    # on some hosts: count them (each is ~0.1-1 us; millions of them show up in the times).
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
-    return {"search_s": t1 - t0, "merge_s": t2 - t1, "rows": rows, "pairs": len(pairs), "minor_faults": faults}
-
-
-def seconds(run: dict) -> float:
-    """An :func:`arrow_path` run's time: search and merge."""
-    return run["search_s"] + run["merge_s"]
+    return {"seconds": time.perf_counter() - t0, "rows": rows, "pairs": len(pairs)}
 
 
 def _concurrent_worker(rank, spec, barrier, results) -> None:
@@ -144,12 +122,9 @@ def _concurrent_worker(rank, spec, barrier, results) -> None:
         task()
         task()
         barrier.wait()
-        start, times, rows = time.monotonic(), [], 0
-        for _ in range(spec["tasks"]):
-            t0 = time.monotonic()
-            rows += task()
-            times.append(time.monotonic() - t0)
-        results.put((rank, start, time.monotonic(), times, rows))
+        start = time.monotonic()
+        rows = sum(task() for _ in range(spec["tasks"]))
+        results.put((rank, start, time.monotonic(), rows))
 
 
 def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> None:
@@ -162,13 +137,11 @@ def arrow_concurrent(args, precision: str, k: int, kernel_ms: float, record) -> 
                 "tasks": args.arrow_tasks, "backend": "gpu" if torch.cuda.is_available() else "cpu"}
         for n_proc in sorted({1, args.arrow_concurrent}):
             done = run_spawned(_concurrent_worker, [(r, spec) for r in range(n_proc)], timeout=600)
-            wall = max(d[2] for d in done) - min(d[1] for d in done)
-            tasks = sum(len(d[3]) for d in done)
-            task_ms = sorted(1e3 * t for d in done for t in d[3])
+            wall, tasks = max(d[2] for d in done) - min(d[1] for d in done), spec["tasks"] * n_proc
             record(what="arrow_concurrent", plan=plan, query_blocks=q_blocks, target_blocks=t_blocks,
                    precision=precision, k=k, processes=n_proc, tasks=tasks, wall_ms=round(1e3 * wall, 1),
-                   task_ms_median=round(task_ms[len(task_ms) // 2], 1), rows=sum(d[4] for d in done),
-                   kernel_exact_ms=kernel_ms, share_of_kernel=kernel_ms * tasks / (1e3 * wall))
+                   rows=sum(d[3] for d in done), kernel_exact_ms=kernel_ms,
+                   share_of_kernel=kernel_ms * tasks / (1e3 * wall))
 
 
 def main(argv=None) -> None:
@@ -180,9 +153,7 @@ def main(argv=None) -> None:
     ap.add_argument("--precisions", default="fp32,tf32,bf16", help="those of bf16 and tf32 run")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="folder for results.jsonl")
-    ap.add_argument("--arrow-only", action="store_true",
-                    help="the Arrow path: the default since the kernel comparison was deleted (see "
-                         "gpu_notes.md, Instruments); kept for the command line RESULTS names")
+    ap.add_argument("--arrow-only", action="store_true", help="no effect (kept for recorded commands)")
     ap.add_argument("--arrow-shapes", default=None,
                     help="Arrow path: comma-separated plan:QxT shapes, e.g. broadcast:2x1,blocked:1x4 "
                          "(default: all of ARROW_SHAPES)")
@@ -197,7 +168,6 @@ def main(argv=None) -> None:
         global ARROW_SHAPES
         ARROW_SHAPES = [(p.split(":")[0], *map(int, p.split(":")[1].split("x")))
                         for p in args.arrow_shapes.split(",")]
-    rows = []
     out = Path(args.out) if args.out else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +175,6 @@ def main(argv=None) -> None:
           f"commit {git_commit()} nq={args.nq} nt={args.nt}", flush=True)
 
     def record(**row):
-        rows.append(row)
         print(json.dumps(row), flush=True)
         if out:
             with open(out / "results.jsonl", "a") as f:
@@ -219,61 +188,29 @@ def main(argv=None) -> None:
     if args.arrow_concurrent:
         for precision in precisions:
             arrow_concurrent(args, precision, k, exact_kernel_ms(Qn, Tn, precision, k, args.reps), record)
-        for r in rows:
-            print(f"arrow concurrent {r['processes']} x broadcast {r['query_blocks']}x{r['target_blocks']} "
-                  f"{r['precision']} k={r['k']}: {r['tasks']} tasks in {r['wall_ms']:.0f} ms (task median "
-                  f"{r['task_ms_median']:.0f} ms) vs kernel {r['kernel_exact_ms']:.0f} ms -> "
-                  f"{100 * r['share_of_kernel']:.0f}% of kernel throughput")
         return
 
-    from udfs.context import SearchSettings, local_task
-    from udfs.gpu_search import GpuBlockSearcher
+    from udfs.context import local_task
 
     for precision in precisions:
         t_exact = exact_kernel_ms(Qn, Tn, precision, k, args.reps)
-        # The GPU searcher alone (numpy in/out, host-device copies included, no Arrow).
-        searcher = GpuBlockSearcher(SearchSettings(k, "l2", "gpu", precision), torch.device("cuda"))
-        bounds = np.linspace(0, args.nt, 5).astype(int)
-        searcher.search(Qn, Tn[bounds[0]:bounds[1]], target_key=-1)   # warm-up
-        t0 = time.perf_counter()
-        for b in range(4):
-            searcher.search(Qn, Tn[bounds[b]:bounds[b + 1]], target_key=b)
-        searcher_ms = (time.perf_counter() - t0) * 1e3
-        del searcher
-        torch.cuda.empty_cache()
         # (plan, query blocks, target blocks): the blocked plan's pairs of one query block;
         # the broadcast plan streaming query blocks past target blocks that stay resident.
-        # Three tasks per shape: the first of its stage in this process (it keeps the
-        # broadcast blocks: udfs.context.task_scope), the next of the same stage (finds them
-        # on the device), and one of a stage that keeps nothing (uploads them again).
+        # The first task of its stage in this process keeps the broadcast blocks
+        # (udfs.context.task_scope); the next tasks of the same stage, timed, find them on the device.
         for plan, q_blocks, t_blocks in ARROW_SHAPES:
             q_rows, t_rows = -(-args.nq // q_blocks), -(-args.nt // t_blocks)
             with local_task(scope=f"benchmark {plan} {q_blocks}x{t_blocks} {precision} k={k}"):
-                res = arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
-                # The next tasks of the stage: the median of --arrow-reps (the host side's
-                # time moves between runs).
-                warm_runs = [arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
-                             for _ in range(max(1, args.arrow_reps))]
-            warm_runs.sort(key=seconds)
-            res_warm = warm_runs[len(warm_runs) // 2]
-            fresh = seconds(arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan))
+                arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
+                # the median of --arrow-reps (the host side's time moves between runs)
+                runs = sorted((arrow_path(Qn, Tn, k, precision, t_rows, q_rows, plan)
+                               for _ in range(max(1, args.arrow_reps))), key=lambda r: r["seconds"])
+            median = runs[len(runs) // 2]
             record(d=args.d, precision=precision, k=k, what="arrow", plan=plan, query_blocks=q_blocks,
-                   target_blocks=t_blocks, kernel_exact_ms=t_exact,
-                   searcher_ms=searcher_ms, searcher_share_of_kernel=t_exact / searcher_ms,
-                   arrow_search_ms=res_warm["search_s"] * 1e3, arrow_merge_ms=res_warm["merge_s"] * 1e3,
-                   arrow_first_ms=seconds(res) * 1e3, arrow_share_of_kernel=(t_exact / 1e3) / seconds(res_warm),
-                   arrow_runs_ms=[round(seconds(r) * 1e3, 1) for r in warm_runs],
-                   arrow_unkept_ms=fresh * 1e3, arrow_unkept_share=(t_exact / 1e3) / fresh,
-                   pairs=res_warm["pairs"], rows=res_warm["rows"], minor_faults=res_warm["minor_faults"])
-
-    for r in rows:
-        print(f"arrow {r['plan']} {r['query_blocks']}x{r['target_blocks']} blocks {r['precision']} k={r['k']}: "
-              f"search {r['arrow_search_ms']:.0f} ms + merge {r['arrow_merge_ms']:.0f} ms vs kernel "
-              f"{r['kernel_exact_ms']:.0f} ms -> {100 * r['arrow_share_of_kernel']:.0f}% of kernel throughput (next "
-              f"task of the stage, median of {'/'.join(f'{t:.0f}' for t in r['arrow_runs_ms'])} ms; first "
-              f"{r['arrow_first_ms']:.0f} ms, nothing kept {r['arrow_unkept_ms']:.0f} ms = "
-              f"{100 * r['arrow_unkept_share']:.0f}%); searcher alone "
-              f"{r['searcher_ms']:.0f} ms ({100 * r['searcher_share_of_kernel']:.0f}%)")
+                   target_blocks=t_blocks, kernel_exact_ms=t_exact, arrow_ms=median["seconds"] * 1e3,
+                   arrow_share_of_kernel=(t_exact / 1e3) / median["seconds"],
+                   arrow_runs_ms=[round(r["seconds"] * 1e3, 1) for r in runs], pairs=median["pairs"],
+                   rows=median["rows"])
 
 
 if __name__ == "__main__":

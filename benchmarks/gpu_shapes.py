@@ -1,10 +1,8 @@
-"""GPU search at embedding sizes: first-call compile time per configuration, and the exact
-search (precision "auto" and each precision) against plain torch ``addmm`` + ``topk`` and the
-bf16 GEMM alone, with every exact result checked against a float64 oracle on sampled rows.
+"""GPU search at embedding sizes (offset Gaussian rows, like real embeddings): each configuration's
+first-call compile time (tables ``compile``, ``compile_few_targets``), and the exact search against
+plain torch ``addmm`` + ``topk`` and the bf16 GEMM alone, checked against a float64 oracle (``shapes``).
 
-Data: Gaussian rows with a per-dimension offset (non-centred, like real embeddings). Run on a
-CUDA machine: ``python benchmarks/gpu_shapes.py [--only compile|shapes] [--dims 384,768,1536]``.
-Records: ``benchmarks/results/gpu_kernel.jsonl`` (tables ``compile`` and ``shapes``).
+    python benchmarks/gpu_shapes.py [--only compile|shapes] [--dims 384,768,1536]   # a CUDA machine
 """
 from __future__ import annotations
 
@@ -174,12 +172,6 @@ def compile_cases(args, rec):
     for process in list(pool._processes.values()):   # cases still compiling: they would load what follows
         process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
-    timed = [r for r in rows if "first_call_s" in r]
-    if timed:
-        worst = max(timed, key=lambda r: r["first_call_s"])
-        print(f"compile: {len(timed)} of {len(cases)} configurations, worst first call "
-              f"{worst['first_call_s']} s ({worst['precision']} d={worst['d']} k={worst['k']}), "
-              f"{sum(r['first_call_s'] > 10 for r in timed)} over 10 s", flush=True)
 
 
 def triton_cache_state() -> str:
@@ -216,17 +208,13 @@ def shape_cases(args, rec):
                                                                   args.reps), 1)
                 bi = addmm_topk(Q, T, bias, "bf16", k)
                 row["torch_bf16_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, bi, args.sample)
-                for precision in ["auto"] + [p for p in args.precisions.split(",") if p and p != "auto"]:
-                    if precision == auto:
-                        continue
-                    name = precision if precision != "auto" else f"exact_auto_{auto}"
-                    torch.cuda.synchronize()
-                    seconds, (v, idx) = wall(lambda p=precision: knn_torch(Q, T, k, "l2", p))
-                    # Compilation included where this process has not compiled the kernel yet.
-                    row[f"{name}_first_call_s"] = round(seconds, 2)
-                    row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, idx, args.sample, v)
-                    row[f"{name}_ms"] = round(events_ms(lambda p=precision: knn_torch(Q, T, k, "l2", p),
-                                                        args.reps), 1)
+                name = f"exact_auto_{auto}"
+                torch.cuda.synchronize()
+                seconds, (v, idx) = wall(lambda: knn_torch(Q, T, k, "l2", "auto"))
+                # Compilation included where this process has not compiled the kernel yet.
+                row[f"{name}_first_call_s"] = round(seconds, 2)
+                row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, idx, args.sample, v)
+                row[f"{name}_ms"] = round(events_ms(lambda: knn_torch(Q, T, k, "l2", "auto"), args.reps), 1)
                 row["sample_rows"] = args.sample
                 a = row[f"exact_auto_{auto}_ms"]
                 row["auto_over_gemm"] = round(a / row["gemm_bf16_ms"], 2)
@@ -248,8 +236,7 @@ def main(argv=None):
     ap.add_argument("--compile-nt", type=int, default=60_000, help="targets of the compile matrix's calls")
     ap.add_argument("--compile-dims", default=None, help="its dimensions (default: the device tests')")
     ap.add_argument("--only", choices=["compile", "shapes", "both"], default="both")
-    ap.add_argument("--precisions", default="auto,tf32,fp32",
-                    help="exact searches timed in the shapes table besides auto")
+    ap.add_argument("--precisions", default="auto", help="no effect (kept for recorded commands)")
     args = ap.parse_args(argv)
     rec = Recorder("gpu_kernel", blas=False)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
@@ -257,6 +244,7 @@ def main(argv=None):
         compile_cases(args, rec)
     if args.only in ("shapes", "both"):
         shape_cases(args, rec)
+    rec.print_tables()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,8 @@
-"""Multi-GPU scaling of the blocked plan (issue 6), with executors simulated faithfully.
-
-Spark cannot run on the GPU machines (no Java), so each executor is one process per GPU running
-the executor function Spark calls for the blocked plan, :func:`udfs.blocks.search_pairs`, on the
-Arrow pair batches of its share of the (query block, target block) pairs: whole target blocks,
-round robin, each kept resident while the query blocks stream past it. Each process selects its
-GPU from the task's address, as ``udfs.gpu_search`` does under Spark (here the address of
-:func:`udfs.context.local_task`). Timed: from a barrier after each process has warmed up to the
-last one done; then all partials go through :func:`udfs.blocks.merge_partials`, and the merged
-rows are compared with the one-GPU run.
+"""Multi-GPU scaling of the blocked plan (issue 6). Spark cannot run on the GPU machines (no Java), so
+each executor is one process per GPU running ``udfs.blocks.search_pairs`` on its share of the (query
+block, target block) pairs (whole target blocks, round robin), its GPU chosen from the task address as
+under Spark; timed from a barrier after each warmed up to the last one done. Then all partials go
+through ``merge_partials`` and the merged rows are compared with the one-GPU run.
 
     python benchmarks/multi_gpu.py --gpus 1,2 --out results/     # issue 6 sizes
 """
@@ -21,37 +16,32 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
-def _context(params, backend="gpu"):
+def _context(params):
     from udfs.context import JoinContext, SearchSettings, SideLayout
 
-    return JoinContext(SearchSettings(params["k"], "l2", backend, params["precision"]),
+    return JoinContext(SearchSettings(params["k"], "l2", params["backend"], params["precision"]),
                        SideLayout("qv", 1, params["d"], params["q_rows"]),
                        SideLayout("tv", 1, params["d"], params["t_rows"]), "inner", True, params["schema"])
 
 
 def _read(path):
-    import pyarrow as pa
-
     with pa.memory_map(str(path)) as source:
         return pa.ipc.open_file(source).read_all()
 
 
 def _write(path, table) -> None:
-    import pyarrow as pa
-
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table)
 
 
 def _pair_batches(q_packed, t_packed, t_indices):
     """Pair rows in the plan's order: each target block meets every query block."""
-    import pyarrow as pa
-
     from udfs import columns as C
 
     schema = pa.schema([(C.Q_BLOCK_ID, pa.int64()), (C.Q_BLOB, pa.binary()),
@@ -65,20 +55,8 @@ def _pair_batches(q_packed, t_packed, t_indices):
                  pa.array([t_packed.column(1)[ti].as_py()], pa.binary())], schema=schema)
 
 
-def _used_device(torch):
-    """The ordinal the searcher chose from the task address, and proof it holds the data."""
-    from udfs.context import address_to_ordinal, task_gpu_address
-
-    if not torch.cuda.is_available():
-        return "cpu"
-    ordinal = address_to_ordinal(task_gpu_address() or "0")
-    held = [torch.cuda.memory_allocated(i) >> 20 for i in range(torch.cuda.device_count())]
-    return {"ordinal": ordinal, "MiB_allocated_per_device": held}
-
-
 def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     """One simulated executor: its GPU from the task address, its share of the pairs."""
-    import pyarrow as pa
     import torch
 
     from udfs.blocks import search_pairs
@@ -87,7 +65,7 @@ def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
     with local_task(gpu=gpu_address):
         work = Path(work_dir)
         q_packed, t_packed = _read(work / "q.arrow"), _read(work / "t.arrow")
-        ctx = _context(params, params["backend"])
+        ctx = _context(params)
         mine = [ti for ti in range(t_packed.num_rows) if ti % n_procs == rank]
         # Warm-up: compile, first upload (an executor has done this before its next task).
         list(search_pairs(_pair_batches(q_packed, t_packed, mine[:1]), ctx))
@@ -99,16 +77,14 @@ def worker(rank, n_procs, gpu_address, work_dir, params, barrier, results):
         sync()
         t1 = time.perf_counter()
         _write(work / f"partial_{n_procs}_{rank}.arrow", pa.Table.from_batches(partial))
-        results.put({"rank": rank, "start": t0, "stop": t1, "pairs": len(partial), "device": _used_device(torch)})
+        results.put({"rank": rank, "start": t0, "stop": t1, "pairs": len(partial)})
 
 
 def merge(n_procs, work_dir, params):
-    import pyarrow as pa
-
     from udfs.blocks import merge_partials
 
     table = pa.concat_tables([_read(Path(work_dir) / f"partial_{n_procs}_{r}.arrow") for r in range(n_procs)])
-    ctx = _context(params, params["backend"])
+    ctx = _context(params)
     groups: dict[int, list] = {}
     for batch in table.to_batches(max_chunksize=1):
         groups.setdefault(batch.column(0)[0].as_py(), []).append(batch)
@@ -119,8 +95,6 @@ def merge(n_procs, work_dir, params):
 
 
 def main(argv=None):
-    import pyarrow as pa
-
     from benchmarks._record import run_spawned
     from udfs.packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 
@@ -173,7 +147,7 @@ def main(argv=None):
             else:
                 same = key.equals(baseline[0])
             row = {"gpus": n, "addresses": addresses, "wall_s": wall, "merge_s": merge_s,
-                   "pairs_per_process": [g["pairs"] for g in got], "devices": [g["device"] for g in got],
+                   "pairs_per_process": [g["pairs"] for g in got],
                    "pairs_per_s": sum(g["pairs"] for g in got) / wall,
                    "queries_x_targets_per_s": args.nq * args.nt / wall,
                    "efficiency": None if n == 1 else (baseline[1] / wall) / n, "equals_1gpu": same,
