@@ -1,16 +1,8 @@
-"""Fixed costs: what a small job and a new worker pay besides the search.
-
-Three tables, each from fresh processes (a warm call, against Spark's join and the kernel
-alone, is ``benchmarks/spark_join.py``'s small case):
-
-* ``demo``: ``nearest-join demo`` through the CLI, three times (see :func:`demo`): wall time,
-  the job's time and phases from its summary, and its kernel warm-up;
-* ``compile``: per metric, a worker's first search (``udfs.warm``) in a new process, with an
-  empty numba cache, then with the one the first filled;
-* ``fresh_clone``: ``make run`` then ``make test`` in a new clone of HEAD with its own virtualenv.
+"""Fixed costs: what a small job and a new worker pay besides the search, each from fresh processes:
+the demo job through the CLI (table ``demo``), a worker's first search per metric (``compile``),
+and a new user's ``make run`` and ``make test`` on a fresh clone (``fresh_clone``).
 
 Usage: python benchmarks/fixed_costs.py [--tables demo compile fresh_clone]
-Records: ``benchmarks/results/fixed_costs.jsonl``.
 """
 from __future__ import annotations
 
@@ -65,14 +57,10 @@ def demo(rec: Recorder, data_dir: Path) -> None:
         if proc.returncode:
             raise RuntimeError(proc.stderr[-3000:])
         summary = json.loads((out / "_nearest_join_summary.json").read_text())
-        phases = summary["phases_s"]
-        print(f"demo, numba cache {numba_cache}, class archive {archive}: wall {wall:.1f} s, "
-              f"job {summary['wall_time_s']:.1f} s, {phases}, warm-up {summary['kernel_warm_up_s']:.2f} s "
-              f"(compiling {summary['kernel_compile_s']:.2f} s)", flush=True)
         rec.add("demo", numba_cache=numba_cache, class_archive=archive, wall_s=round(wall, 2),
                 job_s=summary["wall_time_s"], session_s=round(wall - summary["wall_time_s"], 2),
                 kernel_warm_up_s=summary["kernel_warm_up_s"], kernel_compile_s=summary["kernel_compile_s"],
-                **{f"{name}_s": seconds for name, seconds in phases.items()},
+                **{f"{name}_s": seconds for name, seconds in summary["phases_s"].items()},
                 executor_search_s=summary["executor_s"]["search"])
 
 
@@ -85,9 +73,6 @@ def compile_costs(rec: Recorder) -> None:
             proc = subprocess.run([sys.executable, "-c", _WARM, metric], env={**env, "NUMBA_CACHE_DIR": cache},
                                   capture_output=True, text=True, check=True)
             seconds.setdefault(metric, []).append([round(float(x), 2) for x in proc.stdout.split()[-2:]])
-        (cold, compiling), (warm, _) = seconds[metric]
-        print(f"compile {metric}: {cold:.2f} s cold ({compiling:.2f} s compiling), {warm:.2f} s from the cache",
-              flush=True)
     for i, state in enumerate(("empty", "warm")):
         rec.add("compile", numba_cache=state, **{metric: s[i][0] for metric, s in seconds.items()},
                 **{f"{metric}_compiling": s[i][1] for metric, s in seconds.items()})
@@ -103,7 +88,6 @@ def fresh_clone(rec: Recorder, work: Path) -> None:
         start = time.perf_counter()
         proc = subprocess.run(["make", target], cwd=clone, env=env, capture_output=True, text=True)
         seconds = time.perf_counter() - start
-        print(f"make {target} on a fresh clone: {seconds:.0f} s, rc {proc.returncode}", flush=True)
         if proc.returncode:
             print(proc.stdout[-4000:], proc.stderr[-2000:], sep="\n", flush=True)
         rec.add("fresh_clone", step=f"make {target}", seconds=round(seconds, 1), rc=proc.returncode)
@@ -127,6 +111,7 @@ def main() -> int:
             compile_costs(rec)
         if "fresh_clone" in args.tables:
             fresh_clone(rec, work)
+    rec.print_tables()
     return 0
 
 

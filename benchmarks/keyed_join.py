@@ -1,16 +1,8 @@
-"""Keyed search (``on=``, issue 22): the executor-level segment search, and the join in Spark
-against the equi-join + window formulation and against the un-keyed join.
-
-1. executor level (no Spark): a query block against a broadcast block of 100,000 groups of
-   ~10 targets: ``udfs.search.grouped_search`` as it ships against the per-group loop it
-   replaced (one ``knn`` call per group), both results checked equal;
-2. Spark ``local[2]``, 20,000 queries x 200,000 targets, (a) 100 keys with Zipf-skewed sizes,
-   (b) 100,000 keys of ~2 targets: ``nearest_by_join(on="key")`` as it ships, its blocked plan
-   forced, the un-keyed join, and the equi-join + ``row_number`` window, rows checked equal.
-   ``--window-queries N`` adds the Zipf case at N x 10N (a size the window finishes).
+"""Keyed search (``on=``, issue 22): ``udfs.search.grouped_search`` against the per-group loop it
+replaced (one ``knn`` call per group, table ``executor``), and ``nearest_by_join(on="key")`` in Spark
+``local[2]`` against the equi-join + ``row_number`` window and the un-keyed join (``spark``).
 
 Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-executor] [--window-queries N]
-Records: ``benchmarks/results/keyed_join.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
@@ -83,7 +75,6 @@ def executor_case(rec: Recorder, n_keys: int, n_queries: int, repeat: int, threa
                             ("knn per group (b6555db)", t_loop)):
         rec.add("executor", engine=engine, seconds=round(seconds, 4),
                 speedup_vs_per_group=round(t_loop / seconds, 2), **common)
-        print(f"{engine:36s} {seconds:8.3f} s  ({t_loop / seconds:6.1f}x the per-group loop)")
 
 
 def zipf_keys(n_keys: int, n: int, rng) -> np.ndarray:
@@ -115,7 +106,7 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, peers: bool =
     from pyspark.sql import Window
     from pyspark.sql import functions as F
 
-    from nearest_join import explain_nearest_join, nearest_by_join
+    from nearest_join import nearest_by_join
 
     q, t = spark_frames(spark, q_keys, t_keys, seed=1)
 
@@ -132,9 +123,6 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, peers: bool =
     common = {"case": case, "keys": int(np.unique(t_keys).size), "queries": int(q_keys.size),
               "targets": int(t_keys.size), "same_key_pairs": pairs, "largest_group": int(np.bincount(t_keys).max()),
               "d": D, "k": K, "metric": METRIC, "master": "local[2]"}
-    plan = explain_nearest_join(q, t, METRIC, K, vectors=("qv", "tv"), on="key")
-    print(f"[{case}] {q_keys.size} x {t_keys.size}, {common['keys']} keys, {pairs:,} same-key pairs; "
-          f"plan {plan.plan}")
     expected = sorted(map(tuple, ours(on="key").collect()))            # also the warm-up
     results = {"nearest_by_join(on=key)": best_of(lambda: noop(ours(on="key")), REPEAT)}
     if peers:
@@ -151,7 +139,6 @@ def spark_case(rec: Recorder, spark, case: str, q_keys, t_keys, *, peers: bool =
     for engine, seconds in results.items():
         rec.add("spark", engine=engine, seconds=round(seconds, 3), speedup_vs_window=round(base / seconds, 2),
                 **common)
-        print(f"  {engine:42s} {seconds:9.3f} s  ({base / seconds:7.2f}x the window)")
     q.unpersist()
     t.unpersist()
 
@@ -179,6 +166,7 @@ def main() -> None:
     q_keys = t_keys[rng.integers(0, n_targets, n_queries)]       # every query's key has targets
     spark_case(rec, spark, f"{n_keys:,} keys of ~2", q_keys, t_keys)
     spark.stop()
+    rec.print_tables()
 
 
 if __name__ == "__main__":

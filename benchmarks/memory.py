@@ -1,13 +1,9 @@
-"""Memory check of the blocked plan: peak RSS of the Python workers and the JVM against
-``spark.nearestJoin.taskMemoryBytes``, for a target several times the driver's memory, local[2].
+"""Memory of the blocked plan: peak RSS of the Python workers and the JVM against
+``spark.nearestJoin.taskMemoryBytes``, for a target several times the driver's memory, local[2]. A
+thread samples their RSS; each process's peak is reset before (``/proc/PID/clear_refs``) and its
+``VmHWM`` read after, so a spike between samples counts.
 
-The target (``--target-rows`` x ``--d`` float32) and the queries are written as Parquet chunk by
-chunk into a temporary directory (removed at the end, whatever happens). A tiny blocked join
-warms the Python workers; their RSS then is a worker's fixed cost. Then per budget of
-``--budgets``, the blocked join runs into Spark's ``noop`` sink while a thread samples the RSS of
-every worker and JVM descended from this process; each process's peak is reset before
-(``/proc/PID/clear_refs``) and its ``VmHWM`` read after, so a spike between samples counts.
-Records: ``benchmarks/results/memory.jsonl`` (table ``blocked``).
+Usage: python benchmarks/memory.py [--budgets 64m] [--target-rows 2500000]
 """
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ ROWS_PER_FILE = 1 << 18       # several files: several input partitions
 SAMPLE_S = 0.2                # seconds between RSS samples
 
 
-# ----------------------------------------------------------------------------- data
 def write_side(path: str, rows: int, d: int, seed: int, id_name: str, vec_name: str) -> int:
     """Write ``rows`` Gaussian float32 vectors as Parquet files under ``path``; bytes written."""
     os.makedirs(path, exist_ok=True)
@@ -54,7 +49,6 @@ def write_side(path: str, rows: int, d: int, seed: int, id_name: str, vec_name: 
     return written
 
 
-# ----------------------------------------------------------------------------- processes
 def _status(pid: int) -> dict[str, int]:
     """VmRSS / VmHWM of a process in bytes (empty when it is gone)."""
     out = {}
@@ -94,11 +88,6 @@ def descendants(root: int) -> dict[int, str]:
     return found
 
 
-def rss_now(kind: str) -> list[int]:
-    return sorted(_status(pid).get("VmRSS", 0) for pid, k in descendants(os.getpid()).items() if k == kind)
-
-
-# ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="32m,128m", help="spark.nearestJoin.taskMemoryBytes values")
@@ -146,11 +135,7 @@ def run(args, data: str) -> int:
         time.sleep(1.0)
         fixed_by_pid = {pid: _status(pid).get("VmRSS", 0) for pid, kind in descendants(os.getpid()).items()
                         if kind == "worker"}
-        fixed = sorted(fixed_by_pid.values())
-        fixed_cost = max(fixed) if fixed else 0
-        print(f"workers after warm-up (fixed cost): {[f'{v / MiB:.0f}' for v in fixed]} MiB; "
-              f"daemon {[f'{v / MiB:.0f}' for v in rss_now('daemon')]} MiB; "
-              f"JVM {[f'{v / MiB:.0f}' for v in rss_now('JVM')]} MiB", flush=True)
+        fixed_cost = max(fixed_by_pid.values(), default=0)
 
         kinds: dict[int, str] = {}
         table = []
@@ -184,21 +169,19 @@ def run(args, data: str) -> int:
             above = max((v - fixed_by_pid.get(pid, fixed_cost) for pid, v in peaks.items()
                          if kinds[pid] == "worker"), default=0)
             jvms = sorted((v for pid, v in peaks.items() if kinds[pid] == "JVM"), reverse=True)
-            table.append((budget_text, plan.query_block_rows, plan.target_block_rows, plan.target_blocks,
-                          workers, fixed_cost, jvms, seconds, above / budget))
-            print(f"budget {budget_text}: {seconds:.0f} s, workers {[round(v / MiB) for v in workers]} MiB, "
-                  f"JVMs {[round(v / MiB) for v in jvms]} MiB", flush=True)
+            table.append(dict(budget=budget_text, query_block_rows=plan.query_block_rows,
+                              target_block_rows=plan.target_block_rows, target_blocks=plan.target_blocks,
+                              worker_peak_mib=[round(v / MiB) for v in workers],
+                              worker_fixed_mib=round(fixed_cost / MiB), jvm_peak_mib=[round(v / MiB) for v in jvms],
+                              join_s=round(seconds, 1), over_budget=round(above / budget, 2)))
     finally:
         spark.stop()
 
     rec = Recorder("memory", gpu=False)
-    for budget, q_rows, t_rows, t_blocks, workers, fixed_cost, jvms, seconds, ratio in table:
+    for row in table:
         rec.add("blocked", master="local[2]", driver_memory=args.driver_memory, d=args.d, k=args.k, metric="l2",
                 query_rows=args.query_rows, target_rows=args.target_rows,
-                target_parquet_mib=round(t_bytes / MiB), budget=budget,
-                query_block_rows=q_rows, target_block_rows=t_rows, target_blocks=t_blocks,
-                worker_peak_mib=[round(v / MiB) for v in workers], worker_fixed_mib=round(fixed_cost / MiB),
-                jvm_peak_mib=[round(v / MiB) for v in jvms], join_s=round(seconds, 1), over_budget=round(ratio, 2))
+                target_parquet_mib=round(t_bytes / MiB), **row)
     rec.print_tables()
     return 0
 

@@ -96,13 +96,6 @@ def peer_ratio(header: str, name: str, peer: dict, invert: bool = False) -> Col:
     return Col(header, cell, (name,))
 
 
-def arrow_ms(record: dict) -> str:
-    """gpu_kernel: the Arrow path's search + merge ms (older records: their ``arrow_ms``)."""
-    if record.get("arrow_search_ms") is not None and record.get("arrow_merge_ms") is not None:
-        return fmt(record["arrow_search_ms"] + record["arrow_merge_ms"], ".0f")
-    return fmt(record.get("arrow_ms"), ".0f")
-
-
 # --- table specs -------------------------------------------------------------------------
 
 
@@ -319,13 +312,12 @@ TABLES: dict[tuple[str, str], Table] = {
          col("queries searched whole", "queries_searched_whole"), col("lists merged", "queries_merged"),
          col("target rows changed", "targets_changed")],
         about="Clustered float32 vectors (1,000 centres), l2, ids on both sides; day 0 is "
-              "`incremental_nearest_join`'s full run (it writes the state); each share changes that "
-              "share of each side (a third deleted, updated, inserted) and is refreshed from day 0's "
-              "state, against the exact join of the same inputs that a nightly job runs today (both "
-              "write ids and values to Parquet; no vectors). Same rows: the same values per query, the "
-              "same targets outside ties at the k-th value. Tables `_keys<G>`: both joins with an `on=` key, "
-              "each row's centre modulo G (an update may change a row's key); `_cap<X>`: both with "
-              "`max_distance=X`."),
+              "`incremental_nearest_join`'s full run (it writes the state); each share changes that share of each "
+              "side (a third deleted, updated, inserted) and is refreshed from day 0's state, against the exact join "
+              "of the same inputs that a nightly job runs today (both write ids and values to Parquet; no vectors). "
+              "Same rows: the same values per query, the same targets outside ties at the k-th value. Tables "
+              "`_keys<G>`: both joins with an `on=` key, each row's centre modulo G (an update may change a row's "
+              "key); `_cap<X>`: both with `max_distance=X`."),
     ("spark_join", "operator"): Table(
         "Spark operator: `nearest_by_join` against Spark's `nearestByJoin`",
         [col("engine", "engine"), Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")),
@@ -405,10 +397,9 @@ TABLES: dict[tuple[str, str], Table] = {
          col("same-key pairs", "same_key_pairs"),
          *[pcol(f"{label} s", engine, "seconds", ".2f") for label, engine in KEYED_ENGINES],
          *[pratio(f"ours vs {label}", "seconds", engine, KEYED_ENGINES[0][1]) for label, engine in KEYED_ENGINES[2:]]],
-        about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": "
-              "`nearest_by_join(on=key)` as it ships, its planning jobs included; \"blocked\": "
-              "the same with `broadcast_limit_bytes=0` (the keyed blocked plan). The window's and the "
-              "blocked plan's rows are checked equal to ours.",
+        about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": `nearest_by_join(on=key)` "
+              "as it ships, its planning jobs included; \"blocked\": the same with `broadcast_limit_bytes=0` (the "
+              "keyed blocked plan). The window's and the blocked plan's rows are checked equal to ours.",
         group=pivot(("engine",), ("case", "queries", "targets", "same_key_pairs"))),
     ("gpu_kernel", "shapes"): Table(
         "GPU exact search at embedding sizes against torch and the GEMM alone",
@@ -419,27 +410,23 @@ TABLES: dict[tuple[str, str], Table] = {
          col("torch bf16 addmm+topk ms", "torch_bf16_addmm_topk_ms", ".1f"),
          col("its wrong rows", "torch_bf16_wrong_of_sample"), col("bf16 GEMM alone ms", "gemm_bf16_ms", ".1f"),
          col("auto / torch fp32", "auto_over_torch_fp32", ".2f"), col("auto / GEMM", "auto_over_gemm", ".2f")],
-        about="Offset Gaussian data, l2, medians of 3. First call: the process's first search of that "
-              "configuration, compilation included where no earlier row compiled its kernel (fresh "
-              "Triton cache). Wrong rows: of `sample_rows` sampled query rows against the float64 "
-              "oracle (every exact search: 0)."),
+        about="Offset Gaussian data, l2, medians of 3. First call: the process's first search of that configuration, "
+              "compilation included where no earlier row compiled its kernel (fresh Triton cache). Wrong rows: of "
+              "`sample_rows` sampled query rows against the float64 oracle (every exact search: 0)."),
     ("approx", "recall_nt1000000"): Table(
         "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
         APPROX_COLUMNS,
         about="1,000,000 targets x 100,000 queries, d=128, k=10, l2, nlist the planner's default "
-              "(`nearest_join.ivf_index.default_nlist`); clustered: 1,000 "
-              "Gaussian clusters; gaussian: N(0, 1). Each approx call trains, estimates recall on a "
-              "sample and searches; on the clustered data each engine's fastest of the calls in its "
-              "record's `runs` (the Gaussian's: one call), the approx rows after one untimed full-size "
-              "approx call. Estimate: the planner's recall@10 on its sample; recall@10: "
-              "measured against our exact rows. The Gaussian target needed 40% of the lists or more "
-              "against the index's own training sample (the screen, `nearest_join.ivf.screen_recall`), "
-              "so that call ran the exact plan after training, without the estimate's scan. faiss: "
-              "IndexIVFFlat on one process, 2 threads, same nlist and training rows, at the smallest "
-              "nprobe reaching our recall. CPU s: user + system seconds of the driver, the JVM and "
-              "the Python workers during the call; load: the 1-minute load average before and after "
-              "it (the machine is shared: under load the ratio of CPU seconds holds, that of wall "
-              "times does not).",
+              "(`nearest_join.ivf_index.default_nlist`); clustered: 1,000 Gaussian clusters; gaussian: N(0, 1). Each "
+              "approx call trains, estimates recall on a sample and searches; on the clustered data each engine's "
+              "fastest of the calls in its record's `runs` (the Gaussian's: one call), the approx rows after one "
+              "untimed full-size approx call. Estimate: the planner's recall@10 on its sample; recall@10: measured "
+              "against our exact rows. The Gaussian target needed 40% of the lists or more against the index's own "
+              "training sample (the screen, `nearest_join.ivf.screen_recall`), so that call ran the exact plan after "
+              "training, without the estimate's scan. faiss: IndexIVFFlat on one process, 2 threads, same nlist and "
+              "training rows, at the smallest nprobe reaching our recall. CPU s: user + system seconds of the driver, "
+              "the JVM and the Python workers during the call; load: the 1-minute load average before and after it "
+              "(the machine is shared: under load the ratio of CPU seconds holds, that of wall times does not).",
         plot=plot_recall),
     ("approx", "recall_nt1000000_blocked"): Table(
         "Approximate search with a target too large to broadcast (forced), against our exact mode, local[2]",
@@ -454,13 +441,12 @@ TABLES: dict[tuple[str, str], Table] = {
     ("approx", "recall_minilm64000"): Table(
         "Approximate search on real sentence embeddings (MiniLM over docstrings), local[2]",
         APPROX_COLUMNS,
-        about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; "
-              "d=384, unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. "
-              "Each engine's fastest of the calls in its record's `runs`, the approx rows after one untimed "
-              "approx call; each approx call trains, estimates recall and searches. recall@10 counts ties: a "
-              "returned row as near as the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat "
-              "over inner product, 2 threads, same nlist and training rows, at the smallest nprobe reaching our "
-              "recall.",
+        about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; d=384, "
+              "unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. Each engine's "
+              "fastest of the calls in its record's `runs`, the approx rows after one untimed approx call; each "
+              "approx call trains, estimates recall and searches. recall@10 counts ties: a returned row as near as "
+              "the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat over inner product, 2 threads, "
+              "same nlist and training rows, at the smallest nprobe reaching our recall.",
         plot=None),
     **{("approx", f"seeds_{data}"): Table(
         f"Recall honesty of `mode=\"approx\"` over seeds: {what}, local[2]",
@@ -478,14 +464,13 @@ TABLES: dict[tuple[str, str], Table] = {
         "GPU first-call compile time (fresh Triton cache)", "2,048 x 60,000"),
     ("gpu_kernel", "compile_few_targets"): compile_table(
         "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
-        "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the "
-        "torch path beyond it)"),
+        "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the torch path beyond it)"),
     ("gpu_kernel", "arrow"): Table(
         "GPU Arrow path: the executor loop against the kernel alone",
         [col("plan", "plan"), BLOCKS, col("k", "k"), col("threads per task", "threads_per_task"),
          *[c for p in ("bf16", "tf32") for c in (
              pcol(f"{p} kernel ms", p, "kernel_exact_ms", ".0f"),
-             Col(f"{p} Arrow path ms", lambda r, run, p=p: arrow_ms(r["by"].get(p, {}))),
+             pcol(f"{p} Arrow path ms", p, "arrow_ms", ".0f"),
              pcol(f"{p} share of the kernel", p, "arrow_share_of_kernel", "%"))]],
         about="One task's query rows through `udfs.blocks` (copies, Arrow decoding and row emission "
               "included), the next task of its stage (target blocks kept on the GPU), against one exact "
