@@ -11,12 +11,8 @@ JSON object::
      "machine": {"cpu": "...", "cores": 2, "memory_gib": 24, "blas": {...}}, ...its own fields}
 
 ``table`` names one table of the benchmark; a run's first record of a table removes the
-records of earlier runs of it, so each table holds one run: the current one. The commit is
-``BENCH_COMMIT`` where set (a device that receives the working tree only), else
-``git rev-parse --short HEAD``, ``+dirty`` when library code differs from it.
-
-The helpers the benchmarks share live here too: timing, the Spark session, Arrow vector
-tables and cached Parquet inputs, processes started together, the process tree.
+records of earlier runs of it, so each table holds one run: the current one. The helpers the
+benchmarks share live here too.
 """
 from __future__ import annotations
 
@@ -43,11 +39,6 @@ RESERVED = ("benchmark", "table", "run", "date", "commit", "command", "machine")
 LIBRARY_DIRS = ("nearest_join", "udfs", "nearest_kernels", "jobs")
 
 
-def now() -> str:
-    """The current time, UTC, ISO 8601 to the second."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
 def git_commit() -> str:
     """``BENCH_COMMIT`` if set, else the short HEAD (``+dirty`` when library code differs
     from it), else ``unknown``."""
@@ -64,9 +55,8 @@ def git_commit() -> str:
 
 
 def command_line(argv: list[str] | None = None) -> str:
-    """The command that ran this process, as one could type it again from the repository
-    root: the interpreter (relative to the working directory where it lies under it), the
-    script and its arguments, shell-quoted."""
+    """The command that ran this process, shell-quoted, the interpreter relative to the working
+    directory where it lies under it."""
     argv = sys.argv if argv is None else argv
     exe = Path(sys.executable)
     try:
@@ -100,13 +90,9 @@ def _cpu_model() -> str:
 
 def _memory_gib() -> float | None:
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemTotal:"):
-                    return round(int(line.split()[1]) / 2**20, 1)
-    except OSError:
-        pass
-    return None
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (OSError, ValueError):
+        return None
 
 
 def blas_info() -> dict:
@@ -156,16 +142,9 @@ def machine_info(blas: bool = True, gpu: bool | None = None) -> dict:
 
 
 class Recorder:
-    """Appends one benchmark run's records to ``<results_dir>/<benchmark>.jsonl``.
-
-    Parameters
-    ----------
-    benchmark : the file's name (the script's name, without ``.py``).
-    blas : record the BLAS kernel selection in ``machine`` (CPU benchmarks).
-    gpu : record the GPUs (None: when there are any).
-    command, commit, machine, date : override what is found (transcribing older figures).
-    results_dir : where the files lie (default ``benchmarks/results``).
-    """
+    """Appends one run's records of ``benchmark`` (the script's name) to ``<results_dir>/<benchmark>.jsonl``;
+    ``blas``, ``gpu``: what :func:`machine_info` records; ``command``, ``commit``, ``machine``,
+    ``date`` override what is found (transcribing older figures)."""
 
     def __init__(self, benchmark: str, *, blas: bool = True, gpu: bool | None = None,
                  command: str | None = None, commit: str | None = None, machine: dict | None = None,
@@ -185,9 +164,9 @@ class Recorder:
         clash = sorted(set(fields) & set(RESERVED))
         if clash:
             raise ValueError(f"record fields {clash} are reserved ({', '.join(RESERVED)})")
-        record = {"benchmark": self.benchmark, "table": table, "run": self.run,
-                  "date": self.date or now(), "commit": self.commit, "command": self.command,
-                  "machine": self.machine, **fields}
+        date = self.date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        record = {"benchmark": self.benchmark, "table": table, "run": self.run, "date": date,
+                  "commit": self.commit, "command": self.command, "machine": self.machine, **fields}
         line = json.dumps(record, sort_keys=False, default=_plain)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock_path = Path(tempfile.gettempdir()) / f"nj-bench-{self.benchmark}.lock"   # not in git

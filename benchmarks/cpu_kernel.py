@@ -1,20 +1,13 @@
-"""Benchmark the "cpu" kernel against faiss-cpu (and, with ``--compare-base``, an earlier commit's kernel).
-
-Same process, data and threads for every engine. Per (data, d, metric, k) and engine: best time,
-pairs/s, GFLOP/s (2 nq nt d / time), the ratio to faiss, the share of this run's sgemm rate (a
-4096^3 float32 matmul through numpy), the agreement of our indices with faiss's (the base
-commit's), and the share of the cores other processes used meanwhile (/proc/stat), so that a
-disturbed number shows. On a shared machine take the exclusive CPU lock
-(``flock -x /tmp/nj-cpu.lock python benchmarks/cpu_kernel.py``).
+"""The "cpu" kernel against faiss-cpu (and, with ``--compare-base``, an earlier commit's kernel):
+same process, data and threads for every engine, best of ``--repeat``, with the share of the cores
+other processes used meanwhile (/proc/stat) so that a disturbed number shows. On a shared machine take
+the exclusive CPU lock (``flock -x /tmp/nj-cpu.lock python benchmarks/cpu_kernel.py``).
 
 Usage: python benchmarks/cpu_kernel.py [--quick] [--dims 768 --nq 5000 --metrics l2]
-Records: ``benchmarks/results/cpu_kernel.jsonl``, table ``OPENBLAS_CORETYPE=<value or unset>``
-(``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -180,7 +173,6 @@ def main(argv=None):
     except ImportError:
         pass
     rec = Recorder("cpu_kernel", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
-    print(json.dumps({"commit": rec.commit, "command": rec.command, **rec.machine, "threads": args.threads}, indent=1))
     ceiling, ceiling_others = sgemm_rate(args.threads, 1024 if args.quick else 4096, 5)
     rng = np.random.default_rng(12345)
     rows = []

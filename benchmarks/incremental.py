@@ -1,13 +1,8 @@
-"""Incremental refresh against a full recompute (issue 43), local[2].
-
-Day 0: ``incremental_nearest_join`` joins ``--nq`` x ``--nt`` clustered float32 vectors in full
-and writes its state. Then per share of ``--shares``, that share of each side changes (a third
-deleted, updated, inserted), refreshed from day 0's state and recomputed in full, both writing
-ids and values to Parquet; the rows are checked equal (targets outside ties at the k-th value).
-``--keys G``: an ``on=`` key, each row's cluster modulo G; ``--cap X``: ``max_distance=X``.
+"""Incremental refresh against a full recompute (issue 43), local[2]: day 0 writes
+``incremental_nearest_join``'s state; per share of ``--shares`` that share of each side changes,
+refreshed from day 0's state and recomputed in full, the rows checked equal.
 
 Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000] [--shares 0.01 0.001] [--keys G] [--cap X]
-Records: table ``refresh_<nq>x<nt>`` (``_keys<G>``, ``_cap<X>``) of benchmarks/results/incremental.jsonl.
 """
 from __future__ import annotations
 

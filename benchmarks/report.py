@@ -1,9 +1,6 @@
-"""Regenerate ``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from the benchmark records.
-
-One table per (benchmark, table) of ``benchmarks/results/*.jsonl`` (``benchmarks/_record.py``),
-newest first, each with its provenance, ratios against peers of the same run, and a plot where
-one helps. RESULTS.md is generated: re-run the benchmark, never edit the file
-(``tests/benchmarks/test_report.py`` fails when they disagree).
+"""Regenerate ``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from the benchmark records
+(``benchmarks/results/*.jsonl``): one table per (benchmark, table), newest first, with its provenance,
+ratios against peers of the same run and a plot where one helps. Never edit RESULTS.md by hand.
 
 Usage: ``python benchmarks/report.py`` (``make bench-report``); ``--check`` only compares.
 """

@@ -1,11 +1,7 @@
-"""End-to-end Spark benchmark: nearest_by_join against Spark's own nearestByJoin and our kernel.
-
-On cached DataFrames in local[2], exact L2, k=10: the small case (2,000 x 20,000, d=64) for
-both operators, with identical rows; our throughput at 20,000 x 200,000, d=64 and 128; our
-kernel alone on the same arrays, on the small case and at d=128 (what Spark adds).
+"""End-to-end Spark benchmark: nearest_by_join against Spark's own nearestByJoin and our kernel
+alone on the same arrays (what Spark adds), on cached DataFrames in local[2], exact L2, k=10.
 
 Usage: python benchmarks/spark_join.py [--quick] [--skip-spark] [--repeat N]
-Records: ``benchmarks/results/spark_join.jsonl`` (``--quick``: ``benchmarks/out/results/``).
 """
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """Random joins for a bounded time, each checked against the float64 difference-form oracle.
 
-Each join draws its inputs from its seed (``--replay SEED`` runs it again): sizes 0-5,000 per
-side, d 1-400, k 1-100, every metric, inner and left outer, NULL vectors and elements, zero
-vectors, duplicates, tiny partitions, float and double, forced blocked plans, and the
-adversarial data of ``tests/adversarial.py``. Which queries appear and how often is checked,
-and up to ``CHECK_ROWS`` queries per join must get a true top k (``tests.oracle``, float32
-rounding as the tie tolerance). ``APPROX_SHARE`` of the joins run ``mode="approx"`` on the IVF
-plan (keys, caps, a given nprobe, saved indexes reused after the target changed): every row
-must be a candidate with its exact value, the true top k where the plan promises it, and the
-join's recall@k (ties count) at least the target the planner chose nprobe for.
-
-Prints a line per join that went wrong and the totals; a timed run (not ``--replay``) records
-them in ``benchmarks/results/stress.jsonl``, and ``--out FILE`` appends them as a JSON line.
+Each join draws its inputs from its seed (``--replay SEED`` runs it again): sizes, d, k, metrics, join
+types, NULLs, the adversarial data of ``tests/adversarial.py``, forced blocked plans; ``APPROX_SHARE``
+of them ``mode="approx"`` on the IVF plan. Prints a line per join that went wrong and the totals; a
+timed run records them, and ``--out FILE`` appends them as a JSON line.
 Usage: ``python benchmarks/stress.py --minutes 30 [--out FILE]``, or ``--replay SEED ...``.
 """
 from __future__ import annotations
