@@ -56,18 +56,15 @@ def load_base(commit: str):
     ``base_kernels`` (its dispatcher pointed at its own backends)."""
     import importlib.util
 
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
     folder = Path(tempfile.mkdtemp(prefix="nj-base-")) / "base_kernels"
     folder.mkdir()
-    for package in ("nearest_kernels/", "nearest_join/kernels/"):
-        listing = subprocess.run(["git", "ls-tree", "--name-only", commit, package],
-                                 cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-        if listing:
-            break
-    for path in listing:
-        if path.endswith(".py"):
-            source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT, capture_output=True,
-                                    text=True, check=True).stdout
-            (folder / Path(path).name).write_text(source)
+    listing = (git("ls-tree", "--name-only", commit, "nearest_kernels/").split()
+               or git("ls-tree", "--name-only", commit, "nearest_join/kernels/").split())
+    for path in (p for p in listing if p.endswith(".py")):
+        (folder / Path(path).name).write_text(git("show", f"{commit}:{path}"))
     spec = importlib.util.spec_from_file_location("base_kernels", folder / "__init__.py",
                                                   submodule_search_locations=[str(folder)])
     module = importlib.util.module_from_spec(spec)
@@ -76,8 +73,7 @@ def load_base(commit: str):
     dispatch = importlib.import_module("base_kernels.dispatch")
     for entry in dispatch._REGISTRY.values():
         entry.module = "base_kernels." + entry.module.rsplit(".", 1)[1]
-    module.commit = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT,
-                                   capture_output=True, text=True, check=True).stdout.strip()
+    module.commit = git("rev-parse", "--short", commit).strip()
     return module
 
 
