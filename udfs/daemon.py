@@ -95,6 +95,9 @@ def _preload() -> None:
     # numba sets up its CPU target (the typing and lowering registries, its runtime's own
     # functions) in the first process that compiles or loads a kernel: once here, not in each
     # worker's first search.
+    from nearest_kernels import import_numba
+
+    import_numba()
     from numba.core.registry import cpu_target
 
     cpu_target.typing_context.refresh()
