@@ -43,7 +43,7 @@ def test_nothing_moves_once_pyspark_is_imported(tmp_path, monkeypatch):
     assert daemon.prefer_installed_pyspark() is False and sys.path == path
 
 
-def test_a_worker_s_first_search_finds_its_imports_and_numba_set_up(tmp_path):
+def test_a_worker_s_first_search_finds_its_imports_and_numba_set_up():
     """After the daemon's preload (what a forked worker inherits), a first search that loads
     its kernels from numba's cache imports no module and sets up no numba registry: all of it
     happened once, before the fork."""
@@ -61,9 +61,11 @@ def test_a_worker_s_first_search_finds_its_imports_and_numba_set_up(tmp_path):
         print(json.dumps({"imported": sorted(set(sys.modules) - before),
                           "registries": len(cpu_target.typing_context._registries) - registries}))
     """)
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    # numba's cache of the suite's processes (tests/warm_kernels.py fills it): the first run
+    # fills it if it is not yet, the second loads from it.
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]   # the first fills numba's cache, the second loads from it
+            for _ in range(2)]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(runs[1].stdout.strip().splitlines()[-1])
