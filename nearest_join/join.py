@@ -20,11 +20,11 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import BinaryType, ByteType, FloatType, LongType, StructField, StructType
 
+from nearest_kernels import seeds_heaps
 from udfs import blocks, context, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
 from udfs.timing import PHASES, SecondsParam, timed_map
-from nearest_kernels import seeds_heaps
 from udfs.warm import WarmUp, start_warm_up, warm_up_seconds, warming
 
 from . import keyed

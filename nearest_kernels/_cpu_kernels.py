@@ -158,8 +158,6 @@ def _select_smallest(keys, n, count):
             break
 
 
-
-
 @njit(cache=True)
 def _seed_row(scores, r, bias, t0, heaps, q, row_scores, keys):
     """Fill query q's heap from row ``r`` of the first score tile of its target range: the
@@ -255,8 +253,8 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     """
     n_qtiles = (queries.shape[0] + query_tile - 1) // query_tile
     # None, not an empty array or False: numba prunes a branch on an argument that is None
-    # before it types the branch, so a join that neither seeds nor takes stats (most: k < 64,
-    # any metric but inner product) never compiles _seed_row or the stats pass.
+    # before it types the branch, so a join that neither seeds nor takes stats (heaps narrower
+    # than SEED_WIDTH, any metric but inner product) never compiles _seed_row or the stats pass.
     run_split(_search_items, n_qtiles * heaps.shape[0], queries, targets, bias, tail_targets, tail_bias,
               heaps, query_tile, stats if stats.shape[0] > 0 else None, np.int64(offset),
               True if seed and heaps.shape[2] >= SEED_WIDTH else None, threads=threads)
