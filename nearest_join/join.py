@@ -35,6 +35,7 @@ from .planner import (
     JoinPlan,
     KeyedLayout,
     SideFacts,
+    cheap_in_one_task,
     choose_plan,
     gpu_task_share,
     join_dimension,
@@ -206,7 +207,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             spark=spark, ranking=parsed, options=options,
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
             query_rows=q_facts.rows, target_rows=t_facts.rows,
-            query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts)
+            query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts,
+            inputs_cheap=cheap_in_one_task(query) and cheap_in_one_task(target))
         if options.index is not None:   # its dimension, known from the facts job, before any other job
             options.index.check_join(parsed.metric, plan.dimension)
         if plan.plan == "blocked":
@@ -482,7 +484,9 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
         return _output(joined, names, planned, len(q_kept))
-    if plan.plan == "broadcast" and plan.query_partitions:
+    if plan.one_task:
+        q_input = q_input.coalesce(1)
+    elif plan.plan == "broadcast" and plan.query_partitions:
         # Round-robin rows (not blocks) over the tasks: equal rows per task whatever the
         # input partitioning. Blocks get slack for the +-1 row imbalance: one block per task.
         q_input = q_input.repartition(plan.query_partitions)
@@ -497,10 +501,17 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         warm = WarmUp.of(ctx, _decoded_dtypes(query, q_name, target, t_name))
         q_pack, t_pack = warming(q_pack, warm, plan.plan), warming(t_pack, warm, plan.plan)
     q_packed = q_input.mapInArrow(q_pack, _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
+    t_blocks = t_input.coalesce(1) if plan.one_task else t_input
     # The empty target block comes first: the broadcast plan's query blocks travel with it.
     t_packed = _empty_target_block(spark).unionByName(
-        t_input.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
-    if plan.plan == "broadcast":
+        t_blocks.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
+    if plan.one_task:
+        # A small join in one task: the target is packed there too, in one partition with the
+        # empty block, and the cartesian product streams each query block against its rows
+        # (the hint forbids a broadcast, a job of its own). That partition's order is not the
+        # union's: every pair carries its query block's rows (a few target blocks: a few copies).
+        pairs = q_packed.hint("shuffle_replicate_nl").crossJoin(t_packed.coalesce(1))
+    elif plan.plan == "broadcast":
         # The broadcast nested-loop join streams each query block against all target blocks,
         # in the broadcast's row order: the empty block first. Only that pair carries the
         # query block's rows (the others a NULL), so a task reads each query block once, not
@@ -508,6 +519,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         pairs = q_packed.crossJoin(F.broadcast(t_packed)).select(
             C.Q_BLOCK_ID, F.when(F.col(C.T_BLOCK_ID) == C.EMPTY_BLOCK_ID, F.col(C.Q_BLOB)).alias(C.Q_BLOB),
             C.T_BLOCK_ID, C.T_BLOB)
+    if plan.plan == "broadcast":
         joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
     elif plan.plan == "blocked":
         if plan.queries_broadcast:

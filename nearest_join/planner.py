@@ -48,6 +48,11 @@ CONF_PREFIX = "spark.nearestJoin."
 # Multiply-adds (query rows x target rows x d) above which balancing the query blocks over
 # the cores is worth a shuffle: about a second of kernel time on two cores.
 SPREAD_WORK = 10**11
+# Below this much work (about a tenth of a second of kernel time on two cores) a join whose
+# inputs are cheap to read in one task runs in one task: the query blocks meet the target's,
+# packed in the same task, without a broadcast (a Spark job of its own, which costs more than
+# the search it would spread over the cores).
+ONE_TASK_WORK = SPREAD_WORK // 10
 # The blocked plan broadcasts the query blocks instead of pairing both sides through shuffles
 # (and the broadcast plan yields to it) when the query side's vectors are this many times
 # fewer bytes than a target of at least QUERY_BROADCAST_MIN_TARGET_BYTES: the target is then
@@ -117,6 +122,8 @@ class JoinPlan:
     # the blocked plan's query blocks broadcast, the target streaming past them in its own
     # partitions (QUERY_BROADCAST_RATIO), instead of both sides shuffled into pairs
     queries_broadcast: bool = False
+    # the broadcast plan's small join (ONE_TASK_WORK): both sides read in one task, no broadcast
+    one_task: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -129,11 +136,13 @@ class JoinPlan:
                 f"k={self.k}, mode={self.mode}, join={self.join_type}, d={self.dimension}",
                 f"  query: {self.query_rows} rows in {self.query_blocks} blocks of <= {self.query_block_rows} rows "
                 + ("(broadcast to every target partition)" if self.queries_broadcast
+                   else "(one task, which reads the target too: a small join needs no broadcast)" if self.one_task
                    else f"({self.query_partitions or 'input'} partitions)"),
                 f"  target: {self.target_rows} rows, {self.target_bytes} vector bytes "
                 f"(broadcast limit {self.broadcast_limit_bytes}) in {self.target_blocks} blocks of "
                 f"<= {self.target_block_rows} rows ("
-                + ("input" if self.queries_broadcast else str(self.target_partitions)) + " partitions)",
+                + ("input partitions" if self.queries_broadcast else "read in the query's one task" if self.one_task
+                   else "broadcast" if self.plan == "broadcast" else f"{self.target_partitions} partitions") + ")",
                 f"  executors: {self.cores} cores, task memory budget {self.task_memory_bytes} bytes, "
                 f"backend {self.backend}",
                 f"  precision: {describe_precision(self.backend, self.precision)}",
@@ -236,7 +245,7 @@ def keyed_layout(target_counts: np.ndarray, query_counts: np.ndarray, *, unmatch
     at most ``min(target_block_rows, targets / cores)`` target rows, so the work spreads over
     the cores; a query part at most ``query_block_rows`` rows, and a bin's work (query rows x
     target rows x d) is split over more query parts when it exceeds a ``2 * cores``-th of
-    the join's (and ``SPREAD_WORK / 10``, below which a split costs more than it saves).
+    the join's (and ``ONE_TASK_WORK``, below which a split costs more than it saves).
     ``keep_unmatched`` (LEFT OUTER, or queries in several groups) gives the
     ``unmatched_queries`` rows that reach no group's cell cells of their own.
     """
@@ -264,7 +273,7 @@ def keyed_layout(target_counts: np.ndarray, query_counts: np.ndarray, *, unmatch
     bin_queries = np.bincount(bin_of, q_rows, minlength=bins).astype(np.int64)
     bin_work = np.bincount(bin_of, q_rows.astype(np.float64) * t_rows * dimension, minlength=bins)
     bin_t_parts = np.maximum(1, -(-bin_targets // capacity))
-    cell_work = max(float(bin_work.sum()) / (2 * max(cores, 1)), SPREAD_WORK / 10)
+    cell_work = max(float(bin_work.sum()) / (2 * max(cores, 1)), ONE_TASK_WORK)
     by_work = np.ceil(bin_work / bin_t_parts / cell_work).astype(np.int64)
     bin_q_parts = np.minimum(np.maximum(-(-bin_queries // max(query_block_rows, 1)), by_work),
                              np.maximum(bin_queries, 1))
@@ -390,21 +399,25 @@ def estimated_bytes(df) -> int | None:
 _PYTHON_NODES = ("Python", "Pandas", "Arrow")
 
 
-def in_one_task_when_small(df):
-    """``df`` in one partition when Spark estimates it at most :data:`ONE_TASK_BYTES`
-    (as :func:`estimated_bytes` reads it) and its plan runs no Python, else as it is. One partition
-    satisfies every aggregation's distribution: an aggregation over it needs no exchange. All
-    of ``df``'s work after its last shuffle then runs in that one task: a few small scans and
-    projections cost less than the shuffle; a Python UDF over them (an embedding model, say)
-    would not, whatever its output's size."""
+def cheap_in_one_task(df) -> bool:
+    """Whether Spark estimates ``df`` at most :data:`ONE_TASK_BYTES` (as :func:`estimated_bytes`
+    reads it) and its plan runs no Python: all of its work after its last shuffle may then run
+    in one task. A few small scans and projections cost less there than a shuffle or a job of
+    their own; a Python UDF (an embedding model, say) would not, whatever its output's size.
+    False under Spark Connect, whose client cannot ask."""
     try:
         plan = df._jdf.queryExecution().optimizedPlan()
         size, text = int(plan.stats().sizeInBytes()), plan.toString()
-    except Exception:   # noqa: BLE001 (Spark Connect: no JVM handle; any other failure: as it is)
-        return df
-    if size > ONE_TASK_BYTES or any(word in text for word in _PYTHON_NODES):
-        return df
-    return df.coalesce(1)
+    except Exception:   # noqa: BLE001 (Spark Connect: no JVM handle; any other failure: no)
+        return False
+    return size <= ONE_TASK_BYTES and not any(word in text for word in _PYTHON_NODES)
+
+
+def in_one_task_when_small(df):
+    """``df`` in one partition when it is :func:`cheap_in_one_task`, else as it is. One
+    partition satisfies every aggregation's distribution: an aggregation over it needs no
+    exchange."""
+    return df.coalesce(1) if cheap_in_one_task(df) else df
 
 
 def _key_types(target, target_keys: list | None) -> list:
@@ -615,8 +628,11 @@ def _clamp_rows(rows: float) -> int:
 def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, itemsize: int,
                 query_rows: int, target_rows: int,
                 query_input_partitions: int | None = None, keys: list | None = None,
-                key_facts: KeyFacts | None = None) -> JoinPlan:
+                key_facts: KeyFacts | None = None, inputs_cheap: bool = False) -> JoinPlan:
     """Pick the plan and block sizes from the sizes, the options and configuration.
+
+    ``inputs_cheap``: both inputs are :func:`cheap_in_one_task` (a small join of them may then
+    run in one task, ``one_task``).
 
     ``keys`` (the resolved ``on=``, :class:`nearest_join.ranking.JoinKey`) are searched in
     either plan; the keyed blocked plan's cells (``key_cells``) are cut afterwards, from the
@@ -632,7 +648,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     # Per query row a task holds its vector plus k slots of state (value, key, payload ref).
     query_row_bytes = row_bytes + k * 16
     memory_q_rows = budget // 4 // query_row_bytes
-    spread = False
+    spread = one_task = False
     query_bytes = query_rows * row_bytes
     queries_broadcast = (keys is None and options.mode == "exact" and query_bytes <= limit
                          and target_bytes >= QUERY_BROADCAST_MIN_TARGET_BYTES
@@ -657,7 +673,10 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         # is not so small that one task searches it faster than a shuffle round starts.
         work = query_rows * target_rows * d
         few_partitions = query_input_partitions is None or query_input_partitions < cores
-        spread = work >= SPREAD_WORK or (few_partitions and work >= SPREAD_WORK / 10)
+        spread = work >= SPREAD_WORK or (few_partitions and work >= ONE_TASK_WORK)
+        one_task = inputs_cheap and work < ONE_TASK_WORK
+        if one_task:
+            q_rows = query_block_rows or _clamp_rows(min(math.ceil(query_rows / per_task), memory_q_rows))
     else:
         plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
         cap, why = broadcast_memory_cap(spark)
@@ -691,7 +710,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         keys=None if keys is None else [[k.query_column, k.target_column, k.common] for k in keys],
         key_groups=None if key_facts is None else key_facts.groups,
         largest_group=None if key_facts is None else key_facts.largest,
-        queries_broadcast=queries_broadcast,
+        queries_broadcast=queries_broadcast, one_task=one_task,
     )
 
 

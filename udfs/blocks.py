@@ -240,9 +240,10 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
     """Broadcast plan, one pass: fold every target block into each query block, emit rows.
 
     Input rows ``(q_block_id, q_blob, t_block_id, t_blob)`` arrive grouped by query block (a
-    broadcast nested-loop join streams each query row against all broadcast rows), and only a
-    query block's first pair carries its rows (``q_blob`` NULL in the others; in Spark that is
-    the empty target block's pair, the broadcast's first row). That order is checked: a query
+    broadcast nested-loop join streams each query row against all broadcast rows), and a query
+    block's first pair carries its rows (``q_blob`` NULL in the others; in Spark that is the
+    empty target block's pair, the broadcast's first row; in a one-task join every pair carries
+    them, and those of the later pairs are not read). That order is checked: a query
     block must arrive with its rows, and every query block of a task must meet the same set
     of target blocks.
     A worker thread searches and folds (on the device for a GPU searcher) while this thread

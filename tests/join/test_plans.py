@@ -7,14 +7,23 @@ import numpy as np
 import pytest
 from pyspark.sql import functions as F
 
-from nearest_join import explain_nearest_join, nearest_by_join
+from nearest_join import explain_nearest_join, nearest_by_join, planner
 from tests.oracle import assert_join_true_topk, group_rows
 
 NQ, NT, D, K = 300, 2_000, 33, 10
 PLANS = {
-    "broadcast": {},
+    "one task": {},    # the broadcast plan of a small join: both sides read in the search's task
+    "broadcast": {},   # the broadcast plan with its broadcast job (_plan_as)
     "blocked": dict(broadcast_limit_bytes=0, query_block_rows=70, target_block_rows=450),
 }
+
+
+def _plan_as(monkeypatch, plan: str) -> tuple[str, bool]:
+    """Make these sizes plan ``plan`` (one of PLANS): the broadcast job runs for joins of
+    ``ONE_TASK_WORK`` and more. Returns the plan's (``plan``, ``one_task``)."""
+    if plan == "broadcast":
+        monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
+    return ("broadcast" if plan == "one task" else plan), plan == "one task"
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +46,14 @@ def _check(rows, Q, T, k, metric):
 
 @pytest.mark.parametrize("metric", ["l2", "sqeuclidean", "cosine", "inner_product"])
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_plan_matches_reference(spark, data, plan, metric):
+def test_plan_matches_reference(spark, data, monkeypatch, plan, metric):
     Q, T, q, t = data
+    expected = _plan_as(monkeypatch, plan)
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "16")  # many batches
     try:
         out = nearest_by_join(q, t, metric, K, vectors=("qv", "tv"), distance_col="d", **PLANS[plan])
-        assert explain_nearest_join(q, t, metric, K, vectors=("qv", "tv"), **PLANS[plan]).plan == plan
+        explained = explain_nearest_join(q, t, metric, K, vectors=("qv", "tv"), **PLANS[plan])
+        assert (explained.plan, explained.one_task) == expected
         rows = out.collect()
     finally:
         spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
@@ -51,7 +62,7 @@ def test_plan_matches_reference(spark, data, plan, metric):
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
-def test_executor_seconds_per_phase(data, plan):
+def test_executor_seconds_per_phase(data, monkeypatch, plan):
     """The executors time each phase of a join's tasks into its accumulator: nothing before
     the first evaluation, the phases after it (a search and an emit always run), more after
     a second evaluation."""
@@ -60,8 +71,9 @@ def test_executor_seconds_per_phase(data, plan):
     from udfs.timing import PHASES
 
     Q, T, q, t = data
+    expected = _plan_as(monkeypatch, plan)
     planned = plan_join(q, t, "l2", JoinOptions(num_results=K, vectors=("qv", "tv"), **PLANS[plan]))
-    assert planned.plan.plan == plan and planned.executor_seconds() == {}
+    assert (planned.plan.plan, planned.plan.one_task) == expected and planned.executor_seconds() == {}
     planned.dataframe().write.format("noop").mode("overwrite").save()
     first = planned.executor_seconds()
     assert set(first) <= set(PHASES) and {"pack", "decode", "search", "encode"} <= set(first)
@@ -70,14 +82,16 @@ def test_executor_seconds_per_phase(data, plan):
     assert planned.executor_seconds()["search"] > first["search"]
 
 
-def test_plans_agree_exactly(data):
+def test_plans_agree_exactly(data, monkeypatch):
     Q, T, q, t = data
     results = {}
     for plan, options in PLANS.items():
-        rows = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), 5, distance_col="d",
-                               **options).collect()
+        with monkeypatch.context() as patch:
+            _plan_as(patch, plan)
+            rows = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), 5, distance_col="d",
+                                   **options).collect()
         results[plan] = sorted((r["qid"], r["tid"], r["d"]) for r in rows)
-    assert results["broadcast"] == results["blocked"]
+    assert results["one task"] == results["broadcast"] == results["blocked"]
 
 
 def test_broadcast_query_blocks_match_reference(spark, data, monkeypatch, metric="l2"):
@@ -107,6 +121,31 @@ def test_broadcast_query_blocks_match_reference(spark, data, monkeypatch, metric
     rows = nearest_by_join(nulls, t.where("tid < 0"), metric, 2, join_type="left", distance_col="d",
                            **options).collect()
     assert sorted((r["qid"], r["tid"], r["d"]) for r in rows) == [(0, None, None), (1, None, None), (2, None, None)]
+
+
+def test_a_small_join_runs_one_job_of_one_task(spark, data):
+    """A small join of inputs cheap to read in one task runs one Spark job of one task (no
+    broadcast job); an input that runs Python (an embedding model, say) is not read in one
+    task."""
+    Q, T, q, t = data
+    options = dict(vectors=("qv", "tv"), distance_col="d")
+    assert q.rdd.getNumPartitions() == 3 and q.count() == NQ and t.count() == NT   # cached, several partitions
+    assert explain_nearest_join(q, t, "l2", K, **options).one_task
+    out = nearest_by_join(q, t, "l2", K, **options)
+    sc, group = spark.sparkContext, "test-one-task"
+    sc.setJobGroup(group, "a small join")
+    try:
+        rows = out.collect()
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    tracker = sc.statusTracker()
+    jobs = tracker.getJobIdsForGroup(group)
+    ran = [tracker.getStageInfo(stage) for stage in tracker.getJobInfo(jobs[0]).stageIds]
+    # (the stages that built the cached inputs are listed too, skipped: no task completed)
+    assert len(jobs) == 1 and [stage.numCompletedTasks for stage in ran if stage.numCompletedTasks] == [1]
+    _check(rows, Q, T, K, "l2")
+    python_side = t.mapInArrow(lambda batches: batches, t.schema)
+    assert not explain_nearest_join(q, python_side, "l2", K, **options).one_task
 
 
 def test_payload_follows_its_vector_through_a_nondeterministic_source(spark, data):
@@ -174,13 +213,16 @@ def test_non_vector_ranking_falls_back_to_spark(spark, caplog):
     assert plan.plan == "spark"
 
 
-def test_explain_reports_plan_and_blocks(data):
+def test_explain_reports_plan_and_blocks(data, monkeypatch):
     _, _, q, t = data
     plan = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), 7)
     d = plan.to_dict()
     assert (d["plan"], d["query_rows"], d["target_rows"], d["dimension"], d["k"]) == ("broadcast", NQ, NT, D, 7)
     assert d["target_bytes"] == NT * D * 4
-    assert d["query_blocks"] >= 2  # enough blocks to use both cores
+    assert d["one_task"] and d["query_blocks"] == 1 and "one task" in str(plan)
+    monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)   # as a join of more work
+    spread = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), 7).to_dict()
+    assert not spread["one_task"] and spread["query_blocks"] >= 2  # enough blocks to use both cores
     blocked = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), 7, broadcast_limit_bytes=1000)
     assert blocked.plan == "blocked" and "broadcast limit 1000" in blocked.reason
     assert "blocked" in str(blocked) and str(NT) in str(blocked)

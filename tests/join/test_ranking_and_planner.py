@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import doctest
+import math
 
 import pytest
 from pyspark.sql import functions as F
@@ -207,6 +208,31 @@ def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
                         itemsize=4, query_rows=1000, target_rows=200_000,
                         keys=[JoinKey("g", "g", "int", "int", "int")])
     assert not keyed.queries_broadcast
+
+
+def test_a_small_join_of_cheap_inputs_runs_in_one_task():
+    """Below ONE_TASK_WORK multiply-adds, inputs cheap to read in one task: the broadcast plan
+    in one task, every query row in its block (the memory budget allowing); from that work
+    up, or with an input that is not cheap (a Python UDF, a large scan), the broadcast job."""
+    from nearest_join.planner import ONE_TASK_WORK
+
+    spark = _Spark(spark__master="local[2]", spark__driver__memory="1g")
+
+    def plan(query_rows, cheap=True, k=10, **kw):
+        return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"),
+                           options=JoinOptions(num_results=k, **kw),
+                           dimension=64, itemsize=4, query_rows=query_rows, target_rows=20_000,
+                           query_input_partitions=4, inputs_cheap=cheap)
+
+    below = ONE_TASK_WORK // (20_000 * 64) - 1
+    small = plan(below)
+    assert (small.plan, small.one_task, small.query_blocks, small.query_partitions) == ("broadcast", True, 1, 0)
+    assert "one task" in str(small)
+    assert not plan(below + 2).one_task and plan(below + 2).plan == "broadcast"
+    assert not plan(below, cheap=False).one_task
+    assert plan(below, query_block_rows=1000).query_blocks == math.ceil(below / 1000)
+    assert plan(2_000, k=20_000).query_blocks > 1   # k slots of state per query row
+    assert not plan(below, broadcast_limit_bytes=0).one_task   # the blocked plan
 
 
 def _plan(target_rows, query_input_partitions=None, **kw) -> JoinPlan:
