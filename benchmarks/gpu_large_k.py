@@ -1,0 +1,155 @@
+"""GPU search at the k of recommenders (10, 100, 1000) on embedding-like data with and without groups
+of identical rows (issue 46): the exact search (precision auto) against torch's fp32 ``mm`` + ``topk``
+on the same tensors, checked against the float64 oracle on sampled rows, ties to the lower index.
+
+The stand-in for real sentence embeddings (63,681 MiniLM rows, about 6% of them in groups of
+identical rows): unit vectors around a few hundred cluster centres, and the same set with about 6%
+of its rows replaced by copies that form groups of 10-100 identical rows, at random positions.
+
+    python benchmarks/gpu_large_k.py [--dims 384,768] [--ks 10,100,1000] [--rounds]   # a CUDA machine
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks._record import Recorder  # noqa: E402
+from benchmarks.gpu_kernel import cuda_ms  # noqa: E402
+from benchmarks.gpu_shapes import addmm_topk, wrong_rows  # noqa: E402
+from nearest_kernels.gpu import knn_torch, resolve_precision  # noqa: E402
+
+
+def embeddings(n: int, d: int, gen, groups: bool, share: float = 0.06, centres: int = 300,
+               sizes: tuple[int, int] = (10, 100)):
+    """``n`` float32 unit rows on the device: cluster centres plus noise (a common direction as
+    real embeddings have), normalised; with ``groups``, rows at random positions replaced by
+    copies of others so that about ``share`` of the rows lie in groups of ``sizes`` identical
+    rows. Returns (rows, number of groups)."""
+    common = torch.randn(d, generator=gen, device="cuda")
+    c = torch.randn((centres, d), generator=gen, device="cuda") + common
+    x = c[torch.randint(0, centres, (n,), generator=gen, device="cuda")]
+    x = x + 0.8 * torch.randn((n, d), generator=gen, device="cuda")
+    x = x / x.norm(dim=1, keepdim=True)
+    n_groups = 0
+    if groups:
+        perm = torch.randperm(n, generator=gen, device="cuda")
+        sizes_gen = torch.Generator().manual_seed(n)
+        at, copies = 0, int(share * n)
+        while at < copies:
+            g = int(torch.randint(sizes[0], sizes[1] + 1, (1,), generator=sizes_gen))
+            rows = perm[at:at + g]
+            x[rows] = x[rows[0]].clone()
+            at, n_groups = at + g, n_groups + 1
+    return x.contiguous(), n_groups
+
+
+def tie_rule_violations(X64, idx, rows, k) -> int:
+    """Sampled rows whose result holds the oracle's keys but not its indices: the same float64
+    keys (so only exact ties were chosen differently) and not the lowest indices among them."""
+    q = X64[rows]
+    keys = torch.empty((rows.numel(), X64.shape[0]), dtype=torch.float64, device="cuda")
+    step = max(1, (1 << 27) // max(1, q.numel()))
+    for c0 in range(0, X64.shape[0], step):
+        diff = q[:, None, :] - X64[c0:c0 + step][None]
+        keys[:, c0:c0 + step] = (diff * diff).sum(2)
+    best = torch.sort(keys, dim=1, stable=True).indices[:, :k]   # (key, index) order
+    got = idx[rows]
+    same_keys = (torch.sort(keys.gather(1, got), dim=1).values == torch.sort(keys.gather(1, best), dim=1).values)
+    same_idx = torch.sort(got, dim=1).values == torch.sort(best, dim=1).values
+    return int((same_keys.all(1) & ~same_idx.all(1)).sum())
+
+
+class RoundLog(logging.Handler):
+    """The search's own DEBUG lines (first pass, rows widened and their widths, fallbacks), each
+    with the milliseconds since the call began: the widening rounds' messages follow a host
+    sync, so their times are the rounds' ends."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.start, self.lines = 0.0, []
+
+    def emit(self, record):
+        self.lines.append(f"{1e3 * (time.perf_counter() - self.start):7.1f} ms  {record.getMessage()}")
+
+
+def traced(fn) -> list[str]:
+    """One call of ``fn`` with the search's DEBUG lines captured (:class:`RoundLog`)."""
+    log = logging.getLogger("nearest_kernels")
+    handler, level = RoundLog(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    torch.cuda.synchronize()
+    handler.start = time.perf_counter()
+    try:
+        fn()
+        torch.cuda.synchronize()
+        handler.lines.append(f"{1e3 * (time.perf_counter() - handler.start):7.1f} ms  done")
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    return handler.lines
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=63_681, help="rows of the self-join")
+    ap.add_argument("--dims", default="384")
+    ap.add_argument("--ks", default="10,100,1000")
+    ap.add_argument("--metric", default="cosine", choices=["cosine", "l2"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--sample", type=int, default=64, help="rows checked against the oracle")
+    ap.add_argument("--rounds", action="store_true", help="print each search's rounds (its DEBUG lines)")
+    ap.add_argument("--budget-s", type=float, default=400)
+    args = ap.parse_args(argv)
+    rec = Recorder("gpu_large_k", blas=False)
+    auto = resolve_precision("auto", torch.device("cuda"))
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    start = time.time()
+    for d in (int(x) for x in args.dims.split(",")):
+        for groups in (False, True):
+            gen = torch.Generator(device="cuda").manual_seed(d)
+            X, n_groups = embeddings(args.n, d, gen, groups)
+            X_host = X.cpu().numpy()
+            # The oracle's rows (cosine: the float64 unit rows, ranked by their l2 distances).
+            X64 = X.double() / X.double().norm(dim=1, keepdim=True) if args.metric == "cosine" else X.double()
+            X64_host = X64.cpu().numpy()
+            bias = (X * X).sum(1)
+            rows = torch.linspace(0, args.n - 1, args.sample, device="cuda").long()
+            for k in (int(x) for x in args.ks.split(",")):
+                if time.time() - start > args.budget_s:
+                    print(f"budget spent: skipped d={d} groups={groups} k={k}", flush=True)
+                    continue
+
+                def ours():
+                    return knn_torch(X, X, k, args.metric, "auto")
+
+                row = dict(n=args.n, d=d, k=k, metric=args.metric, groups=n_groups, auto=auto)
+                row["torch_fp32_mm_topk_ms"] = round(statistics.median(
+                    cuda_ms(lambda: addmm_topk(X, X, bias, "fp32", k), args.reps)), 1)
+                v, idx = ours()
+                if args.metric == "cosine":
+                    v = torch.sqrt(torch.clamp(2.0 - 2.0 * v.double(), min=0.0))   # unit rows' l2
+                row["exact_ms"] = round(statistics.median(cuda_ms(ours, args.reps)), 1)
+                row["exact_over_torch"] = round(row["exact_ms"] / row["torch_fp32_mm_topk_ms"], 2)
+                row["wrong_of_sample"] = wrong_rows(X64, X64, X64_host, k, idx, rows.numel(), v)
+                row["tie_rule_wrong_of_sample"] = tie_rule_violations(X64, idx, rows, k)
+                row["sample_rows"] = args.sample
+                print(row, flush=True)
+                rec.add("large_k", **row)
+                if args.rounds:
+                    print("\n".join("    " + line for line in traced(ours)), flush=True)
+            del X, X_host, X64, X64_host
+            torch.cuda.empty_cache()
+    rec.print_tables()
+
+
+if __name__ == "__main__":
+    main()
