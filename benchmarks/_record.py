@@ -32,10 +32,10 @@ import time
 import uuid
 from pathlib import Path
 
+from benchmarks.report import RESERVED, RESULTS_DIR, read_records, render_table
+
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS_DIR = ROOT / "benchmarks" / "results"
 SMOKE_DIR = ROOT / "benchmarks" / "out" / "results"    # --quick runs: not in git, replace nothing
-RESERVED = ("benchmark", "table", "run", "date", "commit", "command", "machine")
 LIBRARY_DIRS = ("nearest_join", "udfs", "nearest_kernels", "jobs")
 
 
@@ -183,8 +183,6 @@ class Recorder:
 
     def print_tables(self) -> None:
         """Print the tables this run wrote, as ``benchmarks/report.py`` renders them in RESULTS.md."""
-        from benchmarks.report import render_table   # here: report imports this module
-
         records = [r for r in read_records(self.path) if r.get("run") == self.run]
         for table in dict.fromkeys(r["table"] for r in records):
             print("\n" + render_table(self.benchmark, table, [r for r in records if r["table"] == table], None))
@@ -195,15 +193,6 @@ def _plain(value):
     if hasattr(value, "item"):
         return value.item()
     return str(value)
-
-
-def read_records(path: Path) -> list[dict]:
-    """The records of one ``.jsonl`` file, in file order ([] when it does not exist)."""
-    try:
-        text = Path(path).read_text()
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 # --- helpers the benchmarks share ---------------------------------------------------------

@@ -293,6 +293,15 @@ def test_no_import_cycle(graph):
     assert not cycles, "import cycles (function-level imports included):\n  " + "\n  ".join(cycles)
 
 
+def test_no_import_cycle_among_the_benchmarks():
+    """The benchmarks are scripts beside the library, not a floor of it, but a circle among
+    their shared modules (the recorder, the report) as much leaves no file to read first."""
+    modules = package_modules(packages=("benchmarks",))
+    assert "benchmarks._record" in modules and "benchmarks.report" in modules
+    cycles = cycle_messages(internal_edges(import_graph(modules), set(modules)))
+    assert not cycles, "import cycles among the benchmarks:\n  " + "\n  ".join(cycles)
+
+
 def test_imports_go_down_the_layers(graph):
     modules, arrows = graph
     wrong = layer_violations(arrows, modules)

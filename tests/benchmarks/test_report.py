@@ -6,7 +6,8 @@ import json
 import pytest
 
 from benchmarks import report
-from benchmarks._record import RESULTS_DIR, Recorder, read_records
+from benchmarks._record import Recorder
+from benchmarks.report import RESULTS_DIR, read_records
 
 MACHINE = {"cpu": "Test CPU", "cores": 2, "memory_gib": 8,
            "blas": {"OPENBLAS_CORETYPE": "Haswell", "libraries": ["libtest_openblas 1.0 Haswell"]}}
