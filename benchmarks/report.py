@@ -333,7 +333,9 @@ TABLES: dict[tuple[str, str], Table] = {
          col("same rows as Spark", "identical_rows")],
         about="Cached Parquet inputs (Gaussian `array<float>`), exact L2; each run writes the whole "
               "result to Spark's `noop` sink. ours: best of `repeat` after a warm-up, Spark's: one "
-              "run; `kernel alone` is `knn(..., backend=\"cpu\")` on the same arrays in the same process.",
+              "run; `kernel alone` is `knn(..., backend=\"cpu\")` on the same arrays in the same process; "
+              "`Spark's floor`: the Spark jobs a small call runs (an aggregation over both sides, then one "
+              "task of three Arrow UDFs over a cartesian product) with functions that do nothing.",
         plot=plot_spark),
     ("fixed_costs", "demo"): Table(
         "Fixed costs: the demo job through the CLI, first and second run",

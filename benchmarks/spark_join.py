@@ -18,6 +18,29 @@ from benchmarks._record import (SMOKE_DIR, Recorder, best_of, cached_parquet, lo
                                 vector_table)
 
 
+def _consume(batches):
+    """A mapInArrow function that reads every batch and emits one empty batch."""
+    import pyarrow as pa
+
+    for _ in batches:
+        pass
+    yield pa.RecordBatch.from_pydict({"n": pa.array([], pa.int64())})
+
+
+def facts_like(q, t) -> None:
+    """A facts job's shape: one aggregation over both sides in one task."""
+    from pyspark.sql import functions as F
+
+    q.select(F.lit(0).alias("side")).union(t.select(F.lit(1).alias("side"))).coalesce(1).groupBy("side").count().collect()
+
+
+def one_task_like(q, t):
+    """A one-task join's shape with no work: both sides through an Arrow UDF, paired, through a third."""
+    left = q.coalesce(1).mapInArrow(_consume, "n long")
+    right = t.coalesce(1).mapInArrow(_consume, "n long").withColumnRenamed("n", "m")
+    return left.hint("shuffle_replicate_nl").crossJoin(right).mapInArrow(_consume, "n long")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
@@ -65,6 +88,11 @@ def main(argv=None) -> int:
         add("Spark nearestByJoin", nq, nt, d, best_of(lambda: noop(spark_df), 1))
         identical = sorted((r["qid"], r["tid"]) for r in spark_df.select("qid", "tid").collect()) == ours_pairs
     add("nearest_by_join", nq, nt, d, ours_small, identical_rows=identical)
+    # What Spark charges for the two jobs such a call runs, with no work in them: an
+    # aggregation over both sides (the facts), then one task of three Arrow UDFs (each side's
+    # packing, the search) over a cartesian product, writing nothing.
+    add("Spark's floor: the same two jobs, no work", nq, nt, d,
+        best_of(lambda: (facts_like(q, t), noop(one_task_like(q, t))), args.repeat))
     # the kernel alone on the same arrays: what the call costs besides the search (its fixed cost)
     knn(Q, T, k, "l2", backend="cpu")
     add("kernel alone (cpu)", nq, nt, d, best_of(lambda: knn(Q, T, k, "l2", backend="cpu"), args.repeat))
