@@ -80,21 +80,31 @@ def _tf32_matmul(enabled: bool):
 
 
 def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
-                     *, chunk_elements: int = 1 << 26, lower: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                     *, chunk_elements: int = 1 << 26, lower: bool = False,
+                     seed: torch.Tensor | None = None) -> tuple:
     """The ``n_cand`` smallest approximate keys per query by tiled ``addmm`` + ``topk``.
 
     Returns keys float32 (m, n_cand) sorted ascending (+inf in empty slots) and target indices
     int64 (-1 in empty slots). Ties at the list's end may be cut arbitrarily: the margin test
     in :func:`exact_topk` never trusts the last key's ties. ``lower``: rank by the lower key
     (``_gpu_bound`` notes), computed elementwise in float32 (no tf32 rounding of the weights).
+
+    ``seed`` (float32 (m,), a widening round's limits): keys above a row's seed are left out,
+    and the pass counts each row's targets at or below it. Returns then (keys, idx, floor,
+    below): ``below`` int64 (m,) that count; ``floor`` just above the seed where the list holds
+    all of them (every target left out has a key above the seed), else the last key. A list
+    of ``below + 1`` candidates under the same seed holds every such target of its row: the
+    width that :func:`exact_topk` jumps to where exact ties (groups of identical rows) fill a
+    list, which a fixed widening would reach only round after round.
     """
     m, nt = queries.rows, targets.rows
     device = queries.exact.device
     width = min(n_cand, nt)
     keys_out = torch.full((m, n_cand), math.inf, dtype=torch.float32, device=device)
     idx_out = torch.full((m, n_cand), -1, dtype=torch.int64, device=device)
+    below = None if seed is None else torch.zeros(m, dtype=torch.int64, device=device)
     if m == 0 or nt == 0:
-        return keys_out, idx_out
+        return (keys_out, idx_out) if seed is None else (keys_out, idx_out, _seeded_floor(keys_out, below, seed), below)
     alpha = key_alpha(queries.metric)
     # Operands that hold tf32 / bf16 values multiply exactly in tf32: allow tensor cores.
     low = queries.precision != "fp32"
@@ -116,6 +126,10 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 if lower:
                     keys -= q_w[0, q0:q1, None] * t_w[0, t0:t1]
                     keys -= q_w[1, q0:q1, None] * t_w[1, t0:t1]
+                if seed is not None:
+                    within = keys <= seed[q0:q1, None]
+                    below[q0:q1] += within.sum(dim=1)
+                    keys = torch.where(within, keys, math.inf)
                 kk = min(width, t1 - t0)
                 v, i = torch.topk(keys, kk, dim=1, largest=False, sorted=False)
                 i = i + t0
@@ -128,15 +142,27 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
                 best_k, best_i = v, i
             v, order = torch.sort(best_k, dim=1)
             keys_out[q0:q1, :width] = v
-            idx_out[q0:q1, :width] = torch.gather(best_i, 1, order)
-    return keys_out, idx_out
+            i = torch.gather(best_i, 1, order)
+            idx_out[q0:q1, :width] = i if seed is None else torch.where(torch.isposinf(v), -1, i)
+    if seed is None:
+        return keys_out, idx_out
+    return keys_out, idx_out, _seeded_floor(keys_out, below, seed), below
 
 
-# candidates(queries, targets, n_cand) -> (keys, idx) or (keys, idx, floor): keys float32
-# (m, n_cand) ascending (+inf empty), idx int64 (-1 empty), floor float32 (m,) with every
-# target not in a row's list at approximate key >= floor (-inf: the row is not proven). Without a floor the list must be the
-# row's n_cand best (floor = its last key). Generators that :func:`exact_topk` calls with
-# ``lower=True`` rank by the lower key instead (:func:`lower_key_weights`).
+def _seeded_floor(keys: torch.Tensor, below: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """The floor of a seeded torch list (:func:`torch_candidates`): just above the seed where
+    the list holds every target at or below it (``below`` fits), else its last key."""
+    above = torch.nextafter(seed.to(torch.float32), torch.full_like(keys[:, -1], math.inf))
+    return torch.where(below <= keys.shape[1], above, keys[:, -1])
+
+
+# candidates(queries, targets, n_cand) -> (keys, idx) or (keys, idx, floor) or (keys, idx,
+# floor, below): keys float32 (m, n_cand) ascending (+inf empty), idx int64 (-1 empty), floor
+# float32 (m,) with every target not in a row's list at approximate key >= floor (-inf: the
+# row is not proven), below int64 (m,) the number of targets at or below the row's seed (a
+# seeded :func:`torch_candidates`). Without a floor the list must be the row's n_cand best
+# (floor = its last key). Generators that :func:`exact_topk` calls with ``lower=True`` rank
+# by the lower key instead (:func:`lower_key_weights`).
 CandidateFn = Callable[[PreparedSide, PreparedSide, int], tuple]
 
 
@@ -204,10 +230,20 @@ def far_topk(queries: PreparedSide, targets: PreparedSide, k: int,
 
 
 # ----------------------------------------------------------------------------- the rounds
-# Widening rounds over at most this many rows run the torch generator (one addmm + topk over
-# the targets) instead of the fused kernel (``exact_topk(few_rows=)``, passed by
-# ``gpu.search_prepared``): for a handful of rows a fused pass is mostly fixed costs.
+# Widening rounds over at most this many rows, or this many keys (rows x targets), run the
+# torch generator (one addmm + topk over the targets) instead of the fused kernel
+# (``exact_topk(few_rows=)``, :func:`torch_round_rows`, passed by ``gpu.search_prepared``): for a
+# handful of rows a fused pass is mostly fixed costs, and a seeded torch round counts each
+# row's targets below its seed, so that rows whose lists exact ties fill (groups of identical
+# rows at the k-th place) jump to the width they need (:func:`torch_candidates`).
 TORCH_ROUND_ROWS = 64
+TORCH_ROUND_KEYS = 1 << 28
+
+
+def torch_round_rows(nt: int) -> int:
+    """Widening rounds over at most this many rows of a block of ``nt`` targets run the torch
+    generator (TORCH_ROUND_ROWS, TORCH_ROUND_KEYS)."""
+    return max(TORCH_ROUND_ROWS, TORCH_ROUND_KEYS // max(1, nt))
 
 
 # Low-precision rows whose next list would hold more than this share of the target block
@@ -295,9 +331,12 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             generator = torch_candidates
         elif widening and pending.numel() <= few_rows:
             generator = torch_candidates   # a widening round over a few rows
+        logger.debug("round: %d rows, %d candidates, %s%s", pending.numel(), n_cand,
+                     "torch" if generator is torch_candidates else "fused",
+                     "" if seed is None else ", seeded")
         # The pass first: the bound, the re-rank and the proof (no host sync until
         # ``ok.all()``) queue behind it while it runs.
-        if seed is not None and generator is candidates:
+        if seed is not None and (generator is torch_candidates or (seeded and generator is candidates)):
             found = generator(subset, targets, n_cand, seed=seed, **extra)
         else:
             found = generator(subset, targets, n_cand, **extra)
@@ -305,6 +344,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
         keys, idx = found[0], found[1]
         floor = found[2] if len(found) > 2 else None
+        below = found[3] if len(found) > 3 else None
         if floor is None:
             floor = keys[:, -1]
             if n_cand >= nt:                  # a list of the n_cand best holds every target
@@ -336,17 +376,26 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         logger.debug("%d of %d rows widen from %d candidates", retry.numel(), ok.numel(), n_cand)
         pending = pending[retry]
         widening = True
-        if seeded:
-            # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list.
-            # (Under a cap the limit is already the lesser of the two.)
-            seed = limit[retry]
+        # Targets above key(V_k) + E cannot rank; V_k only improves in a wider list. (Under a
+        # cap the limit is already the lesser of the two.) Generators that take a seed get it.
+        seed = limit[retry]
+        v_k = v[retry, k - 1]
         subset = _widened_rows(subset, retry, lower)
         # The rows' bound carries over: per row (lower keys: its shift term is the largest
         # of the first round's rows, at least the subset's own), so no new launches for it.
         bound = bound[retry]
         if cap_v is not None:
             cap_v, cap_limit = cap_v[retry], cap_limit[retry]
-        wider = min(widened(n_cand), next_pow2(nt))
+        if below is None:
+            wider = min(widened(n_cand), next_pow2(nt))
+        else:
+            # A seeded round counted each row's targets at or below its seed; the next seed is
+            # no higher, so a list one longer than the most holds all of them and proves every
+            # row: exact ties at the k-th place (a group of identical rows) need a list of the
+            # whole group, which fixed widening steps reach only round after round. (A row
+            # without a finite seed counted every target: it widens as without a count.)
+            need = torch.where(torch.isfinite(seed), below[retry] + 1, widened(n_cand))
+            wider = min(next_pow2(int(need.max())), next_pow2(nt))
         if falls_back(subset.precision, wider, nt, max_candidates):
             # The bound admits too much of the block for low precision: these rows search
             # again with float32 operands (the working rows, no copy) and the float32 bound,
@@ -358,9 +407,12 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             targets = targets.as_fp32()
             stats = stats.as_fp32()
             bound = key_error_bound(subset, stats, metric)
+            # The seed in float32 keys: the k-th value so far bounds the final one from above.
+            seed = value_limit(v_k, bound, subset)
             if cap_v is not None:
                 cap_limit = value_limit(cap_v, bound, subset)
-            lower, extra, seed = False, {}, None
+                seed = torch.minimum(seed, cap_limit)
+            lower, extra = False, {}
             generator = torch_candidates
             continue
         if wider == n_cand:

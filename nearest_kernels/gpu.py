@@ -478,7 +478,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
         # Widening rounds seed the fused kernel's lists with each row's limit: keys above it
         # cannot rank, so the kernel never inserts them.
         max_cand, values_fn, seeded = MAX_CANDIDATES, triton_exact_values, True
-        few_rows = gs.TORCH_ROUND_ROWS
+        few_rows = gs.torch_round_rows(targets.side.rows)
     else:
         candidates, max_cand, values_fn, seeded = gs.torch_candidates, None, None, False
         if device.type == "cuda" and triton_refusal(device) is None:

@@ -93,6 +93,28 @@ def integer_case(d: int, high: int = 3, nq: int = 40, nt: int = 400, seed: int =
     return Case(f"integer{high}-d{d}-{np.dtype(dtype).name}", q, t)
 
 
+def tie_groups(nq: int, nt: int, d: int, sizes, seed: int = 0):
+    """Groups of identical target rows (deduplication's data: real embeddings repeat texts),
+    ``sizes`` rows each at random positions in Gaussian targets, the first group's row three
+    times longer than the rest (it leads every metric's ranking, inner product too). The first
+    half of the queries is that row, the next ones lie 1e-3 off the other groups' rows, the
+    rest are fresh. Returns (queries, targets, each group's indices ascending), float32."""
+    rng = np.random.default_rng(seed)
+    t = rng.standard_normal((nt, d))
+    spots = rng.permutation(nt)
+    groups, at = [], 0
+    for size in sizes:
+        rows = np.sort(spots[at:at + size])
+        t[rows] = t[rows[0]] * (3.0 if not groups else 1.0)
+        groups.append(rows)
+        at += size
+    q = rng.standard_normal((nq, d))
+    q[: nq // 2] = t[groups[0][0]]
+    for j, rows in enumerate(groups[1:]):
+        q[nq // 2 + j] = t[rows[0]] + 1e-3 * rng.standard_normal(d)
+    return q.astype(np.float32), t.astype(np.float32), groups
+
+
 def one_row_case() -> Case:
     q = np.array([[1e4 + 0.5, -3.0]], dtype=np.float32)
     return Case("one-row", q, np.array([[1e4, -3.0]], dtype=np.float32))

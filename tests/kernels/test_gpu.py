@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from nearest_kernels import knn, resolve_metric
+from tests import adversarial as adv
 from tests import background
 from tests.oracle import assert_knn_result, backend_rtol
 
@@ -328,6 +329,81 @@ def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
     v, i = gs.exact_topk(qs, ts, k, counted)
     assert calls == [n_cand], calls                 # proven by the values: no widening
     check_result(q, t, k, metric, v.numpy(), i.numpy())
+
+
+@needs_torch
+@pytest.mark.parametrize("metric", ["sqeuclidean", "cosine", "inner_product"])
+@pytest.mark.parametrize("k", [10, 400])
+def test_groups_of_identical_rows_return_their_lowest_indices(metric, k):
+    """Groups of identical targets tie exactly: a query on a group of 300 copies at k = 10
+    (the whole list of ties, the k lowest indices wanted) and at k = 400 (the group and the
+    next 100), with groups of 40 and 90 elsewhere. The result is the float64 reference's,
+    indices exactly (the tie rule: lower index first)."""
+    from nearest_kernels.gpu import knn_torch
+    from nearest_kernels.reference import knn_reference
+
+    q, t, groups = adv.tie_groups(8, 5000, 8, (300, 40, 90), seed=11)
+    for precision in PRECISIONS:
+        v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, metric, precision)
+        ref_v, ref_i = knn_reference(q, t, k, resolve_metric(metric))
+        assert i[:4, : min(k, 300)].tolist() == [groups[0][: min(k, 300)].tolist()] * 4, precision
+        np.testing.assert_array_equal(i.numpy(), ref_i, err_msg=f"{metric} {precision}")
+        check_result(q, t, k, metric, v.numpy(), i.numpy())
+
+
+@needs_torch
+def test_a_seeded_torch_list_counts_the_targets_at_or_below_its_seed():
+    """Seeded (a widening round's limits), the torch generator keeps only keys at or below
+    each row's seed, counts them, and states a floor just above the seed where its list holds
+    them all (else its last key): what a list must hold when exact ties fill it."""
+    from nearest_kernels import _gpu_search as gs
+
+    q, t, groups = adv.tie_groups(6, 700, 8, (60,), seed=3)
+    qs, ts = _prepared(q, t, "sqeuclidean", "bf16")
+    ref = gs.torch_candidates(qs, ts, 700)[0]          # every key of every row, ascending
+    seed = torch.stack([ref[0, 59], ref[1, 20], ref[2, 100], ref[3, 5], ref[4, 699],
+                        torch.tensor(-math.inf)])
+    for n_cand in (32, 128):
+        keys, idx, floor, below = gs.torch_candidates(qs, ts, n_cand, seed=seed)
+        assert below.tolist() == (ref <= seed[:, None]).sum(dim=1).tolist()
+        held = torch.minimum(below, torch.tensor(n_cand))
+        for r in range(6):
+            h = int(held[r])
+            assert keys[r, :h].tolist() == ref[r, :h].tolist() and bool((idx[r, :h] >= 0).all())
+            assert bool(torch.isposinf(keys[r, h:]).all()) and bool((idx[r, h:] == -1).all())
+            if below[r] <= n_cand:
+                assert floor[r] > seed[r] and floor[r] == torch.nextafter(seed[r], torch.tensor(math.inf))
+            else:
+                assert floor[r] == keys[r, -1]
+    # The query on the group of 60 copies: all 60 at its seed, the list of 32 holds 32 of them.
+    assert int(below[0]) >= 60
+
+
+@needs_torch
+def test_rows_whose_lists_ties_fill_jump_to_the_width_the_ties_need():
+    """A query on a group of 300 identical targets at k = 10: every list up to 300 entries
+    is full of ties at its k-th value, so no floor proves it. The first widening round
+    (seeded) counts the targets at or below each row's limit, and the next round takes a
+    list one longer than that count: proven there, instead of one fixed widening after
+    another (32, 64, 256, 1024)."""
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_search as gs
+    from nearest_kernels.reference import knn_reference
+
+    q, t, groups = adv.tie_groups(4, 20_000, 8, (300,), seed=5)
+    qs, ts = _prepared(q, t, "sqeuclidean", "bf16")
+    calls = []
+
+    def counted(qq, tt, n, **kw):
+        calls.append(n)
+        return gs.torch_candidates(qq, tt, n, **kw)
+
+    v, i = gs.exact_topk(qs, ts, 10, counted, seeded=True)
+    n0 = gb.candidate_width(10, "bf16")
+    assert calls == [n0, gb.widened(n0), 512], calls
+    ref_v, ref_i = knn_reference(q, t, 10, resolve_metric("sqeuclidean"))
+    np.testing.assert_array_equal(i.numpy(), ref_i)
+    assert i[:2].tolist() == [groups[0][:10].tolist()] * 2
 
 
 # ----------------------------------------------------------------------------- lower keys

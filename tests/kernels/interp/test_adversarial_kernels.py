@@ -60,3 +60,21 @@ def test_fused_kernels_return_the_true_top_k_on_adversarial_cases(n):
     v, i = knn_torch(q, t, 10, metric, "bf16")
     adv.assert_true_topk(case.queries, case.targets, 10, metric, v.numpy(), i.numpy(), RTOL,
                          case=f"{case.name} {metric} default tiles")
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "inner_product"])
+def test_groups_of_identical_rows_through_the_fused_kernel(metric):
+    """Groups of identical targets (60 copies led by the queries' own row, 20 and 40 beside
+    it) through ``knn_torch`` in bf16: the fused kernel's first pass, whose lists fill with
+    exact ties, then the widening rounds, at k below the group (10) and above it (80). The
+    result is the float64 reference's, indices exactly (ties to the lower index)."""
+    from nearest_kernels._common import resolve_metric
+    from nearest_kernels.reference import knn_reference
+
+    q, t, groups = adv.tie_groups(6, 700, 16, (60, 20, 40), seed=9)
+    for k in (10, 80):
+        v, i = knn_torch(torch.from_numpy(q), torch.from_numpy(t), k, metric, "bf16")
+        ref_v, ref_i = knn_reference(q, t, k, resolve_metric(metric))
+        assert i[:3, : min(k, 60)].tolist() == [groups[0][: min(k, 60)].tolist()] * 3, (metric, k)
+        np.testing.assert_array_equal(i.numpy(), ref_i, err_msg=f"{metric} k={k}")
+        adv.assert_true_topk(q, t, k, metric, v.numpy(), i.numpy(), RTOL, case=f"tie groups {metric}")
