@@ -106,6 +106,7 @@ def main(argv=None):
     ap.add_argument("--metric", default="cosine", choices=["cosine", "l2"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sample", type=int, default=64, help="rows checked against the oracle")
+    ap.add_argument("--sets", default="plain,groups", help="the stand-in without and with its groups")
     ap.add_argument("--rounds", action="store_true", help="print each search's rounds (its DEBUG lines)")
     ap.add_argument("--budget-s", type=float, default=400)
     args = ap.parse_args(argv)
@@ -114,7 +115,7 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     start = time.time()
     for d in (int(x) for x in args.dims.split(",")):
-        for groups in (False, True):
+        for groups in (name == "groups" for name in args.sets.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(d)
             X, n_groups = embeddings(args.n, d, gen, groups)
             X_host = X.cpu().numpy()
