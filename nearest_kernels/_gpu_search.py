@@ -275,8 +275,10 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
 
     ``candidates(queries, targets, n_cand)`` returns sorted approximate keys and indices, and
     optionally a floor (see :data:`CandidateFn`); rows whose margin test fails are widened
-    ``WIDEN_FACTOR``-fold; above ``max_candidates`` (the fused kernel's limit), or when the
-    list cannot grow any more, the torch generator takes over, up to every target.
+    (``_gpu_bound.widened``), or, after a seeded :func:`torch_candidates` round, to a list one
+    longer than the most targets a row has at or below its seed (exact ties); above
+    ``max_candidates`` (the fused kernel's limit), or when the list cannot grow any more, the
+    torch generator takes over, up to every target. The torch generator always takes the seed.
     ``values`` computes the re-rank's exact values (default :func:`exact_values`).
     ``seeded``: ``candidates`` takes ``seed=`` (float32 per row): the widening rounds pass
     each row's ``value_limit`` of the round before, above which no target can rank (module
