@@ -48,11 +48,14 @@ CONF_PREFIX = "spark.nearestJoin."
 # Multiply-adds (query rows x target rows x d) above which balancing the query blocks over
 # the cores is worth a shuffle: about a second of kernel time on two cores.
 SPREAD_WORK = 10**11
-# Below this much work (about a tenth of a second of kernel time on two cores) a join whose
-# inputs are cheap to read in one task runs in one task: the query blocks meet the target's,
-# packed in the same task, without a broadcast (a Spark job of its own, which costs more than
-# the search it would spread over the cores).
+# Below this much work (about a tenth of a second of kernel time on two cores) and this many
+# vector elements to read and emit (both sides' rows and the output's, query rows x k, times
+# d: what the JVM converts to and from Arrow, serially in one task) a join whose inputs are
+# cheap to read in one task runs in one task: the query blocks meet the target's, packed in
+# the same task, without a broadcast (a Spark job of its own, which costs more than the search
+# and the conversions it would spread over the cores).
 ONE_TASK_WORK = SPREAD_WORK // 10
+ONE_TASK_ELEMENTS = 1 << 23
 # The blocked plan broadcasts the query blocks instead of pairing both sides through shuffles
 # (and the broadcast plan yields to it) when the query side's vectors are this many times
 # fewer bytes than a target of at least QUERY_BROADCAST_MIN_TARGET_BYTES: the target is then
@@ -674,9 +677,10 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         work = query_rows * target_rows * d
         few_partitions = query_input_partitions is None or query_input_partitions < cores
         spread = work >= SPREAD_WORK or (few_partitions and work >= ONE_TASK_WORK)
-        one_task = inputs_cheap and work < ONE_TASK_WORK
-        if one_task:
-            q_rows = query_block_rows or _clamp_rows(min(math.ceil(query_rows / per_task), memory_q_rows))
+        elements = (query_rows + target_rows + query_rows * k) * d
+        one_task = inputs_cheap and work < ONE_TASK_WORK and elements <= ONE_TASK_ELEMENTS
+        if one_task:   # (those few elements keep the task's top-k state far below its budget)
+            q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / per_task))
     else:
         plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
         cap, why = broadcast_memory_cap(spark)

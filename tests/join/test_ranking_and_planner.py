@@ -211,17 +211,18 @@ def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
 
 
 def test_a_small_join_of_cheap_inputs_runs_in_one_task():
-    """Below ONE_TASK_WORK multiply-adds, inputs cheap to read in one task: the broadcast plan
-    in one task, every query row in its block (the memory budget allowing); from that work
-    up, or with an input that is not cheap (a Python UDF, a large scan), the broadcast job."""
-    from nearest_join.planner import ONE_TASK_WORK
+    """Below ONE_TASK_WORK multiply-adds and ONE_TASK_ELEMENTS vector elements to read and
+    emit, inputs cheap to read in one task: the broadcast plan in one task, every query row in
+    its block; from that work or those elements up, or with an input that is not cheap (a
+    Python UDF, a large scan), the broadcast job."""
+    from nearest_join.planner import ONE_TASK_ELEMENTS, ONE_TASK_WORK
 
     spark = _Spark(spark__master="local[2]", spark__driver__memory="1g")
 
-    def plan(query_rows, cheap=True, k=10, **kw):
+    def plan(query_rows, cheap=True, k=10, target_rows=20_000, **kw):
         return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"),
                            options=JoinOptions(num_results=k, **kw),
-                           dimension=64, itemsize=4, query_rows=query_rows, target_rows=20_000,
+                           dimension=64, itemsize=4, query_rows=query_rows, target_rows=target_rows,
                            query_input_partitions=4, inputs_cheap=cheap)
 
     below = ONE_TASK_WORK // (20_000 * 64) - 1
@@ -231,7 +232,11 @@ def test_a_small_join_of_cheap_inputs_runs_in_one_task():
     assert not plan(below + 2).one_task and plan(below + 2).plan == "broadcast"
     assert not plan(below, cheap=False).one_task
     assert plan(below, query_block_rows=1000).query_blocks == math.ceil(below / 1000)
-    assert plan(2_000, k=20_000).query_blocks > 1   # k slots of state per query row
+    # Under the work, over the elements: many query rows against a few targets (their rows and
+    # the output's, converted serially in one task, cost more than a broadcast job).
+    many = ONE_TASK_ELEMENTS // (64 * 11)
+    assert 100 * many * 64 < ONE_TASK_WORK and not plan(many, target_rows=100).one_task
+    assert plan(many // 2, target_rows=100).one_task
     assert not plan(below, broadcast_limit_bytes=0).one_task   # the blocked plan
 
 
