@@ -28,11 +28,12 @@ from nearest_kernels.gpu import knn_torch, resolve_precision  # noqa: E402
 
 
 def embeddings(n: int, d: int, gen, groups: bool, share: float = 0.06, centres: int = 300,
-               sizes: tuple[int, int] = (10, 100)):
+               sizes: tuple[int, int] = (10, 100), contiguous: bool = False):
     """``n`` float32 unit rows on the device: cluster centres plus noise (a common direction as
     real embeddings have), normalised; with ``groups``, rows at random positions replaced by
     copies of others so that about ``share`` of the rows lie in groups of ``sizes`` identical
-    rows. Returns (rows, number of groups)."""
+    rows; ``contiguous``: each group's rows next to each other (a corpus that repeats a text in
+    a row), at a random place. Returns (rows, number of groups)."""
     common = torch.randn(d, generator=gen, device="cuda")
     c = torch.randn((centres, d), generator=gen, device="cuda") + common
     x = c[torch.randint(0, centres, (n,), generator=gen, device="cuda")]
@@ -43,11 +44,17 @@ def embeddings(n: int, d: int, gen, groups: bool, share: float = 0.06, centres: 
         perm = torch.randperm(n, generator=gen, device="cuda")
         sizes_gen = torch.Generator().manual_seed(n)
         at, copies = 0, int(share * n)
+        blocks = []
         while at < copies:
             g = int(torch.randint(sizes[0], sizes[1] + 1, (1,), generator=sizes_gen))
             rows = perm[at:at + g]
             x[rows] = x[rows[0]].clone()
+            blocks.append(rows)
             at, n_groups = at + g, n_groups + 1
+        if contiguous:   # each group one block, every other row a block of its own, shuffled
+            blocks += list(perm[at:, None])
+            order = torch.randperm(len(blocks), generator=sizes_gen).tolist()
+            x = x[torch.cat([blocks[b] for b in order])]
     return x.contiguous(), n_groups
 
 
@@ -107,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sample", type=int, default=64, help="rows checked against the oracle")
     ap.add_argument("--sets", default="plain,groups", help="the stand-in without and with its groups")
+    ap.add_argument("--contiguous", action="store_true", help="each group's rows next to each other")
     ap.add_argument("--rounds", action="store_true", help="print each search's rounds (its DEBUG lines)")
     ap.add_argument("--budget-s", type=float, default=400)
     args = ap.parse_args(argv)
@@ -117,7 +125,7 @@ def main(argv=None):
     for d in (int(x) for x in args.dims.split(",")):
         for groups in (name == "groups" for name in args.sets.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(d)
-            X, n_groups = embeddings(args.n, d, gen, groups)
+            X, n_groups = embeddings(args.n, d, gen, groups, contiguous=args.contiguous)
             X_host = X.cpu().numpy()
             # The oracle's rows (cosine: the float64 unit rows, ranked by their l2 distances).
             X64 = X.double() / X.double().norm(dim=1, keepdim=True) if args.metric == "cosine" else X.double()
@@ -132,7 +140,8 @@ def main(argv=None):
                 def ours():
                     return knn_torch(X, X, k, args.metric, "auto")
 
-                row = dict(n=args.n, d=d, k=k, metric=args.metric, groups=n_groups, auto=auto)
+                row = dict(n=args.n, d=d, k=k, metric=args.metric, groups=n_groups,
+                           layout="contiguous" if args.contiguous else "random", auto=auto)
                 row["torch_fp32_mm_topk_ms"] = round(statistics.median(
                     cuda_ms(lambda: addmm_topk(X, X, bias, "fp32", k), args.reps)), 1)
                 v, idx = ours()
