@@ -125,7 +125,8 @@ class JoinPlan:
     # the blocked plan's query blocks broadcast, the target streaming past them in its own
     # partitions (QUERY_BROADCAST_RATIO), instead of both sides shuffled into pairs
     queries_broadcast: bool = False
-    # the broadcast plan's small join (ONE_TASK_WORK): both sides read in one task, no broadcast
+    # the broadcast plan of a small join (ONE_TASK_WORK, ONE_TASK_ELEMENTS): both sides read in
+    # one task, no broadcast
     one_task: bool = False
 
     def to_dict(self) -> dict:
