@@ -505,21 +505,22 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     # The empty target block comes first: the broadcast plan's query blocks travel with it.
     t_packed = _empty_target_block(spark).unionByName(
         t_blocks.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
-    if plan.one_task:
-        # A small join in one task: the target is packed there too, in one partition with the
-        # empty block, and the cartesian product streams each query block against its rows
-        # (the hint forbids a broadcast, a job of its own). That partition's order is not the
-        # union's: every pair carries its query block's rows (a few target blocks: a few copies).
-        pairs = q_packed.hint("shuffle_replicate_nl").crossJoin(t_packed.coalesce(1))
-    elif plan.plan == "broadcast":
-        # The broadcast nested-loop join streams each query block against all target blocks,
-        # in the broadcast's row order: the empty block first. Only that pair carries the
-        # query block's rows (the others a NULL), so a task reads each query block once, not
-        # once per target block.
-        pairs = q_packed.crossJoin(F.broadcast(t_packed)).select(
-            C.Q_BLOCK_ID, F.when(F.col(C.T_BLOCK_ID) == C.EMPTY_BLOCK_ID, F.col(C.Q_BLOB)).alias(C.Q_BLOB),
-            C.T_BLOCK_ID, C.T_BLOB)
     if plan.plan == "broadcast":
+        if plan.one_task:
+            # A small join in one task: the target is packed there too, in one partition with
+            # the empty block, and the cartesian product streams each query block against its
+            # rows (the hint forbids a broadcast, a job of its own). That partition's order is
+            # not the union's: every pair carries its query block's rows (a few target blocks:
+            # a few copies).
+            pairs = q_packed.hint("shuffle_replicate_nl").crossJoin(t_packed.coalesce(1))
+        else:
+            # The broadcast nested-loop join streams each query block against all target
+            # blocks, in the broadcast's row order: the empty block first. Only that pair
+            # carries the query block's rows (the others a NULL), so a task reads each query
+            # block once, not once per target block.
+            pairs = q_packed.crossJoin(F.broadcast(t_packed)).select(
+                C.Q_BLOCK_ID, F.when(F.col(C.T_BLOCK_ID) == C.EMPTY_BLOCK_ID, F.col(C.Q_BLOB)).alias(C.Q_BLOB),
+                C.T_BLOCK_ID, C.T_BLOB)
         joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
     elif plan.plan == "blocked":
         if plan.queries_broadcast:
