@@ -4,9 +4,11 @@ on the same tensors, checked against the float64 oracle on sampled rows, ties to
 
 The stand-in for real sentence embeddings (63,681 MiniLM rows, about 6% of them in groups of
 identical rows): unit vectors around a few hundred cluster centres, and the same set with about 6%
-of its rows replaced by copies that form groups of 10-100 identical rows, at random positions.
+of its rows replaced by copies that form groups of 10-100 identical rows: the sets ``plain`` (no
+groups), ``groups`` (the copies at random positions) and ``contiguous`` (each group's rows next
+to each other, as a corpus that repeats a text in a row stores them).
 
-    python benchmarks/gpu_large_k.py [--dims 384,768] [--ks 10,100,1000] [--rounds]   # a CUDA machine
+    python benchmarks/gpu_large_k.py [--dims 384,768] [--ks 10,100,1000] [--sets plain,groups,contiguous] [--rounds]
 """
 from __future__ import annotations
 
@@ -113,8 +115,8 @@ def main(argv=None):
     ap.add_argument("--metric", default="cosine", choices=["cosine", "l2"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--sample", type=int, default=64, help="rows checked against the oracle")
-    ap.add_argument("--sets", default="plain,groups", help="the stand-in without and with its groups")
-    ap.add_argument("--contiguous", action="store_true", help="each group's rows next to each other")
+    ap.add_argument("--sets", default="plain,groups,contiguous",
+                    help="the stand-in without its groups, with them at random positions, each group's rows together")
     ap.add_argument("--rounds", action="store_true", help="print each search's rounds (its DEBUG lines)")
     ap.add_argument("--budget-s", type=float, default=400)
     args = ap.parse_args(argv)
@@ -123,9 +125,11 @@ def main(argv=None):
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     start = time.time()
     for d in (int(x) for x in args.dims.split(",")):
-        for groups in (name == "groups" for name in args.sets.split(",")):
+        for name in args.sets.split(","):
+            if name not in ("plain", "groups", "contiguous"):
+                ap.error(f"--sets: expected plain, groups or contiguous, got {name!r}")
             gen = torch.Generator(device="cuda").manual_seed(d)
-            X, n_groups = embeddings(args.n, d, gen, groups, contiguous=args.contiguous)
+            X, n_groups = embeddings(args.n, d, gen, name != "plain", contiguous=name == "contiguous")
             X_host = X.cpu().numpy()
             # The oracle's rows (cosine: the float64 unit rows, ranked by their l2 distances).
             X64 = X.double() / X.double().norm(dim=1, keepdim=True) if args.metric == "cosine" else X.double()
@@ -134,14 +138,13 @@ def main(argv=None):
             rows = torch.linspace(0, args.n - 1, args.sample, device="cuda").long()
             for k in (int(x) for x in args.ks.split(",")):
                 if time.time() - start > args.budget_s:
-                    print(f"budget spent: skipped d={d} groups={groups} k={k}", flush=True)
+                    print(f"budget spent: skipped d={d} {name} k={k}", flush=True)
                     continue
 
                 def ours():
                     return knn_torch(X, X, k, args.metric, "auto")
 
-                row = dict(n=args.n, d=d, k=k, metric=args.metric, groups=n_groups,
-                           layout="contiguous" if args.contiguous else "random", auto=auto)
+                row = dict(n=args.n, d=d, set=name, k=k, metric=args.metric, groups=n_groups, auto=auto, reps=args.reps)
                 row["torch_fp32_mm_topk_ms"] = round(statistics.median(
                     cuda_ms(lambda: addmm_topk(X, X, bias, "fp32", k), args.reps)), 1)
                 v, idx = ours()
