@@ -12,7 +12,7 @@ TORCH_CPU := torch==2.13.0
 TRITON := triton==3.6.0
 
 .PHONY: run test check-java check-gpu bench-cpu bench-spark bench-fixed-costs bench-approx bench-keyed \
-	bench-memory bench-stress bench-incremental bench-embeddings bench-gpu bench-gpu-shapes bench-multi-gpu bench-report clean
+	bench-memory bench-stress bench-incremental bench-embeddings bench-gpu bench-gpu-shapes bench-gpu-large-k bench-multi-gpu bench-report clean
 
 # Some machines set PYTHONDONTWRITEBYTECODE: every process (Spark's Python workers included)
 # would then compile each module it imports from source again. Empty, Python writes the
@@ -104,6 +104,11 @@ bench-gpu: check-gpu
 # The exact search at embedding sizes against torch, and the first-call compile matrix.
 bench-gpu-shapes: check-gpu
 	$(GPU_PYTHON) benchmarks/gpu_shapes.py $(ARGS)
+
+# The exact search at the k of recommenders (10, 100, 1000) on embeddings with groups of
+# identical rows, against torch.
+bench-gpu-large-k: check-gpu
+	$(GPU_PYTHON) benchmarks/gpu_large_k.py $(ARGS)
 
 # The blocked plan over several GPUs of one host (one process per GPU).
 bench-multi-gpu: check-gpu

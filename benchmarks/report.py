@@ -422,6 +422,19 @@ TABLES: dict[tuple[str, str], Table] = {
         about="Offset Gaussian data, l2, medians of 3. First call: the process's first search of that configuration, "
               "compilation included where no earlier row compiled its kernel (fresh Triton cache). Wrong rows: of "
               "`sample_rows` sampled query rows against the float64 oracle (every exact search: 0)."),
+    ("gpu_large_k", "large_k"): Table(
+        "GPU exact search at the k of recommenders, embeddings with groups of identical rows, against torch",
+        [col("set", "set"), col("groups", "groups"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
+         col("exact auto ms", "exact_ms", ".1f"), col("torch fp32 mm+topk ms", "torch_fp32_mm_topk_ms", ".1f"),
+         col("exact / torch", "exact_over_torch", ".2f"), col("wrong rows", "wrong_of_sample"),
+         col("tie-rule wrong", "tie_rule_wrong_of_sample")],
+        about="A self-join of a stand-in for real sentence embeddings (unit rows around a few hundred cluster "
+              "centres, a common direction): `plain` without groups; `groups` with about 6% of its rows replaced "
+              "by copies forming groups of 10-100 identical rows at random positions; `contiguous` the same "
+              "groups, each group's rows next to each other. Medians of `reps` calls, CUDA events; torch: fp32 "
+              "`addmm` + `topk` on the same tensors in the same process. Wrong rows: of `sample_rows` sampled "
+              "query rows against the float64 oracle; tie-rule wrong: sampled rows holding the oracle's keys but "
+              "not the lowest indices among exact ties."),
     ("approx", "recall_nt1000000"): Table(
         "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
         APPROX_COLUMNS,
