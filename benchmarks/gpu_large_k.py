@@ -30,20 +30,21 @@ from nearest_kernels.gpu import knn_torch, resolve_precision  # noqa: E402
 
 
 def embeddings(n: int, d: int, gen, groups: bool, share: float = 0.06, centres: int = 300,
-               sizes: tuple[int, int] = (10, 100), contiguous: bool = False):
+               sizes: tuple[int, int] = (10, 100), contiguous: bool = False, device: str = "cuda"):
     """``n`` float32 unit rows on the device: cluster centres plus noise (a common direction as
     real embeddings have), normalised; with ``groups``, rows at random positions replaced by
     copies of others so that about ``share`` of the rows lie in groups of ``sizes`` identical
     rows; ``contiguous``: each group's rows next to each other (a corpus that repeats a text in
-    a row), at a random place. Returns (rows, number of groups)."""
-    common = torch.randn(d, generator=gen, device="cuda")
-    c = torch.randn((centres, d), generator=gen, device="cuda") + common
-    x = c[torch.randint(0, centres, (n,), generator=gen, device="cuda")]
-    x = x + 0.8 * torch.randn((n, d), generator=gen, device="cuda")
+    a row), at a random place; ``device``: where (``gen`` a generator there). Returns (rows,
+    number of groups)."""
+    common = torch.randn(d, generator=gen, device=device)
+    c = torch.randn((centres, d), generator=gen, device=device) + common
+    x = c[torch.randint(0, centres, (n,), generator=gen, device=device)]
+    x = x + 0.8 * torch.randn((n, d), generator=gen, device=device)
     x = x / x.norm(dim=1, keepdim=True)
     n_groups = 0
     if groups:
-        perm = torch.randperm(n, generator=gen, device="cuda")
+        perm = torch.randperm(n, generator=gen, device=device)
         sizes_gen = torch.Generator().manual_seed(n)
         at, copies = 0, int(share * n)
         blocks = []
