@@ -370,6 +370,21 @@ def test_wilson_interval_and_the_choice_of_nprobe():
     assert curve.smallest_nprobe(0.1) == 1
 
 
+def test_the_sample_draws_every_partition_alike(spark):
+    """The recall estimate's queries and the training rows are a uniform sample: the last
+    partition gives its share (a sample cut by limit kept the first partitions' rows and gave
+    the last a third of its share), the count is exact, and the same seed draws the same rows."""
+    from nearest_join.ivf_index import sample_table
+
+    df = spark.range(0, 20000, 1, numPartitions=4)       # partition p holds 5000 p .. 5000 p + 4999
+    ids = sample_table(df, 1000, 20000, seed=3).column(0).to_numpy()
+    assert ids.size == 1000 and np.unique(ids).size == 1000
+    for p in range(4):
+        assert 200 < np.count_nonzero((ids >= 5000 * p) & (ids < 5000 * (p + 1))) < 300   # 250 +- 3.5 sd
+    assert (sample_table(df, 1000, 20000, seed=3).column(0).to_numpy() == ids).all()
+    assert sample_table(df, 30000, 20000, seed=3).num_rows == 20000
+
+
 def test_the_interval_takes_the_queries_own_variance():
     """Per-query recalls that vary less than a coin's give a narrower interval (fewer probes
     for the same target); the variance is the sample's, at every nprobe; a sample whose
