@@ -26,10 +26,9 @@ result.
 on the driver; one Spark job, no join plan), and measures for every ``nprobe`` the share of
 each sampled query's true neighbours whose list it would probe (the IVF search inside the
 probed lists is exact, so that is its recall@k: :mod:`nearest_join.recall`). The smallest
-``nprobe`` whose estimate's lower 95% Wilson bound meets ``recall`` runs; the estimate and
-its interval are in the plan (``JoinPlan.ivf``). Per-query recall lies in [0, 1], so its
-variance is at most ``p (1 - p)``: the Wilson interval of a proportion over the sampled
-queries is conservative for it.
+``nprobe`` whose estimate's lower 95% bound meets ``recall`` runs (the interval of a mean of
+per-query recalls, from their own variance: :mod:`nearest_join.recall`); the estimate and
+its interval are in the plan (``JoinPlan.ivf``).
 
 **Similarities.** Lists of ``cosine`` and ``inner_product`` joins are trained on normalised
 copies (spherical k-means) and probed by cosine. For inner product on unnormalised data the

@@ -311,6 +311,73 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
             stats[item, 1] = largest
 
 
+@njit(nogil=True, cache=True)
+def probed_items(lo, hi, queries, rows, members, member_starts, segment_starts, targets, bias, heaps,
+                 target_tile, query_tile, bounds):
+    """Items ``lo`` to ``hi`` of a probed search (``cpu.probed_heaps``), on the calling thread.
+
+    Item ``p`` owns heap rows ``bounds[p]`` to ``bounds[p + 1]``: for every segment ``s`` in
+    turn, the rows of its members (``members[member_starts[s]:member_starts[s + 1]]``,
+    ascending heap rows; query row ``rows[m]`` of ``queries``) that the item owns are gathered
+    into query tiles, multiplied with the segment's target tiles (targets
+    ``segment_starts[s]`` to ``segment_starts[s + 1]``) and folded into their heaps, which
+    carry their candidates from segment to segment. No two items touch one heap row, so the
+    items run on threads at once; keys carry the targets' indices. Every target tile of a
+    segment has ``target_tile`` rows (its last, partial one padded with zero rows of bias
+    +inf, which never enter): the sgemm shape that makes duplicate rows of a segment score
+    bit-identically, as in :func:`search_tiles`.
+    """
+    d = queries.shape[1]
+    n_segments = segment_starts.shape[0] - 1
+    block = np.empty((query_tile, d), dtype=np.float32)
+    scores = np.empty((query_tile, target_tile), dtype=np.float32)
+    tail = np.zeros((target_tile, d), dtype=np.float32)
+    tail_bias = np.empty(target_tile, dtype=np.float32)
+    for item in range(lo, hi):
+        first_row = bounds[item]
+        end_row = bounds[item + 1]
+        for s in range(n_segments):
+            t_lo = segment_starts[s]
+            t_hi = segment_starts[s + 1]
+            m_lo = member_starts[s]
+            m_hi = member_starts[s + 1]
+            if t_hi == t_lo or m_hi == m_lo:
+                continue
+            probing = members[m_lo:m_hi]
+            a = m_lo + np.searchsorted(probing, first_row)
+            b = m_lo + np.searchsorted(probing, end_row)
+            if a == b:
+                continue
+            n_full = (t_hi - t_lo) // target_tile
+            rest = (t_hi - t_lo) - n_full * target_tile
+            if rest:
+                start = t_lo + n_full * target_tile
+                for j in range(target_tile):
+                    if j < rest:
+                        tail[j, :] = targets[start + j]
+                        tail_bias[j] = bias[start + j]
+                    else:
+                        tail[j, :] = 0.0
+                        tail_bias[j] = np.inf
+            for q0 in range(a, b, query_tile):
+                q1 = min(b, q0 + query_tile)
+                n_rows = q1 - q0
+                for r in range(n_rows):
+                    block[r, :] = queries[rows[members[q0 + r]]]
+                query_block = block[:n_rows]
+                tile_scores = scores[:n_rows]
+                for tt in range(n_full + (1 if rest else 0)):
+                    t0 = t_lo + tt * target_tile
+                    if tt < n_full:
+                        np.dot(query_block, targets[t0:t0 + target_tile].T, tile_scores)
+                        tile_bias = bias[t0:t0 + target_tile]
+                    else:
+                        np.dot(query_block, tail.T, tile_scores)
+                        tile_bias = tail_bias
+                    for r in range(n_rows):
+                        _fold_row(tile_scores, r, tile_bias, t0, heaps, members[q0 + r])
+
+
 def cap_key(scores: np.ndarray) -> np.ndarray:
     """Heap keys (uint64) that admit exactly the float32 scores ``<= scores`` (float64,
     rounded up to float32; +inf or NaN: EMPTY_KEY, which admits every finite score): the

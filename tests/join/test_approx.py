@@ -370,6 +370,47 @@ def test_wilson_interval_and_the_choice_of_nprobe():
     assert curve.smallest_nprobe(0.1) == 1
 
 
+def test_the_sample_draws_every_partition_alike(spark):
+    """The recall estimate's queries and the training rows are a uniform sample: the last
+    partition gives its share (a sample cut by limit kept the first partitions' rows and gave
+    the last a third of its share), the count is exact, and the same seed draws the same rows."""
+    from nearest_join.ivf_index import sample_table
+
+    df = spark.range(0, 20000, 1, numPartitions=4)       # partition p holds 5000 p .. 5000 p + 4999
+    ids = sample_table(df, 1000, 20000, seed=3).column(0).to_numpy()
+    assert ids.size == 1000 and np.unique(ids).size == 1000
+    for p in range(4):
+        assert 200 < np.count_nonzero((ids >= 5000 * p) & (ids < 5000 * (p + 1))) < 300   # 250 +- 3.5 sd
+    assert (sample_table(df, 1000, 20000, seed=3).column(0).to_numpy() == ids).all()
+    assert sample_table(df, 30000, 20000, seed=3).num_rows == 20000
+
+
+def test_the_interval_takes_the_queries_own_variance():
+    """Per-query recalls that vary less than a coin's give a narrower interval (fewer probes
+    for the same target); the variance is the sample's, at every nprobe; a sample whose
+    recalls agree still gets an interval, and a variance above the bound is clipped to it."""
+    from nearest_join.recall import recall_of_ranks, wilson_interval
+
+    assert wilson_interval(0.96, 1000, 0.96 * 0.04) == wilson_interval(0.96, 1000)
+    assert wilson_interval(0.96, 1000, 1.0) == wilson_interval(0.96, 1000)
+    narrow, wide = wilson_interval(0.96, 1000, 0.01), wilson_interval(0.96, 1000)
+    assert wide[0] < narrow[0] < 0.96 < narrow[1] < wide[1]
+    lower, upper = wilson_interval(1.0, 1000, 0.0)
+    assert 0.995 < lower < 1.0 and upper == 1.0
+    assert wilson_interval(1.0, 10, 0.0)[0] < 0.8          # few queries: still wide
+
+    rng = np.random.default_rng(0)
+    ranks = [rng.integers(0, 12, size=rng.integers(1, 11)) for _ in range(400)] + [np.zeros(0, np.int64)]
+    curve = recall_of_ranks(ranks, 8)
+    assert curve.queries == 400
+    per_query = np.array([[np.mean(r < p) for p in range(1, 9)] for r in ranks[:400]])
+    np.testing.assert_allclose(curve.recall, per_query.mean(axis=0), atol=1e-12)
+    np.testing.assert_allclose(curve.variance, per_query.var(axis=0, ddof=1), atol=1e-12)
+    estimate, lower, upper = curve.at(3)
+    assert (lower, upper) == pytest.approx(wilson_interval(estimate, 400, per_query[:, 2].var(ddof=1)), abs=1e-12)
+    assert recall_of_ranks(ranks[:1], 8).variance is None   # one query: no sample variance
+
+
 def test_recall_estimate_against_measured_recall_without_spark():
     """The estimate's mechanism (lists of the true neighbours against the query's probe
     order) is the measured recall of the probed search, on the whole query set."""
