@@ -333,8 +333,8 @@ def sample_table(picked, rows: int, total_rows: int, seed: int):
 
     Cutting the sample with ``limit`` instead would keep the first partitions' rows and drop
     the last ones': the recall estimate's queries and the index's training rows would lean to
-    whatever the first partitions hold (measured on real embeddings whose partitions hold
-    different sources: the estimate 0.5-1.5 points above the recall the join then reached)."""
+    whatever the first partitions hold (on real embeddings whose partitions hold different
+    sources, the estimate read above the recall the join then reached)."""
     if total_rows <= rows:
         return picked.limit(rows).toArrow()
     # Oversample so that the draw almost never yields fewer than ``rows``.

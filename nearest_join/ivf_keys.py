@@ -28,8 +28,8 @@ The recall estimate with keys (:func:`estimate_keyed_recall`) samples queries th
 key group, ranks each against its own key's targets only (the scan of ``udfs.ivf.sample_topk``
 with the groups), and ranks its neighbours' lists among those its key occupies, as the
 search probes them; a query of a key searched whole finds its neighbours at the first probe.
-The same interval (:mod:`nearest_join.recall`), and ``nprobe == nlist`` (or the most lists one key occupies) is
-the exact keyed result.
+The same interval (:mod:`nearest_join.recall`), and ``nprobe == nlist`` (or the most lists
+one key occupies) is the exact keyed result.
 """
 from __future__ import annotations
 

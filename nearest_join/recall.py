@@ -12,8 +12,8 @@ the share of its neighbours found at every nprobe (:func:`recall_curve`,
 Its 95% interval is Wilson's score interval with the sample's own variance of those recalls in
 place of the bound ``p (1 - p)`` that a proportion's would use (:func:`wilson_interval`):
 on real data most queries find all or nearly all of their neighbours, so the recalls vary far
-less than a coin of the same mean (a standard deviation of 0.09-0.13 at a mean of 0.95, against
-0.22), and the bound would ask for more probes than the estimate needs. Wilson's own terms in
+less than a coin of the same mean, and the bound would ask for more probes than the estimate
+needs (``benchmarks/approx.py --seeds`` measures how often the target is met). Wilson's own terms in
 ``z^2 / n`` keep the interval from closing on a sample whose recalls happen to agree.
 """
 from __future__ import annotations
