@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ._common import Metric, check_cap, drop_beyond_cap, heap_width
-from ._numba import run_split, task_threads  # (chooses numba's cache directory before numba loads)
+from ._numba import task_threads  # (chooses numba's cache directory before numba loads)
 
 from threadpoolctl import ThreadpoolController  # noqa: E402
 
@@ -104,9 +104,6 @@ FALLBACK_KEYS = 1 << 23
 # to this many (or 4 k); rows per chunk of that search bound its (rows x kept) keys.
 COLLECT_WIDTH = 1024
 COLLECT_KEYS = 1 << 22
-# Query rows per tile of a probed search (``_cpu_kernels.probed_items``): a thread gathers them
-# from the segment's probing rows into one block that stays in cache while it meets the tiles.
-PROBED_QUERY_TILE = 512
 
 
 def _frozen(array: np.ndarray) -> np.ndarray:
@@ -630,11 +627,20 @@ def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_s
     heaps = np.full((rows.shape[0], kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
     if start is not None:
         heaps[:] = start[:, None]
-    parts = max(1, min(threads, rows.shape[0]))
-    bounds = np.array([rows.shape[0] * p // parts for p in range(parts + 1)], dtype=np.int64)
-    run_split(_cpu_kernels.probed_items, parts, ops.scaled, _frozen(rows.astype(np.int64, copy=False)),
-              _frozen(members), _frozen(member_starts), _frozen(segment_starts), ops.targets32,
-              _frozen(ops.bias), heaps, target_tile, PROBED_QUERY_TILE, _frozen(bounds), threads=parts)
+    no_stats = np.zeros((0, 2))
+    for s in np.flatnonzero(np.diff(member_starts)):
+        lo, hi = int(segment_starts[s]), int(segment_starts[s + 1])
+        if hi == lo:
+            continue
+        probing = members[member_starts[s]:member_starts[s + 1]]
+        scaled = _frozen(np.ascontiguousarray(ops.scaled[rows[probing]]))
+        block = heaps[probing][None]
+        targets, bias = ops.targets32[lo:hi], ops.bias[lo:hi]
+        tail, tail_bias = _tail_tile(targets, bias, target_tile)
+        query_tile = plan_tiles(probing.shape[0], hi - lo, threads)[0]
+        _cpu_kernels.search_tiles(scaled, targets, bias, tail, tail_bias, block, query_tile, no_stats,
+                                  threads=threads, offset=lo, seed=False)
+        heaps[probing] = block[0]
     return heaps
 
 
