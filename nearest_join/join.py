@@ -145,16 +145,26 @@ class PlannedJoin:
         column of this name, 1 on each query row's best match and 0 on its other rows and on
         a query row without one (the jobs count the queries that matched from it as they
         write); ``query_columns`` / ``target_columns``, the positions of each side's columns
-        the output keeps, in their order (default: all). The executors then never emit the
-        others: a column dropped after the join would still cross from Python to the JVM."""
+        the output keeps, in their order (default: all; the vector columns left out under
+        ``keep_vectors=False``). The executors then never emit the others: a column dropped
+        after the join would still cross from Python to the JVM."""
         if self.parsed is None:
             if first_match_column is not None or query_columns is not None or target_columns is not None:
                 raise ValueError("first_match_column, query_columns, target_columns: the fast path's plans "
                                  "only, not Spark's own")
             return _spark_fallback(self)
+        if not self.options.keep_vectors:
+            query_columns = _without(self.query, self.parsed.query_column, query_columns)
+            target_columns = _without(self.target, self.parsed.target_column, target_columns)
         return _execute(self, first_match_column,
                         None if query_columns is None else tuple(int(c) for c in query_columns),
                         None if target_columns is None else tuple(int(c) for c in target_columns))
+
+
+def _without(df: DataFrame, vector_column: str, kept) -> tuple[int, ...]:
+    """The positions of ``kept`` (default: every column of ``df``) less the vector column's."""
+    vector = column_index(df, vector_column)
+    return tuple(c for c in (range(len(df.columns)) if kept is None else kept) if c != vector)
 
 
 def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions, *,
@@ -178,6 +188,10 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         if options.on is not None:
             raise ArgumentError("on", f"applies to the vector functions over one column of each side "
                                       f"(Spark's own nearestByJoin takes no keys), got the ranking {ranking}")
+        if not options.keep_vectors:
+            raise ArgumentError("keep_vectors", f"expected True with a ranking Spark's own nearestByJoin runs "
+                                                f"(select the columns you need from its output: Spark prunes "
+                                                f"the rest), got False with the ranking {ranking}")
         planned = PlannedJoin(query, target, ranking, options, spark_plan(spark, ranking, options),
                               None, options.direction)
     else:
@@ -252,7 +266,7 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **
 def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: int = 1,
                     mode: str = "exact", direction: str | None = None, *, vectors=None,
                     join_type: str = "inner", distance_col: str | None = None,
-                    backend: str = "auto", precision: str = "auto",
+                    keep_vectors: bool = True, backend: str = "auto", precision: str = "auto",
                     broadcast_limit_bytes: int | None = None,
                     query_block_rows: int | None = None,
                     target_block_rows: int | None = None,
@@ -292,6 +306,13 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     distance_col : str, keyword-only
         Name of an extra float output column with the ranking value (NULL where LEFT OUTER
         found no candidate).
+    keep_vectors : bool, keyword-only
+        False: the output leaves out the two vector columns the ranking reads (every other
+        column stays). Spark cannot prune a column from this join's output once it is
+        built: a vector column dropped after the join has still crossed from the Python
+        workers to the JVM, row by row, for every one of the k rows per query. Drop other
+        columns from the inputs before the join as usual. Only with a vector-function or
+        metric-name ranking.
     backend : {"auto", "cpu", "gpu", "reference"}, keyword-only
         Kernel backend on the executors; ``auto`` takes the task's GPU when it has one.
     precision : {"auto", "fp32", "tf32", "bf16"}, keyword-only
@@ -345,7 +366,8 @@ def nearest_by_join(query: DataFrame, target: DataFrame, ranking, num_results: i
     -------
     DataFrame
         All query columns, then all target columns (original order and names, duplicates
-        allowed), then ``distance_col`` if given; up to ``num_results`` rows per query row.
+        allowed; the vector columns left out with ``keep_vectors=False``), then
+        ``distance_col`` if given; up to ``num_results`` rows per query row.
         Row order is unspecified.
 
     Raises

@@ -198,6 +198,7 @@ class JoinOptions:
     vectors: str | tuple[str, str] | None = None
     join_type: str = "inner"
     distance_col: str | None = None
+    keep_vectors: bool = True
     backend: str = "auto"
     precision: str = "auto"
     broadcast_limit_bytes: int | None = None
@@ -259,6 +260,8 @@ class JoinOptions:
         normalised.update(_approx_options(self, normalised["mode"]))
         if self.distance_col is not None and (not isinstance(self.distance_col, str) or not self.distance_col):
             raise ArgumentError("distance_col", f"expected None or a non-empty column name, got {short(self.distance_col)}")
+        if not isinstance(self.keep_vectors, bool):
+            raise ArgumentTypeError("keep_vectors", f"expected True or False, got {describe(self.keep_vectors)}")
         for name, value in normalised.items():
             object.__setattr__(self, name, value)   # frozen: normalise in place, once
 

@@ -1,10 +1,13 @@
 """PlannedJoin.dataframe's batch-job options: the executors emit only the columns asked for
 (``query_columns`` / ``target_columns``) and a first-match marker, in both plans, with keys,
-qualifiers and NULL padding; the rows are those of the full output."""
+qualifiers and NULL padding; the rows are those of the full output. ``keep_vectors=False``
+leaves the vector columns out the same way."""
 from __future__ import annotations
 
 import pytest
 
+from nearest_join import nearest_by_join
+from nearest_join.errors import ArgumentError
 from nearest_join.join import plan_join
 from nearest_join.options import JoinOptions
 
@@ -49,6 +52,20 @@ def test_only_the_kept_columns_are_emitted(sides, plan, keyed):
     assert "v" not in marked.columns and "w" not in marked.columns
 
 
+@pytest.mark.parametrize("options", [{"join_type": "leftouter"}, {"on": "key", **PLANS["blocked"]},
+                                     {"mode": "approx", "nlist": 2, "nprobe": 1}],
+                         ids=["broadcast-leftouter", "keyed-blocked", "approx"])
+def test_keep_vectors_false_leaves_the_vector_columns_out(sides, options):
+    query, target = sides
+    full = nearest_by_join(query, target, "l2", 2, vectors=("v", "w"), distance_col="d", **options)
+    lean = nearest_by_join(query, target, "l2", 2, vectors=("v", "w"), distance_col="d", keep_vectors=False,
+                           **options)
+    assert lean.columns == [c for c in full.columns if c not in ("v", "w")]
+    kept = ["q.id", "q.tag", "q.key", "t.tid", "t.label", "t.key", "d"]
+    rows = [sorted(map(tuple, df.select(*kept).collect()), key=repr) for df in (full, lean)]
+    assert rows[0] == rows[1] and len(rows[0]) >= 4
+
+
 def test_spark_plans_refuse_the_job_options(spark, sides):
     from pyspark.sql import functions as F
 
@@ -59,3 +76,7 @@ def test_spark_plans_refuse_the_job_options(spark, sides):
     assert planned.plan.plan == "spark"
     with pytest.raises(ValueError, match="query_columns"):
         planned.dataframe(query_columns=[0])
+    # Spark prunes its own join's columns: keep_vectors=False is an error there, not a no-op.
+    with pytest.raises(ArgumentError, match="keep_vectors: expected True with a ranking Spark's own"):
+        nearest_by_join(query, target, F.vector_l2_distance(target.w, target.w), 1, direction="distance",
+                        keep_vectors=False)

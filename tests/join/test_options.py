@@ -49,6 +49,7 @@ BAD = [
      "precision: expected one of ['auto', 'fp32', 'tf32', 'bf16'], got 'fp16'"),
     ({"distance_col": ""}, ArgumentError, "distance_col", "distance_col: expected None or a non-empty column name, got ''"),
     ({"distance_col": 3}, ArgumentError, "distance_col", "got 3"),
+    ({"keep_vectors": "no"}, ArgumentTypeError, "keep_vectors", "keep_vectors: expected True or False, got str 'no'"),
     ({"vectors": ("a",)}, ArgumentError, "vectors", "vectors: expected a column name present on both sides"),
     ({"vectors": ("a", 2)}, ArgumentError, "vectors", "got ('a', 2)"),
     ({"broadcast_limit_bytes": -1}, ArgumentError, "broadcast_limit_bytes",
