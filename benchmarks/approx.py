@@ -63,11 +63,14 @@ def cached_inputs(spark, kind: str, nt: int, nq: int, workdir: str):
 
 
 def exact_or_approx(q, t, metric: str, **options):
-    """The planned join of our k nearest (``qid``, ``tid``, ``value``) rows."""
+    """The planned join of our k nearest (``qid``, ``tid``, ``value``) rows, without the vector
+    columns (``keep_vectors=False``): faiss returns ids and values, and an engine that carried
+    both sides' vectors into every output row would be timing that transfer, not its search."""
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 
-    return plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value", **options))
+    return plan_join(q, t, metric, JoinOptions(num_results=K, vectors=("v", "w"), distance_col="value",
+                                               keep_vectors=False, **options))
 
 
 @contextlib.contextmanager

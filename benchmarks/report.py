@@ -446,7 +446,8 @@ TABLES: dict[tuple[str, str], Table] = {
               "against our exact rows. The Gaussian target needed 40% of the lists or more against the index's own "
               "training sample (the screen, `nearest_join.ivf.screen_recall`), so that call ran the exact plan after "
               "training, without the estimate's scan. faiss: IndexIVFFlat on one process, 2 threads, same nlist and "
-              "training rows, at the smallest nprobe reaching our recall. CPU s: user + system seconds of the driver, "
+              "training rows, at the smallest nprobe reaching our recall. Our output: ids and value "
+              "(`keep_vectors=False`), as faiss's. CPU s: user + system seconds of the driver, "
               "the JVM and the Python workers during the call; load: the 1-minute load average before and after it "
               "(the machine is shared: under load the ratio of CPU seconds holds, that of wall times does not).",
         plot=plot_recall),
@@ -468,7 +469,8 @@ TABLES: dict[tuple[str, str], Table] = {
               "fastest of the calls in its record's `runs`, the approx rows after one untimed approx call; each "
               "approx call trains, estimates recall and searches. recall@10 counts ties: a returned row as near as "
               "the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat over inner product, 2 threads, "
-              "same nlist and training rows, at the smallest nprobe reaching our recall.",
+              "same nlist and training rows, at the smallest nprobe reaching our recall. Both of our engines output "
+              "ids and value (`keep_vectors=False`), as faiss does.",
         plot=None),
     **{("approx", f"seeds_{data}"): Table(
         f"Recall honesty of `mode=\"approx\"` over seeds: {what}, local[2]",
