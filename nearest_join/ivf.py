@@ -21,7 +21,8 @@ only the candidate set is approximate. ``nprobe == nlist`` searches every list: 
 result.
 
 **Choosing nprobe.** The planner draws a sample of the queries
-(:data:`nearest_join.recall.RECALL_QUERIES`), finds their exact top k in one scan of the target
+(:data:`nearest_join.recall.RECALL_QUERIES`; fewer where the lists select so sharply that
+their scan would cost more than the search, :func:`estimate_sample`), finds their exact top k in one scan of the target
 (``udfs.ivf.sample_topk``: each partition's k best per sampled query and their lists, merged
 on the driver; one Spark job, no join plan), and measures for every ``nprobe`` the share of
 each sampled query's true neighbours whose list it would probe (the IVF search inside the
@@ -76,6 +77,15 @@ IVF_MAX_PROBED_SHARE = 0.25
 # so the sample needs as many lists or more than the target: far above IVF_MAX_PROBED_SHARE,
 # only data whose lists cannot select (isotropic Gaussians: about half of them) stops here.
 IVF_SCREEN_SHARE = 0.4
+# The estimate's scan costs its sampled queries x the target's rows, the search it plans about
+# the query rows x the target's rows x the share of the lists probed: where lists select
+# sharply (few probed of many) the whole sample's scan would cost more than the search. The
+# sample is cut to ESTIMATE_SHARE of the query rows the search multiplies by the whole target
+# (the screen's share of the lists, which probes as many lists as the target's sample needs
+# or more), down to MIN_RECALL_QUERIES: its interval is then wider, so a larger nprobe is
+# chosen, never a lower recall.
+ESTIMATE_SHARE = 0.5
+MIN_RECALL_QUERIES = 250
 
 
 def sampled_queries(planned, seed: int) -> np.ndarray:
@@ -128,6 +138,23 @@ def screen_recall(index: IVFIndex, queries: np.ndarray, sample: np.ndarray, k: i
     sample_lists = index.route(sample, 1, metric)[:, 0]
     true_lists = [sample_lists[row[row >= 0]] for row in rows]
     return recall_curve(_probe_order(index, queries, metric), true_lists)
+
+
+def estimate_sample(queries: np.ndarray, probed_share: float, query_rows: int, seed: int) -> np.ndarray:
+    """The sampled ``queries`` the estimate searches: all of them, or a seeded uniform subset
+    of ESTIMATE_SHARE x ``query_rows`` x ``probed_share`` rows (at least
+    :data:`MIN_RECALL_QUERIES`) where the search probes a small share of the lists, in
+    their order.
+
+    >>> estimate_sample(np.zeros((1000, 2)), 1 / 300, 100_000, 0).shape
+    (250, 2)
+    >>> estimate_sample(np.zeros((1000, 2)), 0.1, 64_000, 0).shape
+    (1000, 2)
+    """
+    wanted = int(max(MIN_RECALL_QUERIES, ESTIMATE_SHARE * query_rows * probed_share))
+    if wanted >= queries.shape[0]:
+        return queries
+    return queries[np.sort(np.random.default_rng(seed).choice(queries.shape[0], wanted, replace=False))]
 
 
 def _probe_order(index: IVFIndex, queries: np.ndarray, metric: str) -> np.ndarray:
@@ -329,7 +356,9 @@ def plan_approx(planned):
                              "whole target needs about as many, and IVF would be slower than the exact "
                              "search (its recall estimate against the target was not run; pass nprobe "
                              "to force IVF)", **info)
-            curve = estimate_recall(planned, index, options.seed, queries=queries)
+            curve = estimate_recall(planned, index, options.seed,
+                                    queries=estimate_sample(queries, needed / index.nlist, plan.query_rows,
+                                                            options.seed))
         else:
             curve = estimate_keyed_recall(planned, index, lists, *inputs, options.seed)
         nprobe = curve.smallest_nprobe(options.recall)

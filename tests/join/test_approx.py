@@ -370,6 +370,20 @@ def test_wilson_interval_and_the_choice_of_nprobe():
     assert curve.smallest_nprobe(0.1) == 1
 
 
+def test_the_estimate_sample_is_cut_where_lists_select_sharply():
+    from nearest_join import ivf
+
+    queries = np.arange(1000, dtype=np.float32)[:, None]
+    assert ivf.estimate_sample(queries, 0.1, 64_000, 0) is queries   # the search dwarfs the scan
+    cut = ivf.estimate_sample(queries, 1 / 300, 100_000, 0)[:, 0]
+    assert cut.size == ivf.MIN_RECALL_QUERIES and np.all(np.diff(cut) > 0)
+    # A uniform draw, not a prefix (the sample's rows come in input order): each quarter of
+    # the sample gives about a quarter of the cut.
+    assert all(40 <= c <= 85 for c in np.bincount((cut // 250).astype(int), minlength=4))
+    assert np.array_equal(cut, ivf.estimate_sample(queries, 1 / 300, 100_000, 0)[:, 0])   # seeded
+    assert ivf.estimate_sample(queries, 0.01, 100_000, 1).shape == (500, 1)
+
+
 def test_the_sample_draws_every_partition_alike(spark):
     """The recall estimate's queries and the training rows are a uniform sample: the last
     partition gives its share (a sample cut by limit kept the first partitions' rows and gave
