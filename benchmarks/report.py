@@ -467,7 +467,8 @@ TABLES: dict[tuple[str, str], Table] = {
         about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; d=384, "
               "unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. Each engine's "
               "fastest of the calls in its record's `runs`, the approx rows after one untimed approx call; each "
-              "approx call trains, estimates recall and searches. recall@10 counts ties: a returned row as near as "
+              "approx call trains, estimates recall and searches; with a saved index (`build_ivf_index` on the same "
+              "target before, untimed) it estimates recall and searches. recall@10 counts ties: a returned row as near as "
               "the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat over inner product, 2 threads, "
               "same nlist and training rows, at the smallest nprobe reaching our recall. Both of our engines output "
               "ids and value (`keep_vectors=False`), as faiss does.",
