@@ -123,9 +123,20 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
+# Above LONG_LIST_K (half the fused kernel's longest list) a low-precision first list holds
+# next_pow2(2k): the plain width next_pow2(k) leaves as few as k + 1 .. k + 24 candidates, and
+# the keys between a row's k-th and last candidate then lie closer together than the bf16
+# bound, so that list proves no row and the bf16 pass is wasted (benchmarks/gpu_notes.md,
+# Large k). Such lists are longer than the fused kernel's: the torch generator makes them.
+LONG_LIST_K = 512
+
+
 def candidate_width(k: int, precision: str, lower: bool = False) -> int:
     """Width of the first candidate list for ``k`` results in ``precision``; ranked by lower
-    keys (``lower``), the plain width: they prove nearly every row from it (module notes)."""
+    keys (``lower``), the plain width: they prove nearly every row from it (module notes).
+    Low precision above LONG_LIST_K: next_pow2(2k)."""
+    if precision != "fp32" and k > LONG_LIST_K:
+        return next_pow2(2 * k)
     return max(MIN_CANDIDATES, next_pow2(k + (0 if lower else _EXTRA[precision](k))))
 
 

@@ -7,7 +7,8 @@ then an exact float32 re-rank whose candidate list is proven complete by an erro
   tile on chip and folds it into per-query candidate lists. Needs triton and a GPU of compute
   capability 8.0 or newer, tf32 or bf16 operands (fp32 products run on cuBLAS, which the
   fused kernel's CUDA-core form did not match), and a candidate list of at most
-  ``MAX_CANDIDATES`` (1024) entries: k up to 907 in tf32, 1024 in bf16.
+  ``MAX_CANDIDATES`` (1024) entries: k up to 512 (above it a low-precision first list holds
+  about 2k, ``_gpu_bound.LONG_LIST_K``).
 * ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
 
 ``precision`` picks the operands of the candidate pass: ``"auto"`` (the default: bf16 on GPUs
@@ -258,8 +259,15 @@ LOWER_KEYS_ANY_D_FROM_K = 64
 
 def uses_lower_keys(k: int, precision: str, d: int) -> bool:
     """Whether an EXACT search of ``k`` in ``precision`` at dimension ``d`` ranks by lower
-    keys (LOWER_KEYS; small k only up to LOWER_KEYS_SMALL_K_MAX_D)."""
+    keys (LOWER_KEYS; small k only up to LOWER_KEYS_SMALL_K_MAX_D; not above
+    ``_gpu_bound.LONG_LIST_K``)."""
+    from ._gpu_bound import LONG_LIST_K
+
     if precision not in LOWER_KEYS or k < LOWER_KEYS[precision]:
+        return False
+    if k > LONG_LIST_K:
+        # The list of about 2k proves its rows by plain keys (benchmarks/gpu_notes.md, Large
+        # k); on the torch path lower keys cost two more passes over every key tile.
         return False
     return k >= LOWER_KEYS_ANY_D_FROM_K or d <= LOWER_KEYS_SMALL_K_MAX_D
 

@@ -728,10 +728,11 @@ def test_gpu_torch_fallback_and_tensor_inputs(metric, precision):
 
     q, t = make_data("clustered", 300, 2000, 96, 11)
     qd, td = torch.from_numpy(q).cuda(), torch.from_numpy(t).cuda()
-    # k=25: the fused kernel (fp32: cuBLAS candidates); k=1100: lists beyond the fused
-    # kernel's, the torch path in every precision (gpu.choose).
-    for k in (25, 1100):
-        assert (kgpu.choose(k, precision, qd.device)[0].name == "torch") == (precision == "fp32" or k > 1000)
+    # k=25: the fused kernel (fp32: cuBLAS candidates); k=600 and 1100: a low-precision
+    # first list of about 2k, beyond the fused kernel's: the torch path in every precision
+    # (gpu.choose, _gpu_bound.LONG_LIST_K).
+    for k in (25, 600, 1100):
+        assert (kgpu.choose(k, precision, qd.device)[0].name == "torch") == (precision == "fp32" or k > 512)
         v, i = knn_torch(qd, td, k, metric, precision)
         assert v.device.type == "cuda"
         check_result(q, t, k, metric, v.cpu().numpy(), i.cpu().numpy())

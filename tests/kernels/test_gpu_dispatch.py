@@ -36,7 +36,7 @@ def test_lists_longer_than_the_fused_kernel_keeps_run_the_torch_path(monkeypatch
     monkeypatch.setattr(gpu, "triton_refusal", lambda device: None)
     chosen, reasons = gpu.choose(1500, "bf16", torch.device("cuda", 0))
     assert chosen.name == "torch"
-    assert reasons == ["triton: k=1500 in bf16 needs 2048 candidates, more than the 1024 of its lists"]
+    assert reasons == ["triton: k=1500 in bf16 needs 4096 candidates, more than the 1024 of its lists"]
 
 
 def test_without_triton_support_the_reason_is_named(monkeypatch):
