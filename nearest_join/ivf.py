@@ -21,15 +21,15 @@ only the candidate set is approximate. ``nprobe == nlist`` searches every list: 
 result.
 
 **Choosing nprobe.** The planner draws a sample of the queries
-(:data:`nearest_join.recall.RECALL_QUERIES`; fewer where the lists select so sharply that
-their scan would cost more than the search, :func:`estimate_sample`), finds their exact top k in one scan of the target
-(``udfs.ivf.sample_topk``: each partition's k best per sampled query and their lists, merged
-on the driver; one Spark job, no join plan), and measures for every ``nprobe`` the share of
-each sampled query's true neighbours whose list it would probe (the IVF search inside the
-probed lists is exact, so that is its recall@k: :mod:`nearest_join.recall`). The smallest
-``nprobe`` whose estimate's lower 95% bound meets ``recall`` runs (the interval of a mean of
-per-query recalls, from their own variance: :mod:`nearest_join.recall`); the estimate and
-its interval are in the plan (``JoinPlan.ivf``).
+(:data:`nearest_join.recall.RECALL_QUERIES`; fewer where the lists select so sharply that their
+scan would cost more than the search, :func:`estimate_sample`), finds their exact top k in one
+scan of the target (``udfs.ivf.sample_topk``: each partition's k best per sampled query and
+their lists, merged on the driver; one Spark job, no join plan), and measures for every
+``nprobe`` the share of each sampled query's true neighbours whose list it would probe (the IVF
+search inside the probed lists is exact, so that is its recall@k: :mod:`nearest_join.recall`).
+The smallest ``nprobe`` whose estimate's lower 95% bound meets ``recall`` runs (the interval of
+a mean of per-query recalls, from their own variance: :mod:`nearest_join.recall`); the estimate
+and its interval are in the plan (``JoinPlan.ivf``).
 
 **Similarities.** Lists of ``cosine`` and ``inner_product`` joins are trained on normalised
 copies (spherical k-means) and probed by cosine. For inner product on unnormalised data the
