@@ -58,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ArgumentError
-from .ivf_index import IVFIndex, default_nlist, sample_and_train, sample_vectors
+from .ivf_index import IVFIndex, default_nlist, sample_vectors, training_sample
 from .recall import RECALL_QUERIES, RecallCurve, neighbour_lists, recall_curve
 
 # Below these the exact plan runs (IVF's fixed costs are seconds: a sample job, k-means on
@@ -77,6 +77,10 @@ IVF_MAX_PROBED_SHARE = 0.25
 # so the sample needs as many lists or more than the target: far above IVF_MAX_PROBED_SHARE,
 # only data whose lists cannot select (isotropic Gaussians: about half of them) stops here.
 IVF_SCREEN_SHARE = 0.4
+# The screen runs on the centroids of the first few Lloyd iterations, and only a join that
+# passes it trains on (the same k-means, run on): the verdict on data whose lists cannot
+# select is the same after a few iterations as after all of them, and such data needs most.
+SCREEN_ITERATIONS = 5
 # The estimate's scan costs its sampled queries x the target's rows, the search it plans about
 # the query rows x the target's rows x the share of the lists probed: where lists select
 # sharply (few probed of many) the whole sample's scan would cost more than the search. The
@@ -307,7 +311,7 @@ def plan_approx(planned):
                  else options.nlist or default_nlist(plan.target_rows, plan.query_rows))
         if rows <= KEY_WHOLE_LISTS * plan.target_rows // nlist:
             return exact(all_keys_whole(KEY_WHOLE_LISTS * plan.target_rows // nlist, nlist))
-    index, sample = options.index, None
+    index, screen = options.index, None
     if index is not None:
         # The name is not checked (check_join says why); the plan says which column it was built on.
         built = "given, " + ("built on an unrecorded target column" if index.column is None
@@ -315,9 +319,36 @@ def plan_approx(planned):
         if index.column is not None and index.column != parsed.target_column:
             built += f", not the join's {quote(parsed.target_column)}"
     else:
-        index, sample = sample_and_train(planned.target, parsed.target_column, parsed.metric,
-                                         nlist=options.nlist, seed=options.seed, sample=None,
-                                         target_rows=plan.target_rows, query_rows=plan.query_rows)
+        sample, nlist = training_sample(planned.target, parsed.target_column, parsed.metric,
+                                        nlist=options.nlist, seed=options.seed, sample=None,
+                                        target_rows=plan.target_rows, query_rows=plan.query_rows)
+        training = IVFIndex.start_training(sample, parsed.metric, nlist, options.seed)
+        if options.nprobe is None and planned.keys is None:
+            training.run(SCREEN_ITERATIONS)
+            early = IVFIndex.of_training(training, parsed.metric, options.seed, parsed.target_column)
+            queries = sampled_queries(planned, options.seed)
+            screen = screen_recall(early, queries, sample, plan.k, parsed.metric, plan.cap)
+            needed = screen.smallest_nprobe(options.recall)
+            # (a screen of few queries with neighbours has a wide interval: no verdict)
+            if screen.queries >= RECALL_QUERIES // 2 and needed >= IVF_SCREEN_SHARE * early.nlist:
+                estimate, lower, upper = screen.at(needed)
+                info = {"runs": "ivf", "nlist": early.nlist, "nprobe": needed, "seed": early.seed,
+                        "index": f"screened with the centroids of {early.iterations} Lloyd iterations on "
+                                 f"{early.sample_rows} sampled target rows",
+                        "recall_target": options.recall, "recall_estimate": estimate,
+                        "recall_interval": [lower, upper], "recall_queries": screen.queries,
+                        "recall_against": "training sample"}
+                return exact(f"recall={options.recall} needs nprobe={needed} of nlist={early.nlist} lists "
+                             f"against the index's own {sample.shape[0]} training rows (estimated "
+                             f"recall@{plan.k} {estimate:.4f}, 95% interval [{lower:.4f}, {upper:.4f}], "
+                             f"{screen.queries} sampled queries, centroids of {early.iterations} Lloyd "
+                             f"iterations), >= {IVF_SCREEN_SHARE:g} of them: the whole target needs about "
+                             "as many, and IVF would be slower than the exact search (its recall estimate "
+                             "against the target was not run; pass nprobe to force IVF)", **info)
+        from nearest_kernels.kmeans import MAX_ITERATIONS
+
+        index = IVFIndex.of_training(training.run(MAX_ITERATIONS), parsed.metric, options.seed,
+                                     parsed.target_column)
         built = f"trained on {index.sample_rows} sampled target rows ({index.iterations} Lloyd iterations)"
     if options.nprobe is not None and options.nprobe > index.nlist:
         raise ArgumentError("nprobe", f"expected at most nlist = {index.nlist} (the index's lists), "
@@ -338,24 +369,11 @@ def plan_approx(planned):
         nprobe = options.nprobe
         chosen = "given; recall not estimated"
     else:
-        if lists is None and sample is None:   # a given index: no training sample to screen on
+        if lists is None and screen is None:   # a given index: no training sample to screen on
             curve = estimate_recall(planned, index, options.seed)
         elif lists is None:
-            queries = sampled_queries(planned, options.seed)
-            screen = screen_recall(index, queries, sample, plan.k, parsed.metric, plan.cap)
-            needed = screen.smallest_nprobe(options.recall)
-            # (a screen of few queries with neighbours has a wide interval: no verdict)
-            if screen.queries >= RECALL_QUERIES // 2 and needed >= IVF_SCREEN_SHARE * index.nlist:
-                estimate, lower, upper = screen.at(needed)
-                info.update(nprobe=needed, recall_estimate=estimate, recall_interval=[lower, upper],
-                            recall_queries=screen.queries, recall_against="training sample")
-                return exact(f"recall={options.recall} needs nprobe={needed} of nlist={index.nlist} lists "
-                             f"against the index's own {sample.shape[0]} training rows (estimated "
-                             f"recall@{plan.k} {estimate:.4f}, 95% interval [{lower:.4f}, {upper:.4f}], "
-                             f"{screen.queries} sampled queries), >= {IVF_SCREEN_SHARE:g} of them: the "
-                             "whole target needs about as many, and IVF would be slower than the exact "
-                             "search (its recall estimate against the target was not run; pass nprobe "
-                             "to force IVF)", **info)
+            # The screen's share (of lists the sample needs, by the first centroids) is at
+            # least the target's: the estimate's sample is cut by it.
             curve = estimate_recall(planned, index, options.seed,
                                     queries=estimate_sample(queries, needed / index.nlist, plan.query_rows,
                                                             options.seed))

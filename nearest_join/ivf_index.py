@@ -3,9 +3,9 @@ target (:func:`nearest_kernels.kmeans.kmeans`, deterministic for a seed), saved 
 
 :class:`IVFIndex` is the index, valid however it was made (trained, loaded or built by hand);
 :func:`build_ivf_index` trains one on a target DataFrame (two small Spark jobs: the row count
-and the sample), :func:`sample_and_train` is what the planner calls once it has counted the rows
-(the index and its training sample, on which it screens recall: :mod:`nearest_join.ivf`),
-and :func:`load_or_build` serves a job's ``join.index``. The plan that probes the lists is
+and the sample), :func:`training_sample` is the sample the planner trains on once it has counted
+the rows (and screens recall on, with the centroids of the first iterations:
+:mod:`nearest_join.ivf`), and :func:`load_or_build` serves a job's ``join.index``. The plan that probes the lists is
 :mod:`nearest_join.ivf`; the options check (:mod:`nearest_join.options`) needs only the class
 and :data:`MAX_LISTS`, which is why they live here, below both.
 """
@@ -140,16 +140,30 @@ class IVFIndex:
         column they came from, recorded in the index.
 
         Raises ArgumentError naming ``nlist`` when the sample has fewer rankable rows."""
-        from nearest_kernels.kmeans import kmeans, training_rows
+        from nearest_kernels.kmeans import MAX_ITERATIONS
+
+        return cls.of_training(cls.start_training(vectors, metric, nlist, seed).run(MAX_ITERATIONS),
+                               metric, seed, column)
+
+    @staticmethod
+    def start_training(vectors: np.ndarray, metric: str, nlist: int, seed: int = 0):
+        """:meth:`train`'s k-means before its first iteration (``nearest_kernels.kmeans.Lloyd``),
+        to be run on and read by :meth:`of_training`: the planner screens with the centroids
+        of its first iterations."""
+        from nearest_kernels.kmeans import Lloyd, training_rows
 
         rankable = training_rows(vectors, metric).shape[0]
         if not 1 <= nlist <= rankable:
             raise ArgumentError("nlist", f"expected at most the {rankable} rankable target rows sampled "
                                          f"for training (and at least 1), got {nlist}")
-        result = kmeans(vectors, nlist, metric, seed=seed)
-        centroids = np.ascontiguousarray(result.centroids, dtype=np.float32)
+        return Lloyd(vectors, nlist, metric, seed=seed)
+
+    @classmethod
+    def of_training(cls, lloyd, metric: str, seed: int, column: str | None = None) -> IVFIndex:
+        """The index of :meth:`start_training`'s k-means as far as it has run."""
+        centroids = np.ascontiguousarray(lloyd.result().centroids, dtype=np.float32)
         centroids.setflags(write=False)
-        return cls(centroids, metric, int(seed), int(rankable), int(result.iterations), column)
+        return cls(centroids, metric, int(seed), int(lloyd.rows), int(lloyd.iterations), column)
 
     def route(self, vectors: np.ndarray, nprobe: int = 1, metric: str | None = None) -> np.ndarray:
         """Each row's ``nprobe`` nearest lists, nearest first (-1: a row that cannot rank).
@@ -402,14 +416,18 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
                 sample: int | None, target_rows: int, query_rows: int | None = None) -> IVFIndex:
     """:func:`build_ivf_index` once the arguments are checked and the rows counted
     (``query_rows``: the join's, for the default ``nlist``)."""
-    return sample_and_train(target, column_name, metric, nlist=nlist, seed=seed, sample=sample,
-                            target_rows=target_rows, query_rows=query_rows)[0]
+    vectors, lists = training_sample(target, column_name, metric, nlist=nlist, seed=seed, sample=sample,
+                                     target_rows=target_rows, query_rows=query_rows)
+    index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)
+    logger.info("trained %r on %d sampled target rows", index, vectors.shape[0])
+    return index
 
 
-def sample_and_train(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
-                     sample: int | None, target_rows: int,
-                     query_rows: int | None = None) -> tuple[IVFIndex, np.ndarray]:
-    """:func:`train_index`'s index and the sampled target vectors it was trained on."""
+def training_sample(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
+                    sample: int | None, target_rows: int,
+                    query_rows: int | None = None) -> tuple[np.ndarray, int]:
+    """The sampled target vectors an index is trained on, and its lists: ``nlist``, or the
+    default for the rows, at most the sample's rankable rows."""
     lists = nlist if nlist is not None else default_nlist(target_rows, query_rows)
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
     vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
@@ -417,9 +435,7 @@ def sample_and_train(target, column_name: str, metric: str, *, nlist: int | None
         from nearest_kernels.kmeans import training_rows
 
         lists = max(1, min(lists, training_rows(vectors, metric).shape[0]))
-    index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)
-    logger.info("trained %r on %d sampled target rows", index, vectors.shape[0])
-    return index, vectors
+    return vectors, lists
 
 
 def load_or_build(path: str, *, rebuild: bool, target, column: str, metric: str,

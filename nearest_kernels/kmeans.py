@@ -40,7 +40,7 @@ import_numba()
 from numba import njit  # noqa: E402
 from .dispatch import knn
 
-__all__ = ["MAX_ITERATIONS", "KMeansResult", "kmeans", "route", "routing_metric", "training_rows"]
+__all__ = ["MAX_ITERATIONS", "KMeansResult", "Lloyd", "kmeans", "route", "routing_metric", "training_rows"]
 
 # Lloyd iterations at most: the lists only need to be good enough for routing, and the recall
 # estimate picks nprobe for whatever lists came out (faiss's IVF training runs 10 to 25).
@@ -229,32 +229,62 @@ def kmeans(vectors: np.ndarray, n_clusters: int, metric: str = "l2", *, seed: in
     >>> sorted(np.round(result.centroids[:, 0].astype(float), 2).tolist())
     [0.05, 10.1]
     """
-    points = training_rows(vectors, metric)
-    n = points.shape[0]
-    if isinstance(n_clusters, bool) or not isinstance(n_clusters, (int, np.integer)) \
-            or not 1 <= n_clusters <= max(n, 1) or n == 0:
-        raise ValueError(f"n_clusters: expected an int between 1 and {n} (the rankable training rows), "
-                         f"got {n_clusters!r}")
     if isinstance(max_iterations, bool) or not isinstance(max_iterations, (int, np.integer)) or max_iterations < 0:
         raise ValueError(f"max_iterations: expected an int >= 0, got {max_iterations!r}")
-    spherical = routing_metric(metric) == "cosine"
-    rng = np.random.default_rng(seed)
-    pool = np.arange(n)
-    if n > INIT_ROWS_PER_CLUSTER * n_clusters:
-        pool = np.sort(rng.choice(n, INIT_ROWS_PER_CLUSTER * int(n_clusters), replace=False))
-    centroids = points[pool[_kmeans_plus_plus(points[pool], int(n_clusters), rng)]].copy()
-    assignment = None
-    iterations = 0
-    for iterations in range(1, max_iterations + 1):
-        previous = assignment
-        assignment, distance = _assign(points, centroids, metric, threads)
-        if previous is not None and np.array_equal(previous, assignment):
-            iterations -= 1   # this pass changed nothing: the centroids are final
-            break
-        centroids = _update(points, assignment, distance, centroids.shape[0], spherical)
-    else:
-        assignment, _ = _assign(points, centroids, metric, threads)
-    return KMeansResult(centroids, assignment, iterations)
+    return Lloyd(vectors, n_clusters, metric, seed=seed, threads=threads).run(max_iterations).result()
+
+
+class Lloyd:
+    """:func:`kmeans` as a run that can pause: :meth:`run` iterates up to a total number of
+    Lloyd iterations, :meth:`result` gives the centroids reached and the exact assignment under
+    them. Running on after a pause gives the same centroids, bit for bit, as running straight
+    through (``kmeans`` is ``Lloyd(...).run(max_iterations).result()``): the IVF plan screens
+    its data with the centroids of the first few iterations and trains on only where the
+    lists can select (``nearest_join.ivf``). Arguments and errors are :func:`kmeans`'."""
+
+    def __init__(self, vectors: np.ndarray, n_clusters: int, metric: str = "l2", *, seed: int = 0,
+                 threads: int | None = None):
+        points = training_rows(vectors, metric)
+        n = points.shape[0]
+        if isinstance(n_clusters, bool) or not isinstance(n_clusters, (int, np.integer)) \
+                or not 1 <= n_clusters <= max(n, 1) or n == 0:
+            raise ValueError(f"n_clusters: expected an int between 1 and {n} (the rankable training rows), "
+                             f"got {n_clusters!r}")
+        rng = np.random.default_rng(seed)
+        pool = np.arange(n)
+        if n > INIT_ROWS_PER_CLUSTER * n_clusters:
+            pool = np.sort(rng.choice(n, INIT_ROWS_PER_CLUSTER * int(n_clusters), replace=False))
+        self._points, self._metric, self._threads = points, metric, threads
+        self.rows = n           # the rankable training rows
+        self._spherical = routing_metric(metric) == "cosine"
+        self._centroids = points[pool[_kmeans_plus_plus(points[pool], int(n_clusters), rng)]].copy()
+        self._previous = None   # the assignment the last iteration moved the centroids by
+        self._current = None    # (assignment, distance) under the centroids, once computed
+        self.iterations = 0     # Lloyd iterations run (centroid updates)
+        self.converged = False  # an iteration changed no row's cluster: the centroids are final
+
+    def _assigned(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._current is None:
+            self._current = _assign(self._points, self._centroids, self._metric, self._threads)
+        return self._current
+
+    def run(self, iterations: int) -> Lloyd:
+        """Iterate until ``iterations`` in all (those run before count), or until an
+        iteration would change no row's cluster."""
+        while not self.converged and self.iterations < iterations:
+            assignment, distance = self._assigned()
+            if self._previous is not None and np.array_equal(self._previous, assignment):
+                self.converged = True
+                break
+            self.iterations += 1
+            self._centroids = _update(self._points, assignment, distance, self._centroids.shape[0],
+                                      self._spherical)
+            self._previous, self._current = assignment, None
+        return self
+
+    def result(self) -> KMeansResult:
+        """The centroids so far and each training row's nearest one under them."""
+        return KMeansResult(self._centroids, self._assigned()[0], self.iterations)
 
 
 def _assign(points: np.ndarray, centroids: np.ndarray, metric: str, threads) -> tuple[np.ndarray, np.ndarray]:

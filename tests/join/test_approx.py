@@ -670,7 +670,7 @@ def test_an_index_of_another_dimension_is_refused_right_after_the_facts_job(fram
 
     _, _, q, t = frames
     # Each where it is called from: the planner trains and samples through ivf's names.
-    for module, name in ((keyed, "layout_of"), (ivf, "sample_and_train"), (ivf, "sample_vectors"),
+    for module, name in ((keyed, "layout_of"), (ivf, "training_sample"), (ivf, "sample_vectors"),
                          (ivf_index, "sample_vectors")):
         monkeypatch.setattr(module, name, _no_job)
     index = ivf_index.IVFIndex.train(_clustered(100, D + 1, 3, seed=0), "l2", 3)
@@ -793,5 +793,7 @@ def test_gaussian_data_runs_exact_without_the_estimates_scan(spark, monkeypatch)
             assert plan.ivf["runs"] == "exact" and not scanned
             assert plan.ivf["recall_against"] == "training sample" and plan.ivf["nprobe"] >= 12
             assert "against the index's own 1500 training rows" in plan.ivf["explanation"]
+            # The verdict came from the first iterations' centroids: training stopped there.
+            assert plan.ivf["index"].startswith(f"screened with the centroids of {ivf.SCREEN_ITERATIONS} Lloyd")
         else:
             assert plan.ivf["runs"] == "ivf" and scanned and plan.ivf["recall_against"] == "target"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from nearest_kernels.kmeans import kmeans, route, routing_metric, training_rows
+from nearest_kernels.kmeans import Lloyd, kmeans, route, routing_metric, training_rows
 from tests.adversarial import ALL_METRICS, cases, key_scale, oracle_keys
 
 CASES = [c for c in cases(dims=(1, 3, 16, 128)) if c.targets.shape[0] >= 8]
@@ -60,6 +60,31 @@ def test_same_seed_same_centroids_other_seed_other_centroids():
     np.testing.assert_array_equal(a.assignment, b.assignment)
     assert a.iterations == b.iterations
     assert not np.array_equal(a.centroids, c.centroids)
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "inner_product"])
+def test_a_paused_run_goes_on_as_one_straight_run(metric):
+    """Lloyd paused after a few iterations and run on gives kmeans' centroids, assignment and
+    iteration count bit for bit, whether the run stops at the cap or converges before it
+    (the planner screens with the first iterations' centroids, then trains on)."""
+    rng = np.random.default_rng(3)
+    isotropic = rng.standard_normal((3000, 16)).astype(np.float32)
+    separated = (np.repeat(rng.standard_normal((20, 16)), 150, axis=0)
+                 + 0.01 * rng.standard_normal((3000, 16))).astype(np.float32)
+    for x in (isotropic, separated):
+        for pause, total in ((0, 3), (2, 3), (5, 20), (3, 3)):
+            straight = kmeans(x, 30, metric, seed=1, max_iterations=total)
+            run = Lloyd(x, 30, metric, seed=1).run(pause)
+            early = run.result()
+            assert early.iterations == min(pause, straight.iterations)
+            resumed = run.run(total).result()
+            np.testing.assert_array_equal(resumed.centroids, straight.centroids)
+            np.testing.assert_array_equal(resumed.assignment, straight.assignment)
+            assert resumed.iterations == straight.iterations
+    converged = kmeans(separated, 20, metric, seed=1)
+    assert converged.iterations < 20   # the separated set converges: the loop's other exit is covered
+    run = Lloyd(separated, 20, metric, seed=1).run(50)
+    assert run.converged and run.iterations == converged.iterations and run.rows == separated.shape[0]
 
 
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
