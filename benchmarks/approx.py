@@ -2,8 +2,13 @@
 faiss ``IndexIVFFlat`` in one process at the same recall, in Spark ``local[2]``, on clustered, Gaussian
 or real (``benchmarks/embeddings.py``) data; ``--seeds N``: recall honesty over N seeds per target.
 
+``--ceiling``: what an index can give on the real embeddings before any Spark cost, kernels alone
+in one process: our IVF probed search at several nlist and faiss ``IndexHNSWFlat``, against our
+exact kernel.
+
 Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
        python benchmarks/approx.py --seeds 10 --datasets minilm clustered
+       python benchmarks/approx.py --ceiling
 """
 from __future__ import annotations
 
@@ -268,6 +273,78 @@ def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls
     t.unpersist(), q.unpersist()
 
 
+def index_ceiling(rec: Recorder, rows: int, recalls=(0.9, 0.95)) -> None:
+    """Table ``ceiling_minilm<rows>``: the real embeddings' self-join (cosine, k = K, 2 threads),
+    kernels alone, no Spark. Per recall target, the smallest nprobe (IVF: our k-means and
+    ``knn_probed`` over the lists, nlist at the planner's default and above) or efSearch (faiss
+    HNSW, M=16) whose *measured* recall reaches it, an oracle's choice, with no estimate's
+    margin: the most each index can give."""
+    import faiss
+
+    from benchmarks.embeddings import load
+    from nearest_join.ivf_index import default_nlist, default_sample_rows
+    from nearest_kernels import knn
+    from nearest_kernels.kmeans import kmeans, route
+    from nearest_kernels.segments import knn_probed
+
+    x = np.ascontiguousarray(load(rows))
+    n = x.shape[0]
+    common = {"data": "minilm", "rows": n, "d": x.shape[1], "k": K, "metric": "cosine", "threads": 2}
+    start = time.perf_counter()
+    values, ids = knn(x, x, K, "cosine", backend="cpu", threads=2)
+    exact_s = time.perf_counter() - start
+    exact = np.stack([np.repeat(np.arange(n), K), ids.ravel(), values.ravel()], axis=1).astype(np.float64)
+    rec.add(f"ceiling_minilm{n}", index="exact (knn)", parameters="-", recall_target=None, recall=1.0,
+            build_seconds=0.0, search_seconds=round(exact_s, 2), vs_exact=1.0, **common)
+
+    def rows_of(v, i):
+        keep = i >= 0
+        return np.stack([np.repeat(np.arange(n), K)[keep.ravel()], i[keep], v[keep]], axis=1).astype(np.float64)
+
+    def add(index, parameters, wanted, recall, build, search):
+        rec.add(f"ceiling_minilm{n}", index=index, parameters=parameters, recall_target=wanted,
+                recall=round(recall, 4), build_seconds=round(build, 2), search_seconds=round(search, 2),
+                vs_exact=round(exact_s / (build + search), 2), search_vs_exact=round(exact_s / search, 2), **common)
+
+    base = default_nlist(n, n)
+    for nlist in (base, 2 * base, 3 * base):
+        start = time.perf_counter()
+        sample = x[np.sort(np.random.default_rng(0).choice(n, min(n, default_sample_rows(nlist, n)), replace=False))]
+        centroids = kmeans(sample, nlist, "cosine", seed=0, threads=2).centroids
+        lists = route(x, centroids, "cosine", 1, threads=2)[:, 0]
+        order = np.argsort(lists, kind="stable")
+        targets = np.ascontiguousarray(x[order])
+        starts = np.concatenate([[0], np.cumsum(np.bincount(lists, minlength=nlist))]).astype(np.int64)
+        build = time.perf_counter() - start
+        pending, nprobe = list(recalls), 1
+        while pending and nprobe <= nlist // 2:
+            start = time.perf_counter()   # the search routes its queries to their lists
+            probes = route(x, centroids, "cosine", nprobe, threads=2)
+            v, i = knn_probed(x, targets, starts, np.arange(0, n * nprobe + 1, nprobe, dtype=np.int64),
+                              probes.ravel(), K, "cosine", threads=2)
+            search = time.perf_counter() - start
+            recall = recall_of(rows_of(v, np.where(i >= 0, order[np.maximum(i, 0)], -1)), exact, n, descending=True)
+            while pending and recall >= pending[0]:
+                add("IVF (ours, knn_probed)", f"nlist {nlist}, nprobe {nprobe}", pending.pop(0), recall, build, search)
+            nprobe += max(1, nprobe // 4)
+    faiss.omp_set_num_threads(2)
+    start = time.perf_counter()
+    hnsw = faiss.IndexHNSWFlat(x.shape[1], 16, faiss.METRIC_INNER_PRODUCT)
+    hnsw.add(x)
+    build = time.perf_counter() - start
+    pending = list(recalls)
+    for ef in (16, 24, 32, 48, 64, 96, 128):
+        hnsw.hnsw.efSearch = ef
+        start = time.perf_counter()
+        v, i = hnsw.search(x, K)
+        search = time.perf_counter() - start
+        recall = recall_of(rows_of(v, i), exact, n, descending=True)
+        while pending and recall >= pending[0]:
+            add("HNSW (faiss IndexHNSWFlat, M 16)", f"efSearch {ef}", pending.pop(0), recall, build, search)
+        if not pending:
+            break
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = ap.add_mutually_exclusive_group()
@@ -282,12 +359,19 @@ def main() -> None:
     ap.add_argument("--blocked", action="store_true",
                     help="every call with broadcast_limit_bytes=0: the target too large to broadcast "
                          "(tables recall_nt<nt>_blocked)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="instead: the indexes' kernels alone on the real embeddings (table ceiling_minilm<rows>)")
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--repeat", type=int, default=2,
                     help="calls per engine on the clustered data, the fastest reported (the Gaussian "
                          "data's calls run once: its approx call runs the exact plan)")
     args = ap.parse_args()
     nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
+    if args.ceiling:
+        rec = Recorder("approx", gpu=False)
+        index_ceiling(rec, args.rows)
+        rec.print_tables()
+        return
 
     spark = local_spark("nearest_join-approx-bench", args.driver_memory)
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
