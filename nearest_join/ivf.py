@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,6 +61,8 @@ import numpy as np
 from .errors import ArgumentError
 from .ivf_index import IVFIndex, default_nlist, sample_vectors, training_sample
 from .recall import RECALL_QUERIES, RecallCurve, neighbour_lists, recall_curve
+
+logger = logging.getLogger(__name__)
 
 # Below these the exact plan runs (IVF's fixed costs are seconds: a sample job, k-means on
 # the driver, the estimate's scan of the target).
@@ -349,6 +352,7 @@ def plan_approx(planned):
 
         index = IVFIndex.of_training(training.run(MAX_ITERATIONS), parsed.metric, options.seed,
                                      parsed.target_column)
+        logger.info("trained %r on %d sampled target rows", index, sample.shape[0])
         built = f"trained on {index.sample_rows} sampled target rows ({index.iterations} Lloyd iterations)"
     if options.nprobe is not None and options.nprobe > index.nlist:
         raise ArgumentError("nprobe", f"expected at most nlist = {index.nlist} (the index's lists), "

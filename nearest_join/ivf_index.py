@@ -5,9 +5,10 @@ target (:func:`nearest_kernels.kmeans.kmeans`, deterministic for a seed), saved 
 :func:`build_ivf_index` trains one on a target DataFrame (two small Spark jobs: the row count
 and the sample), :func:`training_sample` is the sample the planner trains on once it has counted
 the rows (and screens recall on, with the centroids of the first iterations:
-:mod:`nearest_join.ivf`), and :func:`load_or_build` serves a job's ``join.index``. The plan that probes the lists is
-:mod:`nearest_join.ivf`; the options check (:mod:`nearest_join.options`) needs only the class
-and :data:`MAX_LISTS`, which is why they live here, below both.
+:mod:`nearest_join.ivf`), and :func:`load_or_build` serves a job's ``join.index``. The plan
+that probes the lists is :mod:`nearest_join.ivf`; the options check
+(:mod:`nearest_join.options`) needs only the class and :data:`MAX_LISTS`, which is why they
+live here, below both.
 """
 from __future__ import annotations
 
