@@ -327,15 +327,17 @@ TABLES: dict[tuple[str, str], Table] = {
               "key); `_cap<X>`: both with `max_distance=X`."),
     ("spark_join", "operator"): Table(
         "Spark operator: `nearest_by_join` against Spark's `nearestByJoin`",
-        [col("engine", "engine"), Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")),
+        [col("engine", "engine"), col("plan", "plan"),
+         Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")),
          col("d", "d"), col("seconds", "seconds", ".3f"), col("pairs/s", "pairs_per_s", "e"),
          peer_ratio("x Spark (pairs/s)", "pairs_per_s", {"engine": "Spark nearestByJoin"}),
          col("same rows as Spark", "identical_rows")],
         about="Cached Parquet inputs (Gaussian `array<float>`), exact L2; each run writes the whole "
               "result to Spark's `noop` sink. ours: best of `repeat` after a warm-up, Spark's: one "
               "run; `kernel alone` is `knn(..., backend=\"cpu\")` on the same arrays in the same process; "
-              "`Spark's floor`: the Spark jobs a small call runs (an aggregation over both sides, then one "
-              "task of three Arrow UDFs over a cartesian product) with functions that do nothing.",
+              "plan: the plan the call took (`local`: collected and searched in the driver); `local plan "
+              "off`: the same call with `spark.nearestJoin.localLimitBytes` 0, which takes the executors' "
+              "one-task plan; `Spark's floor`: the two Spark jobs that collect both sides for the local plan.",
         plot=plot_spark),
     ("fixed_costs", "demo"): Table(
         "Fixed costs: the demo job through the CLI, first and second run",

@@ -18,29 +18,6 @@ from benchmarks._record import (SMOKE_DIR, Recorder, best_of, cached_parquet, lo
                                 vector_table)
 
 
-def _consume(batches):
-    """A mapInArrow function that reads every batch and emits one empty batch."""
-    import pyarrow as pa
-
-    for _ in batches:
-        pass
-    yield pa.RecordBatch.from_pydict({"n": pa.array([], pa.int64())})
-
-
-def facts_like(q, t) -> None:
-    """A facts job's shape: one aggregation over both sides in one task."""
-    from pyspark.sql import functions as F
-
-    q.select(F.lit(0).alias("side")).union(t.select(F.lit(1).alias("side"))).coalesce(1).groupBy("side").count().collect()
-
-
-def one_task_like(q, t):
-    """A one-task join's shape with no work: both sides through an Arrow UDF, paired, through a third."""
-    left = q.coalesce(1).mapInArrow(_consume, "n long")
-    right = t.coalesce(1).mapInArrow(_consume, "n long").withColumnRenamed("n", "m")
-    return left.hint("shuffle_replicate_nl").crossJoin(right).mapInArrow(_consume, "n long")
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
@@ -50,7 +27,7 @@ def main(argv=None) -> int:
 
     from pyspark.sql import functions as F
 
-    from nearest_join import nearest_by_join
+    from nearest_join import explain_nearest_join, nearest_by_join
     from nearest_kernels import knn
 
     spark = local_spark("nearest_join-bench", "8g")
@@ -81,18 +58,22 @@ def main(argv=None) -> int:
     ours_df = lambda: nearest_by_join(q, t, ranking, k, "exact", "distance")  # noqa: E731
     noop(ours_df())  # warm-up: JIT cache, Python workers
     ours_small = best_of(lambda: noop(ours_df()), args.repeat)
+    plan = explain_nearest_join(q, t, ranking, k).plan
     identical = None
     if not args.skip_spark:
         ours_pairs = sorted((r["qid"], r["tid"]) for r in ours_df().select("qid", "tid").collect())
         spark_df = q.nearestByJoin(t, ranking, k, "exact", "distance")
         add("Spark nearestByJoin", nq, nt, d, best_of(lambda: noop(spark_df), 1))
         identical = sorted((r["qid"], r["tid"]) for r in spark_df.select("qid", "tid").collect()) == ours_pairs
-    add("nearest_by_join", nq, nt, d, ours_small, identical_rows=identical)
-    # What Spark charges for the two jobs such a call runs, with no work in them: an
-    # aggregation over both sides (the facts), then one task of three Arrow UDFs (each side's
-    # packing, the search) over a cartesian product, writing nothing.
-    add("Spark's floor: the same two jobs, no work", nq, nt, d,
-        best_of(lambda: (facts_like(q, t), noop(one_task_like(q, t))), args.repeat))
+    add("nearest_by_join", nq, nt, d, ours_small, identical_rows=identical, plan=plan)
+    # The same call with the local plan off: the executors' plan it takes then (one task).
+    spark.conf.set("spark.nearestJoin.localLimitBytes", "0")
+    noop(ours_df())
+    add("nearest_by_join, local plan off", nq, nt, d, best_of(lambda: noop(ours_df()), args.repeat),
+        plan=explain_nearest_join(q, t, ranking, k).plan)
+    spark.conf.unset("spark.nearestJoin.localLimitBytes")
+    # What Spark charges the local plan besides its search and output: both sides collected.
+    add("Spark's floor: both sides collected", nq, nt, d, best_of(lambda: (q.toArrow(), t.toArrow()), args.repeat))
     # the kernel alone on the same arrays: what the call costs besides the search (its fixed cost)
     knn(Q, T, k, "l2", backend="cpu")
     add("kernel alone (cpu)", nq, nt, d, best_of(lambda: knn(Q, T, k, "l2", backend="cpu"), args.repeat))
@@ -103,15 +84,16 @@ def main(argv=None) -> int:
         Q, T, q, t = load(nq, nt, d)
         df = lambda: nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), k)  # noqa: E731
         noop(df())
+        plan = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), k).plan
         secs = best_of(lambda: noop(df()), args.repeat)
         if d == 128:
             threads = len(os.sched_getaffinity(0))
             knn(Q[:256], T[:4096], k, "l2", backend="cpu", threads=threads)  # warm
             kernel = best_of(lambda: knn(Q, T, k, "l2", backend="cpu", threads=threads), args.repeat)
-            add("nearest_by_join", nq, nt, d, secs, fraction_of_kernel=kernel / secs)
+            add("nearest_by_join", nq, nt, d, secs, fraction_of_kernel=kernel / secs, plan=plan)
             add("kernel alone (cpu)", nq, nt, d, kernel)
         else:
-            add("nearest_by_join", nq, nt, d, secs)
+            add("nearest_by_join", nq, nt, d, secs, plan=plan)
         q.unpersist(), t.unpersist()
     rec.print_tables()
     spark.stop()

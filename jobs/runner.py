@@ -213,19 +213,28 @@ def _spark_condition(exc: BaseException) -> tuple[str | None, dict[str, str], li
     from py4j.protocol import Py4JError, Py4JJavaError
 
     if isinstance(exc, Py4JJavaError):  # a Java exception pyspark did not convert
-        java = exc.java_exception
-        messages = []
-        cause = java
-        while cause is not None and len(messages) < 2:
-            messages.append(str(cause.getMessage() or cause.getClass().getName()))
+        # From the first SparkThrowable with a condition: a collect to Python wraps the job's
+        # failure in an exception of its own (SocketAuthServer's "Exception thrown in awaitResult").
+        chain, cause = [], exc.java_exception
+        while cause is not None:
+            chain.append(cause)
             cause = cause.getCause()
-        try:
-            return java.getCondition(), dict(java.getMessageParameters()), messages
-        except Py4JError:  # not a SparkThrowable
-            return None, {}, messages
+        for i, java in enumerate(chain):
+            try:
+                condition = java.getCondition()
+            except Py4JError:  # not a SparkThrowable
+                continue
+            if condition:
+                return condition, dict(java.getMessageParameters()), _messages(chain[i:])
+        return None, {}, _messages(chain)
     if callable(getattr(exc, "getCondition", None)):  # pyspark.errors.PySparkException
         return exc.getCondition(), dict(exc.getMessageParameters() or {}), [str(exc)]
     return None, {}, []
+
+
+def _messages(chain: list) -> list[str]:
+    """The messages of the first two Java exceptions of ``chain`` (their class where none)."""
+    return [str(java.getMessage() or java.getClass().getName()) for java in chain[:2]]
 
 
 def _holds(side, path: str) -> bool:

@@ -18,7 +18,22 @@ from dataclasses import dataclass
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import BinaryType, ByteType, FloatType, LongType, StructField, StructType
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    BooleanType,
+    ByteType,
+    DateType,
+    FloatType,
+    LongType,
+    MapType,
+    NumericType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampNTZType,
+    TimestampType,
+)
 
 from nearest_kernels import seeds_heaps
 from udfs import blocks, context, packing
@@ -35,11 +50,14 @@ from .planner import (
     JoinPlan,
     KeyedLayout,
     SideFacts,
+    arrow_side_facts,
     cheap_in_one_task,
+    cheap_size,
     choose_plan,
     gpu_task_share,
     join_dimension,
     keep_gpu_targets,
+    local_limit_bytes,
     side_facts,
     spark_plan,
 )
@@ -127,6 +145,9 @@ class PlannedJoin:
     # The executors' seconds per phase (udfs.timing): a Spark accumulator; None under Spark
     # Connect, whose client has no SparkContext.
     timings: object = None
+    # The local plan (JoinPlan.plan "local"): both sides as the driver collected them, Arrow tables
+    # under positional names (_collect_here).
+    collected: tuple | None = None
 
     def executor_seconds(self) -> dict[str, float]:
         """Seconds the executors spent in each phase (udfs.timing.PHASES) of this
@@ -139,7 +160,8 @@ class PlannedJoin:
 
     def dataframe(self, first_match_column: str | None = None, query_columns=None,
                   target_columns=None) -> DataFrame:
-        """The joined rows (lazy: the search runs when the DataFrame is evaluated).
+        """The joined rows (lazy: the search runs when the DataFrame is evaluated; under the
+        local plan, now, in this process, on the rows collected at planning).
 
         For the batch jobs, not for Spark's own plan: ``first_match_column``, a last int8
         column of this name, 1 on each query row's best match and 0 on its other rows and on
@@ -206,7 +228,12 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
         # The workers start while the facts job runs, and this process plans and builds the search.
         start_python_workers(spark)
-        if facts is not None:
+        collected = None if facts is not None else _collect_here(query, target, parsed, options, keys)
+        if collected is not None:
+            q_facts = arrow_side_facts(collected[0], column_index(query, parsed.query_column))
+            t_facts = arrow_side_facts(collected[1], column_index(target, parsed.target_column))
+            key_facts = None
+        elif facts is not None:
             if keys is not None:
                 raise ValueError("facts: without on= keys only")
             (q_facts, t_facts), key_facts = facts, None
@@ -222,7 +249,21 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
             query_rows=q_facts.rows, target_rows=t_facts.rows,
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts,
-            inputs_cheap=cheap_in_one_task(query) and cheap_in_one_task(target))
+            inputs_cheap=collected is not None or (cheap_in_one_task(query) and cheap_in_one_task(target)))
+        if collected is not None and not plan.one_task:
+            # Small inputs, but too much work for one task: the plans that spread it, on the
+            # input's own partitions.
+            q_facts = dataclasses.replace(q_facts, partitions=_partitions(query))
+            plan = choose_plan(
+                spark=spark, ranking=parsed, options=options,
+                dimension=plan.dimension, itemsize=max(q_item, t_item), query_rows=q_facts.rows,
+                target_rows=t_facts.rows, query_input_partitions=q_facts.partitions)
+            collected = None
+        elif collected is not None:
+            plan = dataclasses.replace(plan, plan="local", reason=(
+                f"both sides estimated {collected[2]} B <= local limit {local_limit_bytes(spark)} B and a join "
+                "small enough for one task: collected and searched in the driver, no Spark task"))
+            collected = collected[:2]
         if options.index is not None:   # its dimension, known from the facts job, before any other job
             options.index.check_join(parsed.metric, plan.dimension)
         if plan.plan == "blocked":
@@ -236,13 +277,56 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                                      dimension=max(plan.dimension or 1, 1), join_type=plan.join_type)
             plan = dataclasses.replace(plan, key_cells=layout.summary())
         planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout,
-                              qualifiers=side_qualifiers(query, target, parsed), timings=_timings(spark))
+                              qualifiers=side_qualifiers(query, target, parsed), timings=_timings(spark),
+                              collected=collected)
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
         planned = plan_approx(planned)
     logger.info("%s", planned.plan)
     return planned
+
+
+def _collect_here(query: DataFrame, target: DataFrame, ranking: Ranking, options: JoinOptions,
+                  keys) -> tuple | None:
+    """Both sides as Arrow tables in this process (positional names, each in its partitions'
+    order, as the one-task plan reads them: the same ties) and Spark's estimate of their bytes
+    together, for the local plan; None when the
+    join is not one for it: ``on=`` keys, approx, the GPU asked for, a streaming input, a
+    column type outside :func:`_collectable`, or inputs that Spark cannot estimate or that it
+    estimates (:func:`nearest_join.planner.cheap_size`, which also refuses a plan running
+    Python) above ``local_limit_bytes`` together. Whether the join itself is small enough is
+    the planner's one-task rule, on the collected facts."""
+    if keys is not None or options.mode != "exact" or options.backend == "gpu":
+        return None
+    limit = local_limit_bytes(query.sparkSession)
+    if limit <= 0 or not all(_collectable(f.dataType) for f in query.schema.fields + target.schema.fields):
+        return None
+    sizes = cheap_size(query), cheap_size(target)
+    if None in sizes or sum(sizes) > limit or query.isStreaming or target.isStreaming:
+        return None
+    q_input, t_input = positional_inputs(query, target, None)
+    return q_input.toArrow(), t_input.toArrow(), sum(sizes)
+
+
+def _collectable(data_type) -> bool:
+    """Types that cross to Arrow and back as the executors' rows do: numbers, strings, binary,
+    booleans, dates, timestamps, and arrays, maps and structs (of unique field names) of them;
+    not a user-defined type (ML vectors), a variant, an interval or a time."""
+    if isinstance(data_type, ArrayType):
+        return _collectable(data_type.elementType)
+    if isinstance(data_type, MapType):
+        return _collectable(data_type.keyType) and _collectable(data_type.valueType)
+    if isinstance(data_type, StructType):
+        names = [f.name for f in data_type.fields]
+        return len(set(names)) == len(names) and all(_collectable(f.dataType) for f in data_type.fields)
+    return isinstance(data_type, (NumericType, StringType, BinaryType, BooleanType, DateType, TimestampType,
+                                  TimestampNTZType))
+
+
+def _partitions(df: DataFrame) -> int:
+    """``df``'s partitions, from its physical plan (classic Spark; no job)."""
+    return int(df._jdf.rdd().getNumPartitions())
 
 
 def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **kwargs) -> JoinPlan:
@@ -481,6 +565,15 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     target_arrow = to_arrow_schema(StructType([
         StructField(C.output_name(len(q_fields) + j), f.dataType, f.nullable, f.metadata)
         for j, f in enumerate(t_fields)]), timezone=timezone)
+    def join_context(q_layout, t_layout) -> JoinContext:
+        return JoinContext(settings, q_layout, t_layout, plan.join_type,
+                           plan.distance_col is not None, target_arrow, cap=plan.cap,
+                           mark_first=first_match_column is not None, query_columns=query_columns,
+                           target_columns=target_columns, timings=planned.timings)
+
+    if planned.collected is not None:   # the local plan (no keys, no IVF lists)
+        return _output(_searched_here(planned, join_context(q_layout, t_layout), out_schema, len(q_kept)),
+                       names, planned, len(q_kept))
     q_input, t_input = positional_inputs(query, target, planned.keys)
     if planned.keys is not None:
         # The group id is each side's last column; the executors drop it from the blocks'
@@ -497,10 +590,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             q_input, t_input = planned.ivf.listed(q_input, t_input, q_layout, t_layout)
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
-    ctx = JoinContext(settings, q_layout, t_layout, plan.join_type,
-                      plan.distance_col is not None, target_arrow, cap=plan.cap,
-                      mark_first=first_match_column is not None, query_columns=query_columns,
-                      target_columns=target_columns, timings=planned.timings)
+    ctx = join_context(q_layout, t_layout)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
@@ -559,6 +649,44 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
     return _output(joined, names, planned, len(q_kept))
+
+
+def _searched_here(planned: PlannedJoin, ctx: JoinContext, out_schema: StructType, n_query: int) -> DataFrame:
+    """The local plan's rows: the executors' functions run in this process on the collected
+    sides (``udfs.local``), as the one-task plan's task would run them. The first ``n_query``
+    columns of ``out_schema`` are the query's.
+
+    The rows go to Spark as a local relation of one row per query row that has output, its
+    rows' other columns in an array of structs, which Spark's ``inline`` unnests: each query
+    row's columns (its vector, say) cross to the JVM once, not once per match."""
+    import numpy as np
+    import pyarrow as pa
+    from pyspark.sql.pandas.types import to_arrow_schema
+
+    from udfs.local import local_join
+
+    q_table, t_table = planned.collected
+    width = q_table.num_columns
+    kept = tuple(range(width)) if ctx.query_columns is None else ctx.query_columns
+    # Each output row's query row, as one more query column that the output keeps.
+    rows = local_join(q_table.append_column(C.Q_ROW, pa.array(np.arange(q_table.num_rows, dtype=np.int64))),
+                      t_table, dataclasses.replace(ctx, query_columns=kept + (width,)))
+    fields = out_schema.fields
+    matches = StructType(fields[n_query:])
+    schema = StructType(fields[:n_query] + [StructField(C.MATCHES, ArrayType(matches, False), False)])
+    if rows is None or rows.num_rows == 0:
+        table = to_arrow_schema(schema, timezone=planned.query.sparkSession.conf.get(
+            "spark.sql.session.timeZone", "UTC")).empty_table()
+    else:
+        rows = rows.combine_chunks()
+        row_ids = rows.column(n_query).to_numpy()
+        firsts = np.flatnonzero(np.r_[True, row_ids[1:] != row_ids[:-1]])
+        inner = pa.StructArray.from_arrays([rows.column(i).chunk(0) for i in range(n_query + 1, rows.num_columns)],
+                                           names=matches.names)
+        nested = pa.ListArray.from_arrays(pa.array(np.r_[firsts, rows.num_rows], pa.int32()), inner)
+        table = rows.select(range(n_query)).take(firsts).append_column(C.MATCHES, nested)
+    joined = planned.query.sparkSession.createDataFrame(table, schema=schema)
+    return joined.select(*[F.col(f.name) for f in fields[:n_query]], F.inline(C.MATCHES))
 
 
 def _output(joined: DataFrame, names: list[str], planned: PlannedJoin, n_query: int) -> DataFrame:

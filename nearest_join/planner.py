@@ -69,6 +69,11 @@ QUERY_BROADCAST_MIN_TARGET_BYTES = 64 * MiB
 # one Spark job (in_one_task_when_small): reading it in one task costs less than the shuffle
 # (and under adaptive execution the second job) of an aggregation over its partitions.
 ONE_TASK_BYTES = 64 * MiB
+# A join small enough for one task (ONE_TASK_WORK, ONE_TASK_ELEMENTS) whose inputs Spark
+# estimates at most this many bytes together is searched in the driver
+# (``spark.nearestJoin.localLimitBytes``; 0: never): both sides collected in two small jobs,
+# instead of a facts job and then a search job whose Python stages cost more than the search.
+DEFAULT_LOCAL_LIMIT = 32 * MiB
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)i?b?\s*$", re.IGNORECASE)
 
@@ -88,7 +93,7 @@ def parse_bytes(text: str | int) -> int:
 class JoinPlan:
     """What the join will do and why. ``str(plan)`` explains it; ``to_dict()`` is JSON-safe."""
 
-    plan: str                      # "broadcast" | "blocked" | "spark"
+    plan: str                      # "broadcast" | "blocked" | "local" | "spark"
     reason: str
     metric: str | None
     k: int
@@ -140,16 +145,19 @@ class JoinPlan:
                 f"k={self.k}, mode={self.mode}, join={self.join_type}, d={self.dimension}",
                 f"  query: {self.query_rows} rows in {self.query_blocks} blocks of <= {self.query_block_rows} rows "
                 + ("(broadcast to every target partition)" if self.queries_broadcast
+                   else "(collected)" if self.plan == "local"
                    else "(one task, which reads the target too: a small join needs no broadcast)" if self.one_task
                    else f"({self.query_partitions or 'input'} partitions)"),
                 f"  target: {self.target_rows} rows, {self.target_bytes} vector bytes "
                 f"(broadcast limit {self.broadcast_limit_bytes}) in {self.target_blocks} blocks of "
                 f"<= {self.target_block_rows} rows ("
-                + ("input partitions" if self.queries_broadcast else "read in the query's one task" if self.one_task
+                + ("input partitions" if self.queries_broadcast else "collected" if self.plan == "local"
+                   else "read in the query's one task" if self.one_task
                    else "broadcast" if self.plan == "broadcast" else f"{self.target_partitions} partitions") + ")",
                 f"  executors: {self.cores} cores, task memory budget {self.task_memory_bytes} bytes, "
-                f"backend {self.backend}",
-                f"  precision: {describe_precision(self.backend, self.precision)}",
+                f"backend {self.backend}" if self.plan != "local"
+                else f"  searched in the driver's process by the CPU kernels (backend {self.backend})",
+                f"  precision: {describe_precision('cpu' if self.plan == 'local' else self.backend, self.precision)}",
             ]
             if self.cap_argument is not None:
                 bound = "<=" if self.cap_argument == "max_distance" else ">="
@@ -409,12 +417,37 @@ def cheap_in_one_task(df) -> bool:
     in one task. A few small scans and projections cost less there than a shuffle or a job of
     their own; a Python UDF (an embedding model, say) would not, whatever its output's size.
     False under Spark Connect, whose client cannot ask."""
+    size = cheap_size(df)
+    return size is not None and size <= ONE_TASK_BYTES
+
+
+def cheap_size(df) -> int | None:
+    """Spark's estimate of ``df``'s bytes when its plan runs no Python (see
+    :func:`cheap_in_one_task`), else None; None under Spark Connect, whose client cannot ask."""
     try:
         plan = df._jdf.queryExecution().optimizedPlan()
         size, text = int(plan.stats().sizeInBytes()), plan.toString()
     except Exception:   # noqa: BLE001 (Spark Connect: no JVM handle; any other failure: no)
-        return False
-    return size <= ONE_TASK_BYTES and not any(word in text for word in _PYTHON_NODES)
+        return None
+    return None if any(word in text for word in _PYTHON_NODES) else size
+
+
+def local_limit_bytes(spark) -> int:
+    """The inputs' estimated bytes, both sides together, up to which a one-task join is
+    searched in the driver (``spark.nearestJoin.localLimitBytes``, :data:`DEFAULT_LOCAL_LIMIT`;
+    0: never)."""
+    return parse_bytes(_conf(spark, CONF_PREFIX + "localLimitBytes", DEFAULT_LOCAL_LIMIT))
+
+
+def arrow_side_facts(table, vector_index: int) -> SideFacts:
+    """:class:`SideFacts` of one side collected as an Arrow table (a list column of vectors at
+    ``vector_index``): what :func:`side_facts` counts in Spark, one partition."""
+    import pyarrow.compute as pc
+
+    lengths = pc.list_value_length(table.column(vector_index))
+    shortest, longest = pc.min(lengths).as_py(), pc.max(lengths).as_py()
+    return SideFacts(rows=table.num_rows, partitions=1 if table.num_rows else 0,
+                     shortest=shortest, longest=longest)
 
 
 def in_one_task_when_small(df):

@@ -86,6 +86,10 @@ def spark():
         .config("spark.task.maxFailures", "1")
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
+        # The tests' joins are small: under the default limit most would take the local plan
+        # (searched in the driver) and leave the executors' plans, which every larger join
+        # runs, untested. tests/join/test_local_plan.py runs it against them.
+        .config("spark.nearestJoin.localLimitBytes", "0")
         .config("spark.driver.extraJavaOptions", background.JVM_OPTIONS)
         # the executors' daemon of the jobs' profiles (udfs/daemon.py)
         .config("spark.python.daemon.module", "udfs.daemon")

@@ -87,6 +87,9 @@ def restored_settings(spark):
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_examples_run_and_print_what_the_page_shows(page, spark, restored_settings, monkeypatch):
     monkeypatch.chdir(REPO)
+    # The pages show what a new user's session does: the suite's turns the local plan off
+    # (tests/conftest.py); restored_settings turns it off again after the page.
+    spark.conf.unset("spark.nearestJoin.localLimitBytes")
     found = examples(page)
     assert found, f"{_page_id(page)} has no ```python example"
     namespace = {"spark": spark, "__name__": "__docs__"}

@@ -24,6 +24,9 @@ PROBE = "__nj_probe"
 # The output's target columns packed in one struct, unpacked under the target's alias
 # (nearest_join.join: the output keeps the sides' qualifiers).
 TARGET_STRUCT = "__nj_target"
+# The local plan's output (nearest_join.join): one row per query row, its matches' other
+# columns in an array of structs.
+MATCHES = "__nj_matches"
 
 
 def key_name(position: int) -> str:

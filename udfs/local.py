@@ -14,6 +14,7 @@ from . import columns as C
 from .blocks import merge_partials, search_broadcast, search_pairs
 from .context import JoinContext, SideLayout, local_task
 from .packing import PACKED_SCHEMA, empty_target_block, pack_blocks
+from .timing import timed
 
 
 def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True) -> Iterator[pa.RecordBatch]:
@@ -51,7 +52,8 @@ def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, 
         bounds = np.linspace(0, table.num_rows, partitions + 1).astype(int)
         for p in range(partitions):
             part = table.slice(bounds[p], bounds[p + 1] - bounds[p])
-            out.extend(pack_blocks(part.to_batches(max_chunksize=1000), layout, partition=p))
+            with timed(ctx.timings, "pack"):
+                out.extend(pack_blocks(part.to_batches(max_chunksize=1000), layout, partition=p))
         return pa.Table.from_batches(out, schema=PACKED_SCHEMA)
 
     q_packed = pack(query, ctx.query)

@@ -118,12 +118,26 @@ def _files(directory: Path) -> dict[str, bytes]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("join_type,plan_sets", [
-    ("inner", []),
+@pytest.fixture
+def local_plan(spark):
+    """The session's local plan at its default limit (the suite turns it off: tests/conftest.py)."""
+    key = "spark.nearestJoin.localLimitBytes"
+    before = spark.conf.get(key, None)
+    spark.conf.unset(key)
+    yield
+    if before is not None:
+        spark.conf.set(key, before)
+
+
+@pytest.mark.parametrize("join_type,plan_sets,plan", [
+    ("inner", [], "broadcast"),
+    ("inner", [], "local"),
     ("left_outer", ["join.broadcast_limit_bytes=0", "join.target_block_rows=64",
-                    "join.query_block_rows=16"]),
-], ids=["inner-broadcast", "left_outer-blocked"])
-def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
+                    "join.query_block_rows=16"], "blocked"),
+], ids=["inner-broadcast", "inner-local", "left_outer-blocked"])
+def test_run_matches_the_float64_reference(job, capsys, request, join_type, plan_sets, plan):
+    if plan == "local":
+        request.getfixturevalue("local_plan")
     out = job.base / "out"
     sets = [f"output.path={out}", "join.k=3", f"join.join_type={join_type}",
             "spark.spark.hadoop.fs.s3a.secret.key=hunter2", *plan_sets]
@@ -155,7 +169,7 @@ def test_run_matches_the_float64_reference(job, capsys, join_type, plan_sets):
     assert summary["input_rows"] == {"query": QUERY_ROWS, "target": TARGET_ROWS}
     assert summary["output_rows"] == sum(map(len, got.values()))
     assert summary["queries_without_candidates"] == 1
-    assert summary["plan"]["plan"] == ("broadcast" if join_type == "inner" else "blocked")
+    assert summary["plan"]["plan"] == plan
     assert summary["plan"]["k"] == 3
     assert summary["backend"] == summary["plan"]["backend"]
     assert summary["pairs"] == QUERY_ROWS * TARGET_ROWS and summary["pairs_per_s"] > 0
@@ -424,10 +438,14 @@ def test_bad_input_file_exits_2_naming_it(job, capsys, monkeypatch, kind, messag
     assert _tree(job.base) == before
 
 
+@pytest.mark.parametrize("plan", ["executors", "local"])
 @pytest.mark.parametrize("kind", ["not parquet", "column type"])
-def test_spark_read_failures_are_bad_input_too(job, capsys, monkeypatch, kind):
+def test_spark_read_failures_are_bad_input_too(job, capsys, monkeypatch, request, kind, plan):
     # What the footer check cannot see (s3a:// inputs, a file changed after the check) fails
-    # inside Spark; its error condition still makes it exit 2, naming the file.
+    # inside Spark; its error condition still makes it exit 2, naming the file (the local
+    # plan's collect wraps the failure in an exception of its own).
+    if plan == "local":
+        request.getfixturevalue("local_plan")
     monkeypatch.setattr(runner, "check_parquet_input", lambda side: None)
     directory, _, odd = _bad_input(job, kind)
     out = job.base / "out"
