@@ -8,6 +8,7 @@ classic PySpark and Spark Connect.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import inspect
@@ -306,7 +307,11 @@ def _collect_here(query: DataFrame, target: DataFrame, ranking: Ranking, options
     if None in sizes or sum(sizes) > limit or query.isStreaming or target.isStreaming:
         return None
     q_input, t_input = positional_inputs(query, target, None)
-    return q_input.toArrow(), t_input.toArrow(), sum(sizes)
+    # Both collects at once: each small job is mostly Spark's latency, not work.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-collect") as pool:
+        t_table = pool.submit(t_input.toArrow)
+        q_table = q_input.toArrow()
+        return q_table, t_table.result(), sum(sizes)
 
 
 def _collectable(data_type) -> bool:
@@ -667,10 +672,11 @@ def _searched_here(planned: PlannedJoin, ctx: JoinContext, out_schema: StructTyp
 
     q_table, t_table = planned.collected
     width = q_table.num_columns
-    kept = tuple(range(width)) if ctx.query_columns is None else ctx.query_columns
-    # Each output row's query row, as one more query column that the output keeps.
+    kept = list(range(width)) if ctx.query_columns is None else list(ctx.query_columns)
+    # The output's only query column is the row's query row; each query row's own columns are
+    # taken once, below, not gathered for each of its matches.
     rows = local_join(q_table.append_column(C.Q_ROW, pa.array(np.arange(q_table.num_rows, dtype=np.int64))),
-                      t_table, dataclasses.replace(ctx, query_columns=kept + (width,)))
+                      t_table, dataclasses.replace(ctx, query_columns=(width,)))
     fields = out_schema.fields
     matches = StructType(fields[n_query:])
     schema = StructType(fields[:n_query] + [StructField(C.MATCHES, ArrayType(matches, False), False)])
@@ -679,12 +685,13 @@ def _searched_here(planned: PlannedJoin, ctx: JoinContext, out_schema: StructTyp
             "spark.sql.session.timeZone", "UTC")).empty_table()
     else:
         rows = rows.combine_chunks()
-        row_ids = rows.column(n_query).to_numpy()
+        row_ids = rows.column(0).to_numpy()
         firsts = np.flatnonzero(np.r_[True, row_ids[1:] != row_ids[:-1]])
-        inner = pa.StructArray.from_arrays([rows.column(i).chunk(0) for i in range(n_query + 1, rows.num_columns)],
+        inner = pa.StructArray.from_arrays([rows.column(i).chunk(0) for i in range(1, rows.num_columns)],
                                            names=matches.names)
         nested = pa.ListArray.from_arrays(pa.array(np.r_[firsts, rows.num_rows], pa.int32()), inner)
-        table = rows.select(range(n_query)).take(firsts).append_column(C.MATCHES, nested)
+        taken = q_table.select(kept).take(row_ids[firsts]).columns   # (a table of no column keeps no row)
+        table = pa.Table.from_arrays([*taken, nested], names=[f.name for f in fields[:n_query]] + [C.MATCHES])
     joined = planned.query.sparkSession.createDataFrame(table, schema=schema)
     return joined.select(*[F.col(f.name) for f in fields[:n_query]], F.inline(C.MATCHES))
 

@@ -181,6 +181,12 @@ def test_the_jobs_columns_and_first_match_mark(spark, mixed):
     assert ours_schema.names == ["id", "dec", "name", "first"]
 
 
+def test_no_query_column_kept(spark, mixed):
+    q, t = mixed
+    q = q.select("v")
+    assert_same_as_one_task(spark, q, t, F.vector_l2_distance(q.v, t.w), 2, keep_vectors=False, distance_col="d")
+
+
 def test_the_searches_seconds_are_counted(local, mixed):
     q, t = mixed
     ranking = F.vector_l2_distance(q.v, t.w)
