@@ -56,8 +56,13 @@ def main(argv=None) -> int:
     Q, T, q, t = load(nq, nt, d)
     ranking = F.vector_l2_distance(q.qv, t.tv)
     ours_df = lambda: nearest_by_join(q, t, ranking, k, "exact", "distance")  # noqa: E731
-    noop(ours_df())  # warm-up: JIT cache, Python workers
-    ours_small = best_of(lambda: noop(ours_df()), args.repeat)
+    # A warm session: numba's kernels, the Python workers and the JVM's compiled code (its JIT
+    # compiles the paths of a small call over its first dozen calls or so); the small call is
+    # timed over more calls than the large ones.
+    small_repeat, warm_calls = max(args.repeat, 7), 15
+    for _ in range(warm_calls):
+        noop(ours_df())
+    ours_small = best_of(lambda: noop(ours_df()), small_repeat)
     plan = explain_nearest_join(q, t, ranking, k).plan
     identical = None
     if not args.skip_spark:
@@ -68,12 +73,13 @@ def main(argv=None) -> int:
     add("nearest_by_join", nq, nt, d, ours_small, identical_rows=identical, plan=plan)
     # The same call with the local plan off: the executors' plan it takes then (one task).
     spark.conf.set("spark.nearestJoin.localLimitBytes", "0")
-    noop(ours_df())
-    add("nearest_by_join, local plan off", nq, nt, d, best_of(lambda: noop(ours_df()), args.repeat),
+    for _ in range(warm_calls):
+        noop(ours_df())
+    add("nearest_by_join, local plan off", nq, nt, d, best_of(lambda: noop(ours_df()), small_repeat),
         plan=explain_nearest_join(q, t, ranking, k).plan)
     spark.conf.unset("spark.nearestJoin.localLimitBytes")
     # What Spark charges the local plan besides its search and output: both sides collected.
-    add("Spark's floor: both sides collected", nq, nt, d, best_of(lambda: (q.toArrow(), t.toArrow()), args.repeat))
+    add("Spark's floor: both sides collected", nq, nt, d, best_of(lambda: (q.toArrow(), t.toArrow()), small_repeat))
     # the kernel alone on the same arrays: what the call costs besides the search (its fixed cost)
     knn(Q, T, k, "l2", backend="cpu")
     add("kernel alone (cpu)", nq, nt, d, best_of(lambda: knn(Q, T, k, "l2", backend="cpu"), args.repeat))
