@@ -61,7 +61,7 @@ def demo(rec: Recorder, data_dir: Path) -> None:
                 job_s=summary["wall_time_s"], session_s=round(wall - summary["wall_time_s"], 2),
                 kernel_warm_up_s=summary["kernel_warm_up_s"], kernel_compile_s=summary["kernel_compile_s"],
                 **{f"{name}_s": seconds for name, seconds in summary["phases_s"].items()},
-                executor_search_s=summary["executor_s"]["search"])
+                executor_search_s=summary["executor_s"]["search"], plan=summary["plan"]["plan"])
 
 
 def compile_costs(rec: Recorder) -> None:

@@ -344,15 +344,16 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("numba cache", "numba_cache"), col("class archive", "class_archive"), col("wall s", "wall_s", ".1f"),
          col("Spark session start s", "session_s", ".1f"),
          col("job s", "job_s", ".1f"), col("read s", "read_s", ".2f"), col("plan s", "plan_s", ".2f"),
-         col("search+write s", "search+write_s", ".2f"),
-         col("of which executors' search s", "executor_search_s", ".2f"),
+         col("search+write s", "search+write_s", ".2f"), col("plan", "plan"),
+         col("of which search s", "executor_search_s", ".2f"),
          col("kernel warm-up s (beside the phases)", "kernel_warm_up_s", ".2f"),
          col("of which compiling s", "kernel_compile_s", ".2f")],
         about="`nearest-join demo` (2,000 x 20,000, d=64, k=5, local[2]) in a new process: with nothing "
               "cached; with an empty numba cache after `python -m jobs.jvm` recorded Spark's class archive "
-              "(what `make run` gives a fresh install); then with both. The job's phases from its summary; "
-              "executors' search: its tasks' search seconds, summed over the workers (kernels loaded or "
-              "compiled in a worker's first search included). "
+              "(what `make run` gives a fresh install); then with both. The job's phases and plan from its "
+              "summary (`local`: both sides collected, in the plan phase, and searched in the driver); "
+              "search: the seconds of the executors' searches summed over their tasks, or the driver's "
+              "(kernels loaded or compiled in a process's first search included). "
               "Session start: wall less the job (Spark's JVM and session, the demo data on the first run)."),
     ("fixed_costs", "compile"): Table(
         "Fixed costs: the kernels of a worker's first search",

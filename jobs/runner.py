@@ -105,9 +105,6 @@ def spark_session(settings: dict[str, str], *, app_name: str, use_master: bool =
     applied = {k: v for k, v in settings.items() if k != "master" or use_master}
     logger.info("starting Spark with %s", redact_settings(applied))
     session = builder.getOrCreate()
-    from nearest_join.join import start_python_workers
-
-    start_python_workers(session)   # under a local master: beside the read and the plan
     try:
         yield session
     finally:

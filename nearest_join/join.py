@@ -227,9 +227,11 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                              parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
-        # The workers start while the facts job runs, and this process plans and builds the search.
-        start_python_workers(spark)
         collected = None if facts is not None else _collect_here(query, target, parsed, options, keys)
+        if collected is None:
+            # The workers start while the facts job runs, and this process plans and builds
+            # the search (the local plan runs no Python worker).
+            start_python_workers(spark)
         if collected is not None:
             q_facts = arrow_side_facts(collected[0], column_index(query, parsed.query_column))
             t_facts = arrow_side_facts(collected[1], column_index(target, parsed.target_column))
@@ -776,8 +778,8 @@ def start_python_workers(spark) -> None:
     task) only at a join's first Python stage, a second on the critical path of a session's
     first join. One task per task slot but one, which stays free for the JVM's own jobs (a
     join's facts) meanwhile; the daemon forks the last worker when a stage asks for it. The
-    join's stages reuse them. Once per application; the job runner calls it as soon as its
-    session has started."""
+    join's stages reuse them. Once per application; not for the local plan, which runs no
+    Python worker."""
     import threading
 
     if not _executors_share_this_machine(spark):
