@@ -98,13 +98,18 @@ def mixed(spark):
     return q, t
 
 
-@pytest.mark.parametrize("metric", list(RANKINGS))
-@pytest.mark.parametrize("join_type", ["inner", "leftouter"])
-@pytest.mark.parametrize("extra", [{}, {"distance_col": "d"}, {"keep_vectors": False}, {"cap": True}],
-                         ids=["plain", "distance", "no-vectors", "cap"])
+EXTRAS = {"plain": {}, "distance": {"distance_col": "d"}, "no-vectors": {"keep_vectors": False}, "cap": {"cap": True}}
+# Every option with l2 under both join types, and each similarity's way of matching (a zero
+# vector never does) under both.
+COMBINATIONS = ([("l2", join_type, extra) for join_type in ("inner", "leftouter") for extra in EXTRAS]
+                + [("cosine", "leftouter", "cap"), ("cosine", "inner", "distance"),
+                   ("inner_product", "leftouter", "distance"), ("inner_product", "inner", "cap")])
+
+
+@pytest.mark.parametrize("metric,join_type,extra", COMBINATIONS, ids=["-".join(c) for c in COMBINATIONS])
 def test_same_rows_and_schema_as_the_one_task_plan(spark, mixed, metric, join_type, extra):
     q, t = mixed
-    kwargs = dict(extra)
+    kwargs = dict(EXTRAS[extra])
     if kwargs.pop("cap", False):
         kwargs.update({"max_distance": 2.5} if metric == "l2" else {"min_similarity": 0.5}, distance_col="d")
     rows = assert_same_as_one_task(spark, q, t, RANKINGS[metric](q, t), 3, join_type=join_type, **kwargs)
