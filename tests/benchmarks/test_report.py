@@ -23,7 +23,7 @@ def fixture_dir(tmp_path):
     spark = recorder(tmp_path, "spark_join", "2026-01-02T03:04:05+00:00")
     spark.add("operator", engine="Spark nearestByJoin", nq=10, nt=100, d=4, k=3, seconds=8.0, pairs_per_s=125.0)
     spark.add("operator", engine="nearest_by_join", nq=10, nt=100, d=4, k=3, seconds=2.0, pairs_per_s=500.0,
-              identical_rows=True, remark="A remark of this run.")
+              identical_rows=True, plan="local", remark="A remark of this run.")
     gpu = recorder(tmp_path, "gpu_kernel", "2026-03-01T00:00:00+00:00", gpu=True)
     for procs, share in ((1, 0.5), (2, 0.75)):
         gpu.add("arrow_concurrent", plan="broadcast", query_blocks=2, target_blocks=1, precision="bf16", k=10,
@@ -46,8 +46,8 @@ def test_tables_render_with_provenance_and_peer_ratios(fixture_dir, tmp_path):
     assert "; commit `abc1234`, command `python benchmarks/spark_join.py`; parameters:" in spark
     assert "`OPENBLAS_CORETYPE=Haswell`; BLAS kernels: libtest_openblas 1.0 Haswell" in spark
     # pairs/s against the Spark row of the same run: 500 / 125
-    assert "| nearest_by_join | 10 x 100 | 4 | 2.000 | 5.00e2 | 4.00x | yes |" in spark
-    assert "| Spark nearestByJoin | 10 x 100 | 4 | 8.000 | 1.25e2 | 1.00x | - |" in spark
+    assert "| nearest_by_join | local | 10 x 100 | 4 | 2.000 | 5.00e2 | 4.00x | yes |" in spark
+    assert "| Spark nearestByJoin | - | 10 x 100 | 4 | 8.000 | 1.25e2 | 1.00x | - |" in spark
     assert "A remark of this run." in spark
     assert "; parameters: k = 3" in spark
     # pivoted: one row per shape, the two-task share over the one-task share
