@@ -3,8 +3,10 @@
 The driver validates the arguments once into a :class:`~nearest_join.options.JoinOptions`,
 plans (:func:`plan_join`: one facts job) and builds a DataFrame; executors do the work in
 ``udfs`` (packing, the plan loops of ``udfs.blocks``, emission); the numeric core is
-``nearest_kernels``. No SparkContext, RDD or JVM handle is touched, so the same code runs under
-classic PySpark and Spark Connect.
+``nearest_kernels``. A small join of inputs Spark estimates small runs the same ``udfs``
+functions here instead, on both sides collected (the local plan). Only Spark's size estimates
+(and so the local plan) reach for a JVM handle; without one (Spark Connect) the plans are the
+executors', so the same code runs under classic PySpark and Spark Connect.
 """
 from __future__ import annotations
 
@@ -192,7 +194,8 @@ def _without(df: DataFrame, vector_column: str, kept) -> tuple[int, ...]:
 
 def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions, *,
               facts: tuple[SideFacts, SideFacts] | None = None) -> PlannedJoin:
-    """Resolve the ranking against both sides, read their facts (one Spark job) and plan.
+    """Resolve the ranking against both sides, read their facts (one Spark job; the local
+    plan's: both sides collected, two) and plan.
 
     ``facts``: both sides' facts when the caller has counted them already (the incremental
     join counts its inputs in an aggregation of its own): no facts job then; without ``on=``.
@@ -341,7 +344,8 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **
 
     Takes :func:`nearest_by_join`'s arguments (its signature, shown by ``help``, is this
     function's) and raises its errors. Runs only the one small job the planner needs (row
-    counts, partitions, vector lengths); an approx plan that runs IVF also trains its lists
+    counts, partitions, vector lengths), or, for the local plan, the two that collect both
+    sides (the facts are read from them; the search does not run); an approx plan that runs IVF also trains its lists
     (unless ``index`` is given) and estimates its recall (a sample job and a scan of the
     target for the sampled queries' exact neighbours; with ``on=`` keys, first a scan of the
     target counting its (key, list) pairs). ``print(plan)`` says, among the
