@@ -2,7 +2,8 @@
 executor JVMs) cannot share a process with the suite's local[2] session.
 
 Checks both plans (the blocked one both ways: both sides shuffled into pairs, and its query
-blocks broadcast) against the float64 reference across two executors, then kills one
+blocks broadcast) and the local plan (Parquet inputs collected from both executors) against the
+float64 reference across two executors, then kills one
 executor JVM while a blocked join runs and checks that the retried join still returns the
 exact answer. Prints one line per check: name, OK or FAILED with a reason.
 """
@@ -12,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -111,9 +113,22 @@ def main() -> int:
         finally:
             planner.QUERY_BROADCAST_MIN_TARGET_BYTES, planner.QUERY_BROADCAST_RATIO = saved
 
+    def local_plan():
+        # Parquet inputs, which Spark estimates small: the driver collects them from the two
+        # executors and searches them itself.
+        with tempfile.TemporaryDirectory(prefix="nj-cluster-") as tmp:
+            q.write.parquet(f"{tmp}/q")
+            t.write.parquet(f"{tmp}/t")
+            qp, tp = spark.read.parquet(f"{tmp}/q"), spark.read.parquet(f"{tmp}/t")
+            assert explain_nearest_join(qp, tp, "l2", K, vectors=("qv", "tv")).plan == "local"
+            rows = nearest_by_join(qp, tp, F.vector_l2_distance(qp.qv, tp.tv), K, distance_col="d").collect()
+        ours = group_rows(rows, lambda r: r["qid"], lambda r: r["tid"], lambda r: float(r["d"]))
+        assert_join_true_topk(ours, Q, T, K, "l2", list(range(NQ)), list(range(NT)))
+
     ok = all([
         check("two-executors", two_executors),
         check("broadcast-plan", lambda: join()),
+        check("local-plan", local_plan),
         check("blocked-plan", lambda: join(**blocked)),
         check("blocked-plan-queries-broadcast", queries_broadcast),
         check("executor-killed-mid-join", survives_executor_loss),

@@ -19,6 +19,6 @@ background.register("local-cluster", [sys.executable, os.path.join(os.path.dirna
 def test_join_on_two_executors_and_after_losing_one(background_result):
     proc = background_result
     assert proc.returncode == 0, proc.tail()
-    for check in ("two-executors", "broadcast-plan", "blocked-plan", "blocked-plan-queries-broadcast",
+    for check in ("two-executors", "broadcast-plan", "local-plan", "blocked-plan", "blocked-plan-queries-broadcast",
                   "executor-killed-mid-join"):
         assert f"{check} OK" in proc.stdout, proc.stdout
