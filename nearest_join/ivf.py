@@ -293,15 +293,12 @@ def plan_approx(planned):
         options.index.check_join(parsed.metric, plan.dimension)
     if not plan.dimension or not plan.target_rows:
         return exact("no target vector to build lists of")
-    blocked = ivf_carrier(plan)
-    if blocked is not None:
-        return exact(blocked)
     # With on= keys IVF can win inside a key only: the largest key group bounds its rows and
     # the exact keyed search's work.
     keyed = planned.keys is not None and plan.largest_group is not None
     rows = plan.largest_group if keyed else plan.target_rows
     work = plan.query_rows * rows * plan.dimension
-    if not explicit:
+    if not explicit:   # (the local plan's joins are all too small: its reason is the size)
         if rows < IVF_MIN_TARGET_ROWS:
             return exact(f"{rows} target rows{' in the largest key group' if keyed else ''} < "
                          f"{IVF_MIN_TARGET_ROWS}, too few for IVF to win (pass nlist, nprobe or index to force it)")
@@ -309,6 +306,9 @@ def plan_approx(planned):
             return exact(f"exact {'keyed ' if keyed else ''}search is {'at most ' if keyed else ''}{work:.3g} "
                          f"multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core on {plan.cores} cores: too "
                          "little for IVF's fixed costs (pass nlist, nprobe or index to force it)")
+    blocked = ivf_carrier(plan)
+    if blocked is not None:
+        return exact(blocked)
     if keyed:
         nlist = (options.index.nlist if options.index is not None
                  else options.nlist or default_nlist(plan.target_rows, plan.query_rows))

@@ -297,13 +297,15 @@ def _collect_here(query: DataFrame, target: DataFrame, ranking: Ranking, options
                   keys) -> tuple | None:
     """Both sides as Arrow tables in this process (positional names, each in its partitions'
     order, as the one-task plan reads them: the same ties) and Spark's estimate of their bytes
-    together, for the local plan; None when the
-    join is not one for it: ``on=`` keys, approx, the GPU asked for, a streaming input, a
-    column type outside :func:`_collectable`, or inputs that Spark cannot estimate or that it
+    together, for the local plan; None when the join is not one for it: ``on=`` keys, IVF
+    forced (``index``, ``nlist``, ``nprobe``; approx without them runs exact at any size the
+    local plan takes: ``nearest_join.ivf``), the GPU asked for, a streaming input, a column
+    type outside :func:`_collectable`, or inputs that Spark cannot estimate or that it
     estimates (:func:`nearest_join.planner.cheap_size`, which also refuses a plan running
     Python) above ``local_limit_bytes`` together. Whether the join itself is small enough is
     the planner's one-task rule, on the collected facts."""
-    if keys is not None or options.mode != "exact" or options.backend == "gpu":
+    forced_ivf = any(getattr(options, name) is not None for name in ("index", "nlist", "nprobe"))
+    if keys is not None or forced_ivf or options.backend == "gpu":
         return None
     limit = local_limit_bytes(query.sparkSession)
     if limit <= 0 or not all(_collectable(f.dataType) for f in query.schema.fields + target.schema.fields):

@@ -200,6 +200,18 @@ def test_the_searches_seconds_are_counted(local, mixed):
     assert planned.plan.plan == "local" and planned.executor_seconds()["search"] > 0
 
 
+def test_approx_of_a_small_join_runs_exact_here(local, mixed):
+    """Approx without index, nlist or nprobe runs exact below IVF's sizes, which every local
+    join is; the plan says why."""
+    q, t = mixed
+    ranking = F.vector_l2_distance(q.v, t.w)
+    plan = explain_nearest_join(q, t, ranking, 2, "approx", recall=0.9)
+    assert plan.plan == "local" and plan.ivf["runs"] == "exact" and "too few for IVF to win" in plan.ivf["explanation"]
+    approx = nearest_by_join(q, t, ranking, 2, "approx", recall=0.9, distance_col="d").collect()
+    exact = nearest_by_join(q, t, ranking, 2, distance_col="d").collect()
+    assert sorted(map(repr, approx)) == sorted(map(repr, exact))
+
+
 def test_a_ragged_side_fails_at_call_time(local):
     q = local.createDataFrame([(1, [0.0, 1.0]), (2, [0.0, 1.0, 2.0])], "id int, v array<float>")
     t = local.createDataFrame([(10, [0.0, 0.0])], "tid int, w array<float>")
@@ -221,7 +233,7 @@ def _udf_side(spark):
     return spark.createDataFrame([(10, [0.0, 0.0])], "tid int, w0 array<float>").select("tid", double("w0").alias("w"))
 
 
-@pytest.mark.parametrize("why", ["limit 0", "over the limit", "keys", "approx", "python in the plan",
+@pytest.mark.parametrize("why", ["limit 0", "over the limit", "keys", "approx forcing IVF", "python in the plan",
                                  "not estimated", "ml vectors", "too much work"])
 def test_joins_left_to_spark(local, monkeypatch, why):
     q = local.createDataFrame([(1, "k", [0.0, 1.0]), (2, "k", [2.0, 2.0])], "id int, key string, v array<float>")
@@ -233,7 +245,7 @@ def test_joins_left_to_spark(local, monkeypatch, why):
         local.conf.set(LIMIT, "100b")
     elif why == "keys":
         kwargs["on"] = "key"
-    elif why == "approx":
+    elif why == "approx forcing IVF":
         kwargs.update(mode="approx", nlist=2)
     elif why == "python in the plan":
         t = _udf_side(local)
