@@ -793,8 +793,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         ]
     lines.append(f"  phases       {phases}")
     if summary.get("executor_s"):
-        lines.append("  executors    " + " | ".join(f"{k} {v:.2f} s" for k, v in summary["executor_s"].items())
-                     + " (summed over tasks and threads)")
+        local = summary.get("plan", {}).get("plan") == "local"   # the executors' functions, in the driver
+        lines.append(("  driver       " if local else "  executors    ")
+                     + " | ".join(f"{k} {v:.2f} s" for k, v in summary["executor_s"].items())
+                     + (" (the local plan's search, summed over threads)" if local
+                        else " (summed over tasks and threads)"))
     lines += [
         f"  kernels      {_warm_up_text(summary.get('kernel_warm_up_s', 0.0), summary.get('kernel_compile_s', 0.0))}",
         f"  summary      {os.path.join(summary['output'].get('location') or summary['output']['path'], SUMMARY_FILE)}",

@@ -189,7 +189,7 @@ def test_run_matches_the_float64_reference(job, capsys, request, join_type, plan
     assert f"query rows {QUERY_ROWS}" in captured.err
     assert "queries without candidates 1" in captured.err
     assert "nearest-join: job 'test-job' succeeded" in captured.out
-    assert "  executors    pack " in captured.out
+    assert ("  driver       pack " if plan == "local" else "  executors    pack ") in captured.out
     assert f"{summary['output_rows']:,} rows in" in captured.out
 
 
