@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import decimal
 import inspect
+import shutil
 
 import numpy as np
 import pytest
@@ -210,6 +211,19 @@ def test_approx_of_a_small_join_runs_exact_here(local, mixed):
     approx = nearest_by_join(q, t, ranking, 2, "approx", recall=0.9, distance_col="d").collect()
     exact = nearest_by_join(q, t, ranking, 2, distance_col="d").collect()
     assert sorted(map(repr, approx)) == sorted(map(repr, exact))
+
+
+def test_the_rows_are_the_inputs_at_the_call(local, tmp_path):
+    """The search runs at the call: a source rewritten afterwards does not change the rows,
+    and evaluating the result again reads no input (the files may be gone)."""
+    t = local.createDataFrame([(10, [0.0, 0.0]), (11, [5.0, 5.0])], "tid int, w array<float>")
+    local.createDataFrame([(1, [4.0, 4.0])], "id int, v array<float>").write.parquet(str(tmp_path / "q"))
+    q = local.read.parquet(str(tmp_path / "q"))
+    out = nearest_by_join(q, t, F.vector_l2_distance(q.v, t.w), 1)
+    local.createDataFrame([(1, [0.0, 1.0])], "id int, v array<float>").write.mode("overwrite").parquet(str(tmp_path / "q"))
+    assert [(r["id"], r["tid"]) for r in out.collect()] == [(1, 11)]
+    shutil.rmtree(tmp_path / "q")
+    assert [(r["id"], r["tid"]) for r in out.collect()] == [(1, 11)]
 
 
 def test_a_ragged_side_fails_at_call_time(local):
