@@ -235,7 +235,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             # The workers start while the facts job runs, and this process plans and builds
             # the search (the local plan runs no Python worker).
             start_python_workers(spark)
-        if collected is not None:
+        if collected is not None:   # the facts of the collected sides
             q_facts = arrow_side_facts(collected[0], column_index(query, parsed.query_column))
             t_facts = arrow_side_facts(collected[1], column_index(target, parsed.target_column))
             key_facts = None
@@ -258,7 +258,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             inputs_cheap=collected is not None or (cheap_in_one_task(query) and cheap_in_one_task(target)))
         if collected is not None and not plan.one_task:
             # Small inputs, but too much work for one task: the plans that spread it, on the
-            # input's own partitions.
+            # input's own partitions, with the Python workers they run.
+            start_python_workers(spark)
             q_facts = dataclasses.replace(q_facts, partitions=_partitions(query))
             plan = choose_plan(
                 spark=spark, ranking=parsed, options=options,
@@ -347,11 +348,11 @@ def explain_nearest_join(query: DataFrame, target: DataFrame, ranking, *args, **
     Takes :func:`nearest_by_join`'s arguments (its signature, shown by ``help``, is this
     function's) and raises its errors. Runs only the one small job the planner needs (row
     counts, partitions, vector lengths), or, for the local plan, the two that collect both
-    sides (the facts are read from them; the search does not run); an approx plan that runs IVF also trains its lists
-    (unless ``index`` is given) and estimates its recall (a sample job and a scan of the
-    target for the sampled queries' exact neighbours; with ``on=`` keys, first a scan of the
-    target counting its (key, list) pairs). ``print(plan)`` says, among the
-    rest, what ``precision="auto"`` will run.
+    sides (the facts are read from them; the search does not run); an approx plan that runs
+    IVF also trains its lists (unless ``index`` is given) and estimates its recall (a sample
+    job and a scan of the target for the sampled queries' exact neighbours; with ``on=`` keys,
+    first a scan of the target counting its (key, list) pairs). ``print(plan)`` says, among
+    the rest, what ``precision="auto"`` will run.
     """
     bound = inspect.signature(nearest_by_join).bind(query, target, ranking, *args, **kwargs)
     bound.apply_defaults()
@@ -578,6 +579,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     target_arrow = to_arrow_schema(StructType([
         StructField(C.output_name(len(q_fields) + j), f.dataType, f.nullable, f.metadata)
         for j, f in enumerate(t_fields)]), timezone=timezone)
+
     def join_context(q_layout, t_layout) -> JoinContext:
         return JoinContext(settings, q_layout, t_layout, plan.join_type,
                            plan.distance_col is not None, target_arrow, cap=plan.cap,
