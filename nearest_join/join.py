@@ -50,11 +50,11 @@ from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
 from .inputs import positional_inputs
 from .options import JoinOptions
 from .planner import (
+    ONE_TASK_BYTES,
     JoinPlan,
     KeyedLayout,
     SideFacts,
     arrow_side_facts,
-    cheap_in_one_task,
     cheap_size,
     choose_plan,
     gpu_task_share,
@@ -230,7 +230,9 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                              parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
-        collected = None if facts is not None else _collect_here(query, target, parsed, options, keys)
+        # Spark's estimates of both sides, once: the local plan's bound and the one-task rule's.
+        sizes, limit = (cheap_size(query), cheap_size(target)), local_limit_bytes(spark)
+        collected = None if facts is not None else _collect_here(query, target, options, keys, sizes, limit)
         if collected is None:
             # The workers start while the facts job runs, and this process plans and builds
             # the search (the local plan runs no Python worker).
@@ -255,7 +257,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             dimension=join_dimension(parsed, q_facts, t_facts), itemsize=max(q_item, t_item),
             query_rows=q_facts.rows, target_rows=t_facts.rows,
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts,
-            inputs_cheap=collected is not None or (cheap_in_one_task(query) and cheap_in_one_task(target)))
+            inputs_cheap=all(size is not None and size <= ONE_TASK_BYTES for size in sizes))
         if collected is not None and not plan.one_task:
             # Small inputs, but too much work for one task: the plans that spread it, on the
             # input's own partitions, with the Python workers they run.
@@ -268,9 +270,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             collected = None
         elif collected is not None:
             plan = dataclasses.replace(plan, plan="local", reason=(
-                f"both sides estimated {collected[2]} B <= local limit {local_limit_bytes(spark)} B and a join "
+                f"both sides estimated {sum(sizes)} B <= local limit {limit} B and a join "
                 "small enough for one task: collected and searched in the driver, no Spark task"))
-            collected = collected[:2]
         if options.index is not None:   # its dimension, known from the facts job, before any other job
             options.index.check_join(parsed.metric, plan.dimension)
         if plan.plan == "blocked":
@@ -294,24 +295,22 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     return planned
 
 
-def _collect_here(query: DataFrame, target: DataFrame, ranking: Ranking, options: JoinOptions,
-                  keys) -> tuple | None:
+def _collect_here(query: DataFrame, target: DataFrame, options: JoinOptions, keys,
+                  sizes: tuple[int | None, int | None], limit: int) -> tuple | None:
     """Both sides as Arrow tables in this process (positional names, each in its partitions'
-    order, as the one-task plan reads them: the same ties) and Spark's estimate of their bytes
-    together, for the local plan; None when the join is not one for it: ``on=`` keys, IVF
-    forced (``index``, ``nlist``, ``nprobe``; approx without them runs exact at any size the
-    local plan takes: ``nearest_join.ivf``), the GPU asked for, a streaming input, a column
-    type outside :func:`_collectable`, or inputs that Spark cannot estimate or that it
-    estimates (:func:`nearest_join.planner.cheap_size`, which also refuses a plan running
-    Python) above ``local_limit_bytes`` together. Whether the join itself is small enough is
-    the planner's one-task rule, on the collected facts."""
+    order, as the one-task plan reads them: the same ties), for the local plan; None when the
+    join is not one for it: ``on=`` keys, IVF forced (``index``, ``nlist``, ``nprobe``; approx
+    without them runs exact at any size the local plan takes: ``nearest_join.ivf``), the GPU
+    asked for, a streaming input, a column type outside :func:`_collectable`, or inputs that
+    Spark cannot estimate or that it estimates (``sizes``: :func:`nearest_join.planner.cheap_size`,
+    which also refuses a plan running Python) above ``limit`` (``local_limit_bytes``) together.
+    Whether the join itself is small enough is the planner's one-task rule, on the collected
+    facts."""
     forced_ivf = any(getattr(options, name) is not None for name in ("index", "nlist", "nprobe"))
     if keys is not None or forced_ivf or options.backend == "gpu":
         return None
-    limit = local_limit_bytes(query.sparkSession)
     if limit <= 0 or not all(_collectable(f.dataType) for f in query.schema.fields + target.schema.fields):
         return None
-    sizes = cheap_size(query), cheap_size(target)
     if None in sizes or sum(sizes) > limit or query.isStreaming or target.isStreaming:
         return None
     q_input, t_input = positional_inputs(query, target, None)
@@ -319,7 +318,7 @@ def _collect_here(query: DataFrame, target: DataFrame, ranking: Ranking, options
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-collect") as pool:
         t_table = pool.submit(t_input.toArrow)
         q_table = q_input.toArrow()
-        return q_table, t_table.result(), sum(sizes)
+        return q_table, t_table.result()
 
 
 def _collectable(data_type) -> bool:

@@ -101,6 +101,20 @@ def spark():
     session.stop()
 
 
+@pytest.fixture
+def local_plan(spark):
+    """The session with the local plan at its default limit, as a new user's (the suite's
+    session turns it off, above), restored after the test."""
+    key = "spark.nearestJoin.localLimitBytes"
+    before = spark.conf.get(key, None)
+    spark.conf.unset(key)
+    yield spark
+    if before is None:
+        spark.conf.unset(key)
+    else:
+        spark.conf.set(key, before)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """Compile the executor's kernels (tests/warm_kernels.py) when Spark will run, hand the

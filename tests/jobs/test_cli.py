@@ -118,17 +118,6 @@ def _files(directory: Path) -> dict[str, bytes]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
-def local_plan(spark):
-    """The session's local plan at its default limit (the suite turns it off: tests/conftest.py)."""
-    key = "spark.nearestJoin.localLimitBytes"
-    before = spark.conf.get(key, None)
-    spark.conf.unset(key)
-    yield
-    if before is not None:
-        spark.conf.set(key, before)
-
-
 @pytest.mark.parametrize("join_type,plan_sets,plan", [
     ("inner", [], "broadcast"),
     ("inner", [], "local"),

@@ -29,18 +29,6 @@ RANKINGS = {
 }
 
 
-@pytest.fixture
-def local(spark):
-    """The session with the local plan at its default limit, as a new user's."""
-    before = spark.conf.get(LIMIT, None)
-    spark.conf.unset(LIMIT)
-    yield spark
-    if before is None:
-        spark.conf.unset(LIMIT)
-    else:
-        spark.conf.set(LIMIT, before)
-
-
 def options(q, t, ranking, k, **kwargs) -> JoinOptions:
     bound = inspect.signature(nearest_by_join).bind(q, t, ranking, k, **kwargs)
     bound.apply_defaults()
@@ -117,7 +105,7 @@ def test_same_rows_and_schema_as_the_one_task_plan(spark, mixed, metric, join_ty
     assert rows   # every combination matches something
 
 
-def test_the_output_keeps_the_sides_qualifiers(local, mixed):
+def test_the_output_keeps_the_sides_qualifiers(local_plan, mixed):
     q, t = mixed
     out = nearest_by_join(q, t, F.vector_l2_distance(q.v, t.w), 2, distance_col="d")
     picked = out.select("Q.id", "T.name", "d").where(F.col("Q.id") == 1).collect()
@@ -139,15 +127,15 @@ def test_empty_and_short_sides(spark, sides, join_type):
 
 
 @pytest.mark.parametrize("d", [1, 128, 384, 768, 1024, 1536])
-def test_embedding_sizes_against_the_oracle(local, d):
+def test_embedding_sizes_against_the_oracle(local_plan, d):
     """Non-centred unit-ish embeddings with duplicates: the local plan's rows are each query's
     true top k of the float64 oracle."""
     rng = np.random.default_rng(d)
     T = (rng.standard_normal((300, d)) * 0.1 + 5.0).astype(np.float32)
     T[100:110] = T[0]                       # a group of identical rows
     Q = np.vstack([T[:20], rng.standard_normal((20, d)).astype(np.float32) * 0.1 + 5.0])
-    q = local.createDataFrame([(i, Q[i].tolist()) for i in range(len(Q))], "qid int, v array<float>")
-    t = local.createDataFrame([(j, T[j].tolist()) for j in range(len(T))], "tid int, w array<float>")
+    q = local_plan.createDataFrame([(i, Q[i].tolist()) for i in range(len(Q))], "qid int, v array<float>")
+    t = local_plan.createDataFrame([(j, T[j].tolist()) for j in range(len(T))], "tid int, w array<float>")
     for metric in ("l2", "cosine"):
         plan = explain_nearest_join(q, t, RANKINGS[metric](q, t), 10)
         assert plan.plan == "local", plan
@@ -159,9 +147,9 @@ def test_embedding_sizes_against_the_oracle(local, d):
 
 @pytest.mark.parametrize("case", [c for c in cases(dims=(1, 3, 64)) if c.queries.dtype == np.float32],
                          ids=repr)
-def test_adversarial_inputs_against_the_oracle(local, case):
-    q = local.createDataFrame([(i, row.tolist()) for i, row in enumerate(case.queries)], "qid int, v array<float>")
-    t = local.createDataFrame([(j, row.tolist()) for j, row in enumerate(case.targets)], "tid int, w array<float>")
+def test_adversarial_inputs_against_the_oracle(local_plan, case):
+    q = local_plan.createDataFrame([(i, row.tolist()) for i, row in enumerate(case.queries)], "qid int, v array<float>")
+    t = local_plan.createDataFrame([(j, row.tolist()) for j, row in enumerate(case.targets)], "tid int, w array<float>")
     metric = case.metrics[0]
     ranking = {"sqeuclidean": "sqeuclidean"}.get(metric) or RANKINGS[metric](q, t)
     kwargs = {"vectors": ("v", "w")} if metric == "sqeuclidean" else {}
@@ -193,7 +181,7 @@ def test_no_query_column_kept(spark, mixed):
     assert_same_as_one_task(spark, q, t, F.vector_l2_distance(q.v, t.w), 2, keep_vectors=False, distance_col="d")
 
 
-def test_the_searches_seconds_are_counted(local, mixed):
+def test_the_searches_seconds_are_counted(local_plan, mixed):
     q, t = mixed
     ranking = F.vector_l2_distance(q.v, t.w)
     planned = plan_join(q, t, ranking, options(q, t, ranking, 2))
@@ -201,7 +189,7 @@ def test_the_searches_seconds_are_counted(local, mixed):
     assert planned.plan.plan == "local" and planned.executor_seconds()["search"] > 0
 
 
-def test_approx_of_a_small_join_runs_exact_here(local, mixed):
+def test_approx_of_a_small_join_runs_exact_here(local_plan, mixed):
     """Approx without index, nlist or nprobe runs exact below IVF's sizes, which every local
     join is; the plan says why."""
     q, t = mixed
@@ -213,27 +201,28 @@ def test_approx_of_a_small_join_runs_exact_here(local, mixed):
     assert sorted(map(repr, approx)) == sorted(map(repr, exact))
 
 
-def test_the_rows_are_the_inputs_at_the_call(local, tmp_path):
+def test_the_rows_are_the_inputs_at_the_call(local_plan, tmp_path):
     """The search runs at the call: a source rewritten afterwards does not change the rows,
     and evaluating the result again reads no input (the files may be gone)."""
-    t = local.createDataFrame([(10, [0.0, 0.0]), (11, [5.0, 5.0])], "tid int, w array<float>")
-    local.createDataFrame([(1, [4.0, 4.0])], "id int, v array<float>").write.parquet(str(tmp_path / "q"))
-    q = local.read.parquet(str(tmp_path / "q"))
+    t = local_plan.createDataFrame([(10, [0.0, 0.0]), (11, [5.0, 5.0])], "tid int, w array<float>")
+    local_plan.createDataFrame([(1, [4.0, 4.0])], "id int, v array<float>").write.parquet(str(tmp_path / "q"))
+    q = local_plan.read.parquet(str(tmp_path / "q"))
     out = nearest_by_join(q, t, F.vector_l2_distance(q.v, t.w), 1)
-    local.createDataFrame([(1, [0.0, 1.0])], "id int, v array<float>").write.mode("overwrite").parquet(str(tmp_path / "q"))
+    rewritten = local_plan.createDataFrame([(1, [0.0, 1.0])], "id int, v array<float>")
+    rewritten.write.mode("overwrite").parquet(str(tmp_path / "q"))
     assert [(r["id"], r["tid"]) for r in out.collect()] == [(1, 11)]
     shutil.rmtree(tmp_path / "q")
     assert [(r["id"], r["tid"]) for r in out.collect()] == [(1, 11)]
 
 
-def test_a_ragged_side_fails_at_call_time(local):
-    q = local.createDataFrame([(1, [0.0, 1.0]), (2, [0.0, 1.0, 2.0])], "id int, v array<float>")
-    t = local.createDataFrame([(10, [0.0, 0.0])], "tid int, w array<float>")
+def test_a_ragged_side_fails_at_call_time(local_plan):
+    q = local_plan.createDataFrame([(1, [0.0, 1.0]), (2, [0.0, 1.0, 2.0])], "id int, v array<float>")
+    t = local_plan.createDataFrame([(10, [0.0, 0.0])], "tid int, w array<float>")
     with pytest.raises(NearestByJoinError, match="VECTOR_DIMENSION_MISMATCH"):
         nearest_by_join(q, t, F.vector_l2_distance(q.v, t.w), 1)
 
 
-def test_plan_text(local, mixed):
+def test_plan_text(local_plan, mixed):
     q, t = mixed
     text = str(explain_nearest_join(q, t, F.vector_l2_distance(q.v, t.w), 2))
     assert text.startswith("nearest_by_join plan: local (both sides estimated ")
@@ -249,27 +238,28 @@ def _udf_side(spark):
 
 @pytest.mark.parametrize("why", ["limit 0", "over the limit", "keys", "approx forcing IVF", "python in the plan",
                                  "not estimated", "ml vectors", "too much work"])
-def test_joins_left_to_spark(local, monkeypatch, why):
-    q = local.createDataFrame([(1, "k", [0.0, 1.0]), (2, "k", [2.0, 2.0])], "id int, key string, v array<float>")
-    t = local.createDataFrame([(10, "k", [0.0, 0.0]), (11, "k", [1.0, 1.0])], "tid int, key string, w array<float>")
+def test_joins_left_to_spark(local_plan, monkeypatch, why):
+    q = local_plan.createDataFrame([(1, "k", [0.0, 1.0]), (2, "k", [2.0, 2.0])], "id int, key string, v array<float>")
+    t = local_plan.createDataFrame([(10, "k", [0.0, 0.0]), (11, "k", [1.0, 1.0])], "tid int, key string, w array<float>")
     kwargs = {}
     if why == "limit 0":
-        local.conf.set(LIMIT, "0")
+        local_plan.conf.set(LIMIT, "0")
     elif why == "over the limit":
-        local.conf.set(LIMIT, "100b")
+        local_plan.conf.set(LIMIT, "100b")
     elif why == "keys":
         kwargs["on"] = "key"
     elif why == "approx forcing IVF":
         kwargs.update(mode="approx", nlist=2)
     elif why == "python in the plan":
-        t = _udf_side(local)
+        t = _udf_side(local_plan)
     elif why == "not estimated":
-        t = local.createDataFrame(local.sparkContext.parallelize([(10, [0.0, 0.0])]), "tid int, w array<float>")
+        rows = local_plan.sparkContext.parallelize([(10, [0.0, 0.0])])
+        t = local_plan.createDataFrame(rows, "tid int, w array<float>")
     elif why == "ml vectors":
         from pyspark.ml.linalg import Vectors, VectorUDT
         from pyspark.sql.types import IntegerType, StructField, StructType
 
-        t = local.createDataFrame([(10, Vectors.dense([0.0, 0.0]))],
+        t = local_plan.createDataFrame([(10, Vectors.dense([0.0, 0.0]))],
                                   StructType([StructField("tid", IntegerType()), StructField("w", VectorUDT())]))
     elif why == "too much work":
         monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
