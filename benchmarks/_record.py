@@ -1,18 +1,14 @@
-"""Benchmark records: one JSON line per measured case, in ``benchmarks/results/<benchmark>.jsonl``.
-
-Every benchmark writes its figures through :class:`Recorder`; ``benchmarks/report.py``
-(``make bench-report``) renders them as ``benchmarks/RESULTS.md`` and ``benchmarks/plots/``.
-The files are committed: they hold the current figures, git their history. A record is a flat
-JSON object::
+"""Benchmark records: one JSON line per measured case, in ``benchmarks/results/<benchmark>.jsonl``
+(committed: the current figures; git keeps their history), written through :class:`Recorder`
+and rendered by ``benchmarks/report.py``. A record is a flat JSON object::
 
     {"benchmark": "spark_join", "table": "operator", "run": "20261201T080400Z-4242",
      "date": "2026-12-01T08:04:00+00:00", "commit": "9a08caa",
      "command": ".venv/bin/python benchmarks/spark_join.py --quick",
      "machine": {"cpu": "...", "cores": 2, "memory_gib": 24, "blas": {...}}, ...its own fields}
 
-``table`` names one table of the benchmark; a run's first record of a table removes the
-records of earlier runs of it, so each table holds one run: the current one. The helpers the
-benchmarks share live here too.
+``table`` names one table of the benchmark, which holds one run: the current one. The helpers
+the benchmarks share live here too.
 """
 from __future__ import annotations
 
@@ -24,6 +20,7 @@ import multiprocessing as mp
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -224,6 +221,24 @@ def timed(fn, repeat: int) -> tuple[float, float]:
 def best_of(fn, repeat: int) -> float:
     """The shortest wall time, in seconds, of ``repeat`` calls of ``fn``."""
     return timed(fn, repeat)[0]
+
+
+def cuda_ms(fn, reps: int, warmup: int = 1) -> float:
+    """The median device time (CUDA events, ms) of ``reps`` calls of ``fn`` after ``warmup`` calls."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
 
 
 def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):

@@ -101,6 +101,13 @@ def pairs_of(df) -> np.ndarray:
     return rows[np.lexsort((rows[:, 1], rows[:, 0]))]
 
 
+def result_rows(values: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(query, target, value) rows (float64) of a search's (queries, k) arrays; id -1: no row."""
+    keep = ids >= 0
+    queries = np.repeat(np.arange(ids.shape[0]), ids.shape[1])
+    return np.stack([queries[keep.ravel()], ids[keep], values[keep]], axis=1).astype(np.float64)
+
+
 def recall_of(found: np.ndarray, exact: np.ndarray, nq: int, descending: bool = False) -> float:
     """Mean over queries of the share of their exact neighbours that ``found`` matches, ties
     included: a found row counts when its value is at least as near as the query's k-th exact
@@ -142,10 +149,7 @@ def faiss_at_recall(targets, queries, exact: np.ndarray, nlist: int, sample_rows
         start = time.perf_counter()
         values, found = index.search(queries, K)
         seconds = time.perf_counter() - start
-        keep = found >= 0
-        rows = np.stack([np.repeat(np.arange(nq), K)[keep.ravel()], found[keep].astype(np.float64),
-                         (values if cosine else np.sqrt(np.maximum(values, 0)))[keep].astype(np.float64)],
-                        axis=1)
+        rows = result_rows(values if cosine else np.sqrt(np.maximum(values, 0)), found)
         return recall_of(rows, exact, nq, descending=cosine), seconds
 
     # Doubling, then bisection: the smallest nprobe reaching ``wanted``.
@@ -274,11 +278,9 @@ def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls
 
 
 def index_ceiling(rec: Recorder, rows: int, recalls=(0.9, 0.95)) -> None:
-    """Table ``ceiling_minilm<rows>``: the real embeddings' self-join (cosine, k = K, 2 threads),
-    kernels alone, no Spark. Per recall target, the smallest nprobe (IVF: our k-means and
-    ``knn_probed`` over the lists, nlist at the planner's default and above) or efSearch (faiss
-    HNSW, M=16) whose *measured* recall reaches it, an oracle's choice, with no estimate's
-    margin: the most each index can give."""
+    """Table ``ceiling_minilm<rows>``: the real embeddings' self-join, kernels alone, no Spark; per
+    recall target the smallest nprobe (our IVF) or efSearch (faiss HNSW) whose *measured* recall
+    reaches it (the table's text in report.py says more)."""
     import faiss
 
     from benchmarks.embeddings import load
@@ -293,13 +295,9 @@ def index_ceiling(rec: Recorder, rows: int, recalls=(0.9, 0.95)) -> None:
     start = time.perf_counter()
     values, ids = knn(x, x, K, "cosine", backend="cpu", threads=2)
     exact_s = time.perf_counter() - start
-    exact = np.stack([np.repeat(np.arange(n), K), ids.ravel(), values.ravel()], axis=1).astype(np.float64)
+    exact = result_rows(values, ids)
     rec.add(f"ceiling_minilm{n}", index="exact (knn)", parameters="-", recall_target=None, recall=1.0,
             build_seconds=0.0, search_seconds=round(exact_s, 2), vs_exact=1.0, **common)
-
-    def rows_of(v, i):
-        keep = i >= 0
-        return np.stack([np.repeat(np.arange(n), K)[keep.ravel()], i[keep], v[keep]], axis=1).astype(np.float64)
 
     def add(index, parameters, wanted, recall, build, search):
         rec.add(f"ceiling_minilm{n}", index=index, parameters=parameters, recall_target=wanted,
@@ -323,7 +321,7 @@ def index_ceiling(rec: Recorder, rows: int, recalls=(0.9, 0.95)) -> None:
             v, i = knn_probed(x, targets, starts, np.arange(0, n * nprobe + 1, nprobe, dtype=np.int64),
                               probes.ravel(), K, "cosine", threads=2)
             search = time.perf_counter() - start
-            recall = recall_of(rows_of(v, np.where(i >= 0, order[np.maximum(i, 0)], -1)), exact, n, descending=True)
+            recall = recall_of(result_rows(v, np.where(i >= 0, order[np.maximum(i, 0)], -1)), exact, n, descending=True)
             while pending and recall >= pending[0]:
                 add("IVF (ours, knn_probed)", f"nlist {nlist}, nprobe {nprobe}", pending.pop(0), recall, build, search)
             nprobe += max(1, nprobe // 4)
@@ -338,7 +336,7 @@ def index_ceiling(rec: Recorder, rows: int, recalls=(0.9, 0.95)) -> None:
         start = time.perf_counter()
         v, i = hnsw.search(x, K)
         search = time.perf_counter() - start
-        recall = recall_of(rows_of(v, i), exact, n, descending=True)
+        recall = recall_of(result_rows(v, i), exact, n, descending=True)
         while pending and recall >= pending[0]:
             add("HNSW (faiss IndexHNSWFlat, M 16)", f"efSearch {ef}", pending.pop(0), recall, build, search)
         if not pending:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -19,26 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._record import git_commit, run_spawned, vector_table  # noqa: E402
+from benchmarks._record import cuda_ms, git_commit, run_spawned, vector_table  # noqa: E402
 from nearest_kernels.gpu import prepare_targets, search_prepared  # noqa: E402
 
 ARROW_SHAPES = [("blocked", 1, 4), ("broadcast", 1, 4), ("broadcast", 2, 1), ("broadcast", 4, 1), ("broadcast", 8, 2)]
-
-
-def cuda_ms(fn, reps: int, warmup: int = 1) -> list[float]:
-    """Device times (CUDA events, ms) of ``reps`` calls of ``fn`` after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return times
 
 
 def exact_kernel_ms(Qn, Tn, precision: str, k: int, reps: int) -> float:
@@ -49,7 +32,7 @@ def exact_kernel_ms(Qn, Tn, precision: str, k: int, reps: int) -> float:
     dev = torch.device("cuda")
     q = torch.from_numpy(Qn).to(dev)
     prepared = prepare_targets(torch.from_numpy(Tn).to(dev), "l2", precision)
-    ms = statistics.median(cuda_ms(lambda: search_prepared(q, prepared, k), reps))
+    ms = cuda_ms(lambda: search_prepared(q, prepared, k), reps)
     del prepared, q
     torch.cuda.empty_cache()
     return ms

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -20,8 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from benchmarks._record import Recorder  # noqa: E402
-from benchmarks.gpu_kernel import cuda_ms  # noqa: E402
+from benchmarks._record import Recorder, cuda_ms  # noqa: E402
 from nearest_kernels.gpu import knn_torch, resolve_precision  # noqa: E402
 from tests import oracle  # noqa: E402
 from tests.kernels.test_gpu_shapes import DIMS as DEVICE_TEST_DIMS  # noqa: E402
@@ -43,11 +41,6 @@ def addmm_topk(Q, T, bias, precision, k=None):
         if k is not None:
             out.append(torch.topk(d, k, dim=1, largest=False).indices)
     return torch.cat(out) if k is not None else None
-
-
-def events_ms(fn, reps: int) -> float:
-    """Median of ``reps`` timed calls (CUDA events), after one warm call."""
-    return statistics.median(cuda_ms(fn, reps))
 
 
 def wall(fn) -> tuple[float, object]:
@@ -201,10 +194,10 @@ def shape_cases(args, rec):
                 row = dict(shape=label, nq=Q.shape[0], nt=T.shape[0], d=d, k=k, auto=auto,
                            triton_cache=cache)
                 bias = (T * T).sum(1)
-                row["gemm_bf16_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "bf16"), args.reps), 1)
-                row["torch_fp32_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "fp32", k),
+                row["gemm_bf16_ms"] = round(cuda_ms(lambda: addmm_topk(Q, T, bias, "bf16"), args.reps), 1)
+                row["torch_fp32_addmm_topk_ms"] = round(cuda_ms(lambda: addmm_topk(Q, T, bias, "fp32", k),
                                                                   args.reps), 1)
-                row["torch_bf16_addmm_topk_ms"] = round(events_ms(lambda: addmm_topk(Q, T, bias, "bf16", k),
+                row["torch_bf16_addmm_topk_ms"] = round(cuda_ms(lambda: addmm_topk(Q, T, bias, "bf16", k),
                                                                   args.reps), 1)
                 bi = addmm_topk(Q, T, bias, "bf16", k)
                 row["torch_bf16_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, bi, args.sample)
@@ -214,7 +207,7 @@ def shape_cases(args, rec):
                 # Compilation included where this process has not compiled the kernel yet.
                 row[f"{name}_first_call_s"] = round(seconds, 2)
                 row[f"{name}_wrong_of_sample"] = wrong_rows(Q, T, T_host, k, idx, args.sample, v)
-                row[f"{name}_ms"] = round(events_ms(lambda: knn_torch(Q, T, k, "l2", "auto"), args.reps), 1)
+                row[f"{name}_ms"] = round(cuda_ms(lambda: knn_torch(Q, T, k, "l2", "auto"), args.reps), 1)
                 row["sample_rows"] = args.sample
                 a = row[f"exact_auto_{auto}_ms"]
                 row["auto_over_gemm"] = round(a / row["gemm_bf16_ms"], 2)

@@ -113,7 +113,7 @@ KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_jo
 @dataclass(frozen=True)
 class Table:
     title: str
-    columns: list[Col]
+    columns: list[Col] | Callable[[list[dict]], list[Col]]   # a callable: built from the records
     about: str = ""
     plot: Callable[[list[dict], Path], None] | None = None
     group: Callable[[list[dict]], list[dict]] | None = None   # records -> display rows
@@ -237,11 +237,6 @@ def plot_cpu(records: list[dict], path: Path) -> None:
               "cpu_kernel", log=True)
 
 
-def plot_spark(records: list[dict], path: Path) -> None:
-    plot_bars(path, [f"{r['engine']}\n{r['nq']:,} x {r['nt']:,} d={r['d']}" for r in records],
-              {"pairs/s": [r.get("pairs_per_s") for r in records]}, "pairs / s", "spark_join", log=True)
-
-
 def plot_gpu_concurrent(records: list[dict], path: Path) -> None:
     rows = CONCURRENT(records)
     cats = [f"{r['query_blocks']}x{r['target_blocks']}, {r['threads_per_task']} thr" for r in rows]
@@ -250,23 +245,10 @@ def plot_gpu_concurrent(records: list[dict], path: Path) -> None:
     plot_bars(path, cats, series, "% of the kernel's throughput", "gpu_kernel: broadcast tasks sharing one GPU")
 
 
-def plot_multi_gpu(records: list[dict], path: Path) -> None:
-    plot_bars(path, [f"{r['gpus']} GPU(s)" for r in records],
-              {"wall s": [r.get("wall_s") for r in records], "merge s": [r.get("merge_s") for r in records]},
-              "seconds", "multi_gpu: blocked plan")
-
-
 CONCURRENT = pivot(("precision", "processes"), ("plan", "query_blocks", "target_blocks", "k", "threads_per_task"))
 BLOCKS = Col("query x target blocks", lambda r, run: f"{r['query_blocks']} x {r['target_blocks']}",
              ("query_blocks", "target_blocks"))
 
-CPU = Table(
-    "CPU kernel",
-    [],   # built from the engines of the run (cpu_columns)
-    about="pairs/s of each engine on the same float32 data (Gaussian; embedding: unit rows around a "
-          "shared direction, as sentence embeddings), same threads, best of `repeat`, "
-          "one column group per BLAS kernel selection (a run each); ratios compare engines of one run.",
-    plot=plot_cpu, group=by_engine, merge_tables=True)
 
 def compile_table(title: str, shape: str) -> Table:
     """The first-call table of gpu_shapes' compile matrix at one shape: per precision, the
@@ -309,7 +291,12 @@ APPROX_COLUMNS = [col("data", "data"), col("engine", "engine"), col("recall targ
 
 
 TABLES: dict[tuple[str, str], Table] = {
-    ("cpu_kernel", "*"): CPU,
+    ("cpu_kernel", "*"): Table(
+        "CPU kernel", cpu_columns,
+        about="pairs/s of each engine on the same float32 data (Gaussian; embedding: unit rows around a "
+              "shared direction, as sentence embeddings), same threads, best of `repeat`, "
+              "one column group per BLAS kernel selection (a run each); ratios compare engines of one run.",
+        plot=plot_cpu, group=by_engine, merge_tables=True),
     ("incremental", "*"): Table(
         "Incremental refresh against a full recompute, local[2]",
         [col("run", "what"), Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")),
@@ -338,7 +325,9 @@ TABLES: dict[tuple[str, str], Table] = {
               "plan: the plan the call took (`local`: collected and searched in the driver); `local plan "
               "off`: the same call with `spark.nearestJoin.localLimitBytes` 0, which takes the executors' "
               "one-task plan; `Spark's floor`: the two Spark jobs that collect both sides for the local plan.",
-        plot=plot_spark),
+        plot=lambda records, path: plot_bars(
+            path, [f"{r['engine']}\n{r['nq']:,} x {r['nt']:,} d={r['d']}" for r in records],
+            {"pairs/s": [r.get("pairs_per_s") for r in records]}, "pairs / s", "spark_join", log=True)),
     ("fixed_costs", "demo"): Table(
         "Fixed costs: the demo job through the CLI, first and second run",
         [col("numba cache", "numba_cache"), col("class archive", "class_archive"), col("wall s", "wall_s", ".1f"),
@@ -537,7 +526,10 @@ TABLES: dict[tuple[str, str], Table] = {
          col("scaling efficiency", "efficiency", "%"), col("merged rows equal 1-GPU", "equals_1gpu")],
         about="One process per GPU runs `udfs.blocks.search_pairs` on its share of the pairs (whole target "
               "blocks, round robin), then `merge_partials` on all partials.",
-        plot=plot_multi_gpu),
+        plot=lambda records, path: plot_bars(
+            path, [f"{r['gpus']} GPU(s)" for r in records],
+            {"wall s": [r.get("wall_s") for r in records], "merge s": [r.get("merge_s") for r in records]},
+            "seconds", "multi_gpu: blocked plan")),
 }
 
 
@@ -612,16 +604,13 @@ def render_table(benchmark: str, table: str, records: list[dict], plots_dir: Pat
     if spec is None:
         names = list(dict.fromkeys(k for r in records for k in r if k not in RESERVED and k not in HIDDEN))
         spec = Table(f"{benchmark}: {table}", [Col(n, lambda r, run, n=n: auto(r.get(n)), (n,)) for n in names])
-    columns = cpu_columns(records) if spec is CPU else spec.columns
+    columns = spec.columns(records) if callable(spec.columns) else spec.columns
     rows = spec.group(records) if spec.group else records
-    shown = {f for c in columns for f in c.fields} | {"engine", "method", "table"}
-    fixed = {}
-    for name in dict.fromkeys(k for r in records for k in r):
-        if name in RESERVED or name in HIDDEN or name in shown:
-            continue
-        values = {json.dumps(r.get(name), sort_keys=True) for r in records}
-        if len(values) == 1 and all(name in r for r in records):
-            fixed[name] = records[0][name]
+    # the fields every record holds with one value, and that no column shows
+    shown = {f for c in columns for f in c.fields} | {"engine", "method", "table"} | HIDDEN | set(RESERVED)
+    fixed = {name: records[0][name] for name in dict.fromkeys(k for r in records for k in r)
+             if name not in shown and all(name in r for r in records)
+             and len({json.dumps(r[name], sort_keys=True) for r in records}) == 1}
     tables = ", ".join(f"`{t}`" for t in dict.fromkeys(r["table"] for r in records))
     source = f"`benchmarks/{benchmark}.py` ({'tables' if ',' in tables else 'table'} {tables}), {when(records)}"
     machines = distinct(records, "machine")
