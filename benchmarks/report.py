@@ -427,6 +427,24 @@ TABLES: dict[tuple[str, str], Table] = {
               "`addmm` + `topk` on the same tensors in the same process. Wrong rows: of `sample_rows` sampled "
               "query rows against the float64 oracle; tie-rule wrong: sampled rows holding the oracle's keys but "
               "not the lowest indices among exact ties."),
+    ("gpu_approx", "gpu_ivf"): Table(
+        "Approximate search (IVF) on a GPU executor against the exact GPU search, Arrow-batch level",
+        [col("data", "data"), col("queries", "nq", ","), col("targets", "nt", ","), col("d", "d"),
+         col("metric", "metric"), col("plan", "plan"), col("nprobe", "nprobe"),
+         col("recall target", "recall_target"), col("recall@10", "recall", ".4f"), col("train s", "train_s", ".2f"),
+         col("pack (and route) s", "pack_s", ".2f"), col("search s", "search_s", ".2f"),
+         col("total s", "total_s", ".2f"), col("vs exact", "x_exact", "x"),
+         col("search vs exact", "search_x_exact", "x"), col("exact kernel alone s", "kernel_s", ".3f"),
+         col("wrong of 64", "wrong_of_64")],
+        about="The executors' own functions without Spark (the GPU machine has none): both sides packed as the plans "
+              "pack them, then `udfs.blocks.search_broadcast` with the task's GPU searcher, 32,768-row query blocks "
+              "against one target block. IVF: k-means on the CPU (`nearest_kernels.kmeans`, the planner's default "
+              "nlist and training sample), queries and targets routed and packed by `udfs.ivf.pack_listed`, each "
+              "query block's probed lists searched one GPU call per list; each row the smallest nprobe whose "
+              "measured recall@10 reaches its target. minilm: the real sentence embeddings (benchmarks/embeddings.py) "
+              "carried as float16, cosine self-join; clustered: the clustered set of table `recall_nt1000000`, l2. "
+              "Warm: the better of two runs. Exact kernel alone: `nearest_kernels.knn` on the arrays; wrong of 64: "
+              "sampled queries whose exact values differ from the CPU kernel's."),
     ("approx", "recall_nt1000000"): Table(
         "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
         APPROX_COLUMNS,
