@@ -43,6 +43,9 @@ plan (Spark's APPROX contract allows it) and the plan says so, unless ``index``,
 ``nprobe`` is given. Nor does it when the recall target needs :data:`IVF_MAX_PROBED_SHARE` of
 the lists or more; data on which IVF cannot select at all (isotropic Gaussians) is told before
 the estimate's scan of the target, from the index's own training sample (:func:`screen_recall`).
+Nor on tasks that search on GPUs (:func:`nearest_join.planner.gpu_tasks`): there the exact
+search of the whole target costs less than IVF's training and routing on the CPU alone, and a
+GPU task searches the probed lists one call per list (``benchmarks/gpu_approx.py``).
 A target too large to broadcast takes the lists on the keyed blocked plan
 (``nearest_join.keyed``): see :func:`ivf_carrier`.
 
@@ -278,6 +281,7 @@ def plan_approx(planned):
         keyed_inputs,
         keyed_vector_columns,
     )
+    from .planner import gpu_tasks
     from .ranking import quote
 
     options, plan, parsed = planned.options, planned.plan, planned.parsed
@@ -306,6 +310,11 @@ def plan_approx(planned):
             return exact(f"exact {'keyed ' if keyed else ''}search is {'at most ' if keyed else ''}{work:.3g} "
                          f"multiply-adds, < {IVF_MIN_WORK_PER_CORE:.3g} per core on {plan.cores} cores: too "
                          "little for IVF's fixed costs (pass nlist, nprobe or index to force it)")
+        gpus = gpu_tasks(planned.target.sparkSession, options.backend)
+        if gpus is not None:
+            return exact(f"the tasks search on GPUs ({gpus}), where the exact search of the whole target "
+                         "is faster than IVF's training, routing and list-by-list search (pass nlist, "
+                         "nprobe or index to force it)")
     blocked = ivf_carrier(plan)
     if blocked is not None:
         return exact(blocked)

@@ -643,6 +643,32 @@ def keep_gpu_targets(spark) -> bool:
     return raw == "true"
 
 
+def gpu_tasks(spark, backend: str) -> str | None:
+    """Why the join's tasks will search on GPUs, or None: ``backend="gpu"``; under ``"auto"``,
+    executors given GPUs (``spark.executor.resource.gpu.amount``), or a local master on a host
+    with an NVIDIA device and torch (its tasks run on this host). Looked up without importing
+    torch (seconds)."""
+    if backend == "gpu":
+        return "backend='gpu'"
+    if backend != "auto":
+        return None
+    key = "spark.executor.resource.gpu.amount"
+    amount = _conf(spark, key)
+    try:
+        if amount is not None and float(amount) > 0:
+            return f"{key}={amount}"
+    except ValueError:
+        pass
+    if str(_conf(spark, "spark.master", "")).startswith("local"):
+        import importlib.util
+
+        from udfs.context import cuda_may_exist
+
+        if cuda_may_exist() and importlib.util.find_spec("torch") is not None:
+            return "a local master on a host with an NVIDIA device and torch"
+    return None
+
+
 def gpu_task_share(spark) -> float:
     """The share of a GPU one task holds (``spark.task.resource.gpu.amount``, default 1): with
     0.5 two tasks share each GPU, and each GPU searcher budgets half of its memory.

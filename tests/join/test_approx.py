@@ -736,6 +736,61 @@ def test_a_recall_that_needs_many_lists_runs_exact(monkeypatch):
     assert forced.plan.ivf["runs"] == "ivf" and forced.ivf.nprobe == 12
 
 
+def test_gpu_tasks_run_exact_unless_ivf_is_forced(monkeypatch):
+    """Tasks that search on GPUs (backend="gpu"; under "auto" executors given GPUs, or a local
+    master on a host with a device and torch) run the exact plan, and the plan says why: the
+    exact GPU search beats IVF's CPU routing and list-by-list search. A forced nprobe still runs
+    IVF. No Spark: the session is a stand-in with a configuration."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    import udfs.context
+    from nearest_join import ivf
+    from nearest_join.ivf_index import IVFIndex
+    from nearest_join.join import PlannedJoin
+    from nearest_join.options import JoinOptions
+    from nearest_join.planner import JoinPlan, gpu_tasks
+    from nearest_join.recall import RecallCurve
+
+    def session(**conf):
+        return SimpleNamespace(conf=SimpleNamespace(get=lambda key, default=None: conf.get(key, default)))
+
+    device = {"present": False}
+    monkeypatch.setattr(udfs.context, "cuda_may_exist", lambda: device["present"])
+    local = session(**{"spark.master": "local[2]"})
+    assert gpu_tasks(local, "gpu") == "backend='gpu'"
+    assert gpu_tasks(local, "auto") is None and gpu_tasks(local, "cpu") is None
+    executors = session(**{"spark.master": "spark://h:7077", "spark.executor.resource.gpu.amount": "1"})
+    assert gpu_tasks(executors, "auto") == "spark.executor.resource.gpu.amount=1"
+    assert gpu_tasks(executors, "cpu") is None
+    assert gpu_tasks(session(**{"spark.executor.resource.gpu.amount": "0"}), "auto") is None
+    device["present"] = True
+    has_torch = importlib.util.find_spec("torch") is not None
+    assert (gpu_tasks(local, "auto") is not None) == has_torch
+    assert gpu_tasks(session(**{"spark.master": "spark://h:7077"}), "auto") is None   # not this host
+
+    index = IVFIndex.train(_clustered(400, 128, 16, seed=0), "l2", 16)
+    monkeypatch.setattr(ivf, "estimate_recall", lambda planned, index, seed: RecallCurve(np.ones(16), 5000))
+    plan = JoinPlan(plan="broadcast", reason="", metric="l2", k=5, mode="approx", join_type="inner",
+                    query_column="v", target_column="w", dimension=128, query_rows=10**6, target_rows=10**6,
+                    target_bytes=512 << 20, broadcast_limit_bytes=1 << 30, task_memory_bytes=1 << 26, cores=2,
+                    query_block_rows=10**5, target_block_rows=10**6, query_blocks=10, target_blocks=1,
+                    query_partitions=None, target_partitions=None, backend="gpu", precision="auto",
+                    distance_col=None)
+
+    def planned(spark, **options):
+        return PlannedJoin(None, SimpleNamespace(sparkSession=spark), "l2", JoinOptions(mode="approx", **options),
+                           plan, SimpleNamespace(metric="l2", target_column="w"), "distance")
+
+    for spark, backend, why in [(local, "gpu", "backend='gpu'"),
+                                (executors, "auto", "spark.executor.resource.gpu.amount=1")]:
+        exact = ivf.plan_approx(planned(spark, backend=backend))
+        assert exact.plan.ivf["runs"] == "exact" and exact.ivf is None
+        assert f"the tasks search on GPUs ({why})" in exact.plan.ivf["explanation"]
+    forced = ivf.plan_approx(planned(executors, index=index, nprobe=3))
+    assert forced.plan.ivf["runs"] == "ivf" and forced.ivf.nprobe == 3
+
+
 def test_the_training_sample_screen_stops_only_what_the_target_estimate_would():
     """The screen (each sampled query against the index's own training sample) sends a join to
     the exact plan (IVF_SCREEN_SHARE of the lists or more) only where the estimate against the
