@@ -56,10 +56,20 @@ def side(vectors: np.ndarray) -> pa.Table:
                      "v": pa.FixedSizeListArray.from_arrays(flat, vectors.shape[1]).cast(pa.list_(pa.float32()))})
 
 
+class Phases(dict):
+    """Seconds per executor phase (decode, search, merge, encode): the join's Spark accumulator's
+    stand-in (``udfs.timing``)."""
+
+    def add(self, more: dict) -> None:
+        for phase, seconds in more.items():
+            self[phase] = round(self.get(phase, 0.0) + seconds, 3)
+
+
 def join(q: pa.Table, t: pa.Table, settings: SearchSettings, block_rows: tuple[int, int],
-         centroids: np.ndarray | None = None, nprobe: int | None = None) -> tuple[np.ndarray, float, float]:
-    """(query id, target id, value) rows of one join, the seconds packing (and routing) both sides
-    and the seconds searching; exact without ``centroids``, else the IVF search at ``nprobe``."""
+         centroids: np.ndarray | None = None, nprobe: int | None = None) -> tuple[np.ndarray, float, float, Phases]:
+    """(query id, target id, value) rows of one join, the seconds packing (and routing) both sides,
+    the seconds searching and their phases; exact without ``centroids``, else the IVF search at
+    ``nprobe``."""
     d = centroids.shape[1] if centroids is not None else len(q.column("v")[0])
     group = None if centroids is None else 2
     q_layout, t_layout = (SideLayout("v", 1, d, rows, group_index=group) for rows in block_rows)
@@ -74,13 +84,14 @@ def join(q: pa.Table, t: pa.Table, settings: SearchSettings, block_rows: tuple[i
     t_packed = pa.Table.from_batches([empty_target_block()] + list(
         t_pack(t.to_batches(max_chunksize=65536), layout=t_layout)), schema=PACKED_SCHEMA)
     packed = time.perf_counter()
+    phases = Phases()
     ctx = JoinContext(settings, q_layout, t_layout, "inner", True, t.schema, query_columns=(0,),
-                      target_columns=(0,))
+                      target_columns=(0,), timings=phases)
     with local_task("0", "gpu_approx"):
         out = pa.Table.from_batches(list(search_broadcast(pair_batches(q_packed, t_packed), ctx)))
     done = time.perf_counter()
     rows = np.stack([out.column(i).to_numpy().astype(np.float64) for i in range(3)], axis=1)
-    return rows, packed - start, done - packed
+    return rows, packed - start, done - packed, phases
 
 
 def timed(fn) -> float:
@@ -102,7 +113,7 @@ def run_set(rec: Recorder, name: str, targets: np.ndarray, queries: np.ndarray, 
     nq, nt = queries.shape[0], targets.shape[0]
     common = dict(data=name, nq=nq, nt=nt, d=targets.shape[1], k=K, metric=metric, backend=backend,
                   query_block_rows=block_rows[0], target_block_rows=block_rows[1])
-    exact, e_pack, e_search = best_of_two(lambda: join(q, t, settings, block_rows))
+    exact, e_pack, e_search, e_phases = best_of_two(lambda: join(q, t, settings, block_rows))
     e_total = e_pack + e_search
     # The reference itself, checked: sampled queries' values against the CPU kernel's.
     sample = np.linspace(0, nq - 1, 64).astype(np.int64)
@@ -114,7 +125,7 @@ def run_set(rec: Recorder, name: str, targets: np.ndarray, queries: np.ndarray, 
     kernel = min(timed(lambda: knn(queries, targets, K, metric, backend=settings.backend)) for _ in range(2))
     rec.add("gpu_ivf", **common, plan="exact", nprobe=None, recall=1.0, train_s=0.0, pack_s=round(e_pack, 2),
             search_s=round(e_search, 2), total_s=round(e_total, 2), x_exact=1.0, search_x_exact=1.0,
-            kernel_s=round(kernel, 3), wrong_of_64=wrong)
+            kernel_s=round(kernel, 3), wrong_of_64=wrong, phases_s=e_phases)
     nlist, sample_rows = default_nlist_and_sample(nt, nq)
     start = time.perf_counter()
     sample = targets[np.random.default_rng(0).choice(nt, sample_rows, replace=False)]
@@ -124,13 +135,13 @@ def run_set(rec: Recorder, name: str, targets: np.ndarray, queries: np.ndarray, 
     for nprobe in (p for p in NPROBES if p <= nlist):
         if not wanted or time.time() > deadline:
             break
-        found, pack, search = best_of_two(lambda: join(q, t, settings, block_rows, centroids, nprobe))
+        found, pack, search, phases = best_of_two(lambda: join(q, t, settings, block_rows, centroids, nprobe))
         recall = recall_of(found, exact, nq, descending=descending)
         total = train + pack + search
         row = dict(common, plan=f"ivf nlist {nlist}", nprobe=nprobe, recall=round(recall, 4),
                    train_s=round(train, 2), pack_s=round(pack, 2), search_s=round(search, 2),
                    total_s=round(total, 2), x_exact=round(e_total / total, 2),
-                   search_x_exact=round(e_search / search, 2))
+                   search_x_exact=round(e_search / search, 2), phases_s=phases)
         print(row, flush=True)
         met = [r for r in wanted if recall >= r]
         if met:
