@@ -17,20 +17,27 @@ from .packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 from .timing import timed
 
 
+PAIR_SCHEMA = pa.schema([(C.Q_BLOCK_ID, pa.int64()), (C.Q_BLOB, pa.binary()),
+                         (C.T_BLOCK_ID, pa.int64()), (C.T_BLOB, pa.binary())])
+
+
+def _blocks(packed: pa.Table) -> list[tuple[pa.Array, pa.Array]]:
+    """(block id, blob) of each packed block, one-row slices of the table's own arrays (no
+    copy of the blob)."""
+    return [(batch.column(0).slice(i, 1), batch.column(1).slice(i, 1))
+            for batch in packed.to_batches() for i in range(batch.num_rows)]
+
+
 def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True) -> Iterator[pa.RecordBatch]:
     """Every (query block, target block) pair, one batch each, grouped by query block.
     ``rows_once`` (the broadcast plan): only a query block's first pair carries its rows, the
     others a NULL ``q_blob``; else (the blocked plan's cartesian product) every pair does."""
-    for qi in range(q_packed.num_rows):
-        for ti in range(t_packed.num_rows):
-            yield pa.RecordBatch.from_pydict({
-                C.Q_BLOCK_ID: [q_packed.column(0)[qi].as_py()],
-                C.Q_BLOB: [q_packed.column(1)[qi].as_py() if ti == 0 or not rows_once else None],
-                C.T_BLOCK_ID: [t_packed.column(0)[ti].as_py()],
-                C.T_BLOB: [t_packed.column(1)[ti].as_py()],
-            }, schema=pa.schema([(C.Q_BLOCK_ID, pa.int64()), (C.Q_BLOB, pa.binary()),
-                                 (C.T_BLOCK_ID, pa.int64()), (C.T_BLOB, pa.binary())]))
-
+    no_rows = pa.nulls(1, pa.binary())
+    targets = _blocks(t_packed)
+    for q_id, q_blob in _blocks(q_packed):
+        for ti, (t_id, t_blob) in enumerate(targets):
+            rows = q_blob if ti == 0 or not rows_once else no_rows
+            yield pa.RecordBatch.from_arrays([q_id, rows, t_id, t_blob], schema=PAIR_SCHEMA)
 
 
 def local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str = "broadcast",
