@@ -4,16 +4,18 @@ or real (``benchmarks/embeddings.py``) data; ``--seeds N``: recall honesty over 
 
 ``--ceiling``: what an index can give on the real embeddings before any Spark cost, kernels alone
 in one process: our IVF probed search at several nlist and faiss ``IndexHNSWFlat``, against our
-exact kernel.
+exact kernel. ``--fresh``: each engine's first call in a fresh session, a self-join.
 
 Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
        python benchmarks/approx.py --seeds 10 --datasets minilm clustered
        python benchmarks/approx.py --ceiling
+       python benchmarks/approx.py --fresh --datasets minilm
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -246,6 +248,68 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t.unpersist(), q.unpersist()
 
 
+def fresh_call(workdir: str, engine: str, metric: str, driver_memory: str, options: dict) -> None:
+    """One call in a new Spark session, as a user's first call: the Parquet inputs of
+    ``workdir`` read (not cached), planned, searched and the (qid, tid, value) rows collected;
+    the rows saved to ``<workdir>/<engine>.npy``, the figures printed as one JSON line. The
+    exact engine then saves an index (untimed) for the saved-index engines."""
+
+    spark = local_spark("nearest_join-approx-fresh", driver_memory)
+    q, t = (spark.read.parquet(os.path.join(workdir, f"{side}.parquet")) for side in ("q", "t"))
+    if "index" in options:
+        from nearest_join.ivf_index import IVFIndex
+
+        options = {**options, "index": IVFIndex.load(options["index"])}
+    start = time.perf_counter()
+    planned = exact_or_approx(q, t, metric, **options)
+    planning = time.perf_counter() - start
+    pairs = pairs_of(planned.dataframe().select("qid", "tid", "value"))
+    seconds = time.perf_counter() - start
+    np.save(os.path.join(workdir, f"{engine}.npy"), pairs)
+    ivf = planned.plan.ivf or {}
+    print(json.dumps({"seconds": round(seconds, 2), "plan_seconds": round(planning, 2), "ran": ivf.get("runs", "exact"),
+                      "nprobe": ivf.get("nprobe"), "nlist": ivf.get("nlist"),
+                      "recall_estimate": ivf.get("recall_estimate")}))
+    if not options:
+        from nearest_join.ivf_index import build_ivf_index
+
+        build_ivf_index(t, column="w", metric=metric, seed=0).save(os.path.join(workdir, "index"))
+    spark.stop()
+
+
+def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, driver_memory: str) -> None:
+    """Table ``fresh_<kind><rows>``: each engine's first call in a fresh session (its own
+    process: a new JVM, new Python workers; the numba cache on disk as ``make run`` left it),
+    inputs read from Parquet: exact, approx per recall target, and approx with the index an
+    earlier run saved."""
+    import subprocess
+
+    import pyarrow.parquet as pq
+
+    targets, queries = make_data(kind, rows, rows)
+    metric = "cosine" if kind == "minilm" else METRIC
+    for side, matrix, ids, vectors in (("q", queries, "qid", "v"), ("t", targets, "tid", "w")):
+        pq.write_table(vector_table(np.arange(matrix.shape[0], dtype=np.int32), matrix, ids, vectors),
+                       os.path.join(workdir, f"{side}.parquet"), row_group_size=50_000)
+    common = {"data": kind, "nt": rows, "nq": rows, "d": targets.shape[1], "k": K, "metric": metric,
+              "master": "local[2]"}
+    engines = [("exact", None, {})] + [(f"approx {r}", r, {"mode": "approx", "recall": r}) for r in recalls] + [
+        (f"approx {r}, saved index", r, {"mode": "approx", "recall": r, "index": os.path.join(workdir, "index")})
+        for r in recalls]
+    exact = exact_s = None
+    for engine, wanted, options in engines:
+        out = subprocess.run([sys.executable, __file__, "--fresh-call", json.dumps(options), "--workdir", workdir,
+                              "--metric", metric, "--engine", engine, "--driver-memory", driver_memory],
+                             capture_output=True, text=True, check=True)
+        figures = json.loads(out.stdout.strip().splitlines()[-1])
+        found = np.load(os.path.join(workdir, f"{engine}.npy"))
+        if exact is None:
+            exact, exact_s = found, figures["seconds"]
+        rec.add(f"fresh_{kind}{rows}", engine=f"nearest_by_join {engine}", recall_target=wanted, **figures,
+                recall=round(recall_of(found, exact, rows, descending=metric == "cosine"), 4),
+                speedup_vs_exact=round(exact_s / figures["seconds"], 2), **common)
+
+
 def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
                       workdir: str) -> None:
     """Table ``seeds_<data><nt>``: per recall target, ``seeds`` approx calls, each its own seed
@@ -359,31 +423,42 @@ def main() -> None:
                          "(tables recall_nt<nt>_blocked)")
     ap.add_argument("--ceiling", action="store_true",
                     help="instead: the indexes' kernels alone on the real embeddings (table ceiling_minilm<rows>)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="instead: each engine's first call in a fresh session (table fresh_<data><rows>)")
+    ap.add_argument("--fresh-call", help=argparse.SUPPRESS)   # --fresh's child: JSON options of one call
+    for hidden in ("--workdir", "--metric", "--engine"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--repeat", type=int, default=2,
                     help="calls per engine on the clustered data, the fastest reported (the Gaussian "
                          "data's calls run once: its approx call runs the exact plan)")
     args = ap.parse_args()
     nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
+    if args.fresh_call is not None:
+        fresh_call(args.workdir, args.engine, args.metric, args.driver_memory, json.loads(args.fresh_call))
+        return
     if args.ceiling:
         rec = Recorder("approx", gpu=False)
         index_ceiling(rec, args.rows)
         rec.print_tables()
         return
 
-    spark = local_spark("nearest_join-approx-bench", args.driver_memory)
+    spark = None if args.fresh else local_spark("nearest_join-approx-bench", args.driver_memory)
     rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
             size = (args.rows, args.rows) if kind == "minilm" else (nt, nq)
-            if args.seeds:
+            if args.fresh:
+                fresh_sessions(rec, kind, size[0], (0.9, 0.95), workdir, args.driver_memory)
+            elif args.seeds:
                 recall_over_seeds(spark, rec, kind, *size, (0.9, 0.95), args.seeds, workdir)
             elif kind == "minilm":
                 run_dataset(spark, rec, kind, *size, (0.9, 0.95), workdir, repeat=args.repeat, blocked=args.blocked)
             else:
                 run_dataset(spark, rec, kind, nt, nq, RECALLS if kind == "clustered" else (0.95,), workdir,
                             force=args.quick, repeat=args.repeat if kind == "clustered" else 1, blocked=args.blocked)
-    spark.stop()
+    if spark is not None:
+        spark.stop()
     rec.print_tables()
 
 
