@@ -248,13 +248,21 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t.unpersist(), q.unpersist()
 
 
-def fresh_call(workdir: str, engine: str, metric: str, driver_memory: str, options: dict) -> None:
+def fresh_call(workdir: str, engine: str, metric: str, driver_memory: str, options: dict,
+               profile: str | None = None) -> None:
     """One call in a new Spark session, as a user's first call: the Parquet inputs of
     ``workdir`` read (not cached), planned, searched and the (qid, tid, value) rows collected;
     the rows saved to ``<workdir>/<engine>.npy``, the figures printed as one JSON line. The
-    exact engine then saves an index (untimed) for the saved-index engines."""
+    exact engine then saves an index (untimed) for the saved-index engines. ``profile``: a
+    ``conf/`` profile whose Spark settings the session takes (its master and driver memory
+    aside), as the batch jobs' sessions do."""
+    conf = {}
+    if profile:
+        from jobs.spec import load_profile
 
-    spark = local_spark("nearest_join-approx-fresh", driver_memory)
+        conf = {key: value for key, value in load_profile(profile)[1].items()
+                if key not in ("master", "spark.master", "spark.driver.memory")}
+    spark = local_spark("nearest_join-approx-fresh", driver_memory, conf=conf)
     q, t = (spark.read.parquet(os.path.join(workdir, f"{side}.parquet")) for side in ("q", "t"))
     if "index" in options:
         from nearest_join.ivf_index import IVFIndex
@@ -277,11 +285,12 @@ def fresh_call(workdir: str, engine: str, metric: str, driver_memory: str, optio
     spark.stop()
 
 
-def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, driver_memory: str) -> None:
-    """Table ``fresh_<kind><rows>``: each engine's first call in a fresh session (its own
-    process: a new JVM, new Python workers; the numba cache on disk as ``make run`` left it),
-    inputs read from Parquet: exact, approx per recall target, and approx with the index an
-    earlier run saved."""
+def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, driver_memory: str,
+                   profile: str | None) -> None:
+    """Table ``fresh_<kind><rows>`` (``..._<profile>``: the sessions take that profile's
+    settings): each engine's first call in a fresh session (its own process: a new JVM, new
+    Python workers; the numba cache on disk as ``make run`` left it), inputs read from
+    Parquet: exact, approx per recall target, and approx with the index an earlier run saved."""
     import subprocess
 
     import pyarrow.parquet as pq
@@ -299,13 +308,14 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
     exact = exact_s = None
     for engine, wanted, options in engines:
         out = subprocess.run([sys.executable, __file__, "--fresh-call", json.dumps(options), "--workdir", workdir,
-                              "--metric", metric, "--engine", engine, "--driver-memory", driver_memory],
+                              "--metric", metric, "--engine", engine, "--driver-memory", driver_memory,
+                              *(["--profile", profile] if profile else [])],
                              capture_output=True, text=True, check=True)
         figures = json.loads(out.stdout.strip().splitlines()[-1])
         found = np.load(os.path.join(workdir, f"{engine}.npy"))
         if exact is None:
             exact, exact_s = found, figures["seconds"]
-        rec.add(f"fresh_{kind}{rows}", engine=f"nearest_by_join {engine}", recall_target=wanted, **figures,
+        rec.add(f"fresh_{kind}{rows}" + (f"_{profile}" if profile else ""), engine=f"nearest_by_join {engine}", recall_target=wanted, **figures,
                 recall=round(recall_of(found, exact, rows, descending=metric == "cosine"), 4),
                 speedup_vs_exact=round(exact_s / figures["seconds"], 2), **common)
 
@@ -425,6 +435,7 @@ def main() -> None:
                     help="instead: the indexes' kernels alone on the real embeddings (table ceiling_minilm<rows>)")
     ap.add_argument("--fresh", action="store_true",
                     help="instead: each engine's first call in a fresh session (table fresh_<data><rows>)")
+    ap.add_argument("--profile", help="--fresh: the sessions take this conf/ profile's Spark settings (local)")
     ap.add_argument("--fresh-call", help=argparse.SUPPRESS)   # --fresh's child: JSON options of one call
     for hidden in ("--workdir", "--metric", "--engine"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
@@ -435,7 +446,8 @@ def main() -> None:
     args = ap.parse_args()
     nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
     if args.fresh_call is not None:
-        fresh_call(args.workdir, args.engine, args.metric, args.driver_memory, json.loads(args.fresh_call))
+        fresh_call(args.workdir, args.engine, args.metric, args.driver_memory, json.loads(args.fresh_call),
+                   args.profile)
         return
     if args.ceiling:
         rec = Recorder("approx", gpu=False)
@@ -449,7 +461,7 @@ def main() -> None:
         for kind in args.datasets:
             size = (args.rows, args.rows) if kind == "minilm" else (nt, nq)
             if args.fresh:
-                fresh_sessions(rec, kind, size[0], (0.9, 0.95), workdir, args.driver_memory)
+                fresh_sessions(rec, kind, size[0], (0.9, 0.95), workdir, args.driver_memory, args.profile)
             elif args.seeds:
                 recall_over_seeds(spark, rec, kind, *size, (0.9, 0.95), args.seeds, workdir)
             elif kind == "minilm":
