@@ -12,7 +12,8 @@ TORCH_CPU := torch==2.13.0
 TRITON := triton==3.6.0
 
 .PHONY: run test check-java check-gpu bench-cpu bench-spark bench-fixed-costs bench-approx bench-keyed \
-	bench-memory bench-stress bench-incremental bench-embeddings bench-gpu bench-gpu-shapes bench-gpu-large-k bench-multi-gpu bench-report clean
+	bench-memory bench-stress bench-incremental bench-embeddings bench-gpu bench-gpu-shapes bench-gpu-large-k \
+	bench-gpu-approx bench-multi-gpu bench-report clean
 
 # Some machines set PYTHONDONTWRITEBYTECODE: every process (Spark's Python workers included)
 # would then compile each module it imports from source again. Empty, Python writes the
@@ -109,6 +110,11 @@ bench-gpu-shapes: check-gpu
 # identical rows, against torch.
 bench-gpu-large-k: check-gpu
 	$(GPU_PYTHON) benchmarks/gpu_large_k.py $(ARGS)
+
+# mode="approx" on a GPU executor: the IVF search against the exact GPU search, on the real
+# embeddings (make bench-embeddings, then copy them over) and the clustered set.
+bench-gpu-approx: check-gpu
+	$(GPU_PYTHON) benchmarks/gpu_approx.py $(ARGS)
 
 # The blocked plan over several GPUs of one host (one process per GPU).
 bench-multi-gpu: check-gpu

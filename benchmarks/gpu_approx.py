@@ -12,7 +12,7 @@ Times are warm (a worker's kernels compiled once), the better of two runs.
 Sets: ``minilm`` (real sentence embeddings, ``--vectors`` an .npy of them, float16 allowed; cosine
 self-join) and ``clustered`` (``benchmarks/approx.py``'s clustered set, l2).
 
-    python benchmarks/gpu_approx.py --vectors minilm-64000.f16.npy [--sets minilm,clustered] [--backend gpu]
+    python benchmarks/gpu_approx.py [--vectors minilm-64000.f16.npy] [--sets minilm,clustered] [--backend cpu]
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._record import SMOKE_DIR, Recorder  # noqa: E402
 from benchmarks.approx import make_data, recall_of  # noqa: E402
+from benchmarks.embeddings import cache_dir  # noqa: E402
 from nearest_kernels import knn  # noqa: E402
 from nearest_kernels.kmeans import kmeans  # noqa: E402
 from udfs.blocks import search_broadcast  # noqa: E402
@@ -152,7 +153,9 @@ def run_set(rec: Recorder, name: str, targets: np.ndarray, queries: np.ndarray, 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", default="minilm,clustered")
-    ap.add_argument("--vectors", help="minilm: an .npy of the real embeddings (benchmarks/embeddings.py)")
+    ap.add_argument("--vectors", default=str(cache_dir() / "minilm-64000.npy"),
+                    help="minilm: an .npy of the real embeddings (default: where benchmarks/embeddings.py caches them; "
+                         "copy it to the GPU machine, as float16 to halve it)")
     ap.add_argument("--clustered", default="1000000,100000", help="clustered: target rows, query rows")
     ap.add_argument("--recalls", default="0.9,0.95")
     ap.add_argument("--backend", default="gpu", choices=["gpu", "cpu"], help="cpu: check the script here")
