@@ -600,30 +600,26 @@ def segment_members(probe_starts: np.ndarray, probe_segments: np.ndarray, rows: 
     return owners[order], member_starts
 
 
-def probed_tile(sizes: np.ndarray, probes: np.ndarray) -> int:
-    """The target tile of a probed search (a multiple of ``TILE_MULTIPLE`` up to
-    ``TARGET_TILE``): the one that multiplies the fewest padded rows over the segments'
-    probes, counting a tile's fixed cost (its fold's set-up, the sgemm's packing) as
-    ``TILE_MULTIPLE`` rows. Every call of a search uses the same tile (see
-    ``_cpu_kernels.search_tiles``)."""
-    used = probes > 0
-    sizes, probes = sizes[used], probes[used]
-    best, best_cost = TARGET_TILE, None
-    for tile in range(TILE_MULTIPLE, TARGET_TILE + 1, TILE_MULTIPLE):
-        cost = int((probes * -(-sizes // tile) * (tile + TILE_MULTIPLE)).sum())
-        if best_cost is None or cost < best_cost:
-            best, best_cost = tile, cost
-    return best
+def segment_tile(rows: int) -> int:
+    """The target tile of a probed search's segment of ``rows`` rows: its rows in the fewest
+    tiles of at most ``TARGET_TILE``, each the least multiple of ``TILE_MULTIPLE`` that holds
+    an equal share (a 320-row list is one 320-row tile, a 600-row one two of 320), so that
+    a segment pads fewer than ``TILE_MULTIPLE`` rows per tile. Each segment takes its own:
+    a tile's width (a multiple of ``TILE_MULTIPLE``) does not change a pair's float32 score
+    under either OpenBLAS kernel selection (only a query tile below four rows, which
+    segments probed by few queries already get, does), and the exact stage ranks what the
+    scores leave in doubt (``knn_probed_rows``)."""
+    parts = -(-max(rows, 1) // TARGET_TILE)
+    return -(-(-(-rows // parts)) // TILE_MULTIPLE) * TILE_MULTIPLE
 
 
 def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_starts: np.ndarray,
-                 segment_starts: np.ndarray, kept: int, start: np.ndarray | None, target_tile: int,
-                 threads: int) -> np.ndarray:
+                 segment_starts: np.ndarray, kept: int, start: np.ndarray | None, threads: int) -> np.ndarray:
     """(len(rows), kept) max-heaps of each query row's best keys over the rows of the
     segments it probes (:func:`segment_members` of ``rows``): the fused sgemm search of each
-    segment against the queries that probe it, folded into the heaps those queries carry
-    from segment to segment (keys hold the block's target indices). ``start``: each row's
-    limit key, as :func:`_search`'s."""
+    segment (in its own tiles, :func:`segment_tile`) against the queries that probe it, folded
+    into the heaps those queries carry from segment to segment (keys hold the block's target
+    indices). ``start``: each row's limit key, as :func:`_search`'s."""
     heaps = np.full((rows.shape[0], kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
     if start is not None:
         heaps[:] = start[:, None]
@@ -636,7 +632,7 @@ def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_s
         scaled = _frozen(np.ascontiguousarray(ops.scaled[rows[probing]]))
         block = heaps[probing][None]
         targets, bias = ops.targets32[lo:hi], ops.bias[lo:hi]
-        tail, tail_bias = _tail_tile(targets, bias, target_tile)
+        tail, tail_bias = _tail_tile(targets, bias, segment_tile(hi - lo))
         query_tile = plan_tiles(probing.shape[0], hi - lo, threads)[0]
         _cpu_kernels.search_tiles(scaled, targets, bias, tail, tail_bias, block, query_tile, no_stats,
                                   threads=threads, offset=lo, seed=False)
@@ -669,7 +665,6 @@ def knn_probed_rows(queries: np.ndarray, targets: np.ndarray, segment_starts: np
         everyone = np.arange(nq, dtype=np.int64)
         members, member_starts = segment_members(probe_starts, probe_segments, everyone, n_segments)
         sizes = np.diff(segment_starts)
-        tile = probed_tile(sizes, np.diff(member_starts))
         owners = np.repeat(everyone, np.diff(probe_starts))
         probed = np.bincount(owners, weights=sizes[probe_segments], minlength=nq).astype(np.int64)
         kept = heap_width(k, nt)
@@ -677,7 +672,7 @@ def knn_probed_rows(queries: np.ndarray, targets: np.ndarray, segment_starts: np
         if cap is not None:
             cap_keys = ops.cap_keys(cap)
             start = _cpu_kernels.cap_key(cap_keys - ops.offset + ops.margin)
-        heaps = probed_heaps(ops, everyone, members, member_starts, segment_starts, kept, start, tile, used)
+        heaps = probed_heaps(ops, everyone, members, member_starts, segment_starts, kept, start, used)
         scores, best_key, best_i = _rank_exactly(ops, np.sort(heaps, axis=1), width)
         floor = scores[:, -1].astype(np.float64) + ops.offset - ops.margin
         bound = best_key[:, -1] if cap is None else np.minimum(best_key[:, -1], cap_keys)
@@ -690,7 +685,7 @@ def knn_probed_rows(queries: np.ndarray, targets: np.ndarray, segment_starts: np
                 part = unproven[first:first + chunk]
                 m, m_starts = segment_members(probe_starts, probe_segments, part, n_segments)
                 heaps = probed_heaps(ops, part, m, m_starts, segment_starts, collect,
-                                     limit[first:first + chunk], tile, used)
+                                     limit[first:first + chunk], used)
                 _, found = _cpu_kernels.decode(heaps)
                 overflow = (found != _cpu_kernels.EMPTY_INDEX).all(axis=1) & (probed[part] > collect)
                 found = np.where(found != _cpu_kernels.EMPTY_INDEX, found, -1).astype(np.int64)

@@ -236,6 +236,17 @@ def test_segments_ties_go_to_the_lower_row(search):
     assert indices.tolist() == [[0, 1, 2, 3]] and values.tolist() == [[1.0, 1.0, 1.0, 1.0]]
 
 
+def test_each_segment_takes_the_fewest_tiles_padding_least():
+    """A probed search's segment tile: a multiple of TILE_MULTIPLE up to TARGET_TILE, as few
+    tiles as the segment needs at TARGET_TILE, and each pads fewer than TILE_MULTIPLE rows."""
+    for rows in range(1, 3000):
+        tile = cpu.segment_tile(rows)
+        tiles = -(-rows // tile)
+        assert tile % cpu.TILE_MULTIPLE == 0 and tile <= cpu.TARGET_TILE, rows
+        assert tiles == -(-rows // cpu.TARGET_TILE), rows
+        assert tiles * tile - rows < tiles * cpu.TILE_MULTIPLE, rows
+
+
 @pytest.mark.parametrize("copies", [300, 3000])
 @pytest.mark.parametrize("metric", METRICS)
 def test_knn_probed_ties_beyond_its_heap(copies, metric, monkeypatch):
