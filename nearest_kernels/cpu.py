@@ -605,10 +605,11 @@ def segment_tile(rows: int) -> int:
     tiles of at most ``TARGET_TILE``, each the least multiple of ``TILE_MULTIPLE`` that holds
     an equal share (a 320-row list is one 320-row tile, a 600-row one two of 320), so that
     a segment pads fewer than ``TILE_MULTIPLE`` rows per tile. Each segment takes its own:
-    a tile's width (a multiple of ``TILE_MULTIPLE``) does not change a pair's float32 score
-    under either OpenBLAS kernel selection (only a query tile below four rows, which
-    segments probed by few queries already get, does), and the exact stage ranks what the
-    scores leave in doubt (``knn_probed_rows``)."""
+    exactness does not rest on the scores' rounding (the exact stage ranks what they leave
+    in doubt, ties included: ``knn_probed_rows``), and at a given column a tile's width, a
+    multiple of ``TILE_MULTIPLE``, does not change a pair's float32 score under either
+    OpenBLAS kernel selection (measured; a query tile below four rows does, which segments
+    probed by few queries already get, and Haswell's kernels round by column)."""
     parts = -(-max(rows, 1) // TARGET_TILE)
     return -(-(-(-rows // parts)) // TILE_MULTIPLE) * TILE_MULTIPLE
 
