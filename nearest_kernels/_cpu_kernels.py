@@ -228,13 +228,15 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     """Fill ``heaps`` (n_split, nq, k) uint64 with per-split max-heaps of the best keys.
 
     ``queries`` (nq, d) and ``targets`` (nt, d) are C-contiguous float32, ``bias`` (nt,)
-    float32. Every sgemm call has the same shape (query tile x target tile x d), because the
-    same shape is what makes duplicate target rows score bit-identically: OpenBLAS computes the
-    columns of a call in lanes of one micro-kernel, but a tail narrower than the micro-kernel,
-    or a differently shaped call, may take another code path with another rounding (measured:
-    a 1031-wide call scores copies of one row differently). So the target tile width is a
-    multiple of 64 and the last, partial tile is ``tail_targets`` (target_tile, d): the
-    remaining targets padded with zero rows whose ``tail_bias`` is +inf, so they never enter.
+    float32. Every sgemm call has the same shape (query tile x target tile x d), so that copies
+    of a target row score alike where the kernel allows it: a tail narrower than OpenBLAS's
+    micro-kernel takes another code path with another rounding (measured: a 1031-wide call
+    scores copies of one row differently), and under its Haswell kernels copies in different
+    columns of one call may differ too (measured). Exactness does not rest on it: the exact
+    stage ranks whatever the scores leave in doubt, ties included (``cpu.CpuBackend.run``).
+    So the target tile width is a multiple of 64 and the last, partial tile is
+    ``tail_targets`` (target_tile, d): the remaining targets padded with zero rows whose
+    ``tail_bias`` is +inf, so they never enter.
     The heaps arrive filled with EMPTY_KEY, or, under a distance cap, each row's with the key
     of the largest score that can be within the cap (:func:`cap_key`): a target enters only
     below it, so the cap prunes from the first tile on. Split ``s`` covers an equal share of the target
