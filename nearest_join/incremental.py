@@ -34,12 +34,26 @@ recompute's, ties aside: among targets of equal value either may be returned.
 Values are kept as ranking keys where smaller is better: the distance, or the negated
 similarity for ``cosine`` and ``inner_product``.
 
+Change detection runs on the driver: each side's ids, fingerprints and vector lengths are
+collected (one Spark job per side, about 30 bytes a row) and joined with the state's (pyarrow),
+so that the statuses, the id checks and the planner's facts cost no shuffle; the changed ids go
+back to Spark as broadcast local relations.
+
 The state lives in one directory (``state``): ``meta.json`` (what the lists answer: metric,
-k, margin, columns, id types, dimension), ``queries/`` and ``targets/`` (Parquet). A run
-writes the new state into a hidden staging directory beside it (the searches run then, once),
-reads its result from there, and :meth:`IncrementalJoin.commit` makes it the state in one step
-(:func:`nearest_join.publish.replace_directory`): a run that fails or is killed before the
-commit leaves the previous state as it was, and the next run starts from it again.
+k, margin, columns, id types, dimension, generation), ``queries/``, ``targets/`` and
+``dropped/`` (Parquet). Each run is a *generation*: the full run writes ``queries/gen=0``; a
+refresh links the state's query files into the new state as they are (they are never written
+again) and writes only its own rows, the merged, short and searched lists, to
+``queries/gen=<g>``; ``dropped/`` holds each query whose earlier rows a later generation
+replaced or deleted, with that generation, and a list is live when no drop of its query is
+newer than it. Once the files hold more than ``COMPACT_ROWS_PER_QUERY`` rows per live query, or
+more than ``COMPACT_GENERATIONS`` generations, the refresh rewrites them as the live lists
+alone. ``targets/`` is today's target fingerprints, written by the driver.
+
+A run writes the new state into a hidden staging directory beside it (the searches run then,
+once), reads its result from there, and :meth:`IncrementalJoin.commit` makes it the state in
+one step (:func:`nearest_join.publish.replace_directory`): a run that fails or is killed
+before the commit leaves the previous state as it was, and the next run starts from it again.
 """
 from __future__ import annotations
 
@@ -47,17 +61,23 @@ import functools
 import json
 import logging
 import math
+import os
 import shutil
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
     ArrayType,
     BooleanType,
     DoubleType,
+    IntegerType,
     FloatType,
     LongType,
     StringType,
@@ -68,13 +88,16 @@ from pyspark.sql.types import (
 from .errors import ArgumentError
 from .join import plan_join
 from .options import JoinOptions
-from .planner import SideFacts, cluster_cores, in_one_task_when_small, join_dimension, vector_length
+from .planner import SideFacts, cluster_cores, join_dimension, vector_length
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
 
 logger = logging.getLogger(__name__)
 
-STATE_VERSION = 2
+STATE_VERSION = 3
+# A refresh carries the state's query files over (hard links) and writes only what changed;
+# the files are rewritten once they hold this many rows per live query, or this many runs.
+COMPACT_ROWS_PER_QUERY, COMPACT_GENERATIONS = 2, 16
 META_FILE = "meta.json"
 _STAGING = ".nj-state-staging-"
 
@@ -83,6 +106,7 @@ _QID, _TID, _QV, _TV = "__nj_qid", "__nj_tid", "__nj_qv", "__nj_tv"
 _H1, _H2, _KEY = "__nj_h1", "__nj_h2", "__nj_key"
 _OLD_H1, _OLD_H2 = "__nj_old_h1", "__nj_old_h2"
 _LIST, _BOUND, _SOURCE, _COMPLETE = "candidates", "bound", "__nj_source", "complete"
+_GEN, _DROPPED_AT = "gen", "__nj_dropped_at"
 
 
 def default_margin(num_results: int) -> int:
@@ -215,30 +239,28 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
                    margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
                    backend=backend, precision=precision, max_distance=max_distance,
                    min_similarity=min_similarity, on=on)
-    spark, state_dir, ids, counted, search, schemas = (query.sparkSession, run.state_dir, run.ids, run.counted,
-                                                      run.search, run.schemas)
+    spark, state_dir, ids, search, schemas = query.sparkSession, run.state_dir, run.ids, run.search, run.schemas
+    if new_state is None:
+        staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
+        state_dir.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        staging = Path(new_state)
     try:
-        if new_state is None:
-            staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
-            state_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Today's target fingerprints, from change detection (no second hash of the vectors).
+        ids.write_targets(staging / "targets")
+        if run.previous is None:
+            generation = 0
+            changes = _full_run(run.q_now, run.t_now, ids, search, staging, run.reason)
         else:
-            staging = Path(new_state)
-        try:
-            # Today's target fingerprints, from the aggregation (no second hash of the vectors).
-            (ids.where((F.col("side") == 1) & (F.col("status") != "deleted"))
-             .select(_TID, F.col(_H1), F.col(_H2)).write.parquet(str(staging / "targets")))
-            if run.previous is None:
-                changes = _full_run(run.q_now, run.t_now, counted, search, staging, run.reason)
-            else:
-                changes = _refresh(spark, run.q_now, run.t_now, ids, counted, run.previous, search, staging,
-                                   schemas, run.k)
-            (staging / META_FILE).write_text(json.dumps({**run.meta, "schemas": {
-                name: json.loads(schema.json()) for name, schema in schemas.items()}}, indent=1, sort_keys=True))
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    finally:
-        ids.unpersist()
+            generation = run.previous["generation"] + 1
+            changes = _refresh(spark, run.q_now, run.t_now, ids, run.previous, search, staging, schemas, run.k,
+                               generation)
+        run.meta["generation"] = generation
+        (staging / META_FILE).write_text(json.dumps({**run.meta, "schemas": {
+            name: json.loads(schema.json()) for name, schema in schemas.items()}}, indent=1, sort_keys=True))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     logger.info("incremental join: %s", changes)
     lists = _complete_lists(spark, staging, schemas)
     result = _result(query, target, query_id, target_id, lists, run.k, run.options, run.search.similarity)
@@ -289,7 +311,7 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
                         max_distance: float | None = None, min_similarity: float | None = None,
                         on=None) -> RefreshPlan:
     """What :func:`incremental_nearest_join` would do with these arguments (its own), without
-    searching or writing: one Spark job (the aggregation of both sides' ids that the run
+    searching or writing: one Spark job per side (today's ids and fingerprints, which the run
     starts with). Raises what the run raises before it writes.
 
     Examples
@@ -307,10 +329,9 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
                    margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
                    backend=backend, precision=precision, max_distance=max_distance,
                    min_similarity=min_similarity, on=on)
-    run.ids.unpersist()
-    counted = run.counted
-    statuses = ("inserted", "deleted", "changed", "kept")
-    queries, targets = counted.today(0), counted.today(1)
+    counted = run.ids
+    statuses = _Ids.STATUSES
+    queries, targets = counted.today_rows(0), counted.today_rows(1)
     if run.previous is None:
         whole, pairs = queries, queries * targets
     else:
@@ -323,8 +344,7 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
 @dataclass
 class _Prepared:
     """What a run and its explanation share: the checked arguments, today's fingerprinted
-    inputs, the state (None: a full run, ``reason`` says why), and the ids' statuses (``ids``,
-    cached: the caller unpersists it) counted (``counted``)."""
+    inputs, the state (None: a full run, ``reason`` says why), and the ids' statuses (``ids``)."""
 
     options: JoinOptions
     k: int
@@ -336,15 +356,14 @@ class _Prepared:
     schemas: dict
     previous: dict | None
     reason: str
-    ids: DataFrame
-    counted: "_Counts"
+    ids: "_Ids"
 
 
 def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, query_id: str, target_id: str,
              state, margin, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity,
              on) -> _Prepared:
-    """The checks and the one aggregation of both sides' ids (:func:`incremental_nearest_join`'s
-    arguments, its errors); nothing written."""
+    """The checks and the change detection (:func:`incremental_nearest_join`'s arguments, its
+    errors); nothing written."""
     options = JoinOptions(num_results=num_results, vectors=vectors, join_type=join_type,
                           distance_col=distance_col, backend=backend, precision=precision,
                           max_distance=max_distance, min_similarity=min_similarity, on=on)
@@ -381,24 +400,23 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     search = _Searcher(options, parsed.metric, width, similarity, 0 if keys is None else len(keys))
     schemas = _state_schemas(q_now, t_now, search)
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
-    # One aggregation of both sides' ids, today's and the state's: each id's status, and the
-    # checks (unique non-NULL ids, one dimension) that must pass before anything is written.
-    ids = _ids(q_now, t_now, previous).cache()
-    try:
-        counted = _Counts(ids.groupBy("side", "status").agg(
-            F.count(F.lit(1)).alias("rows"), F.max("p").alias("p"), F.min("shortest").alias("shortest"),
-            F.max("longest").alias("longest"), F.first(F.struct(_QID, _TID, "n")).alias("example")).collect())
-        counted.check(query_id, target_id)
-        dimension = counted.dimension(parsed)
-        if previous is not None and None not in (previous["dimension"], dimension) \
-                and previous["dimension"] != dimension:
-            raise ArgumentError("vectors", f"the vectors have dimension {dimension}, the state at {state_dir} "
-                                           f"was built on dimension {previous['dimension']}")
-        meta["dimension"] = dimension if dimension is not None else (previous or {}).get("dimension")
-    except BaseException:
-        ids.unpersist()
-        raise
-    return _Prepared(options, k, state_dir, meta, q_now, t_now, search, schemas, previous, reason, ids, counted)
+    # Change detection: today's ids and fingerprints against the state's, and the checks
+    # (unique non-NULL ids, one dimension) that must pass before anything is written.
+    today = (_today(q_now, _QID, _QV), _today(t_now, _TID, _TV))
+    before = None if previous is None else tuple(
+        _state_fingerprints(state_dir, part, name, now["id"].type)
+        for part, name, now in (("queries", _QID, today[0]), ("targets", _TID, today[1])))
+    ids = _Ids(today, (q_now.schema[_QID].dataType, t_now.schema[_TID].dataType))
+    ids.check(query_id, target_id)
+    if before is not None:
+        ids.compare(before)
+    dimension = ids.dimension(parsed)
+    if previous is not None and None not in (previous["dimension"], dimension) \
+            and previous["dimension"] != dimension:
+        raise ArgumentError("vectors", f"the vectors have dimension {dimension}, the state at {state_dir} "
+                                       f"was built on dimension {previous['dimension']}")
+    meta["dimension"] = dimension if dimension is not None else (previous or {}).get("dimension")
+    return _Prepared(options, k, state_dir, meta, q_now, t_now, search, schemas, previous, reason, ids)
 
 
 # ---------------------------------------------------------------------------- inputs and state
@@ -436,85 +454,121 @@ def _state_schemas(q_now: DataFrame, t_now: DataFrame, search: "_Searcher") -> d
     return {
         "queries": StructType([StructField(_QID, q_id), StructField(_H1, LongType()), StructField(_H2, LongType()),
                                StructField(_LIST, ArrayType(candidate, False)), StructField(_BOUND, DoubleType()),
-                               StructField(_COMPLETE, BooleanType()), StructField("part", StringType())]),
+                               StructField(_COMPLETE, BooleanType()), StructField(_GEN, IntegerType()),
+                               StructField("part", StringType())]),
+        "dropped": StructType([StructField(_QID, q_id), StructField(_DROPPED_AT, IntegerType())]),
         "targets": StructType([StructField(_TID, t_id), StructField(_H1, LongType()), StructField(_H2, LongType())]),
     }
 
 
-def _ids(q_now: DataFrame, t_now: DataFrame, previous: dict | None) -> DataFrame:
-    """One row per (side, id) of today's inputs and the state: side (0 query, 1 target), the id
-    (in the side's column), today's fingerprint, the rows that carry the id today (``n``), the
-    lengths of their vectors, their input partition (``p``: the planner's partition count) and
-    ``status``: inserted, deleted, changed (its fingerprint), kept, or, for a today's id that
-    is NULL or on several rows, ``null`` / ``duplicate``."""
-    q_type, t_type = q_now.schema[_QID].dataType, t_now.schema[_TID].dataType
-    none = F.lit(None)
-
-    def rows(df: DataFrame, side: int, now: bool) -> DataFrame:
-        vector = _QV if side == 0 else _TV
-        return df.select(
-            F.lit(side).alias("side"),
-            (F.col(_QID) if side == 0 else none.cast(q_type)).alias(_QID),
-            (F.col(_TID) if side == 1 else none.cast(t_type)).alias(_TID),
-            *[(F.col(h) if now else none.cast("long")).alias(h) for h in (_H1, _H2)],
-            *[(none.cast("long") if now else F.col(h)).alias(o) for h, o in ((_H1, _OLD_H1), (_H2, _OLD_H2))],
-            F.lit(1 if now else 0).alias("n"),
-            (vector_length(df, vector) if now else none.cast("int")).alias("length"),
-            (F.spark_partition_id() if now else none.cast("int")).alias("p"))
-
-    union = rows(q_now, 0, True).unionByName(rows(t_now, 1, True))
-    if previous is not None:
-        union = (union.unionByName(rows(previous["queries"], 0, False))
-                 .unionByName(rows(previous["targets"], 1, False)))
-    # Small inputs are grouped in one task (no shuffle), and stay one partition, whose scans
-    # need no shuffle either; else one partition per core (see _cached).
-    one_task = in_one_task_when_small(union)
-    grouped = one_task.groupBy("side", _QID, _TID).agg(
-        F.sum("n").alias("n"), *[F.max(c).alias(c) for c in (_H1, _H2, _OLD_H1, _OLD_H2, "p")],
-        F.min("length").alias("shortest"), F.max("length").alias("longest"))
-    id_is_null = F.when(F.col("side") == 0, F.col(_QID).isNull()).otherwise(F.col(_TID).isNull())
-    status = (F.when(id_is_null, "null").when(F.col("n") > 1, "duplicate").when(F.col("n") == 0, "deleted")
-              .when(F.col(_OLD_H1).isNull(), "inserted")
-              .when((F.col(_H1) != F.col(_OLD_H1)) | (F.col(_H2) != F.col(_OLD_H2)), "changed")
-              .otherwise("kept"))
-    ids = grouped.select("side", _QID, _TID, _H1, _H2, "n", "p", "shortest", "longest", status.alias("status"))
-    return ids if one_task is not union else ids.coalesce(cluster_cores(ids.sparkSession))
+def _today(df: DataFrame, id_name: str, vector_name: str) -> pa.Table:
+    """Today's ids of one side with their fingerprints, vector lengths and input partitions,
+    collected to the driver (one Spark job; about 30 bytes a row)."""
+    return df.select(F.col(id_name).alias("id"), F.col(_H1).alias("h1"), F.col(_H2).alias("h2"),
+                     vector_length(df, vector_name).alias("length"),
+                     F.spark_partition_id().alias("p")).toArrow()
 
 
-class _Counts:
-    """The ids' statuses counted per side (the one collect of :func:`_ids`)."""
+def _state_fingerprints(state_dir: Path, part: str, id_name: str, id_type: pa.DataType) -> pa.Table:
+    """The state's (id, h1, h2) of one side, read on the driver: the query lists' rows (their
+    complete ones: a short list's query has a searched row too), the targets' file."""
+    import pyarrow.dataset as ds
 
-    def __init__(self, rows):
-        self.rows = {(row["side"], row["status"]): row for row in rows}
+    if part == "targets":
+        table = pq.read_table(state_dir / part, columns=[id_name, _H1, _H2])
+    else:
+        table = _live(ds.dataset(str(state_dir / part), format="parquet", partitioning="hive")
+                      .to_table(columns=[id_name, _H1, _H2, _GEN], filter=ds.field(_COMPLETE)), state_dir)
+    return pa.table({"id": table[id_name].cast(id_type), "old_h1": table[_H1], "old_h2": table[_H2]})
 
-    def __call__(self, side: int, *statuses: str) -> int:
-        return sum(self.rows[(side, s)]["rows"] for s in statuses if (side, s) in self.rows)
 
-    def today(self, side: int) -> int:
-        return self(side, "inserted", "changed", "kept")
+def _dropped(state_dir: Path) -> pa.Table | None:
+    """The state's ``dropped/`` (query id, generation), None when it has none."""
+    return pq.read_table(state_dir / "dropped") if _footer_rows(state_dir / "dropped") else None
+
+
+def _live(rows: pa.Table, state_dir: Path) -> pa.Table:
+    """The query rows (with their generation) that ``dropped/`` leaves live."""
+    dropped = _dropped(state_dir)
+    if dropped is None:
+        return rows
+    joined = rows.join(dropped.rename_columns([_QID, _DROPPED_AT]), keys=_QID, join_type="left outer")
+    return joined.filter(pc.or_kleene(pc.is_null(joined[_DROPPED_AT]),
+                                      pc.greater_equal(joined[_GEN], joined[_DROPPED_AT])))
+
+
+class _Ids:
+    """Both sides' ids by status (inserted, deleted, changed, kept), found on the driver: a
+    full outer join (pyarrow) of today's ids and fingerprints with the state's, per side, no
+    shuffle. Also what must hold before anything is written (unique, non-NULL ids) and the
+    planner's facts of each side (its partitions and vector lengths)."""
+
+    STATUSES = ("inserted", "deleted", "changed", "kept")
+
+    def __init__(self, today: tuple[pa.Table, pa.Table], types: tuple):
+        self.today, self.types = today, types
+        # Before any comparison (a full run), every row of today's is inserted.
+        self.ids = {(side, status): now["id"] if status == "inserted" else now["id"].slice(0, 0)
+                    for side, now in enumerate(today) for status in self.STATUSES}
 
     def check(self, query_id: str, target_id: str) -> None:
         for side, argument, name in ((0, "query_id", query_id), (1, "target_id", target_id)):
-            for status in ("null", "duplicate"):
-                if (side, status) in self.rows:
-                    example = self.rows[(side, status)]["example"]
-                    found = ("a NULL id" if status == "null"
-                             else f"id {example[_QID] if side == 0 else example[_TID]} on {example['n']} rows")
-                    raise ArgumentError(argument, f"column {quote(name)}: expected a unique, non-NULL id on "
-                                                  f"every row, found {found}")
+            ids = self.today[side]["id"]
+            if ids.null_count:
+                found = "a NULL id"
+            else:
+                counts = pc.value_counts(ids)
+                many = counts.filter(pc.greater(counts.field("counts"), 1))
+                if not len(many):
+                    continue
+                found = f"id {many[0]['values'].as_py()} on {many[0]['counts'].as_py()} rows"
+            raise ArgumentError(argument, f"column {quote(name)}: expected a unique, non-NULL id on every row, "
+                                          f"found {found}")
+
+    def compare(self, before: tuple[pa.Table, pa.Table]) -> None:
+        """The statuses against the state's ids and fingerprints (``before``, per side)."""
+        for side, (now, was) in enumerate(zip(self.today, before)):
+            joined = (now.select(["id", "h1", "h2"]).append_column("now", pa.array(np.ones(len(now), bool)))
+                      .join(was, keys="id", join_type="full outer"))
+            today, earlier = pc.is_valid(joined["now"]), pc.is_valid(joined["old_h1"])
+            differs = pc.or_(pc.not_equal(joined["h1"], joined["old_h1"]),
+                             pc.not_equal(joined["h2"], joined["old_h2"]))
+            both = pc.and_(today, earlier)
+            for status, mask in (("inserted", pc.invert(earlier)), ("deleted", pc.invert(today)),
+                                 ("changed", pc.and_(both, differs)), ("kept", pc.and_(both, pc.invert(differs)))):
+                self.ids[(side, status)] = joined["id"].filter(mask)
+
+    def __call__(self, side: int, *statuses: str) -> int:
+        return sum(len(self.ids[(side, s)]) for s in statuses)
+
+    def today_rows(self, side: int) -> int:
+        return len(self.today[side])
+
+    def frame(self, spark, side: int, *statuses: str) -> DataFrame:
+        """The ids of these statuses, broadcast (a local relation: no job of its own)."""
+        name = _QID if side == 0 else _TID
+        ids = pa.chunked_array([chunk for s in statuses for chunk in self.ids[(side, s)].chunks],
+                               type=self.today[side]["id"].type)
+        return F.broadcast(spark.createDataFrame(pa.table({name: ids}),
+                                                 schema=StructType([StructField(name, self.types[side])])))
 
     def facts(self, side: int, rows: int) -> SideFacts:
         """The planner's facts of a part of today's side of ``rows`` rows (its partitions and
         vector lengths: the whole side's)."""
-        today = [self.rows[(side, s)] for s in ("inserted", "changed", "kept") if (side, s) in self.rows]
-        shortest = [r["shortest"] for r in today if r["shortest"] is not None]
-        longest = [r["longest"] for r in today if r["longest"] is not None]
-        return SideFacts(rows=rows, partitions=max((r["p"] + 1 for r in today if r["p"] is not None), default=0),
-                         shortest=min(shortest, default=None), longest=max(longest, default=None))
+        now = self.today[side]
+        lengths = pc.min_max(now["length"])
+        return SideFacts(rows=rows, partitions=pc.max(now["p"]).as_py() + 1 if len(now) else 0,
+                         shortest=lengths["min"].as_py(), longest=lengths["max"].as_py())
 
     def dimension(self, parsed) -> int | None:
         """Today's one vector length (raises the join's error when the sides' lengths differ)."""
-        return join_dimension(parsed, self.facts(0, self.today(0)), self.facts(1, self.today(1)))
+        return join_dimension(parsed, self.facts(0, self.today_rows(0)), self.facts(1, self.today_rows(1)))
+
+    def write_targets(self, path: Path) -> None:
+        """Today's target fingerprints: the next run's ``targets/``."""
+        path.mkdir(parents=True)
+        now = self.today[1]
+        pq.write_table(pa.table({_TID: now["id"], _H1: now["h1"], _H2: now["h2"]}), path / "part-00000.parquet")
 
 
 def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[dict | None, str]:
@@ -551,9 +605,8 @@ def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[
     if unreadable:
         logger.warning("state %s is unreadable (%s): a full run replaces it", state_dir, unreadable)
         return None, f"the state at {state_dir} is unreadable: {unreadable}"
-    return {"queries": _complete_lists(spark, state_dir, schemas),
-            "targets": spark.read.schema(schemas["targets"]).parquet(str(state_dir / "targets")),
-            "dimension": old.get("dimension")}, ""
+    return {"queries": _complete_lists(spark, state_dir, schemas), "dimension": old.get("dimension"),
+            "generation": old.get("generation", 0), "dir": state_dir}, ""
 
 
 def _unreadable_file(state_dir: Path) -> str:
@@ -561,8 +614,10 @@ def _unreadable_file(state_dir: Path) -> str:
     (a corrupt file would otherwise fail the run's first Spark job instead of giving a full run)."""
     import pyarrow.parquet as pq
 
-    for part in ("queries", "targets"):
+    for part in ("queries", "targets", "dropped"):
         if not (state_dir / part).is_dir():
+            if part == "dropped":   # a state of one generation has none
+                continue
             return f"{part}/ is missing"
         for path in (state_dir / part).rglob("*.parquet"):
             try:
@@ -587,9 +642,15 @@ def _footer_rows(path: Path) -> int:
 
 
 def _complete_lists(spark, state_dir: Path, schemas: dict) -> DataFrame:
-    """The state's query rows: one per query, its complete list."""
-    return (spark.read.schema(schemas["queries"]).parquet(str(state_dir / "queries"))
-            .where(F.col(_COMPLETE)).drop("part"))
+    """The state's query rows: one per query, its complete list (the rows of ``dropped/``
+    left out: a row of a query dropped at a later generation than the row's)."""
+    rows = spark.read.schema(schemas["queries"]).parquet(str(state_dir / "queries")).where(F.col(_COMPLETE))
+    if _footer_rows(state_dir / "dropped"):
+        dropped = spark.read.schema(schemas["dropped"]).parquet(str(state_dir / "dropped"))
+        dropped = F.broadcast(dropped.select(F.col(_QID).alias("__nj_dq"), _DROPPED_AT))
+        rows = rows.join(dropped, (F.col(_QID) == F.col("__nj_dq")) & (F.col(_GEN) < F.col(_DROPPED_AT)),
+                         "left_anti")
+    return rows.drop("part", _GEN)
 
 
 # ---------------------------------------------------------------------------- searches
@@ -608,10 +669,13 @@ class _Searcher:
         self.metric, self.width, self.similarity = metric, width, similarity
         self.key_type = FloatType()   # the value column of the vector functions
 
-    def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts]) -> DataFrame:
-        """``facts``: both sides' (the keyed planner counts the key groups in a job of its own)."""
+    def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts],
+                   width: int | None = None) -> DataFrame:
+        """``facts``: both sides' (the keyed planner counts the key groups in a job of its own);
+        ``width``: candidates per query, when not the lists' width."""
+        options = self.options if width is None else replace(self.options, num_results=width)
         planned = plan_join(queries.select(_QID, _QV, _H1, _H2, *self.q_keys), targets.select(_TID, _TV, *self.t_keys),
-                            self.metric, self.options, facts=None if self.q_keys else facts)
+                            self.metric, options, facts=None if self.q_keys else facts)
         rows = planned.dataframe(query_columns=(0, 2, 3), target_columns=(0,))
         key = (-F.col(_KEY) if self.similarity else F.col(_KEY)).cast(self.key_type)
         return rows.select(_QID, _H1, _H2, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))
@@ -628,27 +692,27 @@ def _lists(candidates: DataFrame, width: int) -> DataFrame:
                           .otherwise(F.lit(math.inf)).alias(_BOUND), F.lit(True).alias(_COMPLETE))
 
 
-def _full_run(q_now: DataFrame, t_now: DataFrame, counted: _Counts, search: _Searcher, staging: Path,
+def _full_run(q_now: DataFrame, t_now: DataFrame, ids: _Ids, search: _Searcher, staging: Path,
               reason: str) -> Changes:
-    queries, targets = counted.today(0), counted.today(1)
-    facts = (counted.facts(0, queries), counted.facts(1, targets))
+    queries, targets = ids.today_rows(0), ids.today_rows(1)
+    facts = (ids.facts(0, queries), ids.facts(1, targets))
     _lists(search.candidates(q_now, t_now, facts), search.width).write.parquet(
-        str(staging / "queries" / "part=searched"))
+        str(staging / "queries" / f"{_GEN}=0" / "part=searched"))
     return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
                    queries_searched_whole=queries, query_rows=queries, target_rows=targets)
 
 
-def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted: _Counts, previous: dict,
-             search: _Searcher, staging: Path, schemas: dict, k: int) -> Changes:
+def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous: dict, search: _Searcher,
+             staging: Path, schemas: dict, k: int, generation: int) -> Changes:
     """Today's lists from the state's: see the module notes. Only the kept queries whose list
     meets a change are merged: those holding a removed target, and those that an added target
-    enters at or within their bound. The others' state rows are kept as they are (no shuffle:
-    the changed ids are few, and broadcast)."""
+    enters at or within their bound. The state's query files are carried over as they are
+    (hard links); this run's rows go to ``queries/gen=<generation>``, and ``dropped/`` says
+    which earlier rows they replace (:func:`_write_dropped`)."""
     width = search.width
 
     def ids_of(side: int, *statuses: str) -> DataFrame:
-        return F.broadcast(ids.where((F.col("side") == side) & F.col("status").isin(*statuses))
-                           .select(_QID if side == 0 else _TID))
+        return counted.frame(spark, side, *statuses)
 
     searched_whole = ids_of(0, "inserted", "changed")
     # The state's lists of the queries kept (those deleted or changed leave).
@@ -657,60 +721,108 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, ids: DataFrame, counted:
     removed = ids_of(1, "deleted", "changed")
     n_kept = counted(0, "kept")
     touched, entering = [], None
+    entering_width = _entering_width(n_added, counted.today_rows(1), width)
     if n_removed:
         touched.append(kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
                        .join(removed, _TID, "left_semi").select(_QID))
     if n_added and n_kept:
         added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
         kept_rows = q_now.join(searched_whole, _QID, "left_anti")
-        found = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)))
+        found = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)),
+                                  entering_width)
         entering = _cached(found.where(F.col("x.target").isNotNull()).select(_QID, "x")
                            .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
                            .select(_QID, "x"))
         touched.append(entering.select(_QID))
-    affected = None
     queries = staging / "queries"
+    rows = queries / f"{_GEN}={generation}"
+    _carry(previous["dir"] / "queries", queries)
     try:
         if touched:
-            affected = _cached(functools.reduce(DataFrame.unionByName, touched).distinct())
-            untouched = kept.join(F.broadcast(affected), _QID, "left_anti")
-        else:
-            untouched = kept
-        untouched.write.parquet(str(queries / "part=kept"))
-        if affected is not None:
+            affected = F.broadcast(functools.reduce(DataFrame.unionByName, touched).distinct())
             # A list that ran short goes to part=short, marked incomplete: its query's whole
             # search is the searched part's, and only complete lists are read (_complete_lists).
-            lists = _merged(kept.join(F.broadcast(affected), _QID, "left_semi"), entering, removed,
-                            width, k)
+            lists = _merged(kept.join(affected, _QID, "left_semi"), entering, removed, width, k, entering_width)
             (lists.withColumn("part", F.when(F.col(_COMPLETE), "merged").otherwise("short"))
-             .write.mode("append").partitionBy("part").parquet(str(queries)))
+             .write.partitionBy("part").parquet(str(rows)))
         # Counted from the files' footers, here: no Spark job.
-        n_short = _footer_rows(queries / "part=short")
-        n_affected = _footer_rows(queries / "part=merged") + n_short
+        n_short = _footer_rows(rows / "part=short")
+        n_affected = _footer_rows(rows / "part=merged") + n_short
         if n_short:
-            short = (spark.read.schema(schemas["queries"]).parquet(str(queries))
-                     .where(F.col("part") == "short").select(_QID))
+            short = spark.read.schema(schemas["queries"]).parquet(str(rows / "part=short")).select(_QID)
             searched_whole = F.broadcast(searched_whole.unionByName(short))
         n_whole = counted(0, "inserted", "changed") + n_short
         if n_whole:
             whole_rows = q_now.join(searched_whole, _QID, "left_semi")
-            facts = (counted.facts(0, n_whole), counted.facts(1, counted.today(1)))
-            _lists(search.candidates(whole_rows, t_now, facts), width).write.parquet(str(queries / "part=searched"))
+            facts = (counted.facts(0, n_whole), counted.facts(1, counted.today_rows(1)))
+            _lists(search.candidates(whole_rows, t_now, facts), width).write.parquet(str(rows / "part=searched"))
     finally:
-        for frame in (entering, affected):
-            if frame is not None:
-                frame.unpersist()
+        if entering is not None:
+            entering.unpersist()
+    _write_dropped(staging, previous["dir"], rows, counted.ids[(0, "deleted")], generation)
+    if (_footer_rows(queries) > COMPACT_ROWS_PER_QUERY * max(1, counted.today_rows(0))
+            or len(list(queries.iterdir())) > COMPACT_GENERATIONS):
+        _compact(spark, staging, schemas, generation)
     return Changes(refreshed=True, reason="", queries_inserted=counted(0, "inserted"),
                    queries_deleted=counted(0, "deleted"), queries_changed=counted(0, "changed"),
                    queries_kept=n_kept, targets_inserted=counted(1, "inserted"),
                    targets_deleted=counted(1, "deleted"), targets_changed=counted(1, "changed"),
                    queries_searched_whole=n_whole, queries_short=n_short, queries_merged=n_affected,
-                   query_rows=counted.today(0), target_rows=counted.today(1))
+                   query_rows=counted.today_rows(0), target_rows=counted.today_rows(1))
 
 
-def _merged(old: DataFrame, entering: DataFrame | None, removed: DataFrame, width: int, k: int) -> DataFrame:
+def _carry(old: Path, new: Path) -> None:
+    """The state's query files, as they are, into the new state: hard links (the files are
+    never written again), copies where the filesystem has none."""
+    for file in old.rglob("*.parquet"):
+        to = new / file.relative_to(old)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(file, to)
+        except OSError:
+            shutil.copyfile(file, to)
+
+
+def _write_dropped(staging: Path, previous: Path, rows: Path, deleted: pa.ChunkedArray, generation: int) -> None:
+    """The new state's ``dropped/``: the state's, and each query that this run wrote a row of
+    (``rows``) or deleted, dropped at ``generation``: its rows of earlier generations are
+    replaced (a query keeps the latest generation it was dropped at)."""
+    written = pq.read_table(rows, columns=[_QID])[_QID] if _footer_rows(rows) else deleted.slice(0, 0)
+    ids = pa.chunked_array(written.cast(deleted.type).chunks + deleted.chunks, type=deleted.type)
+    now = pa.table({_QID: ids, _DROPPED_AT: pa.array(np.full(len(ids), generation, np.int32))})
+    before = _dropped(previous)
+    if before is not None:
+        now = pa.concat_tables([before.cast(now.schema), now])
+    latest = now.group_by(_QID).aggregate([(_DROPPED_AT, "max")]).rename_columns([_QID, _DROPPED_AT])
+    (staging / "dropped").mkdir()
+    pq.write_table(latest.select([_QID, _DROPPED_AT]), staging / "dropped" / "part-00000.parquet")
+
+
+def _compact(spark, staging: Path, schemas: dict, generation: int) -> None:
+    """Rewrite the staged state's query files as its live complete lists alone (no dropped
+    rows, one generation): when the carried files hold too many replaced rows, or too many
+    generations."""
+    compacted = staging / "compacted"
+    _complete_lists(spark, staging, schemas).write.parquet(str(compacted / f"{_GEN}={generation}" / "part=kept"))
+    shutil.rmtree(staging / "queries")
+    shutil.rmtree(staging / "dropped")
+    compacted.rename(staging / "queries")
+
+
+def _entering_width(added: int, targets: int, width: int) -> int:
+    """How many of the added targets the kept queries' search returns per query. A list holds
+    its query's nearest ``width`` of ``targets``, so about ``added * width / targets`` of the
+    added ones enter it: four times that, at least 3, at most ``width``. A query that more
+    enter has its bound tightened to the last returned one (:func:`_merged`), and is searched
+    whole when its list then runs short; every other query emits that few rows, not ``width``."""
+    return min(width, max(3, math.ceil(4 * added * width / max(1, targets))))
+
+
+def _merged(old: DataFrame, entering: DataFrame | None, removed: DataFrame, width: int, k: int,
+            entering_width: int) -> DataFrame:
     """The affected kept queries' lists: the old list less the removed targets, merged with the
-    targets that entered it; their bound, and whether the list is complete."""
+    targets that entered it (of the search that returned ``entering_width`` per query); their
+    bound, and whether the list is complete."""
     parts = (old.select(_QID, F.explode(_LIST).alias("x"))
              .join(removed, F.col("x.target") == F.col(_TID), "left_anti")
              .select(_QID, "x", F.lit(0).alias(_SOURCE)))
@@ -720,11 +832,12 @@ def _merged(old: DataFrame, entering: DataFrame | None, removed: DataFrame, widt
         F.array_sort(F.collect_list("x")).alias("all"),
         F.count(F.when(F.col(_SOURCE) == 1, 1)).alias("added"),
         F.max(F.when(F.col(_SOURCE) == 1, F.col("x.key"))).alias("worst_added"))
-    # An added target beyond its query's bound was dropped by the search: then fewer than
-    # the width entered, and the bound of the added targets is beyond the list's own.
+    # The search returned the best entering_width added targets: when all of them entered,
+    # the rest of the added rank no better than the last (the bound of the added targets);
+    # when fewer entered, the last returned was beyond the list's own bound.
     bound = F.least(
         F.col(_BOUND),
-        F.when(F.col("added") >= width, F.col("worst_added").cast("double")).otherwise(F.lit(math.inf)),
+        F.when(F.col("added") >= entering_width, F.col("worst_added").cast("double")).otherwise(F.lit(math.inf)),
         F.when(F.size("all") > width, F.element_at("all", width + 1)["key"].cast("double"))
         .otherwise(F.lit(math.inf)))
     all_list = F.coalesce("all", F.array().cast(old.schema[_LIST].dataType))

@@ -11,6 +11,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from nearest_join import nearest_by_join
+from nearest_join import incremental
 from nearest_join.incremental import _previous_state, explain_incremental, incremental_nearest_join
 
 D = 4
@@ -98,12 +99,16 @@ class Day:
 
 
 @pytest.mark.parametrize("metric, margin, days, capped", [("l2", 2, 2, False), ("cosine", 0, 3, True)])
-def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days, capped):
+def test_each_day_equals_a_full_recompute(spark, tmp_path, monkeypatch, metric, margin, days, capped):
     """Also: the l2 case's first refresh is discarded once, uncommitted (a run that failed
     before its commit): the state stays as it was, and the next run refreshes from it; its
-    second day is explained before it runs. The cosine case has on= keys (NULL keys among them,
-    rows that change their key and not their vector) and a cap, and refreshes a refreshed
-    state; a state of another cap or other keys is not used."""
+    second day is explained before it runs, and its state is compacted (one generation).
+    The cosine case has on= keys (NULL keys among them, rows that change their key and not
+    their vector) and a cap, and refreshes a refreshed state, whose files are carried over
+    (three generations, and the rows they replace dropped); a state of another cap or other
+    keys is not used."""
+    if not capped:
+        monkeypatch.setattr(incremental, "COMPACT_GENERATIONS", 1)
     rng = np.random.default_rng(7)
     day, k = Day(rng, 60, 300, groups=3 if capped else 0), 3
     day.t[5] = np.nan     # a target without a vector
@@ -161,6 +166,12 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, metric, margin, days,
             assert c.queries_searched_whole < len(day.q_ids)
             assert c.queries_merged >= c.queries_short
         run.commit()
+        generations = sorted(p.name for p in (state / "queries").iterdir())
+        if capped:
+            assert generations == [f"gen={g}" for g in range(n + 1)]
+            assert (state / "dropped").is_dir() == (n > 0)
+        else:
+            assert generations == [f"gen={n}"] and not (state / "dropped").exists()
         q.unpersist(), t.unpersist()
         day.change(rng, 0.01)
     if capped:
@@ -188,6 +199,26 @@ def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
     assert rows[4][2] is None
     c = run.changes
     assert (c.targets_deleted, c.queries_merged, c.queries_short, c.queries_searched_whole) == (1, 1, 1, 1)
+
+
+def test_more_entering_than_searched_for_tightens_the_bound(spark, tmp_path):
+    """The kept queries' search of the added targets returns a few per query
+    (incremental._entering_width), not the lists' width: when all of those enter a list, the
+    list's bound becomes the last of them, and a list that then holds fewer than k is searched
+    whole. Here five inserted targets are nearer than every old one: four are returned, the
+    list keeps those four, fewer than k=5, and the query is searched whole."""
+    q = _frame(spark, [1], [[0.0] * D], "qid", "v")
+    far = [[10.0 + i] + [0.0] * (D - 1) for i in range(50)]
+    near = [[float(i)] + [0.0] * (D - 1) for i in range(1, 6)]
+    kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(tmp_path / "s"), margin=5,
+                  distance_col="d")
+    incremental_nearest_join(q, _frame(spark, range(100, 150), far, "tid", "w"), "l2", 5, **kwargs).commit()
+    assert incremental._entering_width(5, 55, 10) == 4
+    t = _frame(spark, range(100, 155), far + near, "tid", "w")
+    run = incremental_nearest_join(q, t, "l2", 5, **kwargs)
+    assert sorted((r["tid"], r["d"]) for r in run.result.collect()) == [(150 + i, i + 1.0) for i in range(5)]
+    c = run.changes
+    assert (c.targets_inserted, c.queries_merged, c.queries_short, c.queries_searched_whole) == (5, 1, 1, 1)
 
 
 def test_ml_vectors_refresh(spark, tmp_path):
