@@ -222,15 +222,18 @@ def test_more_entering_than_searched_for_tightens_the_bound(spark, tmp_path):
 
 
 def test_ml_vectors_refresh(spark, tmp_path):
-    """pyspark.ml vectors (dense and sparse) on both sides: a full run, then a refresh after a
-    target's vector changed and one was inserted, each equal to nearest_by_join."""
+    """pyspark.ml vectors (dense and sparse) on both sides, string ids on the query side: a
+    full run, then a refresh after a target's vector changed and one was inserted, each equal
+    to nearest_by_join."""
     from pyspark.ml.linalg import Vectors, VectorUDT
-    from pyspark.sql.types import LongType, StructField
+    from pyspark.sql.types import LongType, StringType, StructField
 
     def schema(id_name, name):
-        return StructType([StructField(id_name, LongType()), StructField(name, VectorUDT())])
+        id_type = StringType() if id_name == "qid" else LongType()
+        return StructType([StructField(id_name, id_type), StructField(name, VectorUDT())])
 
-    q = spark.createDataFrame([(1, Vectors.dense([0.0, 0.0, 1.0])), (2, Vectors.sparse(3, [0], [5.0])), (3, None)],
+    q = spark.createDataFrame([("1", Vectors.dense([0.0, 0.0, 1.0])), ("2", Vectors.sparse(3, [0], [5.0])),
+                               ("3", None)],
                               schema("qid", "v")).cache()   # cached: see Day.frames
     rows = [(10, Vectors.dense([1.0, 0.0, 1.0])), (11, Vectors.sparse(3, [0, 2], [4.0, 1.0])),
             (12, Vectors.dense([9.0, 9.0, 9.0]))]
