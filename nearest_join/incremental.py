@@ -492,7 +492,8 @@ def _live(rows: pa.Table, state_dir: Path) -> pa.Table:
     dropped = _dropped(state_dir)
     if dropped is None:
         return rows
-    joined = rows.join(dropped.rename_columns([_QID, _DROPPED_AT]), keys=_QID, join_type="left outer")
+    dropped = dropped.cast(pa.schema([(_QID, rows.schema.field(_QID).type), (_DROPPED_AT, pa.int32())]))
+    joined = rows.join(dropped, keys=_QID, join_type="left outer")
     return joined.filter(pc.or_kleene(pc.is_null(joined[_DROPPED_AT]),
                                       pc.greater_equal(joined[_GEN], joined[_DROPPED_AT])))
 
