@@ -672,14 +672,14 @@ class _Searcher:
 
     def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts],
                    width: int | None = None) -> DataFrame:
-        """``facts``: both sides' (the keyed planner counts the key groups in a job of its own);
+        """``facts``: both sides' (no facts job; with keys, no count of the target's key groups);
         ``width``: candidates per query, when not the lists' width, and then no fingerprints
         (the entering candidates need none: the query's state row keeps its own)."""
         options = self.options if width is None else replace(self.options, num_results=width)
         fingerprints = [_H1, _H2] if width is None else []
         planned = plan_join(queries.select(_QID, _QV, *fingerprints, *self.q_keys),
                             targets.select(_TID, _TV, *self.t_keys), self.metric, options,
-                            facts=None if self.q_keys else facts)
+                            facts=facts)
         rows = planned.dataframe(query_columns=(0, *range(2, 2 + len(fingerprints))), target_columns=(0,))
         key = (-F.col(_KEY) if self.similarity else F.col(_KEY)).cast(self.key_type)
         return rows.select(_QID, *fingerprints, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))

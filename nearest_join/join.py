@@ -198,7 +198,8 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     plan's: both sides collected, two) and plan.
 
     ``facts``: both sides' facts when the caller has counted them already (the incremental
-    join counts its inputs in an aggregation of its own): no facts job then; without ``on=``.
+    join counts its inputs on the driver): no facts job then. With ``on=`` keys (exact mode
+    only) the target's key groups are then not counted: the plan says so.
 
     Raises what :func:`nearest_by_join` documents, before any output exists. The plan is
     logged at INFO.
@@ -242,8 +243,9 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             t_facts = arrow_side_facts(collected[1], column_index(target, parsed.target_column))
             key_facts = None
         elif facts is not None:
-            if keys is not None:
-                raise ValueError("facts: without on= keys only")
+            if keys is not None and options.mode != "exact":
+                raise ValueError("facts with on= keys: exact mode only (an approx plan sizes its lists by the "
+                                 "largest key group)")
             (q_facts, t_facts), key_facts = facts, None
         elif keys is None:
             q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)

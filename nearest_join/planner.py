@@ -165,8 +165,9 @@ class JoinPlan:
                              f"{self.cap!r} match (a query may get fewer than k rows)")
             if self.keys is not None:
                 equal = " and ".join(f"query.{q} = target.{t} (as {common})" for q, t, common in self.keys)
-                lines.append(f"  keys: {equal}; {self.key_groups} target groups, the largest "
-                             f"{self.largest_group} rows (a NULL key or one absent from the target "
+                groups = ("target groups not counted (the caller gave the sides' facts)" if self.key_groups is None
+                          else f"{self.key_groups} target groups, the largest {self.largest_group} rows")
+                lines.append(f"  keys: {equal}; {groups} (a NULL key or one absent from the target "
                              "matches nothing)")
                 if self.plan == "broadcast":
                     lines.append("  keyed search: the broadcast target is grouped by key; each query "
