@@ -864,7 +864,9 @@ def _result(query: DataFrame, target: DataFrame, query_id: str, target_id: str, 
     t_cols = [f"__nj_t{i}" for i in range(len(t_names))]
     q = query.toDF(*q_cols).withColumn(_QID, F.col(q_cols[q_names.index(query_id)]))
     t = target.toDF(*t_cols).withColumn(_TID, F.col(t_cols[t_names.index(target_id)]))
-    pairs = (lists.select(_QID, F.posexplode(_LIST).alias("rank", "x")).where(F.col("rank") < k)
+    # Sliced before the explode: the lists hold k + margin, and the margin's rows would be
+    # made only to be filtered out.
+    pairs = (lists.select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x"))
              .select(_QID, F.col("x.target").alias(_TID), F.col("x.key").alias(_KEY)))
     how = "inner" if options.join_type == "inner" else "left"
     joined = q.join(pairs, _QID, how).join(t, _TID, how)
