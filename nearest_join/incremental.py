@@ -104,7 +104,6 @@ _STAGING = ".nj-state-staging-"
 # Internal column names: reserved, so that no input column can clash with them.
 _QID, _TID, _QV, _TV = "__nj_qid", "__nj_tid", "__nj_qv", "__nj_tv"
 _H1, _H2, _KEY = "__nj_h1", "__nj_h2", "__nj_key"
-_OLD_H1, _OLD_H2 = "__nj_old_h1", "__nj_old_h2"
 _LIST, _BOUND, _SOURCE, _COMPLETE = "candidates", "bound", "__nj_source", "complete"
 _GEN, _DROPPED_AT = "gen", "__nj_dropped_at"
 
@@ -797,9 +796,11 @@ def _write_dropped(staging: Path, previous: Path, rows: Path, deleted: pa.Chunke
     before = _dropped(previous)
     if before is not None:
         now = pa.concat_tables([before.cast(now.schema), now])
-    latest = now.group_by(_QID).aggregate([(_DROPPED_AT, "max")]).rename_columns([_QID, _DROPPED_AT])
+    # By name: the order of group_by's output columns differs between pyarrow versions.
+    latest = now.group_by(_QID).aggregate([(_DROPPED_AT, "max")])
     (staging / "dropped").mkdir()
-    pq.write_table(latest.select([_QID, _DROPPED_AT]), staging / "dropped" / "part-00000.parquet")
+    pq.write_table(pa.table({_QID: latest[_QID], _DROPPED_AT: latest[f"{_DROPPED_AT}_max"]}),
+                   staging / "dropped" / "part-00000.parquet")
 
 
 def _compact(spark, staging: Path, schemas: dict, generation: int) -> None:
