@@ -714,7 +714,8 @@ def _incremental_arguments(spec: JobSpec) -> dict[str, Any]:
                 vectors=(spec.query.prefix + spec.query.vector, spec.target.prefix + spec.target.vector),
                 join_type=options.join_type, distance_col=options.distance_col, backend=options.backend,
                 precision=options.precision, max_distance=options.max_distance,
-                min_similarity=options.min_similarity, on=_prefixed_keys(spec))
+                min_similarity=options.min_similarity, on=_prefixed_keys(spec), mode=options.mode,
+                recall=options.recall, nlist=options.nlist, nprobe=options.nprobe, seed=options.seed)
 
 
 @contextlib.contextmanager
@@ -786,6 +787,12 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"+{incremental['targets_inserted']:,} -{incremental['targets_deleted']:,} "
             f"~{incremental['targets_changed']:,}; {incremental['queries_searched_whole']:,} queries "
             f"searched whole, {incremental['queries_merged']:,} lists merged")
+        recall = incremental.get("recall")
+        if recall is not None:
+            measured = ("not estimated (nprobe given)" if recall["recall_estimate"] is None else
+                        f"{recall['recall_estimate']:.4f} (lower 95% bound {recall['recall_lower']:.4f}: "
+                        f"{recall['recall_of']})")
+            lines.append(f"  recall       {measured}, nprobe {recall['nprobe']} of nlist {recall['nlist']}")
     else:
         lines += [
             f"  no candidate {summary['queries_without_candidates']:,} query rows",

@@ -696,9 +696,9 @@ def _incremental(document: dict, join: JoinSpec, output: OutputSpec) -> Incremen
     if document.get("incremental") is None:
         return None
     values = _section(document, "incremental", _INCREMENTAL_KEYS)
-    options = join.options
-    if options.mode != "exact":
-        raise SpecError("incremental", "refreshes exact joins so far; this spec has join.mode: approx")
+    if join.index is not None:
+        raise SpecError("join.index", "an incremental job keeps its IVF index in its state (mode approx): "
+                                      "expected no join.index")
     if output.table is not None:
         raise SpecError("output.table", "an incremental job refreshes an output directory (output.path); "
                                         "it does not write tables yet")

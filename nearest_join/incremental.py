@@ -86,11 +86,13 @@ from pyspark.sql.types import (
 )
 
 from .errors import ArgumentError
+from .ivf_index import IVFIndex
 from .join import plan_join
 from .options import JoinOptions
 from .planner import SideFacts, cluster_cores, join_dimension, vector_length
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
+from .recall import RECALL_QUERIES, wilson_interval
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ _QID, _TID, _QV, _TV = "__nj_qid", "__nj_tid", "__nj_qv", "__nj_tv"
 _H1, _H2, _KEY = "__nj_h1", "__nj_h2", "__nj_key"
 _LIST, _BOUND, _SOURCE, _COMPLETE = "candidates", "bound", "__nj_source", "complete"
 _GEN, _DROPPED_AT = "gen", "__nj_dropped_at"
+_INDEX = "index"   # mode="approx": the state's IVF index (nearest_join.ivf_index.IVFIndex.save)
 
 
 def default_margin(num_results: int) -> int:
@@ -133,6 +136,10 @@ class Changes:
     queries_merged: int = 0           # kept queries whose list met a removed or an entering target
     query_rows: int = 0               # today's rows
     target_rows: int = 0
+    # mode="approx" with an IVF index: its nlist and nprobe, and recall@k (recall_estimate,
+    # recall_lower: its lower 95% bound, recall_queries, recall_of: what measured it); None
+    # when every list is exact.
+    recall: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -181,7 +188,9 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
                              query_id: str, target_id: str, state, new_state=None, margin: int | None = None,
                              vectors=None, join_type: str = "inner", distance_col: str | None = None,
                              backend: str = "auto", precision: str = "auto", max_distance: float | None = None,
-                             min_similarity: float | None = None, on=None) -> IncrementalJoin:
+                             min_similarity: float | None = None, on=None, mode: str = "exact", recall=None,
+                             nlist: int | None = None, nprobe: int | None = None,
+                             seed: int | None = None) -> IncrementalJoin:
     """Today's :func:`~nearest_join.nearest_by_join` result, refreshed from the last run's state.
 
     Parameters
@@ -189,9 +198,15 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     query, target : DataFrame
         Today's complete inputs (snapshots), each with a unique, non-NULL id column.
     ranking, num_results, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity, on
-        As :func:`~nearest_join.nearest_by_join` (exact mode; a vector function or a metric
-        name over ``array<float>``, ``array<double>`` or ML ``VectorUDT`` columns). A state answers one join: a
-        run with another metric, k, margin, cap or keys than the state's is a full run.
+        As :func:`~nearest_join.nearest_by_join` (a vector function or a metric name over
+        ``array<float>``, ``array<double>`` or ML ``VectorUDT`` columns). A state answers one join: a
+        run with another metric, k, margin, cap, keys or mode than the state's is a full run.
+    mode, recall, nlist, nprobe, seed
+        As :func:`~nearest_join.nearest_by_join`. ``mode="approx"``: the full run's IVF plan
+        (its index is kept in the state); a refresh searches the added targets exactly, the
+        queries searched whole with the state's index and nprobe, then measures recall@k on a
+        sample of today's queries and re-trains (a full run) when its lower 95% bound is below
+        ``recall``: see docs/incremental.md.
     query_id, target_id : str
         The id column of each side. A row's identity across runs: a row whose id is new was
         inserted, one whose id is gone was deleted, one whose vector differs was changed.
@@ -237,7 +252,8 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     run = _prepare(query, target, ranking, num_results, query_id=query_id, target_id=target_id, state=state,
                    margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
                    backend=backend, precision=precision, max_distance=max_distance,
-                   min_similarity=min_similarity, on=on)
+                   min_similarity=min_similarity, on=on, mode=mode, recall=recall, nlist=nlist, nprobe=nprobe,
+                   seed=seed)
     spark, state_dir, ids, search, schemas = query.sparkSession, run.state_dir, run.ids, run.search, run.schemas
     if new_state is None:
         staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
@@ -249,12 +265,30 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         ids.write_targets(staging / "targets")
         if run.previous is None:
             generation = 0
-            changes = _full_run(run.q_now, run.t_now, ids, search, staging, run.reason)
+            changes, ivf = _full_run(run.q_now, run.t_now, ids, search, staging, run.reason)
         else:
             generation = run.previous["generation"] + 1
             changes = _refresh(spark, run.q_now, run.t_now, ids, run.previous, search, staging, schemas, run.k,
                                generation)
+            ivf = run.previous["ivf"]
+            if ivf is not None:
+                shutil.copytree(state_dir / _INDEX, staging / _INDEX)
+                measured = _measured_recall(spark, run.q_now, run.t_now, ids, search, staging, schemas, run.k,
+                                            generation)
+                changes = replace(changes, recall={"nlist": ivf["nlist"], "nprobe": ivf["nprobe"], **measured})
+                if measured["recall_lower"] < search.approx["recall"]:
+                    # The lists answer today's data worse than the target: a new index and a
+                    # full run (the planner estimates nprobe again on today's data).
+                    reason = (f"recall@{run.k} re-measured on the refresh: {measured['recall_estimate']:.4f}, "
+                              f"lower 95% bound {measured['recall_lower']:.4f} < recall={search.approx['recall']}"
+                              f": index re-trained")
+                    logger.info("incremental join: %s", reason)
+                    shutil.rmtree(staging)
+                    ids.write_targets(staging / "targets")
+                    generation = 0
+                    changes, ivf = _full_run(run.q_now, run.t_now, ids, search, staging, reason)
         run.meta["generation"] = generation
+        run.meta["ivf"] = None if ivf is None else {"nlist": ivf["nlist"], "nprobe": ivf["nprobe"]}
         (staging / META_FILE).write_text(json.dumps({**run.meta, "schemas": {
             name: json.loads(schema.json()) for name, schema in schemas.items()}}, indent=1, sort_keys=True))
     except BaseException:
@@ -287,6 +321,7 @@ class RefreshPlan:
     queries_searched_whole: int
     pairs: int
     full_pairs: int
+    approx: str | None = None   # mode="approx": how the run searches and measures recall
 
     def __str__(self) -> str:
         def side(counts: dict) -> str:
@@ -301,14 +336,16 @@ class RefreshPlan:
             f"  queries  {self.query_rows:,} rows today: {side(self.queries)}",
             f"  targets  {self.target_rows:,} rows today: {side(self.targets)}",
             f"  search   {self.queries_searched_whole:,} queries against every target{kept}: "
-            f"{self.pairs:,} pairs ({share} {self.full_pairs:,})"])
+            f"{self.pairs:,} pairs ({share} {self.full_pairs:,})",
+            *([] if self.approx is None else [f"  approx   {self.approx}"])])
 
 
 def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_results: int = 1, *, query_id: str,
                         target_id: str, state, margin: int | None = None, vectors=None, join_type: str = "inner",
                         distance_col: str | None = None, backend: str = "auto", precision: str = "auto",
                         max_distance: float | None = None, min_similarity: float | None = None,
-                        on=None) -> RefreshPlan:
+                        on=None, mode: str = "exact", recall=None, nlist: int | None = None,
+                        nprobe: int | None = None, seed: int | None = None) -> RefreshPlan:
     """What :func:`incremental_nearest_join` would do with these arguments (its own), without
     searching or writing: one Spark job per side (today's ids and fingerprints, which the run
     starts with). Raises what the run raises before it writes.
@@ -327,7 +364,8 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
     run = _prepare(query, target, ranking, num_results, query_id=query_id, target_id=target_id, state=state,
                    margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
                    backend=backend, precision=precision, max_distance=max_distance,
-                   min_similarity=min_similarity, on=on)
+                   min_similarity=min_similarity, on=on, mode=mode, recall=recall, nlist=nlist, nprobe=nprobe,
+                   seed=seed)
     counted = run.ids
     statuses = _Ids.STATUSES
     queries, targets = counted.today_rows(0), counted.today_rows(1)
@@ -338,7 +376,23 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
         pairs = whole * targets + counted(0, "kept") * counted(1, "inserted", "changed")
     return RefreshPlan(refresh=run.previous is not None, reason=run.reason, query_rows=queries, target_rows=targets,
                        queries={s: counted(0, s) for s in statuses}, targets={s: counted(1, s) for s in statuses},
-                       queries_searched_whole=whole, pairs=pairs, full_pairs=queries * targets)
+                       queries_searched_whole=whole, pairs=pairs, full_pairs=queries * targets,
+                       approx=_approx_plan(run, queries))
+
+def _approx_plan(run, queries: int) -> str | None:
+    """The explanation's ``approx`` line (None in exact mode)."""
+    approx = run.search.approx
+    if approx is None:
+        return None
+    ivf = None if run.previous is None else run.previous["ivf"]
+    if ivf is None:
+        return (f"the IVF plan of the whole searches chooses its index and nprobe for recall={approx['recall']} "
+                "(or runs exact, and says why)" + ("; every list is exact: no recall to re-measure"
+                                                   if run.previous is not None else ""))
+    return (f"the state's index (nlist={ivf['nlist']}) at nprobe={ivf['nprobe']} for the queries searched whole, "
+            f"the added targets searched exactly; recall@{run.k} then measured on {min(RECALL_QUERIES, queries):,} "
+            f"sampled queries, and a full run re-trains the index when its lower bound is below recall={approx['recall']}")
+
 
 @dataclass
 class _Prepared:
@@ -360,12 +414,13 @@ class _Prepared:
 
 def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, query_id: str, target_id: str,
              state, margin, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity,
-             on) -> _Prepared:
+             on, mode, recall, nlist, nprobe, seed) -> _Prepared:
     """The checks and the change detection (:func:`incremental_nearest_join`'s arguments, its
     errors); nothing written."""
     options = JoinOptions(num_results=num_results, vectors=vectors, join_type=join_type,
                           distance_col=distance_col, backend=backend, precision=precision,
-                          max_distance=max_distance, min_similarity=min_similarity, on=on)
+                          max_distance=max_distance, min_similarity=min_similarity, on=on, mode=mode,
+                          recall=recall, nlist=nlist, nprobe=nprobe, seed=seed)
     parsed = parse_ranking(ranking, query, target, options.vectors)
     if parsed is None:
         raise ArgumentError("ranking", f"an incremental join needs a vector function over one column of "
@@ -391,6 +446,9 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
         "target_id_type": target.schema[target_id].dataType.simpleString(),
         "cap": cap,
         "keys": None if keys is None else [[k.query_column, k.target_column, k.common] for k in keys],
+        # mode="approx": its settings (a state of other settings, or of the exact mode, is not used)
+        "approx": None if options.mode == "exact" else {
+            name: getattr(options, name) for name in ("recall", "nlist", "nprobe", "seed")},
     }
     q_now = _fingerprinted(query, query_id, parsed.query_column, _QID, _QV,
                            [] if keys is None else [(k.query_column, k.common) for k in keys], "q")
@@ -594,7 +652,7 @@ def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[
         if old.get(f"{side}_id") == meta[f"{side}_id"] and old.get(key) != meta[key]:
             raise ArgumentError(f"{side}_id", f"column {quote(meta[f'{side}_id'])}: its type is {meta[key]}, "
                                               f"the state at {state_dir} holds ids of type {old.get(key)}")
-    differing = sorted(key for key in meta if old.get(key) != meta[key])
+    differing = sorted(key for key in meta if old.get(key) != meta[key])   # (an exact state has no "approx")
     if not differing and old.get("schemas") != {name: json.loads(s.json()) for name, s in schemas.items()}:
         differing = ["schemas"]
     if differing:
@@ -605,8 +663,15 @@ def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[
     if unreadable:
         logger.warning("state %s is unreadable (%s): a full run replaces it", state_dir, unreadable)
         return None, f"the state at {state_dir} is unreadable: {unreadable}"
+    ivf = old.get("ivf")
+    if ivf is not None:
+        try:
+            ivf = {**ivf, "index": IVFIndex.load(state_dir / _INDEX)}
+        except ValueError as exc:
+            logger.warning("state %s is unreadable (%s): a full run replaces it", state_dir, exc)
+            return None, f"the state at {state_dir} is unreadable: its index: {exc}"
     return {"queries": _complete_lists(spark, state_dir, schemas), "dimension": old.get("dimension"),
-            "generation": old.get("generation", 0), "dir": state_dir}, ""
+            "generation": old.get("generation", 0), "dir": state_dir, "ivf": ivf}, ""
 
 
 def _unreadable_file(state_dir: Path) -> str:
@@ -655,9 +720,10 @@ def _complete_lists(spark, state_dir: Path, schemas: dict) -> DataFrame:
 
 # ---------------------------------------------------------------------------- searches
 class _Searcher:
-    """The exact search of ``width`` candidates per query (the kernels of nearest_by_join),
-    as (query id, its fingerprint, candidate struct(key, target id)) rows: LEFT OUTER, so that
-    a query without a candidate has a row too (its candidate's target NULL)."""
+    """The search of ``width`` candidates per query (the kernels of nearest_by_join), as
+    (query id, its fingerprint, candidate struct(key, target id)) rows: LEFT OUTER, so that a
+    query without a candidate has a row too (its candidate's target NULL). Exact, or the IVF
+    plan of ``approx`` (the settings of ``mode="approx"``; None in exact mode)."""
 
     def __init__(self, options: JoinOptions, metric: str, width: int, similarity: bool, n_keys: int):
         self.q_keys = [_key_name("q", i) for i in range(n_keys)]
@@ -666,22 +732,69 @@ class _Searcher:
                                    backend=options.backend, precision=options.precision,
                                    max_distance=options.max_distance, min_similarity=options.min_similarity,
                                    on=list(zip(self.q_keys, self.t_keys)) or None)
+        self.approx = None if options.mode == "exact" else {
+            "recall": options.recall, "nlist": options.nlist, "nprobe": options.nprobe, "seed": options.seed}
         self.metric, self.width, self.similarity = metric, width, similarity
         self.key_type = FloatType()   # the value column of the vector functions
 
+    def refresh_approx(self, ivf: dict | None) -> dict | None:
+        """The settings of a refresh's whole searches: the state's index and nprobe (``ivf``,
+        as :func:`_previous_state` read it), no training and no recall estimate; without one
+        (exact mode, or a full run whose approx plan ran exact) the full run's settings."""
+        if self.approx is None or ivf is None:
+            return self.approx
+        return {**self.approx, "nlist": None, "nprobe": ivf["nprobe"], "index": ivf["index"]}
+
     def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts],
-                   width: int | None = None) -> DataFrame:
-        """``facts``: both sides' (no facts job; with keys, no count of the target's key groups);
-        ``width``: candidates per query, when not the lists' width, and then no fingerprints
-        (the entering candidates need none: the query's state row keeps its own)."""
+                   width: int | None = None, approx: dict | None = None) -> tuple[DataFrame, object]:
+        """The rows and their ``PlannedJoin``. ``facts``: both sides' (no facts job; with keys,
+        no count of the target's key groups; an approx plan with keys counts them, it sizes
+        its lists by the largest group); ``width``: candidates per query, when not the lists'
+        width, and then no fingerprints (the entering candidates need none: the query's state
+        row keeps its own); ``approx``: the IVF settings (:attr:`approx`), None: exact."""
         options = self.options if width is None else replace(self.options, num_results=width)
+        if approx is not None:
+            options = replace(options, mode="approx", **approx)
+            if self.q_keys:
+                facts = None
         fingerprints = [_H1, _H2] if width is None else []
         planned = plan_join(queries.select(_QID, _QV, *fingerprints, *self.q_keys),
                             targets.select(_TID, _TV, *self.t_keys), self.metric, options,
                             facts=facts)
         rows = planned.dataframe(query_columns=(0, *range(2, 2 + len(fingerprints))), target_columns=(0,))
         key = (-F.col(_KEY) if self.similarity else F.col(_KEY)).cast(self.key_type)
-        return rows.select(_QID, *fingerprints, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x"))
+        return (rows.select(_QID, *fingerprints, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x")),
+                planned)
+
+
+def _measured_recall(spark, q_now: DataFrame, t_now: DataFrame, ids: _Ids, search: _Searcher, staging: Path,
+                     schemas: dict, k: int, generation: int) -> dict:
+    """recall@k of the staged lists on a sample of today's queries (:data:`RECALL_QUERIES`,
+    drawn anew each generation): their exact top k against today's target (one search), and
+    each query's recall, the share of its exact rows that the first k of its list match or
+    beat (a tie with the k-th is a hit); the mean and its lower 95% bound
+    (:func:`nearest_join.recall.wilson_interval`, the interval of the plan's estimate)."""
+    today = ids.today[0]["id"]
+    n = min(RECALL_QUERIES, len(today))
+    rng = np.random.default_rng([search.approx["seed"], generation])
+    picked = today.take(pa.array(np.sort(rng.choice(len(today), n, replace=False))))
+    sample_ids = F.broadcast(spark.createDataFrame(pa.table({_QID: picked}),
+                                                   schema=StructType([StructField(_QID, ids.types[0])])))
+    exact, _ = search.candidates(q_now.join(sample_ids, _QID, "left_semi"), t_now,
+                                 (ids.facts(0, n), ids.facts(1, ids.today_rows(1))), width=k)
+    truth = (exact.where(F.col("x.target").isNotNull()).groupBy(_QID)
+             .agg(F.max("x.key").alias("kth"), F.count("*").alias("m")))
+    lists = _complete_lists(spark, staging, schemas).join(sample_ids, _QID, "left_semi")
+    found = lists.select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x")).select(_QID, F.col("x.key").alias("key"))
+    hits = (truth.join(found, _QID, "left").groupBy(_QID, "m")
+            .agg(F.count(F.when(F.col("key") <= F.col("kth"), 1)).alias("hits")).toArrow())
+    per_query = np.minimum(hits["hits"].to_numpy(), hits["m"].to_numpy()) / hits["m"].to_numpy()
+    queries = len(per_query)
+    estimate = float(per_query.mean()) if queries else 1.0
+    lower = wilson_interval(estimate, queries, float(per_query.var(ddof=1)) if queries >= 2 else None)[0] \
+        if queries else 1.0
+    return {"recall_estimate": estimate, "recall_lower": lower, "recall_queries": queries,
+            "recall_of": f"the refreshed lists, measured on {queries} sampled queries against exact search"}
 
 
 def _lists(candidates: DataFrame, width: int) -> DataFrame:
@@ -696,13 +809,25 @@ def _lists(candidates: DataFrame, width: int) -> DataFrame:
 
 
 def _full_run(q_now: DataFrame, t_now: DataFrame, ids: _Ids, search: _Searcher, staging: Path,
-              reason: str) -> Changes:
+              reason: str) -> tuple[Changes, dict | None]:
+    """Every query searched whole. Returns what it did and, when its approx plan ran IVF, the
+    index's lists and nprobe with the plan's recall estimate (the index saved in ``index/``)."""
     queries, targets = ids.today_rows(0), ids.today_rows(1)
     facts = (ids.facts(0, queries), ids.facts(1, targets))
-    _lists(search.candidates(q_now, t_now, facts), search.width).write.parquet(
-        str(staging / "queries" / f"{_GEN}=0" / "part=searched"))
-    return Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
-                   queries_searched_whole=queries, query_rows=queries, target_rows=targets)
+    rows, planned = search.candidates(q_now, t_now, facts, approx=search.approx)
+    _lists(rows, search.width).write.parquet(str(staging / "queries" / f"{_GEN}=0" / "part=searched"))
+    ivf = None
+    if planned.ivf is not None:
+        planned.ivf.index.save(staging / _INDEX)
+        info = planned.plan.ivf
+        ivf = {"nlist": planned.ivf.index.nlist, "nprobe": planned.ivf.nprobe,
+               "recall_estimate": info.get("recall_estimate"),
+               "recall_lower": (info.get("recall_interval") or [None])[0],
+               "recall_queries": info.get("recall_queries"),
+               "recall_of": f"the plan's estimate, of recall@{search.width}"}
+    changes = Changes(refreshed=False, reason=reason, queries_inserted=queries, targets_inserted=targets,
+                      queries_searched_whole=queries, query_rows=queries, target_rows=targets, recall=ivf)
+    return changes, ivf
 
 
 def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous: dict, search: _Searcher,
@@ -731,8 +856,8 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     if n_added and n_kept:
         added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
         kept_rows = q_now.join(searched_whole, _QID, "left_anti")
-        found = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)),
-                                  entering_width)
+        found, _ = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)),
+                                     entering_width)
         entering = _cached(found.where(F.col("x.target").isNotNull()).select(_QID, "x")
                            .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
                            .select(_QID, "x"))
@@ -758,7 +883,8 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
         if n_whole:
             whole_rows = q_now.join(searched_whole, _QID, "left_semi")
             facts = (counted.facts(0, n_whole), counted.facts(1, counted.today_rows(1)))
-            _lists(search.candidates(whole_rows, t_now, facts), width).write.parquet(str(rows / "part=searched"))
+            found, _ = search.candidates(whole_rows, t_now, facts, approx=search.refresh_approx(previous["ivf"]))
+            _lists(found, width).write.parquet(str(rows / "part=searched"))
     finally:
         if entering is not None:
             entering.unpersist()

@@ -142,11 +142,13 @@ def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys, monkeypatch):
     assert "output.mode" in capsys.readouterr().err
     document["output"]["mode"] = "overwrite"
     document["join"]["mode"] = "approx"
+    document["join"]["index"] = {"path": str(job.base / "ix")}
     job.write_spec(document)
     assert main(["run", str(job.spec)]) == 2
-    assert "join.mode: approx" in capsys.readouterr().err
-    del document["join"]["mode"]
-    # keys and caps reach the refresh (nearest_join/incremental's tests check its results)
+    assert "join.index: an incremental job keeps its IVF index in its state" in capsys.readouterr().err
+    del document["join"]["index"]
+    document["join"]["recall"] = 0.9
+    # keys, caps and approx reach the refresh (nearest_join/incremental's tests check its results)
     import nearest_join.incremental
     from nearest_join.errors import ArgumentError
 
@@ -163,8 +165,10 @@ def test_a_spec_the_refresh_cannot_serve_exits_2(job, capsys, monkeypatch):
     assert main(["run", str(job.spec)]) == 2
     assert "incremental.margin: stopped by the test" in capsys.readouterr().err
     assert seen["max_distance"] == 1.0 and seen["min_similarity"] is None and seen["on"] == (("id", "t_id"),)   # the join sees the prefixed names
+    assert (seen["mode"], seen["recall"], seen["nlist"], seen["seed"]) == ("approx", 0.9, None, 0)
     monkeypatch.undo()
-    del document["join"]["max_distance"], document["join"]["on"]
+    for key in ("max_distance", "on", "mode", "recall"):
+        del document["join"][key]
     document["incremental"]["query_id"] = "nope"
     job.write_spec(document)
     assert main(["run", str(job.spec)]) == 2

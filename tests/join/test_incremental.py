@@ -302,3 +302,80 @@ def test_docstring_example_runs(spark, tmp_path):
 
     result = doctest.testmod(module, extraglobs={"spark": spark, "tmp": tmp_path}, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 4 and result.failed == 0
+
+
+def test_approx_keeps_its_index_and_measures_recall(spark, tmp_path, monkeypatch):
+    """mode="approx": the full run's IVF index is kept in the state and reused by the refresh
+    (the same centroids and nprobe), whose recall@k is measured on a sample of today's queries
+    (here all of them: the measurement must equal the recall against nearest_by_join's exact
+    rows) and whose every returned value is exact; a refresh measured below the target re-trains
+    the index (a full run, and it says why); a state of the exact mode is not used."""
+    from nearest_join.ivf_index import IVFIndex
+
+    rng = np.random.default_rng(3)
+    centres = rng.normal(0, 10, (30, D))
+
+    def points(n):
+        return centres[rng.integers(0, 30, n)] + rng.normal(0, 1, (n, D))
+
+    q, t = points(300), points(3000)
+    q_ids, t_ids = np.arange(300), np.arange(10_000, 13_000)
+    state, k = tmp_path / "state", 3
+    kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(state), distance_col="d",
+                  mode="approx", nlist=16, recall=0.9)
+
+    def frames():
+        return (_frame(spark, q_ids, q, "qid", "v").cache(), _frame(spark, t_ids, t, "tid", "w").cache())
+
+    def recall_and_values(rows, exact, q_frame, t_frame):
+        by_id = dict(zip(t_ids.tolist(), t)), dict(zip(q_ids.tolist(), q))
+        for r in rows:   # exact values of the pairs returned (float64 oracle, difference form)
+            want = np.linalg.norm(np.float32(by_id[1][r["qid"]]).astype(np.float64)
+                                  - np.float32(by_id[0][r["tid"]]).astype(np.float64))
+            assert r["d"] == pytest.approx(want, rel=1e-6), (r["qid"], r["tid"])
+        got, want = _by_query(rows, "qid", "tid", "d"), _by_query(exact, "qid", "tid", "d")
+        per_query = [min(sum(v <= w[-1][0] for v, _ in got.get(qid, [])), len(w)) / len(w) for qid, w in want.items()]
+        return float(np.mean(per_query))
+
+    Q, T = frames()
+    first = incremental_nearest_join(Q, T, "l2", k, **kwargs)
+    first.result.collect()
+    first.commit()
+    assert first.changes.recall["nlist"] == 16 and first.changes.recall["recall_lower"] >= 0.9
+    index = IVFIndex.load(state / "index")
+    assert json.loads((state / "meta.json").read_text())["ivf"] == {"nlist": 16, "nprobe": first.changes.recall["nprobe"]}
+    # a day's changes: targets deleted, moved and inserted, queries moved and inserted
+    t = np.concatenate([np.delete(t, np.arange(60), axis=0), points(60)])
+    t[rng.choice(len(t), 60, replace=False)] = points(60)
+    t_ids = np.concatenate([np.delete(t_ids, np.arange(60)), 20_000 + np.arange(60)])
+    q[rng.choice(300, 6, replace=False)] = points(6)
+    q, q_ids = np.concatenate([q, points(6)]), np.concatenate([q_ids, 1000 + np.arange(6)])
+    Q, T = frames()
+    plan = explain_incremental(Q, T, "l2", k, **{a: b for a, b in kwargs.items() if a != "distance_col"})
+    assert "the state's index (nlist=16)" in str(plan) and "306 sampled queries" in str(plan)
+    run = incremental_nearest_join(Q, T, "l2", k, **kwargs)
+    rows = run.result.collect()
+    c = run.changes
+    assert c.refreshed and c.queries_searched_whole < 306 and c.recall["recall_queries"] == 306
+    exact = nearest_by_join(Q, T, "l2", k, vectors=("v", "w"), distance_col="d").collect()
+    assert c.recall["recall_estimate"] == pytest.approx(recall_and_values(rows, exact, Q, T), abs=1e-12)
+    assert c.recall["recall_estimate"] >= 0.9 and len(rows) == 306 * k
+    run.commit()
+    assert np.array_equal(IVFIndex.load(state / "index").centroids, index.centroids)
+    # measured below the target: the index is re-trained, a full run
+    monkeypatch.setattr(incremental, "_measured_recall", lambda *a: {
+        "recall_estimate": 0.5, "recall_lower": 0.45, "recall_queries": 306, "recall_of": "the test"})
+    run = incremental_nearest_join(Q, T, "l2", k, **kwargs)
+    assert not run.changes.refreshed and "0.4500 < recall=0.9: index re-trained" in run.changes.reason
+    assert run.changes.recall["recall_of"].startswith("the plan's estimate")
+    assert recall_and_values(run.result.collect(), exact, Q, T) >= 0.9
+    run.discard()
+    # a state of the exact mode, or of other approx settings, is not used
+    meta = json.loads((state / "meta.json").read_text())
+    schemas = {name: StructType.fromJson(schema) for name, schema in meta.pop("schemas").items()}
+    for key in ("dimension", "generation", "ivf"):
+        meta.pop(key)
+    assert _previous_state(spark, state, meta, schemas)[0]["ivf"]["nprobe"] == first.changes.recall["nprobe"]
+    for other in (None, {**meta["approx"], "recall": 0.95}):
+        previous, reason = _previous_state(spark, state, {**meta, "approx": other}, schemas)
+        assert previous is None and "approx differ" in reason
