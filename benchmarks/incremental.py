@@ -2,7 +2,13 @@
 ``incremental_nearest_join``'s state; per share of ``--shares`` that share of each side changes,
 refreshed from day 0's state and recomputed in full, the rows checked equal.
 
+``--approx R``: both in ``mode="approx"`` at recall R, each checked against the exact join of the
+same inputs (recall@k, a tie with the k-th a hit). ``--data minilm``: the real sentence
+embeddings (benchmarks/embeddings.py) joined with themselves by cosine: day 0 is their first
+``--nt`` rows, and the rows inserted and the new vectors of updated rows come from the rest.
+
 Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000] [--shares 0.01 0.001] [--keys G] [--cap X]
+       python benchmarks/incremental.py --data minilm --nt 60000 --approx 0.95
 """
 from __future__ import annotations
 
@@ -37,16 +43,27 @@ def write_side(path, ids, rows, id_name, vector_name, keys):
     pq.write_table(table, path, row_group_size=max(1, min(len(ids), 1 << 17)))
 
 
-def changed(rng, ids, vectors, share, next_id, centers):
-    """A third of ``share`` of the rows deleted, a third updated, a third inserted."""
+def changed(rng, ids, vectors, share, next_id, new_rows):
+    """A third of ``share`` of the rows deleted, a third updated, a third inserted (``new_rows(n)``:
+    the vectors of n new rows)."""
     n = max(3, int(share * len(ids))) // 3
     keep = np.ones(len(ids), bool)
     keep[rng.choice(len(ids), n, replace=False)] = False
     ids, vectors = ids[keep], vectors[keep].copy()
-    vectors[rng.choice(len(ids), n, replace=False)] = clustered(rng, n, centers)
+    vectors[rng.choice(len(ids), n, replace=False)] = new_rows(n)
     ids = np.concatenate([ids, next_id + np.arange(n)])
-    vectors = np.concatenate([vectors, clustered(rng, n, centers)])
+    vectors = np.concatenate([vectors, new_rows(n)])
     return ids, vectors
+
+
+def recall_at_k(got, exact) -> float:
+    """Mean per-query recall@k of ``got`` against ``exact`` (rows sorted by query then value:
+    :func:`main`'s ``rows``); a row as near as the exact k-th is a hit."""
+    kth = exact.groupby("qid")["d"].agg(["max", "size"])
+    merged = got.join(kth, on="qid", how="inner")
+    hits = (merged["d"] <= merged["max"]).groupby(merged["qid"]).sum()
+    per_query = np.minimum(hits.reindex(kth.index, fill_value=0), kth["size"]) / kth["size"]
+    return float(per_query.mean())
 
 
 def main(argv=None) -> int:
@@ -58,49 +75,75 @@ def main(argv=None) -> int:
     ap.add_argument("--shares", type=float, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--keys", type=int, default=0, help="on= key groups (0: no keys)")
     ap.add_argument("--cap", type=float, default=None, help="max_distance on both joins")
+    ap.add_argument("--approx", type=float, default=None, metavar="R",
+                    help="mode approx at recall R (refresh and full recompute), recall measured against exact")
+    ap.add_argument("--data", choices=["clustered", "minilm"], default="clustered")
     ap.add_argument("--driver-memory", default="12g")
     ap.add_argument("--quick", action="store_true", help="20,000 x 100,000; results not recorded in git")
     args = ap.parse_args(argv)
     if args.quick:
-        args.nq, args.nt = 20_000, 100_000
+        args.nq, args.nt = 20_000, 20_000 if args.data == "minilm" else 100_000
 
     from nearest_join.incremental import incremental_nearest_join
     from nearest_join.join import plan_join
     from nearest_join.options import JoinOptions
 
     rng = np.random.default_rng(0)
-    centers = rng.standard_normal((1000, args.d)) * 3
     tmp = tempfile.mkdtemp(prefix="nj-incremental-")
     spark = local_spark("nearest_join-incremental", args.driver_memory)
     rec = Recorder("incremental", results_dir=SMOKE_DIR if args.quick else None)
-    table = (f"refresh_{args.nq}x{args.nt}" + (f"_keys{args.keys}" if args.keys else "")
-             + (f"_cap{args.cap:g}" if args.cap is not None else ""))
-    joined = dict(vectors=("v", "w"), distance_col="d", max_distance=args.cap, on="g" if args.keys else None)
+    if args.data == "minilm":   # a self-join: the queries are the targets
+        from benchmarks.embeddings import load
+
+        embeddings = load()
+        if args.nt >= len(embeddings):
+            ap.error(f"--nt: at most {len(embeddings) - 1} (the rest are the inserted and updated rows)")
+        args.nq, args.d, metric = args.nt, embeddings.shape[1], "cosine"
+        pool = iter(np.concatenate([embeddings, np.zeros((len(embeddings), 1), np.float32)], axis=1)[args.nt:])
+
+        def new_rows(n):
+            return np.stack([next(pool) for _ in range(n)])
+        T = np.concatenate([embeddings[:args.nt], np.zeros((args.nt, 1), np.float32)], axis=1)
+        Q = T
+    else:
+        centers = rng.standard_normal((1000, args.d)) * 3
+        metric = "l2"
+
+        def new_rows(n):
+            return clustered(rng, n, centers)
+        Q, T = clustered(rng, args.nq, centers), clustered(rng, args.nt, centers)
+    table = (f"refresh_{args.data + '_' if args.data != 'clustered' else ''}{args.nq}x{args.nt}"
+             + (f"_keys{args.keys}" if args.keys else "") + (f"_cap{args.cap:g}" if args.cap is not None else "")
+             + (f"_approx{args.approx:g}" if args.approx is not None else ""))
+    exact_join = dict(vectors=("v", "w"), distance_col="d", on="g" if args.keys else None,
+                      **({"min_similarity": args.cap} if metric == "cosine" else {"max_distance": args.cap}))
+    joined = exact_join if args.approx is None else {**exact_join, "mode": "approx", "recall": args.approx}
     q_ids, t_ids = np.arange(args.nq), np.arange(args.nt)
-    Q, T = clustered(rng, args.nq, centers), clustered(rng, args.nt, centers)
 
     def frames(day, q_ids, Q, t_ids, T):
         write_side(f"{tmp}/q{day}.parquet", q_ids, Q, "qid", "v", args.keys)
         write_side(f"{tmp}/t{day}.parquet", t_ids, T, "tid", "w", args.keys)
         return spark.read.parquet(f"{tmp}/q{day}.parquet"), spark.read.parquet(f"{tmp}/t{day}.parquet")
 
-    def full(q, t, out):
+    def full(q, t, out, options=joined):
         # What a nightly job writes today: ids and values, no vectors (the executors emit
         # only the kept columns, as jobs.runner has them do).
         start = time.perf_counter()
-        options = JoinOptions(num_results=args.k, **joined)
-        plan_join(q, t, "l2", options).dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
+        options = JoinOptions(num_results=args.k, **options)
+        plan_join(q, t, metric, options).dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
         return time.perf_counter() - start
 
     def incremental(q, t, state, out):
         start = time.perf_counter()
-        run = incremental_nearest_join(q, t, "l2", args.k, query_id="qid", target_id="tid", state=state, **joined)
+        run = incremental_nearest_join(q, t, metric, args.k, query_id="qid", target_id="tid", state=state, **joined)
         run.result.select("qid", "tid", "d").write.parquet(out)
         run.commit()
         return time.perf_counter() - start, run.changes
 
     def rows(path):
         table = pq.read_table(path, columns=["qid", "tid", "d"]).to_pandas()
+        if metric == "cosine":   # ranked by the negated similarity: smaller is better
+            table["d"] = -table["d"]
         return table.sort_values(["qid", "d", "tid"]).reset_index(drop=True)
 
     def check(got, want):
@@ -119,17 +162,30 @@ def main(argv=None) -> int:
     rec.add(table, what="full run, writing the state", share=0.0, seconds=round(seconds, 1), **sizes)
     rec.print_tables()
     for i, share in enumerate(args.shares, start=1):
-        nq_ids, nQ = changed(rng, q_ids, Q, share, 10 * args.nt, centers)
-        nt_ids, nT = changed(rng, t_ids, T, share, 20 * args.nt, centers)
+        nt_ids, nT = changed(rng, t_ids, T, share, 20 * args.nt, new_rows)
+        nq_ids, nQ = (nt_ids, nT) if args.data == "minilm" else changed(rng, q_ids, Q, share, 10 * args.nt, new_rows)
         q, t = frames(i, nq_ids, nQ, nt_ids, nT)
         # each share refreshes day 0's state
         day_state = f"{tmp}/state{i}"
         shutil.copytree(state, day_state)
         seconds, changes = incremental(q, t, day_state, f"{tmp}/inc{i}")
         full_s = full(q, t, f"{tmp}/full{i}")
-        same = check(rows(f"{tmp}/inc{i}"), rows(f"{tmp}/full{i}"))
-        rec.add(table, what="refresh", share=share, seconds=round(seconds, 1), full_seconds=round(full_s, 1),
-                speedup=round(full_s / seconds, 1), same_rows_as_full=same,
+        figures = dict(share=share, seconds=round(seconds, 1), full_seconds=round(full_s, 1),
+                       speedup=round(full_s / seconds, 1))
+        if args.approx is None:
+            figures["same_rows_as_full"] = check(rows(f"{tmp}/inc{i}"), rows(f"{tmp}/full{i}"))
+        else:
+            exact_s = full(q, t, f"{tmp}/exact{i}", exact_join)
+            exact = rows(f"{tmp}/exact{i}")
+            measured = changes.recall or {}
+            figures.update(exact_seconds=round(exact_s, 1), speedup_vs_exact=round(exact_s / seconds, 1),
+                           recall=round(recall_at_k(rows(f"{tmp}/inc{i}"), exact), 4),
+                           full_recall=round(recall_at_k(rows(f"{tmp}/full{i}"), exact), 4),
+                           measured_recall=measured.get("recall_estimate") and round(measured["recall_estimate"], 4),
+                           measured_lower=measured.get("recall_lower") and round(measured["recall_lower"], 4),
+                           nprobe=measured.get("nprobe"), nlist=measured.get("nlist"),
+                           retrained=not changes.refreshed)
+        rec.add(table, what="refresh", **figures,
                 queries_searched_whole=changes.queries_searched_whole, queries_short=changes.queries_short,
                 queries_merged=changes.queries_merged,
                 targets_changed=changes.targets_inserted + changes.targets_deleted + changes.targets_changed, **sizes)

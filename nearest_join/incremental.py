@@ -204,9 +204,9 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
     mode, recall, nlist, nprobe, seed
         As :func:`~nearest_join.nearest_by_join`. ``mode="approx"``: the full run's IVF plan
         (its index is kept in the state); a refresh searches the added targets exactly, the
-        queries searched whole with the state's index and nprobe, then measures recall@k on a
-        sample of today's queries and re-trains (a full run) when its lower 95% bound is below
-        ``recall``: see docs/incremental.md.
+        queries searched whole with the state's index and nprobe where IVF pays (else
+        exactly), then measures recall@k on a sample of today's queries and re-trains (a full
+        run) when its lower 95% bound is below ``recall``: see docs/incremental.md.
     query_id, target_id : str
         The id column of each side. A row's identity across runs: a row whose id is new was
         inserted, one whose id is gone was deleted, one whose vector differs was changed.
@@ -268,13 +268,19 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
             changes, ivf = _full_run(run.q_now, run.t_now, ids, search, staging, run.reason)
         else:
             generation = run.previous["generation"] + 1
-            changes = _refresh(spark, run.q_now, run.t_now, ids, run.previous, search, staging, schemas, run.k,
-                               generation)
             ivf = run.previous["ivf"]
+            # With an index some lists are approximate: recall is measured on a sample.
+            sample = None if ivf is None else _recall_sample(spark, ids, search.approx["seed"], generation)
+            changes, truth = _refresh(spark, run.q_now, run.t_now, ids, run.previous, search, staging, schemas,
+                                      run.k, generation, sample)
             if ivf is not None:
                 shutil.copytree(state_dir / _INDEX, staging / _INDEX)
-                measured = _measured_recall(spark, run.q_now, run.t_now, ids, search, staging, schemas, run.k,
-                                            generation)
+                if truth is None:   # the whole searches ran IVF: the sample's exact search of its own
+                    exact, _ = search.candidates(run.q_now.join(sample[0], _QID, "left_semi"), run.t_now,
+                                                 (ids.facts(0, sample[1]), ids.facts(1, ids.today_rows(1))),
+                                                 width=run.k)
+                    truth = _sample_truth(exact, sample[0])
+                measured = _measured_recall(spark, staging, schemas, sample[0], truth, run.k)
                 changes = replace(changes, recall={"nlist": ivf["nlist"], "nprobe": ivf["nprobe"], **measured})
                 if measured["recall_lower"] < search.approx["recall"]:
                     # The lists answer today's data worse than the target: a new index and a
@@ -737,12 +743,21 @@ class _Searcher:
         self.metric, self.width, self.similarity = metric, width, similarity
         self.key_type = FloatType()   # the value column of the vector functions
 
-    def refresh_approx(self, ivf: dict | None) -> dict | None:
-        """The settings of a refresh's whole searches: the state's index and nprobe (``ivf``,
-        as :func:`_previous_state` read it), no training and no recall estimate; without one
-        (exact mode, or a full run whose approx plan ran exact) the full run's settings."""
+    def refresh_approx(self, spark, ivf: dict | None, queries: int, targets: int, dimension: int) -> dict | None:
+        """The settings of a refresh's search of ``queries`` against the whole target (None:
+        exact). With the state's index (``ivf``, as :func:`_previous_state` read it): that
+        index at its nprobe, no training and no recall estimate, where the approx plan's own
+        rules would run IVF (enough work for its fixed costs, a CPU task: the same thresholds);
+        else the exact search, which costs less then and finds every neighbour. Without one
+        (a full run whose approx plan ran exact) the full run's settings."""
         if self.approx is None or ivf is None:
             return self.approx
+        from .ivf import IVF_MIN_TARGET_ROWS, IVF_MIN_WORK_PER_CORE
+        from .planner import gpu_tasks
+
+        if (targets < IVF_MIN_TARGET_ROWS or queries * targets * dimension < IVF_MIN_WORK_PER_CORE * cluster_cores(spark)
+                or gpu_tasks(spark, self.options.backend) is not None):
+            return None
         return {**self.approx, "nlist": None, "nprobe": ivf["nprobe"], "index": ivf["index"]}
 
     def candidates(self, queries: DataFrame, targets: DataFrame, facts: tuple[SideFacts, SideFacts],
@@ -767,28 +782,46 @@ class _Searcher:
                 planned)
 
 
-def _measured_recall(spark, q_now: DataFrame, t_now: DataFrame, ids: _Ids, search: _Searcher, staging: Path,
-                     schemas: dict, k: int, generation: int) -> dict:
-    """recall@k of the staged lists on a sample of today's queries (:data:`RECALL_QUERIES`,
-    drawn anew each generation): their exact top k against today's target (one search), and
-    each query's recall, the share of its exact rows that the first k of its list match or
-    beat (a tie with the k-th is a hit); the mean and its lower 95% bound
-    (:func:`nearest_join.recall.wilson_interval`, the interval of the plan's estimate)."""
+def _recall_sample(spark, ids: _Ids, seed: int, generation: int) -> tuple[DataFrame, int]:
+    """The ids of the queries a refresh measures recall on (:data:`RECALL_QUERIES` of today's,
+    drawn anew each generation), broadcast, and their count."""
     today = ids.today[0]["id"]
     n = min(RECALL_QUERIES, len(today))
-    rng = np.random.default_rng([search.approx["seed"], generation])
-    picked = today.take(pa.array(np.sort(rng.choice(len(today), n, replace=False))))
-    sample_ids = F.broadcast(spark.createDataFrame(pa.table({_QID: picked}),
-                                                   schema=StructType([StructField(_QID, ids.types[0])])))
-    exact, _ = search.candidates(q_now.join(sample_ids, _QID, "left_semi"), t_now,
-                                 (ids.facts(0, n), ids.facts(1, ids.today_rows(1))), width=k)
-    truth = (exact.where(F.col("x.target").isNotNull()).groupBy(_QID)
-             .agg(F.max("x.key").alias("kth"), F.count("*").alias("m")))
-    lists = _complete_lists(spark, staging, schemas).join(sample_ids, _QID, "left_semi")
-    found = lists.select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x")).select(_QID, F.col("x.key").alias("key"))
-    hits = (truth.join(found, _QID, "left").groupBy(_QID, "m")
-            .agg(F.count(F.when(F.col("key") <= F.col("kth"), 1)).alias("hits")).toArrow())
-    per_query = np.minimum(hits["hits"].to_numpy(), hits["m"].to_numpy()) / hits["m"].to_numpy()
+    picked = today.take(pa.array(np.sort(np.random.default_rng([seed, generation]).choice(len(today), n, replace=False))))
+    return F.broadcast(spark.createDataFrame(pa.table({_QID: picked}),
+                                             schema=StructType([StructField(_QID, ids.types[0])]))), n
+
+
+def _sample_truth(found: DataFrame, sample: DataFrame) -> pa.Table:
+    """The (query id, value) rows of an exact search (``found``, :meth:`_Searcher.candidates`'
+    rows) of the sampled queries, collected."""
+    return (found.join(sample, _QID, "left_semi").where(F.col("x.target").isNotNull())
+            .select(_QID, F.col("x.key").alias("key")).toArrow())
+
+
+def _measured_recall(spark, staging: Path, schemas: dict, sample: DataFrame, truth: pa.Table, k: int) -> dict:
+    """recall@k of the staged lists of the sampled queries against their exact search
+    (``truth``: :func:`_sample_truth`): each query's recall is the share of its exact top k
+    that the first k of its list match or beat (a tie with the k-th is a hit); the mean and
+    its lower 95% bound (:func:`nearest_join.recall.wilson_interval`, the interval of the
+    plan's estimate). Queries without an exact row are left out."""
+    lists = (_complete_lists(spark, staging, schemas).join(sample, _QID, "left_semi")
+             .select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x")).select(_QID, F.col("x.key").alias("key"))
+             .toArrow())
+
+    truth = truth.sort_by([(_QID, "ascending"), ("key", "ascending")])
+    # Per query: the k-th exact value (or the last, with fewer) and how many exact rows.
+    t_ids, t_keys = truth[_QID].to_pylist(), truth["key"].to_numpy(zero_copy_only=False)
+    exact: dict = {}
+    for qid, key in zip(t_ids, t_keys):
+        kth, m = exact.get(qid, (None, 0))
+        if m < k:
+            exact[qid] = (key, m + 1)
+    hits = dict.fromkeys(exact, 0)
+    for qid, key in zip(lists[_QID].to_pylist(), lists["key"].to_numpy(zero_copy_only=False)):
+        if qid in exact and key <= exact[qid][0]:
+            hits[qid] += 1
+    per_query = np.array([min(hits[q], m) / m for q, (_, m) in exact.items()])
     queries = len(per_query)
     estimate = float(per_query.mean()) if queries else 1.0
     lower = wilson_interval(estimate, queries, float(per_query.var(ddof=1)) if queries >= 2 else None)[0] \
@@ -831,12 +864,17 @@ def _full_run(q_now: DataFrame, t_now: DataFrame, ids: _Ids, search: _Searcher, 
 
 
 def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous: dict, search: _Searcher,
-             staging: Path, schemas: dict, k: int, generation: int) -> Changes:
+             staging: Path, schemas: dict, k: int, generation: int,
+             sample: tuple[DataFrame, int] | None) -> tuple[Changes, pa.Table | None]:
     """Today's lists from the state's: see the module notes. Only the kept queries whose list
     meets a change are merged: those holding a removed target, and those that an added target
     enters at or within their bound. The state's query files are carried over as they are
     (hard links); this run's rows go to ``queries/gen=<generation>``, and ``dropped/`` says
-    which earlier rows they replace (:func:`_write_dropped`)."""
+    which earlier rows they replace (:func:`_write_dropped`).
+
+    ``sample``: the queries to measure recall on (:func:`_recall_sample`), or None. When the
+    search against the whole target is exact, they join it (one pass over the target) and
+    their exact rows are returned (:func:`_sample_truth`); else None."""
     width = search.width
 
     def ids_of(side: int, *statuses: str) -> DataFrame:
@@ -848,7 +886,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     n_removed, n_added = counted(1, "deleted", "changed"), counted(1, "inserted", "changed")
     removed = ids_of(1, "deleted", "changed")
     n_kept = counted(0, "kept")
-    touched, entering = [], None
+    touched, entering, whole, truth = [], None, None, None
     entering_width = _entering_width(n_added, counted.today_rows(1), width)
     if n_removed:
         touched.append(kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
@@ -880,14 +918,25 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
             short = spark.read.schema(schemas["queries"]).parquet(str(rows / "part=short")).select(_QID)
             searched_whole = F.broadcast(searched_whole.unionByName(short))
         n_whole = counted(0, "inserted", "changed") + n_short
-        if n_whole:
-            whole_rows = q_now.join(searched_whole, _QID, "left_semi")
-            facts = (counted.facts(0, n_whole), counted.facts(1, counted.today_rows(1)))
-            found, _ = search.candidates(whole_rows, t_now, facts, approx=search.refresh_approx(previous["ivf"]))
-            _lists(found, width).write.parquet(str(rows / "part=searched"))
+        approx = search.refresh_approx(spark, previous["ivf"], n_whole, counted.today_rows(1),
+                                       previous["dimension"] or 1)
+        fold = sample is not None and approx is None
+        if n_whole or fold:
+            wanted = F.broadcast(searched_whole.unionByName(sample[0])) if fold else searched_whole
+            whole_rows = q_now.join(wanted, _QID, "left_semi")
+            facts = (counted.facts(0, n_whole + (sample[1] if fold else 0)), counted.facts(1, counted.today_rows(1)))
+            found, _ = search.candidates(whole_rows, t_now, facts, approx=approx)
+            if fold:
+                found = whole = _cached(found)
+                truth = _sample_truth(found, sample[0])
+                found = found.join(searched_whole, _QID, "left_semi")
+            if n_whole:
+                _lists(found, width).write.parquet(str(rows / "part=searched"))
     finally:
         if entering is not None:
             entering.unpersist()
+        if whole is not None:
+            whole.unpersist()
     _write_dropped(staging, previous["dir"], rows, counted.ids[(0, "deleted")], generation)
     if (_footer_rows(queries) > COMPACT_ROWS_PER_QUERY * max(1, counted.today_rows(0))
             or len(list(queries.iterdir())) > COMPACT_GENERATIONS):
@@ -897,7 +946,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
                    queries_kept=n_kept, targets_inserted=counted(1, "inserted"),
                    targets_deleted=counted(1, "deleted"), targets_changed=counted(1, "changed"),
                    queries_searched_whole=n_whole, queries_short=n_short, queries_merged=n_affected,
-                   query_rows=counted.today_rows(0), target_rows=counted.today_rows(1))
+                   query_rows=counted.today_rows(0), target_rows=counted.today_rows(1)), truth
 
 
 def _carry(old: Path, new: Path) -> None:

@@ -353,13 +353,28 @@ def test_approx_keeps_its_index_and_measures_recall(spark, tmp_path, monkeypatch
     Q, T = frames()
     plan = explain_incremental(Q, T, "l2", k, **{a: b for a, b in kwargs.items() if a != "distance_col"})
     assert "the state's index (nlist=16)" in str(plan) and "306 sampled queries" in str(plan)
-    run = incremental_nearest_join(Q, T, "l2", k, **kwargs)
-    rows = run.result.collect()
-    c = run.changes
-    assert c.refreshed and c.queries_searched_whole < 306 and c.recall["recall_queries"] == 306
     exact = nearest_by_join(Q, T, "l2", k, vectors=("v", "w"), distance_col="d").collect()
-    assert c.recall["recall_estimate"] == pytest.approx(recall_and_values(rows, exact, Q, T), abs=1e-12)
-    assert c.recall["recall_estimate"] >= 0.9 and len(rows) == 306 * k
+    # The queries searched whole: with the index where the approx plan's thresholds say IVF
+    # pays (here forced: the sample then has an exact search of its own), else exactly (the
+    # sample joins that search).
+    settings = []
+    refresh_approx = incremental._Searcher.refresh_approx
+    monkeypatch.setattr(incremental._Searcher, "refresh_approx",
+                        lambda *a: settings.append(refresh_approx(*a)) or settings[-1])
+    for ivf in (True, False):
+        with monkeypatch.context() as m:
+            if ivf:
+                m.setattr("nearest_join.ivf.IVF_MIN_TARGET_ROWS", 0)
+                m.setattr("nearest_join.ivf.IVF_MIN_WORK_PER_CORE", 0)
+            run = incremental_nearest_join(Q, T, "l2", k, **kwargs)
+        assert (settings[-1] is not None) == ivf and (not ivf or settings[-1]["index"].nlist == 16)
+        rows = run.result.collect()
+        c = run.changes
+        assert c.refreshed and c.queries_searched_whole < 306 and c.recall["recall_queries"] == 306
+        assert c.recall["recall_estimate"] == pytest.approx(recall_and_values(rows, exact, Q, T), abs=1e-12)
+        assert c.recall["recall_estimate"] >= 0.9 and len(rows) == 306 * k
+        if ivf:
+            run.discard()
     run.commit()
     assert np.array_equal(IVFIndex.load(state / "index").centroids, index.centroids)
     # measured below the target: the index is re-trained, a full run
