@@ -37,7 +37,10 @@ similarity for ``cosine`` and ``inner_product``.
 Change detection runs on the driver: each side's ids, fingerprints and vector lengths are
 collected (one Spark job per side, about 30 bytes a row) and joined with the state's (pyarrow),
 so that the statuses, the id checks and the planner's facts cost no shuffle; the changed ids go
-back to Spark as broadcast local relations.
+back to Spark as broadcast local relations. The lists are merged on the driver too: the state's
+live lists are read with pyarrow (about 12 bytes per candidate), the kept queries' search of the
+added targets is collected (a few rows per query), and the lists a change meets are merged
+(numpy) and written (pyarrow), with no Spark shuffle; the searches stay Spark's.
 
 The state lives in one directory (``state``): ``meta.json`` (what the lists answer: metric,
 k, margin, columns, id types, dimension, generation), ``queries/``, ``targets/`` and
@@ -57,7 +60,7 @@ before the commit leaves the previous state as it was, and the next run starts f
 """
 from __future__ import annotations
 
-import functools
+import concurrent.futures
 import json
 import logging
 import math
@@ -465,10 +468,20 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
     # Change detection: today's ids and fingerprints against the state's, and the checks
     # (unique non-NULL ids, one dimension) that must pass before anything is written.
-    today = (_today(q_now, _QID, _QV), _today(t_now, _TID, _TV))
-    before = None if previous is None else tuple(
-        _state_fingerprints(state_dir, part, name, now["id"].type)
-        for part, name, now in (("queries", _QID, today[0]), ("targets", _TID, today[1])))
+    # The two sides' jobs and the state's reads at once: each is mostly waiting (on Spark, on
+    # the files), and pyarrow reads without the GIL.
+    with concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="nj-detect") as pool:
+        state = None if previous is None else (pool.submit(_state_lists, state_dir),
+                                               pool.submit(_state_fingerprints, state_dir))
+        query_side = pool.submit(_today, q_now, _QID, _QV)
+        today = (query_side.result(), _today(t_now, _TID, _TV))
+        before = None
+        if state is not None:
+            lists, targets = state[0].result(), state[1].result()
+            lists = lists.set_column(0, _QID, lists[_QID].cast(today[0]["id"].type))
+            previous["lists"] = lists
+            before = (pa.table({"id": lists[_QID], "old_h1": lists[_H1], "old_h2": lists[_H2]}),
+                      targets.set_column(0, "id", targets["id"].cast(today[1]["id"].type)))
     ids = _Ids(today, (q_now.schema[_QID].dataType, t_now.schema[_TID].dataType))
     ids.check(query_id, target_id)
     if before is not None:
@@ -532,17 +545,22 @@ def _today(df: DataFrame, id_name: str, vector_name: str) -> pa.Table:
                      F.spark_partition_id().alias("p")).toArrow()
 
 
-def _state_fingerprints(state_dir: Path, part: str, id_name: str, id_type: pa.DataType) -> pa.Table:
-    """The state's (id, h1, h2) of one side, read on the driver: the query lists' rows (their
-    complete ones: a short list's query has a searched row too), the targets' file."""
+def _state_fingerprints(state_dir: Path) -> pa.Table:
+    """The state's target (id, h1, h2), read on the driver."""
+    table = pq.read_table(state_dir / "targets", columns=[_TID, _H1, _H2])
+    return pa.table({"id": table[_TID], "old_h1": table[_H1], "old_h2": table[_H2]})
+
+
+def _state_lists(state_dir: Path) -> pa.Table:
+    """The state's live complete lists (id, h1, h2, candidates, bound), read on the driver:
+    the queries' fingerprints, and what a refresh merges (a short list's query has a
+    searched row too)."""
     import pyarrow.dataset as ds
 
-    if part == "targets":
-        table = pq.read_table(state_dir / part, columns=[id_name, _H1, _H2])
-    else:
-        table = _live(ds.dataset(str(state_dir / part), format="parquet", partitioning="hive")
-                      .to_table(columns=[id_name, _H1, _H2, _GEN], filter=ds.field(_COMPLETE)), state_dir)
-    return pa.table({"id": table[id_name].cast(id_type), "old_h1": table[_H1], "old_h2": table[_H2]})
+    table = _live(ds.dataset(str(state_dir / "queries"), format="parquet", partitioning="hive")
+                  .to_table(columns=[_QID, _H1, _H2, _LIST, _BOUND, _GEN], filter=ds.field(_COMPLETE)), state_dir)
+    return pa.table({_QID: table[_QID], _H1: table[_H1], _H2: table[_H2], _LIST: table[_LIST],
+                     _BOUND: table[_BOUND]})
 
 
 def _dropped(state_dir: Path) -> pa.Table | None:
@@ -556,9 +574,12 @@ def _live(rows: pa.Table, state_dir: Path) -> pa.Table:
     if dropped is None:
         return rows
     dropped = dropped.cast(pa.schema([(_QID, rows.schema.field(_QID).type), (_DROPPED_AT, pa.int32())]))
-    joined = rows.join(dropped, keys=_QID, join_type="left outer")
-    return joined.filter(pc.or_kleene(pc.is_null(joined[_DROPPED_AT]),
-                                      pc.greater_equal(joined[_GEN], joined[_DROPPED_AT])))
+    # The join on the ids and generations alone (pyarrow joins no list column).
+    probe = pa.table({_QID: rows[_QID], _GEN: rows[_GEN], "row": np.arange(len(rows))})
+    joined = probe.join(dropped, keys=_QID, join_type="left outer")
+    live = joined.filter(pc.or_kleene(pc.is_null(joined[_DROPPED_AT]),
+                                      pc.greater_equal(joined[_GEN], joined[_DROPPED_AT])))["row"]
+    return rows.take(np.sort(live.to_numpy()))
 
 
 class _Ids:
@@ -676,7 +697,7 @@ def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[
         except ValueError as exc:
             logger.warning("state %s is unreadable (%s): a full run replaces it", state_dir, exc)
             return None, f"the state at {state_dir} is unreadable: its index: {exc}"
-    return {"queries": _complete_lists(spark, state_dir, schemas), "dimension": old.get("dimension"),
+    return {"dimension": old.get("dimension"),
             "generation": old.get("generation", 0), "dir": state_dir, "ivf": ivf}, ""
 
 
@@ -881,36 +902,33 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
         return counted.frame(spark, side, *statuses)
 
     searched_whole = ids_of(0, "inserted", "changed")
-    # The state's lists of the queries kept (those deleted or changed leave).
-    kept = previous["queries"].join(ids_of(0, "deleted", "changed"), _QID, "left_anti")
-    n_removed, n_added = counted(1, "deleted", "changed"), counted(1, "inserted", "changed")
-    removed = ids_of(1, "deleted", "changed")
+    # The state's lists of the queries kept (those deleted or changed leave), on the driver.
+    lists = previous["lists"]
+    gone = _ids_array(counted, 0, "deleted", "changed")
+    kept = lists.filter(pc.invert(pc.is_in(lists[_QID], value_set=gone)))
+    n_added = counted(1, "inserted", "changed")
     n_kept = counted(0, "kept")
-    touched, entering, whole, truth = [], None, None, None
+    entering, whole, truth = None, None, None
     entering_width = _entering_width(n_added, counted.today_rows(1), width)
-    if n_removed:
-        touched.append(kept.select(_QID, F.explode(F.col(_LIST)["target"]).alias(_TID))
-                       .join(removed, _TID, "left_semi").select(_QID))
     if n_added and n_kept:
         added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
         kept_rows = q_now.join(searched_whole, _QID, "left_anti")
         found, _ = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)),
                                      entering_width)
-        entering = _cached(found.where(F.col("x.target").isNotNull()).select(_QID, "x")
-                           .join(kept.select(_QID, _BOUND), _QID).where(F.col("x.key") <= F.col(_BOUND))
-                           .select(_QID, "x"))
-        touched.append(entering.select(_QID))
+        entering = (found.where(F.col("x.target").isNotNull())
+                    .select(_QID, F.col("x.key").alias("key"), F.col("x.target").alias("target")).toArrow())
     queries = staging / "queries"
     rows = queries / f"{_GEN}={generation}"
     _carry(previous["dir"] / "queries", queries)
     try:
-        if touched:
-            affected = F.broadcast(functools.reduce(DataFrame.unionByName, touched).distinct())
-            # A list that ran short goes to part=short, marked incomplete: its query's whole
-            # search is the searched part's, and only complete lists are read (_complete_lists).
-            lists = _merged(kept.join(affected, _QID, "left_semi"), entering, removed, width, k, entering_width)
-            (lists.withColumn("part", F.when(F.col(_COMPLETE), "merged").otherwise("short"))
-             .write.partitionBy("part").parquet(str(rows)))
+        # A list that ran short goes to part=short, marked incomplete: its query's whole
+        # search is the searched part's, and only complete lists are read (_complete_lists).
+        merged = _merged(kept, entering, _ids_array(counted, 1, "deleted", "changed"), width, k, entering_width)
+        for part, mask in (("merged", merged[_COMPLETE]), ("short", pc.invert(merged[_COMPLETE]))):
+            chosen = merged.filter(mask)
+            if len(chosen):
+                (rows / f"part={part}").mkdir(parents=True)
+                pq.write_table(chosen, rows / f"part={part}" / "part-00000.parquet")
         # Counted from the files' footers, here: no Spark job.
         n_short = _footer_rows(rows / "part=short")
         n_affected = _footer_rows(rows / "part=merged") + n_short
@@ -933,8 +951,6 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
             if n_whole:
                 _lists(found, width).write.parquet(str(rows / "part=searched"))
     finally:
-        if entering is not None:
-            entering.unpersist()
         if whole is not None:
             whole.unpersist()
     _write_dropped(staging, previous["dir"], rows, counted.ids[(0, "deleted")], generation)
@@ -998,36 +1014,74 @@ def _entering_width(added: int, targets: int, width: int) -> int:
     return min(width, max(3, math.ceil(4 * added * width / max(1, targets))))
 
 
-def _merged(old: DataFrame, entering: DataFrame | None, removed: DataFrame, width: int, k: int,
-            entering_width: int) -> DataFrame:
-    """The affected kept queries' lists: the old list less the removed targets, merged with the
-    targets that entered it (of the search that returned ``entering_width`` per query); their
-    bound, and whether the list is complete."""
-    parts = (old.select(_QID, F.explode(_LIST).alias("x"))
-             .join(removed, F.col("x.target") == F.col(_TID), "left_anti")
-             .select(_QID, "x", F.lit(0).alias(_SOURCE)))
-    if entering is not None:
-        parts = parts.unionByName(entering.withColumn(_SOURCE, F.lit(1)))
-    merged = parts.groupBy(_QID).agg(
-        F.array_sort(F.collect_list("x")).alias("all"),
-        F.count(F.when(F.col(_SOURCE) == 1, 1)).alias("added"),
-        F.max(F.when(F.col(_SOURCE) == 1, F.col("x.key"))).alias("worst_added"))
+def _ids_array(counted: _Ids, side: int, *statuses: str) -> pa.Array:
+    """The ids of these statuses on one side, as one array."""
+    return pa.concat_arrays([chunk for s in statuses for chunk in counted.ids[(side, s)].chunks]
+                            or [pa.array([], counted.today[side]["id"].type)])
+
+
+def _merged(kept: pa.Table, entering: pa.Table | None, removed: pa.Array, width: int, k: int,
+            entering_width: int) -> pa.Table:
+    """The lists of the kept queries that a change meets (on the driver): those holding a
+    removed target, and those that an added target enters (``entering``: the kept queries'
+    search of the added targets, ``entering_width`` rows per query, as (query id, key,
+    target)), within their bound. Each list less its removed targets, merged with its
+    entering ones in (key, target) order; its bound; whether it is complete: the rows of the
+    state's ``queries/`` (without the partition columns), in ``kept``'s schema."""
+    candidates = kept[_LIST].combine_chunks() if kept.num_rows else pa.array([], kept.schema.field(_LIST).type)
+    flat = pc.list_flatten(candidates)
+    owner = pc.list_parent_indices(candidates).to_numpy(zero_copy_only=False).astype(np.int64)
+    old_removed = pc.is_in(flat.field("target"), value_set=removed).to_numpy(zero_copy_only=False)
+    bounds = kept[_BOUND].to_numpy(zero_copy_only=False)
+    row_of = []
+    if entering is not None and len(entering):
+        at = pc.index_in(entering[_QID], value_set=kept[_QID].combine_chunks()).to_numpy(zero_copy_only=False)
+        keys = entering["key"].to_numpy(zero_copy_only=False).astype(np.float64)
+        # (every entering query is kept: the search's queries are today's kept ones)
+        within = keys <= bounds[at]
+        entering, row_of = entering.filter(pa.array(within)), at[within].astype(np.int64)
+    affected = np.union1d(owner[old_removed], row_of).astype(np.int64)
+    n = len(affected)
+    # The pool: the affected lists' entries not removed (source 0), and the entering (source 1).
+    keep_old = ~old_removed & np.isin(owner, affected)
+    def both(name: str) -> pa.Array:
+        """The pool's column: the old entries' field, then the entering rows' column."""
+        old = flat.field(name).filter(pa.array(keep_old))
+        new = entering[name].combine_chunks().cast(old.type) if len(row_of) else pa.array([], old.type)
+        return pa.concat_arrays([old, new])
+
+    pool = pa.table({
+        "row": np.concatenate([owner[keep_old], row_of]).astype(np.int64), "key": both("key"),
+        "target": both("target"),
+        "source": np.concatenate([np.zeros(int(keep_old.sum()), np.int8), np.ones(len(row_of), np.int8)]),
+    }).sort_by([("row", "ascending"), ("key", "ascending"), ("target", "ascending")])
+    group = np.searchsorted(affected, pool["row"].to_numpy())
+    sizes = np.bincount(group, minlength=n)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    position = np.arange(len(group)) - starts[group]
+    key = pool["key"].to_numpy(zero_copy_only=False).astype(np.float64)
+    source = pool["source"].to_numpy()
+    added = np.bincount(group, weights=source, minlength=n)
+    worst_added = np.full(n, -np.inf)
+    np.maximum.at(worst_added, group[source == 1], key[source == 1])
     # The search returned the best entering_width added targets: when all of them entered,
     # the rest of the added rank no better than the last (the bound of the added targets);
     # when fewer entered, the last returned was beyond the list's own bound.
-    bound = F.least(
-        F.col(_BOUND),
-        F.when(F.col("added") >= entering_width, F.col("worst_added").cast("double")).otherwise(F.lit(math.inf)),
-        F.when(F.size("all") > width, F.element_at("all", width + 1)["key"].cast("double"))
-        .otherwise(F.lit(math.inf)))
-    all_list = F.coalesce("all", F.array().cast(old.schema[_LIST].dataType))
-    refreshed = (old.select(_QID, _H1, _H2, _BOUND).join(merged, _QID, "left")
-                 .withColumn("all", all_list).withColumn("added", F.coalesce("added", F.lit(0)))
-                 .withColumn("b", bound)
-                 .select(_QID, _H1, _H2,
-                         F.filter(F.slice("all", 1, width), lambda x: x["key"] <= F.col("b")).alias(_LIST),
-                         F.col("b").alias(_BOUND)))
-    return refreshed.withColumn(_COMPLETE, (F.size(_LIST) >= k) | (F.col(_BOUND) == math.inf))
+    beyond = np.full(n, np.inf)
+    over = sizes > width
+    beyond[over] = key[starts[over] + width]
+    bound = np.minimum(np.minimum(bounds[affected], np.where(added >= entering_width, worst_added, np.inf)), beyond)
+    kept_entry = (position < width) & (key <= bound[group])
+    lengths = np.bincount(group[kept_entry], minlength=n)
+    entries = pa.StructArray.from_arrays([pool["key"].combine_chunks().filter(pa.array(kept_entry)),
+                                          pool["target"].combine_chunks().filter(pa.array(kept_entry))],
+                                         fields=list(flat.type))
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    rows = pa.array(affected)
+    return pa.table({_QID: kept[_QID].take(rows), _H1: kept[_H1].take(rows), _H2: kept[_H2].take(rows),
+                     _LIST: pa.ListArray.from_arrays(offsets, entries, type=candidates.type),
+                     _BOUND: pa.array(bound, pa.float64()),
+                     _COMPLETE: pa.array((lengths >= k) | (bound == np.inf))})
 
 
 # ---------------------------------------------------------------------------- the result

@@ -222,25 +222,25 @@ def test_more_entering_than_searched_for_tightens_the_bound(spark, tmp_path):
 
 
 def test_ml_vectors_refresh(spark, tmp_path):
-    """pyspark.ml vectors (dense and sparse) on both sides, string ids on the query side: a
-    full run, then a refresh after a target's vector changed and one was inserted, each equal
-    to nearest_by_join."""
+    """pyspark.ml vectors (dense and sparse) on both sides, string ids on both sides (the
+    driver's merge orders tied candidates by them): a full run, then a refresh after a
+    target's vector changed and one was inserted, each equal to nearest_by_join."""
     from pyspark.ml.linalg import Vectors, VectorUDT
-    from pyspark.sql.types import LongType, StringType, StructField
+    from pyspark.sql.types import StringType, StructField
 
     def schema(id_name, name):
-        id_type = StringType() if id_name == "qid" else LongType()
+        id_type = StringType()
         return StructType([StructField(id_name, id_type), StructField(name, VectorUDT())])
 
     q = spark.createDataFrame([("1", Vectors.dense([0.0, 0.0, 1.0])), ("2", Vectors.sparse(3, [0], [5.0])),
                                ("3", None)],
                               schema("qid", "v")).cache()   # cached: see Day.frames
-    rows = [(10, Vectors.dense([1.0, 0.0, 1.0])), (11, Vectors.sparse(3, [0, 2], [4.0, 1.0])),
-            (12, Vectors.dense([9.0, 9.0, 9.0]))]
+    rows = [("10", Vectors.dense([1.0, 0.0, 1.0])), ("11", Vectors.sparse(3, [0, 2], [4.0, 1.0])),
+            ("12", Vectors.dense([9.0, 9.0, 9.0]))]
     kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(tmp_path / "s"), margin=1,
                   distance_col="d")
-    for day, targets in enumerate((rows, [rows[0], (11, Vectors.dense([0.0, 0.0, 2.0])), rows[2],
-                                          (13, Vectors.sparse(3, [0], [5.5]))])):
+    for day, targets in enumerate((rows, [rows[0], ("11", Vectors.dense([0.0, 0.0, 2.0])), rows[2],
+                                          ("13", Vectors.sparse(3, [0], [5.5]))])):
         t = spark.createDataFrame(targets, schema("tid", "w")).cache()
         run = incremental_nearest_join(q, t, "l2", 2, **kwargs)
         got = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
