@@ -394,10 +394,11 @@ def _approx_plan(run, queries: int) -> str | None:
     if approx is None:
         return None
     ivf = None if run.previous is None else run.previous["ivf"]
+    if run.previous is None:
+        return (f"the full run's IVF plan trains its index and chooses nprobe for recall={approx['recall']} "
+                "(or runs exact, and says why)")
     if ivf is None:
-        return (f"the IVF plan of the whole searches chooses its index and nprobe for recall={approx['recall']} "
-                "(or runs exact, and says why)" + ("; every list is exact: no recall to re-measure"
-                                                   if run.previous is not None else ""))
+        return "the state's lists are exact (its full run's approx plan ran exact): the refresh searches exactly"
     return (f"the state's index (nlist={ivf['nlist']}) at nprobe={ivf['nprobe']} for the queries searched whole, "
             f"the added targets searched exactly; recall@{run.k} then measured on {min(RECALL_QUERIES, queries):,} "
             f"sampled queries, and a full run re-trains the index when its lower bound is below recall={approx['recall']}")
@@ -770,9 +771,9 @@ class _Searcher:
         index at its nprobe, no training and no recall estimate, where the approx plan's own
         rules would run IVF (enough work for its fixed costs, a CPU task: the same thresholds);
         else the exact search, which costs less then and finds every neighbour. Without one
-        (a full run whose approx plan ran exact) the full run's settings."""
+        (exact mode, or a full run whose approx plan ran exact: IVF would not pay) exact."""
         if self.approx is None or ivf is None:
-            return self.approx
+            return None
         from .ivf import IVF_MIN_TARGET_ROWS, IVF_MIN_WORK_PER_CORE
         from .planner import gpu_tasks
 

@@ -394,3 +394,30 @@ def test_approx_keeps_its_index_and_measures_recall(spark, tmp_path, monkeypatch
     for other in (None, {**meta["approx"], "recall": 0.95}):
         previous, reason = _previous_state(spark, state, {**meta, "approx": other}, schemas)
         assert previous is None and "approx differ" in reason
+
+
+def test_approx_whose_full_run_ran_exact_refreshes_exactly(spark, tmp_path, monkeypatch):
+    """mode="approx" on a target too small for IVF: the full run's plan runs exact, the state
+    keeps no index, and the refresh searches exactly (no approx plan, no recall to measure)."""
+    t_rows = [[float(i), float(i % 3)] + [0.0] * (D - 2) for i in range(30)]
+    q = _frame(spark, [1, 2], [[0.0] * D, [9.0] + [0.0] * (D - 1)], "qid", "v")
+    kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(tmp_path / "s"), margin=1,
+                  distance_col="d", mode="approx", recall=0.9)
+    first = incremental_nearest_join(q, _frame(spark, range(100, 130), t_rows, "tid", "w"), "l2", 2, **kwargs)
+    first.result.collect()
+    first.commit()
+    assert first.changes.recall is None and not (tmp_path / "s" / "index").exists()
+    t = _frame(spark, range(101, 131), t_rows[1:] + [[0.5] + [0.0] * (D - 1)], "tid", "w")
+    q = _frame(spark, [1, 2], [[0.0] * D, [19.0] + [0.0] * (D - 1)], "qid", "v")   # query 2 moved
+    plan = explain_incremental(q, t, "l2", 2, **{a: b for a, b in kwargs.items() if a != "distance_col"})
+    assert "the state's lists are exact" in str(plan)
+    settings = []
+    candidates = incremental._Searcher.candidates
+    monkeypatch.setattr(incremental._Searcher, "candidates",
+                        lambda self, *a, **kw: settings.append(kw.get("approx")) or candidates(self, *a, **kw))
+    run = incremental_nearest_join(q, t, "l2", 2, **kwargs)
+    assert len(settings) == 2 and settings == [None, None]   # the added targets, the whole searches
+    got = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
+    assert run.changes.refreshed and run.changes.recall is None
+    assert got == sorted((r["qid"], r["tid"], r["d"]) for r in
+                         nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), distance_col="d").collect())
