@@ -87,6 +87,20 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
     assert plan["refresh"] is True and plan["queries"]["changed"] == 3 and plan["targets"]["deleted"] == n
     assert plan["queries_searched_whole"] == second["queries_searched_whole"] - second["queries_short"]
     assert second["queries_searched_whole"] < len(job.query_ids)
+    assert second["recall"] is None and "recall  " not in printed   # exact mode: no recall line
+    # under join.mode approx the summary gives the recall, measured or estimated
+    from jobs.runner import format_summary
+
+    summary = _summary(out)
+    for recall, shown in (({"nlist": 8, "nprobe": 2, "recall_estimate": 0.97, "recall_lower": 0.955,
+                            "recall_queries": 300, "recall_of": "the refreshed lists, measured on 300 sampled "
+                                                                "queries against exact search"},
+                           "recall       0.9700 (lower 95% bound 0.9550: the refreshed lists, measured on 300"),
+                          ({"nlist": 8, "nprobe": 2, "recall_estimate": None, "recall_lower": None,
+                            "recall_queries": 0, "recall_of": "the plan's estimate, of recall@8"},
+                           "recall       not estimated (nprobe given), nprobe 2 of nlist 8")):
+        text = format_summary({**summary, "incremental": {**summary["incremental"], "recall": recall}})
+        assert shown in text, text
     _check(job, out, 5)
     # the vectors are not written (output.include_vectors), the payload is today's
     names = pq.read_schema(next(out.glob("part-*.parquet"))).names
