@@ -388,15 +388,16 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
                        queries_searched_whole=whole, pairs=pairs, full_pairs=queries * targets,
                        approx=_approx_plan(run, queries))
 
+
 def _approx_plan(run, queries: int) -> str | None:
     """The explanation's ``approx`` line (None in exact mode)."""
     approx = run.search.approx
     if approx is None:
         return None
-    ivf = None if run.previous is None else run.previous["ivf"]
     if run.previous is None:
         return (f"the full run's IVF plan trains its index and chooses nprobe for recall={approx['recall']} "
                 "(or runs exact, and says why)")
+    ivf = run.previous["ivf"]
     if ivf is None:
         return "the state's lists are exact (its full run's approx plan ran exact): the refresh searches exactly"
     return (f"the state's index (nlist={ivf['nlist']}) at nprobe={ivf['nprobe']} for the queries searched whole, "
@@ -680,7 +681,8 @@ def _previous_state(spark, state_dir: Path, meta: dict, schemas: dict) -> tuple[
         if old.get(f"{side}_id") == meta[f"{side}_id"] and old.get(key) != meta[key]:
             raise ArgumentError(f"{side}_id", f"column {quote(meta[f'{side}_id'])}: its type is {meta[key]}, "
                                               f"the state at {state_dir} holds ids of type {old.get(key)}")
-    differing = sorted(key for key in meta if old.get(key) != meta[key])   # (an exact state has no "approx")
+    # (a state written before the approx mode existed has no "approx": None, as an exact one's)
+    differing = sorted(key for key in meta if old.get(key) != meta[key])
     if not differing and old.get("schemas") != {name: json.loads(s.json()) for name, s in schemas.items()}:
         differing = ["schemas"]
     if differing:
