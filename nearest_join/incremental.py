@@ -109,7 +109,7 @@ _STAGING = ".nj-state-staging-"
 # Internal column names: reserved, so that no input column can clash with them.
 _QID, _TID, _QV, _TV = "__nj_qid", "__nj_tid", "__nj_qv", "__nj_tv"
 _H1, _H2, _KEY = "__nj_h1", "__nj_h2", "__nj_key"
-_LIST, _BOUND, _SOURCE, _COMPLETE = "candidates", "bound", "__nj_source", "complete"
+_LIST, _BOUND, _COMPLETE = "candidates", "bound", "complete"
 _GEN, _DROPPED_AT = "gen", "__nj_dropped_at"
 _INDEX = "index"   # mode="approx": the state's IVF index (nearest_join.ivf_index.IVFIndex.save)
 
@@ -457,15 +457,14 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
         "target_id_type": target.schema[target_id].dataType.simpleString(),
         "cap": cap,
         "keys": None if keys is None else [[k.query_column, k.target_column, k.common] for k in keys],
-        # mode="approx": its settings (a state of other settings, or of the exact mode, is not used)
-        "approx": None if options.mode == "exact" else {
-            name: getattr(options, name) for name in ("recall", "nlist", "nprobe", "seed")},
     }
     q_now = _fingerprinted(query, query_id, parsed.query_column, _QID, _QV,
                            [] if keys is None else [(k.query_column, k.common) for k in keys], "q")
     t_now = _fingerprinted(target, target_id, parsed.target_column, _TID, _TV,
                            [] if keys is None else [(k.target_column, k.common) for k in keys], "t")
     search = _Searcher(options, parsed.metric, width, similarity, 0 if keys is None else len(keys))
+    # mode="approx": its settings (a state of other settings, or of the exact mode, is not used)
+    meta["approx"] = search.approx
     schemas = _state_schemas(q_now, t_now, search)
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
     # Change detection: today's ids and fingerprints against the state's, and the checks
@@ -631,11 +630,16 @@ class _Ids:
     def today_rows(self, side: int) -> int:
         return len(self.today[side])
 
-    def frame(self, spark, side: int, *statuses: str) -> DataFrame:
-        """The ids of these statuses, broadcast (a local relation: no job of its own)."""
+    def array(self, side: int, *statuses: str) -> pa.Array:
+        """The ids of these statuses on one side, as one array."""
+        return pa.concat_arrays([chunk for s in statuses for chunk in self.ids[(side, s)].chunks]
+                                or [pa.array([], self.today[side]["id"].type)])
+
+    def frame(self, spark, side: int, *statuses: str, ids: pa.Array | None = None) -> DataFrame:
+        """The ids of these statuses (or ``ids``, of this side's type), broadcast (a local
+        relation: no job of its own)."""
         name = _QID if side == 0 else _TID
-        ids = pa.chunked_array([chunk for s in statuses for chunk in self.ids[(side, s)].chunks],
-                               type=self.today[side]["id"].type)
+        ids = self.array(side, *statuses) if ids is None else ids
         return F.broadcast(spark.createDataFrame(pa.table({name: ids}),
                                                  schema=StructType([StructField(name, self.types[side])])))
 
@@ -812,8 +816,7 @@ def _recall_sample(spark, ids: _Ids, seed: int, generation: int) -> tuple[DataFr
     today = ids.today[0]["id"]
     n = min(RECALL_QUERIES, len(today))
     picked = today.take(pa.array(np.sort(np.random.default_rng([seed, generation]).choice(len(today), n, replace=False))))
-    return F.broadcast(spark.createDataFrame(pa.table({_QID: picked}),
-                                             schema=StructType([StructField(_QID, ids.types[0])]))), n
+    return ids.frame(spark, 0, ids=picked), n
 
 
 def _sample_truth(found: DataFrame, sample: DataFrame) -> pa.Table:
@@ -838,7 +841,7 @@ def _measured_recall(spark, staging: Path, schemas: dict, sample: DataFrame, tru
     t_ids, t_keys = truth[_QID].to_pylist(), truth["key"].to_numpy(zero_copy_only=False)
     exact: dict = {}
     for qid, key in zip(t_ids, t_keys):
-        kth, m = exact.get(qid, (None, 0))
+        m = exact.get(qid, (None, 0))[1]
         if m < k:
             exact[qid] = (key, m + 1)
     hits = dict.fromkeys(exact, 0)
@@ -907,7 +910,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     searched_whole = ids_of(0, "inserted", "changed")
     # The state's lists of the queries kept (those deleted or changed leave), on the driver.
     lists = previous["lists"]
-    gone = _ids_array(counted, 0, "deleted", "changed")
+    gone = counted.array(0, "deleted", "changed")
     kept = lists.filter(pc.invert(pc.is_in(lists[_QID], value_set=gone)))
     n_added = counted(1, "inserted", "changed")
     n_kept = counted(0, "kept")
@@ -926,18 +929,16 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     try:
         # A list that ran short goes to part=short, marked incomplete: its query's whole
         # search is the searched part's, and only complete lists are read (_complete_lists).
-        merged = _merged(kept, entering, _ids_array(counted, 1, "deleted", "changed"), width, k, entering_width)
+        merged = _merged(kept, entering, counted.array(1, "deleted", "changed"), width, k, entering_width)
         for part, mask in (("merged", merged[_COMPLETE]), ("short", pc.invert(merged[_COMPLETE]))):
             chosen = merged.filter(mask)
             if len(chosen):
                 (rows / f"part={part}").mkdir(parents=True)
                 pq.write_table(chosen, rows / f"part={part}" / "part-00000.parquet")
-        # Counted from the files' footers, here: no Spark job.
-        n_short = _footer_rows(rows / "part=short")
-        n_affected = _footer_rows(rows / "part=merged") + n_short
+        short = merged[_QID].filter(pc.invert(merged[_COMPLETE]))
+        n_short, n_affected = len(short), merged.num_rows
         if n_short:
-            short = spark.read.schema(schemas["queries"]).parquet(str(rows / "part=short")).select(_QID)
-            searched_whole = F.broadcast(searched_whole.unionByName(short))
+            searched_whole = F.broadcast(searched_whole.unionByName(counted.frame(spark, 0, ids=short)))
         n_whole = counted(0, "inserted", "changed") + n_short
         approx = search.refresh_approx(spark, previous["ivf"], n_whole, counted.today_rows(1),
                                        previous["dimension"] or 1)
@@ -1017,12 +1018,6 @@ def _entering_width(added: int, targets: int, width: int) -> int:
     return min(width, max(3, math.ceil(4 * added * width / max(1, targets))))
 
 
-def _ids_array(counted: _Ids, side: int, *statuses: str) -> pa.Array:
-    """The ids of these statuses on one side, as one array."""
-    return pa.concat_arrays([chunk for s in statuses for chunk in counted.ids[(side, s)].chunks]
-                            or [pa.array([], counted.today[side]["id"].type)])
-
-
 def _merged(kept: pa.Table, entering: pa.Table | None, removed: pa.Array, width: int, k: int,
             entering_width: int) -> pa.Table:
     """The lists of the kept queries that a change meets (on the driver): those holding a
@@ -1036,17 +1031,18 @@ def _merged(kept: pa.Table, entering: pa.Table | None, removed: pa.Array, width:
     owner = pc.list_parent_indices(candidates).to_numpy(zero_copy_only=False).astype(np.int64)
     old_removed = pc.is_in(flat.field("target"), value_set=removed).to_numpy(zero_copy_only=False)
     bounds = kept[_BOUND].to_numpy(zero_copy_only=False)
-    row_of = []
+    row_of = np.empty(0, np.int64)
     if entering is not None and len(entering):
         at = pc.index_in(entering[_QID], value_set=kept[_QID].combine_chunks()).to_numpy(zero_copy_only=False)
         keys = entering["key"].to_numpy(zero_copy_only=False).astype(np.float64)
         # (every entering query is kept: the search's queries are today's kept ones)
         within = keys <= bounds[at]
         entering, row_of = entering.filter(pa.array(within)), at[within].astype(np.int64)
-    affected = np.union1d(owner[old_removed], row_of).astype(np.int64)
+    affected = np.union1d(owner[old_removed], row_of)
     n = len(affected)
     # The pool: the affected lists' entries not removed (source 0), and the entering (source 1).
     keep_old = ~old_removed & np.isin(owner, affected)
+
     def both(name: str) -> pa.Array:
         """The pool's column: the old entries' field, then the entering rows' column."""
         old = flat.field(name).filter(pa.array(keep_old))
@@ -1054,7 +1050,7 @@ def _merged(kept: pa.Table, entering: pa.Table | None, removed: pa.Array, width:
         return pa.concat_arrays([old, new])
 
     pool = pa.table({
-        "row": np.concatenate([owner[keep_old], row_of]).astype(np.int64), "key": both("key"),
+        "row": np.concatenate([owner[keep_old], row_of]), "key": both("key"),
         "target": both("target"),
         "source": np.concatenate([np.zeros(int(keep_old.sum()), np.int8), np.ones(len(row_of), np.int8)]),
     }).sort_by([("row", "ascending"), ("key", "ascending"), ("target", "ascending")])
