@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     def incremental(q, t, state, out):
         start = time.perf_counter()
         run = incremental_nearest_join(q, t, metric, args.k, query_id="qid", target_id="tid", state=state, **joined)
-        run.result.select("qid", "tid", "d").write.parquet(out)
+        run.dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
         run.commit()
         return time.perf_counter() - start, run.changes
 

@@ -623,8 +623,12 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
             changes = run.changes
             facts["refresh"] = changes.refreshed
             facts["queries searched whole"] = changes.queries_searched_whole
-        result = _with_partition_values(
-            run.result if spec.output.include_vectors else run.result.drop(q_vector, t_vector), spec)
+        # Without output.include_vectors no vector is kept: a side left with its id alone is
+        # not joined (IncrementalJoin.dataframe).
+        keep = spec.output.include_vectors
+        result = _with_partition_values(run.dataframe(
+            query_columns=[i for i, name in enumerate(query.columns) if keep or name != q_vector],
+            target_columns=[i for i, name in enumerate(target.columns) if keep or name != t_vector]), spec)
         with phases("write") as facts:
             write_parquet(result, str(staged.staging), spec.output.partition_by, spec.output.num_files)
             files = len(data_files(staged.staging))

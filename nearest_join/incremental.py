@@ -61,6 +61,7 @@ before the commit leaves the previous state as it was, and the next run starts f
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import json
 import logging
 import math
@@ -149,15 +150,27 @@ class Changes:
 
 
 class IncrementalJoin:
-    """A run of :func:`incremental_nearest_join`: its ``result`` (a DataFrame), ``changes``
-    (:class:`Changes`) and :meth:`commit`, which makes this run's state the one the next run
-    starts from."""
+    """A run of :func:`incremental_nearest_join`: its ``result`` (a DataFrame; :meth:`dataframe`
+    keeps some of each side's columns), ``changes`` (:class:`Changes`) and :meth:`commit`,
+    which makes this run's state the one the next run starts from."""
 
-    def __init__(self, result: DataFrame, changes: Changes, staging: Path, state: Path | None):
-        self.result = result
+    def __init__(self, rows, changes: Changes, staging: Path, state: Path | None):
+        self._rows = rows   # (query_columns, target_columns) -> DataFrame
         self.changes = changes
         self._staging, self._state = staging, state
         self._committed = False
+
+    @property
+    def result(self) -> DataFrame:
+        """Every column of both sides and ``distance_col``: :meth:`dataframe` of all."""
+        return self._rows(None, None)
+
+    def dataframe(self, query_columns=None, target_columns=None) -> DataFrame:
+        """The result with the positions ``query_columns`` and ``target_columns`` of each
+        side's columns, in their order (default: all), as
+        :meth:`nearest_join.join.PlannedJoin.dataframe` keeps them. A side whose columns kept
+        are its id alone (or none) is not joined: the lists hold its ids, and only today's."""
+        return self._rows(query_columns, target_columns)
 
     def commit(self) -> None:
         """Publish this run's state in one step (after the result has been written: a run
@@ -305,8 +318,9 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         raise
     logger.info("incremental join: %s", changes)
     lists = _complete_lists(spark, staging, schemas)
-    result = _result(query, target, query_id, target_id, lists, run.k, run.options, run.search.similarity)
-    return IncrementalJoin(result, changes, staging, None if new_state is not None else state_dir)
+    rows = functools.partial(_result, query, target, query_id, target_id, lists, run.k, run.options,
+                             run.search.similarity)
+    return IncrementalJoin(rows, changes, staging, None if new_state is not None else state_dir)
 
 
 @dataclass(frozen=True)
@@ -1085,22 +1099,38 @@ def _merged(kept: pa.Table, entering: pa.Table | None, removed: pa.Array, width:
 
 # ---------------------------------------------------------------------------- the result
 def _result(query: DataFrame, target: DataFrame, query_id: str, target_id: str, lists: DataFrame, k: int,
-            options: JoinOptions, similarity: bool) -> DataFrame:
-    """The query's columns, the target's and the value column: each query's first ``k``
-    candidates, joined to today's rows by their ids."""
+            options: JoinOptions, similarity: bool, query_columns=None, target_columns=None) -> DataFrame:
+    """The query's columns at ``query_columns``, the target's at ``target_columns`` (None:
+    all) and the value column: each query's first ``k`` candidates, joined to today's rows by
+    their ids. A side whose only column kept is its id is not joined: every query of today has
+    a list (an empty one when it has no candidate), and a list holds today's targets only."""
     q_names, t_names = query.columns, target.columns
+    q_kept = list(range(len(q_names)) if query_columns is None else query_columns)
+    t_kept = list(range(len(t_names)) if target_columns is None else target_columns)
     q_cols = [f"__nj_q{i}" for i in range(len(q_names))]
     t_cols = [f"__nj_t{i}" for i in range(len(t_names))]
-    q = query.toDF(*q_cols).withColumn(_QID, F.col(q_cols[q_names.index(query_id)]))
-    t = target.toDF(*t_cols).withColumn(_TID, F.col(t_cols[t_names.index(target_id)]))
-    # Sliced before the explode: the lists hold k + margin, and the margin's rows would be
-    # made only to be filtered out.
-    pairs = (lists.select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x"))
-             .select(_QID, F.col("x.target").alias(_TID), F.col("x.key").alias(_KEY)))
+    q_joined = not set(q_kept) <= {q_names.index(query_id)}
+    t_joined = not set(t_kept) <= {t_names.index(target_id)}
     how = "inner" if options.join_type == "inner" else "left"
-    joined = q.join(pairs, _QID, how).join(t, _TID, how)
+    # Sliced before the explode: the lists hold k + margin, and the margin's rows would be
+    # made only to be filtered out. LEFT OUTER without the query's rows: an empty list is a row.
+    explode = F.explode_outer if how == "left" and not q_joined else F.explode
+    pairs = (lists.select(_QID, explode(F.slice(_LIST, 1, k)).alias("x"))
+             .select(_QID, F.col("x.target").alias(_TID), F.col("x.key").alias(_KEY)))
+    joined = pairs
+    if q_joined:
+        q = query.toDF(*q_cols).withColumn(_QID, F.col(q_cols[q_names.index(query_id)]))
+        joined = q.join(joined, _QID, how)
+    else:
+        joined = joined.withColumn(q_cols[q_names.index(query_id)], F.col(_QID))
+    if t_joined:
+        t = target.toDF(*t_cols).withColumn(_TID, F.col(t_cols[t_names.index(target_id)]))
+        joined = joined.join(t, _TID, how)
+    else:
+        joined = joined.withColumn(t_cols[t_names.index(target_id)], F.col(_TID))
     value = (-F.col(_KEY) if similarity else F.col(_KEY)).cast("float")
-    out = [F.col(c).alias(n) for c, n in zip(q_cols, q_names)] + [F.col(c).alias(n) for c, n in zip(t_cols, t_names)]
+    out = ([F.col(q_cols[i]).alias(q_names[i]) for i in q_kept]
+           + [F.col(t_cols[i]).alias(t_names[i]) for i in t_kept])
     if options.distance_col is not None:
         out.append(value.alias(options.distance_col))
     return joined.select(*out)

@@ -131,6 +131,11 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, monkeypatch, metric, 
         run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
                                        margin=margin, **joined)
         got = run.result.collect()
+        # Ids alone (the columns a nightly job of ids writes): neither side is joined, the rows
+        # are the same.
+        ids_only = run.dataframe(query_columns=(0,), target_columns=(0,))
+        assert ids_only.columns == ["qid", "tid", "d"]
+        assert sorted(ids_only.collect()) == sorted((r["qid"], r["tid"], r["d"]) for r in got)
         if n == 1 and metric == "l2":   # the explanation said what the run did
             c = run.changes
             assert plan.refresh and plan.reason == ""
@@ -197,6 +202,13 @@ def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
     rows = sorted((r["qid"], r["tid"], r["d"]) for r in run.result.collect())
     assert rows[:2] == [(1, 11, 2.0), (1, 12, 3.0)] and [r[:2] for r in rows[2:]] == [(2, 13), (2, 14), (3, None)]
     assert rows[4][2] is None
+    # LEFT OUTER, the query side not joined (its id alone kept): the query without a vector
+    # keeps its NULL row; the target side joined for its note.
+    for query_columns, target_columns in (((0,), (0,)), ((0,), (2, 0))):
+        kept = run.dataframe(query_columns=query_columns, target_columns=target_columns).collect()
+        assert sorted((r["qid"], r["tid"], r["d"]) for r in kept) == rows
+        assert all(r["tid_note"] == (None if r["tid"] is None else f"p{r['tid']}") for r in kept) \
+            if len(target_columns) > 1 else len(kept[0]) == 3
     c = run.changes
     assert (c.targets_deleted, c.queries_merged, c.queries_short, c.queries_searched_whole) == (1, 1, 1, 1)
 
