@@ -1107,6 +1107,12 @@ def _result(query: DataFrame, target: DataFrame, query_id: str, target_id: str, 
     q_names, t_names = query.columns, target.columns
     q_kept = list(range(len(q_names)) if query_columns is None else query_columns)
     t_kept = list(range(len(t_names)) if target_columns is None else target_columns)
+    for argument, kept, names in (("query_columns", q_kept, q_names), ("target_columns", t_kept, t_names)):
+        bad = [c for c in kept
+               if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c < len(names)]
+        if bad:
+            raise ArgumentError(argument, f"expected positions 0 to {len(names) - 1} of the {argument.split('_')[0]}'s "
+                                          f"columns ({', '.join(names)}), got {bad[0]!r}")
     q_cols = [f"__nj_q{i}" for i in range(len(q_names))]
     t_cols = [f"__nj_t{i}" for i in range(len(t_names))]
     q_joined = not set(q_kept) <= {q_names.index(query_id)}

@@ -209,6 +209,9 @@ def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
         assert sorted((r["qid"], r["tid"], r["d"]) for r in kept) == rows
         assert all(r["tid_note"] == (None if r["tid"] is None else f"p{r['tid']}") for r in kept) \
             if len(target_columns) > 1 else len(kept[0]) == 3
+    with pytest.raises(ValueError, match=r"query_columns.*positions 0 to 2 of the query's columns "
+                                         r"\(qid, v, qid_note\), got 3"):
+        run.dataframe(query_columns=(0, 3))
     c = run.changes
     assert (c.targets_deleted, c.queries_merged, c.queries_short, c.queries_searched_whole) == (1, 1, 1, 1)
 
