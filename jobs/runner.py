@@ -532,6 +532,11 @@ def _with_partition_values(result, spec: JobSpec):
     return result
 
 
+def _kept_columns(df, vector: str, keep_vectors: bool) -> list[int]:
+    """The positions of the output's columns of one side: all, or all but its vector column."""
+    return [i for i, name in enumerate(df.columns) if keep_vectors or name != vector]
+
+
 def _search_and_write(spec: JobSpec, spark, staging, phases: _Phases, started_at: str, start: float,
                       check=None) -> dict[str, Any]:
     """Read, plan, then search and write the result into ``staging`` in one Spark job; returns
@@ -548,10 +553,8 @@ def _search_and_write(spec: JobSpec, spark, staging, phases: _Phases, started_at
     keep = spec.output.include_vectors
     joined = planned.dataframe(
         first_match_column=FIRST_MATCH,
-        query_columns=[i for i, name in enumerate(planned.query.columns)
-                       if keep or name != prepared.query_vector],
-        target_columns=[i for i, name in enumerate(planned.target.columns)
-                        if keep or name != prepared.target_vector],
+        query_columns=_kept_columns(planned.query, prepared.query_vector, keep),
+        target_columns=_kept_columns(planned.target, prepared.target_vector, keep),
     ).observe(counted, F.count(F.lit(1)).alias("rows"), F.sum(FIRST_MATCH).alias("matched"))
     result = _with_partition_values(joined.drop(FIRST_MATCH), spec)
     if check is not None:
@@ -626,9 +629,8 @@ def _run_incremental(spec: JobSpec, spark, staged: StagedOutput, phases: _Phases
         # Without output.include_vectors no vector is kept: a side left with its id alone is
         # not joined (IncrementalJoin.dataframe).
         keep = spec.output.include_vectors
-        result = _with_partition_values(run.dataframe(
-            query_columns=[i for i, name in enumerate(query.columns) if keep or name != q_vector],
-            target_columns=[i for i, name in enumerate(target.columns) if keep or name != t_vector]), spec)
+        result = _with_partition_values(run.dataframe(query_columns=_kept_columns(query, q_vector, keep),
+                                                      target_columns=_kept_columns(target, t_vector, keep)), spec)
         with phases("write") as facts:
             write_parquet(result, str(staged.staging), spec.output.partition_by, spec.output.num_files)
             files = len(data_files(staged.staging))

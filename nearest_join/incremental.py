@@ -1115,25 +1115,23 @@ def _result(query: DataFrame, target: DataFrame, query_id: str, target_id: str, 
                                           f"columns ({', '.join(names)}), got {bad[0]!r}")
     q_cols = [f"__nj_q{i}" for i in range(len(q_names))]
     t_cols = [f"__nj_t{i}" for i in range(len(t_names))]
-    q_joined = not set(q_kept) <= {q_names.index(query_id)}
-    t_joined = not set(t_kept) <= {t_names.index(target_id)}
+    q_id, t_id = q_cols[q_names.index(query_id)], t_cols[t_names.index(target_id)]
+    q_joined = not {q_cols[i] for i in q_kept} <= {q_id}
+    t_joined = not {t_cols[i] for i in t_kept} <= {t_id}
     how = "inner" if options.join_type == "inner" else "left"
     # Sliced before the explode: the lists hold k + margin, and the margin's rows would be
     # made only to be filtered out. LEFT OUTER without the query's rows: an empty list is a row.
     explode = F.explode_outer if how == "left" and not q_joined else F.explode
     pairs = (lists.select(_QID, explode(F.slice(_LIST, 1, k)).alias("x"))
              .select(_QID, F.col("x.target").alias(_TID), F.col("x.key").alias(_KEY)))
-    joined = pairs
     if q_joined:
-        q = query.toDF(*q_cols).withColumn(_QID, F.col(q_cols[q_names.index(query_id)]))
-        joined = q.join(joined, _QID, how)
+        joined = query.toDF(*q_cols).withColumn(_QID, F.col(q_id)).join(pairs, _QID, how)
     else:
-        joined = joined.withColumn(q_cols[q_names.index(query_id)], F.col(_QID))
+        joined = pairs.withColumn(q_id, F.col(_QID))
     if t_joined:
-        t = target.toDF(*t_cols).withColumn(_TID, F.col(t_cols[t_names.index(target_id)]))
-        joined = joined.join(t, _TID, how)
+        joined = joined.join(target.toDF(*t_cols).withColumn(_TID, F.col(t_id)), _TID, how)
     else:
-        joined = joined.withColumn(t_cols[t_names.index(target_id)], F.col(_TID))
+        joined = joined.withColumn(t_id, F.col(_TID))
     value = (-F.col(_KEY) if similarity else F.col(_KEY)).cast("float")
     out = ([F.col(q_cols[i]).alias(q_names[i]) for i in q_kept]
            + [F.col(t_cols[i]).alias(t_names[i]) for i in t_kept])
