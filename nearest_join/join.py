@@ -641,30 +641,50 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             # not the union's: every pair carries its query block's rows (a few target blocks:
             # a few copies).
             pairs = q_packed.hint("shuffle_replicate_nl").crossJoin(t_packed.coalesce(1))
+            joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
         else:
-            # The broadcast nested-loop join streams each query block against all target
-            # blocks, in the broadcast's row order: the empty block first. Only that pair
-            # carries the query block's rows (the others a NULL), so a task reads each query
-            # block once, not once per target block.
-            pairs = q_packed.crossJoin(F.broadcast(t_packed)).select(
-                C.Q_BLOCK_ID, F.when(F.col(C.T_BLOCK_ID) == C.EMPTY_BLOCK_ID, F.col(C.Q_BLOB)).alias(C.Q_BLOB),
-                C.T_BLOCK_ID, C.T_BLOB)
-        joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
+            # The query's rows stream into the search as they are (packed into blocks there),
+            # each task's first row carrying the broadcast target blocks, in the broadcast's
+            # order: the empty block first.
+            search = functools.partial(blocks.search_streamed_queries, ctx=ctx, pack=q_pack,
+                                       width=len(q_input.columns))
+            joined = _first_row_meets(q_input, t_packed).mapInArrow(search, out_schema)
     elif plan.plan == "blocked":
         if plan.queries_broadcast:
-            # Every target block, in its own partition, meets every (broadcast) query block.
-            pairs = t_packed.crossJoin(F.broadcast(q_packed)).select(C.Q_BLOCK_ID, C.Q_BLOB, C.T_BLOCK_ID, C.T_BLOB)
+            # The target's rows stream into the search as they are, each task's first row
+            # carrying the (broadcast) query blocks; the empty target block's partials, which
+            # carry each query block's rows to the merge, are a small task of their own.
+            search = functools.partial(blocks.search_streamed_targets, ctx=ctx, pack=t_pack,
+                                       width=len(t_input.columns), queries=plan.query_rows != 0)
+            empty = _empty_target_block(spark).crossJoin(F.broadcast(q_packed)).select(
+                C.Q_BLOCK_ID, C.Q_BLOB, C.T_BLOCK_ID, C.T_BLOB)
+            partials = _first_row_meets(t_input, q_packed).mapInArrow(search, _partial_schema()).unionByName(
+                empty.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema()))
         else:
             # The exchanges materialise the packed blocks once (shuffle files), so the cartesian
             # product reads the same blocks for every pair; the hint forbids a broadcast.
             q_side = q_packed.repartition(plan.query_partitions)
             t_side = t_packed.repartition(plan.target_partitions)
             pairs = q_side.hint("shuffle_replicate_nl").crossJoin(t_side)
-        partials = pairs.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema())
+            partials = pairs.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema())
         joined = partials.groupBy(C.Q_BLOCK_ID).applyInArrow(_merge_function(ctx), out_schema)
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
     return _output(joined, names, planned, len(q_kept))
+
+
+def _first_row_meets(streamed: DataFrame, broadcast: DataFrame) -> DataFrame:
+    """``streamed``'s rows, each task's first row joined to every row of ``broadcast`` (its
+    packed blocks), the others to none (NULLs), in the streamed partitions' order: a side's
+    rows reach the search once, as they are, with the blocks of the broadcast side once per
+    task (``udfs.blocks.streamed_blocks``). A task's first row is the one whose
+    ``monotonically_increasing_id`` has a row number of 0 (its lower 33 bits), computed above
+    a coalesce that keeps the partitions as they are: over a local relation the optimizer
+    would otherwise evaluate it once, as one partition, before the relation is split into
+    tasks (the search fails a task whose first row met no block)."""
+    first = (F.monotonically_increasing_id().bitwiseAND((1 << 33) - 1) == 0).alias(C.FIRST_ROW)
+    return (streamed.coalesce(1 << 30).select("*", first)
+            .join(F.broadcast(broadcast), F.col(C.FIRST_ROW), "left").drop(C.FIRST_ROW))
 
 
 def _searched_here(planned: PlannedJoin, ctx: JoinContext, out_schema: StructType, n_query: int) -> DataFrame:

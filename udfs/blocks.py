@@ -1,15 +1,20 @@
 """The plan loops Spark runs on executors: block pairs through decode -> search -> merge -> encode.
 
-* **Pairs.** The driver cross-joins packed query blocks with packed target blocks
-  (``udfs.packing``). Each pair row holds ``(q_block_id, q_blob, t_block_id, t_blob)``.
-* broadcast: :func:`search_broadcast` folds every target block into the state
-  (``udfs.merge.TopkState``) of a query block in one pass (the pairs of one query block arrive
-  together, as a broadcast nested loop join streams them; the block's rows come with its
-  first pair only, that of the empty target block) and emits the joined rows (``udfs.encode``).
-* blocked: :func:`search_pairs` emits one partial state per pair (its own task), and
-  :func:`merge_partials` (grouped by query block) folds the partials and emits the rows.
-  A query block's own rows travel once, with its partial of the empty target block (every
-  query block has exactly one), not with each of its target blocks' partials.
+* **Pairs.** A search meets (query block, target block) pairs, each ``(q_block_id, q_blob,
+  t_block_id, t_blob)`` with the blocks packed by ``udfs.packing``. The side a plan broadcasts
+  is packed by a Spark stage of its own; the side it streams reaches the search as rows, each
+  task's first row carrying the broadcast blocks (:func:`streamed_blocks`), and is packed in
+  the search's task (the rows cross from Spark once). The one-task plan and the blocked plan's
+  cartesian product pair packed blocks of both sides (:func:`search_broadcast`,
+  :func:`search_pairs` on pair rows).
+* broadcast: :func:`search_streamed_queries` folds every target block into the state
+  (``udfs.merge.TopkState``) of a query block in one pass and emits the joined rows
+  (``udfs.encode``).
+* blocked: one partial state per pair (:func:`search_pairs`; with the query blocks broadcast,
+  :func:`search_streamed_targets`), and :func:`merge_partials` (grouped by query block) folds
+  the partials and emits the rows. A query block's own rows travel once, with its partial of
+  the empty target block (every query block has exactly one), not with each of its target
+  blocks' partials.
 * keyed blocked (``nearest_join.keyed``: ``on=`` keys or IVF lists, a target too large to
   broadcast): :func:`search_cell` searches one cell (a cogroup of one query part and one
   target part) and emits a partial per stage-2 block among its query rows, named by their
@@ -117,6 +122,61 @@ class _PairSearch:
         """Run ``fn(*args)`` on the worker thread, after everything submitted before it."""
         return self._worker.submit(fn, *args)
 
+
+
+def _pairs(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple]:
+    """The (query block id, query blob, target block id, target blob) of each pair row."""
+    for batch in batches:
+        q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
+        for r in range(batch.num_rows):
+            yield int(q_ids[r]), q_blobs[r], int(t_ids[r]), t_blobs[r]
+
+
+def streamed_blocks(batches: Iterable[pa.RecordBatch], pack, width: int,
+                    required: bool = True) -> tuple[list, Iterator[tuple]]:
+    """A streamed side's rows as they are, and the broadcast blocks its task's first row met.
+
+    Input rows: the side's ``width`` columns, then a broadcast block's id and blob; the task's
+    first row comes once per broadcast block (the plan joins it alone to them), every other
+    row once with NULLs. ``required``: the broadcast side has a block at least (the empty
+    target block; query blocks, unless the query has no rows), and a task whose first row met
+    none fails. Returns the broadcast blocks as (id, blob) in their order (complete:
+    the rows are read up to the first without a block before the blocks are returned), and
+    the side's own blocks as (id, blob), which ``pack`` (a packing mapInArrow function) makes
+    of the rows here, in the search's own task: the rows cross from Spark once."""
+    batches = iter(batches)
+    met: list[tuple[int, pa.Buffer]] = []
+    held: list[pa.RecordBatch] = []
+    for batch in batches:
+        valid = batch.column(width).is_valid().to_numpy(zero_copy_only=False)
+        if valid.any():
+            mask = pa.array(valid)
+            ids, blobs = batch.column(width).filter(mask).to_numpy(), binary_values(batch.column(width + 1).filter(mask))
+            # The first row once: its other copies are its pairs with the other blocks.
+            keep = ~valid
+            if not met:
+                keep[np.flatnonzero(valid)[0]] = True
+            met.extend((int(i), blob) for i, blob in zip(ids, blobs))
+            batch = batch.filter(pa.array(keep))
+        held.append(batch.select(range(width)))
+        if not valid.all():
+            break
+    if required and not met and any(batch.num_rows for batch in held):
+        raise RuntimeError("internal error: a task's first streamed row met no broadcast block (the plan "
+                           "joins it to every block); its rows would be searched against none")
+
+    def rows() -> Iterator[pa.RecordBatch]:
+        yield from held
+        for batch in batches:
+            yield batch.select(range(width))
+
+    def blocks() -> Iterator[tuple]:
+        for packed in pack(rows()):
+            ids, blobs = packed.column(0).to_numpy(), binary_values(packed.column(1))
+            for r in range(packed.num_rows):
+                yield int(ids[r]), blobs[r]
+
+    return met, blocks()
 
 
 def _pair_columns(batch: pa.RecordBatch):
@@ -237,18 +297,32 @@ class _QueryBlock:
 
 
 def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
-    """Broadcast plan, one pass: fold every target block into each query block, emit rows.
+    """The broadcast plan's search, one pass: fold every target block into each query block,
+    emit rows. Pairs of packed blocks (the one-task plan's; :func:`search_streamed_queries`
+    makes the pairs of the streamed plan in its task).
 
-    Input rows ``(q_block_id, q_blob, t_block_id, t_blob)`` arrive grouped by query block (a
-    broadcast nested-loop join streams each query row against all broadcast rows), and a query
-    block's first pair carries its rows (``q_blob`` NULL in the others; in Spark that is the
-    empty target block's pair, the broadcast's first row; in a one-task join every pair carries
-    them, and those of the later pairs are not read). That order is checked: a query
-    block must arrive with its rows, and every query block of a task must meet the same set
-    of target blocks.
+    Input rows ``(q_block_id, q_blob, t_block_id, t_blob)`` arrive grouped by query block, and
+    a query block's first pair carries its rows (``q_blob`` NULL in the others; in a one-task
+    join every pair carries them, and those of the later pairs are not read). That order is
+    checked: a query block must arrive with its rows, and every query block of a task must
+    meet the same set of target blocks.
     A worker thread searches and folds (on the device for a GPU searcher) while this thread
     emits the rows of the previous query block.
     """
+    return _search_broadcast(_pairs(batches), ctx)
+
+
+def search_streamed_queries(batches: Iterable[pa.RecordBatch], ctx: JoinContext, pack, width: int
+                            ) -> Iterator[pa.RecordBatch]:
+    """Broadcast plan, the query's rows as they are (:func:`streamed_blocks`): packed into
+    blocks here, each searched against every broadcast target block as
+    :func:`search_broadcast` searches its pairs."""
+    met, blocks = streamed_blocks(batches, pack, width)
+    return _search_broadcast(((q_id, q_blob, t_id, t_blob) for q_id, q_blob in blocks for t_id, t_blob in met),
+                             ctx)
+
+
+def _search_broadcast(pairs: Iterable[tuple], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
     pair = _PairSearch(ctx)
     metric = ctx.settings.metric
     prefetch = getattr(pair.searcher, "prefetch", None)   # GPU searchers stage query blocks ahead
@@ -272,32 +346,29 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
         return emit_rows(done.table, done.result(target_views), ctx)
 
     try:
-        for batch in batches:
-            q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
-            for r in range(batch.num_rows):
-                previous = None
-                t_id = int(t_ids[r])
-                if t_id not in targets_seen and t_id != C.EMPTY_BLOCK_ID:
-                    # Decoded on the worker (it caches the block for the folds) while this
-                    # thread decodes the query block: the first search waits on one decode.
-                    targets_seen.add(t_id)
-                    pair.submit(pair.broadcast_target, t_id, t_blobs[r])
-                if block is None or q_ids[r] != block.id:
-                    if q_blobs[r].size == 0:
-                        raise RuntimeError(
-                            f"internal error: query block {q_ids[r]} arrived without its rows (its first "
-                            f"pair was with target block {t_id}); its output would be lost")
-                    previous, block = block, _QueryBlock(q_ids[r], *pair.query_block(q_blobs[r]))
-                    if prefetch is not None:   # to the device while the worker searches
-                        prefetch(block.vectors)
-                if t_id in block.seen:
-                    raise RuntimeError(f"internal error: target block {t_id} met twice")
-                block.seen.add(t_id)
-                if block.groups is None:   # keyed: one search of the union, at the block's end
-                    block.folds.append(pair.submit(block.fold, pair, t_id, t_blobs[r], metric))
-                if previous is not None:
-                    # The worker has moved on to the new block while the old one is emitted.
-                    yield from finish(previous)
+        for q_id, q_blob, t_id, t_blob in pairs:
+            previous = None
+            if t_id not in targets_seen and t_id != C.EMPTY_BLOCK_ID:
+                # Decoded on the worker (it caches the block for the folds) while this
+                # thread decodes the query block: the first search waits on one decode.
+                targets_seen.add(t_id)
+                pair.submit(pair.broadcast_target, t_id, t_blob)
+            if block is None or q_id != block.id:
+                if q_blob.size == 0:
+                    raise RuntimeError(
+                        f"internal error: query block {q_id} arrived without its rows (its first "
+                        f"pair was with target block {t_id}); its output would be lost")
+                previous, block = block, _QueryBlock(q_id, *pair.query_block(q_blob))
+                if prefetch is not None:   # to the device while the worker searches
+                    prefetch(block.vectors)
+            if t_id in block.seen:
+                raise RuntimeError(f"internal error: target block {t_id} met twice")
+            block.seen.add(t_id)
+            if block.groups is None:   # keyed: one search of the union, at the block's end
+                block.folds.append(pair.submit(block.fold, pair, t_id, t_blob, metric))
+            if previous is not None:
+                # The worker has moved on to the new block while the old one is emitted.
+                yield from finish(previous)
         if block is not None:
             yield from finish(block)
     finally:
@@ -309,6 +380,21 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
 
     The search of the next pair runs while the current partial is serialised.
     """
+    return _search_pairs(_pairs(batches), ctx)
+
+
+def search_streamed_targets(batches: Iterable[pa.RecordBatch], ctx: JoinContext, pack, width: int,
+                            queries: bool = True) -> Iterator[pa.RecordBatch]:
+    """Blocked plan with the query blocks broadcast, the target's rows as they are
+    (:func:`streamed_blocks`): packed into blocks here, one partial per (query block, target
+    block) as :func:`search_pairs`. The empty target block's partials (a query block's rows)
+    are another task's (:func:`search_pairs` of the empty block's pairs). ``queries``: the
+    query side has rows (query blocks to meet)."""
+    met, blocks = streamed_blocks(batches, pack, width, required=queries)
+    return _search_pairs(((q_id, q_blob, t_id, t_blob) for t_id, t_blob in blocks for q_id, q_blob in met), ctx)
+
+
+def _search_pairs(pairs: Iterable[tuple], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
     if ctx.keyed:
         raise RuntimeError("internal error: on= keys planned on the blocked plan, which takes none")
     pair = _PairSearch(ctx)
@@ -327,15 +413,12 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
 
     pending = None
     try:
-        for batch in batches:
-            q_ids, q_blobs, t_ids, t_blobs = _pair_columns(batch)
-            for r in range(batch.num_rows):
-                _, q_vectors, _ = pair.query_block(q_blobs[r])
-                submitted = (q_ids[r], q_blobs[r], int(t_ids[r]),
-                             pair.submit(pair.search, q_vectors, int(t_ids[r]), t_blobs[r]))
-                if pending is not None:
-                    yield partial_batch(*pending)
-                pending = submitted
+        for q_id, q_blob, t_id, t_blob in pairs:
+            _, q_vectors, _ = pair.query_block(q_blob)
+            submitted = (q_id, q_blob, t_id, pair.submit(pair.search, q_vectors, t_id, t_blob))
+            if pending is not None:
+                yield partial_batch(*pending)
+            pending = submitted
         if pending is not None:
             yield partial_batch(*pending)
     finally:

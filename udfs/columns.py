@@ -10,6 +10,7 @@ Q_BLOCK_ID = "__nj_q_block_id"
 Q_BLOB = "__nj_q_blob"
 T_BLOCK_ID = "__nj_t_block_id"
 T_BLOB = "__nj_t_blob"
+FIRST_ROW = "__nj_first_row"   # a task's first streamed row (nearest_join.join._first_row_meets)
 PARTIAL = "__nj_partial"
 # on= keys: a side's key columns cast to their common type, and the dense group id of a key.
 GROUP = "__nj_group"

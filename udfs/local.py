@@ -1,17 +1,22 @@
 """An in-process driver of the executor functions: Arrow tables in, joined rows out.
 
 :func:`local_join` packs, pairs and searches exactly as Spark feeds the functions of
-``udfs.packing`` and ``udfs.blocks``, without Spark (tests, GPU benchmarks).
+``udfs.packing`` and ``udfs.blocks``, without Spark (tests, GPU benchmarks): the one-task
+plan's pairs (``broadcast``), the blocked plan's (``blocked``), and the plans whose streamed
+side reaches the search as rows (``broadcast-streamed``: the query's; ``blocked-streamed``:
+the target's, against the broadcast query blocks).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .blocks import merge_partials, search_broadcast, search_pairs
+from .blocks import (merge_partials, search_broadcast, search_pairs, search_streamed_queries,
+                     search_streamed_targets)
 from .context import JoinContext, SideLayout, local_task
 from .packing import PACKED_SCHEMA, empty_target_block, pack_blocks
 from .timing import timed
@@ -40,6 +45,24 @@ def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True)
             yield pa.RecordBatch.from_arrays([q_id, rows, t_id, t_blob], schema=PAIR_SCHEMA)
 
 
+def streamed_batches(rows: pa.Table, broadcast: pa.Table, max_rows: int = 1000) -> Iterator[pa.RecordBatch]:
+    """One task's input of a streamed plan (``nearest_join.join._first_row_meets``): the side's
+    ``rows`` with two more columns, the first row once per ``broadcast`` block (id, blob), the
+    others once with NULLs, in batches of at most ``max_rows`` rows."""
+    n = rows.num_rows
+    if n == 0:
+        return
+    first = np.zeros(max(1, broadcast.num_rows), np.int64)
+    taken = rows.take(np.concatenate([first, np.arange(1, n)]))
+    nulls = n - 1
+    ids = pa.concat_arrays([broadcast.column(0).combine_chunks() if broadcast.num_rows else pa.nulls(1, pa.int64()),
+                            pa.nulls(nulls, pa.int64())])
+    blobs = pa.concat_arrays([broadcast.column(1).combine_chunks() if broadcast.num_rows else pa.nulls(1, pa.binary()),
+                              pa.nulls(nulls, pa.binary())])
+    table = taken.append_column("__id", ids).append_column("__blob", blobs)
+    yield from table.to_batches(max_chunksize=max_rows)
+
+
 def local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str = "broadcast",
                partitions: int = 1, *, gpu: str | None = None, task_scope: str | None = None) -> pa.Table:
     """Run the executor functions in-process on Arrow tables, as Spark would feed them.
@@ -54,28 +77,47 @@ def local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str = 
 
 
 def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, partitions: int) -> pa.Table:
+    def parts(table: pa.Table) -> list[pa.Table]:
+        bounds = np.linspace(0, table.num_rows, partitions + 1).astype(int)
+        return [table.slice(bounds[p], bounds[p + 1] - bounds[p]) for p in range(partitions)]
+
     def pack(table: pa.Table, layout: SideLayout) -> pa.Table:
         out = []
-        bounds = np.linspace(0, table.num_rows, partitions + 1).astype(int)
-        for p in range(partitions):
-            part = table.slice(bounds[p], bounds[p + 1] - bounds[p])
+        for p, part in enumerate(parts(table)):
             with timed(ctx.timings, "pack"):
                 out.extend(pack_blocks(part.to_batches(max_chunksize=1000), layout, partition=p))
         return pa.Table.from_batches(out, schema=PACKED_SCHEMA)
 
-    q_packed = pack(query, ctx.query)
-    t_packed = pa.concat_tables([pa.Table.from_batches([empty_target_block()]),
-                                 pack(target, ctx.target)])
-    if plan == "broadcast":
-        out = list(search_broadcast(pair_batches(q_packed, t_packed), ctx))
-    elif plan == "blocked":
-        partial = list(search_pairs(pair_batches(q_packed, t_packed, rows_once=False), ctx))
+    def merged(partial: list[pa.RecordBatch]) -> list[pa.RecordBatch]:
         groups: dict[int, list[pa.RecordBatch]] = {}
         for b in partial:
             groups.setdefault(b.column(0)[0].as_py(), []).append(b)
-        out = [b for key, bs in groups.items() for b in merge_partials((key,), bs, ctx)]
+        return [b for key, bs in groups.items() for b in merge_partials((key,), bs, ctx)]
+
+    empty = pa.Table.from_batches([empty_target_block()])
+    if plan == "broadcast-streamed":
+        t_packed = pa.concat_tables([empty, pack(target, ctx.target)])
+        out = []
+        for p, part in enumerate(parts(query)):
+            out.extend(search_streamed_queries(streamed_batches(part, t_packed), ctx, width=query.num_columns,
+                                               pack=functools.partial(pack_blocks, layout=ctx.query, partition=p)))
+    elif plan == "blocked-streamed":
+        q_packed = pack(query, ctx.query)
+        partial = list(search_pairs(pair_batches(q_packed, empty), ctx))
+        for p, part in enumerate(parts(target)):
+            partial.extend(search_streamed_targets(
+                streamed_batches(part, q_packed), ctx, width=target.num_columns,
+                pack=functools.partial(pack_blocks, layout=ctx.target, partition=p)))
+        out = merged(partial)
+    elif plan == "broadcast":
+        t_packed = pa.concat_tables([empty, pack(target, ctx.target)])
+        out = list(search_broadcast(pair_batches(pack(query, ctx.query), t_packed), ctx))
+    elif plan == "blocked":
+        t_packed = pa.concat_tables([empty, pack(target, ctx.target)])
+        out = merged(list(search_pairs(pair_batches(pack(query, ctx.query), t_packed, rows_once=False), ctx)))
     else:
-        raise ValueError(f"plan: expected 'broadcast' or 'blocked', got {plan!r}")
+        raise ValueError(f"plan: expected 'broadcast', 'blocked', 'broadcast-streamed' or 'blocked-streamed', "
+                         f"got {plan!r}")
     if not out:
         return None
     return pa.Table.from_batches(out)

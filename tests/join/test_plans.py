@@ -123,6 +123,42 @@ def test_broadcast_query_blocks_match_reference(spark, data, monkeypatch, metric
     assert sorted((r["qid"], r["tid"], r["d"]) for r in rows) == [(0, None, None), (1, None, None), (2, None, None)]
 
 
+@pytest.mark.parametrize("plan", ["broadcast", "queries broadcast"])
+def test_a_streamed_side_of_empty_and_skewed_partitions(spark, data, monkeypatch, plan):
+    """The streamed side reaches the search as rows, each task's first row carrying the
+    broadcast blocks: 64 partitions, most of them empty, one holding most rows (many Arrow
+    batches); LEFT OUTER with a query without a vector; a query side without rows."""
+    Q, T, q, t = data
+    skewed = lambda df, name, few: df.repartition(64, F.when(F.col(name) < few, 0).otherwise(F.col(name)))
+    queries = q.where("qid < 40").withColumn("qv", F.when(F.col("qid") == 7, None).otherwise(F.col("qv")))
+    if plan == "broadcast":
+        monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
+        queries, targets = skewed(queries, "qid", 30), t
+    else:
+        monkeypatch.setattr(planner, "QUERY_BROADCAST_MIN_TARGET_BYTES", 0)
+        monkeypatch.setattr(planner, "QUERY_BROADCAST_RATIO", 0)
+        targets = skewed(t, "tid", 1500)
+    options = dict(vectors=("qv", "tv"), join_type="left", target_block_rows=300)
+    explained = explain_nearest_join(queries, targets, "l2", K, **options)
+    assert (explained.plan, explained.queries_broadcast, explained.one_task) == \
+        (("broadcast", False, False) if plan == "broadcast" else ("blocked", True, False))
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "16")
+    try:
+        rows = nearest_by_join(queries, targets, "l2", K, distance_col="d", **options).collect()
+    finally:
+        spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+    assert sorted((r["qid"], r["tid"]) for r in rows if r["qid"] == 7) == [(7, None)]
+    rows = [r for r in rows if r["qid"] != 7]
+    assert len(rows) == 39 * K
+    ours = group_rows(rows, lambda r: r["qid"], lambda r: r["tid"], lambda r: float(r["d"]))
+    kept = [i for i in range(40) if i != 7]
+    assert_join_true_topk(ours, Q[kept], T, K, "l2", kept, list(range(NT)))
+    # no query rows: no broadcast block for the target's tasks to meet, and no row
+    none = queries.where("qid < 0")
+    assert explain_nearest_join(none, targets, "l2", K, **options).queries_broadcast == (plan != "broadcast")
+    assert nearest_by_join(none, targets, "l2", K, **options).collect() == []
+
+
 def test_a_small_join_runs_one_job_of_one_task(spark, data):
     """A small join of inputs cheap to read in one task runs one Spark job of one task (no
     broadcast job); an input that runs Python (an embedding model, say) is not read in one

@@ -289,3 +289,54 @@ def test_a_keyed_broadcast_task_searches_the_union_of_its_target_blocks(monkeypa
     got = [tid[qid == i].tolist() for i in range(nq)]
     assert got == expected.tolist()
     assert all(row[0] == i for i, row in enumerate(got[:20]))   # the tie at 0: the first copy
+
+
+@pytest.mark.parametrize("plan", ["broadcast-streamed", "blocked-streamed"])
+@pytest.mark.parametrize("join_type", ["inner", "leftouter"])
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_streamed_plans_match_the_paired_ones(plan, join_type, partitions):
+    """The plans whose streamed side reaches the search as rows (each task's first row met by
+    every broadcast block) return the paired plan's rows: several blocks on both sides, NULL
+    query vectors, one task or several (tasks of no rows: tests/join/test_plans.py)."""
+    rng = np.random.default_rng(7)
+    Q, T, qt, tt = _tables(rng, 61, 403, 5)
+    qt = qt.set_column(1, "qv", pa.array([None if i % 17 == 3 else list(Q[i]) for i in range(61)],
+                                         type=pa.list_(pa.float32())))
+    ctx = _ctx(4, "l2", 5, 13, 50, join_type, tt.schema)
+    paired = local_join(qt, tt, ctx, plan="blocked", partitions=2)
+    streamed = local_join(qt, tt, ctx, plan=plan, partitions=partitions)
+    key = [(C.output_name(0), "ascending"), (C.output_name(2), "ascending")]
+    # 4 of the 61 queries have no vector: no row (inner), one NULL row each (left outer)
+    assert streamed.num_rows == paired.num_rows == 57 * 4 + (4 if join_type == "leftouter" else 0)
+    assert streamed.sort_by(key).equals(paired.sort_by(key))
+
+
+def test_streamed_blocks_keep_the_first_row_once_whatever_the_batches():
+    """The first row's copies (one per broadcast block) spanning several input batches, and a
+    task whose first row met no block (an empty broadcast side): every row once, in order, and
+    the blocks complete before the first packed block; no block where one is required fails."""
+    from udfs.blocks import streamed_blocks
+    from udfs.local import streamed_batches
+
+    rows = pa.table({"a": np.arange(10), "v": pa.array([[float(i)] for i in range(10)], pa.list_(pa.float32()))})
+    met = pa.table({"id": np.arange(7, dtype=np.int64) + 100, "blob": [bytes([i]) * 3 for i in range(7)]})
+    seen = []
+
+    def pack(batches):
+        for batch in batches:
+            seen.extend(batch.column(0).to_pylist())
+            yield pa.RecordBatch.from_arrays([pa.array([len(seen)], pa.int64()), pa.array([b"x"])],
+                                             names=["id", "blob"])
+
+    for chunk in (1, 2, 3, 1000):
+        seen.clear()
+        blocks, packed = streamed_blocks(streamed_batches(rows, met, max_rows=chunk), pack, 2)
+        assert [b for b, _ in blocks] == list(range(100, 107))
+        assert [bytes(blob) for _, blob in blocks] == [bytes([i]) * 3 for i in range(7)]
+        assert len(list(packed)) >= 1 and seen == list(range(10))
+        seen.clear()
+        blocks, packed = streamed_blocks(streamed_batches(rows, met.slice(0, 0), max_rows=chunk), pack, 2,
+                                         required=False)
+        assert blocks == [] and len(list(packed)) >= 1 and seen == list(range(10))
+        with pytest.raises(RuntimeError, match="met no broadcast block"):
+            streamed_blocks(streamed_batches(rows, met.slice(0, 0), max_rows=chunk), pack, 2)

@@ -265,7 +265,8 @@ def test_kept_blocks_count_against_the_budget_and_make_room_first(no_kept_blocks
         not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ])
 @pytest.mark.parametrize("metric", ["l2", "inner_product"])
-def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch, metric, device):
+@pytest.mark.parametrize("plan", ["broadcast", "broadcast-streamed"])
+def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch, metric, device, plan):
     """The GPU searcher's device-side fold (here on a CPU torch device) through the broadcast
     plan: many target blocks, duplicate target vectors across blocks (ties go to the lower
     global key), payload rows follow their vectors."""
@@ -286,7 +287,7 @@ def test_broadcast_plan_folding_on_the_device_matches_the_reference(monkeypatch,
                         lambda s: G.GpuBlockSearcher(s, torch.device(device)))
     ctx = JoinContext(settings, SideLayout("qv", 1, d, 10), SideLayout("tv", 1, d, 20),
                       "inner", True, tt.schema)
-    out = local_join(qt, tt, ctx, plan="broadcast", partitions=2)
+    out = local_join(qt, tt, ctx, plan=plan, partitions=2)
     values, indices = knn(Q, T, k, metric, backend="reference")
     got = {}
     for qid, tid, tv in zip(out.column(0).to_pylist(), out.column(2).to_pylist(), out.column(3).to_pylist()):
@@ -320,7 +321,7 @@ def test_task_scope_inside_spark_is_the_execution_and_stage(spark, monkeypatch):
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device")]),
 ])
-@pytest.mark.parametrize("plan", ["broadcast", "blocked"])
+@pytest.mark.parametrize("plan", ["broadcast", "blocked", "broadcast-streamed", "blocked-streamed"])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
 def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device):
     """A join's cap reaches the GPU searcher (its search and its device fold) and the kernels
