@@ -280,7 +280,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                                  parsed.target_column), ("blocked",))
         layout = None
-        if keys is not None and plan.plan == "blocked":
+        if keys is not None and plan.plan == "blocked" and not plan.queries_broadcast:
             # The cells need the groups' sizes: a second small job (one row per group).
             layout = keyed.layout_of(*positional_inputs(query, target, keys), target_block_rows=plan.target_block_rows,
                                      query_block_rows=plan.query_block_rows, cores=plan.cores,

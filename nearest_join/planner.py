@@ -169,7 +169,10 @@ class JoinPlan:
                           else f"{self.key_groups} target groups, the largest {self.largest_group} rows")
                 lines.append(f"  keys: {equal}; {groups} (a NULL key or one absent from the target "
                              "matches nothing)")
-                if self.plan == "broadcast":
+                if self.queries_broadcast:
+                    lines.append("  keyed search: each target partition's rows are grouped by key; each "
+                                 "query block searches only its keys' rows there")
+                elif self.plan == "broadcast":
                     lines.append("  keyed search: the broadcast target is grouped by key; each query "
                                  "block searches only its keys' target rows (small groups batched into "
                                  "one segment search, large ones one kernel call each)")
@@ -714,7 +717,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     memory_q_rows = budget // 4 // query_row_bytes
     spread = one_task = False
     query_bytes = query_rows * row_bytes
-    queries_broadcast = (keys is None and options.mode == "exact" and query_bytes <= limit
+    queries_broadcast = (options.mode == "exact" and query_bytes <= limit
                          and target_bytes >= QUERY_BROADCAST_MIN_TARGET_BYTES
                          and query_bytes * QUERY_BROADCAST_RATIO <= target_bytes)
     if queries_broadcast:

@@ -389,14 +389,49 @@ def search_streamed_targets(batches: Iterable[pa.RecordBatch], ctx: JoinContext,
     (:func:`streamed_blocks`): packed into blocks here, one partial per (query block, target
     block) as :func:`search_pairs`. The empty target block's partials (a query block's rows)
     are another task's (:func:`search_pairs` of the empty block's pairs). ``queries``: the
-    query side has rows (query blocks to meet)."""
+    query side has rows (query blocks to meet). Keyed (``on=``): :func:`_search_keyed_targets`."""
     met, blocks = streamed_blocks(batches, pack, width, required=queries)
+    if ctx.keyed:
+        return _search_keyed_targets(met, blocks, ctx)
     return _search_pairs(((q_id, q_blob, t_id, t_blob) for t_id, t_blob in blocks for q_id, q_blob in met), ctx)
 
 
+def _search_keyed_targets(met: list, blocks: Iterator[tuple], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
+    """The keyed search of a task's streamed target rows: every query block (``met``) against
+    the union of the task's target blocks grouped by key (:class:`_KeyedUnion`, as a keyed
+    broadcast task searches its broadcast blocks), one partial per query block, named by the
+    task's first target block (a retried task's partial is counted once). The task holds its
+    partition's target rows at once."""
+    pair = _PairSearch(ctx)
+    try:
+        ids = []
+        for t_id, t_blob in blocks:
+            pair.broadcast_target(t_id, t_blob)   # decoded once, kept for the union
+            ids.append(t_id)
+        if not ids:
+            return
+        with timed(ctx.timings, "decode"):
+            union = pair.keyed_union(ids)
+        for q_id, q_blob in met:
+            _, vectors, groups = pair.query_block(q_blob)
+            state = None
+            if vectors.shape[0]:
+                with timed(ctx.timings, "search"):
+                    values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), vectors, groups,
+                                                  union.vectors, union.segments, ctx.k, ctx.settings.metric,
+                                                  cap=ctx.cap, threads=task_cpus(),
+                                                  wide=getattr(pair.searcher, "backend", None) == "cpu")
+                with timed(ctx.timings, "merge"):
+                    state = union.state(values, rows)
+            partial = pa.py_buffer(b"") if state is None else state.to_blob()
+            yield pa.RecordBatch.from_arrays(
+                [pa.array([q_id], pa.int64()), pa.array([ids[0]], pa.int64()),
+                 binary_array([pa.py_buffer(b"")]), binary_array([partial])], schema=PARTIAL_SCHEMA)
+    finally:
+        pair.close()
+
+
 def _search_pairs(pairs: Iterable[tuple], ctx: JoinContext) -> Iterator[pa.RecordBatch]:
-    if ctx.keyed:
-        raise RuntimeError("internal error: on= keys planned on the blocked plan, which takes none")
     pair = _PairSearch(ctx)
 
     def partial_batch(q_id, q_blob, t_id, future) -> pa.RecordBatch:
@@ -414,6 +449,8 @@ def _search_pairs(pairs: Iterable[tuple], ctx: JoinContext) -> Iterator[pa.Recor
     pending = None
     try:
         for q_id, q_blob, t_id, t_blob in pairs:
+            if ctx.keyed and t_id != C.EMPTY_BLOCK_ID:
+                raise RuntimeError("internal error: on= keys paired block by block, which searches no keys")
             _, q_vectors, _ = pair.query_block(q_blob)
             submitted = (q_id, q_blob, t_id, pair.submit(pair.search, q_vectors, t_id, t_blob))
             if pending is not None:
@@ -443,6 +480,8 @@ def merge_partials(key, batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> 
             q_blob = next((b for b in binary_values(batch.column(C.Q_BLOB)) if b.size), None)
             if q_blob is not None:
                 q_table = blob_to_table(q_blob)
+                if ctx.query.group_index is not None:   # keyed: the rows without their group id
+                    q_table = q_table.remove_column(ctx.query.group_index)
         for r in range(batch.num_rows):
             if int(t_ids[r]) in seen:  # a retried task's duplicate: never count a block twice
                 continue

@@ -264,6 +264,34 @@ def test_keys_take_the_blocked_plan_too(spark, data, frames):
     check_keyed(rows, queries, targets, q_keys, t_keys, "l2", K, "leftouter", case="blocked")
 
 
+@pytest.mark.parametrize("metric, capped", [("l2", False), ("cosine", True), ("inner_product", False)])
+def test_keys_with_the_query_blocks_broadcast(spark, data, frames, monkeypatch, metric, capped):
+    """Few queries against a large target (the thresholds lowered so that these sizes take it):
+    the query blocks are broadcast, each target partition's streamed rows are grouped by key
+    and searched there, and the partials merged; the target in 64 partitions, most empty, one
+    holding most rows, several blocks per task; left outer, a cap."""
+    from nearest_join import planner
+
+    monkeypatch.setattr(planner, "QUERY_BROADCAST_MIN_TARGET_BYTES", 0)
+    monkeypatch.setattr(planner, "QUERY_BROADCAST_RATIO", 0)
+    queries, targets, q_keys, t_keys = data
+    q, t = frames
+    t = t.repartition(64, F.when(F.col("tid") < NT // 2, 0).otherwise(F.col("tid")))
+    cap = None
+    if capped:
+        from tests.oracle import key_values, oracle_keys
+
+        values = np.sort(key_values(oracle_keys(queries, targets, metric), metric).ravel())
+        at = values.size - 1 - values.size // 4 if metric in SIMILARITY else values.size // 8
+        cap = float((values[at] + values[at + 1]) / 2)
+    options = dict(vectors=("qv", "tv"), on="k", join_type="left", query_block_rows=20, target_block_rows=15,
+                   **_cap_argument(metric, cap))
+    plan = explain_nearest_join(q, t, metric, K, **options)
+    assert plan.plan == "blocked" and plan.queries_broadcast and plan.keys is not None
+    rows = nearest_by_join(q, t, metric, K, distance_col="d", **options).collect()
+    check_keyed(rows, queries, targets, q_keys, t_keys, metric, K, "leftouter", cap=cap, case=f"{metric} {cap}")
+
+
 def test_keys_with_a_ranking_spark_runs_is_an_error(spark, frames):
     q, t = frames
     with pytest.raises(ArgumentError, match="on: applies to the vector functions"):

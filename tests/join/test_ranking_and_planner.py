@@ -188,7 +188,8 @@ def _options(**kw) -> JoinOptions:
 def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
     """A query side at most 1/128 of a target of 64 MiB or more: the blocked plan with the
     query blocks broadcast, the target read in its own partitions, under the broadcast limit
-    or over it; not with keys, not for approx, not for a smaller target or a larger query."""
+    or over it, with keys too (searched by key in each target partition: the explanation says
+    so); not for approx, not for a smaller target or a larger query."""
     spark = _Spark(spark__master="local[2]", spark__driver__memory="4g")
 
     def plan(query_rows, target_rows, **kw):
@@ -207,7 +208,8 @@ def test_few_queries_against_a_large_target_broadcast_the_query_blocks():
     keyed = choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(), dimension=128,
                         itemsize=4, query_rows=1000, target_rows=200_000,
                         keys=[JoinKey("g", "g", "int", "int", "int")])
-    assert not keyed.queries_broadcast
+    assert keyed.queries_broadcast and keyed.key_cells is None
+    assert "each target partition's rows are grouped by key" in str(keyed)
 
 
 def test_a_small_join_of_cheap_inputs_runs_in_one_task():
