@@ -12,6 +12,7 @@ import pytest
 
 from nearest_kernels import knn
 from tests.oracle import assert_knn_result, backend_rtol
+from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings, SideLayout
 
 torch = pytest.importorskip("torch", reason="torch is not installed")
@@ -360,6 +361,63 @@ def test_capped_joins_run_on_the_gpu_searcher(monkeypatch, metric, plan, device)
     assert (counts == 0).any() and ((counts > 0) & (counts < k)).any(), counts
     for q in range(nq):
         assert sorted(got.get(q, [])) == sorted(indices[q][indices[q] >= 0].tolist()), q
+
+
+@pytest.mark.parametrize("device", [
+    None,   # the task's own searcher (the CPU kernels)
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]),
+])
+@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+def test_keyed_streamed_targets_match_the_keyed_broadcast(monkeypatch, metric, device):
+    """on= keys with the query blocks broadcast (the target's rows streamed, grouped by key per
+    task, one partial per query block and task) give the keyed broadcast plan's rows exactly:
+    exact duplicate targets in other blocks and tasks, queries equal to targets (ties at the
+    best value), a group smaller than k, queries of a group the target lacks and NULL groups."""
+    import pyarrow as pa
+
+    from udfs import blocks as B
+    from udfs.local import local_join
+
+    rng = np.random.default_rng(31)
+    nq, nt, d, k = 50, 400, 6, 5
+    T = rng.standard_normal((nt, d)).astype(np.float32)
+    T[300:360] = T[:60]                              # copies in later blocks and tasks
+    Q = rng.standard_normal((nq, d)).astype(np.float32)
+    Q[:10] = T[:10]
+    t_groups = rng.integers(0, 4, nt)
+    t_groups[300:360] = t_groups[:60]
+    t_groups[t_groups == 3] = 2
+    t_groups[[5, 77, 140]] = 3                        # group 3: three targets, fewer than k
+    q_groups = rng.integers(0, 5, nq).astype(object)  # group 4: no target
+    q_groups[:10] = t_groups[:10]
+    q_groups[[11, 12]] = None
+    qt = pa.table({"qid": np.arange(nq), "qv": pa.array(list(Q), type=pa.list_(pa.float32())),
+                   "g": pa.array(list(q_groups), pa.int32())})
+    tt = pa.table({"tid": np.arange(nt), "tv": pa.array(list(T), type=pa.list_(pa.float32())),
+                   "g": pa.array(t_groups, pa.int32())})
+    if device is not None:
+        monkeypatch.setattr(B, "open_block_searcher", lambda s: G.GpuBlockSearcher(s, torch.device(device)))
+    ctx = JoinContext(SearchSettings(k, metric, "auto" if device is None else "gpu"),
+                      SideLayout("qv", 1, d, 16, group_index=2), SideLayout("tv", 1, d, 45, group_index=2),
+                      "leftouter", True, tt.select([0, 1]).schema)
+    order = [(C.output_name(0), "ascending"), (C.output_name(4), "ascending"), (C.output_name(2), "ascending")]
+    broadcast = local_join(qt, tt, ctx, plan="broadcast").sort_by(order)
+    streamed = local_join(qt, tt, ctx, plan="blocked-streamed", partitions=3).sort_by(order)
+    assert streamed.equals(broadcast)
+    # not vacuous: the reference per group, ties to the lower target (the first copy)
+    rows = {}
+    for qid, tid in zip(streamed.column(0).to_pylist(), streamed.column(2).to_pylist()):
+        rows.setdefault(qid, []).append(tid)
+    for i in range(nq):
+        members = np.flatnonzero(t_groups == q_groups[i]) if q_groups[i] is not None else np.array([], int)
+        if not len(members):
+            assert rows[i] == [None], i
+            continue
+        _, indices = knn(Q[i:i + 1], T[members], min(k, len(members)), metric, backend="reference")
+        assert sorted(rows[i]) == sorted(members[indices[0]].tolist()), i
+    assert rows[0][0] == 0 if metric == "l2" else True   # a query equal to a target and its copy
 
 
 def test_a_searcher_compiles_the_plans_configuration_once_per_worker(monkeypatch):
