@@ -628,11 +628,17 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         # kernels (udfs.warm); under a local master this process has (_warm_up_here).
         warm = WarmUp.of(ctx, _decoded_dtypes(query, q_name, target, t_name))
         q_pack, t_pack = warming(q_pack, warm, plan.plan), warming(t_pack, warm, plan.plan)
-    q_packed = q_input.mapInArrow(q_pack, _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
-    t_blocks = t_input.coalesce(1) if plan.one_task else t_input
-    # The empty target block comes first: the broadcast plan's query blocks travel with it.
-    t_packed = _empty_target_block(spark).unionByName(
-        t_blocks.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
+    # Each side packed by a stage of its own where a plan pairs its blocks (built only there:
+    # every DataFrame operation costs an analysis in Spark).
+    def q_packed() -> DataFrame:
+        return q_input.mapInArrow(q_pack, _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
+
+    def t_packed() -> DataFrame:
+        # The empty target block comes first: the broadcast plan's query blocks travel with it.
+        t_blocks = t_input.coalesce(1) if plan.one_task else t_input
+        return _empty_target_block(spark).unionByName(
+            t_blocks.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
+
     if plan.plan == "broadcast":
         if plan.one_task:
             # A small join in one task: the target is packed there too, in one partition with
@@ -640,7 +646,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             # rows (the hint forbids a broadcast, a job of its own). That partition's order is
             # not the union's: every pair carries its query block's rows (a few target blocks:
             # a few copies).
-            pairs = q_packed.hint("shuffle_replicate_nl").crossJoin(t_packed.coalesce(1))
+            pairs = q_packed().hint("shuffle_replicate_nl").crossJoin(t_packed().coalesce(1))
             joined = pairs.mapInArrow(functools.partial(blocks.search_broadcast, ctx=ctx), out_schema)
         else:
             # The query's rows stream into the search as they are (packed into blocks there),
@@ -648,7 +654,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             # order: the empty block first.
             search = functools.partial(blocks.search_streamed_queries, ctx=ctx, pack=q_pack,
                                        width=len(q_input.columns))
-            joined = _first_row_meets(q_input, t_packed).mapInArrow(search, out_schema)
+            joined = _first_row_meets(q_input, t_packed()).mapInArrow(search, out_schema)
     elif plan.plan == "blocked":
         if plan.queries_broadcast:
             # The target's rows stream into the search as they are, each task's first row
@@ -656,15 +662,16 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             # carry each query block's rows to the merge, are a small task of their own.
             search = functools.partial(blocks.search_streamed_targets, ctx=ctx, pack=t_pack,
                                        width=len(t_input.columns), queries=plan.query_rows != 0)
-            empty = _empty_target_block(spark).crossJoin(F.broadcast(q_packed)).select(
+            queries = q_packed()
+            empty = _empty_target_block(spark).crossJoin(F.broadcast(queries)).select(
                 C.Q_BLOCK_ID, C.Q_BLOB, C.T_BLOCK_ID, C.T_BLOB)
-            partials = _first_row_meets(t_input, q_packed).mapInArrow(search, _partial_schema()).unionByName(
+            partials = _first_row_meets(t_input, queries).mapInArrow(search, _partial_schema()).unionByName(
                 empty.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema()))
         else:
             # The exchanges materialise the packed blocks once (shuffle files), so the cartesian
             # product reads the same blocks for every pair; the hint forbids a broadcast.
-            q_side = q_packed.repartition(plan.query_partitions)
-            t_side = t_packed.repartition(plan.target_partitions)
+            q_side = q_packed().repartition(plan.query_partitions)
+            t_side = t_packed().repartition(plan.target_partitions)
             pairs = q_side.hint("shuffle_replicate_nl").crossJoin(t_side)
             partials = pairs.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema())
         joined = partials.groupBy(C.Q_BLOCK_ID).applyInArrow(_merge_function(ctx), out_schema)

@@ -95,11 +95,14 @@ def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, 
         return [b for key, bs in groups.items() for b in merge_partials((key,), bs, ctx)]
 
     empty = pa.Table.from_batches([empty_target_block()])
+
+    def t_packed() -> pa.Table:   # the empty block first, as the plans broadcast it
+        return pa.concat_tables([empty, pack(target, ctx.target)])
+
     if plan == "broadcast-streamed":
-        t_packed = pa.concat_tables([empty, pack(target, ctx.target)])
-        out = []
+        out, targets = [], t_packed()
         for p, part in enumerate(parts(query)):
-            out.extend(search_streamed_queries(streamed_batches(part, t_packed), ctx, width=query.num_columns,
+            out.extend(search_streamed_queries(streamed_batches(part, targets), ctx, width=query.num_columns,
                                                pack=functools.partial(pack_blocks, layout=ctx.query, partition=p)))
     elif plan == "blocked-streamed":
         q_packed = pack(query, ctx.query)
@@ -110,11 +113,9 @@ def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, 
                 pack=functools.partial(pack_blocks, layout=ctx.target, partition=p)))
         out = merged(partial)
     elif plan == "broadcast":
-        t_packed = pa.concat_tables([empty, pack(target, ctx.target)])
-        out = list(search_broadcast(pair_batches(pack(query, ctx.query), t_packed), ctx))
+        out = list(search_broadcast(pair_batches(pack(query, ctx.query), t_packed()), ctx))
     elif plan == "blocked":
-        t_packed = pa.concat_tables([empty, pack(target, ctx.target)])
-        out = merged(list(search_pairs(pair_batches(pack(query, ctx.query), t_packed, rows_once=False), ctx)))
+        out = merged(list(search_pairs(pair_batches(pack(query, ctx.query), t_packed(), rows_once=False), ctx)))
     else:
         raise ValueError(f"plan: expected 'broadcast', 'blocked', 'broadcast-streamed' or 'blocked-streamed', "
                          f"got {plan!r}")
