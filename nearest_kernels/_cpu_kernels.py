@@ -313,6 +313,86 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
             stats[item, 1] = largest
 
 
+
+def probed_tiles(scaled, rows, members, member_starts, segment_starts, tiles, targets, bias, heaps, bounds,
+                 query_tile, threads=None):
+    """The probed search's candidate stage in one call (``cpu.probed_heaps``): fold into
+    ``heaps`` (n, kept) uint64, row ``p`` the heap of query ``rows[p]`` (a row of ``scaled``),
+    the scores of every segment ``s`` against the queries that probe it,
+    ``members[member_starts[s]:member_starts[s + 1]]`` (positions ``p``, ascending). Segment
+    ``s`` is ``targets[segment_starts[s]:segment_starts[s + 1]]`` (``bias`` alike), searched in
+    tiles of ``tiles[s]`` rows (a multiple of 64), its last, partial tile padded with zero rows
+    whose bias is +inf (they never enter), as :func:`search_tiles` pads its tail; the keys hold
+    the targets' indices in ``targets``.
+
+    Thread ``i`` takes the positions ``bounds[i]`` to ``bounds[i + 1]`` (of about equal work)
+    through every segment: no two threads fold into one heap, each gathers its queries' rows
+    into one tile buffer of ``query_tile`` rows and multiplies them by each tile of the
+    segment, with the buffers allocated once per thread (a segment of a few hundred rows is a
+    single tile: fresh buffers per segment cost about what its multiplication does)."""
+    run_split(_probed_items, bounds.shape[0] - 1, scaled, rows, members, member_starts, segment_starts, tiles,
+              targets, bias, heaps, bounds, query_tile, threads=threads)
+
+
+@njit(inline="always", cache=True)
+def _lower_bound(values, lo, hi, value):
+    """The first position in ``values[lo:hi]`` (ascending) holding ``value`` or more."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if values[mid] < value:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@njit(nogil=True, cache=True)
+def _probed_items(lo, hi, scaled, rows, members, member_starts, segment_starts, tiles, targets, bias, heaps,
+                  bounds, query_tile):
+    """Parts ``lo`` to ``hi`` of :func:`probed_tiles`, on the calling thread. Rows are copied
+    element by element (a row assignment costs numba seconds to compile), and each target
+    tile into the thread's buffer before its multiplication (one sgemm variant to compile, a
+    partial tile padded in place; a copy costs 1 / query_tile of the multiplication)."""
+    d = scaled.shape[1]
+    widest = 0
+    for s in range(tiles.shape[0]):
+        widest = max(widest, tiles[s])
+    query_flat = np.empty(query_tile * d, dtype=np.float32)
+    score_flat = np.empty(query_tile * widest, dtype=np.float32)
+    target_flat = np.empty(widest * d, dtype=np.float32)
+    tile_bias = np.empty(widest, dtype=np.float32)
+    for part in range(lo, hi):
+        first, last = bounds[part], bounds[part + 1]
+        for s in range(tiles.shape[0]):
+            m0, m1 = member_starts[s], member_starts[s + 1]
+            t0, t1 = segment_starts[s], segment_starts[s + 1]
+            if m1 == m0 or t1 == t0:
+                continue
+            a = _lower_bound(members, m0, m1, first)
+            b = _lower_bound(members, a, m1, last)
+            if a == b:
+                continue
+            tile = tiles[s]
+            target_block = target_flat[:tile * d].reshape((tile, d))
+            block_bias = tile_bias[:tile]
+            for c0 in range(a, b, query_tile):
+                n = min(b, c0 + query_tile) - c0
+                block = query_flat[:n * d].reshape((n, d))
+                for i in range(n):
+                    row = rows[members[c0 + i]]
+                    for c in range(d):
+                        block[i, c] = scaled[row, c]
+                scores = score_flat[:n * tile].reshape((n, tile))
+                for at in range(t0, t1, tile):
+                    for j in range(tile):
+                        inside = at + j < t1
+                        for c in range(d):
+                            target_block[j, c] = targets[at + j, c] if inside else 0.0
+                        block_bias[j] = bias[at + j] if inside else np.inf
+                    np.dot(block, target_block.T, scores)
+                    for i in range(n):
+                        _fold_row(scores, i, block_bias, at, heaps, members[c0 + i])
+
 def cap_key(scores: np.ndarray) -> np.ndarray:
     """Heap keys (uint64) that admit exactly the float32 scores ``<= scores`` (float64,
     rounded up to float32; +inf or NaN: EMPTY_KEY, which admits every finite score): the

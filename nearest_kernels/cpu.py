@@ -618,26 +618,26 @@ def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_s
                  segment_starts: np.ndarray, kept: int, start: np.ndarray | None, threads: int) -> np.ndarray:
     """(len(rows), kept) max-heaps of each query row's best keys over the rows of the
     segments it probes (:func:`segment_members` of ``rows``): the fused sgemm search of each
-    segment (in its own tiles, :func:`segment_tile`) against the queries that probe it, folded
-    into the heaps those queries carry from segment to segment (keys hold the block's target
-    indices). ``start``: each row's limit key, as :func:`_search`'s."""
+    segment (in its own tiles, :func:`segment_tile`) against the queries that probe it, all
+    segments in one call (``_cpu_kernels.probed_tiles``), each thread folding into the heaps
+    of its own queries (keys hold the block's target indices). ``start``: each row's limit
+    key, as :func:`_search`'s."""
     heaps = np.full((rows.shape[0], kept), _cpu_kernels.EMPTY_KEY, dtype=np.uint64)
     if start is not None:
         heaps[:] = start[:, None]
-    no_stats = np.zeros((0, 2))
-    for s in np.flatnonzero(np.diff(member_starts)):
-        lo, hi = int(segment_starts[s]), int(segment_starts[s + 1])
-        if hi == lo:
-            continue
-        probing = members[member_starts[s]:member_starts[s + 1]]
-        scaled = _frozen(np.ascontiguousarray(ops.scaled[rows[probing]]))
-        block = heaps[probing][None]
-        targets, bias = ops.targets32[lo:hi], ops.bias[lo:hi]
-        tail, tail_bias = _tail_tile(targets, bias, segment_tile(hi - lo))
-        query_tile = plan_tiles(probing.shape[0], hi - lo, threads)[0]
-        _cpu_kernels.search_tiles(scaled, targets, bias, tail, tail_bias, block, query_tile, no_stats,
-                                  threads=threads, offset=lo, seed=False)
-        heaps[probing] = block[0]
+    sizes = np.diff(segment_starts)
+    tiles = np.array([segment_tile(int(n)) for n in sizes], dtype=np.int64)
+    # Each thread's positions: contiguous, of about equal work (probed rows).
+    probes = np.diff(member_starts)
+    owner_work = np.bincount(members, weights=np.repeat(sizes, probes), minlength=rows.shape[0])
+    cumulative = np.cumsum(owner_work)
+    parts = max(1, min(threads, rows.shape[0]))
+    bounds = np.searchsorted(cumulative, cumulative[-1] * np.arange(1, parts) / parts, side="right") \
+        if rows.shape[0] else np.zeros(0, np.int64)
+    bounds = np.concatenate([[0], bounds, [rows.shape[0]]]).astype(np.int64)
+    _cpu_kernels.probed_tiles(ops.scaled, rows.astype(np.int64, copy=False), members, member_starts,
+                              segment_starts.astype(np.int64, copy=False), tiles, _frozen(ops.targets32), ops.bias,
+                              heaps, bounds, QUERY_TILE, threads=parts)
     return heaps
 
 

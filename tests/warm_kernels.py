@@ -56,7 +56,7 @@ def warm() -> None:
 def _rare_paths() -> None:
     """The kernels the small joins above do not reach, each with the argument types the code
     passes (numba compiles per type, read-only arrays apart): the CPU search of writable
-    arrays (Spark's workers pass read-only Arrow buffers), the segment search of keyed and
+    arrays (Spark's workers pass read-only Arrow buffers), the segment and probed searches of keyed and
     IVF plans, k-means, the parallel row gathers, the norms of targets searched as they are
     and the float64 search of rows the bound did not prove."""
     import numpy as np
@@ -72,6 +72,7 @@ def _rare_paths() -> None:
             knn(queries, targets, 3, metric, backend="cpu")
         segments.knn_segments(queries, targets, np.array([0, 5, 11]), np.arange(10),
                               np.arange(9) % 2, 3)
+        segments.knn_probed(queries, targets, np.array([0, 5, 11]), np.arange(0, 19, 2), np.arange(18) % 2, 3)
     kmeans.kmeans(rng.standard_normal((40, d)).astype(np.float32), 4)
     matrix = rng.standard_normal((11, d)).astype(np.float32)
     rows = np.arange(5, dtype=np.int64)

@@ -89,9 +89,11 @@ def _warm(warm: WarmUp, plans: tuple[str, ...]) -> None:
             # Inside the lock: another warm-up of this process compiles only outside it.
             event.register("numba:compile", compiling)
             try:
-                for plan in plans:
-                    for offset in (0.0, 100.0):   # both the as-is and the shifted operands
+                for offset in (0.0, 100.0):   # both the as-is and the shifted operands
+                    for plan in plans:
                         local_join(*_tiny_join(warm, offset), plan=plan, partitions=2)
+                    if warm.keyed:
+                        _probed_search(warm, offset)
             finally:
                 event.unregister("numba:compile", compiling)
     except Exception:   # noqa: BLE001 (a warm-up is an optimisation: the search reports errors)
@@ -176,6 +178,18 @@ def _tiny_join(warm: WarmUp, offset: float = 0.0) -> tuple[pa.Table, pa.Table, J
                       SideLayout("tv", 1, d, target_block, group_index=group), "leftouter", True, target.schema,
                       cap=_admitting_cap(warm.metric) if warm.capped else None)
     return query, target, ctx
+
+
+def _probed_search(warm: WarmUp, offset: float) -> None:
+    """The IVF plan's search of a CPU task's large lists (``udfs.search.probed_search``'s
+    ``knn_probed``), which a tiny join's lists are too small to reach."""
+    from nearest_kernels.segments import knn_probed  # numba: on executors only
+
+    rng = np.random.default_rng(0)
+    queries = (rng.standard_normal((4, 3)) + offset).astype(warm.dtypes[0])
+    targets = (rng.standard_normal((6, 3)) + offset).astype(warm.dtypes[1])
+    knn_probed(queries, targets, np.array([0, 2, 6]), np.arange(0, 9, 2), np.array([0, 1] * 4), 3, warm.metric,
+               cap=_admitting_cap(warm.metric) if warm.capped else None, threads=2)
 
 
 def _admitting_cap(metric: str) -> float:

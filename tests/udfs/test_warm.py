@@ -21,7 +21,8 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
     """In a process with an empty numba cache: after the warm-up of a join, a real search of
     that join (other sizes and values) compiles nothing more. Three joins in one process (one
     numba start-up): l2 over float32 broadcast, at a k whose heaps are narrow and at one whose
-    heaps the search seeds (a kernel of its own), and inner product over float64 blocked, capped."""
+    heaps the search seeds (a kernel of its own), and inner product over float64 blocked, capped;
+    then the probed search of an IVF plan's large lists after a keyed warm-up."""
     script = textwrap.dedent("""
         import json, sys, numpy as np, pyarrow as pa
         from numba.core import event
@@ -49,6 +50,19 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
             compiled.clear()   # what the search compiles, after its warm-up
             out = local_join(q, t, ctx, plan=plan, partitions=2)
             results.append({"join": metric, "rows": out.num_rows, "compiled": list(compiled)})
+        # IVF lists (a keyed warm-up): a CPU task's probed search of lists too large for a
+        # tiny join, shifted operands and a cap
+        from nearest_kernels.segments import knn_probed
+        start_warm_up(WarmUp("cosine", "auto", ("float32", "float64"), keyed=True, capped=True),
+                      ("broadcast",)).join()
+        compiled.clear()
+        rng = np.random.default_rng(2)
+        q = (rng.standard_normal((300, 17)) + 30).astype(np.float32)
+        t = (rng.standard_normal((900, 17)) + 30).astype(np.float64)
+        probes = np.stack([np.arange(300) % 3, (np.arange(300) + 1) % 3], axis=1).ravel()
+        v, _ = knn_probed(q, t, np.array([0, 100, 500, 900]), np.arange(0, 601, 2), probes, 7, "cosine",
+                          cap=-0.5, threads=2)
+        results.append({"join": "ivf", "rows": int((v < np.inf).any(axis=1).sum()), "compiled": list(compiled)})
         from udfs.warm import warm_up_seconds
         print(json.dumps({"joins": results, "seconds": warm_up_seconds()}))
     """)
