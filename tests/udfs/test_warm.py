@@ -51,17 +51,15 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
             out = local_join(q, t, ctx, plan=plan, partitions=2)
             results.append({"join": metric, "rows": out.num_rows, "compiled": list(compiled)})
         # IVF lists (a keyed warm-up): a CPU task's probed search of lists too large for a
-        # tiny join, shifted operands and a cap
+        # tiny join, on shifted operands
         from nearest_kernels.segments import knn_probed
-        start_warm_up(WarmUp("cosine", "auto", ("float32", "float64"), keyed=True, capped=True),
-                      ("broadcast",)).join()
+        start_warm_up(WarmUp("l2", "auto", ("float32", "float32"), keyed=True), ("broadcast",)).join()
         compiled.clear()
         rng = np.random.default_rng(2)
         q = (rng.standard_normal((300, 17)) + 30).astype(np.float32)
-        t = (rng.standard_normal((900, 17)) + 30).astype(np.float64)
+        t = (rng.standard_normal((900, 17)) + 30).astype(np.float32)
         probes = np.stack([np.arange(300) % 3, (np.arange(300) + 1) % 3], axis=1).ravel()
-        v, _ = knn_probed(q, t, np.array([0, 100, 500, 900]), np.arange(0, 601, 2), probes, 7, "cosine",
-                          cap=-0.5, threads=2)
+        v, _ = knn_probed(q, t, np.array([0, 100, 500, 900]), np.arange(0, 601, 2), probes, 7, "l2", threads=2)
         results.append({"join": "ivf", "rows": int((v < np.inf).any(axis=1).sum()), "compiled": list(compiled)})
         from udfs.warm import warm_up_seconds
         print(json.dumps({"joins": results, "seconds": warm_up_seconds()}))
