@@ -393,6 +393,7 @@ def _probed_items(lo, hi, scaled, rows, members, member_starts, segment_starts, 
                     for i in range(n):
                         _fold_row(scores, i, block_bias, at, heaps, members[c0 + i])
 
+
 def cap_key(scores: np.ndarray) -> np.ndarray:
     """Heap keys (uint64) that admit exactly the float32 scores ``<= scores`` (float64,
     rounded up to float32; +inf or NaN: EMPTY_KEY, which admits every finite score): the
