@@ -22,7 +22,7 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
     that join (other sizes and values) compiles nothing more. Three joins in one process (one
     numba start-up): l2 over float32 broadcast, at a k whose heaps are narrow and at one whose
     heaps the search seeds (a kernel of its own), and inner product over float64 blocked, capped;
-    then the probed search of an IVF plan's large lists after a keyed warm-up."""
+    then the probed search of an IVF plan's large lists after the keyed warm-up's."""
     script = textwrap.dedent("""
         import json, sys, numpy as np, pyarrow as pa
         from numba.core import event
@@ -50,10 +50,13 @@ def test_the_warm_up_covers_the_search_it_warms(tmp_path):
             compiled.clear()   # what the search compiles, after its warm-up
             out = local_join(q, t, ctx, plan=plan, partitions=2)
             results.append({"join": metric, "rows": out.num_rows, "compiled": list(compiled)})
-        # IVF lists (a keyed warm-up): a CPU task's probed search of lists too large for a
-        # tiny join, on shifted operands
+        # IVF lists: after a keyed warm-up's probed search (its tiny joins are the keyed
+        # plan's, test_a_keyed_warm_up_runs_the_probed_search), a CPU task's probed search of
+        # lists too large for a tiny join, on shifted operands
         from nearest_kernels.segments import knn_probed
-        start_warm_up(WarmUp("l2", "auto", ("float32", "float32"), keyed=True), ("broadcast",)).join()
+        from udfs.warm import _probed_search
+        for offset in (0.0, 100.0):
+            _probed_search(WarmUp("l2", "auto", ("float32", "float32"), keyed=True), offset)
         compiled.clear()
         rng = np.random.default_rng(2)
         q = (rng.standard_normal((300, 17)) + 30).astype(np.float32)
@@ -103,6 +106,18 @@ def test_once_per_process_and_configuration(monkeypatch):
     monkeypatch.setattr(warm, "cuda_may_exist", lambda: True)      # a GPU task compiles its own
     assert warm.start_warm_up(warm.WarmUp("cosine", "auto", ("float32", "float32")), ("broadcast",)) is None
     assert warm.start_warm_up(warm.WarmUp("cosine", "cpu", ("float32", "float32")), ("broadcast",)) is not None
+
+
+def test_a_keyed_warm_up_runs_the_probed_search(monkeypatch):
+    """IVF lists are keyed: a keyed warm-up also runs the probed search of large lists, on the
+    as-is and the shifted operands; an unkeyed one does not."""
+    ran = []
+    monkeypatch.setattr(warm, "local_join", lambda *args, **kwargs: None)
+    monkeypatch.setattr(warm, "_probed_search", lambda w, offset: ran.append((w.keyed, offset)))
+    warm._warm(warm.WarmUp("l2", "auto", ("float32", "float32")), ("broadcast",))
+    assert ran == []
+    warm._warm(warm.WarmUp("cosine", "auto", ("float32", "float64"), keyed=True), ("broadcast",))
+    assert ran == [(True, 0.0), (True, 100.0)]
 
 
 def test_a_search_waits_for_the_warm_ups_of_its_process(monkeypatch):
