@@ -223,8 +223,7 @@ def _square_sum_and_peak(row):
     return total, peak
 
 
-def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats, threads=None,
-                 offset=0, seed=True):
+def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats, threads=None):
     """Fill ``heaps`` (n_split, nq, k) uint64 with per-split max-heaps of the best keys.
 
     ``queries`` (nq, d) and ``targets`` (nt, d) are C-contiguous float32, ``bias`` (nt,)
@@ -247,24 +246,18 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     norm and the largest element magnitude of the targets of every ``n_qtiles``-th tile of its
     split, from the tile it has just multiplied (still in cache); between them the items cover
     every target once (the bound of an inner product search, see ``cpu._Operands.finish``).
-
-    ``offset`` is added to the target indices the keys carry (``targets`` a slice of a larger
-    block: the probed search, ``cpu.probed_heaps``). ``seed`` False folds into heaps that
-    already hold candidates (a wide heap is otherwise seeded from the first tile, which
-    assumes every slot holds the same starting key).
     """
     n_qtiles = (queries.shape[0] + query_tile - 1) // query_tile
     # None, not an empty array or False: numba prunes a branch on an argument that is None
     # before it types the branch, so a join that neither seeds nor takes stats (heaps narrower
     # than SEED_WIDTH, any metric but inner product) never compiles _seed_row or the stats pass.
     run_split(_search_items, n_qtiles * heaps.shape[0], queries, targets, bias, tail_targets, tail_bias,
-              heaps, query_tile, stats if stats.shape[0] > 0 else None, np.int64(offset),
-              True if seed and heaps.shape[2] >= SEED_WIDTH else None, threads=threads)
+              heaps, query_tile, stats if stats.shape[0] > 0 else None,
+              True if heaps.shape[2] >= SEED_WIDTH else None, threads=threads)
 
 
 @njit(nogil=True, cache=True)
-def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats,
-                  offset, seed):
+def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps, query_tile, stats, seed):
     """Items ``lo`` to ``hi`` of :func:`search_tiles`, on the calling thread."""
     nq = queries.shape[0]
     nt = targets.shape[0]
@@ -304,10 +297,10 @@ def _search_items(lo, hi, queries, targets, bias, tail_targets, tail_bias, heaps
                 row_scores = np.empty(target_tile, dtype=np.float32)
                 row_keys = np.empty(target_tile, dtype=np.uint64)
                 for r in range(rows):
-                    _seed_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r, row_scores, row_keys)
+                    _seed_row(scores, r, tile_bias, t0, split_heaps, q0 + r, row_scores, row_keys)
                 continue
             for r in range(rows):
-                _fold_row(scores, r, tile_bias, offset + t0, split_heaps, q0 + r)
+                _fold_row(scores, r, tile_bias, t0, split_heaps, q0 + r)
         if stats is not None:
             stats[item, 0] = largest_sq
             stats[item, 1] = largest
