@@ -104,6 +104,24 @@ class _PairSearch:
         with timed(self.ctx.timings, "decode"):
             return decode_block(blob, self.ctx.target)
 
+    def search_keyed(self, q_vectors: np.ndarray, groups, block_ids) -> TopkState | None:
+        """Keyed (``on=`` keys or IVF lists): a query block against the union of the decoded
+        target blocks ``block_ids`` (:meth:`keyed_union`) at once; None without query rows."""
+        if q_vectors.shape[0] == 0:
+            return None
+        with timed(self.ctx.timings, "decode"):
+            union = self.keyed_union(block_ids)
+        # target_key None: a segment is no block a GPU searcher may keep resident.
+        # On the CPU an IVF block's probed lists are one wide search (knn_probed); a GPU
+        # searcher takes one call per list.
+        with timed(self.ctx.timings, "search"):
+            values, rows = grouped_search(lambda q, t: self.search_block(q, t, None), q_vectors, groups,
+                                          union.vectors, union.segments, self.ctx.k, self.ctx.settings.metric,
+                                          cap=self.ctx.cap, threads=task_cpus(),
+                                          wide=getattr(self.searcher, "backend", None) == "cpu")
+        with timed(self.ctx.timings, "merge"):
+            return union.state(values, rows)
+
     def search_block(self, q_vectors: np.ndarray, t_vectors: np.ndarray, t_block_id):
         """(values, rows) of one block pair: :func:`block_search` with the task's searcher."""
         return block_search(self.ctx, self.searcher, q_vectors, t_vectors, t_block_id)
@@ -262,20 +280,8 @@ class _QueryBlock:
         """Worker thread, keyed (``on=`` keys or IVF lists): search the union of every target
         block this query block met (:class:`_KeyedUnion`) at once."""
         blocks = sorted(self.seen - {C.EMPTY_BLOCK_ID})
-        if not blocks or self.vectors.shape[0] == 0:
-            return
-        with timed(pair.ctx.timings, "decode"):
-            union = pair.keyed_union(blocks)
-        # target_key None: a segment is no block a GPU searcher may keep resident.
-        # On the CPU an IVF block's probed lists are one wide search (knn_probed); a GPU
-        # searcher takes one call per list.
-        with timed(pair.ctx.timings, "search"):
-            values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), self.vectors,
-                                          self.groups, union.vectors, union.segments, pair.ctx.k,
-                                          pair.ctx.settings.metric, cap=pair.ctx.cap, threads=task_cpus(),
-                                          wide=getattr(pair.searcher, "backend", None) == "cpu")
-        with timed(pair.ctx.timings, "merge"):
-            self.state = union.state(values, rows)
+        if blocks:
+            self.state = pair.search_keyed(self.vectors, self.groups, blocks)
 
     def result(self, views: ColumnViews | None = None) -> TopkState | None:
         """Main thread, after the last fold finished: the block's state on the host.
@@ -410,19 +416,9 @@ def _search_keyed_targets(met: list, blocks: Iterator[tuple], ctx: JoinContext) 
             ids.append(t_id)
         if not ids:
             return
-        with timed(ctx.timings, "decode"):
-            union = pair.keyed_union(ids)
         for q_id, q_blob in met:
             _, vectors, groups = pair.query_block(q_blob)
-            state = None
-            if vectors.shape[0]:
-                with timed(ctx.timings, "search"):
-                    values, rows = grouped_search(lambda q, t: pair.search_block(q, t, None), vectors, groups,
-                                                  union.vectors, union.segments, ctx.k, ctx.settings.metric,
-                                                  cap=ctx.cap, threads=task_cpus(),
-                                                  wide=getattr(pair.searcher, "backend", None) == "cpu")
-                with timed(ctx.timings, "merge"):
-                    state = union.state(values, rows)
+            state = pair.search_keyed(vectors, groups, ids)
             partial = pa.py_buffer(b"") if state is None else state.to_blob()
             yield pa.RecordBatch.from_arrays(
                 [pa.array([q_id], pa.int64()), pa.array([ids[0]], pa.int64()),
