@@ -600,8 +600,9 @@ def segment_members(probe_starts: np.ndarray, probe_segments: np.ndarray, rows: 
     return owners[order], member_starts
 
 
-def segment_tile(rows: int) -> int:
-    """The target tile of a probed search's segment of ``rows`` rows: its rows in the fewest
+def segment_tile(rows):
+    """The target tile of a probed search's segment of ``rows`` rows (an int, or an array of
+    segments' row counts and their tiles): its rows in the fewest
     tiles of at most ``TARGET_TILE``, each the least multiple of ``TILE_MULTIPLE`` that holds
     an equal share (a 320-row list is one 320-row tile, a 600-row one two of 320), so that
     a segment pads fewer than ``TILE_MULTIPLE`` rows per tile. Each segment takes its own:
@@ -610,7 +611,7 @@ def segment_tile(rows: int) -> int:
     multiple of ``TILE_MULTIPLE``, does not change a pair's float32 score under either
     OpenBLAS kernel selection (measured; a query tile below four rows does, which segments
     probed by few queries already get, and Haswell's kernels round by column)."""
-    parts = -(-max(rows, 1) // TARGET_TILE)
+    parts = -(-np.maximum(rows, 1) // TARGET_TILE)
     return -(-(-(-rows // parts)) // TILE_MULTIPLE) * TILE_MULTIPLE
 
 
@@ -626,7 +627,7 @@ def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_s
     if start is not None:
         heaps[:] = start[:, None]
     sizes = np.diff(segment_starts)
-    tiles = np.array([segment_tile(int(n)) for n in sizes], dtype=np.int64)
+    tiles = segment_tile(sizes).astype(np.int64)
     # Each thread's positions: contiguous, of about equal work (probed rows).
     probes = np.diff(member_starts)
     owner_work = np.bincount(members, weights=np.repeat(sizes, probes), minlength=rows.shape[0])

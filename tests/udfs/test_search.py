@@ -245,6 +245,8 @@ def test_each_segment_takes_the_fewest_tiles_padding_least():
         assert tile % cpu.TILE_MULTIPLE == 0 and tile <= cpu.TARGET_TILE, rows
         assert tiles == -(-rows // cpu.TARGET_TILE), rows
         assert tiles * tile - rows < tiles * cpu.TILE_MULTIPLE, rows
+    # the probed search takes all its segments' tiles at once
+    assert cpu.segment_tile(np.arange(1, 3000)).tolist() == [cpu.segment_tile(rows) for rows in range(1, 3000)]
 
 
 @pytest.mark.parametrize("copies", [300, 3000])
