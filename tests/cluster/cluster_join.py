@@ -52,10 +52,11 @@ def main() -> int:
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.executorEnv.PYTHONPATH", ROOT)
              # As the suite's session (tests/conftest.py): its JVM options, Python workers
-             # from udfs/daemon.py.
+             # from udfs/daemon.py over a Unix domain socket.
              .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
              .config("spark.executor.extraJavaOptions", JVM_OPTIONS)
              .config("spark.python.daemon.module", "udfs.daemon")
+             .config("spark.python.unix.domain.socket.enabled", "true")
              .config("spark.task.maxFailures", "4")
              .config("spark.sql.shuffle.partitions", "4")
              .getOrCreate())

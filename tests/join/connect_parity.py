@@ -21,11 +21,12 @@ from tests.oracle import assert_same_neighbours, group_rows  # noqa: E402
 
 def main() -> int:
     # The local server as the suite's session (tests/conftest.py): UI off, C1-compiled driver,
-    # Python workers from udfs/daemon.py.
+    # Python workers from udfs/daemon.py over a Unix domain socket.
     spark = (SparkSession.builder.remote("local[2]")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
              .config("spark.python.daemon.module", "udfs.daemon")
+             .config("spark.python.unix.domain.socket.enabled", "true")
              .config("spark.executorEnv.PYTHONPATH", ROOT)
              .getOrCreate())
     assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
