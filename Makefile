@@ -120,7 +120,7 @@ bench-gpu-approx: check-gpu
 bench-multi-gpu: check-gpu
 	$(GPU_PYTHON) benchmarks/multi_gpu.py $(ARGS)
 
-# RESULTS.md's tables and plots/*.png from the benchmarks' records in benchmarks/results/.
+# RESULTS.md's tables from the benchmarks' records in benchmarks/results/.
 bench-report: $(VENV)/.installed-dev
 	$(PY) benchmarks/report.py
 

@@ -1,14 +1,10 @@
-"""Benchmark records: one JSON line per measured case, in ``benchmarks/results/<benchmark>.jsonl``
-(committed: the current figures; git keeps their history), written through :class:`Recorder`
-and rendered by ``benchmarks/report.py``. A record is a flat JSON object::
+"""Benchmark records, and the helpers the benchmarks share.
 
-    {"benchmark": "spark_join", "table": "operator", "run": "20261201T080400Z-4242",
-     "date": "2026-12-01T08:04:00+00:00", "commit": "9a08caa",
-     "command": ".venv/bin/python benchmarks/spark_join.py --quick",
-     "machine": {"cpu": "...", "cores": 2, "memory_gib": 24, "blas": {...}}, ...its own fields}
-
-``table`` names one table of the benchmark, which holds one run: the current one. The helpers
-the benchmarks share live here too.
+A benchmark writes one JSON line per measured case to ``benchmarks/results/<benchmark>.jsonl`` (committed:
+the current figures; git keeps their history) through :class:`Recorder`; ``benchmarks/report.py`` renders
+them. A record is a flat JSON object: its provenance (:data:`benchmarks.report.RESERVED`: benchmark,
+table, run, date, commit, command, machine), then its own fields. ``table`` names one table of the
+benchmark, which holds one run: the current one.
 """
 from __future__ import annotations
 
@@ -51,45 +47,26 @@ def git_commit() -> str:
     return head + ("+dirty" if dirty else "")
 
 
-def command_line(argv: list[str] | None = None) -> str:
+def command_line() -> str:
     """The command that ran this process, shell-quoted, the interpreter relative to the working
     directory where it lies under it."""
-    argv = sys.argv if argv is None else argv
     exe = Path(sys.executable)
-    try:
-        exe_text = str(Path(os.path.relpath(exe, Path.cwd()))) if exe.is_relative_to(Path.cwd()) else exe.name
-    except ValueError:
-        exe_text = exe.name
-    return shlex.join([exe_text, *argv])
+    exe_text = str(exe.relative_to(Path.cwd())) if exe.is_relative_to(Path.cwd()) else exe.name
+    return shlex.join([exe_text, *sys.argv])
 
 
 def _cpu_model() -> str:
-    """lscpu's model name, family/model, caches and hypervisor; /proc/cpuinfo without lscpu."""
+    """lscpu's model name, family/model, caches and hypervisor."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        facts = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
-        extras = [f"family {facts['CPU family']} model {facts['Model']}" if "CPU family" in facts else "",
-                  f"L2 {facts['L2 cache']}" if "L2 cache" in facts else "",
-                  f"L3 {facts['L3 cache']}" if "L3 cache" in facts else "",
-                  facts.get("Hypervisor vendor", "")]
-        return f"{facts['Model name']} ({', '.join(e for e in extras if e)})"
-    except (OSError, subprocess.CalledProcessError, KeyError):
-        pass
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _memory_gib() -> float | None:
-    try:
-        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    except (OSError, ValueError):
-        return None
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or platform.machine()
+    facts = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in out.splitlines() if ":" in line)}
+    extras = [f"family {facts['CPU family']} model {facts['Model']}" if "CPU family" in facts else "",
+              f"L2 {facts['L2 cache']}" if "L2 cache" in facts else "",
+              f"L3 {facts['L3 cache']}" if "L3 cache" in facts else "",
+              facts.get("Hypervisor vendor", "")]
+    return f"{facts.get('Model name', platform.machine())} ({', '.join(e for e in extras if e)})"
 
 
 def blas_info() -> dict:
@@ -97,18 +74,14 @@ def blas_info() -> dict:
     other ``OPENBLAS_*`` setting, and each loaded BLAS library with the kernel it reports
     (threadpoolctl's ``architecture``).
     Loads scipy's BLAS first: numba's ``np.dot``, the cpu kernel's sgemm, binds to it."""
-    try:
+    with contextlib.suppress(ImportError):
         import scipy.linalg.cython_blas  # noqa: F401
-    except ImportError:
-        pass
     libraries = []
-    try:
+    with contextlib.suppress(ImportError):
         from threadpoolctl import threadpool_info
 
         libraries = sorted({f"{lib.get('prefix')} {lib.get('version')} {lib.get('architecture')}"
                             for lib in threadpool_info() if lib.get("user_api") == "blas"})
-    except ImportError:
-        pass
     info = {"OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "unset")}
     info.update({k: v for k, v in sorted(os.environ.items()) if k.startswith("OPENBLAS_") and k not in info})
     info["libraries"] = libraries
@@ -129,7 +102,7 @@ def machine_info(blas: bool = True, gpu: bool | None = None) -> dict:
     """CPU model, cores this process may use, memory; the GPUs (``gpu=None``: when
     nvidia-smi finds any); for CPU benchmarks (``blas=True``) the BLAS kernel selection."""
     info: dict = {"cpu": _cpu_model(), "cores": len(os.sched_getaffinity(0)),
-                  "memory_gib": _memory_gib()}
+                  "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
     gpus = _gpus() if gpu is not False else []
     if gpus:
         info["gpu"] = f"{len(gpus)} x {gpus[0]}" if len(set(gpus)) == 1 else ", ".join(gpus)
@@ -145,7 +118,7 @@ class Recorder:
 
     def __init__(self, benchmark: str, *, blas: bool = True, gpu: bool | None = None,
                  command: str | None = None, commit: str | None = None, machine: dict | None = None,
-                 date: str | None = None, results_dir: Path | None = None) -> None:
+                 date: str | None = None, results_dir: Path | str | None = None) -> None:
         self.benchmark = benchmark
         self.path = Path(results_dir or RESULTS_DIR) / f"{benchmark}.jsonl"
         self.run = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ-") + uuid.uuid4().hex[:6]
@@ -164,7 +137,6 @@ class Recorder:
         date = self.date or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         record = {"benchmark": self.benchmark, "table": table, "run": self.run, "date": date,
                   "commit": self.commit, "command": self.command, "machine": self.machine, **fields}
-        line = json.dumps(record, sort_keys=False, default=_plain)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lock_path = Path(tempfile.gettempdir()) / f"nj-bench-{self.benchmark}.lock"   # not in git
         with open(lock_path, "w") as lock:
@@ -174,7 +146,7 @@ class Recorder:
                 kept = [r for r in kept if r.get("table") != table or r.get("run") == self.run]
                 self._tables.add(table)
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r, default=_plain) + "\n" for r in kept) + line + "\n")
+            tmp.write_text("".join(json.dumps(r, default=_plain) + "\n" for r in [*kept, record]))
             os.replace(tmp, self.path)
         return record
 
@@ -182,17 +154,15 @@ class Recorder:
         """Print the tables this run wrote, as ``benchmarks/report.py`` renders them in RESULTS.md."""
         records = [r for r in read_records(self.path) if r.get("run") == self.run]
         for table in dict.fromkeys(r["table"] for r in records):
-            print("\n" + render_table(self.benchmark, table, [r for r in records if r["table"] == table], None))
+            print("\n" + render_table(self.benchmark, table, [r for r in records if r["table"] == table]))
 
 
 def _plain(value):
     """numpy scalars and paths as JSON values."""
-    if hasattr(value, "item"):
-        return value.item()
-    return str(value)
+    return value.item() if hasattr(value, "item") else str(value)
 
 
-# --- helpers the benchmarks share ---------------------------------------------------------
+# --- timing --------------------------------------------------------------------------------
 
 
 def _busy_cpu_seconds() -> float:
@@ -241,6 +211,9 @@ def cuda_ms(fn, reps: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
+# --- data and processes --------------------------------------------------------------------
+
+
 def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: dict | None = None):
     """The Spark session of a benchmark: ``master``, no UI and no progress bar, 4 shuffle
     partitions, ``driver_memory``, any other ``conf``; Spark's log at ERROR. Its Python
@@ -248,7 +221,6 @@ def local_spark(app: str, driver_memory: str, master: str = "local[2]", conf: di
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
     builder = (SparkSession.builder.master(master).appName(app)
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.memory", driver_memory).config("spark.sql.shuffle.partitions", "4"))
@@ -313,13 +285,10 @@ def process_tree(root: int) -> dict[int, list[str]]:
     with the fields of its ``/proc/PID/stat`` after the command name (``[1]`` the parent,
     ``[11]``, ``[12]`` user and system ticks, ``[19]`` the start time)."""
     stats: dict[int, list[str]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
             stats[int(name)] = stat[stat.rindex(")") + 2:].split()
     children: dict[int, list[int]] = {}
     for pid, fields in stats.items():

@@ -1,21 +1,19 @@
-"""mode="approx" (issue 23): recall@k and end-to-end time of the IVF plan against our exact mode, and
-faiss ``IndexIVFFlat`` in one process at the same recall, in Spark ``local[2]``, on clustered, Gaussian
-or real (``benchmarks/embeddings.py``) data; ``--seeds N``: recall honesty over N seeds per target.
+"""mode="approx" (issue 23): recall@k and time of the IVF plan against our exact mode and faiss in Spark
+``local[2]``, on clustered, Gaussian or real (``benchmarks/embeddings.py``) data: tables ``recall_*``;
+``--seeds N``: recall honesty over N seeds per target (``seeds_*``); ``--ceiling``: the indexes' kernels alone,
+no Spark (``ceiling_*``); ``--fresh``: each engine's first call in a fresh session (``fresh_*``). What each
+table measures: its text in ``benchmarks/report.py``.
 
-``--ceiling``: what an index can give on the real embeddings before any Spark cost, kernels alone
-in one process: our IVF probed search at several nlist and faiss ``IndexHNSWFlat``, against our
-exact kernel. ``--fresh``: each engine's first call in a fresh session, a self-join.
-
-Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm]
+Usage: python benchmarks/approx.py [--quick | --full] [--datasets clustered gaussian minilm] [--blocked]
        python benchmarks/approx.py --seeds 10 --datasets minilm clustered
-       python benchmarks/approx.py --ceiling
-       python benchmarks/approx.py --fresh --datasets minilm
+       python benchmarks/approx.py --ceiling | --fresh --datasets minilm [--profile local]
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
-import json
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -34,6 +32,7 @@ from benchmarks._record import (SMOKE_DIR, Recorder, cached_parquet, local_spark
 D, K, METRIC = 128, 10, "l2"
 ROWS_PER_CLUSTER = 1000
 RECALLS = (0.9, 0.95, 0.99)
+MINILM_ROWS = 64_000     # the real embeddings' rows (benchmarks/embeddings.py), joined with themselves
 
 
 def make_data(kind: str, nt: int, nq: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -248,14 +247,12 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     t.unpersist(), q.unpersist()
 
 
-def fresh_call(workdir: str, engine: str, metric: str, driver_memory: str, options: dict,
-               profile: str | None = None) -> None:
-    """One call in a new Spark session, as a user's first call: the Parquet inputs of
-    ``workdir`` read (not cached), planned, searched and the (qid, tid, value) rows collected;
-    the rows saved to ``<workdir>/<engine>.npy``, the figures printed as one JSON line. The
-    exact engine then saves an index (untimed) for the saved-index engines. ``profile``: a
-    ``conf/`` profile whose Spark settings the session takes (its master and driver memory
-    aside), as the batch jobs' sessions do."""
+def fresh_call(workdir: str, metric: str, driver_memory: str, options: dict, profile: str | None):
+    """One call in a new Spark session, as a user's first call (run in a process of its own): the
+    Parquet inputs of ``workdir`` read (not cached), planned, searched and the (qid, tid, value)
+    rows collected; returns (figures, rows). The exact engine then saves an index (untimed) for
+    the saved-index engines. ``profile``: a ``conf/`` profile whose Spark settings the session
+    takes (its master and driver memory aside), as the batch jobs' sessions do."""
     conf = {}
     if profile:
         from jobs.spec import load_profile
@@ -273,16 +270,15 @@ def fresh_call(workdir: str, engine: str, metric: str, driver_memory: str, optio
     planning = time.perf_counter() - start
     pairs = pairs_of(planned.dataframe().select("qid", "tid", "value"))
     seconds = time.perf_counter() - start
-    np.save(os.path.join(workdir, f"{engine}.npy"), pairs)
     ivf = planned.plan.ivf or {}
-    print(json.dumps({"seconds": round(seconds, 2), "plan_seconds": round(planning, 2), "ran": ivf.get("runs", "exact"),
-                      "nprobe": ivf.get("nprobe"), "nlist": ivf.get("nlist"),
-                      "recall_estimate": ivf.get("recall_estimate")}))
+    figures = {"seconds": round(seconds, 2), "plan_seconds": round(planning, 2), "ran": ivf.get("runs", "exact"),
+               "nprobe": ivf.get("nprobe"), "nlist": ivf.get("nlist"), "recall_estimate": ivf.get("recall_estimate")}
     if not options:
         from nearest_join.ivf_index import build_ivf_index
 
         build_ivf_index(t, column="w", metric=metric, seed=0).save(os.path.join(workdir, "index"))
     spark.stop()
+    return figures, pairs
 
 
 def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, driver_memory: str,
@@ -291,8 +287,6 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
     settings): each engine's first call in a fresh session (its own process: a new JVM, new
     Python workers; the numba cache on disk as ``make run`` left it), inputs read from
     Parquet: exact, approx per recall target, and approx with the index an earlier run saved."""
-    import subprocess
-
     import pyarrow.parquet as pq
 
     targets, queries = make_data(kind, rows, rows)
@@ -307,15 +301,12 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
         for r in recalls]
     exact = exact_s = None
     for engine, wanted, options in engines:
-        out = subprocess.run([sys.executable, __file__, "--fresh-call", json.dumps(options), "--workdir", workdir,
-                              "--metric", metric, "--engine", engine, "--driver-memory", driver_memory,
-                              *(["--profile", profile] if profile else [])],
-                             capture_output=True, text=True, check=True)
-        figures = json.loads(out.stdout.strip().splitlines()[-1])
-        found = np.load(os.path.join(workdir, f"{engine}.npy"))
+        with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+            figures, found = fresh.submit(fresh_call, workdir, metric, driver_memory, options, profile).result()
         if exact is None:
             exact, exact_s = found, figures["seconds"]
-        rec.add(f"fresh_{kind}{rows}" + (f"_{profile}" if profile else ""), engine=f"nearest_by_join {engine}", recall_target=wanted, **figures,
+        rec.add(f"fresh_{kind}{rows}" + (f"_{profile}" if profile else ""), engine=f"nearest_by_join {engine}",
+                recall_target=wanted, **figures,
                 recall=round(recall_of(found, exact, rows, descending=metric == "cosine"), 4),
                 speedup_vs_exact=round(exact_s / figures["seconds"], 2), **common)
 
@@ -424,42 +415,28 @@ def main() -> None:
     size.add_argument("--full", action="store_true", help="the issue's nt 1,000,000, nq 100,000")
     ap.add_argument("--datasets", nargs="+", default=["clustered", "gaussian"],
                     choices=["clustered", "gaussian", "minilm"])
-    ap.add_argument("--rows", type=int, default=64_000,
-                    help="minilm: the real embeddings' rows (benchmarks/embeddings.py), joined with themselves")
     ap.add_argument("--seeds", type=int, default=0,
                     help="instead of the timings: recall honesty over this many seeds per target")
     ap.add_argument("--blocked", action="store_true",
-                    help="every call with broadcast_limit_bytes=0: the target too large to broadcast "
-                         "(tables recall_nt<nt>_blocked)")
-    ap.add_argument("--ceiling", action="store_true",
-                    help="instead: the indexes' kernels alone on the real embeddings (table ceiling_minilm<rows>)")
-    ap.add_argument("--fresh", action="store_true",
-                    help="instead: each engine's first call in a fresh session (table fresh_<data><rows>)")
+                    help="every call with broadcast_limit_bytes=0: the target too large to broadcast")
+    ap.add_argument("--ceiling", action="store_true", help="instead: the indexes' kernels alone on the real embeddings")
+    ap.add_argument("--fresh", action="store_true", help="instead: each engine's first call in a fresh session")
     ap.add_argument("--profile", help="--fresh: the sessions take this conf/ profile's Spark settings (local)")
-    ap.add_argument("--fresh-call", help=argparse.SUPPRESS)   # --fresh's child: JSON options of one call
-    for hidden in ("--workdir", "--metric", "--engine"):
-        ap.add_argument(hidden, help=argparse.SUPPRESS)
     ap.add_argument("--driver-memory", default="8g")
     ap.add_argument("--repeat", type=int, default=2,
                     help="calls per engine on the clustered data, the fastest reported (the Gaussian "
                          "data's calls run once: its approx call runs the exact plan)")
     args = ap.parse_args()
     nt, nq = (50_000, 5_000) if args.quick else (1_000_000, 100_000) if args.full else (200_000, 20_000)
-    if args.fresh_call is not None:
-        fresh_call(args.workdir, args.engine, args.metric, args.driver_memory, json.loads(args.fresh_call),
-                   args.profile)
-        return
+    rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     if args.ceiling:
-        rec = Recorder("approx", gpu=False)
-        index_ceiling(rec, args.rows)
+        index_ceiling(rec, MINILM_ROWS)
         rec.print_tables()
         return
-
     spark = None if args.fresh else local_spark("nearest_join-approx-bench", args.driver_memory)
-    rec = Recorder("approx", gpu=False, results_dir=SMOKE_DIR if args.quick else None)
     with tempfile.TemporaryDirectory(prefix="nj-approx-") as workdir:
         for kind in args.datasets:
-            size = (args.rows, args.rows) if kind == "minilm" else (nt, nq)
+            size = (MINILM_ROWS, MINILM_ROWS) if kind == "minilm" else (nt, nq)
             if args.fresh:
                 fresh_sessions(rec, kind, size[0], (0.9, 0.95), workdir, args.driver_memory, args.profile)
             elif args.seeds:

@@ -1,6 +1,5 @@
-"""Fixed costs: what a small job and a new worker pay besides the search, each from fresh processes:
-the demo job through the CLI (table ``demo``), a worker's first search per metric (``compile``),
-and a new user's ``make run`` and ``make test`` on a fresh clone (``fresh_clone``).
+"""Fixed costs: what a small job and a new worker pay besides the search, each from fresh processes (tables
+``demo``, ``compile``, ``fresh_clone``; what each measures: its text in ``benchmarks/report.py``).
 
 Usage: python benchmarks/fixed_costs.py [--tables demo compile fresh_clone]
 """

@@ -1,11 +1,5 @@
-"""Incremental refresh against a full recompute (issue 43), local[2]: day 0 writes
-``incremental_nearest_join``'s state; per share of ``--shares`` that share of each side changes,
-refreshed from day 0's state and recomputed in full, the rows checked equal.
-
-``--approx R``: both in ``mode="approx"`` at recall R, each checked against the exact join of the
-same inputs (recall@k, a tie with the k-th a hit). ``--data minilm``: the real sentence
-embeddings (benchmarks/embeddings.py) joined with themselves by cosine: day 0 is their first
-``--nt`` rows, and the rows inserted and the new vectors of updated rows come from the rest.
+"""Incremental refresh against a full recompute (issue 43), local[2]: tables ``refresh_<nq>x<nt>[_keys<G>]
+[_cap<X>][_approx<R>]``, what they measure: their text in ``benchmarks/report.py``.
 
 Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000] [--shares 0.01 0.001] [--keys G] [--cap X]
        python benchmarks/incremental.py --data minilm --nt 60000 --approx 0.95
@@ -26,6 +20,8 @@ import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 
 from benchmarks._record import SMOKE_DIR, Recorder, local_spark, vector_table  # noqa: E402
+
+D, K = 64, 10      # the clustered data's dimension; the neighbours per query
 
 
 def clustered(rng, n, centers):
@@ -67,18 +63,16 @@ def recall_at_k(got, exact) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nq", type=int, default=200_000)
-    ap.add_argument("--nt", type=int, default=1_000_000)
-    ap.add_argument("--d", type=int, default=64)
-    ap.add_argument("--k", type=int, default=10)
+    ap.add_argument("--nt", type=int, default=1_000_000, help="minilm: day 0's rows; the rest are inserted")
     ap.add_argument("--shares", type=float, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--keys", type=int, default=0, help="on= key groups (0: no keys)")
     ap.add_argument("--cap", type=float, default=None, help="max_distance on both joins")
     ap.add_argument("--approx", type=float, default=None, metavar="R",
                     help="mode approx at recall R (refresh and full recompute), recall measured against exact")
-    ap.add_argument("--data", choices=["clustered", "minilm"], default="clustered")
-    ap.add_argument("--driver-memory", default="12g")
+    ap.add_argument("--data", choices=["clustered", "minilm"], default="clustered",
+                    help="minilm: the real sentence embeddings (benchmarks/embeddings.py), joined with themselves")
     ap.add_argument("--quick", action="store_true", help="20,000 x 100,000; results not recorded in git")
     args = ap.parse_args(argv)
     if args.quick:
@@ -90,7 +84,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     tmp = tempfile.mkdtemp(prefix="nj-incremental-")
-    spark = local_spark("nearest_join-incremental", args.driver_memory)
+    spark = local_spark("nearest_join-incremental", "12g")
     rec = Recorder("incremental", results_dir=SMOKE_DIR if args.quick else None)
     if args.data == "minilm":   # a self-join: the queries are the targets
         from benchmarks.embeddings import load
@@ -98,7 +92,7 @@ def main(argv=None) -> int:
         embeddings = load()
         if args.nt >= len(embeddings):
             ap.error(f"--nt: at most {len(embeddings) - 1} (the rest are the inserted and updated rows)")
-        args.nq, args.d, metric = args.nt, embeddings.shape[1], "cosine"
+        args.nq, d, metric = args.nt, embeddings.shape[1], "cosine"
         pool = iter(np.concatenate([embeddings, np.zeros((len(embeddings), 1), np.float32)], axis=1)[args.nt:])
 
         def new_rows(n):
@@ -106,8 +100,8 @@ def main(argv=None) -> int:
         T = np.concatenate([embeddings[:args.nt], np.zeros((args.nt, 1), np.float32)], axis=1)
         Q = T
     else:
-        centers = rng.standard_normal((1000, args.d)) * 3
-        metric = "l2"
+        d, metric = D, "l2"
+        centers = rng.standard_normal((1000, d)) * 3
 
         def new_rows(n):
             return clustered(rng, n, centers)
@@ -129,13 +123,13 @@ def main(argv=None) -> int:
         # What a nightly job writes today: ids and values, no vectors (the executors emit
         # only the kept columns, as jobs.runner has them do).
         start = time.perf_counter()
-        options = JoinOptions(num_results=args.k, **options)
+        options = JoinOptions(num_results=K, **options)
         plan_join(q, t, metric, options).dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
         return time.perf_counter() - start
 
     def incremental(q, t, state, out):
         start = time.perf_counter()
-        run = incremental_nearest_join(q, t, metric, args.k, query_id="qid", target_id="tid", state=state, **joined)
+        run = incremental_nearest_join(q, t, metric, K, query_id="qid", target_id="tid", state=state, **joined)
         run.dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
         run.commit()
         return time.perf_counter() - start, run.changes
@@ -158,7 +152,7 @@ def main(argv=None) -> int:
     q0, t0 = frames(0, q_ids, Q, t_ids, T)
     state = f"{tmp}/state"
     seconds, changes = incremental(q0, t0, state, f"{tmp}/inc0")
-    sizes = dict(nq=args.nq, nt=args.nt, d=args.d, k=args.k, master="local[2]", keys=args.keys, cap=args.cap)
+    sizes = dict(nq=args.nq, nt=args.nt, d=d, k=K, master="local[2]", keys=args.keys, cap=args.cap)
     rec.add(table, what="full run, writing the state", share=0.0, seconds=round(seconds, 1), **sizes)
     rec.print_tables()
     for i, share in enumerate(args.shares, start=1):

@@ -1,6 +1,6 @@
-"""Keyed search (``on=``, issue 22): ``udfs.search.grouped_search`` against the per-group loop it
-replaced (one ``knn`` call per group, table ``executor``), and ``nearest_by_join(on="key")`` in Spark
-``local[2]`` against the equi-join + ``row_number`` window and the un-keyed join (``spark``).
+"""Keyed search (``on=``, issue 22): the executor's grouped search against the per-group loop it replaced
+(table ``executor``), and ``nearest_by_join(on="key")`` against the equi-join + window and the un-keyed join
+(``spark``); what each table measures: its text in ``benchmarks/report.py``.
 
 Usage: nice python benchmarks/keyed_join.py [--quick] [--skip-executor] [--window-queries N]
 """

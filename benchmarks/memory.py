@@ -1,7 +1,6 @@
-"""Memory of the blocked plan: peak RSS of the Python workers and the JVM against
-``spark.nearestJoin.taskMemoryBytes``, for a target several times the driver's memory, local[2]. A
-thread samples their RSS; each process's peak is reset before (``/proc/PID/clear_refs``) and its
-``VmHWM`` read after, so a spike between samples counts.
+"""Memory of the blocked plan, for a target several times the driver's memory, local[2] (table ``blocked``;
+what it measures: its text in ``benchmarks/report.py``). A thread samples the processes' RSS; each one's peak
+is reset before (``/proc/PID/clear_refs``) and its ``VmHWM`` read after, so a spike between samples counts.
 
 Usage: python benchmarks/memory.py [--budgets 64m] [--target-rows 2500000]
 """
@@ -25,6 +24,7 @@ import pyarrow.parquet as pq  # noqa: E402
 from benchmarks._record import Recorder, local_spark, noop, process_tree, sampling, vector_table  # noqa: E402
 
 MiB = 1 << 20
+QUERY_ROWS, D, K, DRIVER_MEMORY = 4_000, 256, 10, "1g"
 CHUNK_ROWS = 1 << 16          # rows generated and written at a time (64 MiB at d = 256)
 ROWS_PER_FILE = 1 << 18       # several files: several input partitions
 SAMPLE_S = 0.2                # seconds between RSS samples
@@ -92,10 +92,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budgets", default="32m,128m", help="spark.nearestJoin.taskMemoryBytes values")
     ap.add_argument("--target-rows", type=int, default=2_500_000)
-    ap.add_argument("--query-rows", type=int, default=4_000)
-    ap.add_argument("--d", type=int, default=256)
-    ap.add_argument("--k", type=int, default=10)
-    ap.add_argument("--driver-memory", default="1g")
     args = ap.parse_args(argv)
 
     data = tempfile.mkdtemp(prefix="nj-memory-")
@@ -115,13 +111,13 @@ def run(args, data: str) -> int:
 
     t0 = time.perf_counter()
     t_path, q_path = os.path.join(data, "target"), os.path.join(data, "query")
-    t_bytes = write_side(t_path, args.target_rows, args.d, 2, "tid", "tv")
-    write_side(q_path, args.query_rows, args.d, 1, "qid", "qv")
-    print(f"data: target {args.target_rows} x {args.d} float32 = {t_bytes / MiB:.0f} MiB Parquet "
-          f"({t_bytes / parse_bytes(args.driver_memory):.1f}x driver memory {args.driver_memory}), "
-          f"query {args.query_rows} rows; written in {time.perf_counter() - t0:.0f} s", flush=True)
+    t_bytes = write_side(t_path, args.target_rows, D, 2, "tid", "tv")
+    write_side(q_path, QUERY_ROWS, D, 1, "qid", "qv")
+    print(f"data: target {args.target_rows} x {D} float32 = {t_bytes / MiB:.0f} MiB Parquet "
+          f"({t_bytes / parse_bytes(DRIVER_MEMORY):.1f}x driver memory {DRIVER_MEMORY}), "
+          f"query {QUERY_ROWS} rows; written in {time.perf_counter() - t0:.0f} s", flush=True)
 
-    spark = local_spark("nearest_join-memory", args.driver_memory, conf={"spark.executorEnv.PYTHONPATH": ROOT})
+    spark = local_spark("nearest_join-memory", DRIVER_MEMORY, conf={"spark.executorEnv.PYTHONPATH": ROOT})
     try:
         q = spark.read.parquet(q_path)
         t = spark.read.parquet(t_path)
@@ -130,7 +126,7 @@ def run(args, data: str) -> int:
         # Warm-up: every worker imports the stack and loads the compiled kernels; its RSS
         # afterwards is the fixed cost of a worker (nothing of the budget is held any more).
         warm_q, warm_t = q.limit(200), t.limit(4000)
-        noop(nearest_by_join(warm_q, warm_t, F.vector_l2_distance(warm_q.qv, warm_t.tv), args.k,
+        noop(nearest_by_join(warm_q, warm_t, F.vector_l2_distance(warm_q.qv, warm_t.tv), K,
                              broadcast_limit_bytes=0, query_block_rows=50, target_block_rows=500))
         time.sleep(1.0)
         fixed_by_pid = {pid: _status(pid).get("VmRSS", 0) for pid, kind in descendants(os.getpid()).items()
@@ -142,7 +138,7 @@ def run(args, data: str) -> int:
         for budget_text in args.budgets.split(","):
             budget = parse_bytes(budget_text)
             spark.conf.set("spark.nearestJoin.taskMemoryBytes", str(budget))
-            plan = explain_nearest_join(q, t, ranking, args.k)
+            plan = explain_nearest_join(q, t, ranking, K)
             if plan.plan != "blocked":
                 raise SystemExit(f"expected the blocked plan, got {plan.plan}: {plan.reason}")
             peaks: dict[int, int] = {}
@@ -162,7 +158,7 @@ def run(args, data: str) -> int:
                     pass
             with sampling(sample, SAMPLE_S):
                 start = time.perf_counter()
-                noop(nearest_by_join(q, t, ranking, args.k))
+                noop(nearest_by_join(q, t, ranking, K))
                 seconds = time.perf_counter() - start
             workers = sorted((v for pid, v in peaks.items() if kinds[pid] == "worker"), reverse=True)
             # Above its own fixed cost (a worker started after the warm-up: the largest one).
@@ -179,8 +175,8 @@ def run(args, data: str) -> int:
 
     rec = Recorder("memory", gpu=False)
     for row in table:
-        rec.add("blocked", master="local[2]", driver_memory=args.driver_memory, d=args.d, k=args.k, metric="l2",
-                query_rows=args.query_rows, target_rows=args.target_rows,
+        rec.add("blocked", master="local[2]", driver_memory=DRIVER_MEMORY, d=D, k=K, metric="l2",
+                query_rows=QUERY_ROWS, target_rows=args.target_rows,
                 target_parquet_mib=round(t_bytes / MiB), **row)
     rec.print_tables()
     return 0

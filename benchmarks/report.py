@@ -1,6 +1,6 @@
-"""Regenerate ``benchmarks/RESULTS.md`` and ``benchmarks/plots/*.png`` from the benchmark records
-(``benchmarks/results/*.jsonl``): one table per (benchmark, table), newest first, with its provenance,
-ratios against peers of the same run and a plot where one helps. Never edit RESULTS.md by hand.
+"""Regenerate ``benchmarks/RESULTS.md`` from the benchmark records (``benchmarks/results/*.jsonl``): one
+table per (benchmark, table), newest first, with its provenance, ratios against peers of the same run and
+the text of :data:`TABLES` that says what it measures. Never edit RESULTS.md by hand.
 
 Usage: ``python benchmarks/report.py`` (``make bench-report``); ``--check`` only compares.
 """
@@ -14,14 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
 # Every record's provenance (benchmarks._record.Recorder writes them): never a figure's name.
 RESERVED = ("benchmark", "table", "run", "date", "commit", "command", "machine")
-RESULTS_MD = BENCH_DIR / "RESULTS.md"
-PLOTS_DIR = BENCH_DIR / "plots"
 HIDDEN = {"remark", "runs", "arrow_runs_ms", "what"}      # never listed as a fixed parameter
 
 HEADER = """\
@@ -74,7 +71,7 @@ def auto(value) -> str:
     """A cell of a field no table spec knows: floats to 4 significant digits."""
     if isinstance(value, float) and not math.isnan(value):
         return f"{value:.4g}"
-    if isinstance(value, (dict, list)) and not isinstance(value, bool):
+    if isinstance(value, (dict, list)):
         return json.dumps(value, separators=(",", ":"))
     return fmt(value)
 
@@ -101,23 +98,6 @@ def peer_ratio(header: str, name: str, peer: dict, invert: bool = False) -> Col:
         mine, theirs = row[name], found[0][name]
         return fmt(theirs / mine if invert else mine / theirs, "x")
     return Col(header, cell, (name,))
-
-
-# --- table specs -------------------------------------------------------------------------
-
-
-KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_join(on=key), blocked plan"),
-                 ("un-keyed", "nearest_by_join (no key)"), ("window", "equi-join + row_number window"))
-
-
-@dataclass(frozen=True)
-class Table:
-    title: str
-    columns: list[Col] | Callable[[list[dict]], list[Col]]   # a callable: built from the records
-    about: str = ""
-    plot: Callable[[list[dict], Path], None] | None = None
-    group: Callable[[list[dict]], list[dict]] | None = None   # records -> display rows
-    merge_tables: bool = False          # all tables of the benchmark in one (a column per table)
 
 
 def pivot(on: tuple[str, ...], keys: tuple[str, ...]) -> Callable[[list[dict]], list[dict]]:
@@ -147,13 +127,31 @@ def pratio(header: str, name: str, num, den) -> Col:
     return Col(header, cell, (name,))
 
 
-# cpu_kernel: one display row per (data, d, metric, k); each record under (its table, its engine).
-by_engine = pivot(("table", "engine"), ("data", "d", "metric", "k"))
+# --- table specs -------------------------------------------------------------------------
 
 
-def engines(records: list[dict]) -> list[str]:
-    names = list(dict.fromkeys(r["engine"] for r in records))
-    return sorted(names, key=lambda n: (n != "nearest_join", names.index(n)))
+@dataclass(frozen=True)
+class Table:
+    title: str
+    columns: list[Col] | Callable[[list[dict]], list[Col]]   # a callable: built from the records
+    about: str = ""
+    group: Callable[[list[dict]], list[dict]] | None = None   # records -> display rows
+    merge_tables: bool = False          # all tables of the benchmark in one (a column per table)
+
+
+def cpu_columns(records: list[dict]) -> list[Col]:
+    """Per table of the benchmark (a BLAS selection): each engine's pairs/s, then ours over
+    each other engine of the same run (faiss's ratio from the record where its rate is absent)."""
+    cols = [col("data", "data"), col("d", "d"), col("metric", "metric"), col("k", "k")]
+    for table in dict.fromkeys(r["table"] for r in records):
+        names = list(dict.fromkeys(r["engine"] for r in records if r["table"] == table))
+        names.sort(key=lambda n: n != "nearest_join")       # ours first, the others in record order
+        ours, label = names[0], table.replace("OPENBLAS_CORETYPE=", "")
+        cols += [pcol(f"{label}: {n} pairs/s", (table, n), "pairs_per_s", "e") for n in names]
+        cols += [pratio(f"{label}: vs {n}", "pairs_per_s", (table, ours), (table, n)) for n in names[1:]]
+        if not any(n.startswith("faiss") for n in names):
+            cols.append(pcol(f"{label}: vs faiss", (table, ours), "vs_faiss", "x"))
+    return cols
 
 
 def incremental_columns(records: list[dict]) -> list[Col]:
@@ -171,103 +169,7 @@ def incremental_columns(records: list[dict]) -> list[Col]:
             col("recall@k", "recall", ".4f"), col("full approx recall@k", "full_recall", ".4f"),
             Col("measured (lower bound)", lambda r, run: "-" if r.get("measured_recall") is None else
                 f"{r['measured_recall']:.4f} ({r['measured_lower']:.4f})", ("measured_recall", "measured_lower")),
-            Col("nprobe / nlist", lambda r, run: "-" if r.get("nprobe") is None else f"{r['nprobe']} / {r['nlist']}",
-                ("nprobe", "nlist")),
-            col("re-trained", "retrained"), *counts]
-
-
-def cpu_columns(records: list[dict]) -> list[Col]:
-    """Per table of the benchmark (a BLAS selection): each engine's pairs/s, then ours over
-    each other engine of the same run (faiss's ratio from the record where its rate is absent)."""
-    cols = [col("data", "data"), col("d", "d"), col("metric", "metric"), col("k", "k")]
-    for table in dict.fromkeys(r["table"] for r in records):
-        mine = [r for r in records if r["table"] == table]
-        names = engines(mine)
-        ours, label = names[0], table.replace("OPENBLAS_CORETYPE=", "")
-        cols += [pcol(f"{label}: {n} pairs/s", (table, n), "pairs_per_s", "e") for n in names]
-        cols += [pratio(f"{label}: vs {n}", "pairs_per_s", (table, ours), (table, n)) for n in names[1:]]
-        if not any(n.startswith("faiss") for n in names):
-            cols.append(pcol(f"{label}: vs faiss", (table, ours), "vs_faiss", "x"))
-    return cols
-
-
-def _pyplot():
-    """matplotlib's pyplot on the Agg backend (no display)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    """Write ``fig`` to ``path`` with no run-dependent metadata (a rerun gives the same bytes)."""
-    plt = _pyplot()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100, metadata={"Software": None})
-    plt.close(fig)
-
-
-def plot_bars(path: Path, categories: list[str], series: dict[str, list], ylabel: str,
-              title: str, log: bool = False) -> None:
-    """Grouped bars: one group per category, one bar per series (None: no bar)."""
-    plt = _pyplot()
-    width = 0.8 / max(1, len(series))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(categories) * max(1, len(series)) ** 0.5), 4))
-    for i, (name, values) in enumerate(series.items()):
-        xs = [c + i * width for c, v in enumerate(values) if v is not None]
-        ax.bar(xs, [v for v in values if v is not None], width, label=name)
-    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(categories))])
-    ax.set_xticklabels(categories, fontsize=7)
-    if log:
-        ax.set_yscale("log")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title, fontsize=9)
-    if len(series) > 1:
-        ax.legend(fontsize="small")
-    _save(fig, path)
-
-
-def plot_recall(records: list[dict], path: Path) -> None:
-    """approx: recall@10 against the speed-up over our exact mode, one series per data set."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for data in dict.fromkeys(r["data"] for r in records):
-        runs = [r for r in records if r["data"] == data and r.get("recall_target") is not None]
-        ax.plot([r["speedup_vs_exact"] for r in runs], [r["recall"] for r in runs], "o", label=data)
-        for r in runs:
-            ax.annotate(f"target {r['recall_target']}", (r["speedup_vs_exact"], r["recall"]), fontsize=7,
-                        xytext=(4, -3), textcoords="offset points")
-    ax.axvline(1.0, color="grey", lw=0.5)
-    ax.set_xlabel("speed-up over our exact mode (end to end)")
-    ax.set_ylabel("recall@10")
-    ax.set_title("approx.py: IVF recall against speed-up", fontsize=9)
-    ax.legend(fontsize="small")
-    _save(fig, path)
-
-
-def plot_cpu(records: list[dict], path: Path) -> None:
-    rows = by_engine(records)
-    series = {f"{t.replace('OPENBLAS_CORETYPE=', '')}: {n}": [r["by"].get((t, n), {}).get("pairs_per_s") for r in rows]
-              for t in dict.fromkeys(r["table"] for r in records)
-              for n in engines([r for r in records if r["table"] == t])}
-    plot_bars(path, [f"d={r['d']} {r['metric']}\nk={r['k']}" for r in rows], series, "pairs / s",
-              "cpu_kernel", log=True)
-
-
-def plot_gpu_concurrent(records: list[dict], path: Path) -> None:
-    rows = CONCURRENT(records)
-    cats = [f"{r['query_blocks']}x{r['target_blocks']}, {r['threads_per_task']} thr" for r in rows]
-    series = {f"{p}, {n} at once": [100 * r["by"][(p, n)]["share_of_kernel"] if (p, n) in r["by"] else None
-                                    for r in rows] for p in ("bf16", "tf32") for n in (1, 2)}
-    plot_bars(path, cats, series, "% of the kernel's throughput", "gpu_kernel: broadcast tasks sharing one GPU")
-
-
-CONCURRENT = pivot(("precision", "processes"), ("plan", "query_blocks", "target_blocks", "k", "threads_per_task"))
-BLOCKS = Col("query x target blocks", lambda r, run: f"{r['query_blocks']} x {r['target_blocks']}",
-             ("query_blocks", "target_blocks"))
+            NPROBE, col("re-trained", "retrained"), *counts]
 
 
 def compile_table(title: str, shape: str) -> Table:
@@ -297,10 +199,9 @@ def compile_table(title: str, shape: str) -> Table:
         group=group)
 
 
-# The columns of both approx tables (synthetic and real data).
-APPROX_COLUMNS = [col("data", "data"), col("engine", "engine"), col("recall target", "recall_target"),
-                  Col("nprobe / nlist", lambda row, run: fmt(row.get("nprobe")) if row.get("nlist") is None
-                      else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist")),
+NPROBE = Col("nprobe / nlist", lambda row, run: fmt(row.get("nprobe")) if row.get("nlist") is None
+             else f"{fmt(row.get('nprobe'))} / {fmt(row['nlist'])}", ("nprobe", "nlist"))
+APPROX_COLUMNS = [col("data", "data"), col("engine", "engine"), col("recall target", "recall_target"), NPROBE,
                   col("estimate", "recall_estimate", ".4f"),
                   col("recall@10", "recall", ".4f"), col("seconds", "seconds", ".1f"),
                   col("of which planning s", "plan_seconds", ".1f"),
@@ -308,23 +209,26 @@ APPROX_COLUMNS = [col("data", "data"), col("engine", "engine"), col("recall targ
                   col("CPU vs exact", "cpu_vs_exact", "x"), col("load before, after", "load_1min", ".1f"),
                   col("faiss s at that recall", "faiss_seconds", ".1f"),
                   col("faiss nprobe", "faiss_nprobe"), col("ours / faiss", "ours_over_faiss", "x")]
-
-
+FAISS_IVF = ("faiss: IndexIVFFlat on one process, 2 threads, same nlist and training rows, at the smallest nprobe "
+             "reaching our recall.")
 FRESH = Table(
     "Approximate search on the real embeddings: each engine's first call in a fresh session, local[2]",
-    [col("engine", "engine"), col("recall target", "recall_target"), col("ran", "ran"), APPROX_COLUMNS[3],
-     col("estimate", "recall_estimate", ".4f"), col("recall@10", "recall", ".4f"),
-     col("seconds", "seconds", ".1f"), col("of which planning s", "plan_seconds", ".1f"),
-     col("vs exact", "speedup_vs_exact", "x")],
+    [col("engine", "engine"), col("recall target", "recall_target"), col("ran", "ran"), NPROBE,
+     *APPROX_COLUMNS[4:9]],
     about="The self-join of table `recall_minilm64000` (`--fresh`), each call the first of its own process: a new "
           "JVM and Python workers, the numba cache on disk as `make run` leaves it, the inputs read from Parquet "
           "(not cached). Planning is the facts job and, for approx, the training sample, k-means and the recall "
           "estimate: in a fresh session each of these Spark jobs pays the JVM's and the workers' first-use costs. "
           "The saved index: `build_ivf_index` in the exact engine's process, after its timed call. `_local`: the "
           "sessions take `conf/local.yaml`'s Spark settings (`--profile local`: the Python worker daemon "
-          "`udfs.daemon`, the JVM's C1 compiler only), as the batch jobs' do.",
-    plot=None)
-
+          "`udfs.daemon`, the JVM's C1 compiler only), as the batch jobs' do.")
+BLOCKS = [col("plan", "plan"),
+          Col("query x target blocks", lambda r, run: f"{r['query_blocks']} x {r['target_blocks']}",
+              ("query_blocks", "target_blocks")),
+          col("k", "k"), col("threads per task", "threads_per_task")]
+GPU_PIVOT = ("plan", "query_blocks", "target_blocks", "k", "threads_per_task")
+KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_join(on=key), blocked plan"),
+                 ("un-keyed", "nearest_by_join (no key)"), ("window", "equi-join + row_number window"))
 
 TABLES: dict[tuple[str, str], Table] = {
     ("cpu_kernel", "*"): Table(
@@ -332,21 +236,7 @@ TABLES: dict[tuple[str, str], Table] = {
         about="pairs/s of each engine on the same float32 data (Gaussian; embedding: unit rows around a "
               "shared direction, as sentence embeddings), same threads, best of `repeat`, "
               "one column group per BLAS kernel selection (a run each); ratios compare engines of one run.",
-        plot=plot_cpu, group=by_engine, merge_tables=True),
-    ("incremental", "*"): Table(
-        "Incremental refresh against a full recompute, local[2]", incremental_columns,
-        about="Clustered float32 vectors (1,000 centres), l2, ids on both sides; day 0 is "
-              "`incremental_nearest_join`'s full run (it writes the state); each share changes that share of each "
-              "side (a third deleted, updated, inserted) and is refreshed from day 0's state, against the exact join "
-              "of the same inputs that a nightly job runs today (both write ids and values to Parquet; no vectors). "
-              "Same rows: the same values per query, the same targets outside ties at the k-th value. Tables "
-              "`_keys<G>`: both joins with an `on=` key, each row's centre modulo G (an update may change a row's "
-              "key); `_cap<X>`: both with `max_distance=X`. `_approx<R>`: both in `mode=\"approx\"` at recall R (the "
-              "full recompute trains its own index), and the exact join of the same inputs besides; recall@k against "
-              "that exact join (a tie with the k-th is a hit); measured: the refresh's own measurement on its sample "
-              "and its lower 95% bound. `minilm`: the real sentence embeddings (`benchmarks/embeddings.py`, d=384) "
-              "joined with themselves by cosine, the inserted rows and the updated rows' new vectors from the "
-              "embeddings day 0 leaves out."),
+        group=pivot(("table", "engine"), ("data", "d", "metric", "k")), merge_tables=True),
     ("spark_join", "operator"): Table(
         "Spark operator: `nearest_by_join` against Spark's `nearestByJoin`",
         [col("engine", "engine"), col("plan", "plan"),
@@ -356,13 +246,11 @@ TABLES: dict[tuple[str, str], Table] = {
          col("same rows as Spark", "identical_rows")],
         about="Cached Parquet inputs (Gaussian `array<float>`), exact L2; each run writes the whole "
               "result to Spark's `noop` sink. ours: best of `repeat` after a warm-up (the 2,000 x 20,000 "
-              "calls: best of 7 after 15, the calls over which the JVM's JIT compiles their paths), Spark's: one run; `kernel alone` is `knn(..., backend=\"cpu\")` on the same arrays in the same process; "
+              "calls: best of 7 after 15, the calls over which the JVM's JIT compiles their paths), Spark's: one "
+              "run; `kernel alone` is `knn(..., backend=\"cpu\")` on the same arrays in the same process; "
               "plan: the plan the call took (`local`: collected and searched in the driver); `local plan "
               "off`: the same call with `spark.nearestJoin.localLimitBytes` 0, which takes the executors' "
-              "one-task plan; `Spark's floor`: the two Spark jobs that collect both sides for the local plan.",
-        plot=lambda records, path: plot_bars(
-            path, [f"{r['engine']}\n{r['nq']:,} x {r['nt']:,} d={r['d']}" for r in records],
-            {"pairs/s": [r.get("pairs_per_s") for r in records]}, "pairs / s", "spark_join", log=True)),
+              "one-task plan; `Spark's floor`: the two Spark jobs that collect both sides for the local plan."),
     ("fixed_costs", "demo"): Table(
         "Fixed costs: the demo job through the CLI, first and second run",
         [col("numba cache", "numba_cache"), col("class archive", "class_archive"), col("wall s", "wall_s", ".1f"),
@@ -393,6 +281,92 @@ TABLES: dict[tuple[str, str], Table] = {
         [col("step", "step"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
         about="A new clone of the commit, its own virtualenv: `make run` (install, Spark's class archive, "
               "the demo job) then `make test` (the test dependencies, the suite), on this machine's two cores."),
+    ("approx", "recall_nt1000000"): Table(
+        "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
+        APPROX_COLUMNS,
+        about="1,000,000 targets x 100,000 queries, d=128, k=10, l2, nlist the planner's default "
+              "(`nearest_join.ivf_index.default_nlist`); clustered: 1,000 Gaussian clusters; gaussian: N(0, 1). Each "
+              "approx call trains, estimates recall on a sample and searches; on the clustered data each engine's "
+              "fastest of the calls in its record's `runs` (the Gaussian's: one call), the approx rows after one "
+              "untimed full-size approx call. Estimate: the planner's recall@10 on its sample; recall@10: measured "
+              "against our exact rows. The Gaussian target needed 40% of the lists or more against the index's own "
+              "training sample (the screen, `nearest_join.ivf.screen_recall`, on the centroids of the first Lloyd "
+              f"iterations), so that call ran the exact plan without training on or the estimate's scan. {FAISS_IVF} "
+              "Our output: ids and value (`keep_vectors=False`), as faiss's. CPU s: user + system seconds of the "
+              "driver, the JVM and the Python workers during the call; load: the 1-minute load average before and "
+              "after it (the machine is shared: under load the ratio of CPU seconds holds, that of wall times does "
+              "not)."),
+    ("approx", "recall_nt1000000_blocked"): Table(
+        "Approximate search with a target too large to broadcast (forced), against our exact mode, local[2]",
+        APPROX_COLUMNS,
+        about="The clustered data of table `recall_nt1000000` (1,000,000 targets x 100,000 queries, d=128, k=10, l2), "
+              "every call with `broadcast_limit_bytes=0` (`--blocked`): exact runs the blocked plan, approx "
+              "the IVF lists on the keyed blocked plan (lists cut into cells, both sides shuffled to them). "
+              "One call per engine; each approx call trains, estimates recall on a sample, counts the "
+              f"lists' rows on both sides and searches. {FAISS_IVF}"),
+    ("approx", "recall_minilm64000"): Table(
+        "Approximate search on real sentence embeddings (MiniLM over docstrings), local[2]",
+        APPROX_COLUMNS,
+        about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; d=384, "
+              "unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. Each engine's "
+              "fastest of the calls in its record's `runs`, the approx rows after one untimed approx call; each "
+              "approx call trains, estimates recall and searches; with a saved index (`build_ivf_index` on the same "
+              "target before, untimed) it estimates recall and searches. recall@10 counts ties: a returned row as "
+              "near as the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat over inner product, 2 "
+              "threads, same nlist and training rows, at the smallest nprobe reaching our recall. Both of our engines "
+              "output ids and value (`keep_vectors=False`), as faiss does."),
+    ("approx", "fresh_minilm64000"): FRESH,
+    ("approx", "fresh_minilm64000_local"): FRESH,
+    ("approx", "ceiling_minilm64000"): Table(
+        "What an index can give on the real embeddings: kernels alone, no Spark (MiniLM, 64,000, cosine)",
+        [col("index", "index"), col("parameters", "parameters"), col("recall target", "recall_target"),
+         col("recall@10", "recall"), col("build s", "build_seconds"), col("search s", "search_seconds"),
+         col("x exact, build + search", "vs_exact"), col("x exact, search only", "search_vs_exact")],
+        about="The self-join of table `recall_minilm64000` (`--ceiling`): every row against all 64,000, k=10, "
+              "2 threads, one process, no Spark; exact: our `knn`. Per recall target the smallest nprobe "
+              "(IVF: our k-means on the planner's sample size, routing and `knn_probed`, at the planner's "
+              "default nlist and twice and three times it) or efSearch (faiss IndexHNSWFlat, M=16) whose "
+              "measured recall@10 reaches it: an oracle's choice, without the margin a recall estimate needs. "
+              "Build: k-means, routing the target and sorting it by list (IVF), the graph (HNSW); search: "
+              "routing the queries (IVF) and searching. What the Spark plan adds on top (planning, packing, "
+              "moving the target to the tasks) is in `recall_minilm64000`."),
+    **{("approx", f"seeds_{data}"): Table(
+        f"Recall honesty of `mode=\"approx\"` over seeds: {what}, local[2]",
+        [col("recall target", "recall_target"), col("calls", "seeds"), col("met the target", "met"),
+         col("ran", "ran"), col("nprobe chosen", "nprobe"), col("lowest lower bound", "lowest_bound"),
+         col("recall@10 lowest", "recall_min"), col("median", "recall_median"), col("highest", "recall_max")],
+        about="Per recall target, one approx call per seed (0, 1, ...: the training sample, k-means and the "
+              "recall estimate's sample of queries), each planning its own nprobe from its estimate; "
+              "recall@10 measured on our exact rows of the same inputs (a returned row as near as the 10th "
+              "exact one is a hit). Lowest lower bound: the lowest lower end of the estimates' 95% "
+              "intervals. Every call's estimate, bound and recall: the record's `calls`.")
+       for data, what in (("minilm64000", "real sentence embeddings (MiniLM, 64,000, cosine)"),
+                          ("clustered200000", "clustered Gaussians (200,000 x 20,000, d=128, l2)"))},
+    ("keyed_join", "executor"): Table(
+        "Keyed search (`on=`): many small groups, executor level",
+        [col("engine", "engine"), col("seconds", "seconds", ".3f"),
+         peer_ratio("speed-up", "seconds", {"engine": "knn per group (b6555db)"}, invert=True)],
+        about="`udfs.search.grouped_search` on one broadcast block against one kernel call per key group "
+              "(the first keyed version); the same rows."),
+    ("keyed_join", "spark"): Table(
+        "Keyed join (`on=`) against Spark's equi-join + window and the un-keyed join, local[2]",
+        [col("case", "case"), col("queries", "queries"), col("targets", "targets"),
+         col("same-key pairs", "same_key_pairs"),
+         *[pcol(f"{label} s", engine, "seconds", ".2f") for label, engine in KEYED_ENGINES],
+         *[pratio(f"ours vs {label}", "seconds", engine, KEYED_ENGINES[0][1]) for label, engine in KEYED_ENGINES[2:]]],
+        about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": `nearest_by_join(on=key)` "
+              "as it ships, its planning jobs included; \"blocked\": the same with `broadcast_limit_bytes=0` (the "
+              "keyed blocked plan). The window's and the blocked plan's rows are checked equal to ours.",
+        group=pivot(("engine",), ("case", "queries", "targets", "same_key_pairs"))),
+    ("memory", "blocked"): Table(
+        "Memory of the blocked plan",
+        [col("budget", "budget"), col("query block rows", "query_block_rows", ","),
+         col("target block rows", "target_block_rows", ","), col("target blocks", "target_blocks"),
+         col("peak RSS per Python worker MiB", "worker_peak_mib", ","),
+         col("worker fixed cost MiB", "worker_fixed_mib", ","), col("peak RSS per JVM MiB", "jvm_peak_mib", ","),
+         col("join s", "join_s", ".0f"), col("(peak - fixed) / budget", "over_budget", ".1f")],
+        about="Peak RSS (sampled, and the kernel's `VmHWM`) of every Python worker and JVM of the run "
+              "against `spark.nearestJoin.taskMemoryBytes`; the fixed cost is a warm worker's RSS."),
     ("stress", "totals"): Table(
         "Stress: random joins checked against the float64 oracle",
         [col("minutes", "minutes", ".1f"), col("joins", "joins", ","),
@@ -412,31 +386,38 @@ TABLES: dict[tuple[str, str], Table] = {
               "keys, caps, a given nprobe, indexes saved on yesterday's target and reused after it changed): "
               "every row a candidate with its exact value, the true top k where the plan promises it, and the "
               "join's recall@k at least the target it chose nprobe for (a miss is a mismatch)."),
-    ("memory", "blocked"): Table(
-        "Memory of the blocked plan",
-        [col("budget", "budget"), col("query block rows", "query_block_rows", ","),
-         col("target block rows", "target_block_rows", ","), col("target blocks", "target_blocks"),
-         col("peak RSS per Python worker MiB", "worker_peak_mib", ","),
-         col("worker fixed cost MiB", "worker_fixed_mib", ","), col("peak RSS per JVM MiB", "jvm_peak_mib", ","),
-         col("join s", "join_s", ".0f"), col("(peak - fixed) / budget", "over_budget", ".1f")],
-        about="Peak RSS (sampled, and the kernel's `VmHWM`) of every Python worker and JVM of the run "
-              "against `spark.nearestJoin.taskMemoryBytes`; the fixed cost is a warm worker's RSS."),
-    ("keyed_join", "executor"): Table(
-        "Keyed search (`on=`): many small groups, executor level",
-        [col("engine", "engine"), col("seconds", "seconds", ".3f"),
-         peer_ratio("speed-up", "seconds", {"engine": "knn per group (b6555db)"}, invert=True)],
-        about="`udfs.search.grouped_search` on one broadcast block against one kernel call per key group "
-              "(the first keyed version); the same rows."),
-    ("keyed_join", "spark"): Table(
-        "Keyed join (`on=`) against Spark's equi-join + window and the un-keyed join, local[2]",
-        [col("case", "case"), col("queries", "queries"), col("targets", "targets"),
-         col("same-key pairs", "same_key_pairs"),
-         *[pcol(f"{label} s", engine, "seconds", ".2f") for label, engine in KEYED_ENGINES],
-         *[pratio(f"ours vs {label}", "seconds", engine, KEYED_ENGINES[0][1]) for label, engine in KEYED_ENGINES[2:]]],
-        about="d=64, k=10, l2, string keys; seconds per engine on the same rows. \"ours\": `nearest_by_join(on=key)` "
-              "as it ships, its planning jobs included; \"blocked\": the same with `broadcast_limit_bytes=0` (the "
-              "keyed blocked plan). The window's and the blocked plan's rows are checked equal to ours.",
-        group=pivot(("engine",), ("case", "queries", "targets", "same_key_pairs"))),
+    ("incremental", "*"): Table(
+        "Incremental refresh against a full recompute, local[2]", incremental_columns,
+        about="Clustered float32 vectors (1,000 centres), l2, ids on both sides; day 0 is "
+              "`incremental_nearest_join`'s full run (it writes the state); each share changes that share of each "
+              "side (a third deleted, updated, inserted) and is refreshed from day 0's state, against the exact join "
+              "of the same inputs that a nightly job runs today (both write ids and values to Parquet; no vectors). "
+              "Same rows: the same values per query, the same targets outside ties at the k-th value. Tables "
+              "`_keys<G>`: both joins with an `on=` key, each row's centre modulo G (an update may change a row's "
+              "key); `_cap<X>`: both with `max_distance=X`. `_approx<R>`: both in `mode=\"approx\"` at recall R (the "
+              "full recompute trains its own index), and the exact join of the same inputs besides; recall@k against "
+              "that exact join (a tie with the k-th is a hit); measured: the refresh's own measurement on its sample "
+              "and its lower 95% bound. `minilm`: the real sentence embeddings (`benchmarks/embeddings.py`, d=384) "
+              "joined with themselves by cosine, the inserted rows and the updated rows' new vectors from the "
+              "embeddings day 0 leaves out."),
+    ("gpu_kernel", "arrow"): Table(
+        "GPU Arrow path: the executor loop against the kernel alone",
+        [*BLOCKS, *[c for p in ("bf16", "tf32") for c in (
+            pcol(f"{p} kernel ms", p, "kernel_exact_ms", ".0f"), pcol(f"{p} Arrow path ms", p, "arrow_ms", ".0f"),
+            pcol(f"{p} share of the kernel", p, "arrow_share_of_kernel", "%"))]],
+        about="One task's query rows through `udfs.blocks` (copies, Arrow decoding and row emission "
+              "included), the next task of its stage (target blocks kept on the GPU), against one exact "
+              "kernel call on the same rows.",
+        group=pivot(("precision",), GPU_PIVOT)),
+    ("gpu_kernel", "arrow_concurrent"): Table(
+        "GPU Arrow path, tasks sharing one GPU",
+        [*BLOCKS, *[c for p in ("bf16", "tf32") for c in (
+            pcol(f"{p}: 1 task at a time", (p, 1), "share_of_kernel", "%"),
+            pcol(f"{p}: 2 at once", (p, 2), "share_of_kernel", "%"),
+            pratio(f"{p}: 2 vs 1", "share_of_kernel", (p, 2), (p, 1)))]],
+        about="Share of the kernel's throughput: tasks x one exact kernel call / wall time, broadcast "
+              "tasks in separate processes (Spark's Python workers) on one GPU.",
+        group=pivot(("precision", "processes"), GPU_PIVOT)),
     ("gpu_kernel", "shapes"): Table(
         "GPU exact search at embedding sizes against torch and the GEMM alone",
         [col("shape", "shape"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
@@ -449,6 +430,11 @@ TABLES: dict[tuple[str, str], Table] = {
         about="Offset Gaussian data, l2, medians of 3. First call: the process's first search of that configuration, "
               "compilation included where no earlier row compiled its kernel (fresh Triton cache). Wrong rows: of "
               "`sample_rows` sampled query rows against the float64 oracle (every exact search: 0)."),
+    ("gpu_kernel", "compile"): compile_table(
+        "GPU first-call compile time (fresh Triton cache)", "2,048 x 60,000"),
+    ("gpu_kernel", "compile_few_targets"): compile_table(
+        "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
+        "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the torch path beyond it)"),
     ("gpu_large_k", "large_k"): Table(
         "GPU exact search at the k of recommenders, embeddings with groups of identical rows, against torch",
         [col("set", "set"), col("groups", "groups"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
@@ -480,99 +466,6 @@ TABLES: dict[tuple[str, str], Table] = {
               "carried as float16, cosine self-join; clustered: the clustered set of table `recall_nt1000000`, l2. "
               "Warm: the better of two runs. Exact kernel alone: `nearest_kernels.knn` on the arrays; wrong of 64: "
               "sampled queries whose exact values differ from the CPU kernel's."),
-    ("approx", "recall_nt1000000"): Table(
-        "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
-        APPROX_COLUMNS,
-        about="1,000,000 targets x 100,000 queries, d=128, k=10, l2, nlist the planner's default "
-              "(`nearest_join.ivf_index.default_nlist`); clustered: 1,000 Gaussian clusters; gaussian: N(0, 1). Each "
-              "approx call trains, estimates recall on a sample and searches; on the clustered data each engine's "
-              "fastest of the calls in its record's `runs` (the Gaussian's: one call), the approx rows after one "
-              "untimed full-size approx call. Estimate: the planner's recall@10 on its sample; recall@10: measured "
-              "against our exact rows. The Gaussian target needed 40% of the lists or more against the index's own "
-              "training sample (the screen, `nearest_join.ivf.screen_recall`, on the centroids of the first Lloyd "
-              "iterations), so that call ran the exact plan without training on or the estimate's scan. faiss: "
-              "IndexIVFFlat on one process, 2 threads, same nlist and "
-              "training rows, at the smallest nprobe reaching our recall. Our output: ids and value "
-              "(`keep_vectors=False`), as faiss's. CPU s: user + system seconds of the driver, "
-              "the JVM and the Python workers during the call; load: the 1-minute load average before and after it "
-              "(the machine is shared: under load the ratio of CPU seconds holds, that of wall times does not).",
-        plot=plot_recall),
-    ("approx", "recall_nt1000000_blocked"): Table(
-        "Approximate search with a target too large to broadcast (forced), against our exact mode, local[2]",
-        APPROX_COLUMNS,
-        about="The clustered data of table `recall_nt1000000` (1,000,000 targets x 100,000 queries, d=128, k=10, l2), "
-              "every call with `broadcast_limit_bytes=0` (`--blocked`): exact runs the blocked plan, approx "
-              "the IVF lists on the keyed blocked plan (lists cut into cells, both sides shuffled to them). "
-              "One call per engine; each approx call trains, estimates recall on a sample, counts the "
-              "lists' rows on both sides and searches. faiss: IndexIVFFlat on one process, 2 threads, same "
-              "nlist and training rows, at the smallest nprobe reaching our recall.",
-        plot=None),
-    ("approx", "recall_minilm64000"): Table(
-        "Approximate search on real sentence embeddings (MiniLM over docstrings), local[2]",
-        APPROX_COLUMNS,
-        about="64,000 all-MiniLM-L6-v2 embeddings of Python docstring paragraphs (`benchmarks/embeddings.py`; d=384, "
-              "unit rows, their duplicates kept), joined with themselves by cosine similarity, k=10. Each engine's "
-              "fastest of the calls in its record's `runs`, the approx rows after one untimed approx call; each "
-              "approx call trains, estimates recall and searches; with a saved index (`build_ivf_index` on the same "
-              "target before, untimed) it estimates recall and searches. recall@10 counts ties: a returned row as near as "
-              "the 10th exact one is a hit (the duplicates tie). faiss: IndexIVFFlat over inner product, 2 threads, "
-              "same nlist and training rows, at the smallest nprobe reaching our recall. Both of our engines output "
-              "ids and value (`keep_vectors=False`), as faiss does.",
-        plot=None),
-    ("approx", "fresh_minilm64000"): FRESH,
-    ("approx", "fresh_minilm64000_local"): FRESH,
-    ("approx", "ceiling_minilm64000"): Table(
-        "What an index can give on the real embeddings: kernels alone, no Spark (MiniLM, 64,000, cosine)",
-        [col("index", "index"), col("parameters", "parameters"), col("recall target", "recall_target"),
-         col("recall@10", "recall"), col("build s", "build_seconds"), col("search s", "search_seconds"),
-         col("x exact, build + search", "vs_exact"), col("x exact, search only", "search_vs_exact")],
-        about="The self-join of table `recall_minilm64000` (`--ceiling`): every row against all 64,000, k=10, "
-              "2 threads, one process, no Spark; exact: our `knn`. Per recall target the smallest nprobe "
-              "(IVF: our k-means on the planner's sample size, routing and `knn_probed`, at the planner's "
-              "default nlist and twice and three times it) or efSearch (faiss IndexHNSWFlat, M=16) whose "
-              "measured recall@10 reaches it: an oracle's choice, without the margin a recall estimate needs. "
-              "Build: k-means, routing the target and sorting it by list (IVF), the graph (HNSW); search: "
-              "routing the queries (IVF) and searching. What the "
-              "Spark plan adds on top (planning, packing, moving the target to the tasks) is in "
-              "`recall_minilm64000`."),
-    **{("approx", f"seeds_{data}"): Table(
-        f"Recall honesty of `mode=\"approx\"` over seeds: {what}, local[2]",
-        [col("recall target", "recall_target"), col("calls", "seeds"), col("met the target", "met"),
-         col("ran", "ran"), col("nprobe chosen", "nprobe"), col("lowest lower bound", "lowest_bound"),
-         col("recall@10 lowest", "recall_min"), col("median", "recall_median"), col("highest", "recall_max")],
-        about="Per recall target, one approx call per seed (0, 1, ...: the training sample, k-means and the "
-              "recall estimate's sample of queries), each planning its own nprobe from its estimate; "
-              "recall@10 measured on our exact rows of the same inputs (a returned row as near as the 10th "
-              "exact one is a hit). Lowest lower bound: the lowest lower end of the estimates' 95% "
-              "intervals. Every call's estimate, bound and recall: the record's `calls`.")
-       for data, what in (("minilm64000", "real sentence embeddings (MiniLM, 64,000, cosine)"),
-                          ("clustered200000", "clustered Gaussians (200,000 x 20,000, d=128, l2)"))},
-    ("gpu_kernel", "compile"): compile_table(
-        "GPU first-call compile time (fresh Triton cache)", "2,048 x 60,000"),
-    ("gpu_kernel", "compile_few_targets"): compile_table(
-        "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
-        "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the torch path beyond it)"),
-    ("gpu_kernel", "arrow"): Table(
-        "GPU Arrow path: the executor loop against the kernel alone",
-        [col("plan", "plan"), BLOCKS, col("k", "k"), col("threads per task", "threads_per_task"),
-         *[c for p in ("bf16", "tf32") for c in (
-             pcol(f"{p} kernel ms", p, "kernel_exact_ms", ".0f"),
-             pcol(f"{p} Arrow path ms", p, "arrow_ms", ".0f"),
-             pcol(f"{p} share of the kernel", p, "arrow_share_of_kernel", "%"))]],
-        about="One task's query rows through `udfs.blocks` (copies, Arrow decoding and row emission "
-              "included), the next task of its stage (target blocks kept on the GPU), against one exact "
-              "kernel call on the same rows.",
-        group=pivot(("precision",), ("plan", "query_blocks", "target_blocks", "k", "threads_per_task"))),
-    ("gpu_kernel", "arrow_concurrent"): Table(
-        "GPU Arrow path, tasks sharing one GPU",
-        [col("plan", "plan"), BLOCKS, col("k", "k"), col("threads per task", "threads_per_task"),
-         *[c for p in ("bf16", "tf32") for c in (
-             pcol(f"{p}: 1 task at a time", (p, 1), "share_of_kernel", "%"),
-             pcol(f"{p}: 2 at once", (p, 2), "share_of_kernel", "%"),
-             pratio(f"{p}: 2 vs 1", "share_of_kernel", (p, 2), (p, 1)))]],
-        about="Share of the kernel's throughput: tasks x one exact kernel call / wall time, broadcast "
-              "tasks in separate processes (Spark's Python workers) on one GPU.",
-        plot=plot_gpu_concurrent, group=CONCURRENT),
     ("multi_gpu", "scaling"): Table(
         "Multi-GPU blocked plan",
         [col("GPUs", "gpus"), col("wall s", "wall_s", ".1f"), col("merge s", "merge_s", ".1f"),
@@ -580,28 +473,16 @@ TABLES: dict[tuple[str, str], Table] = {
          peer_ratio("speed-up vs 1 GPU", "wall_s", {"gpus": 1}, invert=True),
          col("scaling efficiency", "efficiency", "%"), col("merged rows equal 1-GPU", "equals_1gpu")],
         about="One process per GPU runs `udfs.blocks.search_pairs` on its share of the pairs (whole target "
-              "blocks, round robin), then `merge_partials` on all partials.",
-        plot=lambda records, path: plot_bars(
-            path, [f"{r['gpus']} GPU(s)" for r in records],
-            {"wall s": [r.get("wall_s") for r in records], "merge s": [r.get("merge_s") for r in records]},
-            "seconds", "multi_gpu: blocked plan")),
+              "blocks, round robin), its GPU chosen from the task address as under Spark, timed from a barrier "
+              "after each warmed up to the last one done; then `merge_partials` on all partials."),
 }
-
-
-def spec_for(benchmark: str, table: str) -> Table | None:
-    return TABLES.get((benchmark, table)) or TABLES.get((benchmark, "*"))
 
 
 # --- rendering ---------------------------------------------------------------------------
 
 
-def load(results_dir: Path) -> dict[tuple[str, str], list[dict]]:
-    """Records by (benchmark, table), in file order."""
-    tables: dict[tuple[str, str], list[dict]] = {}
-    for path in sorted(Path(results_dir).glob("*.jsonl")):
-        for r in read_records(path):
-            tables.setdefault((r["benchmark"], r["table"]), []).append(r)
-    return tables
+def spec_for(benchmark: str, table: str) -> Table | None:
+    return TABLES.get((benchmark, table)) or TABLES.get((benchmark, "*"))
 
 
 def when(records: list[dict]) -> str:
@@ -616,23 +497,16 @@ def when(records: list[dict]) -> str:
 
 
 def machine_text(m: dict) -> str:
-    parts = []
-    if m.get("gpu"):
-        parts.append(m["gpu"])
     cpu = f"{m['cores']} cores of {m['cpu']}" if m.get("cores") else m.get("cpu", "?")
     if m.get("memory_gib"):
         cpu += f", {m['memory_gib']:g} GiB"
-    parts.append(cpu)
+    parts = [m.get("gpu"), cpu]
     if m.get("blas"):
         b = m["blas"]
         libs = "; ".join(b.get("libraries", [])) or "no BLAS library found"
         env = ", ".join(f"`{k}={v}`" for k, v in b.items() if k.startswith("OPENBLAS_"))
         parts.append(f"{env}; BLAS kernels: {libs}")
-    if m.get("software"):
-        parts.append(m["software"])
-    if m.get("note"):
-        parts.append(m["note"])
-    return "; ".join(parts)
+    return "; ".join(p for p in (*parts, m.get("software"), m.get("note")) if p)
 
 
 LABEL_FIELDS = ("table", "engine", "gpus", "threads_per_task", "precision", "d")
@@ -654,7 +528,7 @@ def distinct(records: list[dict], name: str) -> list[tuple[object, str]]:
     return [(json.loads(v), "") for v in values]
 
 
-def render_table(benchmark: str, table: str, records: list[dict], plots_dir: Path | None) -> str:
+def render_table(benchmark: str, table: str, records: list[dict]) -> str:
     spec = spec_for(benchmark, table)
     if spec is None:
         names = list(dict.fromkeys(k for r in records for k in r if k not in RESERVED and k not in HIDDEN))
@@ -690,25 +564,21 @@ def render_table(benchmark: str, table: str, records: list[dict], plots_dir: Pat
     out += ["| " + " | ".join(c.cell(row, records) for c in columns) + " |" for row in rows]
     notes = [spec.about] if spec.about else []
     notes += list(dict.fromkeys(r["remark"] for r in records if r.get("remark")))
-    if spec.plot:
-        name = f"{benchmark}-{'all' if spec.merge_tables else table}".replace("=", "-").replace(" ", "_") + ".png"
-        if plots_dir is not None:
-            spec.plot(records, plots_dir / name)
-        notes.append(f"Plot: [plots/{name}](plots/{name}).")
     if notes:
         out += ["", " ".join(notes)]
     return "\n".join(out) + "\n"
 
 
-def render(results_dir: Path = RESULTS_DIR, plots_dir: Path | None = PLOTS_DIR) -> str:
-    """The whole RESULTS.md text; draws the plots into ``plots_dir`` (None: links them only)."""
+def render(results_dir: Path = RESULTS_DIR) -> str:
+    """The whole RESULTS.md text."""
     sections: dict[tuple[str, str], list[dict]] = {}
-    for (benchmark, table), records in load(results_dir).items():
-        spec = spec_for(benchmark, table)
-        key = (benchmark, "*") if spec is not None and spec.merge_tables else (benchmark, table)
-        sections.setdefault(key, []).extend(records)
+    for path in sorted(Path(results_dir).glob("*.jsonl")):
+        for r in read_records(path):
+            spec = spec_for(r["benchmark"], r["table"])
+            key = (r["benchmark"], "*" if spec is not None and spec.merge_tables else r["table"])
+            sections.setdefault(key, []).append(r)
     order = sorted(sections, key=lambda key: (max(r["date"][:16] for r in sections[key]), key), reverse=True)
-    parts = [HEADER] + [render_table(b, t, sections[(b, t)], plots_dir) for b, t in order]
+    parts = [HEADER] + [render_table(b, t, sections[(b, t)]) for b, t in order]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -716,17 +586,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="only say whether RESULTS.md is up to date")
     args = ap.parse_args(argv)
+    text = render()
     if args.check:
-        current = render(plots_dir=None)
-        if RESULTS_MD.read_text() != current:
+        if RESULTS_MD.read_text() != text:
             print("benchmarks/RESULTS.md differs from the records: run make bench-report", file=sys.stderr)
             return 1
         return 0
-    for old in PLOTS_DIR.glob("*.png"):      # plots of tables that no longer exist go too
-        old.unlink()
-    text = render()
     RESULTS_MD.write_text(text)
-    print(f"wrote {RESULTS_MD.relative_to(BENCH_DIR.parent)} ({text.count(chr(10))} lines) and {PLOTS_DIR.name}/")
+    print(f"wrote {RESULTS_MD.relative_to(BENCH_DIR.parent)} ({text.count(chr(10))} lines)")
     return 0
 
 

@@ -1,7 +1,7 @@
-"""End-to-end Spark benchmark: nearest_by_join against Spark's own nearestByJoin and our kernel
-alone on the same arrays (what Spark adds), on cached DataFrames in local[2], exact L2, k=10.
+"""End-to-end Spark benchmark: nearest_by_join against Spark's own nearestByJoin and our kernel alone on
+the same arrays (table ``operator``; what it measures: its text in ``benchmarks/report.py``).
 
-Usage: python benchmarks/spark_join.py [--quick] [--skip-spark] [--repeat N]
+Usage: python benchmarks/spark_join.py [--quick] [--repeat N]
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from benchmarks._record import (SMOKE_DIR, Recorder, best_of, cached_parquet, lo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke run)")
-    ap.add_argument("--skip-spark", action="store_true", help="do not time Spark's own nearestByJoin")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
 
@@ -64,12 +63,10 @@ def main(argv=None) -> int:
         noop(ours_df())
     ours_small = best_of(lambda: noop(ours_df()), small_repeat)
     plan = explain_nearest_join(q, t, ranking, k).plan
-    identical = None
-    if not args.skip_spark:
-        ours_pairs = sorted((r["qid"], r["tid"]) for r in ours_df().select("qid", "tid").collect())
-        spark_df = q.nearestByJoin(t, ranking, k, "exact", "distance")
-        add("Spark nearestByJoin", nq, nt, d, best_of(lambda: noop(spark_df), 1))
-        identical = sorted((r["qid"], r["tid"]) for r in spark_df.select("qid", "tid").collect()) == ours_pairs
+    ours_pairs = sorted((r["qid"], r["tid"]) for r in ours_df().select("qid", "tid").collect())
+    spark_df = q.nearestByJoin(t, ranking, k, "exact", "distance")
+    add("Spark nearestByJoin", nq, nt, d, best_of(lambda: noop(spark_df), 1))
+    identical = sorted((r["qid"], r["tid"]) for r in spark_df.select("qid", "tid").collect()) == ours_pairs
     add("nearest_by_join", nq, nt, d, ours_small, identical_rows=identical, plan=plan)
     # The same call with the local plan off: the executors' plan it takes then (one task).
     spark.conf.set("spark.nearestJoin.localLimitBytes", "0")

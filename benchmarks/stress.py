@@ -1,9 +1,7 @@
-"""Random joins for a bounded time, each checked against the float64 difference-form oracle.
+"""Random joins for a bounded time, each checked against the float64 difference-form oracle (table
+``totals``; what it checks: its text in ``benchmarks/report.py``). Prints a line per join that went wrong
+and the totals; a timed run records them, and ``--out FILE`` appends them as a JSON line.
 
-Each join draws its inputs from its seed (``--replay SEED`` runs it again): sizes, d, k, metrics, join
-types, NULLs, the adversarial data of ``tests/adversarial.py``, forced blocked plans; ``APPROX_SHARE``
-of them ``mode="approx"`` on the IVF plan. Prints a line per join that went wrong and the totals; a
-timed run records them, and ``--out FILE`` appends them as a JSON line.
 Usage: ``python benchmarks/stress.py --minutes 30 [--out FILE]``, or ``--replay SEED ...``.
 """
 from __future__ import annotations
