@@ -1,7 +1,7 @@
 """Fixed costs: what a small job and a new worker pay besides the search, each from fresh processes (tables
-``demo``, ``compile``, ``fresh_clone``; what each measures: its text in ``benchmarks/report.py``).
+``demo``, ``compile``, ``warm_call``, ``fresh_clone``; what each measures: its text in ``benchmarks/report.py``).
 
-Usage: python benchmarks/fixed_costs.py [--tables demo compile fresh_clone]
+Usage: python benchmarks/fixed_costs.py [--tables demo compile warm_call fresh_clone]
 """
 from __future__ import annotations
 
@@ -30,6 +30,64 @@ t = time.perf_counter()
 _warm(WarmUp(sys.argv[1], "auto", ("float32", "float32")), ("broadcast",))
 print(time.perf_counter() - t, warm_up_seconds()[1])
 """
+
+# One session of conf/local.yaml's settings, its Python workers' socket as argv[1] says, then
+# each join of WARM_JOINS called CALLS times: a JSON line per join with the median call.
+_CALLS = """
+import json, statistics, sys, time
+import numpy as np
+from benchmarks._record import local_spark
+from jobs.spec import load_profile
+from nearest_join import nearest_by_join
+conf = {k: v for k, v in load_profile("local")[1].items() if k not in ("master", "spark.driver.memory")}
+conf["spark.python.unix.domain.socket.enabled"] = sys.argv[1]
+spark = local_spark("warm calls", "2g", conf=conf)
+rng = np.random.default_rng(0)
+for nq, nt, plan in json.loads(sys.argv[2]):
+    q = spark.createDataFrame([(i, v) for i, v in enumerate(rng.standard_normal((nq, 64)).tolist())],
+                              "qid int, v array<float>").cache()
+    t = spark.createDataFrame([(i, v) for i, v in enumerate(rng.standard_normal((nt, 64)).tolist())],
+                              "tid int, w array<float>").cache()
+    q.count(), t.count()
+    if plan != "local":
+        spark.conf.set("spark.nearestJoin.localLimitBytes", "0")
+    seconds, jobs = [], []
+    for call in range(int(sys.argv[3])):
+        group = f"{nq}-{plan}-{call}"
+        spark.sparkContext.setJobGroup(group, group)
+        start = time.perf_counter()
+        nearest_by_join(q, t, "l2", 5, vectors=("v", "w"), broadcast_limit_bytes=0 if plan == "blocked" else None
+                        ).write.format("noop").mode("overwrite").save()
+        seconds.append(time.perf_counter() - start)
+        jobs.append(len(spark.sparkContext.statusTracker().getJobIdsForGroup(group)))
+    spark.conf.unset("spark.nearestJoin.localLimitBytes")
+    print(json.dumps({"nq": nq, "nt": nt, "plan": plan, "seconds": statistics.median(seconds[5:]),
+                      "spark_jobs": jobs[-1]}), flush=True)
+"""
+WARM_JOINS = [(20, 30, "local"), (20, 30, "broadcast"), (20, 30, "blocked"), (2000, 20000, "local"),
+              (2000, 20000, "broadcast"), (2000, 20000, "blocked")]
+
+
+def warm_calls(rec: Recorder, calls: int = 25) -> None:
+    """A join's cost in a warm session: the median of calls after the first five, each of the
+    same inputs (cached), the result written to Spark's noop sink; the local profile's session
+    with its Python workers over TCP on localhost (Spark's default) and over a Unix domain
+    socket (the profile's)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    found = {}
+    for socket, enabled in (("tcp", "false"), ("unix", "true")):
+        proc = subprocess.run([sys.executable, "-c", _CALLS, enabled, json.dumps(WARM_JOINS), str(calls)], env=env,
+                              capture_output=True, text=True, cwd=ROOT)
+        if proc.returncode:
+            raise RuntimeError(proc.stderr[-3000:])
+        for line in proc.stdout.splitlines():
+            if line.startswith("{"):
+                r = json.loads(line)
+                found.setdefault((r["nq"], r["nt"], r["plan"]), {})[socket] = r
+    for (nq, nt, plan), by in found.items():
+        rec.add("warm_call", nq=nq, nt=nt, d=64, k=5, plan=plan, spark_jobs=by["unix"]["spark_jobs"],
+                tcp_s=round(by["tcp"]["seconds"], 3), unix_s=round(by["unix"]["seconds"], 3),
+                tcp_over_unix=round(by["tcp"]["seconds"] / by["unix"]["seconds"], 2), calls=calls)
 
 
 def demo(rec: Recorder, data_dir: Path) -> None:
@@ -98,8 +156,8 @@ def fresh_clone(rec: Recorder, work: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tables", nargs="+", default=["demo", "compile", "fresh_clone"],
-                        choices=["demo", "compile", "fresh_clone"])
+    parser.add_argument("--tables", nargs="+", default=["demo", "compile", "warm_call", "fresh_clone"],
+                        choices=["demo", "compile", "warm_call", "fresh_clone"])
     args = parser.parse_args()
     rec = Recorder("fixed_costs")
     with tempfile.TemporaryDirectory(prefix="nj-fixed-") as work:
@@ -108,6 +166,8 @@ def main() -> int:
             demo(rec, work)
         if "compile" in args.tables:
             compile_costs(rec)
+        if "warm_call" in args.tables:
+            warm_calls(rec)
         if "fresh_clone" in args.tables:
             fresh_clone(rec, work)
     rec.print_tables()

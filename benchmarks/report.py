@@ -276,6 +276,17 @@ TABLES: dict[tuple[str, str], Table] = {
               "worker pays for its kernels, compiling them, or loading what another process compiled; "
               "compiling: the time inside numba's compilations (its compile events), the rest imports "
               "(numba, pandas, pyspark) and the warm-up's own tiny join."),
+    ("fixed_costs", "warm_call"): Table(
+        "Fixed costs: a call in a warm session, Python workers over TCP and over a Unix domain socket",
+        [Col("size", lambda r, run: f"{r['nq']:,} x {r['nt']:,}", ("nq", "nt")), col("plan", "plan"),
+         col("Spark jobs", "spark_jobs"), col("TCP s", "tcp_s", ".3f"), col("Unix socket s", "unix_s", ".3f"),
+         col("TCP / Unix socket", "tcp_over_unix", "x")],
+        about="`nearest_by_join` of cached random inputs (d=64, k=5, l2) written to Spark's `noop` sink, the "
+              "median of `calls` calls after the first five, in one local[2] session of `conf/local.yaml`'s "
+              "settings per socket: Spark's default (TCP on localhost) and the profile's "
+              "(`spark.python.unix.domain.socket.enabled`). Plan `local`: collected and searched in the "
+              "driver (no Python worker); the others with `spark.nearestJoin.localLimitBytes` 0, blocked "
+              "with `broadcast_limit_bytes=0`."),
     ("fixed_costs", "fresh_clone"): Table(
         "Fixed costs: a new user's two commands on a fresh clone",
         [col("step", "step"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
