@@ -282,8 +282,8 @@ TABLES: dict[tuple[str, str], Table] = {
          col("Spark jobs", "spark_jobs"), col("TCP s", "tcp_s", ".3f"), col("Unix socket s", "unix_s", ".3f"),
          col("TCP / Unix socket", "tcp_over_unix", "x")],
         about="`nearest_by_join` of cached random inputs (d=64, k=5, l2) written to Spark's `noop` sink, the "
-              "median of `calls` calls after the first five, in one local[2] session of `conf/local.yaml`'s "
-              "settings per socket: Spark's default (TCP on localhost) and the profile's "
+              "median of `calls` calls after the first five, the faster of two local[2] sessions of "
+              "`conf/local.yaml`'s settings per socket (run in the order TCP, Unix, Unix, TCP): Spark's default (TCP on localhost) and the profile's "
               "(`spark.python.unix.domain.socket.enabled`). Plan `local`: collected and searched in the "
               "driver (no Python worker); the others with `spark.nearestJoin.localLimitBytes` 0, blocked "
               "with `broadcast_limit_bytes=0`."),
