@@ -91,10 +91,7 @@ def spark():
         # runs, untested. tests/join/test_local_plan.py runs it against them.
         .config("spark.nearestJoin.localLimitBytes", "0")
         .config("spark.driver.extraJavaOptions", background.JVM_OPTIONS)
-        # the executors' daemon and worker socket of the jobs' profiles (udfs/daemon.py,
-        # conf/local.yaml)
-        .config("spark.python.daemon.module", "udfs.daemon")
-        .config("spark.python.unix.domain.socket.enabled", "true")
+        .config(map=background.PYTHON_WORKERS)
         .config("spark.executorEnv.PYTHONPATH", str(background.REPO))
         .getOrCreate()
     )
