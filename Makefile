@@ -26,14 +26,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --no-compile -e .
 	@touch $@
 
-# One pip run for the package, its test extras, torch and triton: one resolution, one build
-# (this is the set-up `make test` pays on a fresh clone, inside its time budget).
+# The package with its test extras, then torch and triton (only the Triton interpreter's tests
+# and the GPU tests import them). pip keeps one core busy; meanwhile the other records Spark's
+# class archive (jobs.jvm: every Spark JVM the tests start maps it) and compiles the executors'
+# numba kernels into their cache (tests/warm_kernels.py), work the test run would otherwise
+# pay in its own time (this is the set-up `make test` pays on a fresh clone, inside its budget).
 # --no-compile: pip would byte-compile all of every package (torch alone is thousands of
 # modules), most of which no process imports. This Makefile's commands write the bytecode of
 # what they import instead, once (PYTHONDONTWRITEBYTECODE above).
 $(VENV)/.installed-dev: pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --no-compile $(TORCH_CPU) $(TRITON) -e '.[dev]'
+	$(PIP) install -q --no-compile -e '.[dev]'
+	@$(PY) -m jobs.jvm & jvm=$$!; $(PY) -c 'from tests import warm_kernels; warm_kernels.warm()' & kernels=$$!; \
+	  $(PIP) install -q --no-compile $(TORCH_CPU) $(TRITON); installed=$$?; \
+	  wait $$jvm; wait $$kernels; exit $$installed
 	@touch $(VENV)/.installed $@
 
 check-java:
