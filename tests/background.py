@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.jvm import with_archive
-from jobs.spec import load_profile
 
 REPO = Path(__file__).resolve().parents[1]
 # The JVM options of every Spark JVM the tests start (the sessions' drivers, local-cluster's
@@ -48,9 +47,17 @@ REPO = Path(__file__).resolve().parents[1]
 #   the parallel collector has no concurrent cycles.
 # - Spark's class archive, where `make run` (jobs.jvm) has recorded one: the JVMs start faster.
 JVM_OPTIONS = with_archive("-XX:TieredStopAtLevel=1 -XX:+UseParallelGC")
-# The Python workers of every session the tests start, as the jobs' local profile has them
-# (conf/local.yaml: the daemon udfs/daemon.py, the Unix domain socket).
-PYTHON_WORKERS = {name: value for name, value in load_profile("local")[1].items() if name.startswith("spark.python.")}
+
+
+def python_workers() -> dict[str, str]:
+    """The Python workers of every session the tests start, as the jobs' local profile has them
+    (conf/local.yaml: the daemon udfs/daemon.py, the Unix domain socket). Read when a session
+    starts: jobs.spec imports pyspark, which the GPU machine's test run (kernels only) lacks."""
+    from jobs.spec import load_profile
+
+    return {name: value for name, value in load_profile("local")[1].items() if name.startswith("spark.python.")}
+
+
 # The order the suites start in: the longest first, so the last to finish overlaps the main
 # run. A suite not named here starts after these.
 ORDER = ("join-oracles", "approx-and-jobs", "triton-interpreter", "local-cluster", "spark-connect", "blas-default",

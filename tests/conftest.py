@@ -91,7 +91,7 @@ def spark():
         # runs, untested. tests/join/test_local_plan.py runs it against them.
         .config("spark.nearestJoin.localLimitBytes", "0")
         .config("spark.driver.extraJavaOptions", background.JVM_OPTIONS)
-        .config(map=background.PYTHON_WORKERS)
+        .config(map=background.python_workers())
         .config("spark.executorEnv.PYTHONPATH", str(background.REPO))
         .getOrCreate()
     )

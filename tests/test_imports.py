@@ -401,3 +401,16 @@ def test_relative_imports_resolve():
     assert _resolve_relative("udfs", True, 1, "merge") == "udfs.merge"
     assert _resolve_relative("nearest_join.kernels.cpu", False, 2, "errors") == "nearest_join.errors"
     assert _resolve_relative("nearest_join.kernels", True, 1, None) == "nearest_join.kernels"
+
+
+def test_the_gpu_machine_s_test_run_loads_without_pyspark():
+    """The device runs the kernel tests (``tests/kernels/gpu_test_run.py``) where pyspark is not
+    installed: the suite's conftest and the kernel test modules must load without it."""
+    import subprocess
+    import sys
+
+    script = ("import sys; sys.modules['pyspark'] = None\n"
+              "import tests.conftest, tests.kernels.test_gpu_exactness, tests.kernels.test_gpu\n"
+              "assert sys.modules['pyspark'] is None")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -26,7 +26,7 @@ from pyspark.sql import SparkSession  # noqa: E402
 from pyspark.sql import functions as F  # noqa: E402
 
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
-from tests.background import JVM_OPTIONS, PYTHON_WORKERS  # noqa: E402
+from tests.background import JVM_OPTIONS, python_workers  # noqa: E402
 from tests.oracle import assert_join_true_topk, group_rows  # noqa: E402
 
 NQ, NT, D, K = 400, 3000, 16, 5
@@ -55,7 +55,7 @@ def main() -> int:
              # from udfs/daemon.py over a Unix domain socket.
              .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
              .config("spark.executor.extraJavaOptions", JVM_OPTIONS)
-             .config(map=PYTHON_WORKERS)
+             .config(map=python_workers())
              .config("spark.task.maxFailures", "4")
              .config("spark.sql.shuffle.partitions", "4")
              .getOrCreate())

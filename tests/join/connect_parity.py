@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 from nearest_join import explain_nearest_join, nearest_by_join  # noqa: E402
 from nearest_join.errors import NearestByJoinError  # noqa: E402
-from tests.background import JVM_OPTIONS, PYTHON_WORKERS  # noqa: E402
+from tests.background import JVM_OPTIONS, python_workers  # noqa: E402
 from tests.oracle import assert_same_neighbours, group_rows  # noqa: E402
 
 
@@ -25,7 +25,7 @@ def main() -> int:
     spark = (SparkSession.builder.remote("local[2]")
              .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
              .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
-             .config(map=PYTHON_WORKERS)
+             .config(map=python_workers())
              .config("spark.executorEnv.PYTHONPATH", ROOT)
              .getOrCreate())
     assert type(spark).__module__.startswith("pyspark.sql.connect"), type(spark)
