@@ -127,7 +127,8 @@ def next_pow2(n: int) -> int:
 # next_pow2(2k): the plain width next_pow2(k) leaves as few as k + 1 .. k + 24 candidates, and
 # the keys between a row's k-th and last candidate then lie closer together than the bf16
 # bound, so that list proves no row and the bf16 pass is wasted (benchmarks/gpu_notes.md,
-# Large k). Such lists are longer than the fused kernel's: the torch generator makes them.
+# Large k). Such lists are longer than the register lists': the threshold filter makes them
+# where it runs (``gpu.filter_refusal``), else the torch generator.
 LONG_LIST_K = 512
 
 

@@ -6,6 +6,13 @@ one pass appending every key below them to a per-row buffer, no list in register
 Its kernel is ``_triton_candidate_kernels.filter_kernel``; the thresholds come from a sample
 pass of the register-list kernel (:func:`filter_threshold`), and :func:`filter_select` turns
 a pass's buffers into the lists, indices and floor of ``triton_candidates``' contract.
+
+Lists longer than the register lists' (``MAX_CANDIDATES``: k above ``_gpu_bound.LONG_LIST_K``,
+whose first bf16 list holds about 2k) take the filter too, up to :data:`LONG_FILTER_MAX`: the
+torch generator's ``topk`` of such a list over every target tile was most of their search
+(benchmarks/gpu_notes.md, Large k). Their thresholds come from the torch generator over the
+sample (its ``topk`` of j over a sixteenth of the block), and the selection's ``topk`` reads
+only the hits.
 """
 from __future__ import annotations
 
@@ -19,11 +26,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._gpu_bound import lower_bias_table, lower_levels
 from ._gpu_prepare import PreparedSide, key_alpha
+from ._gpu_search import torch_candidates
 from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, filter_kernel, unpack
 from ._triton_candidates import kernel_buffer, triton_candidates
 from ._triton_compile import AHEAD, load_refusal
 from ._triton_plan import (
     BLOCK_N,
+    MAX_CANDIDATES,
     SEG_CAND,
     SEGMENT_MIN_TILES,
     LaunchRefused,
@@ -50,6 +59,11 @@ class FilterTiles:
 FILTER_TILES = FilterTiles()
 
 
+# The longest first list the filter makes (``gpu.filter_refusal``): two register lists' worth,
+# the list of k up to 2 ``LONG_LIST_K``. Longer lists run the torch path.
+LONG_FILTER_MAX = 2 * MAX_CANDIDATES
+
+
 def filter_sample(n_cand: int) -> tuple[int, int]:
     """(step, j) of the filter's thresholds for a first list of ``n_cand``: each row's j-th
     key over every step-th target, so that about ``step x j`` targets of the block pass it.
@@ -60,7 +74,14 @@ def filter_sample(n_cand: int) -> tuple[int, int]:
     block's product (every 16th target cost the short lists' search more in that pass than
     the wider spread of their hits costs the filter) and the selection reads more the more
     hits: the fastest pairs measured, with the appends of the time (an atomic per hit;
-    benchmarks/gpu_notes.md)."""
+    benchmarks/gpu_notes.md). Lists longer than ``MAX_CANDIDATES`` (about 2k at k above
+    ``LONG_LIST_K``): every 16th target at j = 9 n_cand / 128 (144 for 2048: about 1.125
+    n_cand hits, so most rows cut their list at n_cand and its floor is the first key cut
+    off, as the torch generator's list of n_cand; the sample's spread, about 16 sqrt(j) hits
+    a standard deviation, leaves the fewest hits of a block's rows well above k + the
+    bound's margin, where a row's floor is its threshold)."""
+    if n_cand > MAX_CANDIDATES:
+        return 16, 9 * n_cand // 128
     return (32, 5) if n_cand <= 64 else (32, 20)
 
 
@@ -68,8 +89,9 @@ def filter_cap(n_cand: int) -> int:
     """Buffer slots per row for :func:`filter_sample`'s thresholds: a row's hits are about
     ``step x j`` and its spread follows the sample's j-th order statistic (about
     ``step sqrt(j)`` hits a standard deviation): 1.25 step j + 6 step sqrt(j) + 64, up to a
-    power of two (1024 for lists up to 64, 2048 beyond). A row past it overflows: its floor
-    is -inf and the widening rounds search it (exact, slower)."""
+    power of two (1024 for lists up to 64, 2048 up to ``MAX_CANDIDATES``, 4096 for a long
+    list of 2048). A row past it overflows: its floor is -inf and the widening rounds search
+    it (exact, slower)."""
     step, j = filter_sample(n_cand)
     return 1 << math.ceil(math.log2(1.25 * step * j + 6 * step * math.sqrt(j) + 64))
 
@@ -91,12 +113,19 @@ def filter_slots(cap: int, splits: int) -> int:
 FILTER_MIN_SAMPLE = 4 * SEGMENT_MIN_TILES * BLOCK_N
 
 
+# A long list's sample (torch's ``topk`` of j over it, no segments) holds at least this many
+# times j rows: its j-th key then stands for a share of the block, not for a few targets.
+LONG_MIN_SAMPLE_J = 8
+
+
 def filter_sample_rows(nt: int, n_cand: int) -> int:
     """Rows of the sample the filter's thresholds take over ``nt`` targets (every step-th),
-    0 where the sample would be too small for its pass."""
-    step, _ = filter_sample(n_cand)
+    0 where the sample would be too small for its pass (a long list's: for its j,
+    ``LONG_MIN_SAMPLE_J``)."""
+    step, j = filter_sample(n_cand)
     rows = -(-nt // step)
-    return rows if rows >= FILTER_MIN_SAMPLE else 0
+    least = LONG_MIN_SAMPLE_J * j if n_cand > MAX_CANDIDATES else FILTER_MIN_SAMPLE
+    return rows if rows >= least else 0
 
 
 def filter_splits(m: int, nt: int, tiles: FilterTiles, sms: int) -> int:
@@ -125,26 +154,33 @@ def filter_arguments(q_chunk, t_op, bias, level, thr, count, buf, rows: int, nt:
     return grid, args, kwargs
 
 
-def filter_threshold(queries: PreparedSide, targets: PreparedSide, n_cand: int, config: TileConfig,
+def filter_threshold(queries: PreparedSide, targets: PreparedSide, n_cand: int, config: TileConfig | None,
                      *, lower: bool = False, buffer_bytes: int = 1 << 30) -> torch.Tensor | None:
     """Each row's threshold for a filter pass of ``n_cand`` (:func:`filter_sample`): its j-th
     key over every step-th target, by the search's compiled candidate kernel ``config`` (as
     :func:`sample_seed`: the sample's own prepared rows, kept in the block's cache; lower keys
-    at the first pass's levels). None where the sample is too small or its pass would not
-    run the segmented kernel. Any threshold is exact (the floor follows it); this one is
-    only what makes the filter's hits few and still more than the list."""
+    at the first pass's levels); for a list longer than ``MAX_CANDIDATES`` (plain keys, no
+    register-list kernel in the search: ``config`` unread) by the torch generator over the
+    sample (``_gpu_search.torch_candidates``: chunked ``addmm`` + ``topk`` of j). None where
+    the sample is too small or its pass would not run the segmented kernel. Any threshold is
+    exact (the floor follows it); this one is only what makes the filter's hits few and
+    still more than the list."""
     step, j = filter_sample(n_cand)
     if not filter_sample_rows(targets.rows, n_cand):
         return None
-    width = max(SEG_CAND, triton.next_power_of_2(j))
-    plans = plan_candidates(queries.rows, filter_sample_rows(targets.rows, n_cand), queries.dim, width,
-                            queries.precision, device_limits(queries.exact.device), config=config)
-    if not plans or not plans[0].segmented:
-        return None
+    long_list = n_cand > MAX_CANDIDATES
+    if not long_list:
+        width = max(SEG_CAND, triton.next_power_of_2(j))
+        plans = plan_candidates(queries.rows, filter_sample_rows(targets.rows, n_cand), queries.dim, width,
+                                queries.precision, device_limits(queries.exact.device), config=config)
+        if not plans or not plans[0].segmented:
+            return None
     sample = targets.cache.get(("sample", step))
     if sample is None:
         sample = targets.take(torch.arange(0, targets.rows, step, device=targets.exact.device))
         targets.cache[("sample", step)] = sample
+    if long_list:
+        return torch_candidates(queries, sample, j, lower=lower)[0][:, j - 1].contiguous()
     rank1 = {"rank1": queries.cache["rank1"]} if "rank1" in queries.cache else {}
     rows_view = dataclasses.replace(queries, cache=rank1)
     keys = triton_candidates(rows_view, sample, width, config=config, lower=lower,

@@ -24,20 +24,21 @@ from ._triton_rerank import rerank_arguments, rerank_kernel
 
 def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, metric: str, lower: bool,
                   device: torch.device, sources: tuple = (torch.float32, torch.float32),
-                  filtered: bool = False) -> bool:
+                  filter_cand: int | None = None) -> bool:
     """Compile, on threads, the kernels a search of ``m`` x ``nt`` rows at ``d`` launches
     first: the candidate kernel for ``n_cand`` candidates (None: the torch path makes them;
     its sample pass and widening rounds run the same kernel), the configuration
     :func:`triton_candidates` would pick, with the same tiles (:func:`search_tiles`), plans
     and arguments; and the re-rank (:func:`triton_exact_values`) of query and target rows
-    of the dtypes ``sources``; ``filtered``: the first pass is the threshold filter
-    (:func:`filter_candidates`): its kernel too (the candidate kernel then runs its sample
-    pass and the widening rounds). On one-row tensors of the operands' dtypes: sizes are not
-    specialised, dtypes, alignment and the dimension are. Once per shape and process; True
+    of the dtypes ``sources``; ``filter_cand``: the first pass is the threshold filter
+    (:func:`filter_candidates`) of a list of that width: its kernel too (the candidate kernel
+    then runs its sample pass and the widening rounds; a list longer than the register
+    lists' has no candidate kernel, ``n_cand`` None). On one-row tensors of the operands'
+    dtypes: sizes are not specialised, dtypes, alignment and the dimension are. Once per shape and process; True
     when it started. CUDA only."""
     if device.type != "cuda" or min(m, nt, d) < 1:
         return False
-    key = (str(device), m, nt, d, n_cand, precision, metric, lower, filtered)
+    key = (str(device), m, nt, d, n_cand, precision, metric, lower, filter_cand)
 
     def rerank():
         torch.cuda.set_device(device)
@@ -50,8 +51,6 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
         load_refusal(rerank_kernel, grid, args, kwargs, device)
 
     started = AHEAD.start((str(device), d, l2_form(metric), sources), rerank)
-    if n_cand is None or n_cand < 1:
-        return started
 
     def work():
         torch.cuda.set_device(device)   # the thread's current device: the launch's cache
@@ -85,9 +84,11 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
         splits = filter_splits(m, nt, FILTER_TILES, limits.sms)
         grid, args, kwargs = filter_arguments(
             q_op, t_op, bias, level if lower else bias, thr, count, buf, m, nt, d, key_alpha(metric),
-            16 if lower else 0, filter_slots(filter_cap(n_cand), splits), splits, lower=lower, upcast=False)
+            16 if lower else 0, filter_slots(filter_cap(filter_cand), splits), splits, lower=lower, upcast=False)
         load_refusal(filter_kernel, grid, args, kwargs, device)
 
-    if filtered:
+    if filter_cand is not None:
         started = AHEAD.start(key + ("filter",), filter_work) or started
+    if n_cand is None or n_cand < 1:
+        return started
     return AHEAD.start(key, work) or started

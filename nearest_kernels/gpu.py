@@ -8,7 +8,8 @@ then an exact float32 re-rank whose candidate list is proven complete by an erro
   capability 8.0 or newer, tf32 or bf16 operands (fp32 products run on cuBLAS, which the
   fused kernel's CUDA-core form did not match), and a candidate list of at most
   ``MAX_CANDIDATES`` (1024) entries: k up to 512 (above it a low-precision first list holds
-  about 2k, ``_gpu_bound.LONG_LIST_K``).
+  about 2k, ``_gpu_bound.LONG_LIST_K``: the torch path runs such searches, with the threshold
+  filter's first pass where :func:`filter_refusal` accepts it).
 * ``torch``: tiled ``addmm`` + ``topk``. Any k, any CUDA GPU, and CPU tensors (tests).
 
 ``precision`` picks the operands of the candidate pass: ``"auto"`` (the default: bf16 on GPUs
@@ -309,11 +310,14 @@ FILTER_MIN_D = 256
 
 
 def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | None:
-    """Why a fused search of ``k`` over ``nt`` targets at ``d`` on ``device`` does not take the
+    """Why a search of ``k`` over ``nt`` targets at ``d`` on ``device`` does not take the
     threshold filter as its first pass (``_triton_filter.filter_candidates``), or None when it
     does: sample thresholds, one pass of 128 x 256 tiles appending each row's hits to a buffer,
     then the list (faster than the register lists at these shapes: benchmarks/gpu_notes.md).
-    The sampled first pass or the plain register lists run where it refuses."""
+    The sampled first pass or the plain register lists run where it refuses. Lists longer than
+    the register lists' (k above ``_gpu_bound.LONG_LIST_K``, up to the filter's
+    ``LONG_FILTER_MAX``) take it too, in front of the torch path's widening rounds: the torch
+    generator's ``topk`` over every target tile made the list where it refuses."""
     if torch is None or getattr(device, "type", None) != "cuda":
         return f"device {device} is not CUDA"
     if precision != "bf16":
@@ -327,11 +331,12 @@ def filter_refusal(nt: int, d: int, k: int, precision: str, device) -> str | Non
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
         return f"compute capability {major}.{minor}: the appends are sm_90 inline PTX"
-    if choose(k, precision, device)[0].name != "triton":
-        return "the torch path makes the candidates"
-    from ._triton_filter import filter_sample_rows
+    from ._triton_filter import LONG_FILTER_MAX, filter_sample_rows
 
-    if not filter_sample_rows(nt, first_list_width(k, precision, d)):
+    width = first_list_width(k, precision, d)
+    if width > LONG_FILTER_MAX:
+        return f"k={k} needs {width} candidates, more than the filter's {LONG_FILTER_MAX}"
+    if not filter_sample_rows(nt, width):
         return f"nt={nt}: too few targets for the filter's sample"
     return None
 
@@ -392,11 +397,13 @@ def compile_first_pass(nq: int, nt: int, d: int, k: int, metric: str, precision:
         n_cand = first_list_width(k, precision, d)
         if n_cand > MAX_CANDIDATES:
             n_cand = None
-    filtered = n_cand is not None and filter_refusal(nt, d, k, precision, device) is None
+    filter_cand = None
+    if filter_refusal(nt, d, k, precision, device) is None:
+        filter_cand = first_list_width(k, precision, d)
     # The re-rank reads the rows as given: float32 or float64 (other floats as float32).
     sources = tuple(torch.float64 if name == "float64" else torch.float32 for name in dtypes)
     return compile_ahead(nq, nt, d, n_cand, precision, resolve_metric(metric).name, lower, device, sources,
-                         filtered=filtered)
+                         filter_cand=filter_cand)
 
 
 def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: int = 1 << 30,
@@ -494,6 +501,11 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             # the fused kernel: it reads candidates' rows in place, where the torch form
             # gathers them into float64 (rows, candidates, d) tensors.
             from ._triton_rerank import triton_exact_values as values_fn
+            if filter_refusal(targets.side.rows, side.dim, k, precision, device) is None:
+                # Lists beyond the register lists': the threshold filter's first pass, then the
+                # torch generator's seeded widening rounds.
+                candidates, seeded = _long_list_candidates(buffer_bytes), True
+                logger.debug("first pass: threshold filter of a long list, torch widening rounds")
     near = side if far is None else side.take(~far)
     v, i = gs.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
                          stats=targets.stats, values=values_fn, seeded=seeded,
@@ -515,6 +527,36 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     values[q_rows] = v
     indices[q_rows] = i
     return values, indices
+
+
+def _long_list_candidates(buffer_bytes: int):
+    """The candidate generator of a search whose first list is longer than the register lists'
+    (:func:`filter_refusal` accepts it): its first call the threshold filter (thresholds from
+    the torch generator over the sample, ``_triton_filter.filter_threshold``; under a seed, a
+    cap's limit, the lesser of the two), every later call (a widening round, seeded) the torch
+    generator. Where the filter cannot run (a sample too small, a launch the device refuses),
+    the torch generator makes the first list too."""
+    from . import _gpu_search as gs
+    from ._triton_filter import filter_candidates, filter_threshold
+    from ._triton_plan import LaunchRefused
+
+    calls = []
+
+    def candidates(q, t, n_cand, seed=None, lower=False):
+        first = not calls
+        calls.append(n_cand)
+        if first:
+            try:
+                threshold = filter_threshold(q, t, n_cand, None, lower=lower, buffer_bytes=buffer_bytes)
+                if threshold is not None:
+                    if seed is not None:
+                        threshold = torch.minimum(threshold, seed.to(threshold.dtype))
+                    return filter_candidates(q, t, n_cand, threshold, lower=lower, buffer_bytes=buffer_bytes)
+            except LaunchRefused as exc:
+                logger.info("torch candidates for the first pass: %s", exc)
+        return gs.torch_candidates(q, t, n_cand, lower=lower, seed=seed)
+
+    return candidates
 
 
 def knn_torch(queries, targets, k: int, metric: str = "l2", precision: str = "auto",

@@ -314,8 +314,10 @@ def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
 
 # The threshold filter (``gpu.filter_refusal``: bf16 from d = 256 on compute capability 9.x,
 # blocks large enough for its sample) on offset data with duplicates, and a row with more
-# hits than its buffer holds: 2,500 exact copies of the query's own row (every filter_cap is
-# smaller), so its floor is -inf and the widening rounds must still return its exact rows.
+# hits than its buffer holds: 2,500 exact copies of the query's own row (more than every
+# filter_cap's share of the slices they fall in), so its floor is -inf and the widening rounds
+# must still return its exact rows. k = 1000: a long list (about 2k) from the filter, widened
+# by the torch path.
 FILTER_DIMS = [256, 384, 768, 1024, 1536]
 FILTER_NT = 140_000     # a sample large enough at k = 100 (every 32nd target)
 _FILTER: dict = {}
@@ -379,7 +381,7 @@ def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d
 
     monkeypatch.setattr(tfilter, "filter_candidates", recorded)
     case = _filter_case(d)
-    for k in KS:
+    for k in KS + [1000]:
         assert gpu.filter_refusal(FILTER_NT, d, k, "bf16", device) is None
         before = len(floors)
         v, i, _ = _timed_knn(case.queries, case.targets, k, metric, "bf16")

@@ -42,6 +42,13 @@ def test_the_sample_and_the_buffer_follow_their_rules():
     assert tfilter.filter_slots(2048, 2) == 256 and tfilter.filter_slots(1024, 2) == 128
     assert tfilter.filter_slots(2048, 264) == tfilter.FILTER_MIN_SLOTS
     assert tfilter.filter_sample_rows(32 * tfilter.FILTER_MIN_SAMPLE - 32, 32) == 0
+    # Long lists (k above LONG_LIST_K: about 2k): every 16th target, about 1.125 n_cand hits,
+    # a sample of at least LONG_MIN_SAMPLE_J x j rows, no longer list than LONG_FILTER_MAX.
+    assert tfilter.filter_sample(2048) == (16, 144) and tfilter.filter_cap(2048) == 4096
+    least = 16 * tfilter.LONG_MIN_SAMPLE_J * 144
+    assert tfilter.filter_sample_rows(least, 2048) == least // 16
+    assert tfilter.filter_sample_rows(least - 16, 2048) == 0
+    assert tfilter.LONG_FILTER_MAX == 2 * tplan.MAX_CANDIDATES
 
 
 def _sliced(buf, row, slices, keys, idx):
@@ -138,3 +145,61 @@ def test_exact_topk_through_the_filter_with_an_overflowing_row(monkeypatch):
         check_result(q, t, k, "l2", v.numpy(), i.numpy())
         assert float(rounds[0][2][0]) == -math.inf and len(rounds) >= 2   # the overflow widened
         assert i[0].tolist() == ([3] + list(range(40, 120)))[:k]           # ties to the lower index
+
+
+def _long_case(nq: int = 16, nt: int = 16 * 8 * 144 + 77, d: int = 24):
+    """Clustered rows (many near-ties within bf16's error), a block just large enough for a
+    long list's sample: query 0 sits on a group of 41 identical rows, query 1 on one of
+    2,201, longer than its list (exact ties at the k-th place: not proven by the first list)."""
+    q, t = make_data("clustered", nq, nt, d, 13)
+    t[1000:1040] = t[5]
+    q[0] = t[5]
+    t[3000:5200] = t[7]
+    q[1] = t[7]
+    qs = gp.prepare_side(torch.from_numpy(q), "l2", "bf16")
+    ts = gp.prepare_side(torch.from_numpy(t), "l2", "bf16", frame=qs.frame)
+    return q, t, qs, ts
+
+
+def test_a_long_lists_threshold_is_the_jth_key_of_every_16th_target():
+    _, _, qs, ts = _long_case()
+    step, j = tfilter.filter_sample(2048)
+    thr = tfilter.filter_threshold(qs, ts, 2048, None)
+    ref = torch.sort(_keys64(qs, ts)[:, ::step], dim=1).values[:, j - 1]
+    tol = 1e-5 * float(ref.abs().max())
+    assert thr.shape == (qs.rows,) and torch.allclose(thr.double(), ref, atol=tol)
+    assert ts.cache[("sample", step)].rows == len(range(0, ts.rows, step))   # kept for the next search
+    small = ts.take(torch.arange(16 * tfilter.LONG_MIN_SAMPLE_J * j - 16))
+    assert tfilter.filter_threshold(qs, small, 2048, None) is None         # too small a sample
+
+
+def test_exact_topk_through_a_long_lists_filter_and_torch_widening(monkeypatch):
+    """k = 1000 (a first list of 2048, the filter's thresholds from the torch generator over
+    the sample) against the float64 oracle; the widening rounds (rows whose threshold fell
+    short of the proof, the group's ties) run the torch generator."""
+    from nearest_kernels import gpu
+
+    poison_kernel_buffers(monkeypatch)
+    q, t, qs, ts = _long_case()
+    calls = []
+    real = tfilter.filter_candidates
+
+    def recorded(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tfilter, "filter_candidates", recorded)
+    widened = []
+    torch_rounds = gs.torch_candidates
+
+    def torch_round(q_side, *args, **kwargs):
+        widened.append(q_side.rows)
+        return torch_rounds(q_side, *args, **kwargs)
+
+    monkeypatch.setattr(gs, "torch_candidates", torch_round)
+    k = 1000
+    v, i = gs.exact_topk(qs, ts, k, gpu._long_list_candidates(1 << 30), seeded=True)
+    assert calls == [2048] and widened and max(widened) < qs.rows    # some rows widened, not all
+    check_result(q, t, k, "l2", v.numpy(), i.numpy())
+    assert i[0, :41].tolist() == [5] + list(range(1000, 1040))       # ties to the lower index
+    assert i[1].tolist() == [7] + list(range(3000, 3000 + k - 1))
