@@ -6,10 +6,11 @@ previous JVM dumped (``-XX:ArchiveClassesAtExit``) instead: the session and the 
 start in about half the time. The archive belongs to one Java build and one classpath (one
 pyspark install), so it is kept per pair, under the user's cache directory.
 
-* :func:`build_archive` (``python -m jobs.jvm``; ``make run`` runs it, ``make test`` does not) records
-  one: a subprocess runs a small join of each plan through Parquet under a local master, its
-  JVM dumps the classes as it exits, and only an archive that a JVM then maps is moved into
-  place (a truncated one crashes the JVM that maps it, so none is ever half there).
+* :func:`build_archive` (``python -m jobs.jvm``; ``make run`` runs it, and ``make test``'s set-up
+  while pip installs torch) records one: a subprocess runs a small join of each plan through
+  Parquet under a local master, its JVM dumps the classes as it exits, and only an archive
+  that a JVM then maps is moved into place (a truncated one crashes the JVM that maps it, so
+  none is ever half there).
 * :func:`java_options` gives the driver's options that use it, where it exists; without it,
   a JVM starts as it always did. A JVM that cannot use it (another classpath) starts without it,
   silently.

@@ -45,7 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 # - G1 started a concurrent marking cycle for nearly every humongous allocation (Arrow and
 #   task-result buffers larger than half its 1 MB regions), each on a core the suite needs;
 #   the parallel collector has no concurrent cycles.
-# - Spark's class archive, where `make run` (jobs.jvm) has recorded one: the JVMs start faster.
+# - Spark's class archive, where `make run` or `make test`'s set-up (jobs.jvm) has recorded one:
+#   the JVMs start faster.
 JVM_OPTIONS = with_archive("-XX:TieredStopAtLevel=1 -XX:+UseParallelGC")
 
 
