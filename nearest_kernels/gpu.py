@@ -446,7 +446,6 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     few_rows, first_width = 0, None
     if chosen == "triton":
         from ._triton_candidates import sample_seed, triton_candidates
-        from ._triton_filter import filter_candidates, filter_threshold
         from ._triton_plan import MAX_CANDIDATES, LaunchRefused, device_limits, search_tiles
         from ._triton_rerank import triton_exact_values
 
@@ -466,17 +465,10 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             if first:
                 first_tiles.append(search_tiles(q.rows, t.rows, q.dim, n_cand, q.precision,
                                                 device_limits(q.exact.device)))
-            if first and filtered:   # the filter's thresholds: the sample's (and a cap's)
-                try:
-                    threshold = filter_threshold(q, t, n_cand, first_tiles[0], lower=lower,
-                                                 buffer_bytes=buffer_bytes)
-                    if threshold is not None:
-                        if seed is not None:
-                            threshold = torch.minimum(threshold, seed.to(threshold.dtype))
-                        return filter_candidates(q, t, n_cand, threshold, lower=lower,
-                                                 buffer_bytes=buffer_bytes)
-                except LaunchRefused as exc:
-                    logger.info("register lists for the first pass: %s", exc)
+            if first and filtered:
+                got = _filtered_first_pass(q, t, n_cand, first_tiles[0], seed, lower, buffer_bytes)
+                if got is not None:
+                    return got
             try:
                 if first and (sampled or filtered):   # the first pass's seed: the sample's (and a cap's)
                     sample = sample_seed(q, t, n_cand, first_tiles[0], lower=lower,
@@ -529,31 +521,43 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     return values, indices
 
 
-def _long_list_candidates(buffer_bytes: int):
-    """The candidate generator of a search whose first list is longer than the register lists'
-    (:func:`filter_refusal` accepts it): its first call the threshold filter (thresholds from
-    the torch generator over the sample, ``_triton_filter.filter_threshold``; under a seed, a
-    cap's limit, the lesser of the two), every later call (a widening round, seeded) the torch
-    generator. Where the filter cannot run (a sample too small, a launch the device refuses),
-    the torch generator makes the first list too."""
-    from . import _gpu_search as gs
+def _filtered_first_pass(q, t, n_cand: int, config, seed, lower: bool, buffer_bytes: int):
+    """The threshold filter's first list (``_triton_filter.filter_candidates``): each row's
+    threshold the sample's (``filter_threshold``; under a seed, a cap's limit, the lesser of
+    the two). None where the filter cannot run (a sample too small, a launch the device
+    refuses): the search's own generator makes the first list then."""
     from ._triton_filter import filter_candidates, filter_threshold
     from ._triton_plan import LaunchRefused
 
-    calls = []
+    try:
+        threshold = filter_threshold(q, t, n_cand, config, lower=lower, buffer_bytes=buffer_bytes)
+        if threshold is None:
+            return None
+        if seed is not None:
+            threshold = torch.minimum(threshold, seed.to(threshold.dtype))
+        return filter_candidates(q, t, n_cand, threshold, lower=lower, buffer_bytes=buffer_bytes)
+    except LaunchRefused as exc:
+        logger.info("first pass without the threshold filter: %s", exc)
+        return None
+
+
+def _long_list_candidates(buffer_bytes: int):
+    """The candidate generator of a search whose first list is longer than the register lists'
+    (:func:`filter_refusal` accepts it): its first call the threshold filter
+    (:func:`_filtered_first_pass`, thresholds from the torch generator over the sample), every
+    later call (a widening round, seeded) the torch generator, which also makes the first list
+    where the filter cannot run."""
+    from . import _gpu_search as gs
+
+    first = True
 
     def candidates(q, t, n_cand, seed=None, lower=False):
-        first = not calls
-        calls.append(n_cand)
+        nonlocal first
         if first:
-            try:
-                threshold = filter_threshold(q, t, n_cand, None, lower=lower, buffer_bytes=buffer_bytes)
-                if threshold is not None:
-                    if seed is not None:
-                        threshold = torch.minimum(threshold, seed.to(threshold.dtype))
-                    return filter_candidates(q, t, n_cand, threshold, lower=lower, buffer_bytes=buffer_bytes)
-            except LaunchRefused as exc:
-                logger.info("torch candidates for the first pass: %s", exc)
+            first = False
+            got = _filtered_first_pass(q, t, n_cand, None, seed, lower, buffer_bytes)
+            if got is not None:
+                return got
         return gs.torch_candidates(q, t, n_cand, lower=lower, seed=seed)
 
     return candidates
