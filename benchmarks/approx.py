@@ -216,10 +216,11 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
     if kind != "gaussian":
         timed_once(mode="approx", **forced)
 
-    def approx_rows(engine: str, faiss_too: bool, **options) -> None:
-        for wanted in recalls:
+    def approx_rows(engine: str, faiss_too: bool, wanteds=recalls, **options) -> None:
+        for wanted in wanteds:   # (None: no recall target, nprobe given)
             before = load()
-            found, seconds, cpu, planned_plan, plan_s, runs = timed(mode="approx", recall=wanted, **options)
+            found, seconds, cpu, planned_plan, plan_s, runs = timed(
+                mode="approx", **({} if wanted is None else {"recall": wanted}), **options)
             plan = planned_plan.ivf
             measured = recall_of(found, exact, nq, descending=metric == "cosine")
             row = {"recall_target": wanted, "ran": plan["runs"], "plan": planned_plan.plan,
@@ -242,8 +243,11 @@ def run_dataset(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, work
         # estimates recall and searches, without sampling and training.
         from nearest_join.ivf_index import build_ivf_index
 
-        approx_rows("nearest_by_join approx, saved index", False,
-                    index=build_ivf_index(t, column="w", metric=metric, seed=0))
+        index = build_ivf_index(t, column="w", metric=metric, seed=0)
+        approx_rows("nearest_by_join approx, saved index", False, index=index)
+        # The IVF plan's floor: every fixed cost of the call, almost no search.
+        approx_rows("nearest_by_join approx, saved index, nprobe 1 given (the plan's floor)", False,
+                    wanteds=(None,), index=index, nprobe=1)
     t.unpersist(), q.unpersist()
 
 
@@ -300,7 +304,8 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
         (f"approx {r}, saved index", r, {"mode": "approx", "recall": r, "index": os.path.join(workdir, "index")})
         for r in recalls]
     exact = exact_s = None
-    for engine, wanted, options in engines:
+    while engines:
+        engine, wanted, options = engines.pop(0)
         with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
             figures, found = fresh.submit(fresh_call, workdir, metric, driver_memory, options, profile).result()
         if exact is None:
@@ -309,6 +314,13 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
                 recall_target=wanted, **figures,
                 recall=round(recall_of(found, exact, rows, descending=metric == "cosine"), 4),
                 speedup_vs_exact=round(exact_s / figures["seconds"], 2), **common)
+        if engine == f"approx {recalls[-1]}, saved index":
+            # What the estimate costs (its nprobe given), and the IVF plan's floor: every fixed
+            # cost (the facts job, both sides' passes, routing, the output) and almost no search.
+            saved = {"mode": "approx", "index": os.path.join(workdir, "index")}
+            engines += [(f"approx, saved index, nprobe {figures['nprobe']} given", None,
+                         {**saved, "nprobe": figures["nprobe"]}),
+                        ("approx, saved index, nprobe 1 given (the plan's floor)", None, {**saved, "nprobe": 1})]
 
 
 def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
