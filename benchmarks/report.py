@@ -11,7 +11,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -231,6 +231,19 @@ BLOCKS = [col("plan", "plan"),
               ("query_blocks", "target_blocks")),
           col("k", "k"), col("threads per task", "threads_per_task")]
 GPU_PIVOT = ("plan", "query_blocks", "target_blocks", "k", "threads_per_task")
+LARGE_K = Table(
+    "GPU exact search at the k of recommenders, embeddings with groups of identical rows, against torch",
+    [col("set", "set"), col("groups", "groups"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
+     col("exact auto ms", "exact_ms", ".1f"), col("torch fp32 mm+topk ms", "torch_fp32_mm_topk_ms", ".1f"),
+     col("exact / torch", "exact_over_torch", ".2f"), col("wrong rows", "wrong_of_sample"),
+     col("tie-rule wrong", "tie_rule_wrong_of_sample")],
+    about="A self-join of a stand-in for real sentence embeddings (unit rows around a few hundred cluster "
+          "centres, a common direction): `plain` without groups; `groups` with about 6% of its rows replaced "
+          "by copies forming groups of 10-100 identical rows at random positions; `contiguous` the same "
+          "groups, each group's rows next to each other. Medians of `reps` calls, CUDA events; torch: fp32 "
+          "`addmm` + `topk` on the same tensors in the same process. Wrong rows: of `sample_rows` sampled "
+          "query rows against the float64 oracle; tie-rule wrong: sampled rows holding the oracle's keys but "
+          "not the lowest indices among exact ties.")
 KEYED_ENGINES = (("ours", "nearest_by_join(on=key)"), ("blocked", "nearest_by_join(on=key), blocked plan"),
                  ("un-keyed", "nearest_by_join (no key)"), ("window", "equi-join + row_number window"))
 
@@ -451,19 +464,12 @@ TABLES: dict[tuple[str, str], Table] = {
     ("gpu_kernel", "compile_few_targets"): compile_table(
         "GPU first-call compile time, targets too few for segments (fresh Triton cache)",
         "2,048 x 5,003 (at k >= 50 too few targets for the segments: one register list, or the torch path beyond it)"),
-    ("gpu_large_k", "large_k"): Table(
-        "GPU exact search at the k of recommenders, embeddings with groups of identical rows, against torch",
-        [col("set", "set"), col("groups", "groups"), col("d", "d"), col("k", "k"), col("auto runs", "auto"),
-         col("exact auto ms", "exact_ms", ".1f"), col("torch fp32 mm+topk ms", "torch_fp32_mm_topk_ms", ".1f"),
-         col("exact / torch", "exact_over_torch", ".2f"), col("wrong rows", "wrong_of_sample"),
-         col("tie-rule wrong", "tie_rule_wrong_of_sample")],
-        about="A self-join of a stand-in for real sentence embeddings (unit rows around a few hundred cluster "
-              "centres, a common direction): `plain` without groups; `groups` with about 6% of its rows replaced "
-              "by copies forming groups of 10-100 identical rows at random positions; `contiguous` the same "
-              "groups, each group's rows next to each other. Medians of `reps` calls, CUDA events; torch: fp32 "
-              "`addmm` + `topk` on the same tensors in the same process. Wrong rows: of `sample_rows` sampled "
-              "query rows against the float64 oracle; tie-rule wrong: sampled rows holding the oracle's keys but "
-              "not the lowest indices among exact ties."),
+    ("gpu_large_k", "large_k"): LARGE_K,
+    ("gpu_large_k", "large_k_split"): replace(
+        LARGE_K, title="GPU exact search at the k of recommenders, queries apart from the targets, against torch",
+        columns=[col("queries", "nq", ","), col("targets", "nt", ","), *LARGE_K.columns],
+        about="The data of table `large_k` (`--queries N`): its first N rows searched against the others, "
+              "not a self-join. " + LARGE_K.about.split(". ", 1)[1]),
     ("gpu_approx", "gpu_ivf"): Table(
         "Approximate search (IVF) on a GPU executor against the exact GPU search, Arrow-batch level",
         [col("data", "data"), col("queries", "nq", ","), col("targets", "nt", ","), col("d", "d"),
