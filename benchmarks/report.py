@@ -215,7 +215,8 @@ FRESH = Table(
     "Approximate search on the real embeddings: each engine's first call in a fresh session, local[2]",
     [col("engine", "engine"), col("recall target", "recall_target"), col("ran", "ran"), NPROBE,
      *APPROX_COLUMNS[4:9]],
-    about="The self-join of table `recall_minilm64000` (`--fresh`), each call the first of its own process: a new "
+    about="The self-join of table `recall_minilm64000` (`--fresh`), each engine's fastest of the calls in its "
+          "record's `runs`, each call the first of its own process: a new "
           "JVM and Python workers, the numba cache on disk as `make run` leaves it, the inputs read from Parquet "
           "(not cached). Planning is the facts job and, for approx, the training sample, k-means and the recall "
           "estimate: in a fresh session each of these Spark jobs pays the JVM's and the workers' first-use costs. "
