@@ -323,9 +323,10 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
             # What the estimate costs (its nprobe given), and the IVF plan's floor: every fixed
             # cost (the facts job, both sides' passes, routing, the output) and almost no search.
             saved = {"mode": "approx", "index": os.path.join(workdir, "index")}
-            engines += [(f"approx, saved index, nprobe {figures['nprobe']} given", None,
-                         {**saved, "nprobe": figures["nprobe"]}),
-                        ("approx, saved index, nprobe 1 given (the plan's floor)", None, {**saved, "nprobe": 1})]
+            if figures["nprobe"] is not None:   # (None: that call ran the exact plan)
+                engines.append((f"approx, saved index, nprobe {figures['nprobe']} given", None,
+                                {**saved, "nprobe": figures["nprobe"]}))
+            engines.append(("approx, saved index, nprobe 1 given (the plan's floor)", None, {**saved, "nprobe": 1}))
 
 
 def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
