@@ -41,7 +41,7 @@ from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from ._common import SEED_WIDTH
-from ._numba import run_split
+from ._numba import frozen, run_split
 
 # Candidates tested per vectorised threshold check. A compile-time constant trip count lets LLVM
 # unroll and vectorise the count loop (a run-time bound measured 5x slower); 64 float32 are eight
@@ -247,6 +247,7 @@ def search_tiles(queries, targets, bias, tail_targets, tail_bias, heaps, query_t
     split, from the tile it has just multiplied (still in cache); between them the items cover
     every target once (the bound of an inner product search, see ``cpu._Operands.finish``).
     """
+    queries, targets, bias, tail_targets, tail_bias = frozen(queries, targets, bias, tail_targets, tail_bias)
     n_qtiles = (queries.shape[0] + query_tile - 1) // query_tile
     # None, not an empty array or False: numba prunes a branch on an argument that is None
     # before it types the branch, so a join that neither seeds nor takes stats (heaps narrower
@@ -323,6 +324,8 @@ def probed_tiles(scaled, rows, members, member_starts, segment_starts, tiles, ta
     into one tile buffer of ``query_tile`` rows and multiplies them by each tile of the
     segment, with the buffers allocated once per thread (a segment of a few hundred rows is a
     single tile: fresh buffers per segment cost about what its multiplication does)."""
+    scaled, rows, members, member_starts, segment_starts, tiles, targets, bias, bounds = frozen(
+        scaled, rows, members, member_starts, segment_starts, tiles, targets, bias, bounds)
     run_split(_probed_items, bounds.shape[0] - 1, scaled, rows, members, member_starts, segment_starts, tiles,
               targets, bias, heaps, bounds, query_tile, threads=threads)
 
@@ -414,7 +417,7 @@ def inverse_norms(rows, threads=None):
     """1 / |row| of each row in float64, each row first divided by its largest magnitude so
     that no square over- or underflows (elements from 1e-300 to 1e300); 0 for a zero row."""
     out = np.empty(rows.shape[0], dtype=np.float64)
-    run_split(_inverse_norms, rows.shape[0], rows, out, threads=threads)
+    run_split(_inverse_norms, rows.shape[0], frozen(rows), out, threads=threads)
     return out
 
 
@@ -470,7 +473,7 @@ def row_peaks(rows, factors, center, out_sq=None, threads=None):
     is, from the same single read."""
     out = np.empty(rows.shape[0], dtype=np.float64)
     out_sq = np.empty(rows.shape[0], dtype=np.float64) if out_sq is None else out_sq
-    run_split(_row_peaks, rows.shape[0], rows, factors, center, out, out_sq, threads=threads)
+    run_split(_row_peaks, rows.shape[0], *frozen(rows, factors, center), out, out_sq, threads=threads)
     return out
 
 
@@ -503,7 +506,7 @@ def shift_scale(rows, factors, center, scales, out, out_sq, threads=None):
     """``out[i, j] = float32((rows[i, j] * factors[i] - center[j]) * scales[i])``: the
     shifted, scaled float32 operand of the sgemm, computed in float64 and rounded once; and
     ``out_sq[i]`` = |out[i]|^2 in float64 (:func:`_square_sum`: equal rows, equal norms)."""
-    run_split(_shift_scale, rows.shape[0], rows, factors, center, scales, out, out_sq, threads=threads)
+    run_split(_shift_scale, rows.shape[0], *frozen(rows, factors, center, scales), out, out_sq, threads=threads)
 
 
 @njit(nogil=True, cache=True)
@@ -620,7 +623,7 @@ def pair_keys(queries, q_factors, targets, t_factors, candidates, pairs, differe
     target row is then read once per run of its pairs while the query rows stay in cache
     (reading one random target row per pair made this stage memory-bound). The rows of the
     pair ``PREFETCH_AHEAD`` further on are prefetched while a pair's key is summed."""
-    run_split(_pair_keys, pairs.shape[0], queries, q_factors, targets, t_factors, candidates, pairs,
+    run_split(_pair_keys, pairs.shape[0], *frozen(queries, q_factors, targets, t_factors, candidates, pairs),
               *_key_forms(difference), factor_after, out, threads=threads)
 
 
@@ -650,7 +653,7 @@ def best_by_key(keys, candidates, best_key, best_index):
     lexsort instead. (A sort compiled by numba cost seconds of compilation in every new
     process, for rows that are rare.)"""
     unsorted = np.zeros(keys.shape[0], np.bool_)
-    run_split(_insertion_best, keys.shape[0], keys, candidates, best_key, best_index, unsorted)
+    run_split(_insertion_best, keys.shape[0], *frozen(keys, candidates), best_key, best_index, unsorted)
     rows = np.flatnonzero(unsorted)
     if rows.size:
         index = np.where(candidates[rows] >= 0, candidates[rows], _NO_INDEX)
@@ -698,7 +701,7 @@ def _insertion_best(lo, hi, keys, candidates, best_key, best_index, unsorted):
 def all_keys(queries, rows, q_factors, targets, t_factors, difference, factor_after, out, threads=None):
     """``out[r, j]``: the exact key of (queries[rows[r]], targets[j]) for every target: the
     float64 search of the rows the sgemm's bound cannot decide."""
-    run_split(_all_keys, rows.shape[0], queries, rows, q_factors, targets, t_factors, *_key_forms(difference),
+    run_split(_all_keys, rows.shape[0], *frozen(queries, rows, q_factors, targets, t_factors), *_key_forms(difference),
               factor_after, out, threads=threads)
 
 

@@ -22,8 +22,24 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-__all__ = ["compile_lock", "ensure_numba_cache_dir", "import_numba", "run_split", "task_threads",
+__all__ = ["compile_lock", "ensure_numba_cache_dir", "frozen", "import_numba", "run_split", "task_threads",
            "threads_of_task"]
+
+
+def frozen(*arrays):
+    """Read-only views of ``arrays`` (one array: its view). numba compiles a kernel once per
+    argument type, and a read-only array is another type than a writable one: every array a
+    kernel only reads is passed read-only by its wrapper, whatever the caller holds (Arrow's
+    buffers are read-only, numpy's results writable), so that each kernel compiles one variant
+    per dtype, not one per mix of flags (seconds each, in every process with a cold cache).
+    Anything not an array (None for an absent argument) passes as it is."""
+    views = []
+    for array in arrays:
+        if hasattr(array, "flags"):
+            array = array.view()
+            array.flags.writeable = False
+        views.append(array)
+    return views[0] if len(views) == 1 else tuple(views)
 
 
 def ensure_numba_cache_dir() -> None:

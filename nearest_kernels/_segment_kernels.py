@@ -9,7 +9,7 @@ import_numba()
 from numba import njit  # noqa: E402
 
 from ._cpu_kernels import difference_sum, product_sum
-from ._numba import run_split
+from ._numba import frozen, run_split
 
 
 # Query rows per iteration of the parallel loop: they share one buffer of keys.
@@ -27,8 +27,9 @@ def segment_topk(queries, q_factors, q_ok, targets, t_factors, t_ok, segment_sta
     Each segment's keys are computed in one tight loop into a buffer first, then inserted:
     interleaved with the insertions' branches the key loop ran at about half its speed."""
     longest = int(np.diff(segment_starts).max(initial=0))
-    run_split(_segment_chunks, -(-queries.shape[0] // _QUERY_CHUNK), queries, q_factors, q_ok, targets,
-              t_factors, t_ok, segment_starts, probe_starts, probe_segments, difference, keys, indices,
+    run_split(_segment_chunks, -(-queries.shape[0] // _QUERY_CHUNK),
+              *frozen(queries, q_factors, q_ok, targets, t_factors, t_ok, segment_starts, probe_starts, probe_segments),
+              difference, keys, indices,
               longest, threads=threads)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._numba import run_split
+from ._numba import frozen, run_split
 
 from . import _gather_kernels  # noqa: E402  (after _numba chose the cache directory)
 
@@ -29,7 +29,7 @@ def take_rows(matrix: np.ndarray, rows: np.ndarray, out: np.ndarray, threads: in
     # take_rows_at into positions 0, 1, ...: one compiled copy for both gathers (a kernel of
     # its own cost each new worker its compilation, for the same loop).
     positions = np.arange(rows.shape[0], dtype=np.int64)
-    run_split(_gather_kernels.take_rows_at, rows.shape[0], matrix, rows, positions, out, threads=threads)
+    run_split(_gather_kernels.take_rows_at, rows.shape[0], *frozen(matrix, rows, positions), out, threads=threads)
 
 
 def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, out: np.ndarray,
@@ -48,7 +48,7 @@ def take_rows_at(matrix: np.ndarray, rows: np.ndarray, positions: np.ndarray, ou
         if lo < 0 or hi >= limit:
             raise IndexError(f"take_rows_at: {name} {lo if lo < 0 else hi} outside 0..{limit - 1}")
     rows, positions = np.asarray(rows, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-    run_split(_gather_kernels.take_rows_at, rows.shape[0], matrix, rows, positions, out, threads=threads)
+    run_split(_gather_kernels.take_rows_at, rows.shape[0], *frozen(matrix, rows, positions), out, threads=threads)
 
 
 def distinct_rows(source: np.ndarray, rows: np.ndarray, sizes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from . import cpu  # noqa: F401  (first: it points numba's cache at a writable directory)
 from ._common import as_matrix, resolve_metric
-from ._numba import run_split
+from ._numba import frozen, run_split
 from .cpu import default_threads
 
 from ._numba import import_numba
@@ -143,7 +143,7 @@ def _cluster_sums(points, assignment, n_clusters):
 def _squared_distances(points, centroids, nearest, threads=None):
     """Each point's squared distance to its centroid, float64 difference form."""
     out = np.empty(points.shape[0])
-    run_split(_squared_distance_rows, points.shape[0], points, centroids, nearest, out,
+    run_split(_squared_distance_rows, points.shape[0], *frozen(points, centroids, nearest), out,
               threads=threads or default_threads())
     return out
 

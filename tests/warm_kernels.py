@@ -55,10 +55,12 @@ def warm() -> None:
 
 def _rare_paths() -> None:
     """The kernels the small joins above do not reach, each with the argument types the code
-    passes (numba compiles per type, read-only arrays apart): the CPU search of writable
-    arrays (Spark's workers pass read-only Arrow buffers), the segment and probed searches of keyed and
-    IVF plans, k-means, the parallel row gathers, the norms of targets searched as they are
-    and the float64 search of rows the bound did not prove."""
+    passes (numba compiles per type; the kernels' wrappers pass every array they only read
+    read-only, so the caller's flags make no other type): the CPU search of each metric, of
+    mixed element types (float32 queries against float64 targets, and the reverse) and of
+    heaps wide enough to seed, the segment and probed searches of keyed and IVF plans,
+    k-means, the parallel row gathers (of strided rows too), the norms of targets searched as
+    they are and the float64 search of rows the bound did not prove, in either key form."""
     import numpy as np
 
     from nearest_kernels import _cpu_kernels, gather, kmeans, knn, segments
@@ -68,21 +70,27 @@ def _rare_paths() -> None:
     for dtype in (np.float32, np.float64):
         queries = rng.standard_normal((9, d)).astype(dtype)
         targets = rng.standard_normal((11, d)).astype(dtype)
-        for metric in METRICS:   # writable arrays, as the kernel tests and the driver pass them
+        for metric in METRICS:
             knn(queries, targets, 3, metric, backend="cpu")
         segments.knn_segments(queries, targets, np.array([0, 5, 11]), np.arange(10),
                               np.arange(9) % 2, 3)
         segments.knn_probed(queries, targets, np.array([0, 5, 11]), np.arange(0, 19, 2), np.arange(18) % 2, 3)
+        wide = rng.standard_normal((11, d + 2)).astype(dtype)[:, :d]   # strided rows
+        rows = np.arange(5, dtype=np.int64)
+        gather.take_rows_at(wide, rows, rows, np.empty((5, d), dtype), threads=2)
+    for q_type, t_type in ((np.float32, np.float64), (np.float64, np.float32)):
+        for metric in ("l2", "inner_product"):
+            knn(rng.standard_normal((9, d)).astype(q_type), rng.standard_normal((11, d)).astype(t_type), 3, metric,
+                backend="cpu")
+    many = rng.standard_normal((200, d)).astype(np.float32)
+    for metric in ("l2", "inner_product"):   # heaps of SEED_WIDTH and more: the seeded search
+        knn(many[:9], many, _cpu_kernels.SEED_WIDTH, metric, backend="cpu")
     kmeans.kmeans(rng.standard_normal((40, d)).astype(np.float32), 4)
     matrix = rng.standard_normal((11, d)).astype(np.float32)
     rows = np.arange(5, dtype=np.int64)
     gather.take_rows(matrix, rows, np.empty((5, d), np.float32), threads=2)
     gather.take_rows_at(matrix, rows, rows, np.empty((5, d), np.float32), threads=2)
     queries = rng.standard_normal((9, d)).astype(np.float32)
-    factors = np.ones(11)
-    for read_only in (False, True):
-        targets = rng.standard_normal((11, d)).astype(np.float32)
-        targets.setflags(write=not read_only)
-        _cpu_kernels.row_peaks(targets, np.ones(11), np.zeros(d), out_sq=np.zeros(11))
-        _cpu_kernels.all_keys(queries, rows, np.ones(9), targets, factors, True, False,
-                              np.empty((5, 11)))
+    _cpu_kernels.row_peaks(matrix, np.ones(11), np.zeros(d), out_sq=np.zeros(11))
+    for difference in (True, False):
+        _cpu_kernels.all_keys(queries, rows, np.ones(9), matrix, np.ones(11), difference, False, np.empty((5, 11)))
