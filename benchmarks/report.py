@@ -416,7 +416,8 @@ TABLES: dict[tuple[str, str], Table] = {
               "keys, caps (midway between two of the join's float64 values), a given nprobe, indexes saved on "
               "yesterday's target and reused after it changed): "
               "every row a candidate with its exact value, the true top k where the plan promises it, and the "
-              "join's recall@k at least the target it chose nprobe for (a miss is a mismatch)."),
+              "join's recall@k (the mean of its queries' recalls, as the plan estimates it) at least the target it "
+              "chose nprobe for (a miss is a mismatch)."),
     ("incremental", "*"): Table(
         "Incremental refresh against a full recompute, local[2]", incremental_columns,
         about="Clustered float32 vectors (1,000 centres), l2, ids on both sides; day 0 is "
