@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from ._common import Metric, check_cap, drop_beyond_cap, heap_width
-from ._numba import frozen, task_threads  # (chooses numba's cache directory before numba loads)
+from ._numba import task_threads  # (chooses numba's cache directory before numba loads)
 
 from threadpoolctl import ThreadpoolController  # noqa: E402
 
@@ -193,8 +193,8 @@ class _Operands:
     def __init__(self, queries: np.ndarray, targets: np.ndarray, metric: Metric,
                  defer_target_stats: bool = False):
         d = queries.shape[1]
-        self.queries = frozen(np.ascontiguousarray(queries))
-        self.targets = frozen(np.ascontiguousarray(targets))
+        self.queries = np.ascontiguousarray(queries)
+        self.targets = np.ascontiguousarray(targets)
         nq, nt = self.queries.shape[0], self.targets.shape[0]
         self.difference = metric.name != "inner_product"
         if metric.name == "cosine":
@@ -245,7 +245,7 @@ class _Operands:
         else:
             targets32 = np.empty(self.targets.shape, np.float32)
             _cpu_kernels.shift_scale(self.targets, t_unit, center, t_scales, targets32, b_sq)
-            self.targets32 = frozen(targets32)
+            self.targets32 = targets32
         self.q_factors = q_unit * q_scales
         self.t_factors = t_unit * t_scales
         # Powers of two (no unit factors) on float32 rows: applied once to each key's sum.
@@ -253,11 +253,11 @@ class _Operands:
             self.queries.dtype == np.float32 and self.targets.dtype == np.float32
         shift = float(np.sqrt((center * center).sum()))
         if self.difference:
-            self.scaled = frozen(a * np.float32(-2.0))        # a power of two: exact
+            self.scaled = a * np.float32(-2.0)        # a power of two: exact
             self.bias = b_sq.astype(np.float32)
             self.offset = a_sq
         else:
-            self.scaled = frozen(-a)
+            self.scaled = -a
             self.bias = np.zeros(nt, np.float32)
             # offset = -(q s_i) . (c s): exact key = -(a . b) + offset
             if center.any():
@@ -342,7 +342,7 @@ class _Operands:
         out = np.full(candidates.shape, np.inf)
         queries, q_factors = self.queries, self.q_factors
         if rows is not None:
-            queries, q_factors = frozen(np.ascontiguousarray(queries[rows])), q_factors[rows]
+            queries, q_factors = np.ascontiguousarray(queries[rows]), q_factors[rows]
         pairs = _cpu_kernels.pairs_by_target(candidates, needed, self.targets.shape[0])
         _cpu_kernels.pair_keys(queries, q_factors, self.targets, self.t_factors,
                                candidates, pairs, self.difference, self.factor_after, out)
@@ -371,7 +371,7 @@ class _Operands:
             part = rows[start:start + chunk]
             heaps, _ = _search(self, collect, *plan_tiles(part.shape[0], nt, threads),
                                start=limit[start:start + chunk],
-                               scaled=frozen(np.ascontiguousarray(self.scaled[part])))
+                               scaled=np.ascontiguousarray(self.scaled[part]))
             _, kept = _cpu_kernels.decode(heaps)
             full = (kept != _cpu_kernels.EMPTY_INDEX).all(axis=2).any(axis=0)
             _, cand = _cpu_kernels.decode(np.concatenate(list(heaps), axis=1))
@@ -628,7 +628,7 @@ def probed_heaps(ops: _Operands, rows: np.ndarray, members: np.ndarray, member_s
         if rows.shape[0] else np.zeros(0, np.int64)
     bounds = np.concatenate([[0], bounds, [rows.shape[0]]]).astype(np.int64)
     _cpu_kernels.probed_tiles(ops.scaled, rows.astype(np.int64, copy=False), members, member_starts,
-                              segment_starts.astype(np.int64, copy=False), tiles, frozen(ops.targets32), ops.bias,
+                              segment_starts.astype(np.int64, copy=False), tiles, ops.targets32, ops.bias,
                               heaps, bounds, QUERY_TILE, threads=parts)
     return heaps
 

@@ -210,14 +210,25 @@ def test_rows_tied_with_more_targets_than_collected_are_searched_in_float64(capl
 
 
 @pytest.mark.parametrize("metric", ["l2", "inner_product", "cosine"])
-@pytest.mark.parametrize("writeable", [True, False])
-def test_the_kernels_read_read_only_rows_whatever_the_caller_passes(metric, writeable):
-    # One compiled variant per dtype: numba types a read-only array apart from a writable one.
+def test_the_kernels_compile_one_variant_whatever_flags_the_caller_s_rows_carry(metric):
+    # numba types a read-only array apart from a writable one: the wrappers pass every array a
+    # kernel only reads read-only, so rows of either kind run the same compiled variants.
+    from numba.core.registry import CPUDispatcher
+
+    from nearest_kernels import _cpu_kernels, knn
+
+    def variants() -> dict:
+        return {name: len(f.signatures) for name, f in vars(_cpu_kernels).items() if isinstance(f, CPUDispatcher)}
+
     rng = np.random.default_rng(5)
     queries = rng.standard_normal((9, 8)).astype(np.float32)
     targets = rng.standard_normal((300, 8)).astype(np.float32)
-    queries.flags.writeable = targets.flags.writeable = writeable
-    ops = _operands(targets, metric, queries)
-    for name in ("queries", "targets", "targets32", "scaled"):
-        assert not getattr(ops, name).flags.writeable, name
-    assert queries.flags.writeable is writeable and targets.flags.writeable is writeable
+    knn(queries, targets, 3, metric, backend="cpu")
+    before = variants()
+    queries.flags.writeable = targets.flags.writeable = False
+    knn(queries, targets, 3, metric, backend="cpu")
+    assert variants() == before
+    assert not queries.flags.writeable and not targets.flags.writeable   # the caller's flags, as they were
+    writable = rng.standard_normal((300, 8)).astype(np.float32)
+    knn(writable[:9], writable, 3, metric, backend="cpu")
+    assert variants() == before and writable.flags.writeable
