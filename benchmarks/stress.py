@@ -267,10 +267,13 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
             # Midway between two of the join's values, as the tests' caps lie: a cap on a
             # value would compare two roundings of one sum (the oracle's summation order
             # against the kernels'), which differ in the last bits.
+            # (No other value: no cap; a cap beyond every value may be out of the metric's range.)
             quantile = float(np.quantile(finite, case["cap_quantile"]))
             every = np.unique(oracle.key_values(all_keys, metric)[np.isfinite(all_keys)])
             above = every[np.searchsorted(every, quantile, side="right"):][:1]
-            case["cap"] = (quantile + float(above[0])) / 2 if above.size else quantile + 1.0
+            below = every[:np.searchsorted(every, quantile, side="left")][-1:]
+            near = above if above.size else below
+            case["cap"] = (quantile + float(near[0])) / 2 if near.size else None
     options = dict(case["options"])
     if case["cap"] is not None:
         options["min_similarity" if metric in ("cosine", "inner_product") else "max_distance"] = case["cap"]
