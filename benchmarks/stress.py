@@ -259,17 +259,18 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     Q, T, metric, k = case["Q"], case["T"], case["metric"], case["k"]
     clean = lambda M: np.nan_to_num(M.astype(np.float64), nan=0.0)  # noqa: E731 (NULLs are masked below)
     all_keys = oracle.oracle_keys(clean(Q), clean(T), metric)
+    values = oracle.key_values(all_keys, metric)
     case["cap"] = None
     if case["cap_quantile"] is not None and Q.shape[0]:
-        values = oracle.key_values(np.sort(all_keys, axis=1)[:, min(k, T.shape[0]) - 1], metric)
-        finite = values[np.isfinite(values)]
+        kth_values = oracle.key_values(np.sort(all_keys, axis=1)[:, min(k, T.shape[0]) - 1], metric)
+        finite = kth_values[np.isfinite(kth_values)]
         if finite.size:
             # Midway between two of the join's values, as the tests' caps lie: a cap on a
             # value would compare two roundings of one sum (the oracle's summation order
             # against the kernels'), which differ in the last bits.
             # (No other value: no cap; a cap beyond every value may be out of the metric's range.)
             quantile = float(np.quantile(finite, case["cap_quantile"]))
-            every = np.unique(oracle.key_values(all_keys, metric)[np.isfinite(all_keys)])
+            every = np.unique(values[np.isfinite(all_keys)])
             above = every[np.searchsorted(every, quantile, side="right"):][:1]
             below = every[:np.searchsorted(every, quantile, side="left")][-1:]
             near = above if above.size else below
@@ -297,7 +298,6 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
 
     candidates = _candidates(case, all_keys)
     scale = oracle.key_scale(clean(Q), clean(T), metric)
-    values = oracle.key_values(all_keys, metric)
     promised_exact = ivf.get("runs") == "exact" or "the exact result" in ivf.get("explanation", "")
     problems, recalls, wanted = [], [], 0
     per_query = _by_query(out, Q.shape[0], problems)
