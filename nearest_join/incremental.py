@@ -489,7 +489,8 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
         state = None if previous is None else (pool.submit(_state_lists, state_dir),
                                                pool.submit(_state_fingerprints, state_dir))
         query_side = pool.submit(_today, q_now, _QID, _QV)
-        today = (query_side.result(), _today(t_now, _TID, _TV))
+        target_side = _today(t_now, _TID, _TV)
+        today = (query_side.result(), target_side)
         before = None
         if state is not None:
             lists, targets = state[0].result(), state[1].result()
