@@ -36,8 +36,14 @@ GiB = 1 << 30
 MiB = 1 << 20
 DEFAULT_BROADCAST_LIMIT = 1 * GiB
 # Whole copies of a broadcast target one JVM holds besides those of its tasks (see
-# broadcast_memory_cap): the table and its serialised pieces.
+# broadcast_memory_cap): the driver's collected rows and the serialised pieces, or an
+# executor's pieces and the table built from them; a local-mode JVM, driver and executor at
+# once, holds the collected rows, the pieces and the table.
 BROADCAST_COPIES = 2
+LOCAL_COPIES = 3
+# A payload value's bytes where the facts job does not measure them (types other than strings,
+# binaries and fixed-width ones): Spark's own default size of a complex value.
+PAYLOAD_VALUE_BYTES = 100
 SPARK_MAX_BROADCAST_BYTES = 8 * GiB
 # The heap Spark reserves before its unified (execution + storage) memory.
 RESERVED_HEAP = 300 * MiB
@@ -312,13 +318,44 @@ def keyed_layout(target_counts: np.ndarray, query_counts: np.ndarray, *, unmatch
 
 @dataclass(frozen=True)
 class SideFacts:
-    """What the planner knows of one side: rows, input partitions, and the lengths of its
-    non-NULL vectors (None when it has none)."""
+    """What the planner knows of one side: rows, input partitions, the lengths of its
+    non-NULL vectors (None when it has none), and the bytes of its other columns (the
+    target's travel with its vectors in a broadcast: :func:`payload_bytes`)."""
 
     rows: int
     partitions: int
     shortest: int | None
     longest: int | None
+    payload: int = 0
+
+
+_FIXED_WIDTH = {"boolean": 1, "byte": 1, "short": 2, "integer": 4, "long": 8, "float": 4, "double": 8,
+                "date": 4, "timestamp": 8, "timestamp_ntz": 8, "null": 0}
+
+
+def payload_bytes(df, vector_column: str):
+    """A Column: the bytes of a row's columns other than ``vector_column``, as Arrow holds
+    them: a fixed-width value its width, a string or binary its bytes and offset, an array of
+    fixed-width elements its elements and offset, any other value :data:`PAYLOAD_VALUE_BYTES`."""
+    total = F.lit(0).cast("long")
+    for field in df.schema.fields:
+        if field.name == vector_column:
+            continue
+        name = field.dataType.typeName()
+        if name in _FIXED_WIDTH:
+            size = F.lit(_FIXED_WIDTH[name])
+        elif name == "decimal":
+            size = F.lit(16)
+        elif name in ("string", "binary"):
+            size = F.coalesce(F.octet_length(column(df, field.name)), F.lit(0)) + 4
+        elif name == "array" and field.dataType.elementType.typeName() in _FIXED_WIDTH:
+            values = column(df, field.name)
+            width = _FIXED_WIDTH[field.dataType.elementType.typeName()]
+            size = F.when(values.isNotNull(), F.size(values) * width).otherwise(0) + 4
+        else:
+            size = F.lit(PAYLOAD_VALUE_BYTES)
+        total = total + size
+    return total
 
 
 def vector_length(df, name: str):
@@ -360,8 +397,10 @@ def side_facts(query, query_column: str, target, target_column: str,
 
     def projected(df, name: str, side: int, keys):
         # Spark forbids the non-deterministic partition id inside an aggregate: project first.
+        payload = payload_bytes(df, name) if side == 1 else F.lit(0).cast("long")
         return df.select(F.lit(side).alias("side"), vector_length(df, name).alias("n"),
-                         F.spark_partition_id().alias("p"), *[key.alias(n) for key, n in zip(keys, names)])
+                         F.spark_partition_id().alias("p"), payload.alias("b"),
+                         *[key.alias(n) for key, n in zip(keys, names)])
 
     null_keys = [F.lit(None).cast(field.dataType) for field in _key_types(target, target_keys)]
     union = projected(query, query_column, 0, null_keys).unionByName(
@@ -371,23 +410,24 @@ def side_facts(query, query_column: str, target, target_column: str,
     if target_keys is None:
         both = union.groupBy("side").agg(
             F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
-            (F.max("p") + 1).alias("partitions"))
+            (F.max("p") + 1).alias("partitions"), F.sum("b").alias("payload"))
     else:
         keyed = " AND ".join(f"{n} IS NOT NULL" for n in names)
         both = (union.groupBy("side", *names)
                 .agg(F.count(F.lit(1)).alias("rows"), F.min("n").alias("shortest"), F.max("n").alias("longest"),
-                     F.max("p").alias("p"))
+                     F.max("p").alias("p"), F.sum("b").alias("b"))
                 .withColumn("keyed", F.expr(keyed) & (F.col("side") == 1))
                 .groupBy("side")
                 .agg(F.sum("rows").alias("rows"), F.min("shortest").alias("shortest"),
                      F.max("longest").alias("longest"), (F.max("p") + 1).alias("partitions"),
-                     F.count(F.when(F.col("keyed"), 1)).alias("groups"),
+                     F.sum("b").alias("payload"), F.count(F.when(F.col("keyed"), 1)).alias("groups"),
                      F.max(F.when(F.col("keyed"), F.col("rows"))).alias("largest")))
     rows = {row["side"]: row for row in both.collect()}
     # A side without rows has no group: no row of its own.
     sides = tuple(
         SideFacts(rows=int(row["rows"]), partitions=int(row["partitions"] or 0),
-                  shortest=row["shortest"], longest=row["longest"]) if row is not None
+                  shortest=row["shortest"], longest=row["longest"], payload=int(row["payload"] or 0))
+        if row is not None
         else SideFacts(rows=0, partitions=0, shortest=None, longest=None)
         for row in (rows.get(0), rows.get(1)))
     if target_keys is None:
@@ -557,10 +597,13 @@ def broadcast_memory_cap(spark) -> tuple[int, str]:
 
     One JVM holds a broadcast target whole several times over. The driver collects it and
     serialises it into the broadcast's pieces; an executor keeps the pieces and the table
-    built from them (:data:`BROADCAST_COPIES`); and each task running there copies it once
-    more, because the broadcast nested-loop join copies every joined row of one query block
-    before the Arrow writer hands them to Python. Those copies must fit the JVM's unified
-    memory, (heap - 300 MiB) x ``spark.memory.fraction``: the cap is the smallest quotient over
+    built from them (:data:`BROADCAST_COPIES`); a local-mode JVM is both, with the collected
+    rows, the pieces and the table (:data:`LOCAL_COPIES`); and each task running there copies
+    it once more, because the broadcast nested-loop join copies every joined row of one query
+    block before the Arrow writer hands them to Python. Every copy holds the target's other
+    columns too (the caller adds their bytes: ``choose_plan``'s ``target_payload``). Those
+    copies must fit the JVM's unified memory, (heap - 300 MiB) x ``spark.memory.fraction``:
+    the cap is the smallest quotient over
     the driver and an executor, and never more than Spark's own limit on a broadcast table.
     In local mode the executors are the driver; ``local-cluster[n, cores, MiB]`` names its
     executors' heap.
@@ -569,7 +612,7 @@ def broadcast_memory_cap(spark) -> tuple[int, str]:
     driver = parse_bytes(_conf(spark, "spark.driver.memory", "1g"))
     task_cpus = max(1, int(_conf(spark, "spark.task.cpus", 1)))
     if master.startswith("local[") or master == "local":
-        jvms = [("spark.driver.memory", driver, cluster_cores(spark))]
+        jvms = [("spark.driver.memory", driver, cluster_cores(spark), LOCAL_COPIES)]
     else:
         match = re.match(r"local-cluster\[\d+,\s*(\d+),\s*(\d+)", master)
         if match:
@@ -578,14 +621,15 @@ def broadcast_memory_cap(spark) -> tuple[int, str]:
         else:
             executor, name = parse_bytes(_conf(spark, "spark.executor.memory", "1g")), "spark.executor.memory"
             executor_cores = int(_conf(spark, "spark.executor.cores", 1))
-        jvms = [("spark.driver.memory", driver, 0), (name, executor, max(1, executor_cores // task_cpus))]
+        jvms = [("spark.driver.memory", driver, 0, BROADCAST_COPIES),
+                (name, executor, max(1, executor_cores // task_cpus), BROADCAST_COPIES)]
     fraction = float(_conf(spark, "spark.memory.fraction", 0.6))
     cap, why = None, ""
-    for name, heap, tasks in jvms:
-        copies = BROADCAST_COPIES + tasks
+    for name, heap, tasks, held in jvms:
+        copies = held + tasks
         fits = int(max(heap - RESERVED_HEAP, 0) * fraction) // copies
         if cap is None or fits < cap:
-            cap, why = fits, (f"{copies} copies of it ({BROADCAST_COPIES}, and one per task of {tasks} at once) "
+            cap, why = fits, (f"{copies} copies of it ({held}, and one per task of {tasks} at once) "
                               f"in the unified memory of {name} {heap} B")
     if cap >= SPARK_MAX_BROADCAST_BYTES:
         return SPARK_MAX_BROADCAST_BYTES, "Spark's 8 GiB limit on a broadcast table"
@@ -695,8 +739,13 @@ def _clamp_rows(rows: float) -> int:
 def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, itemsize: int,
                 query_rows: int, target_rows: int,
                 query_input_partitions: int | None = None, keys: list | None = None,
-                key_facts: KeyFacts | None = None, inputs_cheap: bool = False) -> JoinPlan:
+                key_facts: KeyFacts | None = None, inputs_cheap: bool = False,
+                target_payload: int = 0) -> JoinPlan:
     """Pick the plan and block sizes from the sizes, the options and configuration.
+
+    ``target_payload``: the bytes of the target's other columns (:attr:`SideFacts.payload`),
+    which a broadcast target carries with its vectors: the two together must fit the memory
+    cap (:func:`broadcast_memory_cap`), the vectors alone the broadcast limit.
 
     ``inputs_cheap``: both inputs are :func:`cheap_in_one_task` (a small join of them may then
     run in one task, ``one_task``).
@@ -726,7 +775,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
                   f"{target_bytes} B: the query blocks are broadcast, the target streams past them")
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
-    elif target_bytes <= limit:
+    elif target_bytes <= limit and target_bytes + target_payload <= broadcast_memory_cap(spark)[0]:
         plan, reason = "broadcast", f"target vectors {target_bytes} B <= broadcast limit {limit} B"
         # One query block per task, as few tasks as the cores and the memory budget allow:
         # every query block receives the whole broadcast target through Arrow, so fewer,
@@ -746,10 +795,15 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         if one_task:   # (those few elements keep the task's top-k state far below its budget)
             q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / per_task))
     else:
-        plan, reason = "blocked", f"target vectors {target_bytes} B > broadcast limit {limit} B"
         cap, why = broadcast_memory_cap(spark)
-        if limit == cap:
-            reason += f" ({why})"
+        if target_bytes <= limit:
+            reason = (f"target vectors {target_bytes} B and its other columns {target_payload} B > the "
+                      f"broadcast's memory cap {cap} B ({why})")
+        else:
+            reason = f"target vectors {target_bytes} B > broadcast limit {limit} B"
+            if limit == cap:
+                reason += f" ({why})"
+        plan = "blocked"
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
     q_blocks = math.ceil(query_rows / q_rows) if query_rows else 0

@@ -250,7 +250,7 @@ def _plan(target_rows, query_input_partitions=None, **kw) -> JoinPlan:
 
 
 def test_broadcast_when_target_fits_else_blocked_with_bounded_blocks():
-    small = _plan(200_000)
+    small = _plan(150_000)
     # one equal query block per core, spread by a row-level shuffle (the join is large)
     assert (small.plan, small.query_blocks, small.query_partitions) == ("broadcast", 2, 2)
     assert small.query_block_rows == 10_000
@@ -286,7 +286,7 @@ def _plan_with(conf, **kw) -> JoinPlan:
     spark = _Spark(spark__master="local[2]", spark__driver__memory="1g",
                    **{"spark__nearestJoin__" + k: v for k, v in conf.items()})
     return choose_plan(spark=spark, ranking=Ranking("l2", "v", "w", "l2"), options=_options(**kw),
-                       dimension=128, itemsize=4, query_rows=20_000, target_rows=200_000)
+                       dimension=128, itemsize=4, query_rows=20_000, target_rows=150_000)
 
 
 def test_query_blocks_per_task_and_broadcast_target_block_size():
@@ -320,9 +320,9 @@ def test_broadcast_limit_respects_driver_and_executor_memory():
     plan = choose_plan(spark=one_gig, ranking=Ranking("l2", "v", "w", "l2"), options=_options(),
                        dimension=128, itemsize=4, query_rows=200_000, target_rows=rows)
     assert plan.plan == "blocked" and not plan.queries_broadcast
-    assert "4 copies of it (2, and one per task of 2 at once) in the unified memory of " \
+    assert "5 copies of it (3, and one per task of 2 at once) in the unified memory of " \
            "spark.driver.memory 1073741824 B" in plan.reason
-    assert broadcast_limit(one_gig, None) == unified(1 << 30) // 4
+    assert broadcast_limit(one_gig, None) == unified(1 << 30) // 5
     # local-cluster[n, cores, MiB]: its executors' heap, one task each
     small = _Spark(spark__master="local-cluster[2,1,1024]")
     assert broadcast_limit(small, None) == unified(1 << 30) // 3
@@ -342,6 +342,34 @@ def test_broadcast_limit_respects_driver_and_executor_memory():
                   spark__nearestJoin__broadcastLimitBytes="64g")
     assert broadcast_limit(huge, None) == 8 << 30             # Spark's broadcast table limit
     assert broadcast_limit(huge, 0) == 0
+
+
+def test_a_broadcast_target_s_other_columns_count_against_the_memory_cap():
+    """`nearest-join demo --query-rows 100000 --target-rows 900000` under conf/local.yaml
+    (local[2], a 2g driver) broadcast 230 MB of vectors with 29 MB of ids and names, under a
+    cap of 4 copies of the vectors alone, and the search's tasks died of OutOfMemoryError;
+    700,000 rows (201 MB with their columns) did not. A local JVM holds the collected rows,
+    the pieces and the table, and one copy per task; every copy carries the other columns.
+    The vectors alone still meet the broadcast limit (a user's setting is about vectors)."""
+    from nearest_join.planner import broadcast_memory_cap
+
+    local = _Spark(spark__master="local[2]", spark__driver__memory="2g")
+    cap, why = broadcast_memory_cap(local)
+    assert cap == int(((2 << 30) - (300 << 20)) * 0.6) // 5 and "5 copies of it (3, and one per task of 2" in why
+    ranking = Ranking("l2", "vec", "target_vec", "l2")
+
+    def plan(rows, payload_per_row):
+        return choose_plan(spark=local, ranking=ranking, options=_options(), dimension=64, itemsize=4,
+                           query_rows=100_000, target_rows=rows, target_payload=rows * payload_per_row)
+
+    assert plan(900_000, 32).plan == "blocked"
+    blocked = plan(800_000, 32)   # vectors 205 MB < cap, with their columns 230 MB > cap
+    assert 800_000 * 256 <= cap < 800_000 * 288
+    assert blocked.plan == "blocked" and not blocked.queries_broadcast
+    assert f"target vectors 204800000 B and its other columns 25600000 B > the broadcast's memory cap {cap} B" \
+           in blocked.reason
+    assert plan(800_000, 0).plan == "broadcast"
+    assert plan(700_000, 32).plan == "broadcast"
 
 
 @pytest.mark.parametrize("keyed", [False, True])
@@ -385,7 +413,29 @@ def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
     shuffled, shuffled_jobs = facts("shuffled")
     assert one_task == shuffled
     assert one_task[:2] == (planner.SideFacts(rows=3, partitions=3, shortest=1, longest=2),
-                            planner.SideFacts(rows=20, partitions=2, shortest=2, longest=3))
+                            # the target's other columns: an 8-byte id, and g's byte (16 rows)
+                            # and 4-byte offset (20 rows)
+                            planner.SideFacts(rows=20, partitions=2, shortest=2, longest=3, payload=256))
     if keyed:   # ids 1, 3, 7, 9, ... are "b" (8 rows), 2, 4, 6, 8, ... "a" (8 rows), 0, 5, 10, 15 NULL
         assert one_task[2] == planner.KeyFacts(groups=2, largest=8)
     assert jobs == 1 and shuffled_jobs > 1
+
+
+def test_the_facts_job_measures_the_bytes_of_the_target_s_other_columns(spark):
+    """A broadcast carries them with the vectors (the memory cap above): fixed widths, the
+    bytes of strings and binaries with their offsets, an array of fixed-width elements by its
+    length, anything else at a default size; the vector column is not counted."""
+    from nearest_join import planner
+
+    t = spark.createDataFrame(
+        [(1, "abc", [1.0, 2.0], b"\x00\x01", {"k": 1}, [0.5, 0.5]),
+         (2, None, None, None, None, [0.5, 0.5]),
+         (3, "\u00e9", [1.0], b"", {}, [0.5, 0.5])],
+        "id long, name string, extra array<double>, raw binary, m map<string,int>, w array<float>")
+    total = t.select(F.sum(planner.payload_bytes(t, "w")).alias("b")).first()["b"]
+    ids, names, extras, raws, maps = 3 * 8, (3 + 0 + 2) + 3 * 4, (16 + 0 + 8) + 3 * 4, (2 + 0 + 0) + 3 * 4, \
+        3 * planner.PAYLOAD_VALUE_BYTES
+    assert total == ids + names + extras + raws + maps
+    q = spark.createDataFrame([(1, [0.0, 0.0])], "id int, v array<float>")
+    assert planner.side_facts(q, "v", t, "w")[1].payload == total
+    assert planner.side_facts(q, "v", t, "w")[0].payload == 0   # the query's are not broadcast
