@@ -660,11 +660,13 @@ class _Ids:
 
     def facts(self, side: int, rows: int) -> SideFacts:
         """The planner's facts of a part of today's side of ``rows`` rows (its partitions and
-        vector lengths: the whole side's)."""
+        vector lengths: the whole side's; the bytes of its ids, the one column the searches
+        carry beside the vectors and keys, in proportion)."""
         now = self.today[side]
         lengths = pc.min_max(now["length"])
+        ids = now["id"].nbytes * rows // max(1, len(now))
         return SideFacts(rows=rows, partitions=pc.max(now["p"]).as_py() + 1 if len(now) else 0,
-                         shortest=lengths["min"].as_py(), longest=lengths["max"].as_py())
+                         shortest=lengths["min"].as_py(), longest=lengths["max"].as_py(), payload=ids)
 
     def dimension(self, parsed) -> int | None:
         """Today's one vector length (raises the join's error when the sides' lengths differ)."""

@@ -436,3 +436,24 @@ def test_approx_whose_full_run_ran_exact_refreshes_exactly(spark, tmp_path, monk
     assert run.changes.refreshed and run.changes.recall is None
     assert got == sorted((r["qid"], r["tid"], r["d"]) for r in
                          nearest_by_join(q, t, "l2", 2, vectors=("v", "w"), distance_col="d").collect())
+
+
+def test_the_searches_facts_count_the_ids_that_travel_with_the_vectors():
+    """The planner's memory cap counts a broadcast target's other columns with its vectors
+    (nearest_join.planner.choose_plan): a refresh's searches carry each side's id, and the
+    facts it hands them (no facts job of their own) say how many bytes of ids a part of
+    that side holds."""
+    import pyarrow as pa
+    from pyspark.sql.types import LongType, StringType
+
+    def side(ids):
+        n = len(ids)
+        return pa.table({"id": ids, "h1": pa.array(np.zeros(n, np.int64)), "h2": pa.array(np.zeros(n, np.int64)),
+                         "length": pa.array(np.full(n, 4, np.int32)), "p": pa.array(np.arange(n) % 3, pa.int32())})
+
+    longs = pa.array(np.arange(1000, dtype=np.int64))
+    names = pa.array([f"target-{i:06d}" for i in range(1000)])
+    ids = incremental._Ids((side(longs), side(names)), (LongType(), StringType()))
+    assert ids.facts(0, 1000).payload == 8000 and ids.facts(0, 10).payload == 80
+    assert ids.facts(1, 1000).payload == names.nbytes and 13_000 < names.nbytes
+    assert (ids.facts(1, 500).rows, ids.facts(1, 500).partitions, ids.facts(1, 500).longest) == (500, 3, 4)
