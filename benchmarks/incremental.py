@@ -3,10 +3,12 @@
 
 Usage: python benchmarks/incremental.py [--nq 200000 --nt 1000000] [--shares 0.01 0.001] [--keys G] [--cap X]
        python benchmarks/incremental.py --data minilm --nt 60000 --approx 0.95
+       python benchmarks/incremental.py --job      (tables ``job_refresh_<nq>x<nt>``: the batch job, new processes)
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -62,6 +64,30 @@ def recall_at_k(got, exact) -> float:
     return float(per_query.mean())
 
 
+SPEC = """name: nightly
+query: {{path: {q}, vector: v}}
+target: {{path: {t}, vector: w}}
+join: {{metric: l2, k: %d, distance_col: d}}
+{incremental}output: {{path: {out}, mode: overwrite}}
+""" % K
+
+
+def nightly_job(tmp: str, q: str, t: str, out: str, incremental: bool) -> float:
+    """The seconds of ``nearest-join run`` of a spec over ``q`` and ``t`` into ``out``, in a new
+    process under the default profile (conf/local.yaml), as a nightly job runs; with the
+    ``incremental:`` section (the state inside ``out``) or without (a full recompute)."""
+    import subprocess
+
+    spec = os.path.join(tmp, "refresh.yaml" if incremental else "full.yaml")
+    with open(spec, "w") as f:
+        f.write(SPEC.format(q=q, t=t, out=out, incremental="incremental: {query_id: qid, target_id: tid}\n"
+                            if incremental else ""))
+    start = time.perf_counter()
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "nearest-join"), "run", spec], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nq", type=int, default=200_000)
@@ -74,7 +100,11 @@ def main(argv=None) -> int:
     ap.add_argument("--data", choices=["clustered", "minilm"], default="clustered",
                     help="minilm: the real sentence embeddings (benchmarks/embeddings.py), joined with themselves")
     ap.add_argument("--quick", action="store_true", help="20,000 x 100,000; results not recorded in git")
+    ap.add_argument("--job", action="store_true",
+                    help="each run a `nearest-join run` in a new process (the default profile), as a nightly job")
     args = ap.parse_args(argv)
+    if args.job and (args.keys or args.cap is not None or args.approx is not None or args.data != "clustered"):
+        ap.error("--job: the clustered exact join only")
     if args.quick:
         args.nq, args.nt = 20_000, 20_000 if args.data == "minilm" else 100_000
 
@@ -84,7 +114,7 @@ def main(argv=None) -> int:
 
     rng = np.random.default_rng(0)
     tmp = tempfile.mkdtemp(prefix="nj-incremental-")
-    spark = local_spark("nearest_join-incremental", "12g")
+    spark = None if args.job else local_spark("nearest_join-incremental", "12g")
     rec = Recorder("incremental", results_dir=SMOKE_DIR if args.quick else None)
     if args.data == "minilm":   # a self-join: the queries are the targets
         from benchmarks.embeddings import load
@@ -106,8 +136,9 @@ def main(argv=None) -> int:
         def new_rows(n):
             return clustered(rng, n, centers)
         Q, T = clustered(rng, args.nq, centers), clustered(rng, args.nt, centers)
-    table = (f"refresh_{args.data + '_' if args.data != 'clustered' else ''}{args.nq}x{args.nt}"
-             + (f"_keys{args.keys}" if args.keys else "") + (f"_cap{args.cap:g}" if args.cap is not None else "")
+    table = (("job_" if args.job else "") + f"refresh_{args.data + '_' if args.data != 'clustered' else ''}"
+             f"{args.nq}x{args.nt}" + (f"_keys{args.keys}" if args.keys else "")
+             + (f"_cap{args.cap:g}" if args.cap is not None else "")
              + (f"_approx{args.approx:g}" if args.approx is not None else ""))
     exact_join = dict(vectors=("v", "w"), distance_col="d", on="g" if args.keys else None,
                       **({"min_similarity": args.cap} if metric == "cosine" else {"max_distance": args.cap}))
@@ -117,17 +148,28 @@ def main(argv=None) -> int:
     def frames(day, q_ids, Q, t_ids, T):
         write_side(f"{tmp}/q{day}.parquet", q_ids, Q, "qid", "v", args.keys)
         write_side(f"{tmp}/t{day}.parquet", t_ids, T, "tid", "w", args.keys)
+        if args.job:   # the paths: the jobs read them
+            return f"{tmp}/q{day}.parquet", f"{tmp}/t{day}.parquet"
         return spark.read.parquet(f"{tmp}/q{day}.parquet"), spark.read.parquet(f"{tmp}/t{day}.parquet")
 
     def full(q, t, out, options=joined):
         # What a nightly job writes today: ids and values, no vectors (the executors emit
         # only the kept columns, as jobs.runner has them do).
+        if args.job:
+            return nightly_job(tmp, q, t, out, incremental=False)
         start = time.perf_counter()
         options = JoinOptions(num_results=K, **options)
         plan_join(q, t, metric, options).dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
         return time.perf_counter() - start
 
     def incremental(q, t, state, out):
+        if args.job:   # the state lives inside the output: day 0's output is copied for each share
+            if state != f"{tmp}/state":
+                shutil.copytree(f"{tmp}/inc0", out)
+            seconds = nightly_job(tmp, q, t, out, incremental=True)
+            with open(f"{out}/_nearest_join_summary.json") as f:
+                changes = json.load(f)["incremental"]
+            return seconds, argparse.Namespace(**{k: v for k, v in changes.items() if k != "state"})
         start = time.perf_counter()
         run = incremental_nearest_join(q, t, metric, K, query_id="qid", target_id="tid", state=state, **joined)
         run.dataframe(query_columns=(0,), target_columns=(0,)).write.parquet(out)
@@ -161,7 +203,8 @@ def main(argv=None) -> int:
         q, t = frames(i, nq_ids, nQ, nt_ids, nT)
         # each share refreshes day 0's state
         day_state = f"{tmp}/state{i}"
-        shutil.copytree(state, day_state)
+        if not args.job:
+            shutil.copytree(state, day_state)
         seconds, changes = incremental(q, t, day_state, f"{tmp}/inc{i}")
         full_s = full(q, t, f"{tmp}/full{i}")
         figures = dict(share=share, seconds=round(seconds, 1), full_seconds=round(full_s, 1),

@@ -431,7 +431,11 @@ TABLES: dict[tuple[str, str], Table] = {
               "that exact join (a tie with the k-th is a hit); measured: the refresh's own measurement on its sample "
               "and its lower 95% bound. `minilm`: the real sentence embeddings (`benchmarks/embeddings.py`, d=384) "
               "joined with themselves by cosine, the inserted rows and the updated rows' new vectors from the "
-              "embeddings day 0 leaves out."),
+              "embeddings day 0 leaves out. `job_` tables: each run the batch job, `nearest-join run` in a new "
+              "process under the default profile (`conf/local.yaml`: local[2], a 2g driver), as a nightly job runs: "
+              "day 0 with the spec's `incremental:` section, each share's night from a copy of day 0's output and "
+              "state, the full recompute the same spec without `incremental:`; seconds: the process, Spark's start "
+              "included. The other tables: one session (12g driver), each call timed in it, after day 0's."),
     ("gpu_kernel", "arrow"): Table(
         "GPU Arrow path: the executor loop against the kernel alone",
         [*BLOCKS, *[c for p in ("bf16", "tf32") for c in (
