@@ -330,7 +330,7 @@ class SideFacts:
 
 
 _FIXED_WIDTH = {"boolean": 1, "byte": 1, "short": 2, "integer": 4, "long": 8, "float": 4, "double": 8,
-                "date": 4, "timestamp": 8, "timestamp_ntz": 8, "null": 0}
+                "date": 4, "timestamp": 8, "timestamp_ntz": 8, "void": 0}
 
 
 def payload_bytes(df, vector_column: str):

@@ -436,6 +436,8 @@ def test_the_facts_job_measures_the_bytes_of_the_target_s_other_columns(spark):
     ids, names, extras, raws, maps = 3 * 8, (3 + 0 + 2) + 3 * 4, (16 + 0 + 8) + 3 * 4, (2 + 0 + 0) + 3 * 4, \
         3 * planner.PAYLOAD_VALUE_BYTES
     assert total == ids + names + extras + raws + maps
+    nulls = t.withColumn("n", F.lit(None))   # NullType: nothing travels
+    assert nulls.select(F.sum(planner.payload_bytes(nulls, "w")).alias("b")).first()["b"] == total
     q = spark.createDataFrame([(1, [0.0, 0.0])], "id int, v array<float>")
     assert planner.side_facts(q, "v", t, "w")[1].payload == total
     assert planner.side_facts(q, "v", t, "w")[0].payload == 0   # the query's are not broadcast
