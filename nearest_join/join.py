@@ -260,7 +260,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             query_rows=q_facts.rows, target_rows=t_facts.rows,
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts,
             inputs_cheap=all(size is not None and size <= ONE_TASK_BYTES for size in sizes),
-            target_payload=t_facts.payload)
+            query_payload=q_facts.payload, target_payload=t_facts.payload)
         if collected is not None and not plan.one_task:
             # Small inputs, but too much work for one task: the plans that spread it, on the
             # input's own partitions, with the Python workers they run.
@@ -270,7 +270,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                 spark=spark, ranking=parsed, options=options,
                 dimension=plan.dimension, itemsize=max(q_item, t_item), query_rows=q_facts.rows,
                 target_rows=t_facts.rows, query_input_partitions=q_facts.partitions,
-                target_payload=t_facts.payload)
+                query_payload=q_facts.payload, target_payload=t_facts.payload)
             collected = None
         elif collected is not None:
             plan = dataclasses.replace(plan, plan="local", reason=(

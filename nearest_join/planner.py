@@ -319,8 +319,8 @@ def keyed_layout(target_counts: np.ndarray, query_counts: np.ndarray, *, unmatch
 @dataclass(frozen=True)
 class SideFacts:
     """What the planner knows of one side: rows, input partitions, the lengths of its
-    non-NULL vectors (None when it has none), and the bytes of its other columns (the
-    target's travel with its vectors in a broadcast: :func:`payload_bytes`)."""
+    non-NULL vectors (None when it has none), and the bytes of its other columns (a
+    broadcast side's travel with its vectors: :func:`payload_bytes`)."""
 
     rows: int
     partitions: int
@@ -397,9 +397,8 @@ def side_facts(query, query_column: str, target, target_column: str,
 
     def projected(df, name: str, side: int, keys):
         # Spark forbids the non-deterministic partition id inside an aggregate: project first.
-        payload = payload_bytes(df, name) if side == 1 else F.lit(0).cast("long")
         return df.select(F.lit(side).alias("side"), vector_length(df, name).alias("n"),
-                         F.spark_partition_id().alias("p"), payload.alias("b"),
+                         F.spark_partition_id().alias("p"), payload_bytes(df, name).alias("b"),
                          *[key.alias(n) for key, n in zip(keys, names)])
 
     null_keys = [F.lit(None).cast(field.dataType) for field in _key_types(target, target_keys)]
@@ -740,12 +739,13 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
                 query_rows: int, target_rows: int,
                 query_input_partitions: int | None = None, keys: list | None = None,
                 key_facts: KeyFacts | None = None, inputs_cheap: bool = False,
-                target_payload: int = 0) -> JoinPlan:
+                query_payload: int = 0, target_payload: int = 0) -> JoinPlan:
     """Pick the plan and block sizes from the sizes, the options and configuration.
 
-    ``target_payload``: the bytes of the target's other columns (:attr:`SideFacts.payload`),
-    which a broadcast target carries with its vectors: the two together must fit the memory
-    cap (:func:`broadcast_memory_cap`), the vectors alone the broadcast limit.
+    ``query_payload``, ``target_payload``: the bytes of each side's other columns
+    (:attr:`SideFacts.payload`), which a broadcast side carries with its vectors: the two
+    together must fit the memory cap (:func:`broadcast_memory_cap`), the vectors alone the
+    broadcast limit.
 
     ``inputs_cheap``: both inputs are :func:`cheap_in_one_task` (a small join of them may then
     run in one task, ``one_task``).
@@ -767,6 +767,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     spread = one_task = False
     query_bytes = query_rows * row_bytes
     queries_broadcast = (options.mode == "exact" and query_bytes <= limit
+                         and query_bytes + query_payload <= broadcast_memory_cap(spark)[0]
                          and target_bytes >= QUERY_BROADCAST_MIN_TARGET_BYTES
                          and query_bytes * QUERY_BROADCAST_RATIO <= target_bytes)
     if queries_broadcast:

@@ -371,6 +371,15 @@ def test_a_broadcast_target_s_other_columns_count_against_the_memory_cap():
     assert plan(800_000, 0).plan == "broadcast"
     assert plan(700_000, 32).plan == "broadcast"
 
+    # The query-broadcast plan's query blocks likewise: 20,000 queries (5 MB of vectors)
+    # against 8,000,000 targets, with 1 KB of text each (20 MB) or 12 KB (246 MB > cap).
+    def queries(payload_per_row):
+        return choose_plan(spark=local, ranking=ranking, options=_options(), dimension=64, itemsize=4,
+                           query_rows=20_000, target_rows=8_000_000, query_payload=20_000 * payload_per_row)
+
+    assert queries(1024).queries_broadcast and not queries(12 * 1024).queries_broadcast
+    assert queries(12 * 1024).plan == "blocked"
+
 
 @pytest.mark.parametrize("keyed", [False, True])
 def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
@@ -412,9 +421,9 @@ def test_small_inputs_give_their_facts_in_one_job(spark, monkeypatch, keyed):
     monkeypatch.setattr(planner, "ONE_TASK_BYTES", -1)
     shuffled, shuffled_jobs = facts("shuffled")
     assert one_task == shuffled
-    assert one_task[:2] == (planner.SideFacts(rows=3, partitions=3, shortest=1, longest=2),
-                            # the target's other columns: an 8-byte id, and g's byte (16 rows)
-                            # and 4-byte offset (20 rows)
+    # each side's other columns: an 8-byte id, and g's byte (2 of the query's rows, 16 of the
+    # target's) and 4-byte offset (every row)
+    assert one_task[:2] == (planner.SideFacts(rows=3, partitions=3, shortest=1, longest=2, payload=38),
                             planner.SideFacts(rows=20, partitions=2, shortest=2, longest=3, payload=256))
     if keyed:   # ids 1, 3, 7, 9, ... are "b" (8 rows), 2, 4, 6, 8, ... "a" (8 rows), 0, 5, 10, 15 NULL
         assert one_task[2] == planner.KeyFacts(groups=2, largest=8)
@@ -440,4 +449,4 @@ def test_the_facts_job_measures_the_bytes_of_the_target_s_other_columns(spark):
     assert nulls.select(F.sum(planner.payload_bytes(nulls, "w")).alias("b")).first()["b"] == total
     q = spark.createDataFrame([(1, [0.0, 0.0])], "id int, v array<float>")
     assert planner.side_facts(q, "v", t, "w")[1].payload == total
-    assert planner.side_facts(q, "v", t, "w")[0].payload == 0   # the query's are not broadcast
+    assert planner.side_facts(q, "v", t, "w")[0].payload == 4   # the query's int id
