@@ -639,11 +639,14 @@ def broadcast_limit(spark, override: int | None) -> int:
     """The target size (vector bytes) up to which the broadcast plan is chosen: the
     argument, else ``spark.nearestJoin.broadcastLimitBytes``, never above what memory allows
     (:func:`broadcast_memory_cap`)."""
+    return min(_configured_broadcast_limit(spark, override), broadcast_memory_cap(spark)[0])
+
+
+def _configured_broadcast_limit(spark, override: int | None) -> int:
+    """The argument, else ``spark.nearestJoin.broadcastLimitBytes``."""
     if override is not None:
-        configured = int(override)
-    else:
-        configured = parse_bytes(_conf(spark, CONF_PREFIX + "broadcastLimitBytes", DEFAULT_BROADCAST_LIMIT))
-    return min(configured, broadcast_memory_cap(spark)[0])
+        return int(override)
+    return parse_bytes(_conf(spark, CONF_PREFIX + "broadcastLimitBytes", DEFAULT_BROADCAST_LIMIT))
 
 
 def broadcast_target_block_bytes(spark) -> int:
@@ -757,7 +760,9 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     query_block_rows, target_block_rows = options.query_block_rows, options.target_block_rows
     cores = cluster_cores(spark)
     budget = task_memory_bytes(spark)
-    limit = broadcast_limit(spark, options.broadcast_limit_bytes)
+    # (broadcast_limit's parts, the cap computed once: each side's other columns meet it too)
+    memory_cap, cap_why = broadcast_memory_cap(spark)
+    limit = min(_configured_broadcast_limit(spark, options.broadcast_limit_bytes), memory_cap)
     d = max(dimension or 1, 1)
     row_bytes = d * itemsize
     target_bytes = target_rows * row_bytes
@@ -767,7 +772,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
     spread = one_task = False
     query_bytes = query_rows * row_bytes
     queries_broadcast = (options.mode == "exact" and query_bytes <= limit
-                         and query_bytes + query_payload <= broadcast_memory_cap(spark)[0]
+                         and query_bytes + query_payload <= memory_cap
                          and target_bytes >= QUERY_BROADCAST_MIN_TARGET_BYTES
                          and query_bytes * QUERY_BROADCAST_RATIO <= target_bytes)
     if queries_broadcast:
@@ -776,7 +781,7 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
                   f"{target_bytes} B: the query blocks are broadcast, the target streams past them")
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
-    elif target_bytes <= limit and target_bytes + target_payload <= broadcast_memory_cap(spark)[0]:
+    elif target_bytes <= limit and target_bytes + target_payload <= memory_cap:
         plan, reason = "broadcast", f"target vectors {target_bytes} B <= broadcast limit {limit} B"
         # One query block per task, as few tasks as the cores and the memory budget allow:
         # every query block receives the whole broadcast target through Arrow, so fewer,
@@ -796,14 +801,13 @@ def choose_plan(*, spark, ranking, options: JoinOptions, dimension: int | None, 
         if one_task:   # (those few elements keep the task's top-k state far below its budget)
             q_rows = query_block_rows or _clamp_rows(math.ceil(query_rows / per_task))
     else:
-        cap, why = broadcast_memory_cap(spark)
         if target_bytes <= limit:
             reason = (f"target vectors {target_bytes} B and its other columns {target_payload} B > the "
-                      f"broadcast's memory cap {cap} B ({why})")
+                      f"broadcast's memory cap {memory_cap} B ({cap_why})")
         else:
             reason = f"target vectors {target_bytes} B > broadcast limit {limit} B"
-            if limit == cap:
-                reason += f" ({why})"
+            if limit == memory_cap:
+                reason += f" ({cap_why})"
         plan = "blocked"
         q_rows = query_block_rows or _clamp_rows(memory_q_rows)
         t_rows = target_block_rows or _clamp_rows(budget // 2 // row_bytes)
