@@ -54,6 +54,7 @@ A target too large to broadcast takes the lists on the keyed blocked plan
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -331,14 +332,18 @@ def plan_approx(planned):
         if index.column is not None and index.column != parsed.target_column:
             built += f", not the join's {quote(parsed.target_column)}"
     else:
-        sample, nlist = training_sample(planned.target, parsed.target_column, parsed.metric,
-                                        nlist=options.nlist, seed=options.seed, sample=None,
-                                        target_rows=plan.target_rows, query_rows=plan.query_rows)
-        training = IVFIndex.start_training(sample, parsed.metric, nlist, options.seed)
-        if options.nprobe is None and planned.keys is None:
+        screening = options.nprobe is None and planned.keys is None
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-sample") as pool:
+            # The screen's query sample: its Spark job runs beside the training sample's.
+            query_sample = pool.submit(sampled_queries, planned, options.seed) if screening else None
+            sample, nlist = training_sample(planned.target, parsed.target_column, parsed.metric,
+                                            nlist=options.nlist, seed=options.seed, sample=None,
+                                            target_rows=plan.target_rows, query_rows=plan.query_rows)
+            training = IVFIndex.start_training(sample, parsed.metric, nlist, options.seed)
+            queries = None if query_sample is None else query_sample.result()
+        if screening:
             training.run(SCREEN_ITERATIONS)
             early = IVFIndex.of_training(training, parsed.metric, options.seed, parsed.target_column)
-            queries = sampled_queries(planned, options.seed)
             screen = screen_recall(early, queries, sample, plan.k, parsed.metric, plan.cap)
             needed = screen.smallest_nprobe(options.recall)
             # (a screen of few queries with neighbours has a wide interval: no verdict)
