@@ -409,7 +409,9 @@ TABLES: dict[tuple[str, str], Table] = {
          col("exact promised", "approx_exact_promised", ","), col("saved index reused", "approx_saved_index", ","),
          col("with keys", "approx_keyed", ","), col("with a cap", "approx_capped", ","),
          col("recall targets (all met)", "approx_recall_targets", ","),
-         col("lowest recall - target", "approx_lowest_recall_margin", ".4f")],
+         col("lowest recall - target", "approx_lowest_recall_margin", ".4f"),
+         col("refresh chains", "refresh_chains", ","), col("their days", "refresh_days", ","),
+         col("chains with keys", "refresh_keyed", ","), col("chains with a cap", "refresh_capped", ",")],
         about="Each join draws its inputs from its seed (`--replay SEED` runs one again): sizes, d, k, "
               "metrics, join types, NULLs, adversarial data (`tests/adversarial.py`), forced blocked plans. "
               "Half are `mode=\"approx\"` on the IVF plan (clustered, Gaussian, duplicated and offset data; "
@@ -417,7 +419,12 @@ TABLES: dict[tuple[str, str], Table] = {
               "yesterday's target and reused after it changed): "
               "every row a candidate with its exact value, the true top k where the plan promises it, and the "
               "join's recall@k (the mean of its queries' recalls, as the plan estimates it) at least the target it "
-              "chose nprobe for (a miss is a mismatch)."),
+              "chose nprobe for (a miss is a mismatch). A share of the seeds (`refresh_share`) run a chain of 2-4 days "
+              "of `incremental_nearest_join` instead (a join counted once): day 0 such a join's inputs on ids, each "
+              "later day a share (1-60%) of each side's rows deleted, updated (vector, NULL vector, key) and "
+              "inserted, refreshed from the day before's committed state (margins 0-19, keys, caps, both join "
+              "types); each day's rows against `nearest_by_join` of that day's inputs: the same queries, the same "
+              "values, the same targets but for ties at the k-th value."),
     ("incremental", "*"): Table(
         "Incremental refresh against a full recompute, local[2]", incremental_columns,
         about="Clustered float32 vectors (1,000 centres), l2, ids on both sides; day 0 is "

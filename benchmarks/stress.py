@@ -32,6 +32,7 @@ VALUE_RTOL = oracle.OPERATOR_VALUE_RTOL      # float32 rounding of a value, as a
 MASTER = "local[2]"
 CHECK_ROWS = 200             # queries of each exact join checked against the oracle
 APPROX_SHARE = 0.5           # share of the joins that run mode="approx" (the seed decides which)
+REFRESH_SHARE = 0.15         # share of the seeds that run a chain of incremental refreshes instead
 
 
 def draw(seed: int) -> dict:
@@ -348,9 +349,126 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
                 runs=ivf.get("runs"), nprobe=ivf.get("nprobe"), nlist=ivf.get("nlist"), rows=wanted)
 
 
+def draw_refresh(seed: int) -> dict:
+    """A chain of days for ``incremental_nearest_join``: day 0 the inputs of :func:`draw` (its
+    adversarial data, NULL vectors and elements), on ids; each later day deletes, updates (the
+    vector, its NULLness or, with ``on=`` keys, the key) and inserts a share of each side's
+    rows, new vectors drawn from the day-0 data."""
+    case = draw(seed)
+    rng = np.random.default_rng([seed, 3])
+    Q, T = case["Q"], case["T"]
+    case.update(k=int(rng.choice([1, int(rng.integers(2, 11)), int(rng.integers(11, 31))])),
+                margin=int(rng.choice([0, 1, int(rng.integers(2, 20))])), days=int(rng.integers(2, 5)),
+                shares=[float(rng.choice([0.01, 0.1, 0.3, 0.6])) for _ in range(4)], keys=None, cap=None)
+    if rng.random() < 0.3:
+        groups = int(rng.integers(1, 6))
+        case["keys"] = (rng.integers(-1, groups, Q.shape[0]), rng.integers(-1, groups, T.shape[0]), groups)
+    if rng.random() < 0.3 and Q.shape[0] and T.shape[0]:
+        # a cap at a quantile of some of the pairs' values
+        a, b = np.nan_to_num(Q[rng.integers(0, Q.shape[0], 50)].astype(np.float64)), \
+            np.nan_to_num(T[rng.integers(0, T.shape[0], 50)].astype(np.float64))
+        values = oracle.key_values(oracle.oracle_keys(a, b, case["metric"]), case["metric"]).ravel()
+        values = values[np.isfinite(values)]
+        if values.size:
+            case["cap"] = float(np.quantile(values, rng.uniform(0.2, 0.8)))
+    return case
+
+
+def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
+    """Each day of ``case``'s chain refreshed from the last day's committed state, against
+    ``nearest_by_join`` of that day's inputs (the full recompute): the same queries, the same
+    values per query, the same targets but for ties at the k-th value. (days run, problems)"""
+    from nearest_join import nearest_by_join
+    from nearest_join.incremental import incremental_nearest_join
+
+    rng = np.random.default_rng([case["seed"], 4])
+    metric, k = case["metric"], case["k"]
+    pool = np.concatenate([case["Q"], case["T"]])
+    sides = []
+    for side, (M, null) in enumerate(((case["Q"], case["q_null"]), (case["T"], case["t_null"]))):
+        keys = None if case["keys"] is None else case["keys"][side]
+        sides.append([np.arange(M.shape[0]) + side * 10**6, M.copy(), null.copy(), keys])
+    options = dict(vectors=("qv", "tv"), join_type=case["join_type"], distance_col="d")
+    if case["keys"] is not None:
+        options["on"] = "key"
+    if case["cap"] is not None:
+        options["min_similarity" if metric in ("cosine", "inner_product") else "max_distance"] = case["cap"]
+    state, next_id, problems = workdir / f"state-{case['seed']}", 2 * 10**6, []
+    sign = -1 if metric in ("cosine", "inner_product") else 1
+
+    def grouped(rows):   # {query: [(key, target)]}, ascending keys
+        out: dict = {}
+        for r in rows:
+            out.setdefault(r["qid"], []).append((None if r["d"] is None else sign * r["d"], r["tid"]))
+        return {q_id: sorted(v, key=lambda x: (x[0] is None, x[0] or 0.0, x[1] or 0)) for q_id, v in out.items()}
+
+    def frame(ids, M, null, keys, id_name, vector_name, parts):
+        import pyarrow as pa
+
+        table = vector_table(ids.astype(np.int64), M, id_name, vector_name, null)
+        if keys is not None:
+            table = table.append_column("key", pa.array(keys, mask=keys < 0, type=pa.int32()))
+        return spark.createDataFrame(table).repartition(parts).cache()
+
+    ran = 0
+    for day in range(case["days"]):
+        ran += 1
+        q = frame(*sides[0], "qid", "qv", case["q_parts"])
+        t = frame(*sides[1], "tid", "tv", case["t_parts"])
+        run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
+                                       margin=case["margin"], **options)
+        got = [r.asDict() for r in run.dataframe(query_columns=(0,), target_columns=(0,)).collect()]
+        full = [r.asDict() for r in nearest_by_join(q, t, metric, k, **options).collect()]
+        run.commit()
+        q.unpersist(), t.unpersist()
+        mine_all, theirs_all = grouped(got), grouped(full)
+        if mine_all.keys() != theirs_all.keys():
+            problems.append(f"day {day}: queries {sorted(mine_all.keys() ^ theirs_all.keys())[:5]} in one result only")
+        for q_id in sorted(mine_all.keys() & theirs_all.keys()):
+            mine, theirs = mine_all[q_id], theirs_all[q_id]
+            last = theirs[-1][0]
+            if [v for v, _ in mine] != [v for v, _ in theirs] or \
+                    {i for v, i in mine if v != last} != {i for v, i in theirs if v != last}:
+                problems.append(f"day {day} (refreshed {run.changes.refreshed}) query {q_id}: {mine[:6]} "
+                                f"against the full recompute's {theirs[:6]}")
+                break
+        if problems:
+            break
+        share = case["shares"][day]
+        for side in sides:                       # tomorrow: deletes, updates, inserts
+            ids, M, null, keys = side
+            n = ids.size
+            keep = rng.random(n) >= share / 3
+            ids, M, null = ids[keep], M[keep], null[keep]
+            keys = None if keys is None else keys[keep]
+            for j in np.flatnonzero(rng.random(ids.size) < share / 3):
+                what = rng.random()
+                if what < 0.6 and pool.shape[0]:
+                    M[j] = pool[rng.integers(0, pool.shape[0])]
+                elif what < 0.8 and keys is not None:
+                    keys[j] = rng.integers(-1, case["keys"][2])
+                else:
+                    null[j] = not null[j]
+            m = int(rng.binomial(max(n, 1), share / 3)) if pool.shape[0] else 0
+            ids = np.concatenate([ids, next_id + np.arange(m)])
+            next_id += m
+            M = np.concatenate([M, pool[rng.integers(0, pool.shape[0], m)] if m else M[:0]])
+            null = np.concatenate([null, rng.random(m) < 0.05])
+            if keys is not None:
+                keys = np.concatenate([keys, rng.integers(-1, case["keys"][2], m)])
+            side[:] = [ids, M, null, keys]
+    shutil.rmtree(state, ignore_errors=True)
+    return ran, problems
+
+
 def describe(case: dict) -> str:
     """One join's inputs and options, for a line that reports it (``--replay`` its seed)."""
     approx = "old_target" in case
+    if "days" in case:
+        return (f"seed={case['seed']} refresh kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
+                f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} margin={case['margin']} "
+                f"metric={case['metric']} join={case['join_type']} keys={case['keys'] is not None} "
+                f"cap={case['cap']} days={case['days']} shares={case['shares'][:case['days'] - 1]}")
     options = {key: value for key, value in case["options"].items() if key != "index"}
     extra = (f"keys={case['keys'] is not None} cap={case.get('cap')} saved_index={case['old_target'] is not None}"
              if approx else f"parts={case['q_parts']}/{case['t_parts']}")
@@ -370,15 +488,20 @@ def main() -> int:
     spark = local_spark("nearest_join-stress", "3g", MASTER, {"spark.task.maxFailures": "1"})
     start = time.monotonic()
     joins = rows_checked = 0
-    mismatches, crashes, approx_joins = [], [], []
+    mismatches, crashes, approx_joins, refreshes = [], [], [], []
     workdir = Path(tempfile.mkdtemp(prefix="nearest_join-stress-"))
     for seed in args.replay or itertools.count(args.seed):
         if args.replay is None and time.monotonic() - start > args.minutes * 60:
             break
-        is_approx = np.random.default_rng([seed, 2]).random() < APPROX_SHARE
-        case = draw_approx(seed) if is_approx else draw(seed)
+        is_refresh = np.random.default_rng([seed, 5]).random() < REFRESH_SHARE
+        is_approx = not is_refresh and np.random.default_rng([seed, 2]).random() < APPROX_SHARE
+        case = draw_refresh(seed) if is_refresh else draw_approx(seed) if is_approx else draw(seed)
         try:
-            if is_approx:
+            if is_refresh:
+                days, problems = run_refresh(spark, case, workdir)
+                checked = 0
+                refreshes.append((case, days))
+            elif is_approx:
                 result = run_approx_join(spark, case, workdir)
                 checked, problems = result["rows"], result["problems"]
             else:
@@ -408,15 +531,20 @@ def main() -> int:
               "keyed": sum(c["keys"] is not None for c, _ in approx_joins),
               "capped": sum(c["cap"] is not None for c, _ in approx_joins),
               "recall_targets": len(margins), "lowest_recall_margin": min(margins, default=None)}
+    refresh = {"chains": len(refreshes), "days": sum(days for _, days in refreshes),
+               "keyed": sum(c["keys"] is not None for c, _ in refreshes),
+               "capped": sum(c["cap"] is not None for c, _ in refreshes)}
     totals = dict(master=MASTER, first_seed=args.seed if args.replay is None else args.replay[0],
                   minutes=round(elapsed / 60, 1), joins=joins, rows_checked=rows_checked,
                   mismatches=mismatches, crashes=crashes)
     summary = dict(date=datetime.date.today().isoformat(), commit=git_commit(), **totals, approx=approx,
-                   openblas_coretype=os.environ.get("OPENBLAS_CORETYPE", "unset"))
+                   refresh=refresh, openblas_coretype=os.environ.get("OPENBLAS_CORETYPE", "unset"))
     print(json.dumps(summary))
     if args.replay is None:
         Recorder("stress", gpu=False).add("totals", **totals, check_rows=CHECK_ROWS, approx_share=APPROX_SHARE,
-                                          **{f"approx_{key}": value for key, value in approx.items()})
+                                          refresh_share=REFRESH_SHARE,
+                                          **{f"approx_{key}": value for key, value in approx.items()},
+                                          **{f"refresh_{key}": value for key, value in refresh.items()})
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with args.out.open("a") as f:
