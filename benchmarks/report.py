@@ -414,7 +414,7 @@ TABLES: dict[tuple[str, str], Table] = {
          col("chains with keys", "refresh_keyed", ","), col("chains with a cap", "refresh_capped", ",")],
         about="Each join draws its inputs from its seed (`--replay SEED` runs one again): sizes, d, k, "
               "metrics, join types, NULLs, adversarial data (`tests/adversarial.py`), forced blocked plans. "
-              "Half are `mode=\"approx\"` on the IVF plan (clustered, Gaussian, duplicated and offset data; "
+              "Half of those not in a refresh chain (below) are `mode=\"approx\"` on the IVF plan (clustered, Gaussian, duplicated and offset data; "
               "keys, caps (midway between two of the join's float64 values), a given nprobe, indexes saved on "
               "yesterday's target and reused after it changed): "
               "every row a candidate with its exact value, the true top k where the plan promises it, and the "
