@@ -96,12 +96,15 @@ def _rankable(M: np.ndarray, null: np.ndarray, metric: str) -> np.ndarray:
     return ok
 
 
-def _frame(spark, M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str, parts: int, keys=None):
-    """A DataFrame (id int, vector array<float|double>[, key int]) in ``parts`` partitions: NULL
-    vectors where ``null``, NULL elements where ``M`` holds NaN, NULL keys where ``keys < 0``."""
+def _frame(spark, M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str, parts: int, keys=None,
+           ids=None):
+    """A DataFrame (id, vector array<float|double>[, key int]) in ``parts`` partitions: NULL
+    vectors where ``null``, NULL elements where ``M`` holds NaN, NULL keys where ``keys < 0``;
+    the ids ``ids`` (default: the row positions, as int)."""
     import pyarrow as pa
 
-    table = vector_table(np.arange(M.shape[0], dtype=np.int32), M, id_name, vector_name, null)
+    ids = np.arange(M.shape[0], dtype=np.int32) if ids is None else ids
+    table = vector_table(ids, M, id_name, vector_name, null)
     if keys is not None:
         table = table.append_column("key", pa.array(keys, mask=keys < 0, type=pa.int32()))
     return spark.createDataFrame(table).repartition(parts)
@@ -402,19 +405,12 @@ def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
             out.setdefault(r["qid"], []).append((None if r["d"] is None else sign * r["d"], r["tid"]))
         return {q_id: sorted(v, key=lambda x: (x[0] is None, x[0] or 0.0, x[1] or 0)) for q_id, v in out.items()}
 
-    def frame(ids, M, null, keys, id_name, vector_name, parts):
-        import pyarrow as pa
-
-        table = vector_table(ids.astype(np.int64), M, id_name, vector_name, null)
-        if keys is not None:
-            table = table.append_column("key", pa.array(keys, mask=keys < 0, type=pa.int32()))
-        return spark.createDataFrame(table).repartition(parts).cache()
-
     ran = 0
     for day in range(case["days"]):
         ran += 1
-        q = frame(*sides[0], "qid", "qv", case["q_parts"])
-        t = frame(*sides[1], "tid", "tv", case["t_parts"])
+        q, t = (_frame(spark, M, null, id_name, vector_name, parts, keys, ids=ids.astype(np.int64)).cache()
+                for (ids, M, null, keys), id_name, vector_name, parts
+                in zip(sides, ("qid", "tid"), ("qv", "tv"), (case["q_parts"], case["t_parts"])))
         run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
                                        margin=case["margin"], **options)
         got = [r.asDict() for r in run.dataframe(query_columns=(0,), target_columns=(0,)).collect()]
