@@ -411,7 +411,9 @@ TABLES: dict[tuple[str, str], Table] = {
          col("recall targets (all met)", "approx_recall_targets", ","),
          col("lowest recall - target", "approx_lowest_recall_margin", ".4f"),
          col("refresh chains", "refresh_chains", ","), col("their days", "refresh_days", ","),
-         col("chains with keys", "refresh_keyed", ","), col("chains with a cap", "refresh_capped", ",")],
+         col("chains with keys", "refresh_keyed", ","), col("chains with a cap", "refresh_capped", ","),
+         col("approx chains", "refresh_approx", ","), col("their days on IVF lists", "refresh_approx_ivf_days", ","),
+         col("lowest day recall - target", "refresh_lowest_recall_margin", ".4f")],
         about="Each join draws its inputs from its seed (`--replay SEED` runs one again): sizes, d, k, "
               "metrics, join types, NULLs, adversarial data (`tests/adversarial.py`), forced blocked plans. "
               "Half of those not in a refresh chain (below) are `mode=\"approx\"` on the IVF plan (clustered, Gaussian, duplicated and offset data; "
@@ -424,7 +426,12 @@ TABLES: dict[tuple[str, str], Table] = {
               "later day a share (1-60%) of each side's rows deleted, updated (vector, NULL vector, key) and "
               "inserted, refreshed from the day before's committed state (margins 0-19, keys, caps, both join "
               "types); each day's rows against `nearest_by_join` of that day's inputs: the same queries, the same "
-              "values, the same targets but for ties at the k-th value."),
+              "values, the same targets but for ties at the k-th value. A share of the chains (`approx`) run "
+              "`mode=\"approx\"` (a given nlist, so that the full run trains IVF lists at any size; recall targets "
+              "0.5-0.95; not on magnitudes beyond float32's range): on a day whose lists are IVF's, every row a "
+              "candidate of its query with its exact value (the float64 oracle's), only queries the exact recompute "
+              "has, and recall@k against the exact recompute at least the target (a miss is a mismatch); a day "
+              "that ran exact (a re-trained index's plan may) is checked as an exact day."),
     ("incremental", "*"): Table(
         "Incremental refresh against a full recompute, local[2]", incremental_columns,
         about="Clustered float32 vectors (1,000 centres), l2, ids on both sides; day 0 is "

@@ -33,6 +33,7 @@ MASTER = "local[2]"
 CHECK_ROWS = 200             # queries of each exact join checked against the oracle
 APPROX_SHARE = 0.5           # share of the joins that run mode="approx" (the seed decides which)
 REFRESH_SHARE = 0.15         # share of the seeds that run a chain of incremental refreshes instead
+APPROX_CHAINS = 0.5          # share of those chains in mode="approx"
 
 
 def draw(seed: int) -> dict:
@@ -158,7 +159,10 @@ def run_join(spark, case: dict) -> tuple[int, list[str]]:
         Qc = Q[checked]
         scale = oracle.key_scale(Qc, Tc, metric)
         rounding = VALUE_RTOL * (np.maximum(np.abs(keys), 2.0) if metric == "cosine" else np.abs(keys))
-        rtol = float(np.max(rounding / np.maximum(scale, 1e-300), initial=0.0)) + 1e-12
+        # (scale 0: every target the same point, no ranking to round; the values keep their
+        # own float32 tolerance in the oracle)
+        rtol = float(np.max(np.divide(rounding, scale, out=np.zeros_like(rounding), where=scale > 0),
+                            initial=0.0)) + 1e-12
         if checked.size:
             values, indices = oracle.join_arrays({int(i): per_query[int(i)] for i in checked}, k, metric,
                                                  checked.tolist(), t_ok.tolist())
@@ -366,6 +370,14 @@ def draw_refresh(seed: int) -> dict:
     if rng.random() < 0.3:
         groups = int(rng.integers(1, 6))
         case["keys"] = (rng.integers(-1, groups, Q.shape[0]), rng.integers(-1, groups, T.shape[0]), groups)
+    if rng.random() < APPROX_CHAINS and case["kind"] != "magnitude":
+        # mode="approx": the full run's IVF lists (nlist given: IVF runs at any size), the
+        # refreshes' recall measured and the index re-trained below the target. (Not on
+        # magnitudes beyond float32's range: a pair's value is checked against the oracle's.)
+        nt = max(1, int(_rankable(T, case["t_null"], case["metric"]).sum()))
+        case["approx"] = {"mode": "approx", "recall": float(rng.choice([0.5, 0.8, 0.9, 0.95])),
+                          "nlist": int(min(nt, rng.integers(1, max(2, int(2 * np.sqrt(nt))) + 1))),
+                          "seed": int(rng.integers(0, 1000))}
     if rng.random() < 0.3 and Q.shape[0] and T.shape[0]:
         # a cap at a quantile of some of the pairs' values
         a, b = np.nan_to_num(Q[rng.integers(0, Q.shape[0], 50)].astype(np.float64)), \
@@ -382,6 +394,7 @@ def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
     ``nearest_by_join`` of that day's inputs (the full recompute): the same queries, the same
     values per query, the same targets but for ties at the k-th value. (days run, problems)"""
     from nearest_join import nearest_by_join
+    from nearest_join.errors import ArgumentError
     from nearest_join.incremental import incremental_nearest_join
 
     rng = np.random.default_rng([case["seed"], 4])
@@ -405,22 +418,32 @@ def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
             out.setdefault(r["qid"], []).append((None if r["d"] is None else sign * r["d"], r["tid"]))
         return {q_id: sorted(v, key=lambda x: (x[0] is None, x[0] or 0.0, x[1] or 0)) for q_id, v in out.items()}
 
-    ran = 0
+    ran, approx_days = 0, []
     for day in range(case["days"]):
-        ran += 1
         q, t = (_frame(spark, M, null, id_name, vector_name, parts, keys, ids=ids.astype(np.int64)).cache()
                 for (ids, M, null, keys), id_name, vector_name, parts
                 in zip(sides, ("qid", "tid"), ("qv", "tv"), (case["q_parts"], case["t_parts"])))
-        run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
-                                       margin=case["margin"], **options)
+        try:
+            run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
+                                           margin=case["margin"], **options, **case.get("approx", {}))
+        except ArgumentError as exc:
+            # An approx chain's target shrank below its nlist and a run trained anew: refused,
+            # as nearest_by_join refuses it (its message names nlist and the rows).
+            if exc.argument != "nlist" or case["approx"]["nlist"] <= _rankable(*sides[1][1:3], metric).sum():
+                raise
+            q.unpersist(), t.unpersist()
+            break
         got = [r.asDict() for r in run.dataframe(query_columns=(0,), target_columns=(0,)).collect()]
         full = [r.asDict() for r in nearest_by_join(q, t, metric, k, **options).collect()]
         run.commit()
+        ran += 1
         q.unpersist(), t.unpersist()
         mine_all, theirs_all = grouped(got), grouped(full)
-        if mine_all.keys() != theirs_all.keys():
+        if run.changes.recall is not None:   # IVF lists: approximate, checked as such
+            approx_days.append(_approx_day(day, mine_all, theirs_all, sides, case, problems))
+        elif mine_all.keys() != theirs_all.keys():
             problems.append(f"day {day}: queries {sorted(mine_all.keys() ^ theirs_all.keys())[:5]} in one result only")
-        for q_id in sorted(mine_all.keys() & theirs_all.keys()):
+        for q_id in sorted(mine_all.keys() & theirs_all.keys()) if run.changes.recall is None else ():
             mine, theirs = mine_all[q_id], theirs_all[q_id]
             last = theirs[-1][0]
             if [v for v, _ in mine] != [v for v, _ in theirs] or \
@@ -454,7 +477,58 @@ def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
                 keys = np.concatenate([keys, rng.integers(-1, case["keys"][2], m)])
             side[:] = [ids, M, null, keys]
     shutil.rmtree(state, ignore_errors=True)
+    case["approx_days"] = approx_days
     return ran, problems
+
+
+def _approx_day(day: int, mine_all: dict, theirs_all: dict, sides: list, case: dict, problems: list) -> float:
+    """One day of an approx chain (lists of an IVF index): every row of the refreshed result
+    a candidate of its query (rankable, its key, within the cap) with its exact value (the
+    float64 oracle's, to float32 rounding), at most k distinct targets per query, only queries
+    the exact recompute has; and recall@k against the exact recompute (``theirs_all``; a row
+    as near as its k-th is a hit) at least the recall target. Problems go to ``problems``;
+    returns the day's recall."""
+    metric, k, sign = case["metric"], case["k"], (-1 if case["metric"] in ("cosine", "inner_product") else 1)
+    (q_ids, Q, q_null, q_keys), (t_ids, T, t_null, t_keys) = sides
+    t_ok = _rankable(T, t_null, metric)
+    clean = lambda M: np.nan_to_num(M.astype(np.float64), nan=0.0)  # noqa: E731 (unrankable rows are refused)
+    scale = oracle.key_scale(clean(Q), clean(T[t_ok]) if t_ok.any() else clean(T[:1]), metric)
+    recalls = []
+    for q_id in sorted(mine_all.keys() - theirs_all.keys())[:1]:
+        problems.append(f"day {day}: query {q_id} has rows where the exact recompute has none: {mine_all[q_id][:4]}")
+    for q_id, theirs in theirs_all.items():
+        mine = [(key, tid) for key, tid in mine_all.get(q_id, []) if tid is not None]
+        theirs = [(key, tid) for key, tid in theirs if tid is not None]
+        tids = [tid for _, tid in mine]
+        if len(set(tids)) != len(tids) or len(tids) > k:
+            problems.append(f"day {day} query {q_id}: targets {tids}, at most {k} distinct expected")
+            continue
+        i = int(np.searchsorted(q_ids, q_id))
+        rows = np.searchsorted(t_ids, np.asarray(tids, dtype=np.int64))
+        bad = [tid for tid, j in zip(tids, rows) if j >= t_ids.size or t_ids[j] != tid or not t_ok[j]
+               or (q_keys is not None and (q_keys[i] < 0 or q_keys[i] != t_keys[j]))]
+        if bad:
+            problems.append(f"day {day} query {q_id}: targets {bad} are not its candidates (rankable, key)")
+            continue
+        if mine:
+            exact = oracle.key_values(oracle.oracle_keys(clean(Q[i:i + 1]), clean(T[rows]), metric)[0], metric)
+            unit = np.sqrt(scale[i]) if metric == "l2" else 1.0 if metric == "cosine" else scale[i]
+            for (key, tid), value in zip(mine, exact):
+                if not abs(sign * key - value) <= VALUE_RTOL * abs(value) + 1e-9 * unit:
+                    problems.append(f"day {day} query {q_id} target {tid}: value {sign * key}, exact {value}")
+            if case["cap"] is not None and any(key > sign * case["cap"] + VALUE_RTOL * abs(case["cap"]) + 1e-9 * unit
+                                               for key, _ in mine):
+                problems.append(f"day {day} query {q_id}: a row beyond the cap {case['cap']}: {mine[:4]}")
+        if mine and not theirs:
+            problems.append(f"day {day} query {q_id}: rows {mine[:4]} where the exact recompute has none")
+        if theirs:
+            kth = theirs[min(k, len(theirs)) - 1][0]
+            near = kth + VALUE_RTOL * (max(abs(kth), 2.0) if metric == "cosine" else abs(kth)) + 1e-12
+            recalls.append(min(len(theirs), sum(key <= near for key, _ in mine)) / len(theirs))
+    recall = float(np.mean(recalls)) if recalls else 1.0
+    if recall < case["approx"]["recall"]:
+        problems.append(f"day {day}: recall@{k} {recall:.4f} < target {case['approx']['recall']}")
+    return recall
 
 
 def describe(case: dict) -> str:
@@ -464,7 +538,8 @@ def describe(case: dict) -> str:
         return (f"seed={case['seed']} refresh kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
                 f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} margin={case['margin']} "
                 f"metric={case['metric']} join={case['join_type']} keys={case['keys'] is not None} "
-                f"cap={case['cap']} days={case['days']} shares={case['shares'][:case['days'] - 1]}")
+                f"cap={case['cap']} days={case['days']} shares={case['shares'][:case['days'] - 1]}"
+                f"{' approx=' + str(case['approx']) if 'approx' in case else ''}")
     options = {key: value for key, value in case["options"].items() if key != "index"}
     extra = (f"keys={case['keys'] is not None} cap={case.get('cap')} saved_index={case['old_target'] is not None}"
              if approx else f"parts={case['q_parts']}/{case['t_parts']}")
@@ -527,9 +602,13 @@ def main() -> int:
               "keyed": sum(c["keys"] is not None for c, _ in approx_joins),
               "capped": sum(c["cap"] is not None for c, _ in approx_joins),
               "recall_targets": len(margins), "lowest_recall_margin": min(margins, default=None)}
+    # approx chains: the days whose lists were IVF's, and their recall less the target
+    ivf_days = [(c["approx"]["recall"], r) for c, _ in refreshes for r in c.get("approx_days", [])]
     refresh = {"chains": len(refreshes), "days": sum(days for _, days in refreshes),
                "keyed": sum(c["keys"] is not None for c, _ in refreshes),
-               "capped": sum(c["cap"] is not None for c, _ in refreshes)}
+               "capped": sum(c["cap"] is not None for c, _ in refreshes),
+               "approx": sum("approx" in c for c, _ in refreshes), "approx_ivf_days": len(ivf_days),
+               "lowest_recall_margin": min((round(r - target, 4) for target, r in ivf_days), default=None)}
     totals = dict(master=MASTER, first_seed=args.seed if args.replay is None else args.replay[0],
                   minutes=round(elapsed / 60, 1), joins=joins, rows_checked=rows_checked,
                   mismatches=mismatches, crashes=crashes)
