@@ -426,7 +426,7 @@ TABLES: dict[tuple[str, str], Table] = {
               "later day a share (1-60%) of each side's rows deleted, updated (vector, NULL vector, key) and "
               "inserted, refreshed from the day before's committed state (margins 0-19, keys, caps, both join "
               "types); each day's rows against `nearest_by_join` of that day's inputs: the same queries, the same "
-              "values, the same targets but for ties at the k-th value. A share of the chains (`approx`) run "
+              "values, the same targets but for ties at the k-th value. Half of the chains run "
               "`mode=\"approx\"` (a given nlist, so that the full run trains IVF lists at any size; recall targets "
               "0.5-0.95; not on magnitudes beyond float32's range): on a day whose lists are IVF's, every row a "
               "candidate of its query with its exact value (the float64 oracle's), only queries the exact recompute "
