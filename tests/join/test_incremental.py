@@ -319,6 +319,33 @@ def test_docstring_example_runs(spark, tmp_path):
     assert result.attempted >= 4 and result.failed == 0
 
 
+def test_approx_with_nprobe_given_promises_no_recall_and_does_not_retrain(spark, tmp_path):
+    """mode="approx" with nprobe given: nearest_by_join estimates no recall then, and a refresh
+    promises none either. It measures recall and reports it, but a lower bound below the
+    default target (twelve queries cannot bound it above 0.9) is no reason for a full run:
+    the night stays a refresh, its values exact."""
+    rng = np.random.default_rng(5)
+    q, t = rng.normal(0, 1, (12, D)), rng.normal(0, 1, (400, D))
+    q_ids, t_ids = np.arange(12), np.arange(1000, 1400)
+    kwargs = dict(vectors=("v", "w"), query_id="qid", target_id="tid", state=str(tmp_path / "state"),
+                  distance_col="d", mode="approx", nlist=8, nprobe=2)
+    first = incremental_nearest_join(_frame(spark, q_ids, q, "qid", "v"), _frame(spark, t_ids, t, "tid", "w"),
+                                     "l2", 3, **kwargs)
+    first.commit()
+    assert first.changes.recall["nprobe"] == 2 and first.changes.recall["recall_estimate"] is None
+    t[:20] = rng.normal(0, 1, (20, D))
+    night = incremental_nearest_join(_frame(spark, q_ids, q, "qid", "v"), _frame(spark, t_ids, t, "tid", "w"),
+                                     "l2", 3, **kwargs)
+    rows = night.result.collect()
+    night.commit()
+    assert night.changes.refreshed and night.changes.reason == ""
+    assert night.changes.recall["recall_queries"] == 12 and night.changes.recall["recall_lower"] < 0.9
+    for r in rows:   # exact values of the pairs returned (float64, difference form)
+        want = np.linalg.norm(np.float32(q[r["qid"]]).astype(np.float64) - np.float32(t[r["tid"] - 1000]))
+        assert r["d"] == pytest.approx(want, rel=1e-6), (r["qid"], r["tid"])
+    assert sorted({r["qid"] for r in rows}) == list(range(12))
+
+
 def test_approx_keeps_its_index_and_measures_recall(spark, tmp_path, monkeypatch):
     """mode="approx": the full run's IVF index is kept in the state and reused by the refresh
     (the same centroids and nprobe), whose recall@k is measured on a sample of today's queries
