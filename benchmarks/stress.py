@@ -380,7 +380,7 @@ def draw_refresh(seed: int) -> dict:
                           "seed": int(rng.integers(0, 1000))}
         if rng.random() < 1 / 3:
             # nprobe given: the lists always IVF's (no estimate to choose exact), no recall
-            # promised; the refreshes still measure recall against the default target
+            # promised (the refreshes measure it, and never re-train for it)
             del case["approx"]["recall"]
             case["approx"]["nprobe"] = int(rng.integers(1, nlist + 1))
     if rng.random() < 0.3 and Q.shape[0] and T.shape[0]:
