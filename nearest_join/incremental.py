@@ -411,7 +411,10 @@ def _approx_plan(run, queries: int) -> str | None:
     approx = run.search.approx
     if approx is None:
         return None
+    given = approx["nprobe"] is not None   # no recall promised (nearest_by_join estimates none)
     if run.previous is None:
+        if given:
+            return f"the full run's IVF plan trains its index, searched at the given nprobe={approx['nprobe']}"
         return (f"the full run's IVF plan trains its index and chooses nprobe for recall={approx['recall']} "
                 "(or runs exact, and says why)")
     ivf = run.previous["ivf"]
@@ -419,7 +422,9 @@ def _approx_plan(run, queries: int) -> str | None:
         return "the state's lists are exact (its full run's approx plan ran exact): the refresh searches exactly"
     return (f"the state's index (nlist={ivf['nlist']}) at nprobe={ivf['nprobe']} for the queries searched whole, "
             f"the added targets searched exactly; recall@{run.k} then measured on {min(RECALL_QUERIES, queries):,} "
-            f"sampled queries, and a full run re-trains the index when its lower bound is below recall={approx['recall']}")
+            "sampled queries, and " + ("reported (nprobe given: no recall promised, no re-training)" if given else
+                                       "a full run re-trains the index when its lower bound is below "
+                                       f"recall={approx['recall']}"))
 
 
 @dataclass

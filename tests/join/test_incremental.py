@@ -334,6 +334,9 @@ def test_approx_with_nprobe_given_promises_no_recall_and_does_not_retrain(spark,
     first.commit()
     assert first.changes.recall["nprobe"] == 2 and first.changes.recall["recall_estimate"] is None
     t[:20] = rng.normal(0, 1, (20, D))
+    plan = explain_incremental(_frame(spark, q_ids, q, "qid", "v"), _frame(spark, t_ids, t, "tid", "w"), "l2", 3,
+                               **{a: b for a, b in kwargs.items() if a != "distance_col"})
+    assert "sampled queries, and reported (nprobe given: no recall promised, no re-training)" in str(plan)
     night = incremental_nearest_join(_frame(spark, q_ids, q, "qid", "v"), _frame(spark, t_ids, t, "tid", "w"),
                                      "l2", 3, **kwargs)
     rows = night.result.collect()
