@@ -97,6 +97,18 @@ def _rankable(M: np.ndarray, null: np.ndarray, metric: str) -> np.ndarray:
     return ok
 
 
+def _clean(M: np.ndarray) -> np.ndarray:
+    """``M`` in float64 with its NULL elements (NaN) as 0: the oracle's input, the rows that
+    hold them masked or refused by the caller."""
+    return np.nan_to_num(M.astype(np.float64), nan=0.0)
+
+
+def _value_tolerance(exact: float, scale: float, metric: str) -> float:
+    """How far a returned value may lie from the oracle's ``exact`` one: float32 rounding of the
+    value, and of the problem's size (``scale``, :func:`tests.oracle.key_scale` of its query)."""
+    return VALUE_RTOL * abs(exact) + 1e-9 * (np.sqrt(scale) if metric == "l2" else 1.0 if metric == "cosine" else scale)
+
+
 def _frame(spark, M: np.ndarray, null: np.ndarray, id_name: str, vector_name: str, parts: int, keys=None,
            ids=None):
     """A DataFrame (id, vector array<float|double>[, key int]) in ``parts`` partitions: NULL
@@ -265,8 +277,7 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     from nearest_join.options import JoinOptions
 
     Q, T, metric, k = case["Q"], case["T"], case["metric"], case["k"]
-    clean = lambda M: np.nan_to_num(M.astype(np.float64), nan=0.0)  # noqa: E731 (NULLs are masked below)
-    all_keys = oracle.oracle_keys(clean(Q), clean(T), metric)
+    all_keys = oracle.oracle_keys(_clean(Q), _clean(T), metric)   # (NULLs are masked below)
     values = oracle.key_values(all_keys, metric)
     case["cap"] = None
     if case["cap_quantile"] is not None and Q.shape[0]:
@@ -305,7 +316,7 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
     out = planned.dataframe().collect()
 
     candidates = _candidates(case, all_keys)
-    scale = oracle.key_scale(clean(Q), clean(T), metric)
+    scale = oracle.key_scale(_clean(Q), _clean(T), metric)
     promised_exact = ivf.get("runs") == "exact" or "the exact result" in ivf.get("explanation", "")
     problems, recalls, wanted = [], [], 0
     per_query = _by_query(out, Q.shape[0], problems)
@@ -329,9 +340,7 @@ def run_approx_join(spark, case: dict, workdir: Path) -> dict:
             continue
         for value, tid in found:
             exact = values[i, tid]
-            tolerance = VALUE_RTOL * abs(exact) + 1e-9 * (np.sqrt(scale[i]) if metric == "l2" else
-                                                          1.0 if metric == "cosine" else scale[i])
-            if not abs(value - exact) <= tolerance:
+            if not abs(value - exact) <= _value_tolerance(exact, scale[i], metric):
                 problems.append(f"query {i} target {tid}: value {value}, exact {exact}")
         if width == 0:
             continue
@@ -446,16 +455,18 @@ def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
         mine_all, theirs_all = grouped(got), grouped(full)
         if run.changes.recall is not None:   # IVF lists: approximate, checked as such
             approx_days.append(_approx_day(day, mine_all, theirs_all, sides, case, problems))
-        elif mine_all.keys() != theirs_all.keys():
-            problems.append(f"day {day}: queries {sorted(mine_all.keys() ^ theirs_all.keys())[:5]} in one result only")
-        for q_id in sorted(mine_all.keys() & theirs_all.keys()) if run.changes.recall is None else ():
-            mine, theirs = mine_all[q_id], theirs_all[q_id]
-            last = theirs[-1][0]
-            if [v for v, _ in mine] != [v for v, _ in theirs] or \
-                    {i for v, i in mine if v != last} != {i for v, i in theirs if v != last}:
-                problems.append(f"day {day} (refreshed {run.changes.refreshed}) query {q_id}: {mine[:6]} "
-                                f"against the full recompute's {theirs[:6]}")
-                break
+        else:
+            if mine_all.keys() != theirs_all.keys():
+                problems.append(f"day {day}: queries {sorted(mine_all.keys() ^ theirs_all.keys())[:5]} "
+                                "in one result only")
+            for q_id in sorted(mine_all.keys() & theirs_all.keys()):
+                mine, theirs = mine_all[q_id], theirs_all[q_id]
+                last = theirs[-1][0]
+                if [v for v, _ in mine] != [v for v, _ in theirs] or \
+                        {i for v, i in mine if v != last} != {i for v, i in theirs if v != last}:
+                    problems.append(f"day {day} (refreshed {run.changes.refreshed}) query {q_id}: {mine[:6]} "
+                                    f"against the full recompute's {theirs[:6]}")
+                    break
         if problems:
             break
         share = case["shares"][day]
@@ -496,8 +507,7 @@ def _approx_day(day: int, mine_all: dict, theirs_all: dict, sides: list, case: d
     metric, k, sign = case["metric"], case["k"], (-1 if case["metric"] in ("cosine", "inner_product") else 1)
     (q_ids, Q, q_null, q_keys), (t_ids, T, t_null, t_keys) = sides
     t_ok = _rankable(T, t_null, metric)
-    clean = lambda M: np.nan_to_num(M.astype(np.float64), nan=0.0)  # noqa: E731 (unrankable rows are refused)
-    scale = oracle.key_scale(clean(Q), clean(T[t_ok]) if t_ok.any() else clean(T[:1]), metric)
+    scale = oracle.key_scale(_clean(Q), _clean(T[t_ok] if t_ok.any() else T[:1]), metric)
     recalls = []
     for q_id in sorted(mine_all.keys() - theirs_all.keys())[:1]:
         problems.append(f"day {day}: query {q_id} has rows where the exact recompute has none: {mine_all[q_id][:4]}")
@@ -516,13 +526,12 @@ def _approx_day(day: int, mine_all: dict, theirs_all: dict, sides: list, case: d
             problems.append(f"day {day} query {q_id}: targets {bad} are not its candidates (rankable, key)")
             continue
         if mine:
-            exact = oracle.key_values(oracle.oracle_keys(clean(Q[i:i + 1]), clean(T[rows]), metric)[0], metric)
-            unit = np.sqrt(scale[i]) if metric == "l2" else 1.0 if metric == "cosine" else scale[i]
+            exact = oracle.key_values(oracle.oracle_keys(_clean(Q[i:i + 1]), _clean(T[rows]), metric)[0], metric)
             for (key, tid), value in zip(mine, exact):
-                if not abs(sign * key - value) <= VALUE_RTOL * abs(value) + 1e-9 * unit:
+                if not abs(sign * key - value) <= _value_tolerance(value, scale[i], metric):
                     problems.append(f"day {day} query {q_id} target {tid}: value {sign * key}, exact {value}")
-            if case["cap"] is not None and any(key > sign * case["cap"] + VALUE_RTOL * abs(case["cap"]) + 1e-9 * unit
-                                               for key, _ in mine):
+            if case["cap"] is not None and any(
+                    key > sign * case["cap"] + _value_tolerance(case["cap"], scale[i], metric) for key, _ in mine):
                 problems.append(f"day {day} query {q_id}: a row beyond the cap {case['cap']}: {mine[:4]}")
         if mine and not theirs:
             problems.append(f"day {day} query {q_id}: rows {mine[:4]} where the exact recompute has none")
