@@ -796,7 +796,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         recall = incremental.get("recall")
         if recall is not None:
             measured = ("not estimated (nprobe given)" if recall["recall_estimate"] is None else
-                        f"{recall['recall_estimate']:.4f} (lower 95% bound {recall['recall_lower']:.4f}: "
+                        f"{recall['recall_estimate']:.4f} (lower bound {recall['recall_lower']:.4f}: "
                         f"{recall['recall_of']})")
             lines.append(f"  recall       {measured}, nprobe {recall['nprobe']} of nlist {recall['nlist']}")
     else:

@@ -113,6 +113,14 @@ _H1, _H2, _KEY = "__nj_h1", "__nj_h2", "__nj_key"
 _LIST, _BOUND, _COMPLETE = "candidates", "bound", "complete"
 _GEN, _DROPPED_AT = "gen", "__nj_dropped_at"
 _INDEX = "index"   # mode="approx": the state's IVF index (nearest_join.ivf_index.IVFIndex.save)
+# mode="approx" with a recall target: a refresh's measurement keeps the index when its lower
+# bound meets the target, on RECALL_QUERIES sampled queries or, when that look falls short, on
+# SECOND_LOOK_QUERIES more with the first (a second look is an exact search of a few thousand
+# queries; a re-trained index is a full run). Two looks, each at the z of a two-sided 97.5%
+# interval: the chance of keeping an index whose recall is below the target stays within the
+# 2.5% of one look at the planner's 95% interval (a union bound).
+SECOND_LOOK_QUERIES = 4 * RECALL_QUERIES
+_Z_TWO_LOOKS = 2.241402727604947
 
 
 def default_margin(num_results: int) -> int:
@@ -141,8 +149,8 @@ class Changes:
     query_rows: int = 0               # today's rows
     target_rows: int = 0
     # mode="approx" with an IVF index: its nlist and nprobe, and recall@k (recall_estimate,
-    # recall_lower: its lower 95% bound, recall_queries, recall_of: what measured it); None
-    # when every list is exact.
+    # recall_lower: its lower bound, the plan's 95% one or a refresh's (SECOND_LOOK_QUERIES),
+    # recall_queries, recall_of: what measured it); None when every list is exact.
     recall: dict | None = None
 
     def as_dict(self) -> dict:
@@ -221,9 +229,10 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
         As :func:`~nearest_join.nearest_by_join`. ``mode="approx"``: the full run's IVF plan
         (its index is kept in the state); a refresh searches the added targets exactly, the
         queries searched whole with the state's index and nprobe where IVF pays (else
-        exactly), then measures recall@k on a sample of today's queries and re-trains (a full
-        run) when its lower 95% bound is below ``recall`` (not with ``nprobe`` given: no recall
-        is promised then): see docs/incremental.md.
+        exactly), then measures recall@k on a sample of today's queries (a larger one when
+        the first's lower bound falls short) and re-trains (a full run) when its lower bound is
+        below ``recall`` (not with ``nprobe`` given: no recall is promised then): see
+        docs/incremental.md.
     query_id, target_id : str
         The id column of each side. A row's identity across runs: a row whose id is new was
         inserted, one whose id is gone was deleted, one whose vector differs was changed.
@@ -287,7 +296,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
             generation = run.previous["generation"] + 1
             ivf = run.previous["ivf"]
             # With an index some lists are approximate: recall is measured on a sample.
-            sample = None if ivf is None else _recall_sample(spark, ids, search.approx["seed"], generation)
+            sample = None if ivf is None else _recall_sample(spark, ids, search.approx["seed"], generation, 0)
             changes, truth = _refresh(spark, run.q_now, run.t_now, ids, run.previous, search, staging, schemas,
                                       run.k, generation, sample)
             if ivf is not None:
@@ -297,15 +306,28 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
                                                  (ids.facts(0, sample[1]), ids.facts(1, ids.today_rows(1))),
                                                  width=run.k)
                     truth = _sample_truth(exact, sample[0])
-                measured = _measured_recall(spark, staging, schemas, sample[0], truth, run.k)
+                promised = search.approx["nprobe"] is None
+                measured = _measured_recall(spark, staging, schemas, sample, truth, run.k, ids.today_rows(0))
+                if promised and measured["recall_lower"] < search.approx["recall"]:
+                    # A second look before a full run: the first sample's bound may fall
+                    # short of a recall that meets the target.
+                    more = _recall_sample(spark, ids, search.approx["seed"], generation, 1)
+                    if more[1]:
+                        exact, _ = search.candidates(run.q_now.join(more[0], _QID, "left_semi"), run.t_now,
+                                                     (ids.facts(0, more[1]), ids.facts(1, ids.today_rows(1))),
+                                                     width=run.k)
+                        sample = (F.broadcast(sample[0].unionByName(more[0])), sample[1] + more[1])
+                        truth = pa.concat_tables([truth, _sample_truth(exact, more[0])])
+                        measured = _measured_recall(spark, staging, schemas, sample, truth, run.k,
+                                                    ids.today_rows(0), looks=2)
                 changes = replace(changes, recall={"nlist": ivf["nlist"], "nprobe": ivf["nprobe"], **measured})
                 # (With nprobe given no recall is promised, as nearest_by_join promises none:
                 # measured and reported, never a reason to re-train.)
-                if search.approx["nprobe"] is None and measured["recall_lower"] < search.approx["recall"]:
+                if promised and measured["recall_lower"] < search.approx["recall"]:
                     # The lists answer today's data worse than the target: a new index and a
                     # full run (the planner estimates nprobe again on today's data).
                     reason = (f"recall@{run.k} re-measured on the refresh: {measured['recall_estimate']:.4f}, "
-                              f"lower 95% bound {measured['recall_lower']:.4f} < recall={search.approx['recall']}"
+                              f"lower bound {measured['recall_lower']:.4f} < recall={search.approx['recall']}"
                               f": index re-trained")
                     logger.info("incremental join: %s", reason)
                     shutil.rmtree(staging)
@@ -424,7 +446,8 @@ def _approx_plan(run, queries: int) -> str | None:
             f"the added targets searched exactly; recall@{run.k} then measured on {min(RECALL_QUERIES, queries):,} "
             "sampled queries, and " + ("reported (nprobe given: no recall promised, no re-training)" if given else
                                        "a full run re-trains the index when its lower bound is below "
-                                       f"recall={approx['recall']}"))
+                                       f"recall={approx['recall']} (after a second look at up to "
+                                       f"{SECOND_LOOK_QUERIES:,} more)"))
 
 
 @dataclass
@@ -835,13 +858,16 @@ class _Searcher:
                 planned)
 
 
-def _recall_sample(spark, ids: _Ids, seed: int, generation: int) -> tuple[DataFrame, int]:
-    """The ids of the queries a refresh measures recall on (:data:`RECALL_QUERIES` of today's,
-    drawn anew each generation), broadcast, and their count."""
+def _recall_sample(spark, ids: _Ids, seed: int, generation: int, look: int) -> tuple[DataFrame, int]:
+    """The ids of the queries a refresh measures recall on, broadcast, and their count: of a
+    seeded order of today's queries (drawn anew each generation), the first
+    :data:`RECALL_QUERIES` (``look`` 0) or the next :data:`SECOND_LOOK_QUERIES` (``look`` 1;
+    none when the first took them all)."""
     today = ids.today[0]["id"]
-    n = min(RECALL_QUERIES, len(today))
-    picked = today.take(pa.array(np.sort(np.random.default_rng([seed, generation]).choice(len(today), n, replace=False))))
-    return ids.frame(spark, 0, ids=picked), n
+    order = np.random.default_rng([seed, generation]).permutation(len(today))
+    start, stop = (0, RECALL_QUERIES) if look == 0 else (RECALL_QUERIES, RECALL_QUERIES + SECOND_LOOK_QUERIES)
+    picked = today.take(pa.array(np.sort(order[start:stop])))
+    return ids.frame(spark, 0, ids=picked), len(picked)
 
 
 def _sample_truth(found: DataFrame, sample: DataFrame) -> pa.Table:
@@ -851,13 +877,17 @@ def _sample_truth(found: DataFrame, sample: DataFrame) -> pa.Table:
             .select(_QID, F.col("x.key").alias("key")).toArrow())
 
 
-def _measured_recall(spark, staging: Path, schemas: dict, sample: DataFrame, truth: pa.Table, k: int) -> dict:
-    """recall@k of the staged lists of the sampled queries against their exact search
-    (``truth``: :func:`_sample_truth`): each query's recall is the share of its exact top k
-    that the first k of its list match or beat (a tie with the k-th is a hit); the mean and
-    its lower 95% bound (:func:`nearest_join.recall.wilson_interval`, the interval of the
-    plan's estimate). Queries without an exact row are left out."""
-    lists = (_complete_lists(spark, staging, schemas).join(sample, _QID, "left_semi")
+def _measured_recall(spark, staging: Path, schemas: dict, sample: tuple[DataFrame, int], truth: pa.Table, k: int,
+                     population: int, looks: int = 1) -> dict:
+    """recall@k of the staged lists of the sampled queries (``sample``: :func:`_recall_sample`'s,
+    drawn from ``population`` queries) against their exact search (``truth``:
+    :func:`_sample_truth`): each query's recall is the share of its exact top k that the first
+    k of its list match or beat (a tie with the k-th is a hit); the mean and its lower bound
+    (:func:`nearest_join.recall.wilson_interval` at :data:`_Z_TWO_LOOKS`, with the
+    finite-population correction: a sample of every query is the recall itself). Queries
+    without an exact row are left out (of the population too, in proportion). ``looks``: the
+    second look's pooled sample says so."""
+    lists = (_complete_lists(spark, staging, schemas).join(sample[0], _QID, "left_semi")
              .select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x")).select(_QID, F.col("x.key").alias("key"))
              .toArrow())
 
@@ -876,10 +906,13 @@ def _measured_recall(spark, staging: Path, schemas: dict, sample: DataFrame, tru
     per_query = np.array([min(hits[q], m) / m for q, (_, m) in exact.items()])
     queries = len(per_query)
     estimate = float(per_query.mean()) if queries else 1.0
-    lower = wilson_interval(estimate, queries, float(per_query.var(ddof=1)) if queries >= 2 else None)[0] \
+    lower = wilson_interval(estimate, queries, float(per_query.var(ddof=1)) if queries >= 2 else None,
+                            population=round(population * queries / max(1, sample[1])), z=_Z_TWO_LOOKS)[0] \
         if queries else 1.0
-    return {"recall_estimate": estimate, "recall_lower": lower, "recall_queries": queries,
-            "recall_of": f"the refreshed lists, measured on {queries} sampled queries against exact search"}
+    of = f"the refreshed lists, measured on {queries} sampled queries against exact search"
+    if looks == 2:
+        of += " (a second look: the first sample's bound fell short)"
+    return {"recall_estimate": estimate, "recall_lower": lower, "recall_queries": queries, "recall_of": of}
 
 
 def _lists(candidates: DataFrame, width: int) -> DataFrame:

@@ -29,17 +29,27 @@ RECALL_QUERIES = 1000
 _Z95 = 1.959963984540054
 
 
-def wilson_interval(estimate: float, n: int, variance: float | None = None) -> tuple[float, float]:
+def wilson_interval(estimate: float, n: int, variance: float | None = None, *, population: int | None = None,
+                    z: float = _Z95) -> tuple[float, float]:
     """The 95% Wilson score interval of a mean ``estimate`` of ``n`` values in [0, 1] whose
     sample variance is ``variance`` (None: a proportion's, ``estimate (1 - estimate)``, the
-    largest such values can have; a larger one is clipped to it)."""
+    largest such values can have; a larger one is clipped to it).
+
+    ``population``: the values were drawn without replacement from that many (the queries of
+    a table): the interval narrows by the finite-population correction (``n`` counts as
+    ``n (N - 1) / (N - n)``), and a sample of all of them is the mean itself. ``z``: another
+    level than 95% (two-sided)."""
     if n <= 0:
         return 0.0, 1.0
+    if population is not None:
+        if n >= population:
+            return estimate, estimate
+        n = n * (population - 1) / (population - n)
     bound = max(estimate * (1 - estimate), 0.0)
     spread = bound if variance is None else min(max(variance, 0.0), bound)
-    z2 = _Z95 * _Z95
+    z2 = z * z
     centre = (estimate + z2 / (2 * n)) / (1 + z2 / n)
-    half = _Z95 * math.sqrt(spread / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    half = z * math.sqrt(spread / n + z2 / (4 * n * n)) / (1 + z2 / n)
     return max(0.0, centre - half), min(1.0, centre + half)
 
 

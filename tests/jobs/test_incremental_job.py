@@ -95,7 +95,7 @@ def test_two_nights_refresh_equals_the_oracle(job, capsys):
     for recall, shown in (({"nlist": 8, "nprobe": 2, "recall_estimate": 0.97, "recall_lower": 0.955,
                             "recall_queries": 300, "recall_of": "the refreshed lists, measured on 300 sampled "
                                                                 "queries against exact search"},
-                           "recall       0.9700 (lower 95% bound 0.9550: the refreshed lists, measured on 300"),
+                           "recall       0.9700 (lower bound 0.9550: the refreshed lists, measured on 300"),
                           ({"nlist": 8, "nprobe": 2, "recall_estimate": None, "recall_lower": None,
                             "recall_queries": 0, "recall_of": "the plan's estimate, of recall@8"},
                            "recall       not estimated (nprobe given), nprobe 2 of nlist 8")):

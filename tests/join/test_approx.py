@@ -363,6 +363,13 @@ def test_wilson_interval_and_the_choice_of_nprobe():
     assert 0.995 < lower < 1.0 and upper == 1.0
     lower, upper = wilson_interval(0.5, 100)
     assert abs(lower - 0.4038) < 1e-3 and abs(upper - 0.5962) < 1e-3
+    # drawn without replacement: a sample of every value is the mean itself; of half of them,
+    # the variance of the mean halves (n counts as n (N - 1) / (N - n) = 200 here)
+    assert wilson_interval(0.97, 300, 0.01, population=300) == (0.97, 0.97)
+    assert wilson_interval(0.97, 100, 0.01, population=199) == pytest.approx(wilson_interval(0.97, 200, 0.01))
+    assert wilson_interval(0.97, 100, 0.01, population=10**9) == pytest.approx(wilson_interval(0.97, 100, 0.01))
+    # another level: the 97.5% interval is wider
+    assert wilson_interval(0.97, 100, 0.01, z=2.2414)[0] < wilson_interval(0.97, 100, 0.01)[0]
     curve = RecallCurve(np.array([0.5, 0.9, 0.96, 0.99, 0.999, 1.0, 1.0, 1.0]), 1000)
     assert curve.smallest_nprobe(0.95) == 4        # 0.96's lower bound is below 0.95
     assert curve.smallest_nprobe(0.9) == 3

@@ -321,9 +321,9 @@ def test_docstring_example_runs(spark, tmp_path):
 
 def test_approx_with_nprobe_given_promises_no_recall_and_does_not_retrain(spark, tmp_path):
     """mode="approx" with nprobe given: nearest_by_join estimates no recall then, and a refresh
-    promises none either. It measures recall and reports it, but a lower bound below the
-    default target (twelve queries cannot bound it above 0.9) is no reason for a full run:
-    the night stays a refresh, its values exact."""
+    promises none either. It measures recall and reports it, but a measurement below the
+    default target (0.95; here on all twelve queries, so the recall itself) is no reason for a
+    full run: the night stays a refresh, its values exact."""
     rng = np.random.default_rng(5)
     q, t = rng.normal(0, 1, (12, D)), rng.normal(0, 1, (400, D))
     q_ids, t_ids = np.arange(12), np.arange(1000, 1400)
@@ -342,7 +342,7 @@ def test_approx_with_nprobe_given_promises_no_recall_and_does_not_retrain(spark,
     rows = night.result.collect()
     night.commit()
     assert night.changes.refreshed and night.changes.reason == ""
-    assert night.changes.recall["recall_queries"] == 12 and night.changes.recall["recall_lower"] < 0.9
+    assert night.changes.recall["recall_queries"] == 12 and night.changes.recall["recall_lower"] < 0.95
     for r in rows:   # exact values of the pairs returned (float64, difference form)
         want = np.linalg.norm(np.float32(q[r["qid"]]).astype(np.float64) - np.float32(t[r["tid"] - 1000]))
         assert r["d"] == pytest.approx(want, rel=1e-6), (r["qid"], r["tid"])
@@ -422,8 +422,20 @@ def test_approx_keeps_its_index_and_measures_recall(spark, tmp_path, monkeypatch
             run.discard()
     run.commit()
     assert np.array_equal(IVFIndex.load(state / "index").centroids, index.centroids)
+    # A first sample too small to bound the recall above the target (20 of 306 queries): a
+    # second look at the others, and on all of them the measurement is the recall itself, no
+    # interval. The index is kept (before the second look: a full run).
+    with monkeypatch.context() as m:
+        m.setattr(incremental, "RECALL_QUERIES", 20)
+        m.setattr(incremental, "SECOND_LOOK_QUERIES", 1000)
+        run = incremental_nearest_join(Q, T, "l2", k, **kwargs)
+    c = run.changes
+    assert c.refreshed and c.reason == "" and c.recall["recall_queries"] == 306, c
+    assert "a second look" in c.recall["recall_of"] and c.recall["recall_lower"] == c.recall["recall_estimate"]
+    assert c.recall["recall_estimate"] == pytest.approx(recall_and_values(run.result.collect(), exact, Q, T), abs=1e-12)
+    run.discard()
     # measured below the target: the index is re-trained, a full run
-    monkeypatch.setattr(incremental, "_measured_recall", lambda *a: {
+    monkeypatch.setattr(incremental, "_measured_recall", lambda *a, **kw: {
         "recall_estimate": 0.5, "recall_lower": 0.45, "recall_queries": 306, "recall_of": "the test"})
     run = incremental_nearest_join(Q, T, "l2", k, **kwargs)
     assert not run.changes.refreshed and "0.4500 < recall=0.9: index re-trained" in run.changes.reason
