@@ -28,8 +28,9 @@ their lists, merged on the driver; one Spark job, no join plan), and measures fo
 ``nprobe`` the share of each sampled query's true neighbours whose list it would probe (the IVF
 search inside the probed lists is exact, so that is its recall@k: :mod:`nearest_join.recall`).
 The smallest ``nprobe`` whose estimate's lower 95% bound meets ``recall`` runs (the interval of
-a mean of per-query recalls, from their own variance: :mod:`nearest_join.recall`); the estimate
-and its interval are in the plan (``JoinPlan.ivf``).
+a mean of per-query recalls, from their own variance, narrowed by the share of the query table
+sampled: :mod:`nearest_join.recall`); the estimate and its interval are in the plan
+(``JoinPlan.ivf``).
 
 **Similarities.** Lists of ``cosine`` and ``inner_product`` joins are trained on normalised
 copies (spherical k-means) and probed by cosine. For inner product on unnormalised data the
@@ -130,7 +131,10 @@ def estimate_recall(planned, index: IVFIndex, seed: int, queries: np.ndarray | N
                                  cap=plan.cap)
     table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     true_lists = neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
-    return recall_curve(_probe_order(index, queries, parsed.metric), true_lists)
+    curve = recall_curve(_probe_order(index, queries, parsed.metric), true_lists)
+    # Drawn from the query table without replacement: the queries with a true neighbour among
+    # its rows, in the sample's proportion (all of them: the estimate is the join's recall).
+    return dataclasses.replace(curve, population=round(plan.query_rows * curve.queries / queries.shape[0]))
 
 
 def screen_recall(index: IVFIndex, queries: np.ndarray, sample: np.ndarray, k: int, metric: str,

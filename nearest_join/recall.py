@@ -14,7 +14,10 @@ place of the bound ``p (1 - p)`` that a proportion's would use (:func:`wilson_in
 on real data most queries find all or nearly all of their neighbours, so the recalls vary far
 less than a coin of the same mean, and the bound would ask for more probes than the estimate
 needs (``benchmarks/approx.py --seeds`` measures how often the target is met). Wilson's own terms in
-``z^2 / n`` keep the interval from closing on a sample whose recalls happen to agree.
+``z^2 / n`` keep the interval from closing on a sample whose recalls happen to agree. The
+queries are drawn from the query table without replacement: the interval narrows by the
+finite-population correction, and a sample of every query is the recall itself (its queries
+are the join's, its index the join's, and the search inside the probed lists is exact).
 """
 from __future__ import annotations
 
@@ -62,6 +65,9 @@ class RecallCurve:
     # float64 (nlist,): the sample variance of the queries' recalls at each nprobe (None:
     # unknown, the largest values in [0, 1] can have)
     variance: np.ndarray | None = None
+    # the queries (with a true neighbour) the sample was drawn from, without replacement (None:
+    # unknown, as if infinitely many): a sample of all of them is the recall itself
+    population: int | None = None
 
     def at(self, nprobe: int) -> tuple[float, float, float]:
         """(estimate, lower, upper) at ``nprobe``: the mean per-query recall and its 95%
@@ -70,7 +76,7 @@ class RecallCurve:
         if nprobe >= self.recall.shape[0]:
             return 1.0, 1.0, 1.0   # every list: the exact search, by construction
         variance = None if self.variance is None else float(self.variance[nprobe - 1])
-        lower, upper = wilson_interval(estimate, self.queries, variance)
+        lower, upper = wilson_interval(estimate, self.queries, variance, population=self.population)
         return estimate, lower, upper
 
     def smallest_nprobe(self, target: float) -> int:

@@ -600,6 +600,9 @@ def test_recall_target_met_and_explained(frames):
     assert ivf["runs"] == "ivf" and ivf["nlist"] == 40 and ivf["recall_target"] == target
     lower, upper = ivf["recall_interval"]
     assert target <= lower <= ivf["recall_estimate"] <= upper <= 1.0
+    # every query with a vector sampled (all but the NULL one, which the population counts):
+    # the estimate is nearly the join's recall, its interval nearly closed
+    assert ivf["recall_queries"] == NQ - 1 and upper - lower < 0.01, ivf
     assert 1 <= ivf["nprobe"] < 40, "clustered data should need a few lists, not all"
     assert "estimated recall@10" in str(planned.plan) and f"nprobe={ivf['nprobe']}" in str(planned.plan)
     approx = planned.dataframe().collect()
