@@ -864,7 +864,9 @@ def _recall_sample(spark, ids: _Ids, seed: int, generation: int, look: int) -> t
     :data:`RECALL_QUERIES` (``look`` 0) or the next :data:`SECOND_LOOK_QUERIES` (``look`` 1;
     none when the first took them all)."""
     today = ids.today[0]["id"]
-    order = np.random.default_rng([seed, generation]).permutation(len(today))
+    # (a draw of both looks' queries in order, not a permutation of all of today's)
+    order = np.random.default_rng([seed, generation]).choice(
+        len(today), min(len(today), RECALL_QUERIES + SECOND_LOOK_QUERIES), replace=False)
     start, stop = (0, RECALL_QUERIES) if look == 0 else (RECALL_QUERIES, RECALL_QUERIES + SECOND_LOOK_QUERIES)
     picked = today.take(pa.array(np.sort(order[start:stop])))
     return ids.frame(spark, 0, ids=picked), len(picked)
