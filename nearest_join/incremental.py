@@ -887,7 +887,8 @@ def _measured_recall(spark, staging: Path, schemas: dict, sample: tuple[DataFram
     k of its list match or beat (a tie with the k-th is a hit); the mean and its lower bound
     (:func:`nearest_join.recall.wilson_interval` at :data:`_Z_TWO_LOOKS`, with the
     finite-population correction: a sample of every query is the recall itself). Queries
-    without an exact row are left out (of the population too, in proportion). ``looks``: the
+    without an exact row are left out (of the population too, in proportion, rounded up:
+    more than the sample unless it drew every query). ``looks``: the
     second look's pooled sample says so."""
     lists = (_complete_lists(spark, staging, schemas).join(sample[0], _QID, "left_semi")
              .select(_QID, F.explode(F.slice(_LIST, 1, k)).alias("x")).select(_QID, F.col("x.key").alias("key"))
@@ -909,7 +910,7 @@ def _measured_recall(spark, staging: Path, schemas: dict, sample: tuple[DataFram
     queries = len(per_query)
     estimate = float(per_query.mean()) if queries else 1.0
     lower = wilson_interval(estimate, queries, float(per_query.var(ddof=1)) if queries >= 2 else None,
-                            population=round(population * queries / max(1, sample[1])), z=_Z_TWO_LOOKS)[0] \
+                            population=-(-population * queries // max(1, sample[1])), z=_Z_TWO_LOOKS)[0] \
         if queries else 1.0
     of = f"the refreshed lists, measured on {queries} sampled queries against exact search"
     if looks == 2:

@@ -133,8 +133,9 @@ def estimate_recall(planned, index: IVFIndex, seed: int, queries: np.ndarray | N
     true_lists = neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
     curve = recall_curve(_probe_order(index, queries, parsed.metric), true_lists)
     # Drawn from the query table without replacement: the queries with a true neighbour among
-    # its rows, in the sample's proportion (all of them: the estimate is the join's recall).
-    return dataclasses.replace(curve, population=round(plan.query_rows * curve.queries / queries.shape[0]))
+    # its rows, in the sample's proportion rounded up (more than the sample's unless it drew
+    # every row; all of them: the estimate is the join's recall).
+    return dataclasses.replace(curve, population=-(-plan.query_rows * curve.queries // queries.shape[0]))
 
 
 def screen_recall(index: IVFIndex, queries: np.ndarray, sample: np.ndarray, k: int, metric: str,
