@@ -301,11 +301,16 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
                                       run.k, generation, sample)
             if ivf is not None:
                 shutil.copytree(state_dir / _INDEX, staging / _INDEX)
-                if truth is None:   # the whole searches ran IVF: the sample's exact search of its own
-                    exact, _ = search.candidates(run.q_now.join(sample[0], _QID, "left_semi"), run.t_now,
-                                                 (ids.facts(0, sample[1]), ids.facts(1, ids.today_rows(1))),
+
+                def exact_truth(picked: tuple[DataFrame, int]) -> pa.Table:
+                    # the sampled queries' exact search of their own against today's target
+                    found, _ = search.candidates(run.q_now.join(picked[0], _QID, "left_semi"), run.t_now,
+                                                 (ids.facts(0, picked[1]), ids.facts(1, ids.today_rows(1))),
                                                  width=run.k)
-                    truth = _sample_truth(exact, sample[0])
+                    return _sample_truth(found, picked[0])
+
+                if truth is None:   # the whole searches ran IVF: the sample's exact search of its own
+                    truth = exact_truth(sample)
                 promised = search.approx["nprobe"] is None
                 measured = _measured_recall(spark, staging, schemas, sample, truth, run.k, ids.today_rows(0))
                 if promised and measured["recall_lower"] < search.approx["recall"]:
@@ -313,11 +318,8 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
                     # short of a recall that meets the target.
                     more = _recall_sample(spark, ids, search.approx["seed"], generation, 1)
                     if more[1]:
-                        exact, _ = search.candidates(run.q_now.join(more[0], _QID, "left_semi"), run.t_now,
-                                                     (ids.facts(0, more[1]), ids.facts(1, ids.today_rows(1))),
-                                                     width=run.k)
+                        truth = pa.concat_tables([truth, exact_truth(more)])
                         sample = (F.broadcast(sample[0].unionByName(more[0])), sample[1] + more[1])
-                        truth = pa.concat_tables([truth, _sample_truth(exact, more[0])])
                         measured = _measured_recall(spark, staging, schemas, sample, truth, run.k,
                                                     ids.today_rows(0), looks=2)
                 changes = replace(changes, recall={"nlist": ivf["nlist"], "nprobe": ivf["nprobe"], **measured})
