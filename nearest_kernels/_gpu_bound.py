@@ -173,9 +173,10 @@ class TargetStats:
     def of(cls, targets: PreparedSide) -> "TargetStats":
         if targets.rows == 0:
             return cls(0.0, 0.0, 0.0, 0.0, targets.frame.scale)
-        n = float(targets.norm.max())
-        return cls(n, float(targets.operand_norm.max()), float(targets.residual.max()), n * n,
-                   targets.frame.scale)
+        # One host sync for the three maxima.
+        n, op, res = torch.stack([targets.norm.max(), targets.operand_norm.max(),
+                                  targets.residual.max()]).tolist()
+        return cls(n, op, res, n * n, targets.frame.scale)
 
     def as_fp32(self) -> "TargetStats":
         """The stats of :meth:`PreparedSide.as_fp32`: operands are the working rows."""
