@@ -31,6 +31,7 @@ on the device across many query batches (``udfs.gpu_search``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -145,25 +146,30 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
     working frame (its mean and a power-of-two scale, ``_gpu_prepare.working_frame``), operands,
     norms and bound terms. float64 rows stay float64 for the re-rank. ``precision="auto"`` is
     resolved for the tensor's device (:func:`resolve_precision`; ``.precision`` says which).
-    On CUDA (but for cosine) the preparation kernels compute it
-    (``_triton_prepare.triton_prepare_targets``: the torch form's side, in three passes over the rows)."""
+    On CUDA the preparation kernels compute it (``_triton_prepare.triton_prepare_targets``: the
+    torch form's side, in three passes over the rows; cosine four)."""
     from ._gpu_bound import TargetStats
     from ._gpu_prepare import prepare_targets_side
 
     m = resolve_metric(metric).name
     precision = resolve_precision(precision, targets.device)
     # A row with a NaN or an infinite element has a non-finite sum: where every row's sum is
-    # finite (one read of the rows, nothing written per element), every row ranks; else
-    # (an overflowing sum too) the element test decides.
-    if m != "cosine" and targets.numel() and bool(torch.isfinite(targets.sum(dim=1)).all()):
+    # finite (one read of the rows, nothing written per element) and, for cosine, its largest
+    # magnitude positive (one more), every row ranks; else (an overflowing sum too) the element
+    # test decides.
+    fine = None
+    if targets.numel():
+        fine = torch.isfinite(targets.sum(dim=1))
+        if m == "cosine":
+            fine &= torch.linalg.vector_norm(targets, math.inf, dim=1) > 0
+    if fine is not None and bool(fine.all()):
         ok, rows = torch.ones(targets.shape[0], dtype=torch.bool, device=targets.device), None
     else:
         ok = rankable_mask(targets, m)
         rows = None if bool(ok.all()) else ok.nonzero().flatten()
     block = targets if rows is None else targets[rows]
-    if (m != "cosine" and block.device.type == "cuda" and block.numel()
-            and triton_refusal(block.device) is None):
-        # The same side in three streaming passes (cosine's unit rows stay with the torch form).
+    if block.device.type == "cuda" and block.numel() and triton_refusal(block.device) is None:
+        # The same side in three streaming passes (cosine: four).
         from ._triton_prepare import triton_prepare_targets
         side = triton_prepare_targets(block, m, precision)
     else:
@@ -173,12 +179,12 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 
 def prepare_queries(queries, targets):
     """Query rows (finite, a float tensor) in the frame, metric and precision of a prepared
-    target side (``_gpu_prepare.PreparedSide``): on CUDA for the l2 form in a centred frame by
-    the preparation kernel's fill pass (``_triton_prepare.triton_prepare_queries``), else the torch
-    form (``_gpu_prepare.prepare_queries``)."""
+    target side (``_gpu_prepare.PreparedSide``): on CUDA for the l2 form (cosine included) in a
+    centred frame by the preparation kernel's fill pass (``_triton_prepare.triton_prepare_queries``),
+    else the torch form (``_gpu_prepare.prepare_queries``)."""
     from . import _gpu_prepare as gp
 
-    if (gp.l2_form(targets.metric) and targets.metric != "cosine" and targets.frame.center is not None
+    if (gp.l2_form(targets.metric) and targets.frame.center is not None
             and queries.device.type == "cuda" and queries.numel() and triton_refusal(queries.device) is None):
         from ._triton_prepare import triton_prepare_queries
         return triton_prepare_queries(queries, targets)

@@ -273,16 +273,20 @@ PREP_CASES = ["offset10000-spread1-d128-float32", "offset1000-spread0.1-d3-float
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("metric", ["l2", "inner_product"])
+@pytest.mark.parametrize("metric", ["l2", "inner_product", "cosine"])
 def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
     """``gpu.prepare_targets`` on CUDA runs the preparation kernels
     (``_triton_prepare.triton_prepare_targets``): on adversarial blocks, the torch form's frame
     (centre to float64 rounding, the same power of two), and in that frame the same working
     rows and operands bit for bit and norms, residuals and biases within one float32 step,
-    never below their float64 values (the interpreter suite checks the same on the CPU)."""
+    never below their float64 values (the interpreter suite checks the same on the CPU).
+    Cosine normalises apart from the torch form: factors ``s / |x|`` within a few float64
+    roundings of its, working rows exactly ``x f - c s`` rounded once (what the re-rank's unit
+    rows are, shifted) and within a float32 step of its, norms within two; queries too."""
     from nearest_kernels import _gpu_prepare as gp
     from nearest_kernels import _triton_prepare as tprep
 
+    cosine = metric == "cosine"
     for case in _by_name(PREP_CASES):
         if metric not in case.metrics:
             continue
@@ -291,25 +295,54 @@ def test_gpu_target_preparation_kernels_match_the_torch_form(metric, precision):
         got = tprep.triton_prepare_targets(t, metric, precision)
         where = f"{case.name} {metric} {precision}"
         assert got.frame.scale == ref.frame.scale, where
-        torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-12, atol=0, msg=where)
+        torch.testing.assert_close(got.frame.center, ref.frame.center, rtol=1e-12,
+                                   atol=2 ** -48 if cosine else 0, msg=where)
         real = tprep.triton_working_frame
         tprep.triton_working_frame = lambda rows, m, *rest, frame=ref.frame: frame
         try:
             same = tprep.triton_prepare_targets(t, metric, precision)
         finally:
             tprep.triton_working_frame = real
-        assert torch.equal(same.exact, ref.exact), where
-        assert same.operand.dtype == ref.operand.dtype
-        assert torch.equal(same.operand.float(), ref.operand.float()), where
-        exact64, op64 = ref.exact.double(), ref.operand.double()
-        for name, truth in (("norm", torch.linalg.vector_norm(exact64, dim=1)),
-                            ("operand_norm", torch.linalg.vector_norm(op64, dim=1)),
-                            ("residual", torch.linalg.vector_norm(op64 - exact64, dim=1))):
-            a, b = getattr(same, name), getattr(ref, name)
-            assert bool((a.double() >= truth).all()), (where, name)
-            step = torch.nextafter(b, torch.full_like(b, np.inf)) - b
-            assert bool(((a - b).abs() <= step).all()), (where, name)
-        torch.testing.assert_close(same.bias, ref.bias, rtol=2 ** -23, atol=0, msg=where)
+        sides = [(same, ref, t)]
+        if cosine:
+            q = torch.from_numpy(case.queries).cuda()
+            sides.append((tprep.triton_prepare_queries(q, same), gp.prepare_queries(q, same), q))
+        for side, side_ref, rows in sides:
+            _check_prepared_side(side, side_ref, rows, where)
+
+
+def _check_prepared_side(side, ref, rows, where):
+    """:func:`test_gpu_target_preparation_kernels_match_the_torch_form`'s checks of one side
+    prepared by the kernels against the torch form's ``ref`` in the same frame."""
+    from nearest_kernels import _gpu_prepare as gp
+
+    def steps(x):
+        return torch.nextafter(x, torch.full_like(x, np.inf)) - x
+
+    n_steps = 1
+    if side.metric == "cosine":
+        n_steps = 2
+        s = side.frame.scale
+        want = (rows.double() * side.factor[:, None] - side.frame.center * s).to(torch.float32)
+        assert torch.equal(side.exact, want), where
+        assert bool(((side.exact - ref.exact).abs() <= steps(ref.exact.abs())).all()), where
+        torch.testing.assert_close(side.factor, ref.factor, rtol=2 ** -48, atol=0, msg=where)
+        op = {"fp32": side.exact, "tf32": gp.round_to_tf32(side.exact),
+              "bf16": side.exact.to(torch.bfloat16)}[side.precision]
+        assert side.operand.dtype == ref.operand.dtype
+        assert torch.equal(side.operand.float(), op.float()), where
+    else:
+        assert torch.equal(side.exact, ref.exact), where
+        assert side.operand.dtype == ref.operand.dtype
+        assert torch.equal(side.operand.float(), ref.operand.float()), where
+    exact64, op64 = side.exact.double(), side.operand.double()
+    for name, truth in (("norm", torch.linalg.vector_norm(exact64, dim=1)),
+                        ("operand_norm", torch.linalg.vector_norm(op64, dim=1)),
+                        ("residual", torch.linalg.vector_norm(op64 - exact64, dim=1))):
+        a, b = getattr(side, name), getattr(ref, name)
+        assert bool((a.double() >= truth).all()), (where, name)
+        assert bool(((a - b).abs() <= n_steps * steps(b)).all()), (where, name)
+    torch.testing.assert_close(side.bias, ref.bias, rtol=n_steps * 2 ** -23, atol=0, msg=where)
 
 
 # The threshold filter (``gpu.filter_refusal``: bf16 from d = 256 on compute capability 9.x,
