@@ -31,7 +31,6 @@ on the device across many query batches (``udfs.gpu_search``).
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -153,15 +152,17 @@ def prepare_targets(targets, metric: str, precision: str = "auto") -> PreparedTa
 
     m = resolve_metric(metric).name
     precision = resolve_precision(precision, targets.device)
-    # A row with a NaN or an infinite element has a non-finite sum: where every row's sum is
-    # finite (one read of the rows, nothing written per element) and, for cosine, its largest
-    # magnitude positive (one more), every row ranks; else (an overflowing sum too) the element
-    # test decides.
+    # A row with a NaN or an infinite element has a non-finite sum (cosine: norm, which is 0
+    # for a zero row): where every row's is finite (cosine: and positive), every row ranks (one
+    # read of the rows, nothing written per element); else (an overflowing sum or norm too)
+    # the element test decides.
     fine = None
     if targets.numel():
-        fine = torch.isfinite(targets.sum(dim=1))
         if m == "cosine":
-            fine &= torch.linalg.vector_norm(targets, math.inf, dim=1) > 0
+            norms = torch.linalg.vector_norm(targets, dim=1)
+            fine = torch.isfinite(norms) & (norms > 0)
+        else:
+            fine = torch.isfinite(targets.sum(dim=1))
     if fine is not None and bool(fine.all()):
         ok, rows = torch.ones(targets.shape[0], dtype=torch.bool, device=targets.device), None
     else:
