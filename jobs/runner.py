@@ -21,6 +21,7 @@ import errno
 import fnmatch
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -242,7 +243,12 @@ def _holds(side, path: str) -> bool:
 
 
 def _unreadable_input(exc: BaseException, spec: JobSpec) -> SpecError | None:
-    """The SpecError for a Spark failure to read an input file, or None for other failures."""
+    """The SpecError for a Spark failure to read an input file or an input the kernels refuse
+    (a float64 element too small for them, found where an executor decodes it), or None for
+    other failures."""
+    refused = re.search(r"\[VECTOR_ELEMENT_OUT_OF_RANGE\][^\n]*", str(exc))
+    if refused:
+        return SpecError(option_key("vectors"), refused.group(0))
     condition, parameters, messages = _spark_condition(exc)
     if not condition or not condition.startswith(_UNREADABLE_INPUT):
         return None

@@ -28,6 +28,18 @@ class VectorDimensionError(ValueError):
     """A vector whose length differs from the join's dimension (Spark: VECTOR_DIMENSION_MISMATCH)."""
 
 
+class VectorRangeError(ValueError):
+    """A float64 element other than 0 smaller than :data:`SMALLEST_FLOAT64` in magnitude."""
+
+
+# The smallest magnitude of a float64 element other than 0. The kernels shift each block of
+# rows and scale it by one power of two, and (cosine) scale each row by its inverse norm, both
+# float64: rows that differ only in smaller elements would need a scale beyond float64's
+# range, and the searches would lose such rows or fail. float32 elements never come near it.
+SMALLEST_FLOAT64 = 2.0 ** -960
+_CHECKED_ELEMENTS = 1 << 15   # elements per step of that check
+
+
 def as_array(column) -> pa.Array:
     """``column`` as one Arrow array: a ChunkedArray's chunks combined (its only chunk as is)."""
     if isinstance(column, pa.ChunkedArray):
@@ -120,8 +132,33 @@ def decode_vectors(column, dimension: int | None, *, label: str = "vector",
     ------
     VectorDimensionError
         A non-NULL vector of another length (a ragged row).
+    VectorRangeError
+        A float64 element other than 0 below :data:`SMALLEST_FLOAT64` in magnitude.
     """
-    arr = as_array(column)
+    vectors = _decoded(as_array(column), dimension, label, expected_from)
+    if vectors.dtype == np.float64:
+        _refuse_tiny(vectors, label)
+    return vectors
+
+
+def _refuse_tiny(vectors: np.ndarray, label: str) -> None:
+    """Raise :class:`VectorRangeError` on a float64 element other than 0 whose magnitude is
+    below :data:`SMALLEST_FLOAT64` (NaN, a NULL's mark, is not one)."""
+    flat = vectors.reshape(-1)
+    magnitudes = np.empty(min(flat.size, _CHECKED_ELEMENTS))
+    for start in range(0, flat.size, _CHECKED_ELEMENTS):   # a chunk's temporaries stay in cache
+        part = flat[start:start + _CHECKED_ELEMENTS]
+        small = np.abs(part, out=magnitudes[:part.size]) < SMALLEST_FLOAT64
+        found = part[small & (part != 0)] if small.any() else ()
+        if len(found):
+            raise VectorRangeError(
+                f"[VECTOR_ELEMENT_OUT_OF_RANGE] column `{label}` holds the float64 element {float(found[0])!r}: "
+                f"expected 0 or a magnitude of at least 2^-960 (about {SMALLEST_FLOAT64:.1e}); round such "
+                f"elements to 0 or cast the column to array<float>")
+
+
+def _decoded(arr: pa.Array, dimension: int | None, label: str, expected_from: str) -> np.ndarray:
+    """:func:`decode_vectors` without its range check."""
     n = len(arr)
     if pa.types.is_struct(arr.type):
         return _decode_ml_vectors(arr, dimension, label, expected_from)

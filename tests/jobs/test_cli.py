@@ -342,6 +342,22 @@ def test_ragged_vector_exits_2_and_publishes_nothing(job, capsys):
     assert not out.exists() and not [p for p in job.base.iterdir() if p.name.startswith(".out.nj-staging")]
 
 
+def test_a_float64_element_too_small_for_the_kernels_exits_2_and_publishes_nothing(job, capsys):
+    # Found where an executor decodes the vectors (not by the facts job): the failed Spark job
+    # reads as the spec key, the column and the value.
+    tiny = job.base / "in" / "tiny"
+    _write(tiny, {"id": pa.array([1, 2, 3], pa.int64()),
+                  "vec": _vectors([[0.5] * DIM, [1e-300] + [1.0] * (DIM - 1), [2.0] * DIM], pa.float64())}, files=1)
+    out = job.base / "out"
+    code = main(["run", str(job.spec), "--set", f"output.path={out}",
+                 "--set", f"target.path={tiny}", "--set", "target.columns=null"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert ("query.vector/target.vector: [VECTOR_ELEMENT_OUT_OF_RANGE] column `t_vec` holds the float64 element "
+            "1e-300: expected 0 or a magnitude of at least 2^-960") in err, err
+    assert not out.exists() and not [p for p in job.base.iterdir() if p.name.startswith(".out.nj-staging")]
+
+
 def _tree(base: Path) -> list[str]:
     """Every path under ``base``, hidden ones included (staging, lock files)."""
     return sorted(str(p.relative_to(base)) for p in base.rglob("*"))

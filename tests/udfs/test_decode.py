@@ -1,9 +1,11 @@
 """Arrow vector columns decode as Spark's vector functions see them."""
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
 
-from udfs.decode import VectorDimensionError, decode_vectors
+from udfs.decode import SMALLEST_FLOAT64, VectorDimensionError, VectorRangeError, decode_vectors
 
 ML_VECTOR = pa.struct([("type", pa.int8()), ("size", pa.int32()),
                        ("indices", pa.list_(pa.int32())), ("values", pa.list_(pa.float64()))])
@@ -97,3 +99,20 @@ def test_empty_vectors_decode_as_one_zero_column(list_type):
                                   [[0.0], [np.nan], [0.0]])
     with pytest.raises(VectorDimensionError, match="dimension 1 and the first vector of `v` has dimension 0"):
         decode_vectors(pa.array([[], [1.0]], type=list_type), None, label="v")
+
+
+@pytest.mark.parametrize("tiny", [np.nextafter(SMALLEST_FLOAT64, 0), -1e-300, 5e-324], ids=repr)
+def test_a_float64_element_too_small_for_the_kernels_is_refused(tiny):
+    # Rows that differ only in such elements would need a scale beyond float64's range: the
+    # kernels lost them (no neighbour, a silent gap) or failed with an overflow. 0, NaN (a NULL
+    # element), a NULL row, float32 subnormals and the smallest magnitude allowed decode.
+    fine = [[1.0, 0.0], [SMALLEST_FLOAT64, -SMALLEST_FLOAT64], None, [None, 2.0]]
+    np.testing.assert_array_equal(decode_vectors(pa.array(fine, type=pa.list_(pa.float64())), 2)[:2],
+                                  [[1.0, 0.0], [SMALLEST_FLOAT64, -SMALLEST_FLOAT64]])
+    assert decode_vectors(pa.array([[1e-45, 0.0]], type=pa.list_(pa.float32())), 2)[0, 0] > 0
+    for arr in (pa.array(fine + [[1.0, tiny]], type=pa.list_(pa.float64())),
+                pa.array([[1.0, 2.0], [tiny, 0.0]], type=pa.large_list(pa.float64())),
+                pa.array([{"type": 1, "size": None, "indices": None, "values": [tiny, 1.0]}], type=ML_VECTOR)):
+        with pytest.raises(VectorRangeError, match=r"\[VECTOR_ELEMENT_OUT_OF_RANGE\] column `tv` holds the float64 "
+                                                   rf"element {re.escape(repr(float(tiny)))}: expected 0 or a magnitude of at least 2\^-960"):
+            decode_vectors(arr, None, label="tv")
