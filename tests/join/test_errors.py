@@ -128,15 +128,13 @@ def test_ragged_query_is_an_error_at_call_time(spark, sides):
 
 @pytest.mark.parametrize("local", [True, False], ids=["local plan", "executors"])
 @pytest.mark.parametrize("metric", ["l2", "cosine"])
-def test_a_float64_element_too_small_for_the_kernels_is_an_error(spark, metric, local):
+def test_a_float64_element_too_small_for_the_kernels_is_an_error(spark, request, metric, local):
     # Rows whose elements are all below 2^-960 lost every neighbour before (cosine and l2 on
     # the CPU: no candidate, a silent gap under an inner join): now the decode refuses them.
+    if local:   # the default limit, as a new user's (the suite's session turns the local plan off)
+        request.getfixturevalue("local_plan")
     q = spark.createDataFrame([(1, [1e-310, 2e-310]), (2, [1.0, 0.5])], "qid int, qv array<double>")
     t = spark.createDataFrame([(i, [float(i), 1.0]) for i in range(1, 6)], "tid int, tv array<double>")
-    spark.conf.set("spark.nearestJoin.localLimitBytes", str(1 << 20) if local else "0")
-    try:
-        with pytest.raises(Exception, match=r"\[VECTOR_ELEMENT_OUT_OF_RANGE\] column `qv` holds the float64 "
-                                            r"element 1e-310: expected 0 or a magnitude of at least 2\^-960"):
-            nearest_by_join(q, t, metric, 2, vectors=("qv", "tv")).collect()
-    finally:
-        spark.conf.unset("spark.nearestJoin.localLimitBytes")
+    with pytest.raises(Exception, match=r"\[VECTOR_ELEMENT_OUT_OF_RANGE\] column `qv` holds the float64 "
+                                        r"element 1e-310: expected 0 or a magnitude of at least 2\^-960"):
+        nearest_by_join(q, t, metric, 2, vectors=("qv", "tv")).collect()
