@@ -121,11 +121,7 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             best_k = best_i = None
             for t0 in range(0, nt, t_chunk):
                 t1 = min(nt, t0 + t_chunk)
-                t_op = targets.operand[t0:t1].to(torch.float32)
-                keys = torch.addmm(targets.bias[t0:t1], q_op, t_op.T, beta=1.0, alpha=-alpha)
-                if lower:
-                    keys -= q_w[0, q0:q1, None] * t_w[0, t0:t1]
-                    keys -= q_w[1, q0:q1, None] * t_w[1, t0:t1]
+                keys = _key_tile(q_op, targets, q0, t0, t1, alpha, q_w, t_w)
                 if seed is not None:
                     within = keys <= seed[q0:q1, None]
                     below[q0:q1] += within.sum(dim=1)
@@ -147,6 +143,49 @@ def torch_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     if seed is None:
         return keys_out, idx_out
     return keys_out, idx_out, _seeded_floor(keys_out, below, seed), below
+
+
+def _key_tile(q_op: torch.Tensor, targets: PreparedSide, q0: int, t0: int, t1: int, alpha: float,
+              q_w: torch.Tensor | None, t_w: torch.Tensor | None) -> torch.Tensor:
+    """float32 keys of the query operand rows ``q_op`` (from row ``q0``) against targets
+    ``t0:t1`` by ``addmm`` (tf32 where :func:`_tf32_matmul` allows it); lower keys where the
+    weights are given (:func:`lower_key_weights`)."""
+    t_op = targets.operand[t0:t1].to(torch.float32)
+    keys = torch.addmm(targets.bias[t0:t1], q_op, t_op.T, beta=1.0, alpha=-alpha)
+    if q_w is not None:
+        q1 = q0 + q_op.shape[0]
+        keys -= q_w[0, q0:q1, None] * t_w[0, t0:t1]
+        keys -= q_w[1, q0:q1, None] * t_w[1, t0:t1]
+    return keys
+
+
+def torch_kth_keys(queries: PreparedSide, targets: PreparedSide, j: int, *, chunk_elements: int = 1 << 26,
+                   lower: bool = False) -> torch.Tensor:
+    """float32 (m,): each query row's ``j``-th smallest approximate key over every target
+    (1 <= j <= targets), the keys of :func:`torch_candidates`, by ``kthvalue``: one radix
+    selection per row where a list of j would select, gather and sort j entries (a threshold
+    needs only the j-th). Rows in chunks whose keys hold ``chunk_elements`` floats; targets in
+    chunks of as many elements of their float32 copy."""
+    m, nt = queries.rows, targets.rows
+    device = queries.exact.device
+    out = torch.empty(m, dtype=torch.float32, device=device)
+    if m == 0:
+        return out
+    alpha = key_alpha(queries.metric)
+    q_w, t_w = lower_key_weights(queries, targets) if lower else (None, None)
+    q_chunk = max(1, chunk_elements // max(1, nt))
+    t_chunk = max(1, chunk_elements // max(1, queries.dim))
+    with _tf32_matmul(queries.precision != "fp32"):
+        for q0 in range(0, m, q_chunk):
+            q1 = min(m, q0 + q_chunk)
+            q_op = queries.operand[q0:q1].to(torch.float32)
+            if t_chunk >= nt:
+                keys = _key_tile(q_op, targets, q0, 0, nt, alpha, q_w, t_w)
+            else:
+                keys = torch.cat([_key_tile(q_op, targets, q0, t0, min(nt, t0 + t_chunk), alpha, q_w, t_w)
+                                  for t0 in range(0, nt, t_chunk)], dim=1)
+            out[q0:q1] = torch.kthvalue(keys, j, dim=1).values
+    return out
 
 
 def _seeded_floor(keys: torch.Tensor, below: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ a pass's buffers into the lists, indices and floor of ``triton_candidates``' con
 Lists longer than the register lists' (``MAX_CANDIDATES``: k above ``_gpu_bound.LONG_LIST_K``,
 whose first bf16 list holds about 2k) take the filter too, up to :data:`LONG_FILTER_MAX`: the
 torch generator's ``topk`` of such a list over every target tile was most of their search
-(benchmarks/gpu_notes.md, Large k). Their thresholds come from the torch generator over the
-sample (its ``topk`` of j over a sixteenth of the block), and the selection's ``topk`` reads
-only the hits.
+(benchmarks/gpu_notes.md, Large k). Their thresholds are the j-th of the torch generator's
+keys over the sample (a sixteenth of the block; ``kthvalue``, no list), and the selection's
+``topk`` reads only the hits.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._gpu_bound import lower_bias_table, lower_levels
 from ._gpu_prepare import PreparedSide, key_alpha
-from ._gpu_search import torch_candidates
+from ._gpu_search import torch_kth_keys
 from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, filter_kernel, unpack
 from ._triton_candidates import kernel_buffer, triton_candidates
 from ._triton_compile import AHEAD, load_refusal
@@ -160,8 +160,8 @@ def filter_threshold(queries: PreparedSide, targets: PreparedSide, n_cand: int, 
     key over every step-th target, by the search's compiled candidate kernel ``config`` (as
     :func:`sample_seed`: the sample's own prepared rows, kept in the block's cache; lower keys
     at the first pass's levels); for a list longer than ``MAX_CANDIDATES`` (plain keys, no
-    register-list kernel in the search: ``config`` unread) by the torch generator over the
-    sample (``_gpu_search.torch_candidates``: chunked ``addmm`` + ``topk`` of j). None where
+    register-list kernel in the search: ``config`` unread) by the torch generator's keys over
+    the sample (``_gpu_search.torch_kth_keys``: chunked ``addmm``, ``kthvalue``). None where
     the sample is too small or its pass would not run the segmented kernel. Any threshold is
     exact (the floor follows it); this one is only what makes the filter's hits few and
     still more than the list."""
@@ -180,7 +180,7 @@ def filter_threshold(queries: PreparedSide, targets: PreparedSide, n_cand: int, 
         sample = targets.take(torch.arange(0, targets.rows, step, device=targets.exact.device))
         targets.cache[("sample", step)] = sample
     if long_list:
-        return torch_candidates(queries, sample, j, lower=lower)[0][:, j - 1].contiguous()
+        return torch_kth_keys(queries, sample, j, lower=lower)
     rank1 = {"rank1": queries.cache["rank1"]} if "rank1" in queries.cache else {}
     rows_view = dataclasses.replace(queries, cache=rank1)
     keys = triton_candidates(rows_view, sample, width, config=config, lower=lower,
