@@ -11,8 +11,8 @@ Lists longer than the register lists' (``MAX_CANDIDATES``: k above ``_gpu_bound.
 whose first bf16 list holds about 2k) take the filter too, up to :data:`LONG_FILTER_MAX`: the
 torch generator's ``topk`` of such a list over every target tile was most of their search
 (benchmarks/gpu_notes.md, Large k). Their thresholds are the j-th of the torch generator's
-keys over the sample (a sixteenth of the block; ``kthvalue``, no list), and the selection's
-``topk`` reads only the hits.
+keys over the sample (a sixteenth of the block; ``kthvalue``, no list), and the selection
+reads only the hits (one sort of each row's buffer, no host sync: :func:`filter_select`).
 """
 from __future__ import annotations
 
@@ -198,16 +198,23 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
     it). More hits than ``n_cand``: the n_cand best (packed order: key, then the lower
     index), floor the lesser of that and the first key cut off. A slice with more hits than
     its positions (overflow): the n_cand best of those stored, floor -inf (not proven:
-    ``_gpu_search.exact_topk`` widens it). One host sync (the largest count: only the
-    positions below it are read)."""
+    ``_gpu_search.exact_topk`` widens it). A list of at most half the buffer: one host sync
+    (the largest count: only the positions below it are read) and a ``topk``. A longer one (a
+    long list of 2048 in a buffer of 4096): every position, sorted, no sync; ``topk`` of more
+    than half a row selects by radix passes and then sorts what it keeps, about as many
+    entries as the whole row, and the sync would stall the launches behind it."""
     rows, slices = count.shape
     slots = buf.shape[1] // slices
-    deep = min(slots, max(1, int(count.max())))
+    whole = 2 * (n_cand + 1) > slots * slices
+    deep = slots if whole else min(slots, max(1, int(count.max())))
     width = deep * slices
     live = torch.arange(deep, device=buf.device)[None, :, None] < count[:, None, :]
     part = torch.where(live, buf.view(rows, slots, slices)[:, :deep], EMPTY).view(rows, width)
     if width > n_cand:
-        top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
+        if whole:
+            top = torch.sort(part, dim=1).values[:, :n_cand + 1]
+        else:
+            top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
         lists, cut = top[:, :n_cand], unpack(top[:, n_cand])[0]
     else:
         lists = torch.sort(part, dim=1).values
