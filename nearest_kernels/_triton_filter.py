@@ -195,14 +195,18 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
     ``count`` (rows, slices): the hits of each slice of a row's buffer, whose position ``p``
     of slice ``i`` is ``buf[row, p * slices + i]`` (``filter_kernel``). A row whose hits fit
     its list: all of them, floor just above its threshold (every key not appended exceeds
-    it). More hits than ``n_cand``: the n_cand best (packed order: key, then the lower
-    index), floor the lesser of that and the first key cut off. A slice with more hits than
-    its positions (overflow): the n_cand best of those stored, floor -inf (not proven:
-    ``_gpu_search.exact_topk`` widens it). A list of at most half the buffer: one host sync
-    (the largest count: only the positions below it are read) and a ``topk``. A longer one (a
-    long list of 2048 in a buffer of 4096): every position, sorted, no sync; ``topk`` of more
-    than half a row selects by radix passes and then sorts what it keeps, about as many
-    entries as the whole row, and the sync would stall the launches behind it."""
+    it). More hits than ``n_cand``: the n_cand best, floor the lesser of that and the first
+    key cut off. A slice with more hits than its positions (overflow): the n_cand best of
+    those stored, floor -inf (not proven: ``_gpu_search.exact_topk`` widens it).
+
+    A list of at most half the buffer: one host sync (the largest count: only the positions
+    below it are read) and a ``topk`` in packed order (key, then the lower index). A longer
+    one (a long list of 2048 in a buffer of 4096): every position, no sync, sorted by the
+    key word alone (the entries' high half, a signed int32 in the keys' order: half the radix
+    passes of the int64 entries), equal keys in no particular order. ``topk`` of
+    more than half a row selects by radix passes and then sorts what it keeps, about as many
+    entries as the whole row, and the sync would stall the launches behind it. Which of equal
+    keys at the cut stays in the list proves nothing: the floor is their key either way."""
     rows, slices = count.shape
     slots = buf.shape[1] // slices
     whole = 2 * (n_cand + 1) > slots * slices
@@ -212,7 +216,8 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
     part = torch.where(live, buf.view(rows, slots, slices)[:, :deep], EMPTY).view(rows, width)
     if width > n_cand:
         if whole:
-            top = torch.sort(part, dim=1).values[:, :n_cand + 1]
+            pos = torch.sort((part >> 32).to(torch.int32), dim=1).indices[:, :n_cand + 1]
+            top = torch.gather(part, 1, pos)
         else:
             top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
         lists, cut = top[:, :n_cand], unpack(top[:, n_cand])[0]

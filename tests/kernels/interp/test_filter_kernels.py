@@ -69,8 +69,10 @@ def test_the_selection_states_a_floor_for_every_row():
     keys, idx, floor = tfilter.filter_select(count, buf, thr, n_cand)
     assert idx[0].tolist() == [5, 6, 7, -1] and keys[0, :3].tolist() == [1.0, 2.0, 3.0]
     assert floor[0] == torch.nextafter(torch.tensor(3.5), torch.tensor(math.inf))   # keys left out exceed 3.5
-    # ties by the lower index; the floor is the first key cut off (5.0), below the threshold's
-    assert idx[1].tolist() == [2, 4, 9, 5] and float(floor[1]) == 5.0
+    # the four least keys (equal keys in either order: a list of more than half the buffer is
+    # sorted by key alone); the floor is the first key cut off (5.0), below the threshold's
+    assert keys[1].tolist() == [1.0, 2.0, 2.0, 4.0] and float(floor[1]) == 5.0
+    assert idx[1, 0] == 2 and sorted(idx[1, 1:3].tolist()) == [4, 9] and idx[1, 3] == 5
     assert float(floor[2]) == -math.inf                                    # overflow: not proven
     assert idx[3].tolist() == [-1] * n_cand and torch.isinf(keys[3]).all()
     assert floor[3] > -2.0
