@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ._gpu_bound import skip_beyond, value_limit
+from ._gpu_bound import LONG_LIST_K, skip_beyond, value_limit
 from ._gpu_prepare import PreparedSide, is_similarity, l2_form
 
 # values(queries, targets, idx) -> float32 (m, c): the pairs' exact values, NaN where idx < 0
@@ -119,20 +119,33 @@ def rerank(queries: PreparedSide, targets: PreparedSide, keys: torch.Tensor, idx
     (:func:`skip_beyond`; the fused re-rank reads each row only up to its last candidate
     left, :func:`live_width`). No host sync: a search queues its whole round behind the
     candidate pass, and the GPU runs it without waiting for Python between the steps.
+
+    First columns longer than ``LONG_LIST_K`` (k = 1000) are read in target order (sorted by
+    index, empty slots last; the ranking sorts the columns again anyway): each row's columns
+    then sweep the block from its first rows to its last, and the re-rank's programs, which
+    run together, sweep it together, so that their gathers share a window of target rows in
+    L2; in key order each gather is a random row of the whole block, which at such k
+    outgrows L2 (benchmarks/gpu_notes.md, Large k). Shorter first columns keep key order:
+    no gain measured at k = 10 or 100.
     """
     values = values or exact_values
     descending = not l2_form(queries.metric)
     head = min(k, idx.shape[1])
-    vals = values(queries, targets, idx[:, :head])
+    head_idx = idx[:, :head]
+    if head > LONG_LIST_K:
+        big = torch.iinfo(torch.int64).max
+        by_target = torch.sort(torch.where(head_idx >= 0, head_idx, big), dim=1).values
+        head_idx = torch.where(by_target != big, by_target, -1)
+    vals = values(queries, targets, head_idx)
     if idx.shape[1] > head:
-        filled = idx[:, :head] >= 0
+        filled = head_idx >= 0
         worst = math.inf if not descending else -math.inf
         v0 = torch.where(filled, vals, worst)
         v0 = v0.min(dim=1).values if descending else v0.max(dim=1).values
         rest = skip_beyond(keys[:, head:], idx[:, head:], value_limit(v0, bound, queries))
         vals = torch.cat([vals, values(queries, targets, rest)], dim=1)
-        idx = torch.cat([idx[:, :head], rest], dim=1)
-    return rank_exact(vals, idx, k, descending)
+        head_idx = torch.cat([head_idx, rest], dim=1)
+    return rank_exact(vals, head_idx, k, descending)
 
 
 def final_values(values: torch.Tensor, queries: PreparedSide) -> torch.Tensor:

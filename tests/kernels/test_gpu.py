@@ -280,6 +280,39 @@ def test_the_rerank_skips_candidates_beyond_the_value_limit():
 
 
 @needs_torch
+def test_a_long_head_is_read_in_target_order_and_ranks_as_every_column():
+    # k above LONG_LIST_K: the first k columns reach the values function sorted by target
+    # index, empty slots last (the re-rank's L2 window), and the result is the exact top k
+    # of every column by (value, index), as the key-ordered head gave it.
+    import torch
+
+    from nearest_kernels import _gpu_bound as gb
+    from nearest_kernels import _gpu_rerank as gr
+
+    k = gb.LONG_LIST_K + 8
+    q, t = make_data("gaussian", 3, 900, 8, 5)
+    qs, ts = _prepared(q, t)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.stack([torch.randperm(900, generator=gen)[:700] for _ in range(3)])
+    idx[2, 300:] = -1                                          # fewer candidates than k: empties
+    keys = torch.sort(torch.rand((3, 700), generator=gen), dim=1).values
+    seen = []
+
+    def spy(queries, targets, sel):
+        seen.append(sel.clone())
+        return gr.exact_values(queries, targets, sel)
+    v, i = gr.rerank(qs, ts, keys, idx, torch.full((3,), math.inf), k, spy)
+    head = seen[0]
+    for r in range(3):
+        live = head[r][head[r] >= 0]
+        assert live.tolist() == sorted(idx[r, :k][idx[r, :k] >= 0].tolist()), r
+        assert bool((head[r, live.numel():] == -1).all()), r
+    want_v, want_i = gr.rank_exact(gr.exact_values(qs, ts, idx), idx, k, descending=False)
+    assert torch.equal(i, want_i) and torch.equal(v, want_v)
+    assert int((i[2] >= 0).sum()) == 300
+
+
+@needs_torch
 @pytest.mark.parametrize("metric", ["sqeuclidean", "inner_product"])
 def test_the_reranked_values_prove_a_list_the_keys_alone_cannot(metric):
     """bf16 keys, k=3, lists of 8: the 3 nearest targets, then 5 more about 1.5 E further
