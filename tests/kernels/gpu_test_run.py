@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root::
 
-    python3 tests/kernels/gpu_test_run.py --out $OUT --deadline-s 520 [--workers 10]
+    python3 tests/kernels/gpu_test_run.py --out $OUT --deadline-s 520 [--workers 8]
         [--only FILE] [--timeout-s 180] [FILES...]
 
 The tests run in ``--workers`` pytest-xdist processes on the one GPU (the cost is mostly Triton
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=520)
     # (each worker holds its own CUDA context and caching allocator: with more, the largest
     # shape tests, d of 3072 and 4096 at k=1000, ran out of memory on an 80 GB card)
-    ap.add_argument("--workers", type=int, default=10)
+    ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--timeout-s", type=int, default=180)
     ap.add_argument("--only", default=None, help="a file of node ids to run (one a line)")
     ap.add_argument("--tag", default="run")
