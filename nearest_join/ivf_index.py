@@ -333,12 +333,12 @@ def sample_vectors(df, column_name: str, rows: int, total_rows: int, seed: int) 
 
     from udfs.decode import decode_vectors
 
-    from .ranking import column, quote
+    from .ranking import column
 
     col = column(df, column_name)
     picked = df.select(col.alias("v")).where(F.col("v").isNotNull())
     table = sample_table(picked, rows, total_rows, seed)
-    return decode_vectors(table.column(0), None, label=quote(column_name))
+    return decode_vectors(table.column(0), None, label=column_name)
 
 
 def sample_table(picked, rows: int, total_rows: int, seed: int):

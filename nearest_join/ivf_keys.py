@@ -131,7 +131,7 @@ def estimate_keyed_recall(planned, index: IVFIndex, lists: KeyLists, inputs, vec
     width = max(lists.widest, 1)
     picked = q_input.select(q_vector, C.GROUP).where(F.col(q_vector).isNotNull() & F.col(C.GROUP).isNotNull())
     table = sample_table(picked, RECALL_QUERIES, plan.query_rows, seed)
-    queries = decode_vectors(table.column(0), None, label=quote(parsed.query_column))
+    queries = decode_vectors(table.column(0), None, label=parsed.query_column)
     if queries.shape[0] == 0:
         return RecallCurve(np.ones(width), 0)
     groups = table.column(1).to_numpy(zero_copy_only=False).astype(np.int64)

@@ -32,10 +32,11 @@ class VectorRangeError(ValueError):
     """A float64 element other than 0 smaller than :data:`SMALLEST_FLOAT64` in magnitude."""
 
 
-# The smallest magnitude of a float64 element other than 0. The kernels shift each block of
-# rows and scale it by one power of two, and (cosine) scale each row by its inverse norm, both
-# float64: rows that differ only in smaller elements would need a scale beyond float64's
-# range, and the searches would lose such rows or fail. float32 elements never come near it.
+# The smallest magnitude a float64 element other than 0 may have. The kernels shift each
+# block of rows and scale it by one power of two, and (cosine) scale each row by its inverse
+# norm, both float64: rows that differ only in smaller elements would need a scale beyond
+# float64's range, and the searches would lose such rows or fail. float32 elements never
+# come near it.
 SMALLEST_FLOAT64 = 2.0 ** -960
 _CHECKED_ELEMENTS = 1 << 15   # elements per step of that check
 
