@@ -167,3 +167,19 @@ def test_extreme_magnitudes_keep_every_row_and_overflow_only_past_float32():
     tiny = adversarial.magnitude_case(1e-24, d=4, nq=5, nt=50, seed=9)
     v, i = knn(tiny.queries, tiny.targets, 3, "l2", backend="cpu")
     assert (i >= 0).all() and (v[:, 1:] > 1e-25).all()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_rows_whose_values_read_the_same_float32_come_in_their_float64_order(backend):
+    """Nearly parallel vectors: every cosine reads 1.0 in float32, and the rows still come in
+    the order of their float64 cosines (docs/exactness.md), not in block order."""
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(16)
+    targets = (base + 1e-5 * rng.standard_normal((40, 16))).astype(np.float32)
+    query = base[None, :].astype(np.float32)
+    values, idx = knn(query, targets, 8, "cosine", backend=backend)
+    assert (values == np.float32(1.0)).all()
+    t64, q64 = targets.astype(np.float64), query[0].astype(np.float64)
+    cosines = t64 @ q64 / (np.linalg.norm(t64, axis=1) * np.linalg.norm(q64))
+    assert idx[0].tolist() == np.argsort(-cosines, kind="stable")[:8].tolist()
+    assert idx[0].tolist() != sorted(idx[0].tolist())   # block order would differ
