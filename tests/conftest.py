@@ -86,6 +86,12 @@ def spark():
         .config("spark.task.maxFailures", "1")
         .config("spark.driver.memory", "2g")
         .config("spark.sql.session.timeZone", "UTC")
+        # Spark's expressions interpreted, not compiled: the tests run thousands of queries of
+        # a few rows, each of a new shape, and Janino's compilation of each cost more CPU than
+        # the rows. The same results (Spark checks both modes against each other); the sessions
+        # of local-cluster, Spark Connect (tests/cluster) and the CLI's own processes compile.
+        .config("spark.sql.codegen.wholeStage", "false")
+        .config("spark.sql.codegen.factoryMode", "NO_CODEGEN")
         # The tests' joins are small: under the default limit most would take the local plan
         # (searched in the driver) and leave the executors' plans, which every larger join
         # runs, untested. tests/join/test_local_plan.py runs it against them.
