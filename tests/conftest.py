@@ -68,11 +68,38 @@ def _rows_as_local_relation() -> None:
     SparkSession.createDataFrame = local
 
 
+def _jvm_names_remembered() -> None:
+    """py4j asks the JVM for every name a Python call looks up there (``jvm.PythonUtils`` in
+    each ``select``, ``jvm.org.apache...``), and the JVM answers a name under one of its
+    wildcard imports only after failed class lookups through every jar on Spark's class path:
+    a large share of the JVM's time spent answering the suite's Python calls. A name that
+    resolved to a class or a package resolves the same for the JVM's life: remembered, per
+    JVM view (the client's objects are kept with the names, so a new gateway's never match)."""
+    from py4j import java_gateway
+
+    for cls, place in ((java_gateway.JVMView, lambda view: view._id),
+                       (java_gateway.JavaPackage, lambda package: (package._jvm_id, package._fqn))):
+        lookup = cls.__getattr__
+        known: dict = {}
+
+        def remembered(self, name, lookup=lookup, known=known, place=place):
+            entry = (id(self._gateway_client), place(self), name)
+            found = known.get(entry)
+            if found is None:
+                found = lookup(self, name)
+                if isinstance(found, (java_gateway.JavaClass, java_gateway.JavaPackage)):
+                    known[entry] = found
+            return found
+
+        cls.__getattr__ = remembered
+
+
 @pytest.fixture(scope="session")
 def spark():
     from pyspark.sql import SparkSession
 
     _rows_as_local_relation()
+    _jvm_names_remembered()
     session = (
         SparkSession.builder.master("local[2]")
         .appName("nearest_join-tests")
