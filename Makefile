@@ -47,11 +47,12 @@ check-java:
 	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
 	  if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then echo "Java 17+ is required by pyspark 4.x (found: $$v). Install it, e.g.: sudo apt-get install -y openjdk-17-jre-headless" >&2; exit 1; fi
 
-# jobs.jvm records Spark's class archive once per pyspark install (a local job's JVM then starts
-# from it); it returns at once when the archive is there.
+# The demo first, then jobs.jvm: it records Spark's class archive once per pyspark install (later
+# local jobs' JVMs start from it) and returns at once when the archive is there. A new user sees
+# the demo's result without waiting for the recording, which takes longer than the demo.
 run: $(VENV)/.installed check-java
-	$(PY) -m jobs.jvm
 	PYSPARK_PYTHON=$(abspath $(PY)) $(VENV)/bin/nearest-join demo
+	$(PY) -m jobs.jvm
 
 # --durations=15: the slowest tests in every run's output (CI included), to see where time goes.
 test: $(VENV)/.installed-dev check-java
