@@ -308,8 +308,9 @@ TABLES: dict[tuple[str, str], Table] = {
     ("fixed_costs", "fresh_clone"): Table(
         "Fixed costs: a new user's two commands on a fresh clone",
         [col("step", "step"), col("seconds", "seconds", ".0f"), col("exit status", "rc")],
-        about="A new clone of the commit, its own virtualenv: `make run` (install, Spark's class archive, "
-              "the demo job) then `make test` (the test dependencies, the suite), on this machine's two cores."),
+        about="A new clone of the commit, its own virtualenv: `make run` (install, the demo job, then Spark's class "
+              "archive) then `make test` (the test dependencies, the suite), on this machine's two cores; the demo's "
+              "result on the screen: when its first output rows are printed."),
     ("approx", "recall_nt1000000"): Table(
         "Approximate search (IVF, `mode=\"approx\"`) against our exact mode and faiss IndexIVFFlat, local[2]",
         APPROX_COLUMNS,
