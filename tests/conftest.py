@@ -73,21 +73,25 @@ def _jvm_names_remembered() -> None:
     each ``select``, ``jvm.org.apache...``), and the JVM answers a name under one of its
     wildcard imports only after failed class lookups through every jar on Spark's class path:
     a large share of the JVM's time spent answering the suite's Python calls. A name that
-    resolved to a class or a package resolves the same for the JVM's life: remembered, per
-    JVM view (the client's objects are kept with the names, so a new gateway's never match)."""
+    resolved to a class resolves the same for the JVM's life, and so does a full name below a
+    package: remembered (a view's short name that found no class is asked again: an import
+    added later may give it one). The client's objects are kept with the names, so a new
+    gateway's never match."""
     from py4j import java_gateway
 
-    for cls, place in ((java_gateway.JVMView, lambda view: view._id),
-                       (java_gateway.JavaPackage, lambda package: (package._jvm_id, package._fqn))):
+    for cls, place, kinds in (
+            (java_gateway.JVMView, lambda view: view._id, (java_gateway.JavaClass,)),
+            (java_gateway.JavaPackage, lambda package: (package._jvm_id, package._fqn),
+             (java_gateway.JavaClass, java_gateway.JavaPackage))):
         lookup = cls.__getattr__
         known: dict = {}
 
-        def remembered(self, name, lookup=lookup, known=known, place=place):
+        def remembered(self, name, lookup=lookup, known=known, place=place, kinds=kinds):
             entry = (id(self._gateway_client), place(self), name)
             found = known.get(entry)
             if found is None:
                 found = lookup(self, name)
-                if isinstance(found, (java_gateway.JavaClass, java_gateway.JavaPackage)):
+                if isinstance(found, kinds):
                     known[entry] = found
             return found
 
