@@ -160,11 +160,13 @@ def fresh_clone(rec: Recorder, work: Path) -> None:
         if proc.wait():
             print(output[-6000:], flush=True)
         rec.add("fresh_clone", step=f"make {target}", seconds=round(seconds, 1), rc=proc.returncode)
-        if target == "run" and shown is not None:
+        if target != "run":
+            continue
+        recorded = re.search(r"Spark's class archive recorded in (\d+) s", output)
+        if shown is not None:
             rec.add("fresh_clone", step="of which: until the demo's result is on the screen", seconds=round(shown, 1),
                     rc=0)
-        recorded = re.search(r"Spark's class archive recorded in (\d+) s", output)
-        if target == "run" and recorded:
+        if recorded:
             rec.add("fresh_clone", step="of which: recording Spark's class archive (python -m jobs.jvm)",
                     seconds=float(recorded.group(1)), rc=0)
 
