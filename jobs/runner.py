@@ -798,7 +798,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"-{incremental['queries_deleted']:,} ~{incremental['queries_changed']:,}, targets "
             f"+{incremental['targets_inserted']:,} -{incremental['targets_deleted']:,} "
             f"~{incremental['targets_changed']:,}; {incremental['queries_searched_whole']:,} queries "
-            f"searched whole, {incremental['queries_merged']:,} lists merged")
+            f"searched whole, {incremental['queries_merged']:,} lists merged"
+            + (", searched in the driver" if incremental.get("searched_here") else ""))
         recall = incremental.get("recall")
         if recall is not None:
             measured = ("not estimated (nprobe given)" if recall["recall_estimate"] is None else

@@ -40,7 +40,10 @@ so that the statuses, the id checks and the planner's facts cost no shuffle; the
 back to Spark as broadcast local relations. The lists are merged on the driver too: the state's
 live lists are read with pyarrow (about 12 bytes per candidate), the kept queries' search of the
 added targets is collected (a few rows per query), and the lists a change meets are merged
-(numpy) and written (pyarrow), with no Spark shuffle; the searches stay Spark's.
+(numpy) and written (pyarrow), with no Spark shuffle. The searches are Spark's, or, for an exact
+refresh without ``on=`` keys whose vectors fit :data:`SEARCH_HERE_BYTES`, the driver's: its
+change detection collects today's vectors with the fingerprints, and the local plan's functions
+search them (:meth:`_Searcher.candidates_here`), no Spark job.
 
 The state lives in one directory (``state``): ``meta.json`` (what the lists answer: metric,
 k, margin, columns, id types, dimension, generation), ``queries/``, ``targets/`` and
@@ -93,7 +96,7 @@ from .errors import ArgumentError
 from .ivf_index import IVFIndex
 from .join import plan_join
 from .options import JoinOptions
-from .planner import SideFacts, cluster_cores, join_dimension, vector_length
+from .planner import MiB, SideFacts, cluster_cores, join_dimension, parse_bytes, vector_length
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
 from .recall import RECALL_QUERIES, wilson_interval
@@ -121,6 +124,12 @@ _INDEX = "index"   # mode="approx": the state's IVF index (nearest_join.ivf_inde
 # 2.5% of one look at the planner's 95% interval (a union bound).
 SECOND_LOOK_QUERIES = 4 * RECALL_QUERIES
 _Z_TWO_LOOKS = 2.241402727604947
+# An exact refresh without on= keys searches in the driver (the local plan's functions, on
+# today's rows of both sides collected with their fingerprints) when both sides' vectors come to
+# at most this, and to half of spark.driver.maxResultSize (the collect's bound): the searches of
+# a refresh are small, and streaming a whole side through the Python workers costs more than
+# collecting it beside the fingerprints that are collected anyway.
+SEARCH_HERE_BYTES = 512 * MiB
 
 
 def default_margin(num_results: int) -> int:
@@ -146,6 +155,7 @@ class Changes:
     queries_searched_whole: int = 0   # new, changed and short-listed queries: against all targets
     queries_short: int = 0            # kept queries whose list ran short
     queries_merged: int = 0           # kept queries whose list met a removed or an entering target
+    searched_here: bool = False       # the refresh's searches ran in the driver (_searches_here)
     query_rows: int = 0               # today's rows
     target_rows: int = 0
     # mode="approx" with an IVF index: its nlist and nprobe, and recall@k (recall_estimate,
@@ -279,7 +289,7 @@ def incremental_nearest_join(query: DataFrame, target: DataFrame, ranking, num_r
                    margin=margin, vectors=vectors, join_type=join_type, distance_col=distance_col,
                    backend=backend, precision=precision, max_distance=max_distance,
                    min_similarity=min_similarity, on=on, mode=mode, recall=recall, nlist=nlist, nprobe=nprobe,
-                   seed=seed)
+                   seed=seed, vectors_here=True)
     spark, state_dir, ids, search, schemas = query.sparkSession, run.state_dir, run.ids, run.search, run.schemas
     if new_state is None:
         staging = sibling(state_dir, _STAGING, uuid.uuid4().hex[:12])
@@ -372,6 +382,7 @@ class RefreshPlan:
     pairs: int
     full_pairs: int
     approx: str | None = None   # mode="approx": how the run searches and measures recall
+    searched_here: bool = False   # a refresh whose searches run in the driver (_searches_here)
 
     def __str__(self) -> str:
         def side(counts: dict) -> str:
@@ -386,7 +397,8 @@ class RefreshPlan:
             f"  queries  {self.query_rows:,} rows today: {side(self.queries)}",
             f"  targets  {self.target_rows:,} rows today: {side(self.targets)}",
             f"  search   {self.queries_searched_whole:,} queries against every target{kept}: "
-            f"{self.pairs:,} pairs ({share} {self.full_pairs:,})",
+            f"{self.pairs:,} pairs ({share} {self.full_pairs:,})"
+            + (", in the driver (today's vectors collected with the fingerprints)" if self.searched_here else ""),
             *([] if self.approx is None else [f"  approx   {self.approx}"])])
 
 
@@ -427,7 +439,10 @@ def explain_incremental(query: DataFrame, target: DataFrame, ranking, num_result
     return RefreshPlan(refresh=run.previous is not None, reason=run.reason, query_rows=queries, target_rows=targets,
                        queries={s: counted(0, s) for s in statuses}, targets={s: counted(1, s) for s in statuses},
                        queries_searched_whole=whole, pairs=pairs, full_pairs=queries * targets,
-                       approx=_approx_plan(run, queries))
+                       approx=_approx_plan(run, queries),
+                       searched_here=run.previous is not None and _searches_here(
+                           query.sparkSession, run.search, run.q_now, run.t_now, run.state_dir,
+                           run.previous["dimension"]))
 
 
 def _approx_plan(run, queries: int) -> str | None:
@@ -472,9 +487,10 @@ class _Prepared:
 
 def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, query_id: str, target_id: str,
              state, margin, vectors, join_type, distance_col, backend, precision, max_distance, min_similarity,
-             on, mode, recall, nlist, nprobe, seed) -> _Prepared:
+             on, mode, recall, nlist, nprobe, seed, vectors_here: bool = False) -> _Prepared:
     """The checks and the change detection (:func:`incremental_nearest_join`'s arguments, its
-    errors); nothing written."""
+    errors); nothing written. ``vectors_here``: a refresh that searches in the driver
+    (:func:`_searches_here`) collects today's vectors with the fingerprints."""
     options = JoinOptions(num_results=num_results, vectors=vectors, join_type=join_type,
                           distance_col=distance_col, backend=backend, precision=precision,
                           max_distance=max_distance, min_similarity=min_similarity, on=on, mode=mode,
@@ -514,6 +530,8 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     meta["approx"] = search.approx
     schemas = _state_schemas(q_now, t_now, search)
     previous, reason = _previous_state(spark, state_dir, meta, schemas)
+    here = vectors_here and previous is not None and _searches_here(spark, search, q_now, t_now, state_dir,
+                                                                     previous["dimension"])
     # Change detection: today's ids and fingerprints against the state's, and the checks
     # (unique non-NULL ids, one dimension) that must pass before anything is written.
     # The two sides' jobs and the state's reads at once: each is mostly waiting (on Spark, on
@@ -521,8 +539,8 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     with concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="nj-detect") as pool:
         state = None if previous is None else (pool.submit(_state_lists, state_dir),
                                                pool.submit(_state_fingerprints, state_dir))
-        query_side = pool.submit(_today, q_now, _QID, _QV)
-        target_side = _today(t_now, _TID, _TV)
+        query_side = pool.submit(_today, q_now, _QID, _QV, here)
+        target_side = _today(t_now, _TID, _TV, here)
         today = (query_side.result(), target_side)
         before = None
         if state is not None:
@@ -586,12 +604,34 @@ def _state_schemas(q_now: DataFrame, t_now: DataFrame, search: "_Searcher") -> d
     }
 
 
-def _today(df: DataFrame, id_name: str, vector_name: str) -> pa.Table:
+def _today(df: DataFrame, id_name: str, vector_name: str, vectors: bool = False) -> pa.Table:
     """Today's ids of one side with their fingerprints, vector lengths and input partitions,
-    collected to the driver (one Spark job; about 30 bytes a row)."""
+    collected to the driver (one Spark job; about 30 bytes a row); with ``vectors``, the
+    vectors too (column ``v``)."""
     return df.select(F.col(id_name).alias("id"), F.col(_H1).alias("h1"), F.col(_H2).alias("h2"),
-                     vector_length(df, vector_name).alias("length"),
-                     F.spark_partition_id().alias("p")).toArrow()
+                     vector_length(df, vector_name).alias("length"), F.spark_partition_id().alias("p"),
+                     *([F.col(vector_name).alias("v")] if vectors else [])).toArrow()
+
+
+def _searches_here(spark, search: "_Searcher", q_now: DataFrame, t_now: DataFrame, state_dir: Path,
+                   dimension: int | None) -> bool:
+    """Whether a refresh searches in the driver (:data:`SEARCH_HERE_BYTES`): exact, without
+    ``on=`` keys or the GPU backend asked for, over ``array<float>`` or ``array<double>`` vectors
+    whose bytes, at the state's rows and dimension, fit the bound."""
+    if search.approx is not None or search.q_keys or search.options.backend == "gpu":
+        return False
+    itemsizes = []
+    for df, name in ((q_now, _QV), (t_now, _TV)):
+        data_type = df.schema[name].dataType
+        if not isinstance(data_type, ArrayType) or not isinstance(data_type.elementType, (FloatType, DoubleType)):
+            return False
+        itemsizes.append(4 if isinstance(data_type.elementType, FloatType) else 8)
+    limit = SEARCH_HERE_BYTES
+    results = parse_bytes(spark.conf.get("spark.driver.maxResultSize", "1g"))
+    if results > 0:
+        limit = min(limit, results // 2)
+    rows = (_footer_rows(state_dir / "queries"), _footer_rows(state_dir / "targets"))
+    return sum(n * (dimension or 0) * size for n, size in zip(rows, itemsizes)) <= limit
 
 
 def _state_fingerprints(state_dir: Path) -> pa.Table:
@@ -674,6 +714,16 @@ class _Ids:
 
     def __call__(self, side: int, *statuses: str) -> int:
         return sum(len(self.ids[(side, s)]) for s in statuses)
+
+    @property
+    def here(self) -> bool:
+        """Whether today's vectors were collected (the searches run in the driver)."""
+        return "v" in self.today[0].column_names
+
+    def rows(self, side: int, ids: pa.Array) -> pa.Table:
+        """Today's collected rows of one side (id, h1, h2, length, p, v) whose ids are ``ids``."""
+        now = self.today[side]
+        return now.filter(pc.is_in(now["id"], value_set=ids))
 
     def today_rows(self, side: int) -> int:
         return len(self.today[side])
@@ -859,6 +909,25 @@ class _Searcher:
         return (rows.select(_QID, *fingerprints, F.struct(key.alias("key"), F.col(_TID).alias("target")).alias("x")),
                 planned)
 
+    def candidates_here(self, queries: DataFrame, targets: DataFrame, q_rows: pa.Table, t_rows: pa.Table,
+                        width: int | None = None) -> pa.Table:
+        """:meth:`candidates` of rows collected to the driver (``q_rows``, ``t_rows``:
+        :meth:`_Ids.rows`), searched there by the local plan's functions, no Spark job: an
+        Arrow table of (query id, with ``width`` None its fingerprints, key, target), a row of
+        NULL key and target for a query without a candidate. ``queries`` and ``targets``:
+        today's DataFrames, for the plan (no job)."""
+        options = self.options if width is None else replace(self.options, num_results=width)
+        fingerprints = [_H1, _H2] if width is None else []
+        q_table = pa.table({_QID: q_rows["id"], _QV: q_rows["v"],
+                            **{name: q_rows[name.replace("__nj_", "")] for name in fingerprints}})
+        planned = plan_join(queries.select(_QID, _QV, *fingerprints), targets.select(_TID, _TV), self.metric,
+                            options, arrow=(q_table, pa.table({_TID: t_rows["id"], _TV: t_rows["v"]})))
+        rows = planned.arrow_rows(query_columns=(0, *range(2, 2 + len(fingerprints))), target_columns=(0,))
+        value = rows.column(rows.num_columns - 1)
+        return pa.table({_QID: rows.column(0), **{name: rows.column(1 + i) for i, name in enumerate(fingerprints)},
+                         "key": pc.negate(value) if self.similarity else value,
+                         "target": rows.column(1 + len(fingerprints))})
+
 
 def _recall_sample(spark, ids: _Ids, seed: int, generation: int, look: int) -> tuple[DataFrame, int]:
     """The ids of the queries a refresh measures recall on, broadcast, and their count: of a
@@ -931,6 +1000,37 @@ def _lists(candidates: DataFrame, width: int) -> DataFrame:
                           .otherwise(F.lit(math.inf)).alias(_BOUND), F.lit(True).alias(_COMPLETE))
 
 
+def _lists_here(found: pa.Table, width: int, list_type: pa.DataType) -> pa.Table:
+    """:func:`_lists` of a search in the driver (:meth:`_Searcher.candidates_here`'s rows,
+    with fingerprints), as an Arrow table of the state's ``queries/`` columns (``list_type``:
+    the state's candidate lists')."""
+    rows = found.sort_by([(_QID, "ascending"), ("key", "ascending"), ("target", "ascending")])   # NULLs last
+    n = rows.num_rows
+    ids = rows[_QID].combine_chunks()
+    new_query = np.ones(n, bool)
+    if n > 1:
+        new_query[1:] = pc.not_equal(ids.slice(1), ids.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+    starts = np.flatnonzero(new_query)
+    group = np.cumsum(new_query) - 1
+    # A query's rows with a candidate come first (a NULL target sorts last), in (key, target) order.
+    position = np.arange(n) - starts[group]
+    taken = pc.is_valid(rows["target"]).to_numpy(zero_copy_only=False) & (position < width)
+    lengths = np.bincount(group[taken], minlength=len(starts))
+    key = rows["key"].combine_chunks()
+    bound = np.full(len(starts), np.inf)
+    full = lengths >= width
+    bound[full] = key.take(pa.array(starts[full] + width - 1)).to_numpy(zero_copy_only=False)
+    mask = pa.array(taken)
+    entries = pa.StructArray.from_arrays([key.filter(mask), rows["target"].combine_chunks().filter(mask)],
+                                         fields=list(list_type.value_type))
+    first = pa.array(starts)
+    return pa.table({_QID: ids.take(first), _H1: rows[_H1].combine_chunks().take(first),
+                     _H2: rows[_H2].combine_chunks().take(first),
+                     _LIST: pa.ListArray.from_arrays(pa.array(np.r_[0, np.cumsum(lengths)].astype(np.int32)), entries,
+                                                     type=list_type),
+                     _BOUND: pa.array(bound, pa.float64()), _COMPLETE: pa.array(np.ones(len(starts), bool))})
+
+
 def _full_run(q_now: DataFrame, t_now: DataFrame, ids: _Ids, search: _Searcher, staging: Path,
               reason: str) -> tuple[Changes, dict | None]:
     """Every query searched whole. Returns what it did and, when its approx plan ran IVF, the
@@ -979,7 +1079,12 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     n_kept = counted(0, "kept")
     entering, whole, truth = None, None, None
     entering_width = _entering_width(n_added, counted.today_rows(1), width)
-    if n_added and n_kept:
+    here = counted.here
+    if n_added and n_kept and here:
+        found = search.candidates_here(q_now, t_now, counted.rows(0, counted.array(0, "kept")),
+                                       counted.rows(1, counted.array(1, "inserted", "changed")), entering_width)
+        entering = found.filter(pc.is_valid(found["target"])).select([_QID, "key", "target"])
+    elif n_added and n_kept:
         added = t_now.join(ids_of(1, "inserted", "changed"), _TID, "left_semi")
         kept_rows = q_now.join(searched_whole, _QID, "left_anti")
         found, _ = search.candidates(kept_rows, added, (counted.facts(0, n_kept), counted.facts(1, n_added)),
@@ -1006,7 +1111,13 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
         approx = search.refresh_approx(spark, previous["ivf"], n_whole, counted.today_rows(1),
                                        previous["dimension"] or 1)
         fold = sample is not None and approx is None
-        if n_whole or fold:
+        if n_whole and here:
+            whole_ids = pa.concat_arrays([counted.array(0, "inserted", "changed"), *short.chunks])
+            found = search.candidates_here(q_now, t_now, counted.rows(0, whole_ids), counted.today[1])
+            (rows / "part=searched").mkdir(parents=True)
+            pq.write_table(_lists_here(found, width, kept.schema.field(_LIST).type),
+                           rows / "part=searched" / "part-00000.parquet")
+        elif n_whole or fold:
             wanted = F.broadcast(searched_whole.unionByName(sample[0])) if fold else searched_whole
             whole_rows = q_now.join(wanted, _QID, "left_semi")
             facts = (counted.facts(0, n_whole + (sample[1] if fold else 0)), counted.facts(1, counted.today_rows(1)))
@@ -1029,6 +1140,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
                    queries_kept=n_kept, targets_inserted=counted(1, "inserted"),
                    targets_deleted=counted(1, "deleted"), targets_changed=counted(1, "changed"),
                    queries_searched_whole=n_whole, queries_short=n_short, queries_merged=n_affected,
+                   searched_here=here,
                    query_rows=counted.today_rows(0), target_rows=counted.today_rows(1)), truth
 
 

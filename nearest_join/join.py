@@ -185,6 +185,23 @@ class PlannedJoin:
                         None if query_columns is None else tuple(int(c) for c in query_columns),
                         None if target_columns is None else tuple(int(c) for c in target_columns))
 
+    def arrow_rows(self, query_columns: tuple[int, ...], target_columns: tuple[int, ...]) -> "pa.Table":
+        """The local plan's joined rows as an Arrow table in this process, not a DataFrame (the
+        incremental join's searches of sides it holds: :func:`plan_join`'s ``arrow``): the
+        query's columns at ``query_columns``, the target's at ``target_columns``, then the
+        value when the plan has a ``distance_col``, under positional names."""
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        from udfs.local import local_join
+
+        if self.collected is None:
+            raise ValueError(f"arrow_rows: the local plan's rows only, this join's plan is {self.plan.plan!r}")
+        ctx, out_schema, _, _ = _join_context(self, None, tuple(query_columns), tuple(target_columns))
+        rows = local_join(*self.collected, ctx)
+        if rows is None:
+            return to_arrow_schema(out_schema).empty_table()
+        return rows
+
 
 def _without(df: DataFrame, vector_column: str, kept) -> tuple[int, ...]:
     """The positions of ``kept`` (default: every column of ``df``) less the vector column's."""
@@ -193,13 +210,17 @@ def _without(df: DataFrame, vector_column: str, kept) -> tuple[int, ...]:
 
 
 def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions, *,
-              facts: tuple[SideFacts, SideFacts] | None = None) -> PlannedJoin:
+              facts: tuple[SideFacts, SideFacts] | None = None, arrow: tuple | None = None) -> PlannedJoin:
     """Resolve the ranking against both sides, read their facts (one Spark job; the local
     plan's: both sides collected, two) and plan.
 
     ``facts``: both sides' facts when the caller has counted them already (the incremental
     join counts its inputs on the driver): no facts job then. With ``on=`` keys (exact mode
-    only) the target's key groups are then not counted: the plan says so.
+    only) the target's key groups are then not counted: the plan says so. ``arrow``: both
+    sides' rows as Arrow tables in this process already (``query``'s and ``target``'s columns,
+    in order, as their ``toArrow`` gives them; the incremental join's refresh): the local plan
+    searches them, whatever their size (:meth:`PlannedJoin.arrow_rows`), and no Spark job
+    runs; not with ``on=`` keys, IVF or the GPU backend.
 
     Raises what :func:`nearest_by_join` documents, before any output exists. The plan is
     logged at INFO.
@@ -231,9 +252,17 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
         _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                              parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
-        # Spark's estimates of both sides, once: the local plan's bound and the one-task rule's.
-        sizes, limit = (cheap_size(query), cheap_size(target)), local_limit_bytes(spark)
-        collected = None if facts is not None else _collect_here(query, target, options, keys, sizes, limit)
+        if arrow is not None:
+            if keys is not None or options.backend == "gpu" or options.mode != "exact":
+                raise ValueError("arrow: the local plan's sides, exact and without on= keys or the GPU backend")
+            n_query = len(query.columns)
+            collected = (arrow[0].rename_columns([C.output_name(i) for i in range(n_query)]),
+                         arrow[1].rename_columns([C.output_name(n_query + j) for j in range(len(target.columns))]))
+            sizes, limit = (None, None), None
+        else:
+            # Spark's estimates of both sides, once: the local plan's bound and the one-task rule's.
+            sizes, limit = (cheap_size(query), cheap_size(target)), local_limit_bytes(spark)
+            collected = None if facts is not None else _collect_here(query, target, options, keys, sizes, limit)
         if collected is None:
             # The workers start while the facts job runs, and this process plans and builds
             # the search (the local plan runs no Python worker).
@@ -261,7 +290,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
             query_input_partitions=q_facts.partitions, keys=keys, key_facts=key_facts,
             inputs_cheap=all(size is not None and size <= ONE_TASK_BYTES for size in sizes),
             query_payload=q_facts.payload, target_payload=t_facts.payload)
-        if collected is not None and not plan.one_task:
+        if collected is not None and not plan.one_task and arrow is None:
             # Small inputs, but too much work for one task: the plans that spread it, on the
             # input's own partitions, with the Python workers they run.
             start_python_workers(spark)
@@ -272,6 +301,9 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                 target_rows=t_facts.rows, query_input_partitions=q_facts.partitions,
                 query_payload=q_facts.payload, target_payload=t_facts.payload)
             collected = None
+        elif arrow is not None:
+            plan = dataclasses.replace(plan, plan="local", reason=(
+                "both sides' rows given in the driver: searched there, no Spark task"))
         elif collected is not None:
             plan = dataclasses.replace(plan, plan="local", reason=(
                 f"both sides estimated {sum(sizes)} B <= local limit {limit} B and a join "
@@ -550,9 +582,12 @@ def _search_settings(spark, ranking: Ranking, options: JoinOptions, plan: JoinPl
                           gpu_share=gpu_task_share(spark), warm_shape=warm)
 
 
-def _execute(planned: PlannedJoin, first_match_column: str | None = None,
-             query_columns: tuple[int, ...] | None = None,
-             target_columns: tuple[int, ...] | None = None) -> DataFrame:
+def _join_context(planned: PlannedJoin, first_match_column: str | None,
+                  query_columns: tuple[int, ...] | None,
+                  target_columns: tuple[int, ...] | None) -> tuple[JoinContext, StructType, list[str], int]:
+    """What the executors' functions take (the context, its layouts without group ids), the
+    schema of their rows (positional names), the output's names and the query's columns among
+    them."""
     from pyspark.sql.pandas.types import to_arrow_schema
 
     query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
@@ -583,15 +618,22 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         StructField(C.output_name(len(q_fields) + j), f.dataType, f.nullable, f.metadata)
         for j, f in enumerate(t_fields)]), timezone=timezone)
 
-    def join_context(q_layout, t_layout) -> JoinContext:
-        return JoinContext(settings, q_layout, t_layout, plan.join_type,
-                           plan.distance_col is not None, target_arrow, cap=plan.cap,
-                           mark_first=first_match_column is not None, query_columns=query_columns,
-                           target_columns=target_columns, timings=planned.timings)
+    ctx = JoinContext(settings, q_layout, t_layout, plan.join_type, plan.distance_col is not None,
+                      target_arrow, cap=plan.cap, mark_first=first_match_column is not None,
+                      query_columns=query_columns, target_columns=target_columns, timings=planned.timings)
+    return ctx, out_schema, names, len(q_kept)
 
+
+def _execute(planned: PlannedJoin, first_match_column: str | None = None,
+             query_columns: tuple[int, ...] | None = None,
+             target_columns: tuple[int, ...] | None = None) -> DataFrame:
+    query, target, ranking, plan = planned.query, planned.target, planned.parsed, planned.plan
+    spark = query.sparkSession
+    q_name, t_name = ranking.query_column, ranking.target_column
+    ctx, out_schema, names, n_query = _join_context(planned, first_match_column, query_columns, target_columns)
+    q_layout, t_layout = ctx.query, ctx.target
     if planned.collected is not None:   # the local plan (no keys, no IVF lists)
-        return _output(_searched_here(planned, join_context(q_layout, t_layout), out_schema, len(q_kept)),
-                       names, planned, len(q_kept))
+        return _output(_searched_here(planned, ctx, out_schema, n_query), names, planned, n_query)
     q_input, t_input = positional_inputs(query, target, planned.keys)
     if planned.keys is not None:
         # The group id is each side's last column; the executors drop it from the blocks'
@@ -608,12 +650,12 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             q_input, t_input = planned.ivf.listed(q_input, t_input, q_layout, t_layout)
         q_layout = dataclasses.replace(q_layout, group_index=len(query.columns))
         t_layout = dataclasses.replace(t_layout, group_index=len(target.columns))
-    ctx = join_context(q_layout, t_layout)
+    ctx = dataclasses.replace(ctx, query=q_layout, target=t_layout)
 
     if plan.plan == "blocked" and planned.layout is not None:   # on= keys or IVF lists
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
-        return _output(joined, names, planned, len(q_kept))
+        return _output(joined, names, planned, n_query)
     if plan.one_task:
         q_input = q_input.coalesce(1)
     elif plan.plan == "broadcast" and plan.query_partitions:
@@ -679,7 +721,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         joined = partials.groupBy(C.Q_BLOCK_ID).applyInArrow(_merge_function(ctx), out_schema)
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
-    return _output(joined, names, planned, len(q_kept))
+    return _output(joined, names, planned, n_query)
 
 
 def _first_row_meets(streamed: DataFrame, broadcast: DataFrame) -> DataFrame:

@@ -139,6 +139,7 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, monkeypatch, metric, 
         if n == 1 and metric == "l2":   # the explanation said what the run did
             c = run.changes
             assert plan.refresh and plan.reason == ""
+            assert plan.searched_here and c.searched_here and "in the driver" in str(plan)
             assert plan.queries == {"inserted": c.queries_inserted, "deleted": c.queries_deleted,
                                     "changed": c.queries_changed, "kept": c.queries_kept}
             assert plan.targets["inserted"] == c.targets_inserted and plan.targets["changed"] == c.targets_changed
@@ -187,6 +188,38 @@ def test_each_day_equals_a_full_recompute(spark, tmp_path, monkeypatch, metric, 
         for name, other in (("cap", 0.4), ("keys", None)):
             previous, reason = _previous_state(spark, state, {**meta, name: other}, schemas)
             assert previous is None and name in reason
+
+
+@pytest.mark.parametrize("here", [True, False], ids=["in the driver", "in spark"])
+def test_searches_in_the_driver_and_in_spark_equal_a_full_recompute(spark, tmp_path, monkeypatch, here):
+    """An exact refresh without keys searches in the driver, on today's rows collected with
+    their fingerprints, unless both sides' vectors would exceed incremental.SEARCH_HERE_BYTES;
+    then Spark searches, as a keyed or approx refresh does. Both give each day the rows of a
+    full recompute, ties aside: a similarity with a cap (queries with fewer than k within it),
+    no margin (lists that run short), NULL vectors on both sides, three days."""
+    if not here:
+        monkeypatch.setattr(incremental, "SEARCH_HERE_BYTES", 0)
+    rng = np.random.default_rng(11)
+    day, k = Day(rng, 40, 200), 3
+    day.t[3], day.q[4] = np.nan, np.nan
+    joined = dict(vectors=("v", "w"), distance_col="d", min_similarity=2.0)
+    for n in range(3):
+        q, t = day.frames(spark)
+        run = incremental_nearest_join(q, t, "inner_product", k, query_id="qid", target_id="tid",
+                                       state=str(tmp_path / "state"), margin=0, join_type="left", **joined)
+        got = run.dataframe(query_columns=(0,), target_columns=(0,)).collect()
+        full = nearest_by_join(q, t, "inner_product", k, join_type="left", **joined).select("qid", "tid", "d").collect()
+        assert sorted(r for r in got if r["tid"] is None) == sorted(r for r in full if r["tid"] is None)
+        _same_up_to_ties(_by_query([{**r.asDict(), "d": -r["d"]} for r in got if r["tid"] is not None], "qid", "tid", "d"),
+                         _by_query([{**r.asDict(), "d": -r["d"]} for r in full if r["tid"] is not None], "qid", "tid", "d"),
+                         k, True)
+        c = run.changes
+        assert c.refreshed == (n > 0) and c.searched_here == (here and n > 0)
+        if n:
+            assert c.queries_short > 0 and c.queries_merged > 0
+        run.commit()
+        q.unpersist(), t.unpersist()
+        day.change(rng, 0.05)
 
 
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
