@@ -115,7 +115,6 @@ _QID, _TID, _QV, _TV = "__nj_qid", "__nj_tid", "__nj_qv", "__nj_tv"
 _H1, _H2, _KEY = "__nj_h1", "__nj_h2", "__nj_key"
 _LIST, _BOUND, _COMPLETE = "candidates", "bound", "complete"
 _GEN, _DROPPED_AT = "gen", "__nj_dropped_at"
-_H2_SALT = "nearest_join"   # the second fingerprint hashes this string first
 _INDEX = "index"   # mode="approx": the state's IVF index (nearest_join.ivf_index.IVFIndex.save)
 # mode="approx" with a recall target: a refresh's measurement keeps the index when its lower
 # bound meets the target, on RECALL_QUERIES sampled queries or, when that look falls short, on
@@ -586,7 +585,7 @@ def _fingerprinted(df: DataFrame, id_name: str, vector_name: str, id_as: str, ve
     if keys:
         hashed.append(F.array(*[c.isNull() for c in key_columns]))
     return df.select(column(df, id_name).alias(id_as), vector.alias(vector_as),
-                     F.xxhash64(*hashed).alias(_H1), F.xxhash64(F.lit(_H2_SALT), *hashed).alias(_H2),
+                     F.xxhash64(*hashed).alias(_H1), F.xxhash64(F.lit("nearest_join"), *hashed).alias(_H2),
                      *key_columns)
 
 
@@ -608,34 +607,10 @@ def _state_schemas(q_now: DataFrame, t_now: DataFrame, search: "_Searcher") -> d
 def _today(df: DataFrame, id_name: str, vector_name: str, vectors: bool = False) -> pa.Table:
     """Today's ids of one side with their fingerprints, vector lengths and input partitions,
     collected to the driver (one Spark job; about 30 bytes a row); with ``vectors``, the
-    vectors too (column ``v``), and the fingerprints computed from them here
-    (:func:`_fingerprints_here`: the JVM's hash of every element would cost more than the
-    collect)."""
-    if not vectors:
-        return df.select(F.col(id_name).alias("id"), F.col(_H1).alias("h1"), F.col(_H2).alias("h2"),
-                         vector_length(df, vector_name).alias("length"), F.spark_partition_id().alias("p")).toArrow()
-    rows = df.select(F.col(id_name).alias("id"), vector_length(df, vector_name).alias("length"),
-                     F.spark_partition_id().alias("p"), F.col(vector_name).alias("v")).toArrow()
-    h1, h2 = _fingerprints_here(rows["v"])
-    return pa.table({"id": rows["id"], "h1": h1, "h2": h2, "length": rows["length"], "p": rows["p"], "v": rows["v"]})
-
-
-def _fingerprints_here(vectors: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_fingerprinted`'s two hashes of each collected vector (``array<float>`` or
-    ``array<double>``, no keys), computed in this process: Spark's ``xxhash64`` over the same
-    values (:mod:`nearest_kernels.fingerprint`), so a state's fingerprints are the same
-    whichever computed them."""
-    from nearest_kernels.fingerprint import SEED, spark_xxhash64, xxhash64_bytes
-
-    seeds = (SEED, xxhash64_bytes(_H2_SALT.encode(), SEED))
-    parts: tuple[list, list] = ([], [])
-    for chunk in vectors.chunks:
-        values = chunk.values.to_numpy(zero_copy_only=False)   # (a NULL element's value is never read)
-        element_valid = chunk.values.is_valid().to_numpy(zero_copy_only=False) if chunk.values.null_count else None
-        row_valid = chunk.is_valid().to_numpy(zero_copy_only=False)
-        for part, seed in zip(parts, seeds):
-            part.append(spark_xxhash64(chunk.offsets.to_numpy(), values, element_valid, row_valid, seed))
-    return tuple(np.concatenate(part) if part else np.zeros(0, np.int64) for part in parts)
+    vectors too (column ``v``)."""
+    return df.select(F.col(id_name).alias("id"), F.col(_H1).alias("h1"), F.col(_H2).alias("h2"),
+                     vector_length(df, vector_name).alias("length"), F.spark_partition_id().alias("p"),
+                     *([F.col(vector_name).alias("v")] if vectors else [])).toArrow()
 
 
 def _searches_here(spark, search: "_Searcher", q_now: DataFrame, t_now: DataFrame, state_dir: Path,

@@ -222,48 +222,6 @@ def test_searches_in_the_driver_and_in_spark_equal_a_full_recompute(spark, tmp_p
         day.change(rng, 0.05)
 
 
-@pytest.mark.parametrize("element", ["float", "double"])
-def test_fingerprints_computed_in_the_driver_are_spark_s(spark, element):
-    """A refresh that searches in the driver computes the fingerprints from the collected
-    vectors (nearest_kernels.fingerprint), and a state's must not depend on which side computed
-    them: the same two hashes as Spark's xxhash64 expressions of _fingerprinted, on NaNs of
-    other bit patterns, -0.0, infinities, subnormals, extremes, NULL vectors, NULL elements,
-    empty vectors and long ones, over several Arrow chunks."""
-    import pyarrow as pa
-
-    bits, np_type = (np.uint32, np.float32) if element == "float" else (np.uint64, np.float64)
-    odd = np.array([0x7FC00001, 0xFFC00000, 0x7F800001, 0x80000000, 0x7F800000, 0xFF800000, 0x00000001,
-                    0x7F7FFFFF] if element == "float" else
-                   [0x7FF8000000000001, 0xFFF8000000000000, 0x7FF0000000000001, 0x8000000000000000,
-                    0x7FF0000000000000, 0xFFF0000000000000, 0x0000000000000001, 0x7FEFFFFFFFFFFFFF],
-                   dtype=bits).view(np_type)
-    rng = np.random.default_rng(5)
-    rows = []
-    for i in range(240):
-        kind = i % 5
-        if kind == 0:
-            rows.append(None)
-        elif kind == 1:
-            rows.append(np.zeros(0, np_type))
-        elif kind == 2:
-            rows.append(rng.choice(odd, rng.integers(1, 9)))
-        else:
-            rows.append((rng.standard_normal(rng.integers(1, 1537)) * 10.0 ** rng.integers(-30, 30)).astype(np_type))
-    arrays = [pa.array([None if r is None else r.tolist() for r in rows[:120]], pa.list_(pa.from_numpy_dtype(np_type))),
-              pa.array([None if r is None else r.tolist() for r in rows[120:]], pa.list_(pa.from_numpy_dtype(np_type)))]
-    # NULL elements among the odd ones
-    with_nulls = pa.array([None if r is None else [None if j % 3 == 1 else x for j, x in enumerate(r.tolist())]
-                           for r in rows[:60]], pa.list_(pa.from_numpy_dtype(np_type)))
-    table = pa.table({"id": pa.array(np.arange(300)), "v": pa.chunked_array(arrays + [with_nulls])})
-    df = spark.createDataFrame(table)
-    spark_s = (incremental._fingerprinted(df, "id", "v", "__nj_qid", "__nj_qv", [], "q")
-               .select("__nj_qid", incremental._H1, incremental._H2).toArrow().sort_by("__nj_qid"))
-    h1, h2 = incremental._fingerprints_here(table["v"])
-    assert np.array_equal(h1, spark_s[incremental._H1].to_numpy())
-    assert np.array_equal(h2, spark_s[incremental._H2].to_numpy())
-    assert len(set(h1.tolist())) > 150   # not a constant
-
-
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
     """Without a margin, deleting a query's nearest target leaves its list short of k: the
     query is searched against the whole target again (not answered from the short list).
