@@ -318,6 +318,15 @@ def search_broadcast(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Ite
     return _search_broadcast(_pairs(batches), ctx)
 
 
+def search_held_blocks(query_blocks: list[tuple[int, pa.Table]], target_blocks: list[tuple[int, pa.Table]],
+                       ctx: JoinContext) -> Iterator[pa.RecordBatch]:
+    """The broadcast plan's search of blocks this process holds (``udfs.local``: the driver's
+    local plan and the incremental join's searches): (block id, rows) of each side, searched
+    as :func:`search_broadcast` searches packed pairs, without the blobs' wire format."""
+    return _search_broadcast(((q_id, q_rows, t_id, t_rows) for q_id, q_rows in query_blocks
+                              for t_id, t_rows in target_blocks), ctx)
+
+
 def search_streamed_queries(batches: Iterable[pa.RecordBatch], ctx: JoinContext, pack, width: int
                             ) -> Iterator[pa.RecordBatch]:
     """Broadcast plan, the query's rows as they are (:func:`streamed_blocks`): packed into
@@ -360,7 +369,7 @@ def _search_broadcast(pairs: Iterable[tuple], ctx: JoinContext) -> Iterator[pa.R
                 targets_seen.add(t_id)
                 pair.submit(pair.broadcast_target, t_id, t_blob)
             if block is None or q_id != block.id:
-                if q_blob.size == 0:
+                if (q_blob.num_rows if isinstance(q_blob, pa.Table) else q_blob.size) == 0:
                     raise RuntimeError(
                         f"internal error: query block {q_id} arrived without its rows (its first "
                         f"pair was with target block {t_id}); its output would be lost")

@@ -294,9 +294,10 @@ def group_ids(column: pa.ChunkedArray | pa.Array):
 # -- packed blocks -------------------------------------------------------------------------------
 
 def decode_block(blob, side: SideLayout) -> tuple[pa.Table, np.ndarray, np.ndarray | Probes | None]:
-    """(rows, vectors, group ids or None) of a packed block of ``side``: a keyed side's group
-    id column is dropped from the rows (the output has the user's columns only)."""
-    table = blob_to_table(blob)
+    """(rows, vectors, group ids or None) of a packed block of ``side`` (or of its rows as a
+    table, a block this process holds: ``udfs.blocks.search_held_blocks``): a keyed side's
+    group id column is dropped from the rows (the output has the user's columns only)."""
+    table = blob if isinstance(blob, pa.Table) else blob_to_table(blob)
     groups = None
     if side.group_index is not None:
         groups = group_ids(table.column(side.group_index))

@@ -1,8 +1,10 @@
 """An in-process driver of the executor functions: Arrow tables in, joined rows out.
 
-:func:`local_join` packs, pairs and searches exactly as Spark feeds the functions of
-``udfs.packing`` and ``udfs.blocks``, without Spark (tests, GPU benchmarks): the one-task
-plan's pairs (``broadcast``), the blocked plan's (``blocked``), and the plans whose streamed
+:func:`local_join` cuts, pairs and searches as Spark feeds the functions of ``udfs.packing``
+and ``udfs.blocks``, without Spark (tests, the driver's local plan, the incremental join's
+searches): the one-task plan's pairs (``broadcast``: blocks held as tables, the same blocks
+and ids as packing gives, without the blobs' wire format, which a process searching its own
+tables does not need), the blocked plan's (``blocked``: packed), and the plans whose streamed
 side reaches the search as rows (``broadcast-streamed``: the query's; ``blocked-streamed``:
 the target's, against the broadcast query blocks).
 """
@@ -15,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
-from .blocks import (merge_partials, search_broadcast, search_pairs, search_streamed_queries,
+from .blocks import (merge_partials, search_held_blocks, search_pairs, search_streamed_queries,
                      search_streamed_targets)
 from .context import JoinContext, SideLayout, local_task
 from .packing import PACKED_SCHEMA, empty_target_block, pack_blocks
@@ -31,6 +33,17 @@ def _blocks(packed: pa.Table) -> list[tuple[pa.Array, pa.Array]]:
     copy of the blob)."""
     return [(batch.column(0).slice(i, 1), batch.column(1).slice(i, 1))
             for batch in packed.to_batches() for i in range(batch.num_rows)]
+
+
+def held_blocks(rows: pa.Table, layout: SideLayout, partition: int) -> list[tuple[int, pa.Table]]:
+    """(block id, rows) of one partition's ``rows``, cut as :func:`udfs.packing.pack_blocks`
+    cuts them and with its ids, each block a view of one contiguous copy of the rows."""
+    rows = rows.combine_chunks()
+    starts = range(0, rows.num_rows, layout.block_rows)
+    if len(starts) > 1 << C.SEQUENCE_BITS:
+        raise ValueError("too many blocks in one partition: raise the block size")
+    return [((partition << C.SEQUENCE_BITS) | sequence, rows.slice(start, layout.block_rows))
+            for sequence, start in enumerate(starts)]
 
 
 def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True) -> Iterator[pa.RecordBatch]:
@@ -113,7 +126,11 @@ def _local_join(query: pa.Table, target: pa.Table, ctx: JoinContext, plan: str, 
                 pack=functools.partial(pack_blocks, layout=ctx.target, partition=p)))
         out = merged(partial)
     elif plan == "broadcast":
-        out = list(search_broadcast(pair_batches(pack(query, ctx.query), t_packed()), ctx))
+        with timed(ctx.timings, "pack"):
+            q_blocks, t_blocks = ([block for p, part in enumerate(parts(table)) for block in held_blocks(part, layout, p)]
+                                  for table, layout in ((query, ctx.query), (target, ctx.target)))
+        # the empty target block first, as the plans broadcast it (its rows are never read)
+        out = list(search_held_blocks(q_blocks, [(C.EMPTY_BLOCK_ID, pa.table({}))] + t_blocks, ctx))
     elif plan == "blocked":
         out = merged(list(search_pairs(pair_batches(pack(query, ctx.query), t_packed(), rows_once=False), ctx)))
     else:
