@@ -2,9 +2,9 @@
 
 :func:`local_join` cuts, pairs and searches as Spark feeds the functions of ``udfs.packing``
 and ``udfs.blocks``, without Spark (tests, the driver's local plan, the incremental join's
-searches): the one-task plan's pairs (``broadcast``: blocks held as tables, views of the
-rows, without the blobs' wire format, which a process searching its own tables does not
-need), the blocked plan's (``blocked``: packed), and the plans whose streamed
+searches): the one-task plan's pairs (``broadcast``: blocks held as tables, the same blocks
+and ids as packing gives, without the blobs' wire format, which a process searching its own
+tables does not need), the blocked plan's (``blocked``: packed), and the plans whose streamed
 side reaches the search as rows (``broadcast-streamed``: the query's; ``blocked-streamed``:
 the target's, against the broadcast query blocks).
 """
@@ -36,16 +36,14 @@ def _blocks(packed: pa.Table) -> list[tuple[pa.Array, pa.Array]]:
 
 
 def held_blocks(rows: pa.Table, layout: SideLayout, partition: int) -> list[tuple[int, pa.Table]]:
-    """(block id, rows) of one partition's ``rows``: each of the table's record batches (as the
-    rows arrived: a collect's batches, say), cut at the layout's block rows, a view each (no
-    copy). The ids are packing's (:func:`udfs.packing.pack_blocks`: the partition, then the
-    sequence), so a key (block id, row) orders the rows as they come and ties break as in the
-    packed plans, wherever the blocks are cut."""
-    blocks = [pa.Table.from_batches([batch.slice(start, layout.block_rows)])
-              for batch in rows.to_batches() for start in range(0, batch.num_rows, layout.block_rows)]
-    if len(blocks) > 1 << C.SEQUENCE_BITS:
+    """(block id, rows) of one partition's ``rows``, cut as :func:`udfs.packing.pack_blocks`
+    cuts them and with its ids, each block a view of one contiguous copy of the rows."""
+    rows = rows.combine_chunks()
+    starts = range(0, rows.num_rows, layout.block_rows)
+    if len(starts) > 1 << C.SEQUENCE_BITS:
         raise ValueError("too many blocks in one partition: raise the block size")
-    return [((partition << C.SEQUENCE_BITS) | sequence, block) for sequence, block in enumerate(blocks)]
+    return [((partition << C.SEQUENCE_BITS) | sequence, rows.slice(start, layout.block_rows))
+            for sequence, start in enumerate(starts)]
 
 
 def pair_batches(q_packed: pa.Table, t_packed: pa.Table, rows_once: bool = True) -> Iterator[pa.RecordBatch]:

@@ -41,38 +41,6 @@ def test_local_join_matches_reference(plan, metric):
     np.testing.assert_array_equal(tv, T[np.array(out.column(2).to_pylist())])
 
 
-def test_held_blocks_are_cut_at_record_batches_and_break_ties_as_the_packed_plans():
-    """The broadcast plan of ``local_join`` searches the sides' record batches as they are (a
-    collect's batches, here of 7, 0, 30 and 13 rows), cut at the block size, without copying
-    them: the rows equal the packed blocked plan's, and the oracle's, with every target
-    duplicated in another batch, so that each query's k-th value is tied (the earlier row
-    wins, whichever block it is in)."""
-    from udfs.local import held_blocks
-
-    rng = np.random.default_rng(21)
-    Q, T, qt, tt = _tables(rng, 23, 25, 4)
-    T = np.concatenate([T, T])      # rows 25-49 repeat rows 0-24
-    tt = pa.concat_tables([tt, tt.set_column(0, "tid", pa.array(np.arange(25, 50)))])
-    batches = tt.combine_chunks().to_batches()[0]
-    tt = pa.Table.from_batches([batches.slice(0, 7), batches.slice(7, 0), batches.slice(7, 30), batches.slice(37)])
-    assert [len(b) for b in tt.to_batches()] == [7, 0, 30, 13]
-    ctx = _ctx(5, "l2", 4, 6, 20, schema=tt.schema)
-    blocks = held_blocks(tt, ctx.target, 1)
-    assert [(i >> C.SEQUENCE_BITS, i & ((1 << C.SEQUENCE_BITS) - 1), b.num_rows) for i, b in blocks] == \
-        [(1, 0, 7), (1, 1, 20), (1, 2, 10), (1, 3, 13)]
-    assert blocks[1][1].column(2).chunk(0).buffers()[-1].address == \
-        tt.column(2).chunk(2).buffers()[-1].address   # a view of the batch, not a copy
-    held = local_join(qt, tt, ctx, plan="broadcast")
-    packed = local_join(qt, tt, ctx, plan="blocked")
-
-    def rows(out):
-        return sorted(zip(out.column(0).to_pylist(), out.column(2).to_pylist(), out.column(5).to_pylist()))
-    assert rows(held) == rows(packed)
-    values, indices = knn(Q, T, 5, "l2", backend="reference")
-    # the oracle keeps the earlier of two equal rows: the first copy (0-24) before the second
-    assert sorted((q, t) for q, t, _ in rows(held)) == sorted((q, int(t)) for q in range(23) for t in indices[q])
-
-
 def test_left_outer_keeps_unmatched_query_rows_once():
     rng = np.random.default_rng(1)
     Q, T, qt, tt = _tables(rng, 5, 3, 2)
