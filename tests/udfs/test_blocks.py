@@ -41,6 +41,36 @@ def test_local_join_matches_reference(plan, metric):
     np.testing.assert_array_equal(tv, T[np.array(out.column(2).to_pylist())])
 
 
+def test_held_blocks_break_ties_as_the_packed_plans():
+    """The broadcast plan of ``local_join`` cuts each side, whatever its record batches (here
+    7, 0, 30 and 13 rows), into blocks of the block size with packing's ids, held as views,
+    not packed: the rows equal the packed blocked plan's and the oracle's, with every target
+    duplicated in a later block, so that each query's k-th value is tied (the earlier row
+    wins)."""
+    from udfs.local import held_blocks
+
+    rng = np.random.default_rng(21)
+    Q, T, qt, tt = _tables(rng, 23, 25, 4)
+    T = np.concatenate([T, T])      # rows 25-49 repeat rows 0-24
+    tt = pa.concat_tables([tt, tt.set_column(0, "tid", pa.array(np.arange(25, 50)))])
+    batch = tt.combine_chunks().to_batches()[0]
+    tt = pa.Table.from_batches([batch.slice(0, 7), batch.slice(7, 0), batch.slice(7, 30), batch.slice(37)])
+    ctx = _ctx(5, "l2", 4, 6, 20, schema=tt.schema)
+    blocks = held_blocks(tt, ctx.target, 1)
+    assert [(i >> C.SEQUENCE_BITS, i & ((1 << C.SEQUENCE_BITS) - 1), b.num_rows) for i, b in blocks] == \
+        [(1, 0, 20), (1, 1, 20), (1, 2, 10)]
+    assert pa.concat_tables([b for _, b in blocks]).equals(tt)
+    held = local_join(qt, tt, ctx, plan="broadcast")
+    packed = local_join(qt, tt, ctx, plan="blocked")
+
+    def rows(out):
+        return sorted(zip(out.column(0).to_pylist(), out.column(2).to_pylist(), out.column(5).to_pylist()))
+    assert rows(held) == rows(packed)
+    values, indices = knn(Q, T, 5, "l2", backend="reference")
+    # the oracle keeps the earlier of two equal rows: the first copy (0-24) before the second
+    assert sorted((q, t) for q, t, _ in rows(held)) == sorted((q, int(t)) for q in range(23) for t in indices[q])
+
+
 def test_left_outer_keeps_unmatched_query_rows_once():
     rng = np.random.default_rng(1)
     Q, T, qt, tt = _tables(rng, 5, 3, 2)
