@@ -1070,7 +1070,6 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     def ids_of(side: int, *statuses: str) -> DataFrame:
         return counted.frame(spark, side, *statuses)
 
-    searched_whole = ids_of(0, "inserted", "changed")
     # The state's lists of the queries kept (those deleted or changed leave), on the driver.
     lists = previous["lists"]
     gone = counted.array(0, "deleted", "changed")
@@ -1080,6 +1079,8 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
     entering, whole, truth = None, None, None
     entering_width = _entering_width(n_added, counted.today_rows(1), width)
     here = counted.here
+    # The ids of the queries Spark's searches search whole (a driver's search takes them as Arrow).
+    searched_whole = None if here else ids_of(0, "inserted", "changed")
     if n_added and n_kept and here:
         found = search.candidates_here(q_now, t_now, counted.rows(0, counted.array(0, "kept")),
                                        counted.rows(1, counted.array(1, "inserted", "changed")), entering_width)
@@ -1105,7 +1106,7 @@ def _refresh(spark, q_now: DataFrame, t_now: DataFrame, counted: _Ids, previous:
                 pq.write_table(chosen, rows / f"part={part}" / "part-00000.parquet")
         short = merged[_QID].filter(pc.invert(merged[_COMPLETE]))
         n_short, n_affected = len(short), merged.num_rows
-        if n_short:
+        if n_short and not here:
             searched_whole = F.broadcast(searched_whole.unionByName(counted.frame(spark, 0, ids=short)))
         n_whole = counted(0, "inserted", "changed") + n_short
         approx = search.refresh_approx(spark, previous["ivf"], n_whole, counted.today_rows(1),
