@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,15 +77,22 @@ def backend_names() -> list[str]:
     return list(_REGISTRY)
 
 
+# Threads load the backends one at a time: a thread that found a backend tried while another
+# was still importing it would take it for unusable (a driver searches beside its kernel
+# warm-up thread).
+_LOADING = threading.RLock()
+
+
 def _load(entry: _Entry) -> Backend | None:
-    if not entry.tried:
-        entry.tried = True
-        try:
-            entry.loaded = importlib.import_module(entry.module).BACKEND
-        except Exception as exc:  # an optional dependency is missing or broken
-            entry.import_error = f"cannot be imported ({type(exc).__name__}: {exc})"
-            logger.debug("backend %s unavailable: %s", entry.name, entry.import_error)
-    return entry.loaded
+    with _LOADING:
+        if not entry.tried:
+            try:
+                entry.loaded = importlib.import_module(entry.module).BACKEND
+            except Exception as exc:  # an optional dependency is missing or broken
+                entry.import_error = f"cannot be imported ({type(exc).__name__}: {exc})"
+                logger.debug("backend %s unavailable: %s", entry.name, entry.import_error)
+            entry.tried = True
+        return entry.loaded
 
 
 def get_backend(name: str) -> Backend:

@@ -11,6 +11,7 @@ another one than ``"cpu"`` (a CUDA machine); what it picks is tested by the disp
 """
 from __future__ import annotations
 
+import concurrent.futures
 import doctest
 import importlib
 import os
@@ -355,6 +356,20 @@ def test_bad_arguments_raise_value_error(call, match, backend):
 def test_unknown_backend_raises_value_error():
     with pytest.raises(ValueError, match=r"backend: expected one of \['auto', .*'cpu'.*got 'tpu'"):
         knn(GOOD, GOOD, 1, backend="tpu")
+
+
+def test_threads_that_load_a_backend_at_once_all_get_it(tmp_path, monkeypatch):
+    """A backend whose import takes a while, asked for by several threads at once (a driver
+    searching beside its kernel warm-up thread): each gets the backend, none reads the import
+    under way as a failure."""
+    (tmp_path / "slow_backend_for_test.py").write_text(
+        "import time\ntime.sleep(0.3)\nfrom nearest_kernels.reference_backend import BACKEND\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(dispatch_module, "_REGISTRY", dict(dispatch_module._REGISTRY))
+    dispatch_module.register_backend("slow", "slow_backend_for_test")
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = [f.result() for f in [pool.submit(dispatch_module.get_backend, "slow") for _ in range(4)]]
+    assert all(backend is got[0] for backend in got) and got[0].name == "reference"
 
 
 @pytest.mark.parametrize("threads", [0, -2, 1.5, True, "2"])
