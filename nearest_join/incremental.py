@@ -42,8 +42,10 @@ live lists are read with pyarrow (about 12 bytes per candidate), the kept querie
 added targets is collected (a few rows per query), and the lists a change meets are merged
 (numpy) and written (pyarrow), with no Spark shuffle. The searches are Spark's, or, for an exact
 refresh without ``on=`` keys whose vectors fit :data:`SEARCH_HERE_BYTES`, the driver's: its
-change detection collects today's vectors with the fingerprints, and the local plan's functions
-search them (:meth:`_Searcher.candidates_here`), no Spark job.
+change detection reads today's vectors from a side's Parquet files when the side is a plain scan
+of them (:mod:`nearest_join.parquet_scan`; paired with the collected rows by id), else collects
+them with the fingerprints, and the local plan's functions search them
+(:meth:`_Searcher.candidates_here`), no Spark job.
 
 The state lives in one directory (``state``): ``meta.json`` (what the lists answer: metric,
 k, margin, columns, id types, dimension, generation), ``queries/``, ``targets/`` and
@@ -96,6 +98,7 @@ from .errors import ArgumentError
 from .ivf_index import IVFIndex
 from .join import plan_join
 from .options import JoinOptions
+from .parquet_scan import plain_parquet_scan
 from .planner import MiB, SideFacts, cluster_cores, join_dimension, parse_bytes, vector_length
 from .publish import replace_directory, sibling
 from .ranking import DIRECTIONS, column, parse_keys, parse_ranking, quote
@@ -535,13 +538,23 @@ def _prepare(query: DataFrame, target: DataFrame, ranking, num_results: int, *, 
     # Change detection: today's ids and fingerprints against the state's, and the checks
     # (unique non-NULL ids, one dimension) that must pass before anything is written.
     # The two sides' jobs and the state's reads at once: each is mostly waiting (on Spark, on
-    # the files), and pyarrow reads without the GIL.
-    with concurrent.futures.ThreadPoolExecutor(3, thread_name_prefix="nj-detect") as pool:
+    # the files), and pyarrow reads without the GIL. A side that is a plain scan of Parquet
+    # files has its vectors read from them (pyarrow decodes them faster than Spark converts
+    # them), paired with the collected rows by id.
+    scans = [plain_parquet_scan(df, [name, vector]) if here else None
+             for df, name, vector in ((query, query_id, parsed.query_column),
+                                      (target, target_id, parsed.target_column))]
+    with concurrent.futures.ThreadPoolExecutor(5, thread_name_prefix="nj-detect") as pool:
         state = None if previous is None else (pool.submit(_state_lists, state_dir),
                                                pool.submit(_state_fingerprints, state_dir))
-        query_side = pool.submit(_today, q_now, _QID, _QV, here)
-        target_side = _today(t_now, _TID, _TV, here)
-        today = (query_side.result(), target_side)
+        files = [None if scan is None else pool.submit(scan.read, ["id", "v"]) for scan in scans]
+        query_side = pool.submit(_today, q_now, _QID, _QV, here and scans[0] is None)
+        target_side = _today(t_now, _TID, _TV, here and scans[1] is None)
+        today = [query_side.result(), target_side]
+        for side, (now, id_name, vector_name) in enumerate(((q_now, _QID, _QV), (t_now, _TID, _TV))):
+            if files[side] is not None:
+                aligned = _with_vectors(today[side], files[side].result())
+                today[side] = _today(now, id_name, vector_name, vectors=True) if aligned is None else aligned
         before = None
         if state is not None:
             lists, targets = state[0].result(), state[1].result()
@@ -611,6 +624,34 @@ def _today(df: DataFrame, id_name: str, vector_name: str, vectors: bool = False)
     return df.select(F.col(id_name).alias("id"), F.col(_H1).alias("h1"), F.col(_H2).alias("h2"),
                      vector_length(df, vector_name).alias("length"), F.spark_partition_id().alias("p"),
                      *([F.col(vector_name).alias("v")] if vectors else [])).toArrow()
+
+
+def _with_vectors(today: pa.Table, files: pa.Table | None) -> pa.Table | None:
+    """One side's collected rows (:func:`_today` without vectors) in the order of its files'
+    rows (``files``: id, v, read by :class:`nearest_join.parquet_scan.ParquetScan`) with their
+    vectors as column ``v``; None when the files do not hold the collected ids, each once, with
+    vectors of the lengths Spark read (then the caller collects the vectors through Spark)."""
+    n = today.num_rows
+    if files is None or files.num_rows != n:
+        return None
+    try:
+        ids = files["id"].cast(today["id"].type)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        return None
+    joined = pa.table({"id": ids, "row": np.arange(n)}).join(pa.table({"id": today["id"], "at": np.arange(n)}),
+                                                             keys="id")
+    row, at = joined["row"].to_numpy(), joined["at"].to_numpy()
+    # Each row of each side met once: the join pairs equal ids one to one (NULL ids meet none).
+    if len(row) != n or np.bincount(row, minlength=n).max(initial=0) > 1 \
+            or np.bincount(at, minlength=n).max(initial=0) > 1:
+        return None
+    order = np.empty(n, np.int64)
+    order[row] = at
+    aligned = today.take(order)
+    lengths = pc.fill_null(pc.list_value_length(files["v"]), -1)
+    if not pc.all(pc.equal(lengths, pc.fill_null(aligned["length"], -1))).as_py():
+        return None
+    return aligned.append_column("v", files["v"])
 
 
 def _searches_here(spark, search: "_Searcher", q_now: DataFrame, t_now: DataFrame, state_dir: Path,

@@ -222,6 +222,54 @@ def test_searches_in_the_driver_and_in_spark_equal_a_full_recompute(spark, tmp_p
         day.change(rng, 0.05)
 
 
+def _parquet_side(spark, path, ids, vectors, id_name, vector_name):
+    """One side as Parquet files of 5, 50 and the rest of its rows, in that order of their
+    names: Spark reads the largest first, pyarrow in name order, so a refresh that used the
+    files' vectors in Spark's row order would pair them with the wrong ids. Read back with
+    the id renamed (a plain scan still)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.mkdir()
+    table = pa.table({"id": pa.array(ids, pa.int64()),
+                      "vec": pa.array([None if np.isnan(v).any() else v.tolist() for v in vectors],
+                                      pa.list_(pa.float32()))})
+    for i, (start, stop) in enumerate(((0, 5), (5, 55), (55, len(ids)))):
+        pq.write_table(table.slice(start, stop - start), path / f"part-{i}.parquet")
+    return spark.read.parquet(str(path)).select(F.col("id").alias(id_name), F.col("vec").alias(vector_name))
+
+
+def test_sides_read_from_their_parquet_files_equal_a_full_recompute(spark, tmp_path, monkeypatch):
+    """A refresh that searches in the driver reads the vectors of a side that is a plain
+    Parquet scan from its files (nearest_join.parquet_scan), not through Spark's collect, and
+    pairs them with Spark's ids by id: each day equals a full recompute, ties aside, with NULL
+    vectors on both sides. Files that hold an id twice are no plain read: the collect's error."""
+    vectors_collected = []
+    today = incremental._today
+    monkeypatch.setattr(incremental, "_today", lambda df, id_name, vector_name, vectors=False: (
+        vectors_collected.append(vectors), today(df, id_name, vector_name, vectors))[1])
+    rng = np.random.default_rng(5)
+    day, k = Day(rng, 70, 300), 3
+    day.t[7], day.q[60] = np.nan, np.nan
+    for n in range(3):
+        q = _parquet_side(spark, tmp_path / f"q{n}", day.q_ids, day.q, "qid", "v")
+        t = _parquet_side(spark, tmp_path / f"t{n}", day.t_ids, day.t, "tid", "w")
+        vectors_collected.clear()
+        run = incremental_nearest_join(q, t, "l2", k, query_id="qid", target_id="tid", state=str(tmp_path / "state"),
+                                       vectors=("v", "w"), distance_col="d")
+        got = run.dataframe(query_columns=(0,), target_columns=(0,)).collect()
+        full = nearest_by_join(q, t, "l2", k, vectors=("v", "w"), distance_col="d").select("qid", "tid", "d").collect()
+        _same_up_to_ties(_by_query(got, "qid", "tid", "d"), _by_query(full, "qid", "tid", "d"), k, False)
+        assert run.changes.searched_here == (n > 0) and vectors_collected == [False, False]
+        run.commit()
+        day.change(rng, 0.05)
+    ids = np.concatenate([day.t_ids, day.t_ids[:1]])
+    t = _parquet_side(spark, tmp_path / "twice", ids, np.concatenate([day.t, day.t[:1]]), "tid", "w")
+    with pytest.raises(ValueError, match=rf"target_id.*`tid`.*id {ids[0]} on 2 rows"):
+        incremental_nearest_join(q, t, "l2", k, query_id="qid", target_id="tid", state=str(tmp_path / "state"),
+                                 vectors=("v", "w"), distance_col="d")
+
+
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
     """Without a margin, deleting a query's nearest target leaves its list short of k: the
     query is searched against the whole target again (not answered from the short list).

@@ -1,0 +1,105 @@
+"""Columns of a DataFrame that is a plain scan of local Parquet files, read by pyarrow.
+
+Spark hands ``array<float>`` columns to Python element by element: its Arrow conversion
+writes every one, and for the vectors of a whole side that costs seconds where pyarrow decodes
+the same files in a fraction of the time. :func:`plain_parquet_scan` finds the files and
+columns when the DataFrame's optimized plan is nothing but a projection of columns of a
+Parquet relation on the local file system; for anything else (a filter, a cast, a cached
+DataFrame, another source, a partition column, Spark Connect) it returns None, and the caller
+collects through Spark.
+
+The rows come in the files' order, not Spark's: a caller aligns them with rows Spark collected
+by a unique id (and checks that each side has every row once).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from urllib.parse import unquote, urlparse
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+from pyspark.sql import DataFrame
+from pyspark.sql.pandas.types import to_arrow_type
+
+from .ranking import column
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ParquetScan:
+    """Columns of a plain Parquet scan: its local files, the columns' names in them and the
+    Arrow types Spark reads them as (:func:`plain_parquet_scan`)."""
+    paths: tuple[str, ...]
+    columns: tuple[str, ...]
+    types: tuple[pa.DataType, ...]
+
+    def read(self, as_names: list[str]) -> pa.Table | None:
+        """The columns, renamed ``as_names``, each one contiguous array: the rows Spark would
+        read, in the files' order; None when pyarrow cannot read the files (a missing or
+        corrupt file) or reads another type than Spark's."""
+        try:
+            table = ds.dataset(list(self.paths), format="parquet").to_table(columns=list(self.columns))
+        except (pa.ArrowException, OSError) as error:
+            logger.info("reading %s through Spark: pyarrow cannot read its files (%s)", self.columns, error)
+            return None
+        if not all(_same_type(table.column(i).type, t) for i, t in enumerate(self.types)):
+            return None
+        return table.rename_columns(as_names).combine_chunks()
+
+
+def plain_parquet_scan(df: DataFrame, names: list[str]) -> ParquetScan | None:
+    """The :class:`ParquetScan` of columns ``names`` of ``df`` (as
+    :func:`nearest_join.ranking.column` resolves them) when ``df``'s optimized plan is a
+    projection of columns of a Parquet relation on the local file system, none of them a
+    partition column; else None. Nothing is read (the plan is Spark's, no job)."""
+    jdf = getattr(df, "_jdf", None)
+    if jdf is None:   # Spark Connect: no plan to look into
+        return None
+    probe = df.select(*[column(df, name).alias(f"c{i}") for i, name in enumerate(names)])
+    plan = probe._jdf.queryExecution().optimizedPlan()
+    if plan.getClass().getSimpleName() != "Project":
+        return None
+    scan = plan.child()
+    if scan.getClass().getSimpleName() != "LogicalRelation" or scan.isStreaming():
+        return None
+    relation = scan.relation()
+    if (relation.getClass().getSimpleName() != "HadoopFsRelation"
+            or relation.fileFormat().getClass().getSimpleName() != "ParquetFileFormat"):
+        return None
+    output = scan.output()
+    by_id = {output.apply(i).exprId().id(): output.apply(i).name() for i in range(output.size())}
+    partitions = set(relation.partitionSchema().fieldNames())
+    projected = plan.projectList()
+    columns = []
+    for i in range(projected.size()):
+        alias = projected.apply(i)
+        source = alias.child() if alias.getClass().getSimpleName() == "Alias" else None
+        if source is None or source.getClass().getSimpleName() != "AttributeReference":
+            return None
+        name = by_id.get(source.exprId().id())
+        if name is None or name in partitions:
+            return None
+        columns.append(name)
+    paths = []
+    for uri in relation.location().inputFiles():
+        parsed = urlparse(uri)
+        if parsed.scheme != "file":
+            return None
+        paths.append(unquote(parsed.path))
+    types = []
+    for field in probe.schema.fields:
+        try:
+            types.append(to_arrow_type(field.dataType))
+        except (TypeError, NotImplementedError):
+            return None
+    return ParquetScan(tuple(paths), tuple(columns), tuple(types))
+
+
+def _same_type(arrow_type: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether pyarrow's column type holds the values of Spark's, unconverted: the same
+    atomic type, or lists of the same element type (their nullability aside)."""
+    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
+        return pa.types.is_list(wanted) and arrow_type.value_type == wanted.value_type
+    return arrow_type == wanted
