@@ -54,9 +54,18 @@ def plain_parquet_scan(df: DataFrame, names: list[str]) -> ParquetScan | None:
     :func:`nearest_join.ranking.column` resolves them) when ``df``'s optimized plan is a
     projection of columns of a Parquet relation on the local file system, none of them a
     partition column; else None. Nothing is read (the plan is Spark's, no job)."""
-    jdf = getattr(df, "_jdf", None)
-    if jdf is None:   # Spark Connect: no plan to look into
+    if getattr(df, "_jdf", None) is None:   # Spark Connect: no plan to look into (nor py4j)
         return None
+    from py4j.protocol import Py4JError
+
+    try:
+        return _scan_of(df, names)
+    except Py4JError as error:   # a plan of a shape this reading does not know
+        logger.info("reading %s through Spark: %s", names, error)
+        return None
+
+
+def _scan_of(df: DataFrame, names: list[str]) -> ParquetScan | None:
     probe = df.select(*[column(df, name).alias(f"c{i}") for i, name in enumerate(names)])
     plan = probe._jdf.queryExecution().optimizedPlan()
     if plan.getClass().getSimpleName() != "Project":
