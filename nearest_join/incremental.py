@@ -634,12 +634,11 @@ def _with_vectors(today: pa.Table, files: pa.Table | None) -> pa.Table | None:
     n = today.num_rows
     if files is None or files.num_rows != n:
         return None
-    try:
-        ids = files["id"].cast(today["id"].type)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+    try:   # an id type pyarrow cannot cast or join on: the collect's
+        joined = (pa.table({"id": files["id"].cast(today["id"].type), "row": np.arange(n)})
+                  .join(pa.table({"id": today["id"], "at": np.arange(n)}), keys="id", join_type="inner"))
+    except pa.ArrowException:
         return None
-    joined = pa.table({"id": ids, "row": np.arange(n)}).join(pa.table({"id": today["id"], "at": np.arange(n)}),
-                                                             keys="id")
     row, at = joined["row"].to_numpy(), joined["at"].to_numpy()
     # Each row of each side met once: the join pairs equal ids one to one (NULL ids meet none).
     if len(row) != n or np.bincount(row, minlength=n).max(initial=0) > 1 \

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
 from nearest_join import nearest_by_join
 from nearest_join import incremental
-from nearest_join.incremental import _previous_state, explain_incremental, incremental_nearest_join
+from nearest_join.incremental import _previous_state, _with_vectors, explain_incremental, incremental_nearest_join
 
 D = 4
 
@@ -227,7 +228,6 @@ def _parquet_side(spark, path, ids, vectors, id_name, vector_name):
     names: Spark reads the largest first, pyarrow in name order, so a refresh that used the
     files' vectors in Spark's row order would pair them with the wrong ids. Read back with
     the id renamed (a plain scan still)."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path.mkdir()
@@ -268,6 +268,27 @@ def test_sides_read_from_their_parquet_files_equal_a_full_recompute(spark, tmp_p
     with pytest.raises(ValueError, match=rf"target_id.*`tid`.*id {ids[0]} on 2 rows"):
         incremental_nearest_join(q, t, "l2", k, query_id="qid", target_id="tid", state=str(tmp_path / "state"),
                                  vectors=("v", "w"), distance_col="d")
+
+
+@pytest.mark.parametrize("id_type", [pa.string(), pa.decimal128(12, 2), pa.int32()], ids=str)
+def test_file_vectors_pair_with_the_collected_rows_by_id_or_not_at_all(id_type):
+    """_with_vectors: the collected rows (Spark's order) in the files' order with the files'
+    vectors; None (the collect then carries the vectors) unless both hold the same ids once
+    each with vectors of the lengths Spark read."""
+    def ids(values):
+        return pa.array([None if v is None else (str(v) if pa.types.is_string(id_type) else v) for v in values],
+                        id_type)
+
+    today = pa.table({"id": ids([3, 1, 2]), "h1": [30, 10, 20], "length": pa.array([2, None, 1], pa.int32())})
+    vectors = pa.array([None, [2.0], [3.0, 3.5]], pa.list_(pa.float32()))
+    got = _with_vectors(today, pa.table({"id": ids([1, 2, 3]), "v": vectors}))
+    assert got.column_names == ["id", "h1", "length", "v"]
+    assert got["h1"].to_pylist() == [10, 20, 30] and got["v"].to_pylist() == [None, [2.0], [3.0, 3.5]]
+    for other_ids in ([1, 2, 4], [1, 2, 2], [1, 2, None]):
+        assert _with_vectors(today, pa.table({"id": ids(other_ids), "v": vectors})) is None, other_ids
+    longer = pa.array([None, [2.0], [3.0, 3.5, 4.0]], pa.list_(pa.float32()))
+    assert _with_vectors(today, pa.table({"id": ids([1, 2, 3]), "v": longer})) is None
+    assert _with_vectors(today, None) is None
 
 
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
