@@ -648,7 +648,7 @@ def _with_vectors(today: pa.Table, files: pa.Table | None) -> pa.Table | None:
     order[row] = at
     aligned = today.take(order)
     lengths = pc.fill_null(pc.list_value_length(files["v"]), -1)
-    if not pc.all(pc.equal(lengths, pc.fill_null(aligned["length"], -1))).as_py():
+    if not pc.all(pc.equal(lengths, pc.fill_null(aligned["length"], -1)), min_count=0).as_py():
         return None
     return aligned.append_column("v", files["v"])
 

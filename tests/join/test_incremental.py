@@ -289,6 +289,8 @@ def test_file_vectors_pair_with_the_collected_rows_by_id_or_not_at_all(id_type):
     longer = pa.array([None, [2.0], [3.0, 3.5, 4.0]], pa.list_(pa.float32()))
     assert _with_vectors(today, pa.table({"id": ids([1, 2, 3]), "v": longer})) is None
     assert _with_vectors(today, None) is None
+    empty = _with_vectors(today.slice(0, 0), pa.table({"id": ids([]), "v": vectors.slice(0, 0)}))
+    assert empty is not None and empty.num_rows == 0 and empty.column_names[-1] == "v"
 
 
 def test_a_list_that_runs_short_is_searched_whole(spark, tmp_path):
