@@ -413,6 +413,7 @@ TABLES: dict[tuple[str, str], Table] = {
          col("lowest recall - target", "approx_lowest_recall_margin", ".4f"),
          col("refresh chains", "refresh_chains", ","), col("their days", "refresh_days", ","),
          col("chains with keys", "refresh_keyed", ","), col("chains with a cap", "refresh_capped", ","),
+         col("chains from Parquet files", "refresh_parquet", ","),
          col("approx chains", "refresh_approx", ","), col("their days on IVF lists", "refresh_approx_ivf_days", ","),
          col("lowest day recall - target", "refresh_lowest_recall_margin", ".4f")],
         about="Each join draws its inputs from its seed (`--replay SEED` runs one again): sizes, d, k, "
@@ -427,7 +428,9 @@ TABLES: dict[tuple[str, str], Table] = {
               "later day a share (1-60%) of each side's rows deleted, updated (vector, NULL vector, key) and "
               "inserted, refreshed from the day before's committed state (margins 0-19, keys, caps, both join "
               "types); each day's rows against `nearest_by_join` of that day's inputs: the same queries, the same "
-              "values, the same targets but for ties at the k-th value. Half of the chains run "
+              "values, the same targets but for ties at the k-th value. Half of the chains read each day's sides "
+              "from Parquet files (Spark's, a file per partition), whose vectors a refresh in the driver reads from "
+              "the files; the others from cached DataFrames. Half of the chains run "
               "`mode=\"approx\"` (a given nlist, so that the full run trains IVF lists at any size; recall targets "
               "0.5-0.95; not on magnitudes beyond float32's range): on a day whose lists are IVF's, every row a "
               "candidate of its query with its exact value (the float64 oracle's), only queries the exact recompute "

@@ -392,6 +392,10 @@ def draw_refresh(seed: int) -> dict:
             # promised (the refreshes measure it, and never re-train for it)
             del case["approx"]["recall"]
             case["approx"]["nprobe"] = int(rng.integers(1, nlist + 1))
+    # Half of the chains read each day's sides from Parquet files (Spark's, a file per
+    # partition), as a nightly job does: a refresh in the driver reads their vectors from them.
+    # Its own stream: the draws above stay those of earlier runs.
+    case["parquet"] = bool(np.random.default_rng([seed, 6]).random() < 0.5)
     if rng.random() < 0.3 and Q.shape[0] and T.shape[0]:
         # a cap at a quantile of some of the pairs' values
         a, b = np.nan_to_num(Q[rng.integers(0, Q.shape[0], 50)].astype(np.float64)), \
@@ -433,9 +437,17 @@ def run_refresh(spark, case: dict, workdir: Path) -> tuple[int, list[str]]:
         return {q_id: sorted(v, key=lambda x: (x[0] is None, x[0] or 0.0, x[1] or 0)) for q_id, v in out.items()}
 
     ran, approx_days = 0, []
+    def day_frame(day, ids, M, null, keys, id_name, vector_name, parts):
+        frame = _frame(spark, M, null, id_name, vector_name, parts, keys, ids=ids.astype(np.int64))
+        if not case["parquet"]:
+            return frame.cache()
+        path = str(workdir / f"day-{case['seed']}-{day}-{id_name}")
+        frame.write.parquet(path)
+        return spark.read.parquet(path)
+
     for day in range(case["days"]):
-        q, t = (_frame(spark, M, null, id_name, vector_name, parts, keys, ids=ids.astype(np.int64)).cache()
-                for (ids, M, null, keys), id_name, vector_name, parts
+        q, t = (day_frame(day, *side, id_name, vector_name, parts)
+                for side, id_name, vector_name, parts
                 in zip(sides, ("qid", "tid"), ("qv", "tv"), (case["q_parts"], case["t_parts"])))
         try:
             run = incremental_nearest_join(q, t, metric, k, query_id="qid", target_id="tid", state=str(state),
@@ -553,7 +565,8 @@ def describe(case: dict) -> str:
         return (f"seed={case['seed']} refresh kind={case['kind']} nq={case['Q'].shape[0]} nt={case['T'].shape[0]} "
                 f"d={case['Q'].shape[1]} dtype={case['Q'].dtype} k={case['k']} margin={case['margin']} "
                 f"metric={case['metric']} join={case['join_type']} keys={case['keys'] is not None} "
-                f"cap={case['cap']} days={case['days']} shares={case['shares'][:case['days'] - 1]}"
+                f"cap={case['cap']} parquet={case['parquet']} days={case['days']} "
+                f"shares={case['shares'][:case['days'] - 1]}"
                 f"{' approx=' + str(case['approx']) if 'approx' in case else ''}")
     options = {key: value for key, value in case["options"].items() if key != "index"}
     extra = (f"keys={case['keys'] is not None} cap={case.get('cap')} saved_index={case['old_target'] is not None}"
@@ -622,6 +635,7 @@ def main() -> int:
     refresh = {"chains": len(refreshes), "days": sum(days for _, days in refreshes),
                "keyed": sum(c["keys"] is not None for c, _ in refreshes),
                "capped": sum(c["cap"] is not None for c, _ in refreshes),
+               "parquet": sum(c["parquet"] for c, _ in refreshes),
                "approx": sum("approx" in c for c, _ in refreshes), "approx_ivf_days": len(ivf_days),
                "lowest_recall_margin": min((round(r - target, 4) for target, r in ivf_days if target is not None),
                                            default=None)}
