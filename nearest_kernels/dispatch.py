@@ -52,6 +52,10 @@ class _Entry:
     loaded: Backend | None = None
     import_error: str | None = None
     tried: bool = field(default=False, repr=False)
+    # One thread imports the backend while the others that ask for it wait: one that found it
+    # tried while the import was under way would take it for unusable (a driver searches
+    # beside its kernel warm-up thread).
+    loading: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
 
 # Preference order for backend="auto": fastest first, the float64 oracle last.
@@ -77,14 +81,8 @@ def backend_names() -> list[str]:
     return list(_REGISTRY)
 
 
-# Threads load the backends one at a time: a thread that found a backend tried while another
-# was still importing it would take it for unusable (a driver searches beside its kernel
-# warm-up thread).
-_LOADING = threading.RLock()
-
-
 def _load(entry: _Entry) -> Backend | None:
-    with _LOADING:
+    with entry.loading:
         if not entry.tried:
             try:
                 entry.loaded = importlib.import_module(entry.module).BACKEND
