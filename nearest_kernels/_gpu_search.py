@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -201,8 +202,22 @@ def _seeded_floor(keys: torch.Tensor, below: torch.Tensor, seed: torch.Tensor) -
 # row is not proven), below int64 (m,) the number of targets at or below the row's seed (a
 # seeded :func:`torch_candidates`). Without a floor the list must be the row's n_cand best
 # (floor = its last key). Generators that :func:`exact_topk` calls with ``lower=True`` rank
-# by the lower key instead (:func:`lower_key_weights`).
+# by the lower key instead (:func:`lower_key_weights`). Or :class:`Ranked`: the round's
+# results, re-ranked by the generator itself.
 CandidateFn = Callable[[PreparedSide, PreparedSide, int], tuple]
+
+
+@dataclass
+class Ranked:
+    """A round that its generator re-ranked itself (a long list's threshold filter:
+    ``_triton_filter.long_list_topk``): each row's exact top k among its candidates as
+    :func:`rerank` returns them (working values float32 (m, k), indices int64 (m, k)), and
+    the floor of the candidates (every target not among them has approximate key >= floor;
+    -inf: not proven). :func:`exact_topk` proves these rows by their k-th value alone."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    floor: torch.Tensor
 
 
 # ----------------------------------------------------------------------------- far rows
@@ -383,21 +398,24 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
             found = generator(subset, targets, n_cand, **extra)
         if bound is None:
             bound = (lower_key_bound if lower else key_error_bound)(subset, stats, metric)
-        keys, idx = found[0], found[1]
-        floor = found[2] if len(found) > 2 else None
-        below = found[3] if len(found) > 3 else None
-        if floor is None:
-            floor = keys[:, -1]
-            if n_cand >= nt:                  # a list of the n_cand best holds every target
-                floor = torch.full_like(floor, math.inf)
-        if cap_limit is not None:
-            # Candidates above the cap's limit are beyond the cap: never re-ranked. The rest
-            # are decided by their float64 values before the ranking, so that a pair beyond
-            # the cap never takes the slot of one within it (equal float32 values either side
-            # of the cap, the lower index beyond it).
-            idx = skip_beyond(keys, idx, cap_limit)
-            idx = torch.where(beyond_cap(pair_values64(subset, targets, idx), cap, metric), -1, idx)
-        v, i = rerank(subset, targets, keys, idx, bound, k, values)
+        if isinstance(found, Ranked):
+            keys, below, v, i, floor = None, None, found.values, found.indices, found.floor
+        else:
+            keys, idx = found[0], found[1]
+            floor = found[2] if len(found) > 2 else None
+            below = found[3] if len(found) > 3 else None
+            if floor is None:
+                floor = keys[:, -1]
+                if n_cand >= nt:                  # a list of the n_cand best holds every target
+                    floor = torch.full_like(floor, math.inf)
+            if cap_limit is not None:
+                # Candidates above the cap's limit are beyond the cap: never re-ranked. The
+                # rest are decided by their float64 values before the ranking, so that a pair
+                # beyond the cap never takes the slot of one within it (equal float32 values
+                # either side of the cap, the lower index beyond it).
+                idx = skip_beyond(keys, idx, cap_limit)
+                idx = torch.where(beyond_cap(pair_values64(subset, targets, idx), cap, metric), -1, idx)
+            v, i = rerank(subset, targets, keys, idx, bound, k, values)
         # Proven by the keys alone, or by the re-ranked k-th value (``_gpu_bound`` notes); under a
         # cap also by the cap's limit (no target outside the list is within the cap).
         limit = value_limit(v[:, k - 1], bound, subset)
@@ -406,7 +424,7 @@ def exact_topk(queries: PreparedSide, targets: PreparedSide, k: int,
         # (A floor of +inf: the list holds every target; -inf: the generator cannot say, as
         # for a row that overflowed the filter's buffer, so the row is not proven.)
         ok = torch.isposinf(floor) | (floor > limit)
-        if not lower:
+        if not lower and keys is not None:
             ok |= margin_holds(keys, bound, k, floor)
         # Every row of the round: a row widened below is written again by a later round.
         out_v[pending] = v

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._gpu_bound import lower_bias_table, lower_levels
 from ._gpu_prepare import PreparedSide, key_alpha
-from ._gpu_search import torch_kth_keys
-from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, filter_kernel, unpack
+from ._gpu_search import Ranked, torch_kth_keys
+from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, _unpack_key, filter_kernel, unpack
 from ._triton_candidates import kernel_buffer, triton_candidates
 from ._triton_compile import AHEAD, load_refusal
 from ._triton_plan import (
@@ -40,6 +41,9 @@ from ._triton_plan import (
     device_limits,
     plan_candidates,
 )
+
+
+_EMPTY = tl.constexpr(EMPTY)
 
 
 @dataclass(frozen=True)
@@ -199,27 +203,17 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
     key cut off. A slice with more hits than its positions (overflow): the n_cand best of
     those stored, floor -inf (not proven: ``_gpu_search.exact_topk`` widens it).
 
-    A list of at most half the buffer: one host sync (the largest count: only the positions
-    below it are read) and a ``topk`` in packed order (key, then the lower index). A longer
-    one (a long list of 2048 in a buffer of 4096): every position, no sync, sorted by the
-    key word alone (the entries' high half, a signed int32 in the keys' order: half the radix
-    passes of the int64 entries), equal keys in no particular order. ``topk`` of
-    more than half a row selects by radix passes and then sorts what it keeps, about as many
-    entries as the whole row, and the sync would stall the launches behind it. Which of equal
-    keys at the cut stays in the list proves nothing: the floor is their key either way."""
+    One host sync (the largest count: only the positions below it are read) and a ``topk``
+    in packed order (key, then the lower index). A long list's pass ranks its hits instead
+    (:func:`long_list_topk`)."""
     rows, slices = count.shape
     slots = buf.shape[1] // slices
-    whole = 2 * (n_cand + 1) > slots * slices
-    deep = slots if whole else min(slots, max(1, int(count.max())))
+    deep = min(slots, max(1, int(count.max())))
     width = deep * slices
     live = torch.arange(deep, device=buf.device)[None, :, None] < count[:, None, :]
     part = torch.where(live, buf.view(rows, slots, slices)[:, :deep], EMPTY).view(rows, width)
     if width > n_cand:
-        if whole:
-            pos = torch.sort((part >> 32).to(torch.int32), dim=1).indices[:, :n_cand + 1]
-            top = torch.gather(part, 1, pos)
-        else:
-            top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
+        top = torch.topk(part, n_cand + 1, dim=1, largest=False, sorted=True).values
         lists, cut = top[:, :n_cand], unpack(top[:, n_cand])[0]
     else:
         lists = torch.sort(part, dim=1).values
@@ -233,10 +227,136 @@ def filter_select(count: torch.Tensor, buf: torch.Tensor, threshold: torch.Tenso
     return keys, idx, floor
 
 
+@triton.jit
+def _hits(buf_ptr, count_ptr, row, row_slots, slices, slots, BLOCK_W: tl.constexpr):
+    """A row's filter buffer (``filter_kernel``'s layout) in registers: which positions hold
+    a hit (below their slice's counter and its room), the hits' packed entries (EMPTY
+    elsewhere) and their key words (the entries' high halves: int32 in the keys' order)."""
+    pos = tl.arange(0, BLOCK_W)
+    inside = pos < row_slots
+    cnt = tl.load(count_ptr + row * slices + pos % slices, mask=inside, other=0)
+    depth = pos // slices
+    live = inside & (depth < cnt) & (depth < slots)
+    entry = tl.load(buf_ptr + row * row_slots + pos, mask=live, other=_EMPTY)
+    return live, entry, (entry >> 32).to(tl.int32)
+
+
+@triton.jit
+def _head_of(live, word, kth, k):
+    """The head of a row's hits for its k-th key word ``kth``: every hit below it, then the
+    hits at it in position order up to k in all."""
+    below = live & (word.to(tl.int64) < kth)
+    tie = live & (word.to(tl.int64) == kth)
+    quota = k - tl.sum(below.to(tl.int32), axis=0)
+    return below | (tie & (tl.cumsum(tie.to(tl.int32), axis=0) <= quota))
+
+
+@triton.jit(do_not_specialize=["row_slots", "slices", "slots", "k"])
+def hits_head_kernel(buf_ptr, count_ptr, head_ptr, kth_ptr, row_slots, slices, slots, k,
+                     BLOCK_W: tl.constexpr):
+    """Per row (one program): the k hits of least key (all of them where it has fewer), their
+    target indices packed into the row of ``head`` (k columns, position order; the caller
+    fills it with -1), and the k-th key word (``kth``, int64; 2^31 - 1 where the row has
+    fewer than k hits). The k-th word by bisection over the int32 words: 32 counts of the
+    row's hits at or below a midpoint, no sort."""
+    row = tl.program_id(0).to(tl.int64)
+    live, entry, word = _hits(buf_ptr, count_ptr, row, row_slots, slices, slots, BLOCK_W)
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(32):   # the least word with at least k hits at or below it
+        mid = (lo + hi) >> 1
+        enough = tl.sum((live & (word.to(tl.int64) <= mid)).to(tl.int32), axis=0) >= k
+        hi = tl.where(enough, mid, hi)
+        lo = tl.where(enough, lo, mid + 1)
+    head = _head_of(live, word, lo, k)
+    at = tl.cumsum(head.to(tl.int32), axis=0) - 1
+    tl.store(head_ptr + row * k + at, entry & 0xFFFFFFFF, mask=head)
+    tl.store(kth_ptr + row, lo)
+
+
+@triton.jit(do_not_specialize=["row_slots", "slices", "slots", "k", "width"])
+def hits_rest_kernel(buf_ptr, count_ptr, kth_ptr, limit_ptr, rest_ptr, rest_n_ptr, row_slots, slices, slots, k,
+                     width, BLOCK_W: tl.constexpr):
+    """Per row (one program): the hits outside its head (:func:`hits_head_kernel`'s, from its
+    k-th word) whose key is at most ``limit[row]``, their target indices packed into the row
+    of ``rest`` (``width`` columns, position order; the caller fills it with -1), and how
+    many there are (``rest_n``: more than ``width`` means some were left out)."""
+    row = tl.program_id(0).to(tl.int64)
+    live, entry, word = _hits(buf_ptr, count_ptr, row, row_slots, slices, slots, BLOCK_W)
+    head = _head_of(live, word, tl.load(kth_ptr + row), k)
+    rest = live & ~head & (_unpack_key(entry) <= tl.load(limit_ptr + row))
+    at = tl.cumsum(rest.to(tl.int32), axis=0) - 1
+    tl.store(rest_ptr + row * width + at, entry & 0xFFFFFFFF, mask=rest & (at < width))
+    tl.store(rest_n_ptr + row, tl.sum(rest.to(tl.int32), axis=0))
+
+
+def long_rest_width(k: int) -> int:
+    """Columns of a long list's rest (:func:`long_list_topk`): the hits past the head within
+    its limit, about those whose keys lie within the bound of the k-th (a few hundred at
+    k = 1000); a row with more is not proven by the pass and widens."""
+    return max(64, triton.next_power_of_2(k) // 2)
+
+
+def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Tensor, buf: torch.Tensor,
+                   threshold: torch.Tensor, k: int, bound: torch.Tensor, values, cap: float | None = None,
+                   cap_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, indices, floor) of a long list's filter pass (rows of ``count``, ``buf``,
+    ``threshold`` as :func:`filter_select` reads them): the rows' exact top k among their
+    hits, ranked by (value, index) as ``_gpu_rerank.rerank`` ranks a list, and the floor of
+    the hits (every target not among them has a key above the threshold; -inf where a slice
+    overflowed or the rest did not fit).
+
+    No list of keys is selected or sorted: the head (the k hits of least key,
+    :func:`hits_head_kernel`) is re-ranked first, its worst value ``V0`` bounds the k-th
+    (``_gpu_bound`` notes), and only the hits within ``value_limit(V0)`` (under a cap also
+    within ``cap_limit``) are re-ranked after it (:func:`hits_rest_kernel`), in buffer order:
+    each slice's hits arrive in target order, so the re-rank's gathers sweep the block
+    together. ``values`` as ``_gpu_search.exact_topk``'s. With a ``cap``, pairs beyond it by
+    their float64 values are left out before the ranking, and a head holding such a pair
+    bounds nothing (its rest is every hit within ``cap_limit``)."""
+    from ._gpu_bound import value_limit
+    from ._gpu_prepare import l2_form
+    from ._gpu_rerank import beyond_cap, pair_values64, rank_exact
+
+    rows, slices = count.shape
+    row_slots = buf.shape[1]
+    slots = row_slots // slices
+    device = buf.device
+    descending = not l2_form(queries.metric)
+    block_w = triton.next_power_of_2(row_slots)
+    head = torch.full((rows, k), -1, dtype=torch.int64, device=device)
+    kth = torch.empty(rows, dtype=torch.int64, device=device)
+    hits_head_kernel[(rows,)](buf, count, head, kth, row_slots, slices, slots, k, BLOCK_W=block_w, num_warps=4)
+    head_v = values(queries, targets, head)
+    worst = -math.inf if descending else math.inf
+    # Where a row has fewer than k hits its head bounds nothing: V0 is the worst value.
+    bounded = torch.where(head >= 0, head_v, worst)
+    if cap is not None:
+        beyond = (head >= 0) & beyond_cap(pair_values64(queries, targets, head), cap, queries.metric)
+        bounded = torch.where(beyond.any(dim=1, keepdim=True), worst, bounded)
+        head = torch.where(beyond, -1, head)
+    v0 = bounded.min(dim=1).values if descending else bounded.max(dim=1).values
+    limit = value_limit(v0, bound, queries)
+    if cap_limit is not None:
+        limit = torch.minimum(limit, cap_limit)
+    width = long_rest_width(k)
+    rest = torch.full((rows, width), -1, dtype=torch.int64, device=device)
+    rest_n = torch.empty(rows, dtype=torch.int32, device=device)
+    hits_rest_kernel[(rows,)](buf, count, kth, limit.contiguous(), rest, rest_n, row_slots, slices, slots, k, width,
+                              BLOCK_W=block_w, num_warps=4)
+    if cap is not None:
+        rest = torch.where(beyond_cap(pair_values64(queries, targets, rest), cap, queries.metric), -1, rest)
+    v, i = rank_exact(torch.cat([head_v, values(queries, targets, rest)], dim=1), torch.cat([head, rest], dim=1),
+                      k, descending)
+    above = torch.nextafter(threshold, torch.full_like(threshold, math.inf))
+    floor = torch.where((count > slots).any(dim=1) | (rest_n > width), -math.inf, above)
+    return v, i, floor
+
+
 def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int, threshold: torch.Tensor,
                       *, lower: bool = False, levels: int | None = None, buffer_bytes: int = 1 << 30,
                       tiles: FilterTiles = FILTER_TILES, cap: int | None = None, splits: int | None = None,
-                      slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      slots: int | None = None, ranked=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The first candidate pass by threshold filter: :func:`triton_candidates`'s contract.
 
     Returns keys float32 (m, n_cand) ascending (+inf empty), indices int64 (-1 empty) and
@@ -251,6 +371,11 @@ def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
     ``slots`` are for tests with tiny blocks. CUDA needs compute
     capability 9.x (TMA, the inline PTX); the interpreter runs the atomic form.
     :class:`LaunchRefused` when the compiled kernel does not load.
+
+    ``ranked`` (a long list's pass): each chunk's hits are ranked instead of selected,
+    ``ranked(r0, r1, count, buf, threshold[r0:r1]) -> (values, indices, floor)`` for rows r0:r1
+    (:func:`long_list_topk` with the search's k, bound and values), and the pass returns
+    those, rows in order, as ``_gpu_search.Ranked``.
     """
     m, nt, d = queries.rows, targets.rows, queries.dim
     device = queries.exact.device
@@ -290,5 +415,14 @@ def filter_candidates(queries: PreparedSide, targets: PreparedSide, n_cand: int,
             if refusal is not None:
                 raise LaunchRefused(f"filter kernel: {refusal}")
         filter_kernel[grid](*args, **kwargs)
-        keys_out[r0:r1], idx_out[r0:r1], floor_out[r0:r1] = filter_select(count, buf, threshold[r0:r1], n_cand)
-    return keys_out, idx_out, floor_out
+        if ranked is None:
+            keys_out[r0:r1], idx_out[r0:r1], floor_out[r0:r1] = filter_select(count, buf, threshold[r0:r1], n_cand)
+            continue
+        got = ranked(r0, r1, count, buf, threshold[r0:r1])
+        if rows == m:
+            return Ranked(*got)
+        if r0 == 0:
+            ranked_out = [torch.empty((m,) + part.shape[1:], dtype=part.dtype, device=device) for part in got]
+        for out, part in zip(ranked_out, got):
+            out[r0:r1] = part
+    return Ranked(*ranked_out) if ranked is not None else (keys_out, idx_out, floor_out)

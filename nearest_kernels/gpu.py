@@ -503,7 +503,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             if filter_refusal(targets.side.rows, side.dim, k, precision, device) is None:
                 # Lists beyond the register lists': the threshold filter's first pass, then the
                 # torch generator's seeded widening rounds.
-                candidates, seeded = _long_list_candidates(buffer_bytes), True
+                candidates, seeded = _long_list_candidates(buffer_bytes, k, targets.stats, values_fn, cap), True
                 logger.debug("first pass: threshold filter of a long list, torch widening rounds")
     near = side if far is None else side.take(~far)
     v, i = gs.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
@@ -528,11 +528,12 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
     return values, indices
 
 
-def _filtered_first_pass(q, t, n_cand: int, config, seed, lower: bool, buffer_bytes: int):
+def _filtered_first_pass(q, t, n_cand: int, config, seed, lower: bool, buffer_bytes: int, ranked=None):
     """The threshold filter's first list (``_triton_filter.filter_candidates``): each row's
     threshold the sample's (``filter_threshold``; under a seed, a cap's limit, the lesser of
-    the two). None where the filter cannot run (a sample too small, a launch the device
-    refuses): the search's own generator makes the first list then."""
+    the two); ``ranked``: a long list's ranking of the hits (``filter_candidates``). None
+    where the filter cannot run (a sample too small, a launch the device refuses): the
+    search's own generator makes the first list then."""
     from ._triton_filter import filter_candidates, filter_threshold
     from ._triton_plan import LaunchRefused
 
@@ -542,19 +543,23 @@ def _filtered_first_pass(q, t, n_cand: int, config, seed, lower: bool, buffer_by
             return None
         if seed is not None:
             threshold = torch.minimum(threshold, seed.to(threshold.dtype))
-        return filter_candidates(q, t, n_cand, threshold, lower=lower, buffer_bytes=buffer_bytes)
+        return filter_candidates(q, t, n_cand, threshold, lower=lower, buffer_bytes=buffer_bytes, ranked=ranked)
     except LaunchRefused as exc:
         logger.info("first pass without the threshold filter: %s", exc)
         return None
 
 
-def _long_list_candidates(buffer_bytes: int):
-    """The candidate generator of a search whose first list is longer than the register lists'
-    (:func:`filter_refusal` accepts it): its first call the threshold filter
-    (:func:`_filtered_first_pass`, thresholds from the torch generator over the sample), every
-    later call (a widening round, seeded) the torch generator, which also makes the first list
-    where the filter cannot run."""
+def _long_list_candidates(buffer_bytes: int, k: int, stats=None, values=None, cap: float | None = None):
+    """The candidate generator of a search of ``k`` whose first list is longer than the
+    register lists' (:func:`filter_refusal` accepts it): its first call the threshold filter
+    (:func:`_filtered_first_pass`, thresholds from the torch generator over the sample), whose
+    hits it re-ranks itself (``_triton_filter.long_list_topk``, with ``values``, default
+    ``_gpu_rerank.exact_values``, the block's ``stats`` and the search's ``cap``: a
+    ``_gpu_search.Ranked`` round); every later call (a widening round, seeded) the torch
+    generator, which also makes the first list where the filter cannot run."""
     from . import _gpu_search as gs
+    from ._gpu_bound import TargetStats, key_error_bound
+    from ._gpu_rerank import exact_values
 
     first = True
 
@@ -562,7 +567,17 @@ def _long_list_candidates(buffer_bytes: int):
         nonlocal first
         if first:
             first = False
-            got = _filtered_first_pass(q, t, n_cand, None, seed, lower, buffer_bytes)
+            from ._triton_filter import long_list_topk
+
+            # Long lists rank by plain keys (uses_lower_keys); the first round's seed is the
+            # cap's limit.
+            bound = key_error_bound(q, stats or TargetStats.of(t), q.metric)
+
+            def ranked(r0, r1, count, buf, threshold):
+                return long_list_topk(q.take(slice(r0, r1)), t, count, buf, threshold, k, bound[r0:r1],
+                                      values or exact_values, cap, None if seed is None else seed[r0:r1])
+
+            got = _filtered_first_pass(q, t, n_cand, None, seed, lower, buffer_bytes, ranked=ranked)
             if got is not None:
                 return got
         return gs.torch_candidates(q, t, n_cand, lower=lower, seed=seed)

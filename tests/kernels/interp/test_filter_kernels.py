@@ -200,8 +200,69 @@ def test_exact_topk_through_a_long_lists_filter_and_torch_widening(monkeypatch):
 
     monkeypatch.setattr(gs, "torch_candidates", torch_round)
     k = 1000
-    v, i = gs.exact_topk(qs, ts, k, gpu._long_list_candidates(1 << 30), seeded=True)
+    v, i = gs.exact_topk(qs, ts, k, gpu._long_list_candidates(1 << 30, k), seeded=True)
     assert calls == [2048] and widened and max(widened) < qs.rows    # some rows widened, not all
     check_result(q, t, k, "l2", v.numpy(), i.numpy())
     assert i[0, :41].tolist() == [5] + list(range(1000, 1040))       # ties to the lower index
     assert i[1].tolist() == [7] + list(range(3000, 3000 + k - 1))
+
+
+def test_a_long_lists_head_and_rest_come_from_its_hits_without_a_sort():
+    """The head kernel's k least keys (ties at the k-th key in position order, every hit of a
+    row with fewer than k) and the rest kernel's hits past the head within a limit, both
+    packed in position order, on hand-made buffers with garbage past the counters."""
+    slices, slots, k = 2, 4, 3
+    buf = torch.full((4, slices * slots), 0x5A5A5A5A5A5A5A5A, dtype=torch.int64)
+    _sliced(buf, 0, slices, [[5.0, 1.0], [3.0, 2.0, 4.0]], [[10, 11], [12, 13, 14]])
+    _sliced(buf, 1, slices, [[2.0, 2.0], [1.0, 2.0]], [[20, 21], [22, 23]])      # ties at the k-th key
+    _sliced(buf, 2, slices, [[-7.0], []], [[30], []])                            # fewer hits than k
+    _sliced(buf, 3, slices, [[-1.0, -2.0, -3.0, -4.0], [0.5]], [[40, 41, 42, 43], [44]])   # negative keys
+    count = torch.tensor([[2, 3], [2, 2], [1, 0], [4, 1]], dtype=torch.int32)
+    head = torch.full((4, k), -1, dtype=torch.int64)
+    kth = torch.empty(4, dtype=torch.int64)
+    grid = (4,)
+    tfilter.hits_head_kernel[grid](buf, count, head, kth, slices * slots, slices, slots, k, BLOCK_W=8)
+    # position order: p * slices + slice
+    assert head[0].tolist() == [12, 11, 13]
+    assert head[1].tolist() == [20, 22, 21]          # 1.0, then the first two of the three 2.0s
+    assert head[2].tolist() == [30, -1, -1] and int(kth[2]) == 2 ** 31 - 1
+    assert head[3].tolist() == [41, 42, 43]
+    limit = torch.tensor([4.5, 2.0, math.inf, 1.0])
+    width = 2
+    rest = torch.full((4, width), -1, dtype=torch.int64)
+    rest_n = torch.empty(4, dtype=torch.int32)
+    tfilter.hits_rest_kernel[grid](buf, count, kth, limit, rest, rest_n, slices * slots, slices, slots, k, width,
+                                   BLOCK_W=8)
+    assert rest[0].tolist() == [14, -1] and rest[1].tolist() == [23, -1] and rest[2].tolist() == [-1, -1]
+    assert rest[3].tolist() == [40, 44] and rest_n.tolist() == [1, 1, 0, 2]
+    rest_1 = torch.full((4, 1), -1, dtype=torch.int64)
+    tfilter.hits_rest_kernel[grid](buf, count, kth, limit, rest_1, rest_n, slices * slots, slices, slots, k, 1,
+                                   BLOCK_W=8)
+    assert rest_1[3].tolist() == [40] and int(rest_n[3]) == 2      # past the width: counted, not stored
+
+
+def test_a_long_list_under_a_cap_ranks_only_pairs_within_it(monkeypatch):
+    """k = 1000 under a distance cap through the long list's filter and its own ranking, every
+    row against the capped float64 oracle: the cap's limit seeds the thresholds, and a head
+    holding a pair beyond the cap re-ranks every hit within the limit."""
+    from nearest_kernels import gpu
+    from tests.oracle import assert_capped_topk, backend_rtol, key_values, oracle_keys
+
+    poison_kernel_buffers(monkeypatch)
+    q, t, qs, ts = _long_case()
+    values = key_values(oracle_keys(q, t, "l2"), "l2")
+    k = 1000
+    cap = float(np.quantile(values, 0.05))        # about 1,100 targets a row within it: some rows fewer than k
+    ranked = []
+    real = tfilter.long_list_topk
+
+    def recorded(*args, **kwargs):
+        ranked.append(args[2].shape[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tfilter, "long_list_topk", recorded)
+    v, i = gs.exact_topk(qs, ts, k, gpu._long_list_candidates(1 << 30, k, cap=cap), seeded=True, cap=cap)
+    assert ranked == [qs.rows]
+    assert_capped_topk(q, t, k, "l2", cap, v.numpy(), i.numpy(), backend_rtol("gpu"), case="long list")
+    counts = (i >= 0).sum(dim=1)
+    assert (counts < k).any() and (counts == k).any(), counts
