@@ -290,6 +290,10 @@ def hits_rest_kernel(buf_ptr, count_ptr, kth_ptr, limit_ptr, rest_ptr, rest_n_pt
     tl.store(rest_n_ptr + row, tl.sum(rest.to(tl.int32), axis=0))
 
 
+# Warps of the head and rest kernels' programs (one row each).
+HITS_WARPS = 4
+
+
 def long_rest_width(k: int) -> int:
     """Columns of a long list's rest (:func:`long_list_topk`): the hits past the head within
     its limit, about those whose keys lie within the bound of the k-th (a few hundred at
@@ -298,7 +302,7 @@ def long_rest_width(k: int) -> int:
 
 
 def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Tensor, buf: torch.Tensor,
-                   threshold: torch.Tensor, k: int, bound: torch.Tensor, values, cap: float | None = None,
+                   threshold: torch.Tensor, k: int, bound: torch.Tensor, cap: float | None = None,
                    cap_limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(values, indices, floor) of a long list's filter pass (rows of ``count``, ``buf``,
     ``threshold`` as :func:`filter_select` reads them): the rows' exact top k among their
@@ -311,12 +315,14 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     (``_gpu_bound`` notes), and only the hits within ``value_limit(V0)`` (under a cap also
     within ``cap_limit``) are re-ranked after it (:func:`hits_rest_kernel`), in buffer order:
     each slice's hits arrive in target order, so the re-rank's gathers sweep the block
-    together. ``values`` as ``_gpu_search.exact_topk``'s. With a ``cap``, pairs beyond it by
-    their float64 values are left out before the ranking, and a head holding such a pair
-    bounds nothing (its rest is every hit within ``cap_limit``)."""
+    together. The values are ``_triton_rerank.triton_ranked_entries``' (the re-rank's values,
+    packed above their indices), so one sort of a row's entries ranks it. With a ``cap``,
+    pairs beyond it by their float64 values are left out before the ranking, and a head
+    holding such a pair bounds nothing (its rest is every hit within ``cap_limit``)."""
     from ._gpu_bound import value_limit
     from ._gpu_prepare import l2_form
-    from ._gpu_rerank import beyond_cap, pair_values64, rank_exact
+    from ._gpu_rerank import beyond_cap, pair_values64
+    from ._triton_rerank import NO_ENTRY, entry_values, triton_ranked_entries
 
     rows, slices = count.shape
     row_slots = buf.shape[1]
@@ -326,15 +332,16 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     block_w = triton.next_power_of_2(row_slots)
     head = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     kth = torch.empty(rows, dtype=torch.int64, device=device)
-    hits_head_kernel[(rows,)](buf, count, head, kth, row_slots, slices, slots, k, BLOCK_W=block_w, num_warps=4)
-    head_v = values(queries, targets, head)
+    hits_head_kernel[(rows,)](buf, count, head, kth, row_slots, slices, slots, k, BLOCK_W=block_w,
+                              num_warps=HITS_WARPS)
     worst = -math.inf if descending else math.inf
+    head_e = triton_ranked_entries(queries, targets, head)
     # Where a row has fewer than k hits its head bounds nothing: V0 is the worst value.
-    bounded = torch.where(head >= 0, head_v, worst)
+    bounded = entry_values(head_e, queries.metric)[0]
     if cap is not None:
         beyond = (head >= 0) & beyond_cap(pair_values64(queries, targets, head), cap, queries.metric)
         bounded = torch.where(beyond.any(dim=1, keepdim=True), worst, bounded)
-        head = torch.where(beyond, -1, head)
+        head_e = torch.where(beyond, NO_ENTRY, head_e)
     v0 = bounded.min(dim=1).values if descending else bounded.max(dim=1).values
     limit = value_limit(v0, bound, queries)
     if cap_limit is not None:
@@ -343,11 +350,11 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     rest = torch.full((rows, width), -1, dtype=torch.int64, device=device)
     rest_n = torch.empty(rows, dtype=torch.int32, device=device)
     hits_rest_kernel[(rows,)](buf, count, kth, limit.contiguous(), rest, rest_n, row_slots, slices, slots, k, width,
-                              BLOCK_W=block_w, num_warps=4)
+                              BLOCK_W=block_w, num_warps=HITS_WARPS)
     if cap is not None:
         rest = torch.where(beyond_cap(pair_values64(queries, targets, rest), cap, queries.metric), -1, rest)
-    v, i = rank_exact(torch.cat([head_v, values(queries, targets, rest)], dim=1), torch.cat([head, rest], dim=1),
-                      k, descending)
+    entries = torch.cat([head_e, triton_ranked_entries(queries, targets, rest)], dim=1)
+    v, i = entry_values(torch.sort(entries, dim=1).values[:, :k], queries.metric)
     above = torch.nextafter(threshold, torch.full_like(threshold, math.inf))
     floor = torch.where((count > slots).any(dim=1) | (rest_n > width), -math.inf, above)
     return v, i, floor

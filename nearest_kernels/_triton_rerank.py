@@ -29,7 +29,7 @@ RERANK_D = 32
 @triton.jit(do_not_specialize=["m", "c"])
 def rerank_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, width_ptr, out_ptr, m, c, d, stride_q,
                   stride_t, L2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+                  BLOCK_D: tl.constexpr, PACKED: tl.constexpr = 0):
     """float32 working values of (query row, candidate) pairs, summed in float64 from the
     source rows (float32 or float64) and rounded once: ``sum((qf q - tf t)^2)`` (l2 form) or
     ``sum(qf q * tf (t - c))``; each scaled coordinate is O(1), so nothing over- or
@@ -70,8 +70,50 @@ def rerank_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, width_ptr, out_p
             else:
                 cv = tl.load(c_ptr + dd, mask=inside, other=0.0)
                 acc += tl.sum((qv * qf[:, None, None]) * ((tv - cv[None, None, :]) * tf[:, :, None]), axis=2)
-        tl.store(out_ptr + rows64[:, None] * c + cols[None, :], tl.where(ok, acc.to(tl.float32), float("nan")),
-                 mask=live[:, None] & (cols[None, :] < c))
+        if PACKED:
+            val = acc.to(tl.float32)
+            if PACKED == 2:
+                val = -val
+            val = tl.where(val == 0.0, 0.0, val)   # one zero: -0.0 and 0.0 tie, to the lower index
+            bits = val.to(tl.int32, bitcast=True)
+            mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+            entry = (mono.to(tl.int64) << 32) | ix
+            tl.store(out_ptr + rows64[:, None] * c + cols[None, :], tl.where(ok, entry, _NO_ENTRY),
+                     mask=live[:, None] & (cols[None, :] < c))
+        else:
+            tl.store(out_ptr + rows64[:, None] * c + cols[None, :], tl.where(ok, acc.to(tl.float32), float("nan")),
+                     mask=live[:, None] & (cols[None, :] < c))
+
+
+NO_ENTRY = (1 << 63) - 1
+_NO_ENTRY = tl.constexpr(NO_ENTRY)
+
+
+def triton_ranked_entries(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor) -> torch.Tensor:
+    """int64 (m, c): each pair's ranking entry, its float32 value's order-preserving bits
+    (negated first for similarities, so smaller is better; -0.0 as 0.0) above its target
+    index, NO_ENTRY in empty slots: one sort of a row's entries orders it by (value, index)."""
+    m, c = idx.shape
+    out = torch.full((m, c), NO_ENTRY, dtype=torch.int64, device=idx.device)
+    if m == 0 or c == 0:
+        return out
+    AHEAD.wait()
+    grid, args, kwargs = rerank_arguments(queries.source, targets.source, queries.factor.contiguous(),
+                                          targets.factor, _center(queries, targets), idx.contiguous(),
+                                          live_width(idx), out, queries.metric, packed=True)
+    rerank_kernel[grid](*args, **kwargs)
+    return out
+
+
+def entry_values(entries: torch.Tensor, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float32, indices int64) of :func:`triton_ranked_entries`' entries: the worst
+    value and -1 for NO_ENTRY."""
+    mono = (entries >> 32).to(torch.int32)
+    vals = (mono ^ ((mono >> 31) & 0x7FFFFFFF)).view(torch.float32)
+    empty = entries == NO_ENTRY
+    if l2_form(metric):
+        return torch.where(empty, math.inf, vals), torch.where(empty, -1, entries & 0xFFFFFFFF)
+    return torch.where(empty, -math.inf, -vals), torch.where(empty, -1, entries & 0xFFFFFFFF)
 
 
 def _center(queries: PreparedSide, targets: PreparedSide) -> torch.Tensor:
@@ -97,12 +139,13 @@ def triton_exact_values(queries: PreparedSide, targets: PreparedSide, idx: torch
     return out
 
 
-def rerank_arguments(q, t, q_factor, t_factor, center, idx, width, out, metric: str):
-    """(grid, args, kwargs) of the :func:`rerank_kernel` launch of :func:`triton_exact_values`."""
+def rerank_arguments(q, t, q_factor, t_factor, center, idx, width, out, metric: str, packed: bool = False):
+    """(grid, args, kwargs) of the :func:`rerank_kernel` launch of :func:`triton_exact_values`
+    (``packed``: of :func:`triton_ranked_entries`)."""
     m, c = idx.shape
     d = q.shape[1]
     block_d = min(RERANK_D, max(16, triton.next_power_of_2(d)))
     return ((triton.cdiv(m, RERANK_ROWS),),
             (q, t, q_factor, t_factor, center, idx, width, out, m, c, d, q.stride(0), t.stride(0)),
             {"L2": l2_form(metric), "BLOCK_R": RERANK_ROWS, "BLOCK_C": RERANK_COLS, "BLOCK_D": block_d,
-             "num_warps": 4})
+             "PACKED": (1 if l2_form(metric) else 2) if packed else 0, "num_warps": 4})

@@ -12,13 +12,23 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
 
 from ._gpu_prepare import key_alpha, l2_form
-from ._triton_candidate_kernels import filter_kernel
+from ._triton_candidate_kernels import FILTER_LANES, filter_kernel
 from ._triton_candidates import candidate_launch
 from ._triton_compile import AHEAD, load_refusal
-from ._triton_filter import FILTER_TILES, filter_arguments, filter_cap, filter_slots, filter_splits
-from ._triton_plan import device_limits, plan_candidates, search_tiles, target_descriptor
+from ._triton_filter import (
+    FILTER_TILES,
+    HITS_WARPS,
+    filter_arguments,
+    filter_cap,
+    filter_slots,
+    filter_splits,
+    hits_head_kernel,
+    hits_rest_kernel,
+)
+from ._triton_plan import MAX_CANDIDATES, device_limits, plan_candidates, search_tiles, target_descriptor
 from ._triton_rerank import rerank_arguments, rerank_kernel
 
 
@@ -87,8 +97,36 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
             16 if lower else 0, filter_slots(filter_cap(filter_cand), splits), splits, lower=lower, upcast=False)
         load_refusal(filter_kernel, grid, args, kwargs, device)
 
+    def long_work():
+        # A long list ranks its hits itself: the head and rest kernels and the packed re-rank.
+        torch.cuda.set_device(device)
+        splits = filter_splits(m, nt, FILTER_TILES, device_limits(device).sms)
+        slots = filter_slots(filter_cap(filter_cand), splits)
+        row_slots = splits * FILTER_LANES * slots
+        block_w = triton.next_power_of_2(row_slots)
+        one = {name: torch.empty(1, dtype=dtype, device=device) for name, dtype in (
+            ("buf", torch.int64), ("count", torch.int32), ("head", torch.int64), ("kth", torch.int64),
+            ("limit", torch.float32), ("rest_n", torch.int32))}
+        load_refusal(hits_head_kernel, (1,), (one["buf"], one["count"], one["head"], one["kth"], row_slots,
+                                              splits * FILTER_LANES, slots, filter_cand),
+                     {"BLOCK_W": block_w, "num_warps": HITS_WARPS}, device)
+        load_refusal(hits_rest_kernel, (1,), (one["buf"], one["count"], one["kth"], one["limit"], one["head"],
+                                              one["rest_n"], row_slots, splits * FILTER_LANES, slots,
+                                              filter_cand, filter_cand), {"BLOCK_W": block_w, "num_warps": HITS_WARPS},
+                     device)
+        rows = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
+            ("q", (1, d), sources[0]), ("t", (1, d), sources[1]), ("qf", (1,), torch.float64),
+            ("tf", (1,), torch.float64), ("center", (d,), torch.float64), ("idx", (1, 1), torch.int64),
+            ("width", (1,), torch.int32), ("out", (1, 1), torch.int64))}
+        grid, args, kwargs = rerank_arguments(rows["q"], rows["t"], rows["qf"], rows["tf"], rows["center"],
+                                              rows["idx"], rows["width"], rows["out"], metric,
+                                              packed=True)
+        load_refusal(rerank_kernel, grid, args, kwargs, device)
+
     if filter_cand is not None:
         started = AHEAD.start(key + ("filter",), filter_work) or started
+        if filter_cand > MAX_CANDIDATES:
+            started = AHEAD.start(key + ("long",), long_work) or started
     if n_cand is None or n_cand < 1:
         return started
     return AHEAD.start(key, work) or started

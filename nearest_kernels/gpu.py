@@ -503,7 +503,7 @@ def search_prepared(queries, targets: PreparedTargets, k: int, *, buffer_bytes: 
             if filter_refusal(targets.side.rows, side.dim, k, precision, device) is None:
                 # Lists beyond the register lists': the threshold filter's first pass, then the
                 # torch generator's seeded widening rounds.
-                candidates, seeded = _long_list_candidates(buffer_bytes, k, targets.stats, values_fn, cap), True
+                candidates, seeded = _long_list_candidates(buffer_bytes, k, targets.stats, cap), True
                 logger.debug("first pass: threshold filter of a long list, torch widening rounds")
     near = side if far is None else side.take(~far)
     v, i = gs.exact_topk(near, targets.side, k, candidates, max_candidates=max_cand,
@@ -549,17 +549,15 @@ def _filtered_first_pass(q, t, n_cand: int, config, seed, lower: bool, buffer_by
         return None
 
 
-def _long_list_candidates(buffer_bytes: int, k: int, stats=None, values=None, cap: float | None = None):
+def _long_list_candidates(buffer_bytes: int, k: int, stats=None, cap: float | None = None):
     """The candidate generator of a search of ``k`` whose first list is longer than the
     register lists' (:func:`filter_refusal` accepts it): its first call the threshold filter
     (:func:`_filtered_first_pass`, thresholds from the torch generator over the sample), whose
-    hits it re-ranks itself (``_triton_filter.long_list_topk``, with ``values``, default
-    ``_gpu_rerank.exact_values``, the block's ``stats`` and the search's ``cap``: a
-    ``_gpu_search.Ranked`` round); every later call (a widening round, seeded) the torch
+    hits it re-ranks itself (``_triton_filter.long_list_topk``, with the block's ``stats`` and
+    the search's ``cap``: a ``_gpu_search.Ranked`` round); every later call (a widening round, seeded) the torch
     generator, which also makes the first list where the filter cannot run."""
     from . import _gpu_search as gs
     from ._gpu_bound import TargetStats, key_error_bound
-    from ._gpu_rerank import exact_values
 
     first = True
 
@@ -574,8 +572,8 @@ def _long_list_candidates(buffer_bytes: int, k: int, stats=None, values=None, ca
             bound = key_error_bound(q, stats or TargetStats.of(t), q.metric)
 
             def ranked(r0, r1, count, buf, threshold):
-                return long_list_topk(q.take(slice(r0, r1)), t, count, buf, threshold, k, bound[r0:r1],
-                                      values or exact_values, cap, None if seed is None else seed[r0:r1])
+                return long_list_topk(q.take(slice(r0, r1)), t, count, buf, threshold, k, bound[r0:r1], cap,
+                                      None if seed is None else seed[r0:r1])
 
             got = _filtered_first_pass(q, t, n_cand, None, seed, lower, buffer_bytes, ranked=ranked)
             if got is not None:

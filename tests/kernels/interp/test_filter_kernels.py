@@ -266,3 +266,28 @@ def test_a_long_list_under_a_cap_ranks_only_pairs_within_it(monkeypatch):
     assert_capped_topk(q, t, k, "l2", cap, v.numpy(), i.numpy(), backend_rtol("gpu"), case="long list")
     counts = (i >= 0).sum(dim=1)
     assert (counts < k).any() and (counts == k).any(), counts
+
+
+def test_ranked_entries_carry_the_re_ranks_values_in_ranking_order():
+    """The packed re-rank (a long list's ranking): each entry unpacks to the value the
+    re-rank computes and its index (the worst value and -1 in empty slots), and one sort of
+    a row's entries is its order by (value, index), similarities best first, equal values
+    (duplicate targets) to the lower index."""
+    from nearest_kernels import _triton_rerank as trerank
+    from nearest_kernels._gpu_rerank import rank_exact
+
+    q, t = make_data("clustered", 5, 60, 20, 9)
+    t[30:33] = t[4]                                   # equal values at several indices
+    for metric in ("l2", "inner_product"):
+        qs, ts = gp.prepare_pair(torch.from_numpy(q), torch.from_numpy(t), metric, "bf16")
+        idx = torch.stack([torch.randperm(60)[:24] for _ in range(5)])
+        idx[:, 5:8] = torch.tensor([32, 4, 31])
+        idx[1, 10:] = -1
+        want = trerank.triton_exact_values(qs, ts, idx)
+        entries = trerank.triton_ranked_entries(qs, ts, idx)
+        v, i = trerank.entry_values(entries, metric)
+        worst = math.inf if metric == "l2" else -math.inf
+        assert torch.equal(i, idx) and torch.equal(v, torch.where(idx >= 0, want, worst))
+        v, i = trerank.entry_values(torch.sort(entries, dim=1).values, metric)
+        ref_v, ref_i = rank_exact(want, idx, 24, metric != "l2")
+        assert torch.equal(i, ref_i) and torch.equal(v, ref_v), metric
