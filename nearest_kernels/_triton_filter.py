@@ -297,8 +297,10 @@ HITS_WARPS = 4
 def long_rest_width(k: int) -> int:
     """Columns of a long list's rest (:func:`long_list_topk`): the hits past the head within
     its limit, about those whose keys lie within the bound of the k-th (a few hundred at
-    k = 1000); a row with more is not proven by the pass and widens."""
-    return max(64, triton.next_power_of_2(k) // 2)
+    k = 1000, more where a group of identical rows straddles the k-th place). ``next_pow2(k)``:
+    the head and the rest still fit the one sort of 2048 entries a row that k alone needs;
+    a row with more is not proven by the pass and widens."""
+    return max(64, triton.next_power_of_2(k))
 
 
 def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Tensor, buf: torch.Tensor,
