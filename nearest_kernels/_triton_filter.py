@@ -290,8 +290,11 @@ def hits_rest_kernel(buf_ptr, count_ptr, kth_ptr, limit_ptr, rest_ptr, rest_n_pt
     tl.store(rest_n_ptr + row, tl.sum(rest.to(tl.int32), axis=0))
 
 
-# Warps of the head and rest kernels' programs (one row each).
-HITS_WARPS = 4
+def hits_warps(block_w: int) -> int:
+    """Warps of the head and rest kernels' programs (one row of ``block_w`` positions each):
+    about 1,024 positions a warp, at least 4 (a row of many thin slices, few query rows
+    beside many targets, can reach 16,384 positions)."""
+    return min(32, max(4, block_w // 1024))
 
 
 def long_rest_width(k: int) -> int:
@@ -335,7 +338,7 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     head = torch.full((rows, k), -1, dtype=torch.int64, device=device)
     kth = torch.empty(rows, dtype=torch.int64, device=device)
     hits_head_kernel[(rows,)](buf, count, head, kth, row_slots, slices, slots, k, BLOCK_W=block_w,
-                              num_warps=HITS_WARPS)
+                              num_warps=hits_warps(block_w))
     worst = -math.inf if descending else math.inf
     head_e = triton_ranked_entries(queries, targets, head)
     # Where a row has fewer than k hits its head bounds nothing: V0 is the worst value.
@@ -352,7 +355,7 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     rest = torch.full((rows, width), -1, dtype=torch.int64, device=device)
     rest_n = torch.empty(rows, dtype=torch.int32, device=device)
     hits_rest_kernel[(rows,)](buf, count, kth, limit.contiguous(), rest, rest_n, row_slots, slices, slots, k, width,
-                              BLOCK_W=block_w, num_warps=HITS_WARPS)
+                              BLOCK_W=block_w, num_warps=hits_warps(block_w))
     if cap is not None:
         rest = torch.where(beyond_cap(pair_values64(queries, targets, rest), cap, queries.metric), -1, rest)
     entries = torch.cat([head_e, triton_ranked_entries(queries, targets, rest)], dim=1)

@@ -20,13 +20,13 @@ from ._triton_candidates import candidate_launch
 from ._triton_compile import AHEAD, load_refusal
 from ._triton_filter import (
     FILTER_TILES,
-    HITS_WARPS,
     filter_arguments,
     filter_cap,
     filter_slots,
     filter_splits,
     hits_head_kernel,
     hits_rest_kernel,
+    hits_warps,
 )
 from ._triton_plan import MAX_CANDIDATES, device_limits, plan_candidates, search_tiles, target_descriptor
 from ._triton_rerank import rerank_arguments, rerank_kernel
@@ -107,13 +107,12 @@ def compile_ahead(m: int, nt: int, d: int, n_cand: int | None, precision: str, m
         one = {name: torch.empty(1, dtype=dtype, device=device) for name, dtype in (
             ("buf", torch.int64), ("count", torch.int32), ("head", torch.int64), ("kth", torch.int64),
             ("limit", torch.float32), ("rest_n", torch.int32))}
+        shape = {"BLOCK_W": block_w, "num_warps": hits_warps(block_w)}   # (k and widths: not specialised)
         load_refusal(hits_head_kernel, (1,), (one["buf"], one["count"], one["head"], one["kth"], row_slots,
-                                              splits * FILTER_LANES, slots, filter_cand),
-                     {"BLOCK_W": block_w, "num_warps": HITS_WARPS}, device)
+                                              splits * FILTER_LANES, slots, filter_cand), shape, device)
         load_refusal(hits_rest_kernel, (1,), (one["buf"], one["count"], one["kth"], one["limit"], one["head"],
                                               one["rest_n"], row_slots, splits * FILTER_LANES, slots,
-                                              filter_cand, filter_cand), {"BLOCK_W": block_w, "num_warps": HITS_WARPS},
-                     device)
+                                              filter_cand, filter_cand), shape, device)
         rows = {name: torch.empty(shape, dtype=dtype, device=device) for name, shape, dtype in (
             ("q", (1, d), sources[0]), ("t", (1, d), sources[1]), ("qf", (1,), torch.float64),
             ("tf", (1,), torch.float64), ("center", (d,), torch.float64), ("idx", (1, 1), torch.int64),
