@@ -206,3 +206,37 @@ def test_the_threshold_filter_compiles_within_the_sm90_limit(lower):
     tiles = tfilter.FILTER_TILES
     stages = (tiles.block_m + tiles.block_n) * tiles.block_d * 2 * tiles.num_stages
     assert stages <= shared <= limits.shared_bytes, (shared, stages, limits.shared_bytes)
+
+
+@pytest.mark.skipif(REASON is not None, reason=REASON or "")
+@pytest.mark.parametrize("rows,nt", [(65_536, 63_681), (1, 200_000)], ids=["two-splits", "thin-slices"])
+def test_a_long_lists_ranking_kernels_compile_within_the_sm90_limit(rows, nt):
+    # A long list's head and rest kernels (one row of the filter's buffer in a program) and the
+    # packed re-rank, with the launches of long_list_topk: the buffer of two splits (4,096
+    # positions) and of the most splits (few query rows beside many targets: 16,384 positions,
+    # the warps growing with them), both metrics' packing.
+    from nearest_kernels import _triton_rerank as trerank
+    from tests.kernels._compile_target import shared_bytes
+
+    limits, arch = TARGETS["sm_90"]
+    splits = tfilter.filter_splits(rows, nt, tfilter.FILTER_TILES, limits.sms)
+    slots = tfilter.filter_slots(tfilter.filter_cap(2048), splits)
+    slices = splits * tkernels.FILTER_LANES
+    block_w = triton.next_power_of_2(slices * slots)
+    assert block_w == (4096 if rows > 1 else 16_384)
+    buf, count = torch.zeros((2, slices * slots), dtype=torch.int64), torch.zeros((2, slices), dtype=torch.int32)
+    head, kth = torch.zeros((2, 1000), dtype=torch.int64), torch.zeros(2, dtype=torch.int64)
+    limit, rest_n = torch.zeros(2), torch.zeros(2, dtype=torch.int32)
+    shape = {"BLOCK_W": block_w, "num_warps": tfilter.hits_warps(block_w)}
+    for kernel, args in ((tfilter.hits_head_kernel, (buf, count, head, kth, slices * slots, slices, slots, 1000)),
+                         (tfilter.hits_rest_kernel, (buf, count, kth, limit, head, rest_n, slices * slots, slices,
+                                                     slots, 1000, 1024))):
+        assert shared_bytes(kernel, args, shape, arch) <= limits.shared_bytes, kernel
+    d = 384
+    for metric in ("cosine", "inner_product"):
+        _, args, kwargs = trerank.rerank_arguments(
+            torch.zeros((2, d)), torch.zeros((2, d)), torch.zeros(2, dtype=torch.float64),
+            torch.zeros(2, dtype=torch.float64), torch.zeros(d, dtype=torch.float64), head,
+            torch.zeros(2, dtype=torch.int32), torch.zeros((2, 1000), dtype=torch.int64), metric, packed=True)
+        assert kwargs["PACKED"] == (1 if metric == "cosine" else 2)
+        assert shared_bytes(trerank.rerank_kernel, args, kwargs, arch) <= limits.shared_bytes, metric
