@@ -349,8 +349,8 @@ def _check_prepared_side(side, ref, rows, where):
 # blocks large enough for its sample) on offset data with duplicates, and a row with more
 # hits than its buffer holds: 2,500 exact copies of the query's own row (more than every
 # filter_cap's share of the slices they fall in), so its floor is -inf and the widening rounds
-# must still return its exact rows. k = 1000: a long list (about 2k) from the filter, widened
-# by the torch path.
+# must still return its exact rows. k = 1000: a long list from the filter, its hits ranked by
+# the filter's own kernels (a Ranked round), the overflowing row widened by the torch path.
 FILTER_DIMS = [256, 384, 768, 1024, 1536]
 FILTER_NT = 140_000     # a sample large enough at k = 100 (every 32nd target)
 _FILTER: dict = {}
@@ -399,6 +399,7 @@ def _filter_case(d: int) -> adv.Case:
 def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d, metric, monkeypatch):
     from nearest_kernels import _triton_filter as tfilter
     from nearest_kernels import gpu
+    from nearest_kernels._gpu_search import Ranked
 
     device = torch.device("cuda")
     if torch.cuda.get_device_capability(device)[0] != 9:
@@ -409,7 +410,7 @@ def test_gpu_threshold_filter_first_pass_on_offset_data_and_an_overflowing_row(d
 
     def recorded(*args, **kwargs):
         out = real(*args, **kwargs)
-        floors.append(out[2])
+        floors.append(out.floor if isinstance(out, Ranked) else out[2])   # (a long list's ranked round)
         return out
 
     monkeypatch.setattr(tfilter, "filter_candidates", recorded)
