@@ -11,8 +11,10 @@ Lists longer than the register lists' (``MAX_CANDIDATES``: k above ``_gpu_bound.
 whose first bf16 list holds about 2k) take the filter too, up to :data:`LONG_FILTER_MAX`: the
 torch generator's ``topk`` of such a list over every target tile was most of their search
 (benchmarks/gpu_notes.md, Large k). Their thresholds are the j-th of the torch generator's
-keys over the sample (a sixteenth of the block; ``kthvalue``, no list), and the selection
-reads only the hits (one sort of each row's buffer, no host sync: :func:`filter_select`).
+keys over the sample (a sixteenth of the block; ``kthvalue``, no list), and no list is
+selected: the pass ranks each row's hits where they lie (:func:`long_list_topk`: the k-th key
+by bisection, the head and the rest within its limit re-ranked as packed (value, index)
+entries, one sort), and returns the round's results (``_gpu_search.Ranked``).
 """
 from __future__ import annotations
 
