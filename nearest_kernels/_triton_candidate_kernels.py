@@ -61,7 +61,7 @@ _LOOP_CAND = tl.constexpr(LOOP_CAND)
 
 
 @triton.jit
-def _pack(key, index):
+def pack(key, index):
     # Order-preserving int32 image of the float (negatives flipped), then the index below it.
     bits = key.to(tl.int32, bitcast=True)
     mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -69,7 +69,7 @@ def _pack(key, index):
 
 
 @triton.jit
-def _unpack_key(packed):
+def unpack_key(packed):
     mono = (packed >> 32).to(tl.int32)
     bits = mono ^ ((mono >> 31) & 0x7FFFFFFF)
     return bits.to(tl.float32, bitcast=True)
@@ -156,7 +156,7 @@ def _insert(best, worst, worst_slot, key, index, N_CAND: tl.constexpr):
     enter. Real entries are distinct (distinct indices), so only EMPTY slots tie for the
     maximum, and any one of them is the right slot to fill.
     """
-    cand = tl.where(key < float("inf"), _pack(key, index), _EMPTY)
+    cand = tl.where(key < float("inf"), pack(key, index), _EMPTY)
     take = cand < worst
     hit = take[:, None] & (tl.arange(0, N_CAND)[None, :] == worst_slot[:, None])
     best = tl.where(hit, cand[:, None], best)
@@ -187,7 +187,7 @@ def _list_update(key, best, worst, worst_slot, n0, N_CAND: tl.constexpr, BLOCK_N
     BLOCK_M: tl.constexpr = key.shape[0]
     PASSES: tl.constexpr = max(2, 1 + EXTRA_PASSES)   # longer lists: argmin passes before the top-k
     row_min = tl.min(key, axis=1)
-    thr = _unpack_key(worst)
+    thr = unpack_key(worst)
     if SKIP_TEST:
         reached = tl.max((row_min <= thr).to(tl.int32), axis=0) > 0
     else:
@@ -212,7 +212,7 @@ def _list_update(key, best, worst, worst_slot, n0, N_CAND: tl.constexpr, BLOCK_N
         else:
             cols = n0 + offs_n
             packed = tl.where(key < float("inf"),
-                              _pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
+                              pack(key, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)),
                               _EMPTY)
             # topk keeps the largest: complement (an order-reversing bijection on int64).
             tile_best = ~tl.topk(~packed, N_CAND)
@@ -319,7 +319,7 @@ def rowlist_kernel(
         q = 0.0
     seed_rows = m0 + tl.arange(0, BLOCK_M)
     seed = tl.load(seed_ptr + seed_rows, mask=seed_rows < nq, other=float("inf"))
-    worst = _pack(seed, tl.full([BLOCK_M], _VIRTUAL, tl.int32))   # +inf: EMPTY
+    worst = pack(seed, tl.full([BLOCK_M], _VIRTUAL, tl.int32))   # +inf: EMPTY
     best = tl.zeros([BLOCK_M, N_CAND], dtype=tl.int64) + worst[:, None]
     worst_slot = tl.zeros([BLOCK_M], dtype=tl.int32)   # any slot of an all-EMPTY list
     if SINGLE_DOT:
@@ -412,7 +412,7 @@ def _append_ptx(pack: int) -> str:
     key's row (``%fk_c0`` / ``%fk_c1``: registers of the whole kernel, :func:`_filter_init_ptx`,
     one per row of the thread, told apart by ``sel``), which counts on past the slice's
     ``slots``; if the slice has room, the entry (the key's order-preserving bits above the
-    index, :func:`_pack`'s format) goes to position ``slot * slices + lane`` of the row's
+    index, :func:`pack`'s format) goes to position ``slot * slices + lane`` of the row's
     buffer from ``row`` (the row's slice base of this split). No atomic: nothing waits for a
     slot from memory, and the store is not waited for. Operands, each ``pack`` long in turn:
     out (1 on a hit, unused), key, threshold, row, target index, sel, slots, slices. The
@@ -501,7 +501,7 @@ def filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_p
     A row's buffer is ``S x FILTER_LANES`` interleaved slices (position ``p * slices +
     slice``, ``slots`` positions each): the slice of split ``s`` and lane ``l`` of the quad
     holding the row is ``s * FILTER_LANES + l``. A hit takes the next position of its slice
-    and stores one 8-byte packed entry (:func:`_pack`'s format) where the slice has room; the
+    and stores one 8-byte packed entry (:func:`pack`'s format) where the slice has room; the
     slice's counter counts on past ``slots``, so the host sees an overflow. The counters go
     to ``count[row, slice]`` at the end. Memory traffic beyond the operands: the hits'
     entries and the counters, nothing per tile.
@@ -559,7 +559,7 @@ def filter_kernel(q_desc, t_desc, bias_ptr, level_ptr, thr_ptr, count_ptr, buf_p
                 hit = keys <= thr[:, None]
                 lane = (cols[None, :] % 8) // 2 + tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
                 slot = tl.atomic_add(count_base[:, None] + lane, 1, mask=hit, sem="relaxed")
-                entry = _pack(keys, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32))
+                entry = pack(keys, cols[None, :] + tl.zeros([BLOCK_M, BLOCK_N], tl.int32))
                 tl.store(row_base[:, None] + slot * slices + lane, entry, mask=hit & (slot < slots))
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if APPEND_PTX:   # the counters, from the accumulator's layout (the threads that hold them)

@@ -30,7 +30,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ._gpu_bound import lower_bias_table, lower_levels
 from ._gpu_prepare import PreparedSide, key_alpha
 from ._gpu_search import Ranked, torch_kth_keys
-from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, _unpack_key, filter_kernel, unpack
+from ._triton_candidate_kernels import EMPTY, FILTER_LANES, MAX_TARGETS, filter_kernel, unpack, unpack_key
 from ._triton_candidates import kernel_buffer, triton_candidates
 from ._triton_compile import AHEAD, load_refusal
 from ._triton_plan import (
@@ -286,7 +286,7 @@ def hits_rest_kernel(buf_ptr, count_ptr, kth_ptr, limit_ptr, rest_ptr, rest_n_pt
     row = tl.program_id(0).to(tl.int64)
     live, entry, word = _hits(buf_ptr, count_ptr, row, row_slots, slices, slots, BLOCK_W)
     head = _head_of(live, word, tl.load(kth_ptr + row), k)
-    rest = live & ~head & (_unpack_key(entry) <= tl.load(limit_ptr + row))
+    rest = live & ~head & (unpack_key(entry) <= tl.load(limit_ptr + row))
     at = tl.cumsum(rest.to(tl.int32), axis=0) - 1
     tl.store(rest_ptr + row * width + at, entry & 0xFFFFFFFF, mask=rest & (at < width))
     tl.store(rest_n_ptr + row, tl.sum(rest.to(tl.int32), axis=0))
@@ -329,7 +329,7 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     from ._gpu_bound import value_limit
     from ._gpu_prepare import l2_form
     from ._gpu_rerank import beyond_cap, pair_values64
-    from ._triton_rerank import NO_ENTRY, entry_values, triton_ranked_entries
+    from ._triton_rerank import entry_values, triton_ranked_entries
 
     rows, slices = count.shape
     row_slots = buf.shape[1]
@@ -348,7 +348,7 @@ def long_list_topk(queries: PreparedSide, targets: PreparedSide, count: torch.Te
     if cap is not None:
         beyond = (head >= 0) & beyond_cap(pair_values64(queries, targets, head), cap, queries.metric)
         bounded = torch.where(beyond.any(dim=1, keepdim=True), worst, bounded)
-        head_e = torch.where(beyond, NO_ENTRY, head_e)
+        head_e = torch.where(beyond, EMPTY, head_e)
     v0 = bounded.min(dim=1).values if descending else bounded.max(dim=1).values
     limit = value_limit(v0, bound, queries)
     if cap_limit is not None:

@@ -15,7 +15,10 @@ import triton.language as tl
 
 from ._gpu_prepare import PreparedSide, l2_form
 from ._gpu_rerank import live_width
+from ._triton_candidate_kernels import EMPTY, pack, unpack
 from ._triton_compile import AHEAD
+
+_EMPTY = tl.constexpr(EMPTY)
 
 # Query rows and candidate columns per step of the re-rank kernel, and the d-chunk it reads at
 # a time: a step gathers RERANK_ROWS x RERANK_COLS target rows' chunks (one 128-byte line each
@@ -75,26 +78,20 @@ def rerank_kernel(q_ptr, t_ptr, qf_ptr, tf_ptr, c_ptr, idx_ptr, width_ptr, out_p
             if PACKED == 2:
                 val = -val
             val = tl.where(val == 0.0, 0.0, val)   # one zero: -0.0 and 0.0 tie, to the lower index
-            bits = val.to(tl.int32, bitcast=True)
-            mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-            entry = (mono.to(tl.int64) << 32) | ix
-            tl.store(out_ptr + rows64[:, None] * c + cols[None, :], tl.where(ok, entry, _NO_ENTRY),
+            tl.store(out_ptr + rows64[:, None] * c + cols[None, :], tl.where(ok, pack(val, ix), _EMPTY),
                      mask=live[:, None] & (cols[None, :] < c))
         else:
             tl.store(out_ptr + rows64[:, None] * c + cols[None, :], tl.where(ok, acc.to(tl.float32), float("nan")),
                      mask=live[:, None] & (cols[None, :] < c))
 
 
-NO_ENTRY = (1 << 63) - 1
-_NO_ENTRY = tl.constexpr(NO_ENTRY)
-
-
 def triton_ranked_entries(queries: PreparedSide, targets: PreparedSide, idx: torch.Tensor) -> torch.Tensor:
-    """int64 (m, c): each pair's ranking entry, its float32 value's order-preserving bits
-    (negated first for similarities, so smaller is better; -0.0 as 0.0) above its target
-    index, NO_ENTRY in empty slots: one sort of a row's entries orders it by (value, index)."""
+    """int64 (m, c): each pair's ranking entry in the candidate lists' packed format
+    (``_triton_candidate_kernels.pack``: its float32 value's order-preserving bits, negated
+    first for similarities so that smaller is better, -0.0 as 0.0, above its target index),
+    EMPTY in empty slots: one sort of a row's entries orders it by (value, index)."""
     m, c = idx.shape
-    out = torch.full((m, c), NO_ENTRY, dtype=torch.int64, device=idx.device)
+    out = torch.full((m, c), EMPTY, dtype=torch.int64, device=idx.device)
     if m == 0 or c == 0:
         return out
     AHEAD.wait()
@@ -107,13 +104,9 @@ def triton_ranked_entries(queries: PreparedSide, targets: PreparedSide, idx: tor
 
 def entry_values(entries: torch.Tensor, metric: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float32, indices int64) of :func:`triton_ranked_entries`' entries: the worst
-    value and -1 for NO_ENTRY."""
-    mono = (entries >> 32).to(torch.int32)
-    vals = (mono ^ ((mono >> 31) & 0x7FFFFFFF)).view(torch.float32)
-    empty = entries == NO_ENTRY
-    if l2_form(metric):
-        return torch.where(empty, math.inf, vals), torch.where(empty, -1, entries & 0xFFFFFFFF)
-    return torch.where(empty, -math.inf, -vals), torch.where(empty, -1, entries & 0xFFFFFFFF)
+    value and -1 for EMPTY."""
+    keys, index = unpack(entries)
+    return (keys if l2_form(metric) else -keys), index
 
 
 def _center(queries: PreparedSide, targets: PreparedSide) -> torch.Tensor:
