@@ -106,6 +106,71 @@ def sampled_queries(planned, seed: int) -> np.ndarray:
     return sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, planned.plan.query_rows, seed)
 
 
+def draw_samples(query, target, parsed, options, query_rows: int, target_rows: int, screening: bool):
+    """(training sample, nlist, the screen's query sample or None): what an IVF plan that
+    trains its own index draws from inputs of ``query_rows`` and ``target_rows`` rows, the two
+    samples' Spark jobs at once; the query sample only for the ``screening``
+    (:func:`plan_approx`)."""
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-sample") as pool:
+        query_sample = (pool.submit(sample_vectors, query, parsed.query_column, RECALL_QUERIES, query_rows,
+                                    options.seed)
+                        if screening else None)
+        sample, nlist = training_sample(target, parsed.target_column, parsed.metric, nlist=options.nlist,
+                                        seed=options.seed, sample=None, target_rows=target_rows,
+                                        query_rows=query_rows)
+        return sample, nlist, None if query_sample is None else query_sample.result()
+
+
+class EarlySamples:
+    """:func:`draw_samples` started before the facts job, beside it, where both sides' rows are
+    known without a job (:func:`nearest_join.planner.known_rows`): the samples are those the
+    plan would draw after the facts job, drawn sooner. :meth:`result` hands them over only
+    when the facts job counted the same rows; else the plan draws its own."""
+
+    def __init__(self, query, target, parsed, options, query_rows: int, target_rows: int):
+        self.rows = (query_rows, target_rows)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-early-sample")
+        self._drawn = self._pool.submit(draw_samples, query, target, parsed, options, query_rows, target_rows,
+                                        options.nprobe is None)
+        self._pool.shutdown(wait=False)
+
+    @classmethod
+    def start(cls, query, target, parsed, options) -> "EarlySamples | None":
+        """The samples of a join that trains its own IVF index on the CPU, started now, or None
+        (no such join, or rows not known without a job). ``approx`` without ``nlist`` or
+        ``nprobe`` on a target of fewer than :data:`IVF_MIN_TARGET_ROWS` rows runs exact: none
+        either."""
+        from .planner import gpu_tasks, known_rows
+
+        if options.mode != "approx" or options.index is not None or options.on is not None:
+            return None
+        if options.nlist is None and options.nprobe is None and gpu_tasks(query.sparkSession,
+                                                                           options.backend) is not None:
+            return None
+        target_rows = known_rows(target)
+        if target_rows is None or (target_rows < IVF_MIN_TARGET_ROWS and options.nlist is None
+                                   and options.nprobe is None):
+            return None
+        query_rows = known_rows(query)
+        if query_rows is None:
+            return None
+        return cls(query, target, parsed, options, query_rows, target_rows)
+
+    def result(self, query_rows: int, target_rows: int):
+        """The drawn samples when the facts job counted ``query_rows`` and ``target_rows``,
+        else None; waits for the draw either way (no Spark job of the plan's outlives it)."""
+        try:
+            drawn = self._drawn.result()
+        except Exception:   # noqa: BLE001 (the plan's own draw meets the same input and says what failed)
+            logger.info("the early samples failed; the plan draws its own", exc_info=True)
+            return None
+        return drawn if self.rows == (query_rows, target_rows) else None
+
+    def wait(self) -> None:
+        """Returns once the draw has ended (its Spark jobs with it)."""
+        concurrent.futures.wait([self._drawn])
+
+
 def estimate_recall(planned, index: IVFIndex, seed: int, queries: np.ndarray | None = None) -> RecallCurve:
     """The recall curve of ``index`` on a sample of ``planned``'s queries (``queries``, else
     :func:`sampled_queries`): their exact top k against the whole target in one scan of it
@@ -275,9 +340,11 @@ def describe_carrier(plan, keyed: bool = False) -> str:
             + describe_cells(plan.key_cells, group))
 
 
-def plan_approx(planned):
+def plan_approx(planned, samples: EarlySamples | None = None):
     """``planned`` (a ``PlannedJoin`` of ``mode="approx"``) with its IVF plan, or with the
-    reason its exact plan runs, in ``plan.ivf`` (the explanation's ``approx`` line)."""
+    reason its exact plan runs, in ``plan.ivf`` (the explanation's ``approx`` line).
+    ``samples``: the samples drawn beside the facts job, used if it counted the rows they
+    assumed."""
     from .ivf_keys import (
         KEY_WHOLE_LISTS,
         KeyedIvfSearch,
@@ -338,14 +405,12 @@ def plan_approx(planned):
             built += f", not the join's {quote(parsed.target_column)}"
     else:
         screening = options.nprobe is None and planned.keys is None
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-sample") as pool:
-            # The screen's query sample: its Spark job runs beside the training sample's.
-            query_sample = pool.submit(sampled_queries, planned, options.seed) if screening else None
-            sample, nlist = training_sample(planned.target, parsed.target_column, parsed.metric,
-                                            nlist=options.nlist, seed=options.seed, sample=None,
-                                            target_rows=plan.target_rows, query_rows=plan.query_rows)
-            training = IVFIndex.start_training(sample, parsed.metric, nlist, options.seed)
-            queries = None if query_sample is None else query_sample.result()
+        drawn = None if samples is None else samples.result(plan.query_rows, plan.target_rows)
+        if drawn is None or (drawn[2] is not None) != screening:
+            drawn = draw_samples(planned.query, planned.target, parsed, options, plan.query_rows,
+                                 plan.target_rows, screening)
+        sample, nlist, queries = drawn
+        training = IVFIndex.start_training(sample, parsed.metric, nlist, options.seed)
         if screening:
             training.run(SCREEN_ITERATIONS)
             early = IVFIndex.of_training(training, parsed.metric, options.seed, parsed.target_column)

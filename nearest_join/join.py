@@ -11,6 +11,7 @@ executors', so the same code runs under classic PySpark and Spark Connect.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -225,6 +226,13 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     Raises what :func:`nearest_by_join` documents, before any output exists. The plan is
     logged at INFO.
     """
+    with contextlib.ExitStack() as stack:   # (the early samples' wait: no job outlives planning)
+        return _plan_join(query, target, ranking, options, facts, arrow, stack)
+
+
+def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions, facts, arrow,
+               stack: contextlib.ExitStack) -> PlannedJoin:
+    early = None
     _check_inputs(query, target, ranking)
     parsed = parse_ranking(ranking, query, target, options.vectors)
     spark = query.sparkSession
@@ -277,6 +285,13 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
                                  "largest key group)")
             (q_facts, t_facts), key_facts = facts, None
         elif keys is None:
+            if options.mode == "approx":
+                from .ivf import EarlySamples
+
+                # The IVF plan's samples beside the facts job, where the rows are known without it.
+                early = EarlySamples.start(query, target, parsed, options)
+                if early is not None:
+                    stack.callback(early.wait)
             q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
             key_facts = None
         else:
@@ -326,7 +341,7 @@ def plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOptions
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
-        planned = plan_approx(planned)
+        planned = plan_approx(planned, early)
     logger.info("%s", planned.plan)
     return planned
 

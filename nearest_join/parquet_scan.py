@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlparse
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_type
 
@@ -91,19 +92,43 @@ def _scan_of(df: DataFrame, names: list[str]) -> ParquetScan | None:
         if name is None or name in partitions:
             return None
         columns.append(name)
-    paths = []
-    for uri in relation.location().inputFiles():
-        parsed = urlparse(uri)
-        if parsed.scheme != "file":
-            return None
-        paths.append(unquote(parsed.path))
+    paths = local_paths(relation)
+    if paths is None:
+        return None
     types = []
     for field in probe.schema.fields:
         try:
             types.append(to_arrow_type(field.dataType))
         except (TypeError, NotImplementedError):
             return None
-    return ParquetScan(tuple(paths), tuple(columns), tuple(types))
+    return ParquetScan(paths, tuple(columns), tuple(types))
+
+
+def local_paths(relation) -> tuple[str, ...] | None:
+    """The files of a ``HadoopFsRelation`` (a py4j handle) as local paths, None unless all of
+    them are on the local file system."""
+    paths = []
+    for uri in relation.location().inputFiles():
+        parsed = urlparse(uri)
+        if parsed.scheme != "file":
+            return None
+        paths.append(unquote(parsed.path))
+    return tuple(paths)
+
+
+def footer_rows(relation) -> int | None:
+    """The rows of a Parquet ``HadoopFsRelation`` (a py4j handle) on the local file system,
+    summed from its files' footers (no data read); None for another format, files elsewhere or
+    a footer pyarrow cannot read."""
+    if relation.fileFormat().getClass().getSimpleName() != "ParquetFileFormat":
+        return None
+    paths = local_paths(relation)
+    if paths is None:
+        return None
+    try:
+        return sum(pq.read_metadata(path).num_rows for path in paths)
+    except (pa.ArrowException, OSError):
+        return None
 
 
 def _same_type(arrow_type: pa.DataType, wanted: pa.DataType) -> bool:

@@ -449,6 +449,37 @@ def estimated_bytes(df) -> int | None:
     return size if size < 1 << 62 else None
 
 
+def known_rows(df) -> int | None:
+    """``df``'s rows when they are known without a Spark job: its optimized plan is
+    projections over a cached relation Spark has built (its row count), over local rows, or
+    over a Parquet relation on the local file system (its files' footers,
+    :func:`nearest_join.parquet_scan.footer_rows`); else None (a filter, a join, any other
+    source, Spark Connect). The facts job counts the rows anyway: a caller may start work that
+    needs the count beside it, and checks the count against the facts'."""
+    if getattr(df, "_jdf", None) is None:   # Spark Connect: no plan to look into
+        return None
+    from py4j.protocol import Py4JError
+
+    from .parquet_scan import footer_rows
+
+    try:
+        plan = df._jdf.queryExecution().optimizedPlan()
+        while plan.getClass().getSimpleName() == "Project":
+            plan = plan.child()
+        name = plan.getClass().getSimpleName()
+        if name == "InMemoryRelation":
+            rows = plan.stats().rowCount()   # defined once the cache is built
+            return int(str(rows.get())) if rows.isDefined() else None
+        if name == "LocalRelation":
+            return int(plan.data().size())
+        if (name == "LogicalRelation" and not plan.isStreaming()
+                and plan.relation().getClass().getSimpleName() == "HadoopFsRelation"):
+            return footer_rows(plan.relation())
+    except Py4JError:   # a plan of a shape this reading does not know
+        return None
+    return None
+
+
 # Words of Spark's plan nodes that run Python (UDFs, mapInArrow, applyInPandas, Python data
 # sources): such a DataFrame may be small and yet costly to compute (an embedding model).
 _PYTHON_NODES = ("Python", "Pandas", "Arrow")

@@ -862,3 +862,59 @@ def test_gaussian_data_runs_exact_without_the_estimates_scan(spark, monkeypatch)
             assert plan.ivf["index"].startswith(f"screened with the centroids of {ivf.SCREEN_ITERATIONS} Lloyd")
         else:
             assert plan.ivf["runs"] == "ivf" and scanned and plan.ivf["recall_against"] == "target"
+
+
+def test_samples_drawn_beside_the_facts_job_plan_as_those_drawn_after_it(spark, frames, tmp_path, monkeypatch):
+    """Inputs whose rows are known without a job (Parquet files, a built cache) have their IVF
+    samples drawn beside the facts job (ivf.EarlySamples): the plan and the rows are those of
+    the same inputs behind a filter (rows unknown: drawn after the facts job). Early samples
+    that assumed other counts than the facts job's are not used."""
+    import pyarrow.parquet as pq
+
+    from nearest_join import ivf, planner
+    from nearest_join.join import plan_join
+    from nearest_join.options import JoinOptions
+
+    queries, targets, _, _ = frames
+    for name, matrix, ids, vectors, parts in (("q", queries, "qid", "v", 2), ("t", targets, "tid", "w", 3)):
+        (tmp_path / name).mkdir()
+        for p, rows in enumerate(np.array_split(np.arange(matrix.shape[0]), parts)):
+            pq.write_table(pa.table({ids: pa.array(rows, pa.int32()),
+                                     vectors: pa.array([None if (name, r) in (("q", 7), ("t", 9)) else matrix[r].tolist()
+                                                        for r in rows], pa.list_(pa.float32()))}),
+                           tmp_path / name / f"part-{p}.parquet")
+    q, t = spark.read.parquet(str(tmp_path / "q")), spark.read.parquet(str(tmp_path / "t"))
+    used = []
+    real = ivf.EarlySamples.result
+
+    def spy(self, query_rows, target_rows):
+        drawn = real(self, query_rows, target_rows)
+        used.append(drawn is not None)
+        return drawn
+
+    monkeypatch.setattr(ivf.EarlySamples, "result", spy)
+
+    def planned(q, t, **options):
+        used.clear()
+        planned = plan_join(q, t, "l2", JoinOptions(num_results=10, mode="approx", vectors=("v", "w"),
+                                                    distance_col="d", **options))
+        return planned, list(used), sorted((r.qid, r.tid, r.d) for r in planned.dataframe().collect())
+
+    screened = {"nlist": 40, "recall": 0.9}
+    for options in (screened, {"nlist": 40, "nprobe": 3}):
+        late, late_used, late_rows = planned(q.where("qid >= 0"), t.where("tid >= 0"), **options)
+        assert late_used == [] and late.plan.ivf["runs"] == "ivf"
+        cached = t.cache()
+        try:
+            cached.count()
+            for what, sides in (("files", (q, t)), ("cache", (q, cached))):
+                early, early_used, early_rows = planned(*sides, **options)
+                assert early_used == [True], (what, options)
+                assert early.plan.ivf == late.plan.ivf and early_rows == late_rows, (what, options)
+        finally:
+            cached.unpersist()
+        if options is screened:
+            screened_plan, screened_rows = late.plan.ivf, late_rows
+    monkeypatch.setattr(planner, "known_rows", lambda df: 1 + df.count())
+    other, other_used, other_rows = planned(q, t, **screened)
+    assert other_used == [False] and other.plan.ivf == screened_plan and other_rows == screened_rows

@@ -8,6 +8,7 @@ import pytest
 from pyspark.sql import functions as F
 
 from nearest_join.parquet_scan import plain_parquet_scan
+from nearest_join.planner import known_rows
 
 
 @pytest.fixture()
@@ -64,3 +65,34 @@ def test_anything_but_a_plain_scan_is_left_to_spark(spark, files, tmp_path):
     scan = plain_parquet_scan(side, ["id", "my.vec"])
     next(files.glob("*.parquet")).unlink()                               # gone since Spark listed it
     assert scan.read(["id", "v"]) is None
+
+
+def test_rows_known_without_a_job_are_the_rows_spark_counts(spark, files, tmp_path):
+    """known_rows: projections of a Parquet relation (its footers, partition columns or not), of
+    a cached relation once built; None for anything that can change the rows or hides them."""
+    side = spark.read.parquet(str(files))
+    side.write.partitionBy("g").parquet(str(tmp_path / "by_g"))
+    known = {
+        "scan": side,
+        "projection": side.select((F.col("id") + 1).alias("x"), "`my.vec`"),
+        "partitioned": spark.read.parquet(str(tmp_path / "by_g")).select("id", "g"),
+    }
+    for what, df in known.items():
+        assert known_rows(df) == df.count() == 5, what
+    unknown = {
+        "filter": side.where("id > 1"),
+        "partition filter": spark.read.parquet(str(tmp_path / "by_g")).where("g = 1"),
+        "union": side.union(side),
+        "limit": side.limit(2),
+        "range": spark.range(5),
+    }
+    for what, df in unknown.items():
+        assert known_rows(df) is None, what
+    cached = spark.read.parquet(str(files)).select("id").cache()
+    try:
+        cached.count()
+        built = cached.select((F.col("id") * 2).alias("y"))
+        assert "InMemoryRelation" in built._jdf.queryExecution().optimizedPlan().toString()
+        assert known_rows(built) == 5
+    finally:
+        cached.unpersist()
