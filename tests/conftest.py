@@ -127,6 +127,11 @@ def spark():
         # (searched in the driver) and leave the executors' plans, which every larger join
         # runs, untested. tests/join/test_local_plan.py runs it against them.
         .config("spark.nearestJoin.localLimitBytes", "0")
+        # Every query's start event carries its plan's description for the SQL UI (off here, but
+        # its listener still runs), by default in the "formatted" mode, which numbers and walks
+        # every operator: a share of the JVM's CPU when the queries are thousands of tiny ones.
+        # The one-line mode; no test reads it.
+        .config("spark.sql.ui.explainMode", "simple")
         .config("spark.driver.extraJavaOptions", background.JVM_OPTIONS)
         .config(map=background.python_workers())
         .config("spark.executorEnv.PYTHONPATH", str(background.REPO))
