@@ -69,13 +69,15 @@ def test_anything_but_a_plain_scan_is_left_to_spark(spark, files, tmp_path):
 
 def test_rows_known_without_a_job_are_the_rows_spark_counts(spark, files, tmp_path):
     """known_rows: projections of a Parquet relation (its footers, partition columns or not), of
-    a cached relation once built; None for anything that can change the rows or hides them."""
+    local rows, of a cached relation once built; None for anything that can change the rows or
+    hides them."""
     side = spark.read.parquet(str(files))
     side.write.partitionBy("g").parquet(str(tmp_path / "by_g"))
     known = {
         "scan": side,
         "projection": side.select((F.col("id") + 1).alias("x"), "`my.vec`"),
         "partitioned": spark.read.parquet(str(tmp_path / "by_g")).select("id", "g"),
+        "local rows": spark.createDataFrame(pa.concat_tables([pq.read_table(f) for f in files.glob("*.parquet")])),
     }
     for what, df in known.items():
         assert known_rows(df) == df.count() == 5, what
