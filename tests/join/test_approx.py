@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -918,3 +919,35 @@ def test_samples_drawn_beside_the_facts_job_plan_as_those_drawn_after_it(spark, 
     monkeypatch.setattr(planner, "known_rows", lambda df: 1 + df.count())
     other, other_used, other_rows = planned(q, t, **screened)
     assert other_used == [False] and other.plan.ivf == screened_plan and other_rows == screened_rows
+
+
+def test_a_failing_early_draw_leaves_the_plan_s_own_error_and_no_draw_running(spark, monkeypatch):
+    """Samples drawn beside the facts job from bad input: a ragged target fails the facts job
+    with its dimension error; an element the decode refuses fails the plan's own draw with the
+    decode's error (the early draw's failure is not what the user sees). Either way the early
+    draw has ended when the call raises: no Spark job of the planning outlives it."""
+    from nearest_join import ivf
+
+    events = []
+    draw = ivf.draw_samples
+
+    def spy(*args, **kwargs):
+        events.append("start")
+        try:
+            if events == ["slow", "start"]:   # the early draw, slower than the facts job that fails
+                time.sleep(2)
+            return draw(*args, **kwargs)
+        finally:
+            events.append("end")
+
+    monkeypatch.setattr(ivf, "draw_samples", spy)
+    q = spark.createDataFrame([(i, [float(i), 1.0]) for i in range(40)], "qid int, v array<double>")
+    ragged = spark.createDataFrame([(i, [float(i), 2.0] + ([3.0] if i == 7 else [])) for i in range(60)],
+                                   "tid int, w array<double>")
+    tiny = spark.createDataFrame([(i, [1e-310, 2e-310] if i == 7 else [float(i), 2.0]) for i in range(60)],
+                                 "tid int, w array<double>")
+    for t, condition, draws in ((ragged, "VECTOR_DIMENSION_MISMATCH", 1), (tiny, "VECTOR_ELEMENT_OUT_OF_RANGE", 2)):
+        events[:] = ["slow"] if draws == 1 else []
+        with pytest.raises(Exception, match=re.escape(f"[{condition}]")):
+            explain_nearest_join(q, t, "l2", 3, "approx", vectors=("v", "w"), nlist=4)
+        assert [e for e in events if e != "slow"] == ["start", "end"] * draws, condition
