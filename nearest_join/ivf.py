@@ -405,8 +405,9 @@ def plan_approx(planned, samples: EarlySamples | None = None):
             built += f", not the join's {quote(parsed.target_column)}"
     else:
         screening = options.nprobe is None and planned.keys is None
+        # (early samples are drawn without keys only: their query sample is the screen's)
         drawn = None if samples is None else samples.result(plan.query_rows, plan.target_rows)
-        if drawn is None or (drawn[2] is not None) != screening:
+        if drawn is None:
             drawn = draw_samples(planned.query, planned.target, parsed, options, plan.query_rows,
                                  plan.target_rows, screening)
         sample, nlist, queries = drawn
