@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import os
 import weakref
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from pyspark.sql.types import (
 )
 
 from nearest_kernels import seeds_heaps
-from udfs import blocks, context, packing
+from udfs import blocks, context, files, packing
 from udfs import columns as C
 from udfs.context import JoinContext, SearchSettings
 from udfs.timing import PHASES, SecondsParam, timed_map
@@ -50,6 +51,7 @@ from . import keyed
 from .errors import ArgumentError, ArgumentTypeError, NearestByJoinError
 from .inputs import positional_inputs
 from .options import JoinOptions
+from .parquet_scan import file_rows
 from .planner import (
     ONE_TASK_BYTES,
     JoinPlan,
@@ -62,6 +64,7 @@ from .planner import (
     join_dimension,
     keep_gpu_targets,
     local_limit_bytes,
+    parse_bytes,
     side_facts,
     spark_plan,
 )
@@ -671,6 +674,16 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         joined = keyed.keyed_blocked_join(q_input, t_input, planned.layout, ctx, out_schema,
                                           _partial_schema(), plan.cores)
         return _output(joined, names, planned, n_query)
+    # A side that is a plain scan of local Parquet files has its rows read from them in its
+    # tasks (udfs.files), not handed over by Spark: a range of task ids takes its place.
+    q_files = t_files = None
+    if planned.keys is None and not plan.one_task:
+        # As many tasks as cores, or as Spark's file splits of the side's vectors would make.
+        split = parse_bytes(spark.conf.get("spark.sql.files.maxPartitionBytes", "128m"))
+        tasks = [max(plan.cores, math.ceil((rows or 0) * max(plan.dimension or 1, 1) * 4 / split))
+                 for rows in (plan.query_rows, plan.target_rows)]
+        q_files = file_rows(query, q_input.columns, plan.query_partitions or tasks[0])
+        t_files = file_rows(target, t_input.columns, tasks[1])
     if plan.one_task:
         q_input = q_input.coalesce(1)
     elif plan.plan == "broadcast" and plan.query_partitions:
@@ -690,13 +703,20 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     # Each side packed by a stage of its own where a plan pairs its blocks (built only there:
     # every DataFrame operation costs an analysis in Spark).
     def q_packed() -> DataFrame:
+        if q_files is not None:
+            return _file_tasks(spark, q_files).mapInArrow(
+                functools.partial(files.packed, pack=q_pack, source=q_files), _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
         return q_input.mapInArrow(q_pack, _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
 
     def t_packed() -> DataFrame:
         # The empty target block comes first: the broadcast plan's query blocks travel with it.
-        t_blocks = t_input.coalesce(1) if plan.one_task else t_input
-        return _empty_target_block(spark).unionByName(
-            t_blocks.mapInArrow(t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB)))
+        if t_files is not None:
+            t_blocks = _file_tasks(spark, t_files).mapInArrow(
+                functools.partial(files.packed, pack=t_pack, source=t_files), _packed_schema(C.T_BLOCK_ID, C.T_BLOB))
+        else:
+            t_blocks = (t_input.coalesce(1) if plan.one_task else t_input).mapInArrow(
+                t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB))
+        return _empty_target_block(spark).unionByName(t_blocks)
 
     if plan.plan == "broadcast":
         if plan.one_task:
@@ -711,20 +731,22 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
             # The query's rows stream into the search as they are (packed into blocks there),
             # each task's first row carrying the broadcast target blocks, in the broadcast's
             # order: the empty block first.
+            streamed = q_input if q_files is None else _file_tasks(spark, q_files)
             search = functools.partial(blocks.search_streamed_queries, ctx=ctx, pack=q_pack,
-                                       width=len(q_input.columns))
-            joined = _first_row_meets(q_input, t_packed()).mapInArrow(search, out_schema)
+                                       width=len(streamed.columns), source=q_files)
+            joined = _first_row_meets(streamed, t_packed()).mapInArrow(search, out_schema)
     elif plan.plan == "blocked":
         if plan.queries_broadcast:
             # The target's rows stream into the search as they are, each task's first row
             # carrying the (broadcast) query blocks; the empty target block's partials, which
             # carry each query block's rows to the merge, are a small task of their own.
+            streamed = t_input if t_files is None else _file_tasks(spark, t_files)
             search = functools.partial(blocks.search_streamed_targets, ctx=ctx, pack=t_pack,
-                                       width=len(t_input.columns), queries=plan.query_rows != 0)
+                                       width=len(streamed.columns), queries=plan.query_rows != 0, source=t_files)
             queries = q_packed()
             empty = _empty_target_block(spark).crossJoin(F.broadcast(queries)).select(
                 C.Q_BLOCK_ID, C.Q_BLOB, C.T_BLOCK_ID, C.T_BLOB)
-            partials = _first_row_meets(t_input, queries).mapInArrow(search, _partial_schema()).unionByName(
+            partials = _first_row_meets(streamed, queries).mapInArrow(search, _partial_schema()).unionByName(
                 empty.mapInArrow(functools.partial(blocks.search_pairs, ctx=ctx), _partial_schema()))
         else:
             # The exchanges materialise the packed blocks once (shuffle files), so the cartesian
@@ -737,6 +759,12 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     else:  # pragma: no cover - the planner only returns the plans above here
         raise AssertionError(plan.plan)
     return _output(joined, names, planned, n_query)
+
+
+def _file_tasks(spark, source) -> DataFrame:
+    """One row per task of a side read from its files (``udfs.files.FileRows``): its id, in a
+    partition of its own."""
+    return spark.range(source.tasks, numPartitions=source.tasks)
 
 
 def _first_row_meets(streamed: DataFrame, broadcast: DataFrame) -> DataFrame:

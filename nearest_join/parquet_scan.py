@@ -22,6 +22,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_type
+from pyspark.sql.types import (ArrayType, BinaryType, BooleanType, ByteType, DoubleType, FloatType, IntegerType,
+                               LongType, ShortType, StringType)
+
+from udfs.files import FileRows, same_type
 
 from .ranking import column
 
@@ -45,7 +49,7 @@ class ParquetScan:
         except (pa.ArrowException, OSError) as error:
             logger.info("reading %s through Spark: pyarrow cannot read its files (%s)", self.columns, error)
             return None
-        if not all(_same_type(table.column(i).type, t) for i, t in enumerate(self.types)):
+        if not all(same_type(table.column(i).type, t) for i, t in enumerate(self.types)):
             return None
         return table.rename_columns(as_names).combine_chunks()
 
@@ -104,6 +108,53 @@ def _scan_of(df: DataFrame, names: list[str]) -> ParquetScan | None:
     return ParquetScan(paths, tuple(columns), tuple(types))
 
 
+# The Spark types a join's side may have for its rows to be read from the files in the tasks
+# (udfs.files): those whose values pyarrow reads as Spark does (no calendar rebase, no time
+# zone), alone or as array elements.
+_FILE_TYPES = (ByteType, ShortType, IntegerType, LongType, FloatType, DoubleType, BooleanType, StringType, BinaryType)
+
+
+def file_rows(df: DataFrame, names: list[str], tasks: int) -> FileRows | None:
+    """The :class:`udfs.files.FileRows` of all of ``df``'s columns, handed on under ``names``
+    and cut into ``tasks`` shares, when ``df`` is a plain Parquet scan (:func:`plain_parquet_scan`)
+    of columns of the types pyarrow reads as Spark does, each file holding each of them with
+    that type under that name; else None, and Spark reads the side. The footers are read here
+    (the files' row groups), no data."""
+    if not all(isinstance(f.dataType, _FILE_TYPES)
+               or (isinstance(f.dataType, ArrayType) and isinstance(f.dataType.elementType, _FILE_TYPES))
+               for f in df.schema.fields):
+        return None
+    spark = df.sparkSession
+    if any(spark.conf.get(f"spark.sql.files.{key}", "false").lower() == "true"
+           for key in ("ignoreCorruptFiles", "ignoreMissingFiles")):
+        return None   # Spark would skip a file pyarrow cannot read: a task would fail
+    if len(set(df.columns)) != len(df.columns):
+        return None   # columns of one name (a self-join's): not one scan's
+    from pyspark.errors import PySparkException
+
+    try:
+        scan = plain_parquet_scan(df, list(df.columns))
+    except PySparkException as error:   # a name the probe cannot select
+        logger.info("reading %s through Spark: %s", df.columns, error)
+        return None
+    if scan is None or not scan.paths:
+        return None
+    files, types = [], None
+    for path in sorted(scan.paths):
+        try:
+            metadata = pq.read_metadata(path)
+            schema = metadata.schema.to_arrow_schema()
+        except (pa.ArrowException, OSError) as error:
+            logger.info("reading %s through Spark: pyarrow cannot read %s (%s)", df.columns, path, error)
+            return None
+        found = [schema.field(c).type if schema.get_field_index(c) >= 0 else None for c in scan.columns]
+        if not all(t is not None and same_type(t, wanted) for t, wanted in zip(found, scan.types)):
+            return None   # a file without a column, or of another type (Spark would convert it)
+        types = types or tuple(found)
+        files.append((path, tuple(metadata.row_group(g).num_rows for g in range(metadata.num_row_groups))))
+    return FileRows(tuple(files), scan.columns, tuple(names), types, max(1, tasks))
+
+
 def local_paths(relation) -> tuple[str, ...] | None:
     """The files of a ``HadoopFsRelation`` (a py4j handle) as local paths, None unless all of
     them are on the local file system."""
@@ -129,11 +180,3 @@ def footer_rows(relation) -> int | None:
         return sum(pq.read_metadata(path).num_rows for path in paths)
     except (pa.ArrowException, OSError):
         return None
-
-
-def _same_type(arrow_type: pa.DataType, wanted: pa.DataType) -> bool:
-    """Whether pyarrow's column type holds the values of Spark's, unconverted: the same
-    atomic type, or lists of the same element type (their nullability aside)."""
-    if pa.types.is_list(arrow_type) or pa.types.is_large_list(arrow_type):
-        return pa.types.is_list(wanted) and arrow_type.value_type == wanted.value_type
-    return arrow_type == wanted

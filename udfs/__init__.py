@@ -14,6 +14,7 @@ each importing only modules listed above it:
                 partition, GPU, stage)
 ``decode``      Arrow in: blobs, binary, vector and group columns -> tables and numpy arrays
 ``packing``     user rows -> packed blocks, one Arrow IPC blob each
+``files``       a side's rows read from its Parquet files in the task, not handed over by Spark
 ``payload``     payload rows gathered from their tables (for the merge and the encoding)
 ``gpu_memory``  what a GPU searcher holds: host staging, resident and kept target blocks
 ``gpu_search``  the GPU searcher and its device-side fold

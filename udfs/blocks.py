@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import columns as C
+from . import files
 from .context import JoinContext, SearchSettings, task_cpus
 from .decode import Probes, binary_values, blob_to_table, decode_block, decode_vectors, group_ids
 from .encode import emit_rows
@@ -151,7 +152,7 @@ def _pairs(batches: Iterable[pa.RecordBatch]) -> Iterator[tuple]:
 
 
 def streamed_blocks(batches: Iterable[pa.RecordBatch], pack, width: int,
-                    required: bool = True) -> tuple[list, Iterator[tuple]]:
+                    required: bool = True, source=None) -> tuple[list, Iterator[tuple]]:
     """A streamed side's rows as they are, and the broadcast blocks its task's first row met.
 
     Input rows: the side's ``width`` columns, then a broadcast block's id and blob; the task's
@@ -161,7 +162,9 @@ def streamed_blocks(batches: Iterable[pa.RecordBatch], pack, width: int,
     none fails. Returns the broadcast blocks as (id, blob) in their order (complete:
     the rows are read up to the first without a block before the blocks are returned), and
     the side's own blocks as (id, blob), which ``pack`` (a packing mapInArrow function) makes
-    of the rows here, in the search's own task: the rows cross from Spark once."""
+    of the rows here, in the search's own task: the rows cross from Spark once. ``source``
+    (a :class:`udfs.files.FileRows`): the task's one row is its id, and its rows are read from
+    the side's files here instead."""
     batches = iter(batches)
     met: list[tuple[int, pa.Buffer]] = []
     held: list[pa.RecordBatch] = []
@@ -184,6 +187,9 @@ def streamed_blocks(batches: Iterable[pa.RecordBatch], pack, width: int,
                            "joins it to every block); its rows would be searched against none")
 
     def rows() -> Iterator[pa.RecordBatch]:
+        if source is not None:
+            yield from source.batches(files.task_ids([*held, *batches]))
+            return
         yield from held
         for batch in batches:
             yield batch.select(range(width))
@@ -327,12 +333,12 @@ def search_held_blocks(query_blocks: list[tuple[int, pa.Table]], target_blocks: 
                               for t_id, t_rows in target_blocks), ctx)
 
 
-def search_streamed_queries(batches: Iterable[pa.RecordBatch], ctx: JoinContext, pack, width: int
-                            ) -> Iterator[pa.RecordBatch]:
-    """Broadcast plan, the query's rows as they are (:func:`streamed_blocks`): packed into
-    blocks here, each searched against every broadcast target block as
+def search_streamed_queries(batches: Iterable[pa.RecordBatch], ctx: JoinContext, pack, width: int,
+                            source=None) -> Iterator[pa.RecordBatch]:
+    """Broadcast plan, the query's rows as they are (:func:`streamed_blocks`, ``source``
+    there): packed into blocks here, each searched against every broadcast target block as
     :func:`search_broadcast` searches its pairs."""
-    met, blocks = streamed_blocks(batches, pack, width)
+    met, blocks = streamed_blocks(batches, pack, width, source=source)
     return _search_broadcast(((q_id, q_blob, t_id, t_blob) for q_id, q_blob in blocks for t_id, t_blob in met),
                              ctx)
 
@@ -399,13 +405,13 @@ def search_pairs(batches: Iterable[pa.RecordBatch], ctx: JoinContext) -> Iterato
 
 
 def search_streamed_targets(batches: Iterable[pa.RecordBatch], ctx: JoinContext, pack, width: int,
-                            queries: bool = True) -> Iterator[pa.RecordBatch]:
+                            queries: bool = True, source=None) -> Iterator[pa.RecordBatch]:
     """Blocked plan with the query blocks broadcast, the target's rows as they are
-    (:func:`streamed_blocks`): packed into blocks here, one partial per (query block, target
+    (:func:`streamed_blocks`, ``source`` there): packed into blocks here, one partial per (query block, target
     block) as :func:`search_pairs`. The empty target block's partials (a query block's rows)
     are another task's (:func:`search_pairs` of the empty block's pairs). ``queries``: the
     query side has rows (query blocks to meet). Keyed (``on=``): :func:`_search_keyed_targets`."""
-    met, blocks = streamed_blocks(batches, pack, width, required=queries)
+    met, blocks = streamed_blocks(batches, pack, width, required=queries, source=source)
     if ctx.keyed:
         return _search_keyed_targets(met, blocks, ctx)
     return _search_pairs(((q_id, q_blob, t_id, t_blob) for t_id, t_blob in blocks for q_id, q_blob in met), ctx)

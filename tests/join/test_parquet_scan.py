@@ -1,14 +1,17 @@
 """nearest_join.parquet_scan: the columns of a plain Parquet scan read by pyarrow hold the rows
-Spark reads; anything that is not a plain scan is left to Spark (None)."""
+Spark reads; anything that is not a plain scan is left to Spark (None). A join's side read
+from its files in the tasks (udfs.files) joins as Spark's reading of it does."""
 from __future__ import annotations
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import functions as F
 
-from nearest_join.parquet_scan import plain_parquet_scan
+from nearest_join.parquet_scan import file_rows, plain_parquet_scan
 from nearest_join.planner import known_rows
+from udfs.files import FileRows
 
 
 @pytest.fixture()
@@ -98,3 +101,140 @@ def test_rows_known_without_a_job_are_the_rows_spark_counts(spark, files, tmp_pa
         assert known_rows(built) == 5
     finally:
         cached.unpersist()
+
+
+# --------------------------------------------------------------- sides read from their files
+def _side(path, prefix: str, sizes: list[tuple[int, int]], d: int, seed: int):
+    """Parquet files at ``path``: per (rows, row group rows) one file, ids counting on across
+    them; a payload column of each type the tasks read; one NULL vector per file."""
+    path.mkdir()
+    rng = np.random.default_rng(seed)
+    first = 0
+    for i, (rows, group) in enumerate(sizes):
+        ids = np.arange(first, first + rows)
+        first += rows
+        vectors = [list(v) for v in rng.standard_normal((rows, d)).astype(np.float32)]
+        if rows:
+            vectors[rows // 2] = None
+        pq.write_table(pa.table({
+            f"{prefix}id": pa.array(ids, pa.int64()),
+            f"{prefix}v": pa.array(vectors, pa.list_(pa.float32())),
+            "name": pa.array([f"{prefix}{j}" if j % 7 else None for j in ids], pa.string()),
+            "raw": pa.array([bytes([j % 256]) for j in ids], pa.binary()),
+            "small": pa.array(ids % 100, pa.int8()),
+            "half": pa.array(ids % 3 == 0),
+            "x": pa.array(ids * 0.5),
+            "tags": pa.array([[f"t{j}", None] for j in ids], pa.list_(pa.string())),
+        }), path / f"part-{i}.parquet", row_group_size=max(group, 1))
+
+
+@pytest.fixture()
+def file_sides(tmp_path):
+    """A query of 2 files and a target of 3 (one empty), of unequal sizes and row groups."""
+    _side(tmp_path / "q", "q", [(170, 64), (93, 40)], 16, 1)
+    _side(tmp_path / "t", "t", [(700, 128), (0, 1), (555, 200)], 16, 2)
+    return tmp_path / "q", tmp_path / "t"
+
+
+@pytest.mark.parametrize("plan", ["broadcast", "blocked", "queries broadcast", "ivf", "left outer"])
+def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides, monkeypatch, plan):
+    """Where a side is a plain Parquet scan of the types pyarrow reads as Spark does, its tasks
+    read their shares of the files' rows themselves: every plan that streams or packs a side
+    returns the rows (every column, every value) that the same sides read by Spark return."""
+    from nearest_join import explain_nearest_join, nearest_by_join, planner
+    import nearest_join.join as join_module
+
+    read = []
+    monkeypatch.setattr(join_module, "file_rows", lambda *a: read.append(file_rows(*a)) or read[-1])
+    monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
+    options = dict(k=4, distance_col="dist")
+    if plan == "blocked":
+        options.update(broadcast_limit_bytes=0, query_block_rows=50, target_block_rows=120)
+    elif plan == "queries broadcast":
+        monkeypatch.setattr(planner, "QUERY_BROADCAST_MIN_TARGET_BYTES", 0)
+        monkeypatch.setattr(planner, "QUERY_BROADCAST_RATIO", 0)
+        options.update(target_block_rows=150)
+    elif plan == "ivf":
+        options.update(mode="approx", nlist=6, nprobe=6)   # every list probed: the exact rows
+    elif plan == "left outer":
+        options.update(join_type="left", target_block_rows=100)
+    k = options.pop("k")
+    q, t = (spark.read.parquet(str(p)) for p in file_sides)
+    explained = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), k, **options)
+    assert explained.plan == ("broadcast" if plan in ("broadcast", "ivf", "left outer") else "blocked")
+    assert explained.queries_broadcast == (plan == "queries broadcast")
+    ours = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), k, **options).collect()
+    assert len(read) == 2 and all(r is not None for r in read)
+    assert [r.rows for r in read] == [263, 1255] and sum(read[1].files[1][1]) == 0   # (the empty file)
+    qc, tc = q.cache(), t.cache()   # not plain scans: Spark reads them
+    try:
+        spark_read = nearest_by_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).collect()
+        assert read[2:] == [None, None]
+    finally:
+        qc.unpersist()
+        tc.unpersist()
+    assert len(ours) == (263 - 2) * k + (2 if plan == "left outer" else 0)
+    assert sorted(map(tuple, ours), key=repr) == sorted(map(tuple, spark_read), key=repr)
+
+
+def test_a_side_pyarrow_would_read_otherwise_is_left_to_spark(spark, file_sides, tmp_path):
+    """No FileRows for a type outside the ones the tasks read (a timestamp), a file that lacks
+    a column or holds it in another type, columns of one name, or a session that skips bad
+    files; the join reads those sides through Spark."""
+    q_path, t_path = file_sides
+    q = spark.read.parquet(str(q_path))
+    names = [f"c{i}" for i in range(len(q.columns))]
+    assert file_rows(q, names, 2).rows == 263
+    assert file_rows(q.withColumn("at", F.current_timestamp()), names + ["at"], 2) is None
+    stamped = tmp_path / "stamped"
+    q.withColumn("at", F.to_timestamp(F.lit("2026-01-01 00:00:00"))).write.parquet(str(stamped))
+    assert file_rows(spark.read.parquet(str(stamped)), names + ["at"], 2) is None
+    wider = tmp_path / "wider"
+    wider.mkdir()
+    for f in q_path.glob("*.parquet"):
+        f_table = pq.read_table(f)
+        if f.name == "part-1.parquet":   # one file holds `small` as int16: Spark reads it as it does
+            f_table = f_table.set_column(f_table.schema.get_field_index("small"), "small",
+                                         f_table["small"].cast(pa.int16()))
+        pq.write_table(f_table, wider / f.name)
+    assert file_rows(spark.read.schema(q.schema).parquet(str(wider)), names, 2) is None
+    fewer = tmp_path / "fewer"
+    fewer.mkdir()
+    for f in q_path.glob("*.parquet"):
+        f_table = pq.read_table(f)
+        pq.write_table(f_table.drop_columns(["x"]) if f.name == "part-1.parquet" else f_table, fewer / f.name)
+    assert file_rows(spark.read.schema(q.schema).parquet(str(fewer)), names, 2) is None
+    assert file_rows(q.select("qid", F.col("qid").alias("qid2"), "qv").toDF("qid", "qid", "qv"), names[:3], 2) is None
+    spark.conf.set("spark.sql.files.ignoreCorruptFiles", "true")
+    try:
+        assert file_rows(q, names, 2) is None
+    finally:
+        spark.conf.unset("spark.sql.files.ignoreCorruptFiles")
+
+
+@pytest.mark.parametrize("batch_rows", [2, 10_000])
+def test_file_shares_cover_every_row_once_in_the_files_order(tmp_path, monkeypatch, batch_rows):
+    """FileRows: the tasks' shares are contiguous, of equal rows (+-1) and together every row
+    once in the files' order, whatever the tasks, row groups and batches (more tasks than rows,
+    an empty file, batches smaller than a row group: no batch over BATCH_ROWS); a file whose
+    row groups changed since the plan read them fails its task."""
+    from udfs import files as files_module
+
+    monkeypatch.setattr(files_module, "BATCH_ROWS", batch_rows)
+    paths = []
+    for i, (rows, group) in enumerate([(10, 3), (0, 1), (7, 7), (1, 1)]):
+        paths.append(str(tmp_path / f"f{i}.parquet"))
+        pq.write_table(pa.table({"a": pa.array(range(100 * i, 100 * i + rows), pa.int64())}), paths[-1],
+                       row_group_size=group)
+    files = tuple((p, tuple(pq.ParquetFile(p).metadata.row_group(g).num_rows
+                            for g in range(pq.ParquetFile(p).num_row_groups))) for p in paths)
+    everything = [*range(10), *range(200, 207), 300]
+    for tasks in (1, 2, 3, 5, 18, 40):
+        rows = FileRows(files, ("a",), ("c0",), (pa.int64(),), tasks)
+        shares = [[v for b in rows.batches([task]) for v in b.column(0).to_pylist()] for task in range(tasks)]
+        assert [v for share in shares for v in share] == everything, tasks
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+        assert all(b.schema.names == ["c0"] and 0 < b.num_rows <= batch_rows for b in rows.batches(range(tasks)))
+    pq.write_table(pa.table({"a": pa.array(range(10), pa.int64())}), paths[0], row_group_size=5)
+    with pytest.raises(RuntimeError, match="changed while the join read it"):
+        list(FileRows(files, ("a",), ("c0",), (pa.int64(),), 1).batches([0]))
