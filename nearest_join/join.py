@@ -60,6 +60,8 @@ from .planner import (
     arrow_side_facts,
     cheap_size,
     choose_plan,
+    cluster_cores,
+    file_side_facts,
     gpu_task_share,
     join_dimension,
     keep_gpu_targets,
@@ -155,6 +157,9 @@ class PlannedJoin:
     # The local plan (JoinPlan.plan "local"): both sides as the driver collected them, Arrow tables
     # under positional names (_collect_here).
     collected: tuple | None = None
+    # Each side's udfs.files.FileRows where its tasks read it from its Parquet files (None: Spark
+    # reads it), from the footers planning read; None when planning did not look.
+    files: tuple | None = None
 
     def executor_seconds(self) -> dict[str, float]:
         """Seconds the executors spent in each phase (udfs.timing.PHASES) of this
@@ -278,6 +283,8 @@ def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOption
             # The workers start while the facts job runs, and this process plans and builds
             # the search (the local plan runs no Python worker).
             start_python_workers(spark)
+        files = _file_sides(query, target, cluster_cores(spark)) \
+            if collected is None and arrow is None and keys is None else None
         if collected is not None:   # the facts of the collected sides
             q_facts = arrow_side_facts(collected[0], column_index(query, parsed.query_column))
             t_facts = arrow_side_facts(collected[1], column_index(target, parsed.target_column))
@@ -295,7 +302,8 @@ def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOption
                 early = EarlySamples.start(query, target, parsed, options)
                 if early is not None:
                     stack.callback(early.wait)
-            q_facts, t_facts = side_facts(query, parsed.query_column, target, parsed.target_column)
+            counted = _file_facts(files, query, parsed.query_column, target, parsed.target_column)
+            q_facts, t_facts = counted or side_facts(query, parsed.query_column, target, parsed.target_column)
             key_facts = None
         else:
             q_facts, t_facts, key_facts = side_facts(
@@ -340,13 +348,37 @@ def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOption
             plan = dataclasses.replace(plan, key_cells=layout.summary())
         planned = PlannedJoin(query, target, ranking, options, plan, parsed, direction, keys, layout,
                               qualifiers=side_qualifiers(query, target, parsed), timings=_timings(spark),
-                              collected=collected)
+                              collected=collected, files=files)
     if options.mode == "approx" and planned.parsed is not None:
         from .ivf import plan_approx
 
         planned = plan_approx(planned, early)
     logger.info("%s", planned.plan)
     return planned
+
+
+def _file_sides(query: DataFrame, target: DataFrame, shares: int) -> tuple:
+    """Each side's ``udfs.files.FileRows`` under its positional names (``positional_inputs``'),
+    in ``shares`` shares until the plan says how many; None for a side Spark reads."""
+    n_query = len(query.columns)
+    return (file_rows(query, [C.output_name(i) for i in range(n_query)], shares),
+            file_rows(target, [C.output_name(n_query + j) for j in range(len(target.columns))], shares))
+
+
+def _file_facts(files, query: DataFrame, q_name: str, target: DataFrame, t_name: str) -> tuple | None:
+    """Both sides' facts counted from their files (``planner.file_side_facts``) when both are
+    read from them: no facts job. None otherwise, or where pyarrow cannot read a file (Spark's
+    facts job then reads it, and reports what it finds)."""
+    if files is None or None in files:
+        return None
+    import pyarrow as pa
+
+    try:
+        return tuple(file_side_facts(side, column_index(df, name), side.tasks)
+                     for side, df, name in zip(files, (query, target), (q_name, t_name)))
+    except (pa.ArrowException, OSError) as error:
+        logger.info("counting the sides' facts in Spark: pyarrow cannot read their files (%s)", error)
+        return None
 
 
 def _collect_here(query: DataFrame, target: DataFrame, options: JoinOptions, keys,
@@ -682,8 +714,9 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
         split = parse_bytes(spark.conf.get("spark.sql.files.maxPartitionBytes", "128m"))
         tasks = [max(plan.cores, math.ceil((rows or 0) * max(plan.dimension or 1, 1) * 4 / split))
                  for rows in (plan.query_rows, plan.target_rows)]
-        q_files = file_rows(query, q_input.columns, plan.query_partitions or tasks[0])
-        t_files = file_rows(target, t_input.columns, tasks[1])
+        q_files, t_files = planned.files if planned.files is not None else _file_sides(query, target, 1)
+        q_files = q_files and dataclasses.replace(q_files, tasks=plan.query_partitions or tasks[0])
+        t_files = t_files and dataclasses.replace(t_files, tasks=tasks[1])
     if plan.one_task:
         q_input = q_input.coalesce(1)
     elif plan.plan == "broadcast" and plan.query_partitions:

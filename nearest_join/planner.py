@@ -524,6 +524,44 @@ def arrow_side_facts(table, vector_index: int) -> SideFacts:
                      shortest=shortest, longest=longest)
 
 
+# Bytes of a fixed-width value in a side's other columns, by Arrow type (as _FIXED_WIDTH, a
+# boolean one byte).
+_ARROW_WIDTH = {"bool": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float": 4, "double": 8}
+
+
+def file_side_facts(source, vector_index: int, partitions: int) -> SideFacts:
+    """:class:`SideFacts` of a side read from its files (a ``udfs.files.FileRows``), counted
+    by pyarrow here: what :func:`side_facts` counts in Spark (rows, the shortest and longest
+    non-NULL vector, :func:`payload_bytes`), a batch at a time; ``partitions``: the shares the
+    side's tasks read. Raises ``pyarrow.ArrowException`` or ``OSError`` where pyarrow cannot
+    read a file (the caller lets Spark count and report it)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    shortest = longest = None
+    payload = 0
+    for batch in source.rows_between(0, source.rows):
+        lengths = pc.min_max(pc.list_value_length(batch.column(vector_index))).as_py()
+        if lengths["min"] is not None:
+            shortest = lengths["min"] if shortest is None else min(shortest, lengths["min"])
+            longest = lengths["max"] if longest is None else max(longest, lengths["max"])
+        for i, values in enumerate(batch.columns):
+            if i == vector_index:
+                continue
+            kind = values.type
+            if str(kind) in _ARROW_WIDTH:
+                payload += _ARROW_WIDTH[str(kind)] * len(values)
+            elif pa.types.is_string(kind) or pa.types.is_binary(kind):
+                payload += (pc.sum(pc.binary_length(values)).as_py() or 0) + 4 * len(values)
+            elif str(kind.value_type) in _ARROW_WIDTH:
+                elements = pc.sum(pc.list_value_length(values)).as_py() or 0
+                payload += elements * _ARROW_WIDTH[str(kind.value_type)] + 4 * len(values)
+            else:
+                payload += PAYLOAD_VALUE_BYTES * len(values)
+    return SideFacts(rows=source.rows, partitions=partitions, shortest=shortest, longest=longest,
+                     payload=payload)
+
+
 def in_one_task_when_small(df):
     """``df`` in one partition when it is :func:`cheap_in_one_task`, else as it is. One
     partition satisfies every aggregation's distribution: an aggregation over it needs no

@@ -47,10 +47,10 @@ class FileRows:
         """The rows of the shares ``tasks`` (a task's id rows), in batches of at most
         :data:`BATCH_ROWS`."""
         for task in tasks:
-            yield from self._share_batches(int(task))
+            yield from self.rows_between(*self.share(int(task)))
 
-    def _share_batches(self, task: int) -> Iterator[pa.RecordBatch]:
-        start, stop = self.share(task)
+    def rows_between(self, start: int, stop: int) -> Iterator[pa.RecordBatch]:
+        """Rows [start, stop) in the files' order, in batches of at most :data:`BATCH_ROWS`."""
         schema = pa.schema(list(zip(self.names, self.types)))
         at = 0
         for path, groups in self.files:

@@ -3,6 +3,8 @@ Spark reads; anything that is not a plain scan is left to Spark (None). A join's
 from its files in the tasks (udfs.files) joins as Spark's reading of it does."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -144,8 +146,9 @@ def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides,
     from nearest_join import explain_nearest_join, nearest_by_join, planner
     import nearest_join.join as join_module
 
-    read = []
+    read, counted = [], []
     monkeypatch.setattr(join_module, "file_rows", lambda *a: read.append(file_rows(*a)) or read[-1])
+    monkeypatch.setattr(join_module, "side_facts", lambda *a, **kw: counted.append(1) or planner.side_facts(*a, **kw))
     monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
     options = dict(k=4, distance_col="dist")
     if plan == "blocked":
@@ -164,17 +167,45 @@ def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides,
     assert explained.plan == ("broadcast" if plan in ("broadcast", "ivf", "left outer") else "blocked")
     assert explained.queries_broadcast == (plan == "queries broadcast")
     ours = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), k, **options).collect()
-    assert len(read) == 2 and all(r is not None for r in read)
-    assert [r.rows for r in read] == [263, 1255] and sum(read[1].files[1][1]) == 0   # (the empty file)
+    # Planning read the footers and counted the facts from the files (no facts job), twice.
+    assert len(read) == 4 and all(r is not None for r in read) and counted == []
+    assert [r.rows for r in read[2:]] == [263, 1255] and sum(read[3].files[1][1]) == 0   # (the empty file)
     qc, tc = q.cache(), t.cache()   # not plain scans: Spark reads them
     try:
         spark_read = nearest_by_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).collect()
-        assert read[2:] == [None, None]
+        assert read[4:] == [None, None] and counted == [1]
+        assert explain_nearest_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).to_dict() == \
+            explained.to_dict()
     finally:
         qc.unpersist()
         tc.unpersist()
     assert len(ours) == (263 - 2) * k + (2 if plan == "left outer" else 0)
     assert sorted(map(tuple, ours), key=repr) == sorted(map(tuple, spark_read), key=repr)
+
+
+def test_facts_counted_from_the_files_are_the_facts_spark_counts(spark, file_sides):
+    """file_side_facts (pyarrow, on the driver) counts what side_facts' Spark job counts: rows,
+    the shortest and longest non-NULL vector (NULL vectors, an empty vector, a ragged one), and
+    the bytes of every other column by its type's rule."""
+    from nearest_join.planner import file_side_facts, side_facts
+
+    q_path, t_path = file_sides
+    ragged = q_path.parent / "ragged"
+    ragged.mkdir()
+    for f in q_path.glob("*.parquet"):
+        table = pq.read_table(f)
+        if f.name == "part-1.parquet":   # an empty vector and one of 17 elements
+            vectors = table["qv"].to_pylist()
+            vectors[0], vectors[1] = [], [0.5] * 17
+            table = table.set_column(1, "qv", pa.array(vectors, pa.list_(pa.float32())))
+        pq.write_table(table, ragged / f.name)
+    for path in (q_path, t_path, ragged):
+        df = spark.read.parquet(str(path))
+        vector = df.columns[1]
+        source = file_rows(df, list(df.columns), 3)
+        spark_facts = side_facts(df, vector, df, vector)[0]
+        assert file_side_facts(source, 1, 3) == dataclasses.replace(spark_facts, partitions=3), path.name
+    assert (spark_facts.shortest, spark_facts.longest) == (0, 17)
 
 
 def test_a_side_pyarrow_would_read_otherwise_is_left_to_spark(spark, file_sides, tmp_path):
