@@ -100,24 +100,40 @@ ESTIMATE_SHARE = 0.5
 MIN_RECALL_QUERIES = 250
 
 
+def vector_files(files, query, target, parsed) -> tuple:
+    """Each side's vector column alone as its tasks read it from its files (``udfs.files.FileRows``;
+    ``files``: the sides' as ``PlannedJoin.files`` holds them), None for a side Spark reads."""
+    from .ranking import column_index
+
+    if files is None:
+        return None, None
+    return tuple(None if side is None else side.only(column_index(df, name))
+                 for side, df, name in zip(files, (query, target), (parsed.query_column, parsed.target_column)))
+
+
 def sampled_queries(planned, seed: int) -> np.ndarray:
-    """The recall estimate's sample of ``planned``'s query vectors (one small Spark job)."""
+    """The recall estimate's sample of ``planned``'s query vectors (one small Spark job, or a
+    pass over its files)."""
     parsed = planned.parsed
-    return sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, planned.plan.query_rows, seed)
+    source = vector_files(planned.files, planned.query, planned.target, parsed)[0]
+    return sample_vectors(planned.query, parsed.query_column, RECALL_QUERIES, planned.plan.query_rows, seed, source)
 
 
-def draw_samples(query, target, parsed, options, query_rows: int, target_rows: int, screening: bool):
+def draw_samples(query, target, parsed, options, query_rows: int, target_rows: int, screening: bool,
+                 files=None):
     """(training sample, nlist, the screen's query sample or None): what an IVF plan that
     trains its own index draws from inputs of ``query_rows`` and ``target_rows`` rows, the two
-    samples' Spark jobs at once; the query sample only for the ``screening``
+    samples' Spark jobs (or passes over the files of sides read from them: ``files``, as
+    ``PlannedJoin.files``) at once; the query sample only for the ``screening``
     (:func:`plan_approx`)."""
+    q_source, t_source = vector_files(files, query, target, parsed)
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-sample") as pool:
         query_sample = (pool.submit(sample_vectors, query, parsed.query_column, RECALL_QUERIES, query_rows,
-                                    options.seed)
+                                    options.seed, q_source)
                         if screening else None)
         sample, nlist = training_sample(target, parsed.target_column, parsed.metric, nlist=options.nlist,
                                         seed=options.seed, sample=None, target_rows=target_rows,
-                                        query_rows=query_rows)
+                                        query_rows=query_rows, source=t_source)
         return sample, nlist, None if query_sample is None else query_sample.result()
 
 
@@ -127,17 +143,18 @@ class EarlySamples:
     plan would draw after the facts job, drawn sooner. :meth:`result` hands them over only
     when the facts job counted the same rows; else the plan draws its own."""
 
-    def __init__(self, query, target, parsed, options, query_rows: int, target_rows: int):
+    def __init__(self, query, target, parsed, options, query_rows: int, target_rows: int, files=None):
         self.rows = (query_rows, target_rows)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-early-sample")
         self._drawn = self._pool.submit(draw_samples, query, target, parsed, options, query_rows, target_rows,
-                                        options.nprobe is None)
+                                        options.nprobe is None, files)
         self._pool.shutdown(wait=False)
 
     @classmethod
-    def start(cls, query, target, parsed, options) -> "EarlySamples | None":
+    def start(cls, query, target, parsed, options, files=None) -> "EarlySamples | None":
         """The samples of a join that trains its own IVF index on the CPU, started now, or None
-        (no such join, or rows not known without a job). ``approx`` without ``nlist`` or
+        (no such join, or rows not known without a job; ``files``: the sides read from their
+        files, as ``PlannedJoin.files``, drawn from there). ``approx`` without ``nlist`` or
         ``nprobe`` on a target of fewer than :data:`IVF_MIN_TARGET_ROWS` rows runs exact: none
         either."""
         from .planner import gpu_tasks, known_rows
@@ -154,7 +171,7 @@ class EarlySamples:
         query_rows = known_rows(query)
         if query_rows is None:
             return None
-        return cls(query, target, parsed, options, query_rows, target_rows)
+        return cls(query, target, parsed, options, query_rows, target_rows, files)
 
     def result(self, query_rows: int, target_rows: int):
         """The drawn samples when the facts job counted ``query_rows`` and ``target_rows``,
@@ -179,6 +196,7 @@ def estimate_recall(planned, index: IVFIndex, seed: int, queries: np.ndarray | N
     from pyspark.sql.pandas.types import from_arrow_schema
 
     from udfs.context import SideLayout
+    from udfs.files import read_then
     from udfs.ivf import SAMPLE_SCHEMA, sample_topk
 
     from .ranking import column, quote
@@ -188,12 +206,18 @@ def estimate_recall(planned, index: IVFIndex, seed: int, queries: np.ndarray | N
         queries = sampled_queries(planned, seed)
     if queries.shape[0] == 0:
         return RecallCurve(np.ones(index.nlist), 0)
-    target = planned.target.select(column(planned.target, parsed.target_column))
     layout = SideLayout(parsed.target_column, 0, plan.dimension, 1,
                         expected_from=f"query column {quote(parsed.query_column)}")
     function = functools.partial(sample_topk, layout=layout, queries=queries,
                                  centroids=np.asarray(index.centroids), k=plan.k, metric=parsed.metric,
                                  cap=plan.cap)
+    source = vector_files(planned.files, planned.query, planned.target, parsed)[1]
+    if source is not None:   # each task scans its share of the target's files
+        spark = planned.target.sparkSession
+        target = spark.range(source.tasks, numPartitions=source.tasks)
+        function = functools.partial(read_then, function=function, source=source)
+    else:
+        target = planned.target.select(column(planned.target, parsed.target_column))
     table = target.mapInArrow(function, from_arrow_schema(SAMPLE_SCHEMA)).toArrow()
     true_lists = neighbour_lists(table, queries.shape[0], plan.k, parsed.metric)
     curve = recall_curve(_probe_order(index, queries, parsed.metric), true_lists)
@@ -409,7 +433,7 @@ def plan_approx(planned, samples: EarlySamples | None = None):
         drawn = None if samples is None else samples.result(plan.query_rows, plan.target_rows)
         if drawn is None:
             drawn = draw_samples(planned.query, planned.target, parsed, options, plan.query_rows,
-                                 plan.target_rows, screening)
+                                 plan.target_rows, screening, planned.files)
         sample, nlist, queries = drawn
         training = IVFIndex.start_training(sample, parsed.metric, nlist, options.seed)
         if screening:

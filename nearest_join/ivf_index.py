@@ -326,19 +326,42 @@ def _int_argument(name: str, value, low: int, high: int | None = None, optional:
     return int(value)
 
 
-def sample_vectors(df, column_name: str, rows: int, total_rows: int, seed: int) -> np.ndarray:
+def sample_vectors(df, column_name: str, rows: int, total_rows: int, seed: int, source=None) -> np.ndarray:
     """About ``rows`` non-NULL vectors of ``df[column_name]``, drawn by Spark's seeded
-    sample (deterministic for the same input partitioning), decoded on the driver."""
+    sample (deterministic for the same input partitioning), decoded on the driver.
+    ``source``: the column read from its Parquet files (a ``udfs.files.FileRows`` of it
+    alone): drawn from them here instead (:func:`file_sample`), no Spark job."""
     from pyspark.sql import functions as F
 
     from udfs.decode import decode_vectors
 
     from .ranking import column
 
+    if source is not None:
+        return decode_vectors(file_sample(source, rows, seed), None, label=column_name)
     col = column(df, column_name)
     picked = df.select(col.alias("v")).where(F.col("v").isNotNull())
     table = sample_table(picked, rows, total_rows, seed)
     return decode_vectors(table.column(0), None, label=column_name)
+
+
+def file_sample(source, rows: int, seed: int):
+    """The non-NULL values among ``rows`` rows of a column read from its files (a
+    ``udfs.files.FileRows`` of it alone), each row as likely as any other (seeded: the same
+    rows for the same files), in the files' order: one pass over the files, only the drawn rows
+    kept. All of them where the files hold at most ``rows``."""
+    import pyarrow as pa
+
+    n = source.rows
+    picked = np.arange(n) if n <= rows else np.sort(np.random.default_rng(seed).choice(n, rows, replace=False))
+    parts, at = [], 0
+    for batch in source.rows_between(0, n):
+        lo, hi = np.searchsorted(picked, (at, at + batch.num_rows))
+        if hi > lo:
+            parts.append(batch.column(0).take(pa.array(picked[lo:hi] - at)))
+        at += batch.num_rows
+    values = pa.concat_arrays(parts) if parts else pa.array([], source.types[0])
+    return values.filter(values.is_valid())
 
 
 def sample_table(picked, rows: int, total_rows: int, seed: int):
@@ -426,12 +449,13 @@ def train_index(target, column_name: str, metric: str, *, nlist: int | None, see
 
 def training_sample(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
                     sample: int | None, target_rows: int,
-                    query_rows: int | None = None) -> tuple[np.ndarray, int]:
+                    query_rows: int | None = None, source=None) -> tuple[np.ndarray, int]:
     """The sampled target vectors an index is trained on, and its lists: ``nlist``, or the
-    default for the rows, at most the sample's rankable rows."""
+    default for the rows, at most the sample's rankable rows. ``source``: the vector column
+    read from its files (:func:`sample_vectors`)."""
     lists = nlist if nlist is not None else default_nlist(target_rows, query_rows)
     rows = sample if sample is not None else default_sample_rows(lists, target_rows)
-    vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed)
+    vectors = sample_vectors(target, column_name, max(rows, lists), target_rows, seed, source)
     if nlist is None:   # the default adapts to what the sample holds
         from nearest_kernels.kmeans import training_rows
 

@@ -299,7 +299,7 @@ def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOption
                 from .ivf import EarlySamples
 
                 # The IVF plan's samples beside the facts job, where the rows are known without it.
-                early = EarlySamples.start(query, target, parsed, options)
+                early = EarlySamples.start(query, target, parsed, options, files)
                 if early is not None:
                     stack.callback(early.wait)
             counted = _file_facts(files, query, parsed.query_column, target, parsed.target_column)
@@ -738,14 +738,16 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     def q_packed() -> DataFrame:
         if q_files is not None:
             return _file_tasks(spark, q_files).mapInArrow(
-                functools.partial(files.packed, pack=q_pack, source=q_files), _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
+                functools.partial(files.read_then, function=q_pack, source=q_files),
+                _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
         return q_input.mapInArrow(q_pack, _packed_schema(C.Q_BLOCK_ID, C.Q_BLOB))
 
     def t_packed() -> DataFrame:
         # The empty target block comes first: the broadcast plan's query blocks travel with it.
         if t_files is not None:
             t_blocks = _file_tasks(spark, t_files).mapInArrow(
-                functools.partial(files.packed, pack=t_pack, source=t_files), _packed_schema(C.T_BLOCK_ID, C.T_BLOB))
+                functools.partial(files.read_then, function=t_pack, source=t_files),
+                _packed_schema(C.T_BLOCK_ID, C.T_BLOB))
         else:
             t_blocks = (t_input.coalesce(1) if plan.one_task else t_input).mapInArrow(
                 t_pack, _packed_schema(C.T_BLOCK_ID, C.T_BLOB))

@@ -9,6 +9,7 @@ the same positional names, in the files' order.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -32,6 +33,11 @@ class FileRows:
     names: tuple[str, ...]
     types: tuple[pa.DataType, ...]
     tasks: int
+
+    def only(self, index: int) -> FileRows:
+        """The side's column ``index`` alone, in the same shares."""
+        return dataclasses.replace(self, columns=(self.columns[index],), names=(self.names[index],),
+                                   types=(self.types[index],))
 
     @property
     def rows(self) -> int:
@@ -109,7 +115,7 @@ def task_ids(batches: Iterable[pa.RecordBatch]) -> list[int]:
     return [int(i) for batch in batches for i in batch.column(0).to_numpy(zero_copy_only=False)]
 
 
-def packed(batches: Iterable[pa.RecordBatch], pack, source: FileRows) -> Iterator[pa.RecordBatch]:
-    """mapInArrow function over a task's id row: ``pack`` (a packing function) of the rows of
-    its share, read from the files."""
-    yield from pack(source.batches(task_ids(batches)))
+def read_then(batches: Iterable[pa.RecordBatch], function, source: FileRows) -> Iterator[pa.RecordBatch]:
+    """mapInArrow function over a task's id row: ``function`` (a mapInArrow function: packing,
+    a scan) of the rows of its share, read from the files."""
+    yield from function(source.batches(task_ids(batches)))

@@ -868,8 +868,8 @@ def test_gaussian_data_runs_exact_without_the_estimates_scan(spark, monkeypatch)
 def test_samples_drawn_beside_the_facts_job_plan_as_those_drawn_after_it(spark, frames, tmp_path, monkeypatch):
     """Inputs whose rows are known without a job (Parquet files, a built cache) have their IVF
     samples drawn beside the facts job (ivf.EarlySamples): the plan and the rows are those of
-    the same inputs behind a filter (rows unknown: drawn after the facts job). Early samples
-    that assumed other counts than the facts job's are not used."""
+    the same inputs drawn after the facts (their rows unknown). Early samples that assumed
+    other counts than the facts' are not used."""
     import pyarrow.parquet as pq
 
     from nearest_join import ivf, planner
@@ -901,21 +901,30 @@ def test_samples_drawn_beside_the_facts_job_plan_as_those_drawn_after_it(spark, 
                                                     distance_col="d", **options))
         return planned, list(used), sorted((r.qid, r.tid, r.d) for r in planned.dataframe().collect())
 
+    def drawn_late(*sides, **options):   # their rows unknown to the early draw: drawn after the facts
+        with monkeypatch.context() as unknown:
+            unknown.setattr(planner, "known_rows", lambda df: None)
+            late, late_used, late_rows = planned(*sides, **options)
+        assert late_used == [] and late.plan.ivf["runs"] == "ivf"
+        return late, late_rows
+
     screened = {"nlist": 40, "recall": 0.9}
     for options in (screened, {"nlist": 40, "nprobe": 3}):
-        late, late_used, late_rows = planned(q.where("qid >= 0"), t.where("tid >= 0"), **options)
-        assert late_used == [] and late.plan.ivf["runs"] == "ivf"
-        cached = t.cache()
-        try:
-            cached.count()
-            for what, sides in (("files", (q, t)), ("cache", (q, cached))):
-                early, early_used, early_rows = planned(*sides, **options)
-                assert early_used == [True], (what, options)
-                assert early.plan.ivf == late.plan.ivf and early_rows == late_rows, (what, options)
-        finally:
-            cached.unpersist()
+        late, late_rows = drawn_late(q, t, **options)
+        early, early_used, early_rows = planned(q, t, **options)
+        assert early_used == [True], options
+        assert early.plan.ivf == late.plan.ivf and early_rows == late_rows, options
         if options is screened:
             screened_plan, screened_rows = late.plan.ivf, late_rows
+        cached = t.cache()   # (t itself then reads the cache, not its files)
+        try:
+            cached.count()
+            late, late_rows = drawn_late(q, cached, **options)
+            early, early_used, early_rows = planned(q, cached, **options)
+            assert early_used == [True], options
+            assert early.plan.ivf == late.plan.ivf and early_rows == late_rows, options
+        finally:
+            cached.unpersist()
     monkeypatch.setattr(planner, "known_rows", lambda df: 1 + df.count())
     other, other_used, other_rows = planned(q, t, **screened)
     assert other_used == [False] and other.plan.ivf == screened_plan and other_rows == screened_rows

@@ -174,8 +174,9 @@ def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides,
     try:
         spark_read = nearest_by_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).collect()
         assert read[4:] == [None, None] and counted == [1]
-        assert explain_nearest_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).to_dict() == \
-            explained.to_dict()
+        # The same plan (an index trained on another draw of the same rows aside).
+        spark_plan = explain_nearest_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).to_dict()
+        assert {**spark_plan, "ivf": None} == {**explained.to_dict(), "ivf": None}
     finally:
         qc.unpersist()
         tc.unpersist()
@@ -269,3 +270,25 @@ def test_file_shares_cover_every_row_once_in_the_files_order(tmp_path, monkeypat
     pq.write_table(pa.table({"a": pa.array(range(10), pa.int64())}), paths[0], row_group_size=5)
     with pytest.raises(RuntimeError, match="changed while the join read it"):
         list(FileRows(files, ("a",), ("c0",), (pa.int64(),), 1).batches([0]))
+
+
+def test_a_sample_drawn_from_the_files_is_seeded_uniform_and_without_nulls(tmp_path):
+    """ivf_index.file_sample: ``rows`` of the files' rows drawn by the seed (the same rows for the
+    same seed, others for another), their NULL values left out, in the files' order; every
+    non-NULL value where the files hold no more rows than asked."""
+    from nearest_join.ivf_index import file_sample
+
+    paths = []
+    for i, (first, rows) in enumerate([(0, 600), (600, 400)]):
+        paths.append(str(tmp_path / f"f{i}.parquet"))
+        values = [None if v % 10 == 3 else v for v in range(first, first + rows)]
+        pq.write_table(pa.table({"a": pa.array(values, pa.int64())}), paths[-1], row_group_size=128)
+    files = tuple((p, tuple(pq.ParquetFile(p).metadata.row_group(g).num_rows
+                            for g in range(pq.ParquetFile(p).num_row_groups))) for p in paths)
+    source = FileRows(files, ("a",), ("c0",), (pa.int64(),), 2)
+    drawn = file_sample(source, 300, seed=5).to_pylist()
+    assert drawn == file_sample(source, 300, seed=5).to_pylist() != file_sample(source, 300, seed=6).to_pylist()
+    assert drawn == sorted(drawn) and len(set(drawn)) == len(drawn) and None not in drawn
+    assert 250 <= len(drawn) <= 290 and all(v % 10 != 3 for v in drawn)   # 300 rows, about 10% NULL
+    assert 100 < sum(v >= 600 for v in drawn) < 140                          # both files, in proportion
+    assert file_sample(source, 1000, seed=5).to_pylist() == [v for v in range(1000) if v % 10 != 3]
