@@ -416,11 +416,15 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
     ValueError
         An unknown metric, an ``nlist`` above the rankable rows sampled, or a non-positive
         ``nlist``/``sample``; a TypeError for arguments of the wrong type. Runs two small
-        Spark jobs (the row count and the sample).
+        Spark jobs (the row count and the sample), or none where ``target`` is a plain scan
+        of local Parquet files that a join's tasks would read from them (the footers count its
+        rows; the sample is drawn from the files: :func:`sample_vectors`).
     """
     from nearest_kernels import resolve_metric
 
+    from .parquet_scan import file_rows
     from .ranking import column as column_of
+    from .ranking import column_index
 
     if not isinstance(column, str) or not column:
         raise ArgumentTypeError("column", f"expected a column name, got {describe(column)}")
@@ -432,16 +436,20 @@ def build_ivf_index(target, *, column: str, metric: str, nlist: int | None = Non
     seed = _int_argument("seed", seed, 0, optional=False)
     sample = _int_argument("sample", sample, 1)
     column_of(target, column)   # a missing column fails here, with Spark's message
+    files = file_rows(target, list(target.columns), 1)
+    if files is not None:
+        files = files.only(column_index(target, column))
     return train_index(target, column, metric, nlist=nlist, seed=seed, sample=sample,
-                       target_rows=target.count())
+                       target_rows=target.count() if files is None else files.rows, source=files)
 
 
 def train_index(target, column_name: str, metric: str, *, nlist: int | None, seed: int,
-                sample: int | None, target_rows: int, query_rows: int | None = None) -> IVFIndex:
+                sample: int | None, target_rows: int, query_rows: int | None = None, source=None) -> IVFIndex:
     """:func:`build_ivf_index` once the arguments are checked and the rows counted
-    (``query_rows``: the join's, for the default ``nlist``)."""
+    (``query_rows``: the join's, for the default ``nlist``; ``source``: the column read from
+    its files, :func:`sample_vectors`)."""
     vectors, lists = training_sample(target, column_name, metric, nlist=nlist, seed=seed, sample=sample,
-                                     target_rows=target_rows, query_rows=query_rows)
+                                     target_rows=target_rows, query_rows=query_rows, source=source)
     index = IVFIndex.train(vectors, metric, lists, seed, column=column_name)
     logger.info("trained %r on %d sampled target rows", index, vectors.shape[0])
     return index

@@ -292,3 +292,24 @@ def test_a_sample_drawn_from_the_files_is_seeded_uniform_and_without_nulls(tmp_p
     assert 250 <= len(drawn) <= 290 and all(v % 10 != 3 for v in drawn)   # 300 rows, about 10% NULL
     assert 100 < sum(v >= 600 for v in drawn) < 140                          # both files, in proportion
     assert file_sample(source, 1000, seed=5).to_pylist() == [v for v in range(1000) if v % 10 != 3]
+
+
+def test_an_index_built_on_parquet_files_runs_no_spark_job(spark, file_sides):
+    """build_ivf_index over a plain Parquet scan counts its rows from the footers and draws its
+    sample from the files: no Spark job; the index is the one trained on that sample."""
+    from nearest_join import build_ivf_index
+    from nearest_join.ivf_index import IVFIndex, file_sample
+    from udfs.decode import decode_vectors
+
+    t = spark.read.parquet(str(file_sides[1]))
+    sc = spark.sparkContext
+    sc.setJobGroup("nj-test-index", "nj-test-index")
+    try:
+        index = build_ivf_index(t, column="tv", metric="l2", nlist=8, seed=3, sample=400)
+    finally:
+        sc.setLocalProperty("spark.jobGroup.id", None)
+    assert sc.statusTracker().getJobIdsForGroup("nj-test-index") == []
+    sample = decode_vectors(file_sample(file_rows(t, list(t.columns), 1).only(1), 400, 3), None, label="tv")
+    expected = IVFIndex.train(sample, "l2", 8, 3, column="tv")
+    assert (index.nlist, index.sample_rows, index.column) == (8, sample.shape[0], "tv")
+    np.testing.assert_array_equal(index.centroids, expected.centroids)
