@@ -268,6 +268,7 @@ def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOption
         _warm_up_here(spark, parsed, options, _decoded_dtypes(query, parsed.query_column, target,
                                                              parsed.target_column))
         keys = None if options.on is None else tuple(parse_keys(options.on, query, target))
+        files = _file_sides(query, target, cluster_cores(spark)) if arrow is None and keys is None else None
         if arrow is not None:
             if keys is not None or options.backend == "gpu" or options.mode != "exact":
                 raise ValueError("arrow: the local plan's sides, exact and without on= keys or the GPU backend")
@@ -278,13 +279,12 @@ def _plan_join(query: DataFrame, target: DataFrame, ranking, options: JoinOption
         else:
             # Spark's estimates of both sides, once: the local plan's bound and the one-task rule's.
             sizes, limit = (cheap_size(query), cheap_size(target)), local_limit_bytes(spark)
-            collected = None if facts is not None else _collect_here(query, target, options, keys, sizes, limit)
+            collected = None if facts is not None else _collect_here(query, target, options, keys, sizes, limit,
+                                                                     files)
         if collected is None:
             # The workers start while the facts job runs, and this process plans and builds
             # the search (the local plan runs no Python worker).
             start_python_workers(spark)
-        files = _file_sides(query, target, cluster_cores(spark)) \
-            if collected is None and arrow is None and keys is None else None
         if collected is not None:   # the facts of the collected sides
             q_facts = arrow_side_facts(collected[0], column_index(query, parsed.query_column))
             t_facts = arrow_side_facts(collected[1], column_index(target, parsed.target_column))
@@ -382,9 +382,11 @@ def _file_facts(files, query: DataFrame, q_name: str, target: DataFrame, t_name:
 
 
 def _collect_here(query: DataFrame, target: DataFrame, options: JoinOptions, keys,
-                  sizes: tuple[int | None, int | None], limit: int) -> tuple | None:
+                  sizes: tuple[int | None, int | None], limit: int, files=None) -> tuple | None:
     """Both sides as Arrow tables in this process (positional names, each in its partitions'
-    order, as the one-task plan reads them: the same ties), for the local plan; None when the
+    order, as the one-task plan reads them: the same ties; read from their Parquet files where
+    both are, ``files`` as :func:`_file_sides` gives them, with no Spark job, in the files'
+    order, as the one-task plan reads them then), for the local plan; None when the
     join is not one for it: ``on=`` keys, IVF forced (``index``, ``nlist``, ``nprobe``; approx
     without them runs exact at any size the local plan takes: ``nearest_join.ivf``), the GPU
     asked for, a streaming input, a column type outside :func:`_collectable`, or inputs that
@@ -399,6 +401,13 @@ def _collect_here(query: DataFrame, target: DataFrame, options: JoinOptions, key
         return None
     if None in sizes or sum(sizes) > limit or query.isStreaming or target.isStreaming:
         return None
+    if files is not None and None not in files:
+        import pyarrow as pa
+
+        try:
+            return tuple(side.table() for side in files)
+        except (pa.ArrowException, OSError) as error:   # Spark's collect reads it, and reports it
+            logger.info("collecting the sides through Spark: pyarrow cannot read their files (%s)", error)
     q_input, t_input = positional_inputs(query, target, None)
     # Both collects at once: each small job is mostly Spark's latency, not work.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nj-collect") as pool:
@@ -709,13 +718,18 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     # A side that is a plain scan of local Parquet files has its rows read from them in its
     # tasks (udfs.files), not handed over by Spark: a range of task ids takes its place.
     q_files = t_files = None
-    if planned.keys is None and not plan.one_task:
-        # As many tasks as cores, or as Spark's file splits of the side's vectors would make.
+    if planned.keys is None:
+        # As many tasks as cores, or as Spark's file splits of the side's vectors would make;
+        # one for a join in one task (all the rows in the files' order, as the local plan's).
         split = parse_bytes(spark.conf.get("spark.sql.files.maxPartitionBytes", "128m"))
-        tasks = [max(plan.cores, math.ceil((rows or 0) * max(plan.dimension or 1, 1) * 4 / split))
-                 for rows in (plan.query_rows, plan.target_rows)]
+
+        def shares(rows: int | None) -> int:
+            return max(plan.cores, math.ceil((rows or 0) * max(plan.dimension or 1, 1) * 4 / split))
+
+        tasks = (1, 1) if plan.one_task else (plan.query_partitions or shares(plan.query_rows),
+                                              shares(plan.target_rows))
         q_files, t_files = planned.files if planned.files is not None else _file_sides(query, target, 1)
-        q_files = q_files and dataclasses.replace(q_files, tasks=plan.query_partitions or tasks[0])
+        q_files = q_files and dataclasses.replace(q_files, tasks=tasks[0])
         t_files = t_files and dataclasses.replace(t_files, tasks=tasks[1])
     if plan.one_task:
         q_input = q_input.coalesce(1)

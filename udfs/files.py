@@ -49,6 +49,14 @@ class FileRows:
         start = task * base + min(task, extra)
         return start, start + base + (task < extra)
 
+    @property
+    def schema(self) -> pa.Schema:
+        return pa.schema(list(zip(self.names, self.types)))
+
+    def table(self) -> pa.Table:
+        """Every row, in the files' order, one table."""
+        return pa.Table.from_batches(list(self.rows_between(0, self.rows)), schema=self.schema)
+
     def batches(self, tasks: Iterable[int]) -> Iterator[pa.RecordBatch]:
         """The rows of the shares ``tasks`` (a task's id rows), in batches of at most
         :data:`BATCH_ROWS`."""
@@ -57,7 +65,7 @@ class FileRows:
 
     def rows_between(self, start: int, stop: int) -> Iterator[pa.RecordBatch]:
         """Rows [start, stop) in the files' order, in batches of at most :data:`BATCH_ROWS`."""
-        schema = pa.schema(list(zip(self.names, self.types)))
+        schema = self.schema
         at = 0
         for path, groups in self.files:
             if at >= stop:

@@ -138,18 +138,24 @@ def file_sides(tmp_path):
     return tmp_path / "q", tmp_path / "t"
 
 
-@pytest.mark.parametrize("plan", ["broadcast", "blocked", "queries broadcast", "ivf", "left outer"])
-def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides, monkeypatch, plan):
+@pytest.mark.parametrize("plan", ["broadcast", "blocked", "queries broadcast", "ivf", "left outer", "one task",
+                                  "local"])
+def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides, monkeypatch, request, plan):
     """Where a side is a plain Parquet scan of the types pyarrow reads as Spark does, its tasks
-    read their shares of the files' rows themselves: every plan that streams or packs a side
-    returns the rows (every column, every value) that the same sides read by Spark return."""
+    read their shares of the files' rows themselves (the local plan's driver collects them from
+    the files): every plan returns the rows (every column, every value) that the same sides
+    read by Spark return."""
     from nearest_join import explain_nearest_join, nearest_by_join, planner
     import nearest_join.join as join_module
 
-    read, counted = [], []
+    read, counted, collected = [], [], []
     monkeypatch.setattr(join_module, "file_rows", lambda *a: read.append(file_rows(*a)) or read[-1])
     monkeypatch.setattr(join_module, "side_facts", lambda *a, **kw: counted.append(1) or planner.side_facts(*a, **kw))
-    monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
+    monkeypatch.setattr(FileRows, "table", lambda self, real=FileRows.table: collected.append(1) or real(self))
+    if plan == "local":
+        request.getfixturevalue("local_plan")
+    elif plan != "one task":
+        monkeypatch.setattr(planner, "ONE_TASK_WORK", 0)
     options = dict(k=4, distance_col="dist")
     if plan == "blocked":
         options.update(broadcast_limit_bytes=0, query_block_rows=50, target_block_rows=120)
@@ -164,8 +170,11 @@ def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides,
     k = options.pop("k")
     q, t = (spark.read.parquet(str(p)) for p in file_sides)
     explained = explain_nearest_join(q, t, F.vector_l2_distance(q.qv, t.tv), k, **options)
-    assert explained.plan == ("broadcast" if plan in ("broadcast", "ivf", "left outer") else "blocked")
-    assert explained.queries_broadcast == (plan == "queries broadcast")
+    assert explained.plan == {"blocked": "blocked", "queries broadcast": "blocked", "local": "local"}.get(plan,
+                                                                                                         "broadcast")
+    assert (explained.queries_broadcast, explained.one_task) == (plan == "queries broadcast",
+                                                                 plan in ("one task", "local"))
+    assert len(collected) == (2 if plan == "local" else 0)
     ours = nearest_by_join(q, t, F.vector_l2_distance(q.qv, t.tv), k, **options).collect()
     # Planning read the footers and counted the facts from the files (no facts job), twice.
     assert len(read) == 4 and all(r is not None for r in read) and counted == []
@@ -173,7 +182,7 @@ def test_sides_read_from_their_files_join_as_spark_reads_them(spark, file_sides,
     qc, tc = q.cache(), t.cache()   # not plain scans: Spark reads them
     try:
         spark_read = nearest_by_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).collect()
-        assert read[4:] == [None, None] and counted == [1]
+        assert read[4:] == [None, None] and counted == ([] if plan == "local" else [1])   # (local: collected)
         # The same plan (an index trained on another draw of the same rows aside).
         spark_plan = explain_nearest_join(qc, tc, F.vector_l2_distance(qc.qv, tc.tv), k, **options).to_dict()
         assert {**spark_plan, "ivf": None} == {**explained.to_dict(), "ivf": None}
