@@ -337,18 +337,23 @@ def fresh_sessions(rec: Recorder, kind: str, rows: int, recalls, workdir: str, d
 def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls, seeds: int,
                       workdir: str) -> None:
     """Table ``seeds_<data><nt>``: per recall target, ``seeds`` approx calls, each its own seed
-    (training sample, k-means, the estimate's queries), their recall against the exact pairs."""
+    (training sample, k-means, the estimate's queries), their recall against the exact pairs;
+    the sides cached (Spark's seeded samples), then read from their Parquet files (the
+    samples drawn from the files)."""
     targets, queries, t, q, metric = cached_inputs(spark, kind, nt, nq, workdir)
 
-    def pairs(**options):
+    def pairs(q, t, **options):
         planned = exact_or_approx(q, t, metric, **options)
         return pairs_of(planned.dataframe().select("qid", "tid", "value")), planned.plan
 
-    exact, _ = pairs()
-    for wanted in recalls:
+    exact, _ = pairs(q, t)
+    for sides, wanted in [(sides, wanted) for sides in ("cached", "files") for wanted in recalls]:
+        if sides == "files" and t.is_cached:   # (a cache of the same plan would serve the files' reads)
+            t.unpersist(blocking=True), q.unpersist(blocking=True)
+            t, q = (spark.read.parquet(os.path.join(workdir, f"{kind}-{side}.parquet")) for side in ("t", "q"))
         calls = []
         for seed in range(seeds):
-            found, plan = pairs(mode="approx", recall=wanted, seed=seed)
+            found, plan = pairs(q, t, mode="approx", recall=wanted, seed=seed)
             ivf = plan.ivf
             calls.append({"seed": seed, "ran": ivf["runs"], "nprobe": ivf.get("nprobe"), "nlist": ivf.get("nlist"),
                           "estimate": ivf.get("recall_estimate"),
@@ -357,12 +362,11 @@ def recall_over_seeds(spark, rec: Recorder, kind: str, nt: int, nq: int, recalls
         measured = sorted(c["recall"] for c in calls)
         lowers = [c["lower"] for c in calls if c["lower"] is not None]
         rec.add(f"seeds_{kind}{nt}", data=kind, nt=nt, nq=nq, d=targets.shape[1], k=K, metric=metric,
-                master="local[2]", recall_target=wanted, seeds=seeds,
+                master="local[2]", sides=sides, recall_target=wanted, seeds=seeds,
                 met=sum(r >= wanted for r in measured), ran=sorted({c["ran"] for c in calls}),
                 nprobe=sorted({c["nprobe"] for c in calls if c["nprobe"] is not None}),
                 lowest_bound=round(min(lowers), 4) if lowers else None, recall_min=measured[0],
                 recall_median=measured[len(measured) // 2], recall_max=measured[-1], calls=calls)
-    t.unpersist(), q.unpersist()
 
 
 def index_ceiling(rec: Recorder, rows: int, recalls=(0.9, 0.95)) -> None:

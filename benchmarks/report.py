@@ -366,14 +366,17 @@ TABLES: dict[tuple[str, str], Table] = {
               "moving the target to the tasks) is in `recall_minilm64000`."),
     **{("approx", f"seeds_{data}"): Table(
         f"Recall honesty of `mode=\"approx\"` over seeds: {what}, local[2]",
-        [col("recall target", "recall_target"), col("calls", "seeds"), col("met the target", "met"),
+        [col("sides", "sides"), col("recall target", "recall_target"), col("calls", "seeds"),
+         col("met the target", "met"),
          col("ran", "ran"), col("nprobe chosen", "nprobe"), col("lowest lower bound", "lowest_bound"),
          col("recall@10 lowest", "recall_min"), col("median", "recall_median"), col("highest", "recall_max")],
         about="Per recall target, one approx call per seed (0, 1, ...: the training sample, k-means and the "
               "recall estimate's sample of queries), each planning its own nprobe from its estimate; "
               "recall@10 measured on our exact rows of the same inputs (a returned row as near as the 10th "
               "exact one is a hit). Lowest lower bound: the lowest lower end of the estimates' 95% "
-              "intervals. Every call's estimate, bound and recall: the record's `calls`.")
+              "intervals. Every call's estimate, bound and recall: the record's `calls`. Sides `cached`: Spark "
+              "reads them (its seeded samples); `files`: plain scans of their Parquet files, which the samples "
+              "and the estimate's scan read.")
        for data, what in (("minilm64000", "real sentence embeddings (MiniLM, 64,000, cosine)"),
                           ("clustered200000", "clustered Gaussians (200,000 x 20,000, d=128, l2)"))},
     ("keyed_join", "executor"): Table(
