@@ -158,7 +158,7 @@ class PlannedJoin:
     # under positional names (_collect_here).
     collected: tuple | None = None
     # Each side's udfs.files.FileRows where its tasks read it from its Parquet files (None: Spark
-    # reads it), from the footers planning read; None when planning did not look.
+    # reads it), from the footers planning read; None when planning did not look (on= keys).
     files: tuple | None = None
 
     def executor_seconds(self) -> dict[str, float]:
@@ -718,7 +718,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
     # A side that is a plain scan of local Parquet files has its rows read from them in its
     # tasks (udfs.files), not handed over by Spark: a range of task ids takes its place.
     q_files = t_files = None
-    if planned.keys is None:
+    if planned.files is not None:   # (planning looks wherever there are no on= keys)
         # As many tasks as cores, or as Spark's file splits of the side's vectors would make;
         # one for a join in one task (all the rows in the files' order, as the local plan's).
         split = parse_bytes(spark.conf.get("spark.sql.files.maxPartitionBytes", "128m"))
@@ -728,7 +728,7 @@ def _execute(planned: PlannedJoin, first_match_column: str | None = None,
 
         tasks = (1, 1) if plan.one_task else (plan.query_partitions or shares(plan.query_rows),
                                               shares(plan.target_rows))
-        q_files, t_files = planned.files if planned.files is not None else _file_sides(query, target, 1)
+        q_files, t_files = planned.files
         q_files = q_files and dataclasses.replace(q_files, tasks=tasks[0])
         t_files = t_files and dataclasses.replace(t_files, tasks=tasks[1])
     if plan.one_task:
